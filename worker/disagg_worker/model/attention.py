@@ -1,0 +1,81 @@
+"""Attention over the paged KV pool.
+
+Each forward first writes the new tokens' K/V into the pool at `batch.out_slots`, then every
+request attends over its whole sequence (`batch.kv_slots[i]`), read back from the pool. Query j of
+request i sits at position `seq_len - extend_len + j` and sees keys 0..that position.
+
+Two paths, same result:
+- decode (every request has one new token): K/V gathered into one padded [B, Lmax] batch with a
+  length mask, one `scaled_dot_product_attention` call;
+- extend (prefill, chunked prefill, mixed batches): one call per request with an offset causal mask.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.nn.utils.rnn import pad_sequence
+
+from disagg_worker.model.batch import ForwardBatch
+
+
+def write_kv(k_buf: torch.Tensor, v_buf: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+    """Store k, v ([T, H_kv, D]) at `slots` of pool buffers shaped [num_pages, page_size, H_kv, D]."""
+    k_flat = _flat(k_buf)
+    v_flat = _flat(v_buf)
+    k_flat[slots] = k.to(k_flat.dtype)
+    v_flat[slots] = v.to(v_flat.dtype)
+
+
+def paged_attention(
+    q: torch.Tensor, batch: ForwardBatch, k_buf: torch.Tensor, v_buf: torch.Tensor
+) -> torch.Tensor:
+    """Attention of q ([T, H, D]) over each request's cached sequence; returns [T, H, D].
+
+    The new tokens' K/V must already be in the pool (see `write_kv`).
+    """
+    k_flat = _flat(k_buf)
+    v_flat = _flat(v_buf)
+    if batch.is_decode:
+        return _decode(q, batch, k_flat, v_flat)
+    return _extend(q, batch, k_flat, v_flat)
+
+
+def _flat(buf: torch.Tensor) -> torch.Tensor:
+    return buf.view(-1, buf.shape[-2], buf.shape[-1])
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """q [B, H, Lq, D], k/v [B, H_kv, Lk, D] (any H_kv dividing H), bool mask broadcastable."""
+    k = k.to(q.dtype)
+    v = v.to(q.dtype)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=k.shape[1] != q.shape[1])
+
+
+def _decode(q: torch.Tensor, batch: ForwardBatch, k_flat: torch.Tensor, v_flat: torch.Tensor) -> torch.Tensor:
+    device = q.device
+    lens = torch.tensor(batch.seq_lens, dtype=torch.long, device=device)
+    index = pad_sequence([s.to(device) for s in batch.kv_slots], batch_first=True)  # [B, Lmax], padded with 0
+    mask = torch.arange(index.shape[1], device=device)[None, :] < lens[:, None]
+    k = k_flat[index].transpose(1, 2)  # [B, H_kv, Lmax, D]
+    v = v_flat[index].transpose(1, 2)
+    out = _sdpa(q.unsqueeze(2), k, v, mask[:, None, None, :])  # q [B, H, 1, D]
+    return out.squeeze(2)
+
+
+def _extend(q: torch.Tensor, batch: ForwardBatch, k_flat: torch.Tensor, v_flat: torch.Tensor) -> torch.Tensor:
+    outs = []
+    start = 0
+    for n, seq_len, slots in zip(batch.extend_lens, batch.seq_lens, batch.kv_slots):
+        q_i = q[start : start + n].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
+        k_i = k_flat[slots].transpose(0, 1).unsqueeze(0)  # [1, H_kv, L, D]
+        v_i = v_flat[slots].transpose(0, 1).unsqueeze(0)
+        mask = _offset_causal_mask(n, seq_len, q.device)
+        outs.append(_sdpa(q_i, k_i, v_i, mask)[0].transpose(0, 1))
+        start += n
+    return torch.cat(outs, dim=0)
+
+
+def _offset_causal_mask(n: int, seq_len: int, device: torch.device) -> torch.Tensor:
+    """[n, seq_len] bool: query j (at position seq_len - n + j) sees keys 0..seq_len - n + j."""
+    q_pos = torch.arange(n, device=device)[:, None] + (seq_len - n)
+    return torch.arange(seq_len, device=device)[None, :] <= q_pos

@@ -1,0 +1,42 @@
+"""What the scheduler hands the model for one forward pass.
+
+Requests are laid out one after another: request i owns `extend_lens[i]` consecutive entries of
+`input_ids`/`positions`/`out_slots`. Its earlier tokens (a cached prefix, or previous chunks and
+decode steps) are already in the KV pool; `kv_slots[i]` lists the slots of the whole sequence,
+the new tokens' slots last, so `kv_slots[i][-extend_lens[i]:]` equals that request's `out_slots`.
+A slot is `page * page_size + offset`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class ForwardBatch:
+    input_ids: torch.LongTensor  # [T] new tokens of all requests, request after request
+    positions: torch.LongTensor  # [T] absolute position of each new token
+    out_slots: torch.LongTensor  # [T] KV slot where each new token's K/V is written
+    extend_lens: list[int]  # per request: number of new tokens in this forward (sum == T)
+    seq_lens: list[int]  # per request: total tokens incl. the new ones (prefix + new)
+    kv_slots: list[torch.LongTensor]  # per request: slots of its whole sequence, len == seq_lens[i]
+
+    @property
+    def is_decode(self) -> bool:
+        """True when every request contributes exactly one new token."""
+        return all(n == 1 for n in self.extend_lens)
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.extend_lens)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def logits_indices(self) -> torch.LongTensor:
+        """Index into the T new tokens of each request's last new token."""
+        lens = torch.tensor(self.extend_lens, dtype=torch.long, device=self.input_ids.device)
+        return torch.cumsum(lens, 0) - 1

@@ -1,0 +1,132 @@
+"""The Llama-family decoder: Llama 2/3, Mistral, Qwen2 (q/k/v bias), Qwen3 (per-head q/k RMSNorm).
+
+Module names follow the Hugging Face checkpoints (`model.layers.N.self_attn.q_proj`, ...), so the
+state dict keys are the safetensors names. The model is stateless across calls: the K/V of every
+token lives in the pool passed to `forward`, which needs only `k_buffer(layer)`, `v_buffer(layer)`
+(each [num_pages, page_size, H_kv, D]) and `page_size`.
+"""
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from disagg_worker.model.attention import paged_attention, write_kv
+from disagg_worker.model.batch import ForwardBatch
+from disagg_worker.model.config import ModelConfig
+from disagg_worker.model.rope import RotaryEmbedding
+
+
+class KVCacheView(Protocol):
+    page_size: int
+
+    def k_buffer(self, layer: int) -> torch.Tensor: ...
+
+    def v_buffer(self, layer: int) -> torch.Tensor: ...
+
+
+class RMSNorm(nn.Module):
+    """Normalises in float32 and casts back before the weight, as Hugging Face does."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
+        return self.weight * normed.to(x.dtype)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.layer = layer
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        bias = cfg.attention_bias
+        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=bias)
+        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+
+    def forward(
+        self, x: torch.Tensor, batch: ForwardBatch, kv: KVCacheView, rotary: RotaryEmbedding
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rotary(q, k, batch.positions)
+        k_buf, v_buf = kv.k_buffer(self.layer), kv.v_buffer(self.layer)
+        write_kv(k_buf, v_buf, k, v, batch.out_slots)
+        out = paged_attention(q, batch, k_buf, v_buf)
+        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.self_attn = LlamaAttention(cfg, layer)
+        self.mlp = LlamaMLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(
+        self, h: torch.Tensor, batch: ForwardBatch, kv: KVCacheView, rotary: RotaryEmbedding
+    ) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), batch, kv, rotary)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        # Built on the CPU explicitly (also under a meta-device context); `.to(device)` moves it.
+        self.rotary = RotaryEmbedding(cfg, device="cpu")
+
+    def forward(self, batch: ForwardBatch, kv: KVCacheView) -> torch.Tensor:
+        h = self.embed_tokens(batch.input_ids)
+        for layer in self.layers:
+            h = layer(h, batch, kv, self.rotary)
+        return self.norm(h)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = LlamaModel(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Share the embedding with the output projection when the config says so."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @torch.no_grad()
+    def forward(self, batch: ForwardBatch, kv: KVCacheView) -> torch.Tensor:
+        """Run the new tokens of every request; float32 logits [num_requests, vocab] of each last token."""
+        h = self.model(batch, kv)
+        return self.lm_head(h[batch.logits_indices]).float()
