@@ -1,0 +1,97 @@
+"""Pieces every child manifest shares: labels, metadata with the owner reference, pod security, env."""
+
+from typing import Any
+
+from .. import names
+from ..spec import ModelSpec, Placement
+
+
+def selector_labels(spec: ModelSpec, role: str) -> dict[str, str]:
+    """Labels that select one role's pods of one CR (immutable once a StatefulSet exists)."""
+    return {names.MODEL_LABEL: spec.name, names.ROLE_LABEL: role}
+
+
+def labels(spec: ModelSpec, component: str) -> dict[str, str]:
+    return {
+        names.LABEL_NAME: names.APP_NAME,
+        names.LABEL_INSTANCE: spec.name,
+        names.LABEL_COMPONENT: component,
+        names.LABEL_PART_OF: names.APP_NAME,
+        names.LABEL_MANAGED_BY: names.MANAGED_BY,
+        names.MODEL_LABEL: spec.name,
+    }
+
+
+def role_labels(spec: ModelSpec, role: str) -> dict[str, str]:
+    return {**labels(spec, role), **selector_labels(spec, role)}
+
+
+def owner_reference(spec: ModelSpec) -> dict[str, Any]:
+    return {"apiVersion": names.API_VERSION, "kind": names.KIND, "name": spec.name, "uid": spec.uid,
+            "controller": True, "blockOwnerDeletion": True}
+
+
+def metadata(spec: ModelSpec, name: str, component: str, role: str | None = None) -> dict[str, Any]:
+    """Metadata of a child: its name, the CR's namespace, labels and an owner reference to the CR."""
+    return {
+        "name": name,
+        "namespace": spec.namespace,
+        "labels": role_labels(spec, role) if role else labels(spec, component),
+        "ownerReferences": [owner_reference(spec)],
+    }
+
+
+def pod_security_context() -> dict[str, Any]:
+    uid = names.WORKER_UID
+    return {"runAsNonRoot": True, "runAsUser": uid, "runAsGroup": uid, "fsGroup": uid,
+            "seccompProfile": {"type": "RuntimeDefault"}}
+
+
+def container_security_context(ipc_lock: bool) -> dict[str, Any]:
+    caps: dict[str, Any] = {"drop": ["ALL"]}
+    if ipc_lock:
+        caps["add"] = ["IPC_LOCK"]
+    return {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True, "runAsNonRoot": True,
+            "capabilities": caps}
+
+
+def base_env(spec: ModelSpec) -> list[dict[str, Any]]:
+    """Downward-API identity and the shared auth token, present in every pod."""
+    return [
+        {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+        {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+        {"name": names.AUTH_TOKEN_ENV, "valueFrom": {"secretKeyRef": {
+            "name": spec.auth_secret_name, "key": names.AUTH_TOKEN_KEY}}},
+    ]
+
+
+def http_probe(path: str, period: int, failures: int) -> dict[str, Any]:
+    return {"httpGet": {"path": path, "port": "http"}, "periodSeconds": period, "failureThreshold": failures,
+            "timeoutSeconds": 5}
+
+
+def probes() -> dict[str, Any]:
+    """Readiness and liveness on `/health`; a startup probe gives model loading up to ten minutes."""
+    return {
+        "readinessProbe": http_probe("/health", 5, 3),
+        "livenessProbe": http_probe("/health", 10, 6),
+        "startupProbe": http_probe("/health", 10, 60),
+    }
+
+
+def scheduling(placement: Placement) -> dict[str, Any]:
+    """The pod-spec fields that place pods: only those the user set, so defaults stay the API server's."""
+    out: dict[str, Any] = {}
+    if placement.node_selector:
+        out["nodeSelector"] = dict(placement.node_selector)
+    if placement.tolerations:
+        out["tolerations"] = [dict(t) for t in placement.tolerations]
+    if placement.affinity:
+        out["affinity"] = dict(placement.affinity)
+    return out
+
+
+def tmp_volume() -> tuple[dict[str, Any], dict[str, Any]]:
+    """A writable /tmp, since the root filesystem is read-only."""
+    return {"name": "tmp", "emptyDir": {}}, {"name": "tmp", "mountPath": "/tmp"}

@@ -1,0 +1,72 @@
+"""The router: a Deployment that finds workers through the roles' headless Services, and its Service."""
+
+from typing import Any
+
+from .. import names
+from ..config import OperatorConfig
+from ..spec import ModelSpec
+from .common import (base_env, container_security_context, metadata, pod_security_context, probes, role_labels,
+                     scheduling, selector_labels, tmp_volume)
+
+
+def service_fqdn(spec: ModelSpec, service: str, cfg: OperatorConfig) -> str:
+    return f"{service}.{spec.namespace}.svc.{cfg.cluster_domain}"
+
+
+def router_args(spec: ModelSpec, cfg: OperatorConfig) -> list[str]:
+    """`disagg router ...` arguments (after the `disagg` entrypoint), the CR's extra args last."""
+    prefill = service_fqdn(spec, names.child_name(spec.name, names.PREFILL), cfg)
+    decode = service_fqdn(spec, names.child_name(spec.name, names.DECODE), cfg)
+    return [names.ROUTER, "--host", "0.0.0.0", "--port", str(names.HTTP_PORT),
+            "--served-model-name", spec.served_model_name, "--policy", spec.router.policy,
+            "--prefill-dns", f"{prefill}:{names.HTTP_PORT}", "--decode-dns", f"{decode}:{names.HTTP_PORT}",
+            "--bootstrap-port", str(names.BOOTSTRAP_PORT)] + list(spec.router.placement.args)
+
+
+def router_endpoint(spec: ModelSpec) -> str:
+    return f"http://{names.child_name(spec.name, names.ROUTER)}.{spec.namespace}.svc:{names.HTTP_PORT}"
+
+
+def build_router_deployment(spec: ModelSpec, cfg: OperatorConfig) -> dict[str, Any]:
+    r = spec.router
+    tmp_vol, tmp_mount = tmp_volume()
+    res = r.placement.resources
+    resources = {k: dict(v) for k, v in (("requests", res.requests), ("limits", res.limits)) if v}
+    container = {
+        "name": names.ROUTER,
+        "image": spec.image,
+        "imagePullPolicy": spec.image_pull_policy,
+        "command": ["disagg"],
+        "args": router_args(spec, cfg),
+        "env": base_env(spec) + [dict(v) for v in r.placement.env],
+        "ports": [{"name": "http", "containerPort": names.HTTP_PORT, "protocol": "TCP"}],
+        "resources": resources,
+        "securityContext": container_security_context(ipc_lock=False),
+        "volumeMounts": [tmp_mount],
+        **probes(),
+    }
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": metadata(spec, names.child_name(spec.name, names.ROUTER), names.ROUTER, names.ROUTER),
+        "spec": {
+            "replicas": r.replicas,
+            "selector": {"matchLabels": selector_labels(spec, names.ROUTER)},
+            "template": {
+                "metadata": {"labels": role_labels(spec, names.ROUTER)},
+                "spec": {"containers": [container], "volumes": [tmp_vol],
+                         "securityContext": pod_security_context(), "automountServiceAccountToken": False,
+                         "enableServiceLinks": False, **scheduling(r.placement)},
+            },
+        },
+    }
+
+
+def build_router_service(spec: ModelSpec) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": metadata(spec, names.child_name(spec.name, names.ROUTER), names.ROUTER, names.ROUTER),
+        "spec": {"type": "ClusterIP", "selector": selector_labels(spec, names.ROUTER),
+                 "ports": [{"name": "http", "port": names.HTTP_PORT, "targetPort": "http", "protocol": "TCP"}]},
+    }

@@ -1,0 +1,136 @@
+"""Prefill and decode: command lines, pod templates, StatefulSets and their headless Services."""
+
+from typing import Any
+
+from .. import names
+from ..config import OperatorConfig
+from ..spec import ModelSpec, WorkerRoleSpec
+from .common import (base_env, container_security_context, metadata, pod_security_context, probes, role_labels,
+                     scheduling, selector_labels, tmp_volume)
+
+
+def worker_args(spec: ModelSpec, role: str) -> list[str]:
+    """`disagg prefill|decode ...` arguments (after the `disagg` entrypoint), the CR's extra args last."""
+    w = spec.worker(role)
+    e = w.engine
+    args = [role, "--model", spec.model.model_arg, "--served-model-name", spec.served_model_name,
+            "--host", "0.0.0.0", "--port", str(names.HTTP_PORT), "--advertise-host", "$(POD_IP)"]
+    if role == names.PREFILL:
+        args += ["--bootstrap-port", str(names.BOOTSTRAP_PORT)]
+    args += ["--transfer-backend", spec.transfer.backend, "--transfer-protocol", spec.transfer.protocol]
+    if spec.transfer.ib_device:
+        args += ["--ib-device", spec.transfer.ib_device]
+    args += ["--tp-size", str(w.tp_size), "--pp-size", str(w.pp_size), "--page-size", str(e.page_size),
+             "--kv-dtype", e.kv_dtype, "--dtype", e.dtype, "--chunk-size", str(e.chunk_size),
+             "--max-total-tokens", str(e.max_total_tokens), "--max-running-requests", str(e.max_running_requests)]
+    return args + list(w.placement.args)
+
+
+def worker_env(spec: ModelSpec, w: WorkerRoleSpec) -> list[dict[str, Any]]:
+    env = base_env(spec)
+    if spec.transfer.backend == "mooncake":
+        env += [{"name": "MC_MIN_RPC_PORT", "value": str(names.TRANSFER_PORT_MIN)},
+                {"name": "MC_MAX_RPC_PORT", "value": str(names.TRANSFER_PORT_MAX)}]
+    if spec.model.hugging_face_id:
+        env.append({"name": "HF_HOME", "value": names.HF_CACHE_MOUNT})
+    return env + [dict(v) for v in w.placement.env]
+
+
+def worker_resources(spec: ModelSpec, w: WorkerRoleSpec, cfg: OperatorConfig) -> dict[str, Any]:
+    """The user's requests/limits plus GPUs, and the RDMA device when the transfer runs over RDMA."""
+    r = w.placement.resources
+    limits = dict(r.limits)
+    if r.gpus:
+        limits[cfg.gpu_resource] = r.gpus
+    if spec.transfer.rdma and r.rdma:
+        limits[cfg.rdma_resource] = r.rdma
+    out: dict[str, Any] = {}
+    if r.requests:
+        out["requests"] = dict(r.requests)
+    if limits:
+        out["limits"] = limits
+    return out
+
+
+def model_volumes(spec: ModelSpec) -> tuple[list[dict], list[dict]]:
+    """Volumes and mounts holding the weights: the PVC or hostPath read-only, or a Hugging Face cache."""
+    m = spec.model
+    if m.hugging_face_id:
+        source = {"persistentVolumeClaim": {"claimName": m.cache_pvc}} if m.cache_pvc else {"emptyDir": {}}
+        return [{"name": "hf-cache", **source}], [{"name": "hf-cache", "mountPath": names.HF_CACHE_MOUNT}]
+    if m.pvc:
+        source = {"persistentVolumeClaim": {"claimName": m.pvc, "readOnly": True}}
+    else:
+        source = {"hostPath": {"path": m.host_path, "type": "Directory"}}
+    return [{"name": "model", **source}], [{"name": "model", "mountPath": names.MODEL_MOUNT, "readOnly": True}]
+
+
+def worker_ports(role: str) -> list[dict[str, Any]]:
+    ports = [{"name": "http", "containerPort": names.HTTP_PORT, "protocol": "TCP"}]
+    if role == names.PREFILL:
+        ports.append({"name": "bootstrap", "containerPort": names.BOOTSTRAP_PORT, "protocol": "TCP"})
+    return ports
+
+
+def worker_pod_template(spec: ModelSpec, role: str, cfg: OperatorConfig) -> dict[str, Any]:
+    w = spec.worker(role)
+    vols, mounts = model_volumes(spec)
+    tmp_vol, tmp_mount = tmp_volume()
+    shm = {"name": "dshm", "emptyDir": {"medium": "Memory"}}
+    container = {
+        "name": role,
+        "image": spec.image,
+        "imagePullPolicy": spec.image_pull_policy,
+        "command": ["disagg"],
+        "args": worker_args(spec, role),
+        "env": worker_env(spec, w),
+        "ports": worker_ports(role),
+        "resources": worker_resources(spec, w, cfg),
+        "securityContext": container_security_context(ipc_lock=spec.transfer.rdma),
+        "volumeMounts": mounts + [tmp_mount, {"name": "dshm", "mountPath": "/dev/shm"}],
+        **probes(),
+    }
+    return {
+        "metadata": {"labels": role_labels(spec, role)},
+        "spec": {
+            "containers": [container],
+            "volumes": vols + [tmp_vol, shm],
+            "securityContext": pod_security_context(),
+            "automountServiceAccountToken": False,
+            "enableServiceLinks": False,
+            "terminationGracePeriodSeconds": 30,
+            **scheduling(w.placement),
+        },
+    }
+
+
+def build_worker_statefulset(spec: ModelSpec, role: str, cfg: OperatorConfig) -> dict[str, Any]:
+    """The StatefulSet of one worker role; pods start in parallel and are found through the headless Service."""
+    name = names.child_name(spec.name, role)
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "StatefulSet",
+        "metadata": metadata(spec, name, role, role),
+        "spec": {
+            "replicas": spec.worker(role).replicas,
+            "serviceName": name,
+            "podManagementPolicy": "Parallel",
+            "selector": {"matchLabels": selector_labels(spec, role)},
+            "updateStrategy": {"type": "RollingUpdate"},
+            "template": worker_pod_template(spec, role, cfg),
+        },
+    }
+
+
+def build_headless_service(spec: ModelSpec, role: str) -> dict[str, Any]:
+    """Headless Service whose A records list the role's ready pods; the router resolves it."""
+    name = names.child_name(spec.name, role)
+    ports = [{"name": p["name"], "port": p["containerPort"], "targetPort": p["name"], "protocol": "TCP"}
+             for p in worker_ports(role)]
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": metadata(spec, name, role, role),
+        "spec": {"clusterIP": "None", "selector": selector_labels(spec, role), "ports": ports,
+                 "publishNotReadyAddresses": False},
+    }

@@ -1,0 +1,171 @@
+"""A typed, read-only view of a DisaggregatedModel's spec.
+
+The CRD's structural schema fills in defaults on the API server; `ModelSpec.from_cr` applies the same defaults so
+that builders see the same values for a CR read from the server and for a hand-written dict in a test.
+"""
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from . import names
+
+DEFAULT_ENGINE = {
+    "pageSize": 16,
+    "kvDtype": "bfloat16",
+    "dtype": "bfloat16",
+    "chunkSize": 4096,
+    "maxTotalTokens": 65536,
+    "maxRunningRequests": 64,
+}
+ENGINE_KEYS = tuple(DEFAULT_ENGINE)
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    page_size: int
+    kv_dtype: str
+    dtype: str
+    chunk_size: int
+    max_total_tokens: int
+    max_running_requests: int
+
+    @classmethod
+    def merged(cls, shared: Mapping[str, Any], override: Mapping[str, Any]) -> "EngineSpec":
+        """The role's engine settings: the role's `engine` block over the CR's `engine` block over defaults."""
+        v = {**DEFAULT_ENGINE, **shared, **override}
+        return cls(v["pageSize"], v["kvDtype"], v["dtype"], v["chunkSize"], v["maxTotalTokens"],
+                   v["maxRunningRequests"])
+
+
+@dataclass(frozen=True)
+class Resources:
+    requests: Mapping[str, Any] = field(default_factory=dict)
+    limits: Mapping[str, Any] = field(default_factory=dict)
+    gpus: int = 0
+    rdma: int = 1
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "Resources":
+        return cls(dict(d.get("requests", {})), dict(d.get("limits", {})), int(d.get("gpus", 0)),
+                   int(d.get("rdma", 1)))
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where and how a role's pods run: scheduling constraints and the user's extra env and args."""
+
+    resources: Resources
+    node_selector: Mapping[str, str]
+    tolerations: tuple[Mapping[str, Any], ...]
+    affinity: Mapping[str, Any]
+    env: tuple[Mapping[str, Any], ...]
+    args: tuple[str, ...]
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "Placement":
+        return cls(Resources.from_dict(d.get("resources", {})), dict(d.get("nodeSelector", {})),
+                   tuple(d.get("tolerations", ())), dict(d.get("affinity", {})), tuple(d.get("env", ())),
+                   tuple(str(a) for a in d.get("args", ())))
+
+
+@dataclass(frozen=True)
+class WorkerRoleSpec:
+    role: str
+    replicas: int
+    tp_size: int
+    pp_size: int
+    engine: EngineSpec
+    placement: Placement
+
+
+@dataclass(frozen=True)
+class RouterSpec:
+    replicas: int
+    policy: str
+    placement: Placement
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    path: str | None
+    pvc: str | None
+    host_path: str | None
+    hugging_face_id: str | None
+    cache_pvc: str | None
+
+    @property
+    def model_arg(self) -> str:
+        """What `--model` receives: the directory inside the mounted volume, or the Hugging Face id."""
+        if self.hugging_face_id:
+            return self.hugging_face_id
+        path = (self.path or "").lstrip("/")
+        return f"{names.MODEL_MOUNT}/{path}".rstrip("/")
+
+
+@dataclass(frozen=True)
+class TransferSpec:
+    backend: str
+    protocol: str
+    ib_device: str | None
+
+    @property
+    def rdma(self) -> bool:
+        return self.protocol == "rdma"
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Everything the builders need from one DisaggregatedModel."""
+
+    name: str
+    namespace: str
+    uid: str
+    image: str
+    image_pull_policy: str
+    served_model_name: str
+    model: ModelSource
+    transfer: TransferSpec
+    prefill: WorkerRoleSpec
+    decode: WorkerRoleSpec
+    router: RouterSpec
+    auth_secret: str | None
+
+    @property
+    def auth_secret_name(self) -> str:
+        return self.auth_secret or names.auth_secret_name(self.name)
+
+    def worker(self, role: str) -> WorkerRoleSpec:
+        return self.prefill if role == names.PREFILL else self.decode
+
+    def replicas(self, role: str) -> int:
+        return self.router.replicas if role == names.ROUTER else self.worker(role).replicas
+
+    @classmethod
+    def from_cr(cls, cr: Mapping[str, Any]) -> "ModelSpec":
+        meta, spec = cr["metadata"], cr.get("spec", {})
+        engine = spec.get("engine", {})
+        model = spec.get("model", {})
+        transfer = spec.get("transfer", {})
+        router = spec.get("router", {})
+        return cls(
+            name=meta["name"],
+            namespace=meta.get("namespace", "default"),
+            uid=meta.get("uid", ""),
+            image=spec["image"],
+            image_pull_policy=spec.get("imagePullPolicy", "IfNotPresent"),
+            served_model_name=spec["servedModelName"],
+            model=ModelSource(model.get("path"), model.get("pvc"), model.get("hostPath"),
+                              model.get("huggingFaceId"), model.get("cachePvc")),
+            transfer=TransferSpec(transfer.get("backend", "mooncake"), transfer.get("protocol", "tcp"),
+                                  transfer.get("ibDevice")),
+            prefill=_worker_role(names.PREFILL, spec.get("prefill", {}), engine),
+            decode=_worker_role(names.DECODE, spec.get("decode", {}), engine),
+            router=RouterSpec(int(router.get("replicas", 1)), router.get("policy", "round_robin"),
+                              Placement.from_dict(router)),
+            auth_secret=spec.get("auth", {}).get("secretName"),
+        )
+
+
+def _worker_role(role: str, d: Mapping[str, Any], shared_engine: Mapping[str, Any]) -> WorkerRoleSpec:
+    return WorkerRoleSpec(role, int(d.get("replicas", 1)), int(d.get("tpSize", 1)), int(d.get("ppSize", 1)),
+                          EngineSpec.merged(shared_engine, d.get("engine", {})), Placement.from_dict(d))
