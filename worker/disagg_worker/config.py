@@ -1,0 +1,193 @@
+"""One frozen configuration chain, built once from the command line.
+
+ServerArgs (what the CLI parses) -> EngineConfig (what the scheduler and model runner need)
+-> CacheConfig / SchedulerConfig / DisaggConfig. Derived values are properties. Every CLI flag
+maps 1:1 onto a field; environment variables are read only in `disagg_worker.env`.
+"""
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field, fields
+from enum import Enum
+
+
+class Role(str, Enum):
+    MONOLITHIC = "monolithic"
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    page_size: int = 16
+    # Number of KV pages; 0 means "derive from max_total_tokens".
+    num_pages: int = 0
+    max_total_tokens: int = 16384
+    kv_dtype: str = "float32"
+    enable_prefix_cache: bool = True
+
+    @property
+    def total_pages(self) -> int:
+        return self.num_pages or max(1, self.max_total_tokens // self.page_size)
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.total_pages * self.page_size
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_running_requests: int = 64
+    # Tokens computed in one forward across all requests (prefill chunks + decode tokens).
+    max_batch_tokens: int = 2048
+    # Largest prefill chunk of one request; 0 disables chunking.
+    chunk_size: int = 512
+    enable_overlap: bool = True
+    # Pages reserved per running request for its next decode steps before admitting new prefills.
+    decode_reserve_tokens: int = 64
+
+
+@dataclass(frozen=True)
+class DisaggConfig:
+    role: Role = Role.MONOLITHIC
+    transfer_backend: str = "mooncake"  # mooncake | fake
+    transfer_protocol: str = "tcp"  # tcp | rdma
+    ib_device: str = ""
+    bootstrap_port: int = 8998
+    # Address other instances use to reach this one (pod IP on Kubernetes).
+    advertise_host: str = "127.0.0.1"
+    tp_size: int = 1
+    pp_size: int = 1
+    bootstrap_timeout_s: float = 30.0
+    waiting_timeout_s: float = 30.0
+    heartbeat_interval_s: float = 2.0
+    heartbeat_max_misses: int = 2
+    max_bootstrap_queue: int = 256
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model_path: str
+    served_model_name: str = ""
+    dtype: str = "float32"
+    device: str = "cpu"
+    seed: int = 0
+    max_context_len: int = 0  # 0: the model's max_position_embeddings
+    # "model" runs the real forward; "noop" skips it (scheduler-overhead benchmark only).
+    forward: str = "model"
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    disagg: DisaggConfig = field(default_factory=DisaggConfig)
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.model_path.rstrip("/").split("/")[-1]
+
+
+@dataclass(frozen=True)
+class ServerArgs:
+    engine: EngineConfig
+    host: str = "127.0.0.1"
+    port: int = 8000
+    log_level: str = "info"
+    # Seconds without a scheduler heartbeat after which /health fails.
+    health_timeout_s: float = 20.0
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="Hugging Face model directory")
+    p.add_argument("--served-model-name", default="")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-context-len", type=int, default=0)
+    p.add_argument("--forward", default="model", choices=["model", "noop"])
+    p.add_argument("--page-size", type=int, default=CacheConfig.page_size)
+    p.add_argument("--num-pages", type=int, default=0)
+    p.add_argument("--max-total-tokens", type=int, default=CacheConfig.max_total_tokens)
+    p.add_argument("--kv-dtype", default="", help="defaults to --dtype")
+    p.add_argument("--disable-prefix-cache", action="store_true")
+    p.add_argument("--max-running-requests", type=int, default=SchedulerConfig.max_running_requests)
+    p.add_argument("--max-batch-tokens", type=int, default=SchedulerConfig.max_batch_tokens)
+    p.add_argument("--chunk-size", type=int, default=SchedulerConfig.chunk_size)
+    p.add_argument("--disable-overlap", action="store_true")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--log-level", default="info")
+
+
+def add_disagg_args(p: argparse.ArgumentParser) -> None:
+    d = DisaggConfig()
+    p.add_argument("--transfer-backend", default=d.transfer_backend, choices=["mooncake", "fake"])
+    p.add_argument("--transfer-protocol", default=d.transfer_protocol, choices=["tcp", "rdma"])
+    p.add_argument("--ib-device", default=d.ib_device)
+    p.add_argument("--bootstrap-port", type=int, default=d.bootstrap_port)
+    p.add_argument("--advertise-host", default=d.advertise_host)
+    p.add_argument("--tp-size", type=int, default=d.tp_size)
+    p.add_argument("--pp-size", type=int, default=d.pp_size)
+    p.add_argument("--bootstrap-timeout", type=float, default=d.bootstrap_timeout_s)
+    p.add_argument("--waiting-timeout", type=float, default=d.waiting_timeout_s)
+    p.add_argument("--heartbeat-interval", type=float, default=d.heartbeat_interval_s)
+
+
+def server_args_from_cli(ns: argparse.Namespace, role: Role = Role.MONOLITHIC) -> ServerArgs:
+    cache = CacheConfig(
+        page_size=ns.page_size,
+        num_pages=ns.num_pages,
+        max_total_tokens=ns.max_total_tokens,
+        kv_dtype=ns.kv_dtype or ns.dtype,
+        enable_prefix_cache=not ns.disable_prefix_cache,
+    )
+    sched = SchedulerConfig(
+        max_running_requests=ns.max_running_requests,
+        max_batch_tokens=ns.max_batch_tokens,
+        chunk_size=ns.chunk_size,
+        enable_overlap=not ns.disable_overlap,
+    )
+    disagg = DisaggConfig(role=role)
+    if role is not Role.MONOLITHIC:
+        disagg = DisaggConfig(
+            role=role,
+            transfer_backend=ns.transfer_backend,
+            transfer_protocol=ns.transfer_protocol,
+            ib_device=ns.ib_device,
+            bootstrap_port=ns.bootstrap_port,
+            advertise_host=ns.advertise_host,
+            tp_size=ns.tp_size,
+            pp_size=ns.pp_size,
+            bootstrap_timeout_s=ns.bootstrap_timeout,
+            waiting_timeout_s=ns.waiting_timeout,
+            heartbeat_interval_s=ns.heartbeat_interval,
+        )
+    engine = EngineConfig(
+        model_path=ns.model,
+        served_model_name=ns.served_model_name,
+        dtype=ns.dtype,
+        device=ns.device,
+        seed=ns.seed,
+        max_context_len=ns.max_context_len,
+        forward=ns.forward,
+        cache=cache,
+        scheduler=sched,
+        disagg=disagg,
+    )
+    return ServerArgs(engine=engine, host=ns.host, port=ns.port, log_level=ns.log_level)
+
+
+def replace_nested(cfg, **changes):
+    """dataclasses.replace for the chain: `replace_nested(engine, cache__page_size=4)`."""
+    from dataclasses import replace
+
+    direct = {k: v for k, v in changes.items() if "__" not in k}
+    nested: dict[str, dict] = {}
+    for k, v in changes.items():
+        if "__" in k:
+            head, rest = k.split("__", 1)
+            nested.setdefault(head, {})[rest] = v
+    for head, sub in nested.items():
+        direct[head] = replace_nested(getattr(cfg, head), **sub)
+    names = {f.name for f in fields(cfg)}
+    unknown = set(direct) - names
+    if unknown:
+        raise TypeError(f"unknown config fields: {sorted(unknown)}")
+    return replace(cfg, **direct)
