@@ -1,0 +1,1 @@
+"""Kubernetes operator for DisaggregatedModel: builds prefill, decode and router workloads from one object."""
