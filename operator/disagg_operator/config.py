@@ -12,7 +12,7 @@ class OperatorConfig:
 
     cluster_domain: str = "cluster.local"
     gpu_resource: str = "nvidia.com/gpu"
-    rdma_resource: str = "rdma/hca"
+    rdma_resource: str = "rdma/ib"
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None) -> "OperatorConfig":

@@ -1,0 +1,217 @@
+"""The manifests the operator builds from a DisaggregatedModel, checked without a cluster."""
+
+import copy
+from pathlib import Path
+
+import pytest
+import yaml
+
+from disagg_operator import names
+from disagg_operator.builders import build_auth_secret, build_children
+from disagg_operator.builders.router import router_args
+from disagg_operator.builders.workers import worker_args
+from disagg_operator.config import OperatorConfig
+from disagg_operator.spec import ModelSpec
+
+REPO = Path(__file__).resolve().parents[2]
+CFG = OperatorConfig()
+
+
+def load_example(name: str) -> dict:
+    cr = yaml.safe_load((REPO / "examples" / name).read_text())
+    cr["metadata"].update(namespace="ns1", uid="uid-1", generation=1)
+    return cr
+
+
+def children_by_kind_name(cr: dict) -> dict[tuple[str, str], dict]:
+    return {(c["kind"], c["metadata"]["name"]): c for c in build_children(ModelSpec.from_cr(cr), CFG)}
+
+
+def container(children: dict, kind: str, name: str) -> dict:
+    return children[(kind, name)]["spec"]["template"]["spec"]["containers"][0]
+
+
+@pytest.fixture
+def tiny() -> dict:
+    return load_example("dm-tcp-fake.yaml")
+
+
+@pytest.fixture
+def gpu() -> dict:
+    return load_example("dm-rdma-gpu.yaml")
+
+
+def test_children_are_the_documented_set_with_owner_references(tiny):
+    children = children_by_kind_name(tiny)
+    assert set(children) == {
+        ("Service", "tiny-prefill"), ("Service", "tiny-decode"), ("Service", "tiny-bootstrap"),
+        ("Service", "tiny-router"), ("StatefulSet", "tiny-prefill"), ("StatefulSet", "tiny-decode"),
+        ("Deployment", "tiny-router"), ("PodDisruptionBudget", "tiny-prefill"),
+        ("PodDisruptionBudget", "tiny-decode"), ("PodDisruptionBudget", "tiny-router"),
+        ("NetworkPolicy", "tiny-transfer"),
+    }
+    for obj in children.values():
+        assert obj["metadata"]["namespace"] == "ns1"
+        assert obj["metadata"]["ownerReferences"] == [{
+            "apiVersion": "disagg.dev/v1alpha1", "kind": "DisaggregatedModel", "name": "tiny", "uid": "uid-1",
+            "controller": True, "blockOwnerDeletion": True}]
+        assert obj["metadata"]["labels"][names.LABEL_MANAGED_BY] == "disagg-operator"
+        assert obj["metadata"]["labels"][names.MODEL_LABEL] == "tiny"
+
+
+def test_prefill_command_line_follows_the_worker_contract(tiny):
+    c = container(children_by_kind_name(tiny), "StatefulSet", "tiny-prefill")
+    assert c["command"] == ["disagg"]
+    assert c["args"] == [
+        "prefill", "--model", "/models/tiny-llama", "--served-model-name", "tiny-llama", "--host", "0.0.0.0",
+        "--port", "8000", "--advertise-host", "$(POD_IP)", "--bootstrap-port", "8998",
+        "--transfer-backend", "fake", "--transfer-protocol", "tcp", "--tp-size", "1", "--pp-size", "1",
+        "--page-size", "16", "--kv-dtype", "float32", "--dtype", "float32", "--chunk-size", "512",
+        "--max-total-tokens", "8192", "--max-running-requests", "16"]
+
+
+def test_decode_has_no_bootstrap_port_and_uses_its_own_engine_overrides(gpu):
+    args = worker_args(ModelSpec.from_cr(gpu), names.DECODE)
+    assert args[0] == "decode" and "--bootstrap-port" not in args
+    flags = dict(zip(args[1::2], args[2::2]))
+    assert flags["--tp-size"] == "2" and flags["--max-running-requests"] == "256"
+    assert flags["--page-size"] == "64" and flags["--ib-device"] == "mlx5_0"
+    assert flags["--transfer-protocol"] == "rdma"
+
+
+def test_extra_args_and_env_come_last(tiny):
+    tiny["spec"]["prefill"]["args"] = ["--log-level", "debug"]
+    tiny["spec"]["prefill"]["env"] = [{"name": "FOO", "value": "bar"}]
+    c = container(children_by_kind_name(tiny), "StatefulSet", "tiny-prefill")
+    assert c["args"][-2:] == ["--log-level", "debug"]
+    assert c["env"][-1] == {"name": "FOO", "value": "bar"}
+
+
+def test_every_pod_gets_identity_and_token_from_the_api(tiny):
+    children = children_by_kind_name(tiny)
+    for kind, name in [("StatefulSet", "tiny-prefill"), ("StatefulSet", "tiny-decode"), ("Deployment", "tiny-router")]:
+        env = {e["name"]: e for e in container(children, kind, name)["env"]}
+        assert env["POD_IP"]["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+        assert env["POD_NAME"]["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.name"}}
+        assert env["DISAGG_AUTH_TOKEN"]["valueFrom"] == {"secretKeyRef": {"name": "tiny-auth", "key": "token"}}
+
+
+def test_pods_are_non_root_with_read_only_root_and_health_probes(tiny):
+    children = children_by_kind_name(tiny)
+    for kind, name in [("StatefulSet", "tiny-prefill"), ("StatefulSet", "tiny-decode"), ("Deployment", "tiny-router")]:
+        pod = children[(kind, name)]["spec"]["template"]["spec"]
+        c = pod["containers"][0]
+        assert pod["securityContext"]["runAsNonRoot"] and pod["securityContext"]["runAsUser"] == 1000
+        assert c["securityContext"]["readOnlyRootFilesystem"] is True
+        assert c["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+        assert c["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+        assert c["livenessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+        assert {"name": "tmp", "mountPath": "/tmp"} in c["volumeMounts"]
+
+
+def test_rdma_adds_ipc_lock_gpus_and_the_rdma_device(gpu):
+    children = children_by_kind_name(gpu)
+    c = container(children, "StatefulSet", "llama-8b-prefill")
+    assert c["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["IPC_LOCK"]}
+    assert c["resources"]["limits"] == {"memory": "192Gi", "nvidia.com/gpu": 4, "rdma/ib": 1}
+    pod = children[("StatefulSet", "llama-8b-prefill")]["spec"]["template"]["spec"]
+    assert pod["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}
+    assert pod["tolerations"][0]["key"] == "nvidia.com/gpu"
+
+
+def test_tcp_asks_for_no_rdma_device_nor_ipc_lock(tiny):
+    c = container(children_by_kind_name(tiny), "StatefulSet", "tiny-decode")
+    assert "add" not in c["securityContext"]["capabilities"]
+    assert c["resources"]["limits"] == {"memory": "4Gi"}
+
+
+def test_model_volume_is_a_read_only_pvc(gpu):
+    sts = children_by_kind_name(gpu)[("StatefulSet", "llama-8b-decode")]
+    vols = {v["name"]: v for v in sts["spec"]["template"]["spec"]["volumes"]}
+    assert vols["model"]["persistentVolumeClaim"] == {"claimName": "models", "readOnly": True}
+    c = sts["spec"]["template"]["spec"]["containers"][0]
+    assert {"name": "model", "mountPath": "/models", "readOnly": True} in c["volumeMounts"]
+    assert c["args"][2] == "/models/Meta-Llama-3.1-8B-Instruct"
+
+
+def test_hugging_face_id_is_passed_through_with_a_cache_volume(tiny):
+    tiny["spec"]["model"] = {"huggingFaceId": "Qwen/Qwen2.5-0.5B-Instruct", "cachePvc": "hf-cache"}
+    sts = children_by_kind_name(tiny)[("StatefulSet", "tiny-prefill")]
+    c = sts["spec"]["template"]["spec"]["containers"][0]
+    assert c["args"][1:3] == ["--model", "Qwen/Qwen2.5-0.5B-Instruct"]
+    assert {"name": "HF_HOME", "value": "/cache/huggingface"} in c["env"]
+    vols = {v["name"]: v for v in sts["spec"]["template"]["spec"]["volumes"]}
+    assert vols["hf-cache"]["persistentVolumeClaim"] == {"claimName": "hf-cache"}
+
+
+def test_router_finds_workers_through_the_headless_services(tiny):
+    args = router_args(ModelSpec.from_cr(tiny), OperatorConfig(cluster_domain="example.org"))
+    assert args == ["router", "--host", "0.0.0.0", "--port", "8000", "--served-model-name", "tiny-llama",
+                    "--policy", "round_robin",
+                    "--prefill-dns", "tiny-prefill.ns1.svc.example.org:8000",
+                    "--decode-dns", "tiny-decode.ns1.svc.example.org:8000", "--bootstrap-port", "8998"]
+    children = children_by_kind_name(tiny)
+    for role in ("prefill", "decode"):
+        svc = children[("Service", f"tiny-{role}")]
+        assert svc["spec"]["clusterIP"] == "None"
+        assert svc["spec"]["selector"] == {"disagg.dev/model": "tiny", "disagg.dev/role": role}
+        assert children[("StatefulSet", f"tiny-{role}")]["spec"]["serviceName"] == f"tiny-{role}"
+
+
+def test_bootstrap_service_targets_prefill_bootstrap_port(tiny):
+    svc = children_by_kind_name(tiny)[("Service", "tiny-bootstrap")]
+    assert svc["spec"]["selector"] == {"disagg.dev/model": "tiny", "disagg.dev/role": "prefill"}
+    assert svc["spec"]["ports"] == [{"name": "bootstrap", "port": 8998, "targetPort": "bootstrap",
+                                     "protocol": "TCP"}]
+
+
+def test_network_policy_opens_bootstrap_and_transfer_only_to_the_crs_pods(tiny):
+    np = children_by_kind_name(tiny)[("NetworkPolicy", "tiny-transfer")]["spec"]
+    rules = {r["ports"][0]["port"]: r for r in np["ingress"]}
+    assert "from" not in rules[8000]
+    bootstrap_from = rules[8998]["from"][0]["podSelector"]
+    assert bootstrap_from["matchLabels"] == {"disagg.dev/model": "tiny"}
+    transfer = rules[15000]
+    assert transfer["ports"][0]["endPort"] == 17000
+    sel = transfer["from"][0]["podSelector"]
+    assert sel["matchLabels"] == {"disagg.dev/model": "tiny"}
+    assert sel["matchExpressions"] == [{"key": "disagg.dev/role", "operator": "In", "values": ["prefill", "decode"]}]
+    assert np["podSelector"] == sel
+
+
+def test_replicas_follow_the_spec_per_role(gpu):
+    children = children_by_kind_name(gpu)
+    assert children[("StatefulSet", "llama-8b-prefill")]["spec"]["replicas"] == 1
+    assert children[("StatefulSet", "llama-8b-decode")]["spec"]["replicas"] == 2
+    assert children[("Deployment", "llama-8b-router")]["spec"]["replicas"] == 2
+
+
+def test_builders_are_pure_and_do_not_alias_the_cr(tiny):
+    before = copy.deepcopy(tiny)
+    first = build_children(ModelSpec.from_cr(tiny), CFG)
+    first[0]["metadata"]["labels"]["x"] = "y"
+    assert tiny == before
+    assert build_children(ModelSpec.from_cr(tiny), CFG) != first
+
+
+def test_defaults_match_when_the_api_server_filled_nothing():
+    cr = {"metadata": {"name": "m", "namespace": "d", "uid": "u"},
+          "spec": {"model": {"hostPath": "/m", "path": "x"}, "servedModelName": "m", "image": "img"}}
+    args = worker_args(ModelSpec.from_cr(cr), names.PREFILL)
+    flags = dict(zip(args[1::2], args[2::2]))
+    assert flags["--transfer-backend"] == "mooncake" and flags["--transfer-protocol"] == "tcp"
+    assert flags["--page-size"] == "16" and flags["--kv-dtype"] == "bfloat16"
+
+
+def test_generated_auth_secret_holds_the_token(tiny):
+    secret = build_auth_secret(ModelSpec.from_cr(tiny), "s3cret")
+    assert secret["metadata"]["name"] == "tiny-auth"
+    assert secret["data"] == {"token": "czNjcmV0"}
+    assert secret["metadata"]["ownerReferences"][0]["uid"] == "uid-1"
+
+
+def test_named_auth_secret_is_used_instead(tiny):
+    tiny["spec"]["auth"] = {"secretName": "mine"}
+    c = container(children_by_kind_name(tiny), "Deployment", "tiny-router")
+    env = {e["name"]: e for e in c["env"]}
+    assert env["DISAGG_AUTH_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "mine", "key": "token"}
