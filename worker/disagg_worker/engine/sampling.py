@@ -38,7 +38,12 @@ def _is_int(v: object) -> bool:
 
 
 def _is_real(v: object) -> bool:
-    return (isinstance(v, (int, float)) and not isinstance(v, bool)) and math.isfinite(v)
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return False
+    try:
+        return math.isfinite(v)
+    except OverflowError:
+        return False
 
 
 @dataclass(frozen=True)
@@ -73,9 +78,16 @@ class SamplingParams:
                 raise ValueError(f"{f.name}: {problem}")
         if self.min_new_tokens > self.max_new_tokens:
             raise ValueError(
-                f"min_new_tokens: must not exceed max_new_tokens ({self.max_new_tokens}), "
+                f"min_new_tokens: must not exceed the maximum number of new tokens ({self.max_new_tokens}), "
                 f"got {self.min_new_tokens}"
             )
+
+
+def _fmt(v: object) -> str:
+    if _is_int(v) and abs(v) >= 10**40:
+        return "a huge integer"
+    text = repr(v)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def _int_range(lo: int | None, hi: int | None, optional: bool = False):
@@ -83,11 +95,11 @@ def _int_range(lo: int | None, hi: int | None, optional: bool = False):
         if v is None and optional:
             return None
         if not _is_int(v):
-            return f"must be an integer, got {v!r}"
+            return f"must be an integer, got {_fmt(v)}"
         if lo is not None and v < lo:
-            return f"must be >= {lo}, got {v}"
+            return f"must be >= {lo}, got {_fmt(v)}"
         if hi is not None and v > hi:
-            return f"must be <= {hi}, got {v}"
+            return f"must be <= {hi}, got {_fmt(v)}"
         return None
 
     return check
@@ -96,11 +108,11 @@ def _int_range(lo: int | None, hi: int | None, optional: bool = False):
 def _real_range(lo: float, hi: float, lo_open: bool = False):
     def check(v: object) -> str | None:
         if not _is_real(v):
-            return f"must be a finite number, got {v!r}"
+            return f"must be a finite number, got {_fmt(v)}"
         if v < lo or (lo_open and v == lo):
             return f"must be {'>' if lo_open else '>='} {lo}, got {v}"
         if v > hi:
-            return f"must be <= {hi}, got {v}"
+            return f"must be <= {hi}, got {_fmt(v)}"
         return None
 
     return check
@@ -126,7 +138,7 @@ def _check_stop_ids(v: object) -> str | None:
 
 def _check_top_k(v: object) -> str | None:
     if not _is_int(v) or v < -1:
-        return f"must be -1 (disabled), 0 (disabled) or a positive integer, got {v!r}"
+        return f"must be -1 (disabled), 0 (disabled) or a positive integer, got {_fmt(v)}"
     return None
 
 

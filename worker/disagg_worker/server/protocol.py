@@ -1,0 +1,388 @@
+"""Parsing and validating request bodies: OpenAI completions and chat, and the native /generate.
+
+Pure functions from a decoded JSON body to a frozen request dataclass. Whatever the body holds
+(wrong types, nested garbage, bools where integers go, NaN, huge numbers), they either return a
+request or raise `APIError` with a 4xx status and `param` naming the offending field. Unknown
+fields are ignored, as OpenAI does. A missing or null `model` means the served model.
+
+Default `max_new_tokens`: 16 for completions and /generate (OpenAI's completions default); for
+chat, up to DEFAULT_CHAT_MAX_TOKENS. A default is shrunk to the room left in the context once
+the prompt length is known (`fit_to_context`); an explicit value that does not fit is a 400.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, replace
+from typing import Any, Callable
+
+from disagg_worker.engine.sampling import SamplingParams
+from disagg_worker.server.errors import APIError, bad_request, model_not_found
+
+DEFAULT_COMPLETION_MAX_TOKENS = 16
+DEFAULT_CHAT_MAX_TOKENS = 1024
+MAX_N = 16
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+# Token ids are checked against the vocabulary when its size is given, else against this bound.
+_MAX_TOKEN_ID = 2**31
+
+
+@dataclass(frozen=True)
+class CompletionRequest:
+    model: str
+    prompt: str | list[int]
+    sampling: SamplingParams
+    stream: bool = False
+    stream_options_include_usage: bool = False
+    echo: bool = False
+    n: int = 1
+    user: str | None = None
+    # False when max_new_tokens is the default, which `fit_to_context` may shrink.
+    max_tokens_set: bool = False
+
+
+@dataclass(frozen=True)
+class ChatRequest:
+    model: str
+    # Normalised: {"role": str, "content": str} plus "name" when given; text parts are joined.
+    messages: list[dict]
+    sampling: SamplingParams
+    stream: bool = False
+    stream_options_include_usage: bool = False
+    n: int = 1
+    add_generation_prompt: bool = True
+    user: str | None = None
+    max_tokens_set: bool = False
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    input_ids: list[int] | None
+    text: str | None
+    sampling: SamplingParams
+    stream: bool = False
+    max_tokens_set: bool = False
+
+
+def parse_json(raw: bytes) -> Any:
+    """Decode a request body; 400 unless it is valid UTF-8 JSON holding an object."""
+    try:
+        body = json.loads(raw, parse_constant=_reject_constant)
+    except (ValueError, RecursionError, TypeError) as e:
+        raise bad_request(f"Request body is not valid JSON: {str(e)[:200]}") from None
+    if not isinstance(body, dict):
+        raise bad_request("Request body must be a JSON object.")
+    return body
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+# Readers: one JSON value -> one Python value of the right type, or a 400 naming `param`.
+
+
+def _int(v: Any, param: str) -> int:
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise bad_request(f"{param}: must be an integer, got {_show(v)}", param)
+    return v
+
+
+def _real(v: Any, param: str) -> float:
+    try:
+        ok = not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(float(v))
+    except OverflowError:
+        ok = False
+    if not ok:
+        raise bad_request(f"{param}: must be a finite number, got {_show(v)}", param)
+    return float(v)
+
+
+def _bool(v: Any, param: str) -> bool:
+    if not isinstance(v, bool):
+        raise bad_request(f"{param}: must be a boolean, got {_show(v)}", param)
+    return v
+
+
+def _text(v: Any, param: str) -> str:
+    if not isinstance(v, str):
+        raise bad_request(f"{param}: must be a string, got {_show(v)}", param)
+    try:
+        v.encode("utf-8")
+    except UnicodeEncodeError:
+        raise bad_request(f"{param}: is not valid Unicode text", param) from None
+    return v
+
+
+def _stop(v: Any, param: str) -> tuple[str, ...]:
+    items = [v] if isinstance(v, str) else v
+    if not isinstance(items, list) or not all(isinstance(s, str) and s for s in items):
+        raise bad_request(f"{param}: must be a non-empty string or a list of them", param)
+    return tuple(_text(s, param) for s in items)
+
+
+def _token_ids(v: Any, param: str, vocab_size: int | None) -> tuple[int, ...]:
+    limit = vocab_size or _MAX_TOKEN_ID
+    if not isinstance(v, list) or not all(
+        isinstance(t, int) and not isinstance(t, bool) and 0 <= t < limit for t in v
+    ):
+        raise bad_request(f"{param}: must be a list of token ids in [0, {limit})", param)
+    return tuple(v)
+
+
+def _show(v: Any) -> str:
+    if isinstance(v, int) and not isinstance(v, bool) and abs(v) >= 10**40:
+        return "a huge integer"
+    text = json.dumps(v) if isinstance(v, (str, int, float, bool, type(None))) else type(v).__name__
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _opt(body: dict, key: str, read: Callable[[Any, str], Any], default: Any, prefix: str = "") -> Any:
+    v = body.get(key)
+    return default if v is None else read(v, prefix + key)
+
+
+# SamplingParams field -> (OpenAI name, reader); stop_token_ids, max and logprobs are special.
+_SAMPLING_FIELDS: dict[str, tuple[str, Callable[[Any, str], Any]]] = {
+    "temperature": ("temperature", _real),
+    "top_p": ("top_p", _real),
+    "top_k": ("top_k", _int),
+    "min_p": ("min_p", _real),
+    "seed": ("seed", _int),
+    "frequency_penalty": ("frequency_penalty", _real),
+    "presence_penalty": ("presence_penalty", _real),
+    "repetition_penalty": ("repetition_penalty", _real),
+    "stop": ("stop", _stop),
+    "ignore_eos": ("ignore_eos", _bool),
+    "min_new_tokens": ("min_tokens", _int),
+    "skip_special_tokens": ("skip_special_tokens", _bool),
+}
+
+
+def _sampling(
+    body: dict, extra: dict, names: dict[str, str], vocab_size: int | None, prefix: str = ""
+) -> SamplingParams:
+    """SamplingParams from `body`; `extra` holds fields already read, `names` their JSON names."""
+    values = dict(extra)
+    for fld, (key, read) in _SAMPLING_FIELDS.items():
+        key = names.get(fld, key)
+        v = body.get(key)
+        if v is not None:
+            values[fld] = read(v, prefix + key)
+    ids = body.get("stop_token_ids")
+    if ids is not None:
+        values["stop_token_ids"] = _token_ids(ids, prefix + "stop_token_ids", vocab_size)
+    params = SamplingParams(**values)
+    try:
+        params.validate()
+    except ValueError as e:
+        fld, _, what = str(e).partition(": ")
+        param = prefix + names.get(fld, _SAMPLING_FIELDS.get(fld, (fld,))[0])
+        raise bad_request(f"{param}: {what}", param) from None
+    return params
+
+
+def _max_tokens(body: dict, key: str, default: int, max_context: int, prefix: str = "") -> tuple[int, bool]:
+    v = body.get(key)
+    if v is None:
+        return min(default, max_context), False
+    param = prefix + key
+    n = _int(v, param)
+    if n < 1:
+        raise bad_request(f"{param}: must be at least 1, got {n}", param)
+    if n > max_context:
+        raise bad_request(
+            f"{param}: must be at most this model's maximum context length of "
+            f"{max_context} tokens, got {n}",
+            param,
+        )
+    return n, True
+
+
+def fit_to_context(
+    sampling: SamplingParams,
+    prompt_len: int,
+    max_context: int,
+    max_tokens_set: bool,
+    param: str = "max_tokens",
+    prompt_param: str = "prompt",
+) -> SamplingParams:
+    """Make prompt + output fit the context: shrink a default max_new_tokens, reject an explicit one."""
+    room = max_context - prompt_len
+    if room < 1:
+        raise bad_request(
+            f"This model's maximum context length is {max_context} tokens, but the prompt has "
+            f"{prompt_len} tokens, which leaves no room for output.",
+            prompt_param,
+        )
+    if sampling.max_new_tokens <= room:
+        return sampling
+    if max_tokens_set:
+        raise bad_request(
+            f"This model's maximum context length is {max_context} tokens. However, you requested "
+            f"{prompt_len + sampling.max_new_tokens} tokens ({prompt_len} in the prompt, "
+            f"{sampling.max_new_tokens} for the output).",
+            param,
+        )
+    return replace(sampling, max_new_tokens=room, min_new_tokens=min(sampling.min_new_tokens, room))
+
+
+def _object(body: Any) -> dict:
+    if not isinstance(body, dict):
+        raise bad_request("Request body must be a JSON object.")
+    return body
+
+
+def _model(body: dict, served_model: str) -> str:
+    model = _opt(body, "model", _text, served_model)
+    if model != served_model:
+        raise model_not_found(model)
+    return model
+
+
+def _stream(body: dict) -> tuple[bool, bool]:
+    """(stream, stream_options.include_usage)."""
+    stream = _opt(body, "stream", _bool, False)
+    options = body.get("stream_options")
+    if options is None:
+        return stream, False
+    if not isinstance(options, dict):
+        raise bad_request("stream_options: must be an object", "stream_options")
+    if not stream:
+        raise bad_request("stream_options: only allowed when stream is true", "stream_options")
+    return stream, _opt(options, "include_usage", _bool, False, "stream_options.")
+
+
+def _n(body: dict) -> int:
+    n = _opt(body, "n", _int, 1)
+    if not 1 <= n <= MAX_N:
+        raise bad_request(f"n: must be between 1 and {MAX_N}, got {n}", "n")
+    return n
+
+
+def _prompt(v: Any, vocab_size: int | None) -> str | list[int]:
+    """One prompt: a string, a token list, or a list holding exactly one of those."""
+    if isinstance(v, list) and len(v) == 1 and isinstance(v[0], (str, list)):
+        v = v[0]
+    elif isinstance(v, list) and v and all(isinstance(p, (str, list)) for p in v):
+        raise bad_request(
+            "prompt: batches of several prompts are not supported; send one prompt per request",
+            "prompt",
+        )
+    if isinstance(v, str):
+        if not v:
+            raise bad_request("prompt: must not be empty", "prompt")
+        return _text(v, "prompt")
+    if not isinstance(v, list) or not v:
+        raise bad_request("prompt: must be a non-empty string or list of token ids", "prompt")
+    return list(_token_ids(v, "prompt", vocab_size))
+
+
+def parse_completion(
+    body: Any, served_model: str, max_context: int, vocab_size: int | None = None
+) -> CompletionRequest:
+    """POST /v1/completions. Token prompts are checked against the context here."""
+    body = _object(body)
+    model = _model(body, served_model)
+    if "prompt" not in body or body["prompt"] is None:
+        raise bad_request("prompt: is required", "prompt")
+    prompt = _prompt(body["prompt"], vocab_size)
+    if _opt(body, "echo", _bool, False):
+        raise bad_request("echo: is not supported", "echo")
+    stream, usage = _stream(body)
+    n = _n(body)
+    user = _opt(body, "user", _text, None)
+    max_new, explicit = _max_tokens(body, "max_tokens", DEFAULT_COMPLETION_MAX_TOKENS, max_context)
+    extra = {"max_new_tokens": max_new, "logprobs": _opt(body, "logprobs", _int, None)}
+    sampling = _sampling(body, extra, {"max_new_tokens": "max_tokens"}, vocab_size)
+    if isinstance(prompt, list):
+        sampling = fit_to_context(sampling, len(prompt), max_context, explicit)
+    return CompletionRequest(model, prompt, sampling, stream, usage, False, n, user, explicit)
+
+
+def _content(v: Any, role: str, param: str) -> str:
+    if v is None and role == "assistant":
+        return ""
+    if isinstance(v, str):
+        return _text(v, param)
+    if not isinstance(v, list):
+        raise bad_request(f"{param}: must be a string or a list of text parts", param)
+    texts = []
+    for part in v:
+        if not isinstance(part, dict) or part.get("type") != "text":
+            raise bad_request(f"{param}: only parts of type \"text\" are supported", param)
+        texts.append(_text(part.get("text"), param))
+    return "".join(texts)
+
+
+def _messages(v: Any) -> list[dict]:
+    if not isinstance(v, list) or not v:
+        raise bad_request("messages: must be a non-empty list", "messages")
+    out = []
+    for i, m in enumerate(v):
+        param = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise bad_request(f"{param}: must be an object", param)
+        role = m.get("role")
+        if role not in CHAT_ROLES:
+            raise bad_request(f"{param}.role: must be one of {', '.join(CHAT_ROLES)}", f"{param}.role")
+        msg = {"role": role, "content": _content(m.get("content"), role, f"{param}.content")}
+        if m.get("name") is not None:
+            msg["name"] = _text(m["name"], f"{param}.name")
+        out.append(msg)
+    return out
+
+
+def _chat_logprobs(body: dict) -> int | None:
+    want = _opt(body, "logprobs", _bool, False)
+    top = _opt(body, "top_logprobs", _int, None)
+    if top is not None and not want:
+        raise bad_request("top_logprobs: requires logprobs to be true", "top_logprobs")
+    return (top or 0) if want else None
+
+
+def parse_chat(
+    body: Any, served_model: str, max_context: int, vocab_size: int | None = None
+) -> ChatRequest:
+    """POST /v1/chat/completions. max_completion_tokens wins over the older max_tokens."""
+    body = _object(body)
+    model = _model(body, served_model)
+    messages = _messages(body.get("messages"))
+    stream, usage = _stream(body)
+    n = _n(body)
+    key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    max_new, explicit = _max_tokens(body, key, DEFAULT_CHAT_MAX_TOKENS, max_context)
+    extra = {"max_new_tokens": max_new, "logprobs": _chat_logprobs(body)}
+    names = {"max_new_tokens": key, "logprobs": "top_logprobs"}
+    sampling = _sampling(body, extra, names, vocab_size)
+    add_gen = _opt(body, "add_generation_prompt", _bool, True)
+    user = _opt(body, "user", _text, None)
+    return ChatRequest(model, messages, sampling, stream, usage, n, add_gen, user, explicit)
+
+
+def parse_generate(body: Any, max_context: int, vocab_size: int) -> GenerateRequest:
+    """POST /generate: {"input_ids": [...]} or {"text": "..."}, "sampling_params", "stream"."""
+    body = _object(body)
+    ids, text = body.get("input_ids"), body.get("text")
+    if (ids is None) == (text is None):
+        raise bad_request("Exactly one of input_ids and text must be given.", "input_ids")
+    if ids is not None and not ids:
+        raise bad_request("input_ids: must not be empty", "input_ids")
+    input_ids = None if ids is None else list(_token_ids(ids, "input_ids", vocab_size))
+    if text is not None and not _text(text, "text"):
+        raise bad_request("text: must not be empty", "text")
+    raw = body.get("sampling_params")
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise bad_request("sampling_params: must be an object", "sampling_params")
+    prefix = "sampling_params."
+    max_new, explicit = _max_tokens(raw, "max_new_tokens", DEFAULT_COMPLETION_MAX_TOKENS, max_context, prefix)
+    extra = {"max_new_tokens": max_new, "logprobs": _opt(raw, "logprobs", _int, None, prefix)}
+    names = {f: f for f in _SAMPLING_FIELDS}
+    sampling = _sampling(raw, extra, names, vocab_size, prefix)
+    if input_ids is not None:
+        sampling = fit_to_context(
+            sampling, len(input_ids), max_context, explicit, prefix + "max_new_tokens", "input_ids"
+        )
+    return GenerateRequest(input_ids, text, sampling, _opt(body, "stream", _bool, False), explicit)
