@@ -1,0 +1,188 @@
+"""Status and conditions as a pure function of what the children report."""
+
+import pytest
+
+from disagg_operator.reconcile import Runtime
+from disagg_operator.spec import ModelSpec
+from disagg_operator.status import (PodProblem, RoleObservation, compute_status, observe_workload, pod_problem,
+                                    status_changed, transitions)
+
+CR = {"apiVersion": "disagg.dev/v1alpha1", "kind": "DisaggregatedModel",
+      "metadata": {"name": "m", "namespace": "ns", "uid": "u1", "generation": 3},
+      "spec": {"model": {"hostPath": "/m", "path": "x"}, "servedModelName": "m", "image": "img",
+               "prefill": {"replicas": 1}, "decode": {"replicas": 2}, "router": {"replicas": 1}}}
+SPEC = ModelSpec.from_cr(CR)
+ALL_READY = {"prefill": RoleObservation(1, 1, 1), "decode": RoleObservation(2, 2, 2),
+             "router": RoleObservation(1, 1, 1)}
+
+
+def conds(status: dict) -> dict[str, dict]:
+    return {c["type"]: c for c in status["conditions"]}
+
+
+def status(observed, problems=(), errors=(), previous=None, now="T1") -> dict:
+    return compute_status(SPEC, 3, observed, list(problems), list(errors), previous or {}, "http://e", now)
+
+
+def test_all_roles_ready_means_ready_and_not_progressing():
+    s = status(ALL_READY)
+    c = conds(s)
+    assert (c["Ready"]["status"], c["Progressing"]["status"], c["Degraded"]["status"]) == ("True", "False", "False")
+    assert c["Ready"]["message"] == "ready: prefill 1/1, decode 2/2, router 1/1"
+    assert s["decode"] == {"replicas": 2, "readyReplicas": 2, "updatedReplicas": 2, "ready": "2/2",
+                           "selector": "disagg.dev/model=m,disagg.dev/role=decode"}
+    assert s["observedGeneration"] == 3 and all(x["observedGeneration"] == 3 for x in s["conditions"])
+
+
+def test_missing_children_are_progressing_and_not_ready():
+    c = conds(status({}))
+    assert c["Ready"]["status"] == "False" and c["Ready"]["reason"] == "ReplicasNotReady"
+    assert c["Progressing"]["status"] == "True"
+    assert "prefill, decode, router" in c["Progressing"]["message"]
+
+
+def test_a_stale_controller_view_is_not_ready_even_with_matching_counts():
+    observed = dict(ALL_READY, decode=RoleObservation(2, 2, 2, current=False))
+    assert conds(status(observed))["Ready"]["status"] == "False"
+
+
+def test_scaled_to_zero_says_why_it_cannot_serve():
+    spec = ModelSpec.from_cr({**CR, "spec": {**CR["spec"], "decode": {"replicas": 0}}})
+    s = compute_status(spec, 1, {**ALL_READY, "decode": RoleObservation(0, 0, 0)}, [], [], {}, "", "T")
+    c = conds(s)
+    assert c["Ready"]["reason"] == "ScaledToZero" and "decode has 0 replicas" in c["Ready"]["message"]
+
+
+def test_failing_pod_is_degraded_with_its_name_and_reason():
+    problem = PodProblem("m-decode-1", "decode", "container decode: Error (exit code 1)")
+    c = conds(status(dict(ALL_READY, decode=RoleObservation(2, 1, 2)), problems=[problem]))
+    assert c["Degraded"]["status"] == "True" and c["Degraded"]["reason"] == "PodFailing"
+    assert c["Degraded"]["message"] == "decode pod m-decode-1: container decode: Error (exit code 1)"
+
+
+def test_reconcile_errors_block_and_degrade():
+    c = conds(status(ALL_READY, errors=["auth Secret x not found"]))
+    assert c["Degraded"]["reason"] == "ReconcileFailed" and "auth Secret x" in c["Degraded"]["message"]
+    assert c["Ready"]["status"] == "False" and c["Progressing"]["reason"] == "Blocked"
+
+
+def test_transition_time_moves_only_with_the_status():
+    first = status({}, now="T1")
+    same = status({}, previous=first, now="T2")
+    assert not status_changed(first, same)
+    ready = status(ALL_READY, previous=first, now="T3")
+    assert conds(ready)["Ready"]["lastTransitionTime"] == "T3"
+    assert conds(ready)["Degraded"]["lastTransitionTime"] == "T1"
+
+
+def test_one_event_per_transition_with_warnings_for_bad_news():
+    first = status({})
+    assert [(e.type, e.reason) for e in transitions([], first["conditions"])] == [
+        ("Normal", "ReplicasNotReady"), ("Normal", "RollingOut"), ("Normal", "AsExpected")]
+    ready = status(ALL_READY, previous=first)
+    assert [(e.type, e.reason) for e in transitions(first["conditions"], ready["conditions"])] == [
+        ("Normal", "AllReplicasReady"), ("Normal", "Complete")]
+    broken = status(dict(ALL_READY, decode=RoleObservation(2, 1, 2)), previous=ready,
+                    problems=[PodProblem("m-decode-0", "decode", "x")])
+    events = transitions(ready["conditions"], broken["conditions"])
+    assert [(e.type, e.reason) for e in events] == [
+        ("Warning", "ReplicasNotReady"), ("Normal", "RollingOut"), ("Warning", "PodFailing")]
+    assert "m-decode-0" in events[2].message
+    assert transitions(broken["conditions"], broken["conditions"]) == []
+
+
+def test_observe_workload_reads_counts_and_generation():
+    sts = {"metadata": {"generation": 4},
+           "status": {"replicas": 3, "readyReplicas": 2, "updatedReplicas": 3, "observedGeneration": 3}}
+    assert observe_workload(sts) == RoleObservation(3, 2, 3, current=False)
+    assert observe_workload({"metadata": {"generation": 1}}) == RoleObservation(0, 0, 0, current=False)
+
+
+@pytest.mark.parametrize("pod_status,expected", [
+    ({"phase": "Running", "containerStatuses": [{"name": "decode", "ready": True, "state": {"running": {}}}]},
+     None),
+    ({"phase": "Pending", "containerStatuses": [{"name": "decode", "state": {"waiting": {
+        "reason": "ContainerCreating"}}}]}, None),
+    ({"phase": "Running", "containerStatuses": [{"name": "decode", "state": {"waiting": {
+        "reason": "CrashLoopBackOff"}}}]}, "container decode: CrashLoopBackOff"),
+    ({"phase": "Running", "containerStatuses": [{"name": "decode", "state": {"terminated": {
+        "exitCode": 137, "reason": "OOMKilled"}}}]}, "container decode: OOMKilled (exit code 137)"),
+    ({"phase": "Failed", "reason": "Evicted"}, "Evicted"),
+])
+def test_pod_problem_names_what_a_user_would_look_for(pod_status, expected):
+    pod = {"metadata": {"name": "m-decode-0", "labels": {"disagg.dev/role": "decode"}}, "status": pod_status}
+    problem = pod_problem(pod)
+    assert (problem.reason if problem else None) == expected
+
+
+class FakeKube:
+    """Records the operator's API calls against an in-memory store."""
+
+    def __init__(self):
+        self.objects: dict[tuple[str, str], dict] = {}
+        self.status_writes: list[dict] = []
+        self.applied: list[str] = []
+        self.created: list[str] = []
+
+    def get(self, api_version, kind, namespace, name):
+        return self.objects.get((kind, name))
+
+    def apply(self, obj):
+        self.applied.append(f"{obj['kind']}/{obj['metadata']['name']}")
+
+    def create_if_absent(self, obj):
+        key = (obj["kind"], obj["metadata"]["name"])
+        if key in self.objects:
+            return False
+        self.objects[key] = obj
+        self.created.append(f"{obj['kind']}/{obj['metadata']['name']}")
+        return True
+
+    def patch_status(self, namespace, name, status):
+        self.status_writes.append(status)
+
+
+@pytest.fixture
+def runtime():
+    from disagg_operator.config import OperatorConfig
+    events = []
+    rt = Runtime(FakeKube(), OperatorConfig(), lambda cr, e: events.append(e))
+    rt.events = events
+    return rt
+
+
+def test_status_is_written_only_when_it_changes(runtime):
+    assert runtime.refresh_status(CR, {}, [])
+    assert not runtime.refresh_status(CR, {}, [])
+    assert runtime.refresh_status(CR, ALL_READY, [])
+    assert not runtime.refresh_status(CR, ALL_READY, [])
+    assert len(runtime.kube.status_writes) == 2
+    assert [e.reason for e in runtime.events] == ["ReplicasNotReady", "RollingOut", "AsExpected",
+                                                  "AllReplicasReady", "Complete"]
+
+
+def test_a_cached_status_on_the_cr_counts_as_written(runtime):
+    written = compute_status(SPEC, 3, ALL_READY, [], [], {}, "http://m-router.ns.svc:8000", "T0")
+    cr = {**CR, "status": written}
+    assert not runtime.refresh_status(cr, ALL_READY, [])
+    assert runtime.kube.status_writes == [] and runtime.events == []
+
+
+def test_auth_secret_is_generated_once_and_children_applied(runtime):
+    runtime.apply_children(CR)
+    token = runtime.kube.objects[("Secret", "m-auth")]["data"]["token"]
+    runtime.apply_children(CR)
+    assert runtime.kube.created == ["Secret/m-auth"]
+    assert runtime.kube.objects[("Secret", "m-auth")]["data"]["token"] == token
+    assert "StatefulSet/m-decode" in runtime.kube.applied and len(runtime.kube.applied) == 22
+
+
+def test_missing_named_secret_degrades_with_a_message(runtime):
+    from disagg_operator.reconcile import ReconcileError
+    cr = {**CR, "spec": {**CR["spec"], "auth": {"secretName": "absent"}}}
+    with pytest.raises(ReconcileError) as err:
+        runtime.apply_children(cr)
+    assert not err.value.permanent
+    runtime.refresh_status(cr, ALL_READY, [])
+    degraded = conds(runtime.kube.status_writes[-1])["Degraded"]
+    assert degraded["status"] == "True" and "auth Secret absent not found" in degraded["message"]
