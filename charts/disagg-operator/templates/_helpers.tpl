@@ -1,0 +1,71 @@
+{{- define "disagg-operator.name" -}}
+{{- .Chart.Name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "disagg-operator.fullname" -}}
+{{- if contains .Chart.Name .Release.Name -}}
+{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "disagg-operator.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "disagg-operator.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{- define "disagg-operator.labels" -}}
+{{ include "disagg-operator.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/component: operator
+app.kubernetes.io/part-of: disagg
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
+{{- end -}}
+
+{{- define "disagg-operator.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create -}}
+{{- default (include "disagg-operator.fullname" .) .Values.serviceAccount.name -}}
+{{- else -}}
+{{- default "default" .Values.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Rules on namespaced objects: the CRs, their children, and Events. No wildcards. */}}
+{{- define "disagg-operator.namespacedRules" -}}
+- apiGroups: ["disagg.dev"]
+  resources: ["disaggregatedmodels"]
+  verbs: ["get", "list", "watch", "patch"]
+- apiGroups: ["disagg.dev"]
+  resources: ["disaggregatedmodels/status"]
+  verbs: ["get", "patch"]
+- apiGroups: ["disagg.dev"]
+  resources: ["disaggregatedmodels/finalizers"]
+  verbs: ["update"]
+- apiGroups: ["apps"]
+  resources: ["statefulsets", "deployments"]
+  verbs: ["get", "list", "watch", "create", "patch"]
+- apiGroups: [""]
+  resources: ["services"]
+  verbs: ["get", "list", "watch", "create", "patch"]
+- apiGroups: [""]
+  resources: ["secrets"]
+  verbs: ["get", "create"]
+- apiGroups: [""]
+  resources: ["pods"]
+  verbs: ["get", "list", "watch"]
+- apiGroups: ["policy"]
+  resources: ["poddisruptionbudgets"]
+  verbs: ["get", "list", "watch", "create", "patch"]
+- apiGroups: ["networking.k8s.io"]
+  resources: ["networkpolicies"]
+  verbs: ["get", "list", "watch", "create", "patch"]
+- apiGroups: [""]
+  resources: ["events"]
+  verbs: ["create"]
+{{- end -}}
+
+{{- define "disagg-operator.peeringName" -}}
+{{- include "disagg-operator.fullname" . -}}
+{{- end -}}
