@@ -60,9 +60,14 @@ class ModelConfig:
     def from_hf_dict(cls, d: dict[str, Any]) -> ModelConfig:
         """Build from the dict of a Hugging Face `config.json`; raises ValueError if unsupported."""
         arch = _arch_of(d)
+        act = d.get("hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"unsupported hidden_act {act!r}; only 'silu' (SwiGLU) is supported")
         heads = d["num_attention_heads"]
         hidden = d["hidden_size"]
-        rope_scaling = _check_rope_scaling(d.get("rope_scaling"))
+        # Newer checkpoints nest theta and scaling under "rope_parameters".
+        rope = d.get("rope_parameters") or {}
+        rope_scaling = _check_rope_scaling(d.get("rope_scaling") or rope)
         cfg = cls(
             arch=arch,
             vocab_size=d["vocab_size"],
@@ -73,7 +78,7 @@ class ModelConfig:
             num_kv_heads=d.get("num_key_value_heads") or heads,
             head_dim=d.get("head_dim") or hidden // heads,
             rms_norm_eps=d.get("rms_norm_eps", 1e-6),
-            rope_theta=d.get("rope_theta", 10000.0),
+            rope_theta=d.get("rope_theta") or rope.get("rope_theta", 10000.0),
             rope_scaling=rope_scaling,
             max_position_embeddings=d.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
@@ -104,7 +109,7 @@ def _check_rope_scaling(rs: dict[str, Any] | None) -> dict[str, Any] | None:
     if not rs:
         return None
     kind = rs.get("rope_type") or rs.get("type")
-    if kind == "default":
+    if kind in (None, "default"):
         return None
     if kind not in SUPPORTED_ROPE_SCALING:
         raise ValueError(f"unsupported rope_scaling type {kind!r}; supported: {', '.join(SUPPORTED_ROPE_SCALING)}")

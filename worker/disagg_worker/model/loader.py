@@ -39,7 +39,7 @@ def load_model(
     names_by_file = _tensor_names(path)
     _check_names(expected, names_by_file, cfg)
     state = _read(names_by_file, expected, dtype, torch.device(device))
-    model.load_state_dict(state, strict=True, assign=True)
+    model.load_state_dict(state, strict=False, assign=True)  # names were checked above; a tied head is re-tied
     model.tie_weights()
     return model.to(device).eval().requires_grad_(False), cfg
 

@@ -9,9 +9,9 @@ from torch import nn
 from disagg_worker.model.config import ModelConfig
 
 
-def inv_frequencies(cfg: ModelConfig) -> torch.Tensor:
+def inv_frequencies(cfg: ModelConfig, device: torch.device | str = "cpu") -> torch.Tensor:
     """[head_dim / 2] float32 inverse frequencies, scaled as `cfg.rope_scaling` asks."""
-    exponents = torch.arange(0, cfg.head_dim, 2, dtype=torch.int64).float() / cfg.head_dim
+    exponents = torch.arange(0, cfg.head_dim, 2, dtype=torch.int64, device=device).float() / cfg.head_dim
     inv_freq = 1.0 / (cfg.rope_theta**exponents)
     scaling = cfg.rope_scaling
     if scaling is None:
@@ -41,9 +41,9 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 class RotaryEmbedding(nn.Module):
     """cos/sin tables for positions 0..max_position_embeddings-1, computed once in float32."""
 
-    def __init__(self, cfg: ModelConfig, device: torch.device | str | None = None):
+    def __init__(self, cfg: ModelConfig, device: torch.device | str = "cpu"):
         super().__init__()
-        inv_freq = inv_frequencies(cfg).to(device)
+        inv_freq = inv_frequencies(cfg, device)
         positions = torch.arange(cfg.max_position_embeddings, device=device, dtype=torch.float32)
         freqs = torch.outer(positions, inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)

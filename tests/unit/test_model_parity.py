@@ -1,0 +1,127 @@
+"""Our paged forward gives the same logits and greedy tokens as `transformers` on the same weights."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+import transformers
+from conftest_model import ARCHS, PageAllocator, StandInKV, make_batch, tiny_dirs  # noqa: F401
+
+from disagg_worker.model.loader import load_model
+
+PAGE_SIZE = 4
+ATOL = 1e-4
+PROMPTS = [
+    [5, 17, 300, 42, 9, 1500, 77, 8, 640, 12, 33],
+    [900, 4, 250, 61],
+    [7, 1024, 88, 19, 2000, 3, 45, 66, 120, 230, 11, 404, 505, 606, 70, 71, 72],
+]
+
+
+@pytest.fixture(scope="module")
+def models(tiny_dirs):
+    out = {}
+    for arch in ARCHS:
+        ours, cfg = load_model(tiny_dirs[arch], "float32", "cpu")
+        ref = transformers.AutoModelForCausalLM.from_pretrained(tiny_dirs[arch], dtype=torch.float32).eval()
+        out[arch] = (ours, cfg, ref)
+    return out
+
+
+def ref_last_logits(ref, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return ref(torch.tensor([ids])).logits[0, -1].float()
+
+
+def new_pool(cfg, seed: int = 0):
+    return StandInKV(cfg, num_pages=64, page_size=PAGE_SIZE), PageAllocator(64, seed)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_prefill_of_several_prompts_matches_transformers(models, arch):
+    ours, cfg, ref = models[arch]
+    kv, alloc = new_pool(cfg)
+    seqs = [alloc.new_seq(32, PAGE_SIZE) for _ in PROMPTS]
+    logits = ours(make_batch(seqs, PROMPTS, PAGE_SIZE), kv)
+    assert logits.shape == (len(PROMPTS), cfg.vocab_size) and logits.dtype == torch.float32
+    for i, prompt in enumerate(PROMPTS):
+        torch.testing.assert_close(logits[i], ref_last_logits(ref, prompt), atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_chunked_prefill_with_cached_prefix_matches_transformers(models, arch):
+    ours, cfg, ref = models[arch]
+    kv, alloc = new_pool(cfg, seed=1)
+    prompt = PROMPTS[2]
+    seq = alloc.new_seq(32, PAGE_SIZE)
+    first = ours(make_batch([seq], [prompt[:6]], PAGE_SIZE), kv)
+    torch.testing.assert_close(first[0], ref_last_logits(ref, prompt[:6]), atol=ATOL, rtol=0)
+    second = ours(make_batch([seq], [prompt[6:]], PAGE_SIZE), kv)
+    torch.testing.assert_close(second[0], ref_last_logits(ref, prompt), atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_batched_decode_of_different_lengths_matches_transformers(models, arch):
+    ours, cfg, ref = models[arch]
+    kv, alloc = new_pool(cfg, seed=2)
+    seqs = [alloc.new_seq(32, PAGE_SIZE) for _ in PROMPTS]
+    ours(make_batch(seqs, PROMPTS, PAGE_SIZE), kv)
+    for step_tokens in ([11, 22, 33], [1200, 5, 808], [64, 65, 66]):
+        batch = make_batch(seqs, [[t] for t in step_tokens], PAGE_SIZE)
+        assert batch.is_decode
+        logits = ours(batch, kv)
+        for i, seq in enumerate(seqs):
+            torch.testing.assert_close(logits[i], ref_last_logits(ref, seq.tokens), atol=ATOL, rtol=0)
+
+
+def greedy(model, cfg, prompts: list[list[int]], max_new: int) -> list[list[int]]:
+    """Prefill all prompts in one batch, then decode them together; a sequence stops at EOS."""
+    kv, alloc = new_pool(cfg, seed=3)
+    seqs = [alloc.new_seq(len(p) + max_new, PAGE_SIZE) for p in prompts]
+    outputs: list[list[int]] = [[] for _ in prompts]
+    active, new = list(range(len(prompts))), [list(p) for p in prompts]
+    eos = set(cfg.eos_token_ids)
+    while active:
+        logits = model(make_batch([seqs[i] for i in active], new, PAGE_SIZE), kv)
+        nxt = logits.argmax(-1).tolist()
+        for i, tok in zip(active, nxt):
+            outputs[i].append(tok)
+        active = [i for i, tok in zip(active, nxt) if tok not in eos and len(outputs[i]) < max_new]
+        new = [[outputs[i][-1]] for i in active]
+    return outputs
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_generation_is_token_identical_to_transformers(models, arch):
+    ours, cfg, ref = models[arch]
+    got = greedy(ours, cfg, PROMPTS, max_new=16)
+    for prompt, tokens in zip(PROMPTS, got):
+        with torch.no_grad():
+            out = ref.generate(
+                torch.tensor([prompt]), max_new_tokens=16, do_sample=False, eos_token_id=list(cfg.eos_token_ids)
+            )
+        assert tokens == out[0, len(prompt) :].tolist()
+    assert len({t for tokens in got for t in tokens}) > 3, "greedy output of the tiny model is degenerate"
+
+
+@pytest.mark.parametrize(
+    "scaling",
+    [
+        {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+         "original_max_position_embeddings": 64},
+        {"rope_type": "linear", "factor": 4.0},
+    ],
+)
+def test_rope_scaling_matches_transformers(tiny_dirs, tmp_path, scaling):
+    path = tmp_path / "scaled"
+    shutil.copytree(tiny_dirs["llama"], path)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "rope_scaling": scaling, "rope_theta": 500000.0}))
+    ours, cfg = load_model(path, torch.float32, "cpu")
+    ref = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    prompt = [(i * 37) % 2000 + 4 for i in range(150)]
+    kv, alloc = new_pool(cfg)
+    logits = ours(make_batch([alloc.new_seq(160, PAGE_SIZE)], [prompt], PAGE_SIZE), kv)
+    torch.testing.assert_close(logits[0], ref_last_logits(ref, prompt), atol=ATOL, rtol=0)
