@@ -78,8 +78,8 @@ class SamplingParams:
                 raise ValueError(f"{f.name}: {problem}")
         if self.min_new_tokens > self.max_new_tokens:
             raise ValueError(
-                f"min_new_tokens: must not exceed the maximum number of new tokens ({self.max_new_tokens}), "
-                f"got {self.min_new_tokens}"
+                "min_new_tokens: must not exceed the maximum number of new tokens "
+                f"({self.max_new_tokens}), got {_fmt(self.min_new_tokens)}"
             )
 
 
@@ -110,7 +110,7 @@ def _real_range(lo: float, hi: float, lo_open: bool = False):
         if not _is_real(v):
             return f"must be a finite number, got {_fmt(v)}"
         if v < lo or (lo_open and v == lo):
-            return f"must be {'>' if lo_open else '>='} {lo}, got {v}"
+            return f"must be {'>' if lo_open else '>='} {lo}, got {_fmt(v)}"
         if v > hi:
             return f"must be <= {hi}, got {_fmt(v)}"
         return None
@@ -119,7 +119,7 @@ def _real_range(lo: float, hi: float, lo_open: bool = False):
 
 
 def _check_bool(v: object) -> str | None:
-    return None if isinstance(v, bool) else f"must be a boolean, got {v!r}"
+    return None if isinstance(v, bool) else f"must be a boolean, got {_fmt(v)}"
 
 
 def _check_stop(v: object) -> str | None:
@@ -296,8 +296,8 @@ def _sorted_drop(vals, logits, ks, ps) -> tuple[torch.Tensor, torch.Tensor]:
     norm = torch.where(ks <= cand, kept.logsumexp(-1, True), logits.logsumexp(-1, True))
     probs = (kept - norm).exp()
     mass = probs.cumsum(dim=-1)
-    # Exclusive cumulative mass: the most likely token is always kept.
-    drop |= (mass - probs) > ps
+    # Keep the smallest best-first set whose mass reaches top_p (the best token always stays).
+    drop |= (mass - probs) >= ps
     exact = (ks <= cand) | ((ks >= vocab) & (mass[:, -1:] > ps))
     return drop, exact.squeeze(1)
 
