@@ -1,0 +1,108 @@
+"""Assembles the engine of one instance from its config: model, KV pool, cache, scheduler, runner."""
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from disagg_worker import messages as msg
+from disagg_worker.config import EngineConfig
+from disagg_worker.engine.request import Req
+from disagg_worker.engine.runner import ModelRunner
+from disagg_worker.engine.scheduler import Scheduler
+from disagg_worker.mem.allocator import PageAllocator
+from disagg_worker.mem.kv_pool import KVPool
+from disagg_worker.mem.radix import RadixCache
+from disagg_worker.model.config import ModelConfig
+from disagg_worker.model.loader import load_model
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class Engine:
+    def __init__(self, cfg: EngineConfig, model: torch.nn.Module | None, model_cfg: ModelConfig):
+        self.cfg = cfg
+        self.model_cfg = model_cfg
+        cache = cfg.cache
+        self.max_context_len = cfg.max_context_len or model_cfg.max_position_embeddings
+        self.kv_pool = KVPool(
+            num_layers=model_cfg.num_layers,
+            num_pages=cache.total_pages,
+            page_size=cache.page_size,
+            num_kv_heads=model_cfg.num_kv_heads,
+            head_dim=model_cfg.head_dim,
+            dtype=DTYPES[cache.kv_dtype],
+            device=cfg.device,
+        )
+        self.allocator = PageAllocator(cache.total_pages)
+        self.radix = RadixCache(cache.page_size, self.allocator, enabled=cache.enable_prefix_cache)
+        self.scheduler = Scheduler(cfg, self.allocator, self.radix)
+        self.runner = ModelRunner(model, self.kv_pool, model_cfg.vocab_size, cfg.device)
+        self.eos_ids = frozenset(model_cfg.eos_token_ids)
+
+    @classmethod
+    def from_config(cls, cfg: EngineConfig) -> "Engine":
+        torch.manual_seed(cfg.seed)
+        model, model_cfg = load_model(cfg.model_path, DTYPES[cfg.dtype], cfg.device)
+        if cfg.forward == "noop":
+            model = None
+        return cls(cfg, model, model_cfg)
+
+    @property
+    def idle(self) -> bool:
+        return self.scheduler.idle
+
+    def handle(self, m: msg.Message) -> None:
+        if isinstance(m, msg.GenerateReq):
+            self.scheduler.add(self.make_req(m))
+        elif isinstance(m, msg.AbortReq):
+            self.scheduler.abort(m.rid)
+        elif isinstance(m, msg.FlushCacheReq):
+            self.radix.evict(self.radix.total_pages)
+        else:
+            log.warning("ignoring unexpected message %s", type(m).__name__)
+
+    def make_req(self, m: msg.GenerateReq) -> Req:
+        return Req(
+            rid=m.rid,
+            prompt_ids=list(m.input_ids),
+            params=m.params,
+            eos_ids=self.eos_ids,
+            max_context_len=self.max_context_len,
+        )
+
+    def info(self) -> msg.EngineInfo:
+        return msg.EngineInfo(
+            model_name=self.cfg.model_name,
+            vocab_size=self.model_cfg.vocab_size,
+            max_context_len=self.max_context_len,
+            capacity_tokens=self.cfg.cache.capacity_tokens,
+            page_size=self.cfg.cache.page_size,
+            total_pages=self.cfg.cache.total_pages,
+            eos_token_ids=sorted(self.eos_ids),
+        )
+
+    def stats(self) -> msg.SchedulerStats:
+        s = self.scheduler
+        return msg.SchedulerStats(
+            time=time.time(),
+            running=len(s.running),
+            waiting=len(s.waiting),
+            pages_used=self.allocator.num_used,
+            pages_total=self.allocator.num_total,
+            cache_hit_tokens=self.radix.stats.hit_tokens,
+            cache_query_tokens=self.radix.stats.queried_tokens,
+            step_count=s.step_count,
+            cache_pages=self.radix.total_pages,
+            cache_refs=self.radix.total_refs(),
+        )
+
+    def pages_accounted(self) -> bool:
+        """At idle, every page is free or held unlocked by the prefix cache."""
+        return (
+            self.allocator.num_free + self.radix.total_pages == self.allocator.num_total
+            and self.radix.total_refs() == 0
+        )

@@ -1,0 +1,105 @@
+"""The scheduler process: receive requests, step the engine, send tokens back.
+
+One loop with an explicit overlap switch. With overlap on, step N+1 is scheduled and its tensors
+built on this thread while step N's forward runs on the runner thread; step N's results are then
+processed while N+1 runs. With overlap off, each step is scheduled, run and processed in turn.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import zmq
+
+from disagg_worker import messages as msg
+from disagg_worker.engine.batch import ScheduledBatch
+from disagg_worker.engine.engine import Engine
+
+log = logging.getLogger(__name__)
+
+STATS_INTERVAL_S = 0.5
+
+
+class Stepper:
+    """Steps the engine with or without overlap; the scheduling logic lives in the Scheduler."""
+
+    def __init__(self, engine: Engine, overlap: bool):
+        self.engine = engine
+        self.overlap = overlap
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forward")
+        self.inflight: tuple[ScheduledBatch, Future] | None = None
+
+    @property
+    def busy(self) -> bool:
+        return self.inflight is not None or not self.engine.idle
+
+    def step(self) -> None:
+        """One turn: schedule the next batch, start it, and finish the one before it."""
+        sched = self.engine.scheduler
+        if self.inflight is not None and (not self.overlap or sched.needs_sync()):
+            self.drain()
+        batch = sched.schedule()
+        started = self.pool.submit(self.engine.runner.run, batch) if batch is not None else None
+        self.drain()
+        if started is not None:
+            self.inflight = (batch, started)
+            if not self.overlap:
+                self.drain()
+
+    def drain(self) -> None:
+        """Wait for the step in flight and process its results."""
+        if self.inflight is None:
+            return
+        batch, fut = self.inflight
+        self.inflight = None
+        self.engine.scheduler.process(batch, fut.result())
+
+    def close(self) -> None:
+        self.drain()
+        self.pool.shutdown(wait=True)
+
+
+class EngineLoop:
+    def __init__(self, engine: Engine, recv_addr: str, send_addr: str, overlap: bool):
+        self.engine = engine
+        self.stepper = Stepper(engine, overlap)
+        self.ctx = zmq.Context()
+        self.recv = self.ctx.socket(zmq.PULL)
+        self.recv.bind(recv_addr)
+        self.send = self.ctx.socket(zmq.PUSH)
+        self.send.connect(send_addr)
+        self.last_stats = 0.0
+        self.stopped = False
+
+    def publish(self, m: msg.Message) -> None:
+        self.send.send(msg.encode(m))
+
+    def serve_forever(self) -> None:
+        self.publish(self.engine.info())
+        while not self.stopped:
+            self._drain_inbox(block=not self.stepper.busy)
+            self.stepper.step()
+            self._flush()
+
+    def _drain_inbox(self, block: bool) -> None:
+        timeout = int(STATS_INTERVAL_S * 1000) if block else 0
+        while self.recv.poll(timeout):
+            self.engine.handle(msg.decode(self.recv.recv()))
+            timeout = 0
+
+    def _flush(self) -> None:
+        outs = self.engine.scheduler.take_outputs()
+        if outs:
+            self.publish(msg.BatchOut(outs))
+        now = time.monotonic()
+        if now - self.last_stats >= STATS_INTERVAL_S:
+            self.last_stats = now
+            self.publish(self.engine.stats())
+
+    def close(self) -> None:
+        self.stopped = True
+        self.stepper.close()
+        self.recv.close(0)
+        self.send.close(0)
+        self.ctx.term()

@@ -1,0 +1,22 @@
+"""Entry point of the scheduler process (started by the HTTP server with multiprocessing spawn)."""
+from __future__ import annotations
+
+import logging
+import signal
+
+from disagg_worker.config import EngineConfig
+
+
+def run_scheduler(cfg: EngineConfig, recv_addr: str, send_addr: str, log_level: str = "info") -> None:
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s scheduler %(levelname)s %(message)s")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when this process ends
+    from disagg_worker.engine.engine import Engine
+    from disagg_worker.engine.loop import EngineLoop
+
+    engine = Engine.from_config(cfg)
+    loop = EngineLoop(engine, recv_addr, send_addr, overlap=cfg.scheduler.enable_overlap)
+    signal.signal(signal.SIGTERM, lambda *_: setattr(loop, "stopped", True))
+    try:
+        loop.serve_forever()
+    finally:
+        loop.close()

@@ -1,0 +1,90 @@
+"""A request as the scheduler sees it: its tokens, its pages, and where it is in its life."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+
+from disagg_worker.engine.sampling import SamplingParams, SamplingState
+
+
+class FinishReason(str, Enum):
+    STOP = "stop"  # EOS, a stop token id, or (on the HTTP side) a stop string
+    LENGTH = "length"  # max_new_tokens or the context length
+    ABORT = "abort"  # client went away or the request was cancelled
+    ERROR = "error"  # the request could not be served (message in Req.error)
+
+
+@dataclass(eq=False)
+class Req:
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    eos_ids: frozenset[int] = frozenset()
+    max_context_len: int = 1 << 30
+    arrival: float = field(default_factory=time.monotonic)
+
+    output_ids: list[int] = field(default_factory=list)
+    # Tokens sampled by a forward still in flight (overlap mode): known to the runner, not yet here.
+    pending: int = 0
+    # KV slots written or scheduled to be written: positions [0, num_computed).
+    num_computed: int = 0
+    # Page table: token at position i lives in slot pages[i // page_size] * page_size + i % page_size.
+    pages: list[int] = field(default_factory=list)
+    # Pages borrowed from the prefix cache (the first len(prefix_pages) entries of `pages`), locked.
+    prefix_pages: int = 0
+    prefix_node: object = None
+    cached_tokens: int = 0
+    finish_reason: FinishReason | None = None
+    error: str = ""
+    error_status: int = 0
+    sampling: SamplingState | None = None
+
+    def __post_init__(self) -> None:
+        if self.sampling is None:
+            self.sampling = SamplingState.create(self.params, self.prompt_ids)
+
+    @property
+    def fill_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def seq_len(self) -> int:
+        """Tokens known to exist, counting those still being sampled."""
+        return len(self.prompt_ids) + len(self.output_ids) + self.pending
+
+    @property
+    def todo(self) -> int:
+        """Known tokens whose KV is not computed yet; a decode step is the case todo == 1."""
+        return self.seq_len - self.num_computed
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.output_ids) + self.pending
+
+    def remaining_new_tokens(self) -> int:
+        by_len = self.params.max_new_tokens - self.num_generated
+        by_ctx = self.max_context_len - self.seq_len
+        return max(0, min(by_len, by_ctx))
+
+    def check_finished(self, token: int) -> None:
+        """Decide whether `token`, just appended to output_ids, ends the request."""
+        n = len(self.output_ids)
+        if n >= self.params.min_new_tokens:
+            if token in self.params.stop_token_ids:
+                self.finish_reason = FinishReason.STOP
+                return
+            if not self.params.ignore_eos and token in self.eos_ids:
+                self.finish_reason = FinishReason.STOP
+                return
+        if n >= self.params.max_new_tokens or len(self.prompt_ids) + n >= self.max_context_len:
+            self.finish_reason = FinishReason.LENGTH
+
+    def fail(self, status: int, message: str) -> None:
+        self.finish_reason = FinishReason.ERROR
+        self.error_status = status
+        self.error = message

@@ -1,0 +1,56 @@
+"""Runs one scheduled batch: the model forward over the paged KV cache, then sampling."""
+from __future__ import annotations
+
+import torch
+
+from disagg_worker.engine.batch import ScheduledBatch, StepResult
+from disagg_worker.engine.sampling import Sampler
+from disagg_worker.mem.kv_pool import KVPool
+
+
+class ModelRunner:
+    """Owns the model, the KV pool and the sampler; used from one thread at a time.
+
+    Steps run strictly in submission order, so a step may take its input tokens from the step
+    before it (`ScheduledBatch.future`) and page reuse is ordered: a page freed while a step is in
+    flight is only written by a later step.
+    """
+
+    def __init__(self, model: torch.nn.Module | None, kv_pool: KVPool, vocab_size: int, device: str = "cpu"):
+        self.model = model
+        self.kv_pool = kv_pool
+        self.vocab_size = vocab_size
+        self.device = device
+        self.sampler = Sampler(vocab_size, device=device)
+        self._last: dict[int, int] = {}
+
+    @torch.inference_mode()
+    def run(self, batch: ScheduledBatch) -> StepResult:
+        fwd = batch.forward
+        for j, req in batch.future:
+            fwd.input_ids[j] = self._last[id(req)]
+        logits = self._logits(batch)
+        rows = [i for i, s in enumerate(batch.samples) if s]
+        n = len(batch.reqs)
+        tokens = [-1] * n
+        logprobs: list[float | None] = [None] * n
+        tops: list[list[tuple[int, float]] | None] = [None] * n
+        self._last = {}
+        if rows:
+            states = [batch.reqs[i].sampling for i in rows]
+            out = self.sampler.sample(logits[rows], states)
+            for k, i in enumerate(rows):
+                tok = out.token_ids[k]
+                tokens[i] = tok
+                states[k].output_ids.append(tok)
+                self._last[id(batch.reqs[i])] = tok
+                if out.logprobs is not None:
+                    logprobs[i] = out.logprobs[k]
+                if out.top_logprobs is not None:
+                    tops[i] = out.top_logprobs[k]
+        return StepResult(tokens=tokens, logprobs=logprobs, top_logprobs=tops)
+
+    def _logits(self, batch: ScheduledBatch) -> torch.Tensor:
+        if self.model is None:  # no-op forward: measures everything but the model
+            return torch.zeros(len(batch.reqs), self.vocab_size)
+        return self.model(batch.forward, self.kv_pool)

@@ -1,0 +1,268 @@
+"""Continuous batching over a paged KV cache.
+
+Life of a request here: `add` puts it in the waiting queue -> `schedule` admits it when its whole
+prompt fits (prefix pages come from the radix cache, the rest from the allocator) -> it is prefilled
+in chunks of at most `chunk_size` tokens, mixed in the same forward with the decode steps of the
+running requests -> after its last chunk each step samples one token (`process`) -> on finish its
+full pages go into the radix cache and the rest back to the allocator.
+
+Page accounting invariant: a page is either free in the allocator, held by the radix cache, or in
+exactly one request's private page table; `release` is the only way out of a request.
+"""
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass
+
+from disagg_worker.config import EngineConfig
+from disagg_worker.engine.batch import ScheduledBatch, StepResult, build_forward
+from disagg_worker.engine.request import FinishReason, Req
+from disagg_worker.mem.allocator import PageAllocator
+from disagg_worker.mem.radix import RadixCache
+from disagg_worker.messages import TokenOut
+
+log = logging.getLogger(__name__)
+
+
+def pages_for(tokens: int, page_size: int) -> int:
+    return (tokens + page_size - 1) // page_size
+
+
+@dataclass
+class Plan:
+    reqs: list[Req]
+    extend: list[int]
+
+
+class Scheduler:
+    def __init__(self, cfg: EngineConfig, allocator: PageAllocator, radix: RadixCache):
+        self.cfg = cfg
+        self.page_size = cfg.cache.page_size
+        self.allocator = allocator
+        self.radix = radix
+        self.waiting: deque[Req] = deque()
+        self.running: list[Req] = []
+        self.by_rid: dict[str, Req] = {}
+        self.outbox: list[TokenOut] = []
+        self.step_count = 0
+
+    # ---- queue changes -------------------------------------------------------------------
+    def add(self, req: Req) -> None:
+        if req.rid in self.by_rid:
+            req.fail(400, f"request id {req.rid!r} is already in use")
+            self._emit(req, [])
+            return
+        capacity = self.cfg.cache.capacity_tokens
+        if req.seq_len + 1 > capacity:
+            req.fail(400, f"prompt of {req.seq_len} tokens does not fit the KV cache ({capacity} tokens)")
+            self._emit(req, [])
+            return
+        self.by_rid[req.rid] = req
+        self.waiting.append(req)
+
+    def abort(self, rid: str) -> None:
+        req = self.by_rid.get(rid)
+        if req is None:
+            return
+        req.finish_reason = FinishReason.ABORT
+        self._finish(req)
+
+    @property
+    def idle(self) -> bool:
+        return not self.waiting and not self.running
+
+    # ---- scheduling ---------------------------------------------------------------------
+    def needs_sync(self) -> bool:
+        """True when the next decode steps may not get pages without retracting a request.
+
+        Retraction must see every request's true state, so in overlap mode the loop waits for the
+        batch in flight before scheduling when this is true.
+        """
+        need = sum(1 for r in self.running if self._needs_page(r, 1))
+        return need > self.allocator.num_free + self.radix.evictable_pages
+
+    def schedule(self) -> ScheduledBatch | None:
+        plan = Plan([], [])
+        budget = self.cfg.scheduler.max_batch_tokens
+        budget = self._plan_running(plan, budget)
+        self._plan_admissions(plan, budget)
+        if not plan.reqs:
+            return None
+        return self._build(plan)
+
+    def _plan_running(self, plan: Plan, budget: int) -> int:
+        # Decode steps first, then the chunks of prompts already admitted.
+        order = sorted(self.running, key=lambda r: r.todo != 1)
+        for r in order:
+            if r.finished or r.remaining_new_tokens() == 0:
+                continue
+            if budget <= 0 and plan.reqs:
+                break
+            n = self._take(r.todo, budget)
+            if not self._ensure_pages(r, n):
+                if r in self.running and not self._retractable(keep=r):
+                    r.finish_reason = FinishReason.LENGTH  # alone and the KV cache is full
+                    self._finish(r)
+                continue
+            plan.reqs.append(r)
+            plan.extend.append(n)
+            budget -= n
+        return budget
+
+    def _plan_admissions(self, plan: Plan, budget: int) -> None:
+        limit = self.cfg.scheduler.max_running_requests
+        while self.waiting and len(self.running) < limit:
+            if budget <= 0 and plan.reqs:
+                return
+            req = self.waiting[0]
+            if not self._admit(req):
+                return
+            self.waiting.popleft()
+            self.running.append(req)
+            n = self._take(req.todo, budget)
+            plan.reqs.append(req)
+            plan.extend.append(n)
+            budget -= n
+
+    def _take(self, todo: int, budget: int) -> int:
+        """Tokens of a request to compute in this step: the whole rest, or a chunk of it."""
+        chunk = self.cfg.scheduler.chunk_size
+        if chunk <= 0:
+            return todo
+        return max(1, min(todo, chunk, budget))
+
+    def _admit(self, req: Req) -> bool:
+        """Give `req` its prefix pages and private pages for the whole known sequence, or nothing."""
+        match = self.radix.match_prefix(req.fill_ids[: req.seq_len - 1])
+        self.radix.lock(match.node)
+        need = pages_for(req.seq_len, self.page_size) - len(match.pages)
+        reserve = sum(
+            pages_for(min(r.remaining_new_tokens(), self.cfg.scheduler.decode_reserve_tokens), self.page_size)
+            for r in self.running
+        )
+        if need + reserve > self.allocator.num_free + self.radix.evictable_pages:
+            self.radix.unlock(match.node)
+            return False
+        pages = self._alloc(need)
+        if pages is None:
+            self.radix.unlock(match.node)
+            return False
+        req.prefix_node = match.node
+        req.prefix_pages = len(match.pages)
+        req.pages = list(match.pages) + pages
+        req.num_computed = match.num_tokens
+        req.cached_tokens = match.num_tokens
+        return True
+
+    def _needs_page(self, req: Req, n: int) -> int:
+        return max(0, pages_for(req.num_computed + n, self.page_size) - len(req.pages))
+
+    def _ensure_pages(self, req: Req, n: int) -> bool:
+        need = self._needs_page(req, n)
+        if need == 0:
+            return True
+        pages = self._alloc(need)
+        while pages is None and self._retract_one(keep=req):
+            pages = self._alloc(need)
+        if pages is None:
+            return False
+        req.pages.extend(pages)
+        return True
+
+    def _alloc(self, n: int) -> list[int] | None:
+        short = n - self.allocator.num_free
+        if short > 0:
+            self.radix.evict(short)
+        return self.allocator.alloc(n)
+
+    def _retractable(self, keep: Req) -> list[Req]:
+        return [r for r in self.running if r is not keep and not r.pending]
+
+    def _retract_one(self, keep: Req) -> bool:
+        """Send the newest running request back to the waiting queue, keeping its tokens."""
+        candidates = self._retractable(keep)
+        if not candidates:
+            return False
+        victim = candidates[-1]
+        self.running.remove(victim)
+        self._release(victim)
+        victim.num_computed = 0
+        self.waiting.appendleft(victim)
+        log.info("retracted %s (%d tokens) to free pages", victim.rid, victim.seq_len)
+        return True
+
+    def _build(self, plan: Plan) -> ScheduledBatch:
+        known = [r.fill_ids for r in plan.reqs]
+        forward = build_forward(plan.reqs, plan.extend, self.page_size, known)
+        samples, future = [], []
+        pos = 0
+        for r, n in zip(plan.reqs, plan.extend):
+            pos += n
+            if r.pending:
+                future.append((pos - 1, r))
+            r.num_computed += n
+            sample = r.num_computed == r.seq_len
+            samples.append(sample)
+            if sample:
+                r.pending += 1
+        return ScheduledBatch(reqs=plan.reqs, forward=forward, samples=samples, future=future)
+
+    # ---- results ------------------------------------------------------------------------
+    def process(self, batch: ScheduledBatch, result: StepResult) -> None:
+        self.step_count += 1
+        for i, r in enumerate(batch.reqs):
+            if not batch.samples[i]:
+                continue
+            r.pending -= 1
+            if r.finished:
+                continue  # aborted or finished while this step was in flight: its token is dropped
+            tok = result.tokens[i]
+            r.output_ids.append(tok)
+            r.check_finished(tok)
+            self._emit(r, [tok], result.logprobs[i], result.top_logprobs[i])
+            if r.finished:
+                self._finish(r, emit=False)
+
+    def take_outputs(self) -> list[TokenOut]:
+        out, self.outbox = self.outbox, []
+        return out
+
+    # ---- endings ------------------------------------------------------------------------
+    def _finish(self, req: Req, emit: bool = True) -> None:
+        if req in self.running:
+            self.running.remove(req)
+            self._release(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.by_rid.pop(req.rid, None)
+        if emit:
+            self._emit(req, [])
+
+    def _release(self, req: Req) -> None:
+        """Return the request's pages: whole computed pages to the radix cache, the rest freed."""
+        computed = min(req.num_computed, len(req.fill_ids))
+        full = computed // self.page_size
+        tokens = req.fill_ids[: full * self.page_size]
+        redundant = self.radix.insert(tokens, req.pages[:full])
+        self.allocator.free(redundant + req.pages[full:])
+        if req.prefix_node is not None:
+            self.radix.unlock(req.prefix_node)
+        req.prefix_node = None
+        req.pages = []
+        req.prefix_pages = 0
+
+    def _emit(self, req: Req, tokens: list[int], lp=None, top=None) -> None:
+        self.outbox.append(
+            TokenOut(
+                rid=req.rid,
+                token_ids=tokens,
+                logprobs=[lp] if lp is not None else None,
+                top_logprobs=[top] if top is not None else None,
+                finish_reason=req.finish_reason.value if req.finished else None,
+                prompt_tokens=len(req.prompt_ids),
+                cached_tokens=req.cached_tokens,
+                error=req.error,
+                error_status=req.error_status,
+            )
+        )

@@ -1,0 +1,99 @@
+"""Messages between the HTTP front end and the scheduler process, and their one codec.
+
+Both ends are processes of the same instance on the same host (zmq ipc sockets), so the codec is
+pickle of these dataclasses; nothing here crosses a trust boundary.
+"""
+from __future__ import annotations
+
+import pickle
+from dataclasses import dataclass, field
+
+from disagg_worker.engine.sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class BootstrapInfo:
+    """Where a decode instance finds the prefill instance holding this request's KV."""
+
+    host: str
+    port: int
+    room: int
+
+
+@dataclass(frozen=True)
+class GenerateReq:
+    rid: str
+    input_ids: list[int]
+    params: SamplingParams
+    bootstrap: BootstrapInfo | None = None
+
+
+@dataclass(frozen=True)
+class AbortReq:
+    rid: str
+
+
+@dataclass(frozen=True)
+class FlushCacheReq:
+    """Evict every prefix-cache page no request holds."""
+
+
+@dataclass(frozen=True)
+class TokenOut:
+    """New tokens of one request since its last TokenOut; `finish_reason` set on its last one."""
+
+    rid: str
+    token_ids: list[int]
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    error: str = ""
+    error_status: int = 0
+
+
+@dataclass(frozen=True)
+class BatchOut:
+    outputs: list[TokenOut]
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """Sent once by the scheduler when it is ready to serve."""
+
+    model_name: str
+    vocab_size: int
+    max_context_len: int
+    capacity_tokens: int
+    page_size: int
+    total_pages: int
+    eos_token_ids: list[int]
+
+
+@dataclass(frozen=True)
+class SchedulerStats:
+    """Sent by the scheduler at least every heartbeat interval; /health and /metrics read it."""
+
+    time: float
+    running: int
+    waiting: int
+    pages_used: int
+    pages_total: int
+    cache_hit_tokens: int
+    cache_query_tokens: int
+    step_count: int
+    cache_pages: int = 0
+    cache_refs: int = 0
+    queues: dict[str, int] = field(default_factory=dict)
+
+
+Message = GenerateReq | AbortReq | FlushCacheReq | BatchOut | EngineInfo | SchedulerStats
+
+
+def encode(msg: Message) -> bytes:
+    return pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def decode(data: bytes) -> Message:
+    return pickle.loads(data)
