@@ -1,0 +1,63 @@
+"""The `disagg` command: serve, model make-tiny, bench serve (and the P/D roles)."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from disagg_worker.config import Role, add_engine_args, server_args_from_cli
+
+
+def cmd_serve(ns: argparse.Namespace) -> int:
+    from disagg_worker.server import launch
+
+    launch.run(server_args_from_cli(ns, Role.MONOLITHIC))
+    return 0
+
+
+def cmd_make_tiny(ns: argparse.Namespace) -> int:
+    from disagg_worker.model.tiny import make_tiny
+
+    make_tiny(ns.out, seed=ns.seed, arch=ns.arch)
+    print(f"wrote a tiny random-weight {ns.arch} model to {ns.out}")
+    return 0
+
+
+def cmd_bench_serve(ns: argparse.Namespace) -> int:
+    from disagg_worker.bench.serve import main as bench_main
+
+    return bench_main(ns)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="disagg", description="LLM serving with prefill/decode disaggregation")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="serve a model (one engine instance)")
+    add_engine_args(serve)
+    serve.set_defaults(func=cmd_serve)
+
+    model = sub.add_parser("model", help="model utilities")
+    msub = model.add_subparsers(dest="model_command", required=True)
+    tiny = msub.add_parser("make-tiny", help="write a small random-weight model with a real tokenizer")
+    tiny.add_argument("--out", required=True)
+    tiny.add_argument("--seed", type=int, default=0)
+    tiny.add_argument("--arch", default="llama", choices=["llama", "qwen2", "qwen3"])
+    tiny.set_defaults(func=cmd_make_tiny)
+
+    bench = sub.add_parser("bench", help="benchmarks")
+    bsub = bench.add_subparsers(dest="bench_command", required=True)
+    from disagg_worker.bench.serve import add_args as add_bench_args
+
+    bserve = bsub.add_parser("serve", help="load-test an OpenAI-compatible server (bench_serving style)")
+    add_bench_args(bserve)
+    bserve.set_defaults(func=cmd_bench_serve)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = build_parser().parse_args(argv)
+    return ns.func(ns)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,285 @@
+"""OpenAI-compatible HTTP API of one engine instance (aiohttp).
+
+Every client error is an `APIError` with an OpenAI-style body and a 4xx status; the middleware turns
+anything else into a logged 500 so a bug never kills the server.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import asdict, replace
+
+from aiohttp import web
+
+from disagg_worker.engine.sampling import SamplingParams
+from disagg_worker.messages import BootstrapInfo, FlushCacheReq
+from disagg_worker.server import openai_format as fmt
+from disagg_worker.server.errors import APIError
+from disagg_worker.server.frontend import Delta, Frontend
+from disagg_worker.server.protocol import parse_chat, parse_completion, parse_generate, parse_json
+
+log = logging.getLogger(__name__)
+
+FRONTEND = web.AppKey("frontend", Frontend)
+SETTINGS = web.AppKey("settings", dict)
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler):
+    try:
+        return await handler(request)
+    except APIError as e:
+        return web.json_response(e.body(), status=e.status)
+    except web.HTTPException as e:
+        if e.status >= 400:
+            err = APIError(e.status, e.reason or "error", type="invalid_request_error")
+            return web.json_response(err.body(), status=e.status)
+        raise
+    except (asyncio.CancelledError, ConnectionResetError):
+        raise
+    except Exception as e:  # a bug: answer 500 with the reason, keep serving
+        log.exception("internal error on %s", request.path)
+        err = APIError(500, f"internal error: {type(e).__name__}: {e}", type="server_error")
+        return web.json_response(err.body(), status=500)
+
+
+def build_app(frontend: Frontend, model_name: str, health_timeout_s: float = 20.0) -> web.Application:
+    app = web.Application(middlewares=[error_middleware], client_max_size=64 * 1024 * 1024)
+    app[FRONTEND] = frontend
+    app[SETTINGS] = {"model": model_name, "health_timeout_s": health_timeout_s}
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/generate", generate)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/stats", stats)
+    app.router.add_post("/flush_cache", flush_cache)
+    return app
+
+
+async def read_json(request: web.Request):
+    return parse_json(await request.read())
+
+
+def bootstrap_of(body) -> BootstrapInfo | None:
+    """P/D fields the router adds to a request body (absent in monolithic use)."""
+    if not isinstance(body, dict) or "bootstrap_room" not in body:
+        return None
+    host, port, room = body.get("bootstrap_host"), body.get("bootstrap_port"), body.get("bootstrap_room")
+    if not isinstance(host, str) or not isinstance(port, int) or not isinstance(room, int) \
+            or isinstance(port, bool) or isinstance(room, bool) or not 0 <= room < 2**63:
+        raise APIError(400, "bootstrap_host (str), bootstrap_port (int) and bootstrap_room (0..2^63-1) are required together",
+                       param="bootstrap_room")
+    return BootstrapInfo(host, port, room)
+
+
+def check_ids(frontend: Frontend, ids: list[int], params: SamplingParams, explicit_max: bool) -> SamplingParams:
+    """Reject prompts the engine cannot serve; fit an implicit max_tokens into the context."""
+    info = frontend.info
+    if not ids:
+        raise APIError(400, "the prompt is empty", param="prompt")
+    bad = [i for i in ids if not 0 <= i < info.vocab_size]
+    if bad:
+        raise APIError(400, f"token id {bad[0]} is outside the vocabulary (size {info.vocab_size})", param="prompt")
+    if len(ids) + 1 > info.capacity_tokens:
+        raise APIError(400, f"the prompt has {len(ids)} tokens but the KV cache holds {info.capacity_tokens}",
+                       param="prompt", code="context_length_exceeded")
+    room = info.max_context_len - len(ids)
+    if room < 1:
+        raise APIError(400, f"This model's maximum context length is {info.max_context_len} tokens; "
+                            f"the prompt has {len(ids)} tokens.", param="prompt", code="context_length_exceeded")
+    if params.max_new_tokens > room:
+        if explicit_max:
+            raise APIError(400, f"This model's maximum context length is {info.max_context_len} tokens. However, "
+                                f"you requested {len(ids) + params.max_new_tokens} tokens ({len(ids)} in the prompt, "
+                                f"{params.max_new_tokens} for the completion).", param="max_tokens",
+                           code="context_length_exceeded")
+        params = replace(params, max_new_tokens=room)
+    return params
+
+
+def choice_params(params: SamplingParams, i: int) -> SamplingParams:
+    """Choice i of n: a seeded request gets seed + i so the choices differ but stay reproducible."""
+    if i == 0 or params.seed is None:
+        return params
+    return replace(params, seed=params.seed + i)
+
+
+async def merged(streams: list[AsyncIterator[Delta]]) -> AsyncIterator[tuple[int, Delta]]:
+    """Interleave the deltas of several choices as they come."""
+    q: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, s: AsyncIterator[Delta]) -> None:
+        try:
+            async for d in s:
+                await q.put((i, d))
+            await q.put((i, None))
+        except BaseException as e:  # noqa: BLE001 - handed to the consumer
+            await q.put((i, e))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    open_ = len(tasks)
+    try:
+        while open_:
+            i, item = await q.get()
+            if item is None:
+                open_ -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def run_choices(frontend: Frontend, ids, params, n, bootstrap) -> list[fmt.Choice]:
+    choices = [fmt.Choice(i) for i in range(n)]
+    streams = [frontend.complete(ids, choice_params(params, i), bootstrap) for i in range(n)]
+    async for i, d in merged(streams):
+        choices[i].add(d)
+    return choices
+
+
+async def sse_response(request: web.Request) -> web.StreamResponse:
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await resp.prepare(request)
+    return resp
+
+
+async def send_event(resp: web.StreamResponse, data) -> None:
+    payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
+    await resp.write(f"data: {payload}\n\n".encode())
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    fe, s = request.app[FRONTEND], request.app[SETTINGS]
+    body = await read_json(request)
+    req = parse_completion(body, s["model"], fe.info.max_context_len)
+    ids = req.prompt if isinstance(req.prompt, list) else fe.tokenizer.encode(req.prompt)
+    params = check_ids(fe, ids, req.sampling, "max_tokens" in body)
+    bootstrap = bootstrap_of(body)
+    rid = fmt.new_id("cmpl")
+    if not req.stream:
+        choices = await run_choices(fe, ids, params, req.n, bootstrap)
+        return web.json_response(fmt.completion_body(rid, s["model"], choices, fe.tokenizer, len(ids)))
+    resp = await sse_response(request)
+    choices = [fmt.Choice(i) for i in range(req.n)]
+    try:
+        async for i, d in merged([fe.complete(ids, choice_params(params, i), bootstrap) for i in range(req.n)]):
+            await send_event(resp, fmt.completion_chunk(rid, s["model"], i, d, fe.tokenizer, len(choices[i].text)))
+            choices[i].add(d)
+        if req.stream_options_include_usage:
+            await send_event(resp, fmt.usage_chunk(rid, s["model"], "text_completion", choices, len(ids)))
+    except APIError as e:
+        await send_event(resp, e.body())
+    await send_event(resp, "[DONE]")
+    return resp
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    fe, s = request.app[FRONTEND], request.app[SETTINGS]
+    body = await read_json(request)
+    req = parse_chat(body, s["model"], fe.info.max_context_len)
+    try:
+        text = fe.tokenizer.apply_chat_template(req.messages, add_generation_prompt=req.add_generation_prompt)
+    except ValueError as e:
+        raise APIError(400, f"cannot render the chat template: {e}", param="messages") from e
+    ids = fe.tokenizer.encode(text, add_special_tokens=False)
+    explicit = "max_tokens" in body or "max_completion_tokens" in body
+    params = check_ids(fe, ids, req.sampling, explicit)
+    bootstrap = bootstrap_of(body)
+    rid = fmt.new_id("chatcmpl")
+    if not req.stream:
+        choices = await run_choices(fe, ids, params, req.n, bootstrap)
+        return web.json_response(fmt.chat_body(rid, s["model"], choices, fe.tokenizer, len(ids)))
+    resp = await sse_response(request)
+    choices = [fmt.Choice(i) for i in range(req.n)]
+    try:
+        for i in range(req.n):
+            await send_event(resp, fmt.chat_chunk(rid, s["model"], i, None, fe.tokenizer, first=True))
+        async for i, d in merged([fe.complete(ids, choice_params(params, i), bootstrap) for i in range(req.n)]):
+            await send_event(resp, fmt.chat_chunk(rid, s["model"], i, d, fe.tokenizer, first=False))
+            choices[i].add(d)
+        if req.stream_options_include_usage:
+            await send_event(resp, fmt.usage_chunk(rid, s["model"], "chat.completion.chunk", choices, len(ids)))
+    except APIError as e:
+        await send_event(resp, e.body())
+    await send_event(resp, "[DONE]")
+    return resp
+
+
+async def generate(request: web.Request) -> web.StreamResponse:
+    """Native endpoint: token ids (or text) in, token ids and text out."""
+    fe = request.app[FRONTEND]
+    body = await read_json(request)
+    req = parse_generate(body, fe.info.max_context_len, fe.info.vocab_size)
+    ids = req.input_ids if req.input_ids is not None else fe.tokenizer.encode(req.text)
+    sp = body.get("sampling_params") if isinstance(body, dict) else None
+    explicit = isinstance(sp, dict) and "max_new_tokens" in sp
+    params = check_ids(fe, ids, req.sampling, explicit)
+    bootstrap = bootstrap_of(body)
+    choice = fmt.Choice(0)
+    if not req.stream:
+        async for d in fe.complete(ids, params, bootstrap):
+            choice.add(d)
+        return web.json_response(generate_body(choice, len(ids)))
+    resp = await sse_response(request)
+    try:
+        async for d in fe.complete(ids, params, bootstrap):
+            choice.add(d)
+            await send_event(resp, generate_body(choice, len(ids)))
+    except APIError as e:
+        await send_event(resp, e.body())
+    await send_event(resp, "[DONE]")
+    return resp
+
+
+def generate_body(c: fmt.Choice, prompt_tokens: int) -> dict:
+    return {
+        "text": c.text,
+        "output_ids": c.token_ids,
+        "meta_info": {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": c.completion_tokens,
+            "cached_tokens": c.cached_tokens,
+            "finish_reason": c.finish_reason,
+            "output_token_logprobs": c.logprobs or None,
+        },
+    }
+
+
+async def models(request: web.Request) -> web.Response:
+    name = request.app[SETTINGS]["model"]
+    return web.json_response({"object": "list", "data": [
+        {"id": name, "object": "model", "created": 0, "owned_by": "disagg"}]})
+
+
+async def health(request: web.Request) -> web.Response:
+    fe, s = request.app[FRONTEND], request.app[SETTINGS]
+    if fe.healthy(s["health_timeout_s"]):
+        return web.json_response({"status": "ok"})
+    return web.json_response({"status": "unhealthy", "reason": "the scheduler has not reported recently"},
+                             status=503)
+
+
+async def metrics(request: web.Request) -> web.Response:
+    body = request.app[FRONTEND].metrics.render()
+    return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+
+
+async def stats(request: web.Request) -> web.Response:
+    """The scheduler's latest report: queue sizes and page accounting."""
+    st = request.app[FRONTEND].stats
+    if st is None:
+        raise APIError(503, "the scheduler has not reported yet", type="server_error")
+    return web.json_response(asdict(st))
+
+
+async def flush_cache(request: web.Request) -> web.Response:
+    await request.app[FRONTEND].send(FlushCacheReq())
+    return web.json_response({"status": "ok"})

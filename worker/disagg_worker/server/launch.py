@@ -1,0 +1,100 @@
+"""Start one engine instance: the scheduler process, then the HTTP server in this process."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing as mp
+import os
+import shutil
+import signal
+import tempfile
+
+from aiohttp import web
+
+from disagg_worker.config import ServerArgs
+from disagg_worker.engine.process import run_scheduler
+from disagg_worker.model.tokenizer import Tokenizer
+from disagg_worker.server.api import build_app
+from disagg_worker.server.frontend import Frontend
+from disagg_worker.server.metrics import ServerMetrics
+
+log = logging.getLogger(__name__)
+
+STARTUP_TIMEOUT_S = 600.0
+
+
+class EngineServer:
+    """A running instance; `start` returns once it serves, `stop` ends the scheduler process too."""
+
+    def __init__(self, args: ServerArgs):
+        self.args = args
+        self.ipc_dir = tempfile.mkdtemp(prefix="disagg-")
+        self.to_engine = f"ipc://{self.ipc_dir}/to-engine"
+        self.from_engine = f"ipc://{self.ipc_dir}/from-engine"
+        self.proc: mp.Process | None = None
+        self.runner: web.AppRunner | None = None
+        self.frontend: Frontend | None = None
+
+    async def start(self) -> None:
+        a = self.args
+        tokenizer = Tokenizer.from_dir(a.engine.model_path)
+        metrics = ServerMetrics(instance=f"{a.host}:{a.port}")
+        self.frontend = Frontend(tokenizer, self.to_engine, self.from_engine, metrics)
+        self.frontend.start()
+        ctx = mp.get_context("spawn")
+        self.proc = ctx.Process(
+            target=run_scheduler, args=(a.engine, self.to_engine, self.from_engine, a.log_level),
+            name="disagg-scheduler", daemon=True,
+        )
+        self.proc.start()
+        await self._wait_ready()
+        app = build_app(self.frontend, a.engine.model_name, a.health_timeout_s)
+        self.runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+        await self.runner.setup()
+        await web.TCPSite(self.runner, a.host, a.port).start()
+
+    async def _wait_ready(self) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + STARTUP_TIMEOUT_S
+        while not self.frontend.ready.is_set():
+            if not self.proc.is_alive():
+                raise RuntimeError(f"the scheduler process exited with code {self.proc.exitcode} during start-up")
+            if loop.time() > deadline:
+                raise RuntimeError("the scheduler process did not become ready in time")
+            await asyncio.sleep(0.1)
+
+    async def stop(self) -> None:
+        if self.runner is not None:
+            await self.runner.cleanup()
+        if self.proc is not None and self.proc.is_alive():
+            self.proc.terminate()
+            self.proc.join(10)
+            if self.proc.is_alive():
+                self.proc.kill()
+        if self.frontend is not None:
+            await self.frontend.close()
+        shutil.rmtree(self.ipc_dir, ignore_errors=True)
+
+
+async def serve_until_signalled(server: EngineServer, banner: str = "") -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await server.start()
+    if banner:
+        print(banner, flush=True)
+    try:
+        await stop.wait()
+    finally:
+        await server.stop()
+
+
+def run(args: ServerArgs) -> None:
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s server %(levelname)s %(message)s")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    url = f"http://{args.host}:{args.port}"
+    banner = (f"disagg serving {args.engine.model_name} at {url}\n"
+              f"try: curl {url}/v1/completions -H 'Content-Type: application/json' "
+              f"-d '{{\"model\": \"{args.engine.model_name}\", \"prompt\": \"Once upon a time\", \"max_tokens\": 16}}'")
+    asyncio.run(serve_until_signalled(EngineServer(args), banner))

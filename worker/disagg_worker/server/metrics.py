@@ -1,0 +1,73 @@
+"""Prometheus metrics of one server instance (its own registry, so several can share a process)."""
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from disagg_worker import messages as msg
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+class ServerMetrics:
+    def __init__(self, instance: str):
+        self.registry = CollectorRegistry()
+        r, labels = self.registry, ["instance"]
+        self.instance = instance
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, labels, registry=r).labels(instance)
+
+        self.running = gauge("disagg_num_running_requests", "Requests in the running batch")
+        self.waiting = gauge("disagg_num_waiting_requests", "Requests waiting for admission")
+        self.pages_used = gauge("disagg_kv_pages_used", "KV cache pages in use")
+        self.pages_free = gauge("disagg_kv_pages_free", "KV cache pages free")
+        self.hit_rate = gauge("disagg_prefix_cache_hit_rate", "Prefix cache hit tokens / queried tokens")
+        self.queue = Gauge("disagg_queue_size", "Requests per disaggregation queue", ["instance", "queue"],
+                           registry=r)
+        hist = dict(labelnames=labels, buckets=LATENCY_BUCKETS, registry=r)
+        self.ttft = Histogram("disagg_time_to_first_token_seconds", "Time to first token", **hist).labels(instance)
+        self.itl = Histogram("disagg_inter_token_latency_seconds", "Time between output tokens", **hist).labels(instance)
+        self.e2e = Histogram("disagg_e2e_request_latency_seconds", "Request latency", **hist).labels(instance)
+        self.prompt_tokens = Counter("disagg_prompt_tokens", "Prompt tokens processed", labels, registry=r).labels(instance)
+        self.generation_tokens = Counter("disagg_generation_tokens", "Tokens generated", labels,
+                                         registry=r).labels(instance)
+        self.requests = Counter("disagg_requests", "Requests finished", labels, registry=r).labels(instance)
+
+    def observe_stats(self, s: msg.SchedulerStats) -> None:
+        self.running.set(s.running)
+        self.waiting.set(s.waiting)
+        self.pages_used.set(s.pages_used)
+        self.pages_free.set(s.pages_total - s.pages_used)
+        if s.cache_query_tokens:
+            self.hit_rate.set(s.cache_hit_tokens / s.cache_query_tokens)
+        for name, size in s.queues.items():
+            self.queue.labels(self.instance, name).set(size)
+
+    def request_timer(self, prompt_tokens: int) -> "RequestTimer":
+        self.prompt_tokens.inc(prompt_tokens)
+        return RequestTimer(self)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class RequestTimer:
+    def __init__(self, m: ServerMetrics):
+        self.m = m
+        self.start = self.last = time.monotonic()
+        self.first = True
+
+    def tokens(self, n: int) -> None:
+        if n == 0:
+            return
+        now = time.monotonic()
+        (self.m.ttft if self.first else self.m.itl).observe(now - self.last if not self.first else now - self.start)
+        self.first = False
+        self.last = now
+        self.m.generation_tokens.inc(n)
+
+    def finish(self) -> None:
+        self.m.e2e.observe(time.monotonic() - self.start)
+        self.m.requests.inc()
