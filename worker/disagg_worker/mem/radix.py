@@ -1,0 +1,244 @@
+"""Page-granular radix prefix cache.
+
+The tree maps token prefixes to the KV pages that hold them. Every edge carries a whole
+number of pages (`len(node.key) == len(node.pages) * page_size`), children are keyed by the
+tokens of their first page, and a node is split at a page boundary when a new key diverges
+inside it. A partial page is never cached nor matched.
+
+Ownership: a page is owned either by the tree or by a request, never both. The tree frees
+its pages to the allocator only on `evict` and `reset`. A request that matched a prefix
+`lock`s the returned node so those pages cannot be evicted while it reads them, and
+`unlock`s it when done. A lock counts on the node and on every ancestor, so a node's
+lock count is at least that of any descendant and an unlocked node has no locked
+descendants: evicting unlocked leaves never strands a locked node.
+"""
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from .allocator import PageAllocator
+
+
+class Node:
+    __slots__ = ("key", "pages", "parent", "children", "lock_ref", "last_access")
+
+    def __init__(self, key: tuple[int, ...], pages: list[int], parent: Node | None):
+        self.key = key
+        self.pages = pages
+        self.parent = parent
+        self.children: dict[tuple[int, ...], Node] = {}
+        self.lock_ref = 0
+        self.last_access = 0
+
+
+@dataclass(frozen=True)
+class MatchResult:
+    """The longest cached prefix: `pages` hold `num_tokens == len(pages) * page_size` tokens,
+    and `node` is the tree node that ends exactly there (pass it to `lock`/`unlock`)."""
+
+    pages: list[int]
+    num_tokens: int
+    node: Node
+
+
+@dataclass
+class CacheStats:
+    hit_tokens: int = 0
+    queried_tokens: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
+
+
+class RadixCache:
+    def __init__(self, page_size: int, allocator: PageAllocator, enabled: bool = True):
+        if page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {page_size}")
+        self.page_size = page_size
+        self.allocator = allocator
+        self.enabled = enabled
+        self.stats = CacheStats()
+        self._root = Node((), [], None)
+        self._clock = 0
+        self._evictable = 0
+        self._protected = 0
+
+    @property
+    def root(self) -> Node:
+        return self._root
+
+    @property
+    def evictable_pages(self) -> int:
+        return self._evictable
+
+    @property
+    def protected_pages(self) -> int:
+        return self._protected
+
+    @property
+    def total_pages(self) -> int:
+        return self._evictable + self._protected
+
+    def match_prefix(self, tokens: Sequence[int]) -> MatchResult:
+        """Longest cached prefix of `tokens` in whole pages; refreshes LRU along the path.
+
+        The whole of `tokens` may match; a caller that must compute at least one token
+        should pass `tokens[:-1]`. A disabled cache always returns an empty match at the root.
+        """
+        self.stats.queried_tokens += len(tokens)
+        if not self.enabled:
+            return MatchResult([], 0, self._root)
+        node, pages = self._walk(tokens)
+        self.stats.hit_tokens += len(pages) * self.page_size
+        return MatchResult(pages, len(pages) * self.page_size, node)
+
+    def lock(self, node: Node) -> None:
+        """Protect `node` and its ancestors from eviction (one reference each)."""
+        self._check_attached(node)
+        while node is not self._root:
+            if node.lock_ref == 0:
+                self._evictable -= len(node.pages)
+                self._protected += len(node.pages)
+            node.lock_ref += 1
+            node = node.parent
+
+    def unlock(self, node: Node) -> None:
+        """Drop one reference taken by `lock`; ValueError if `node` holds none."""
+        if node is not self._root and node.lock_ref <= 0:
+            raise ValueError("unlock of a node that is not locked")
+        while node is not self._root:
+            node.lock_ref -= 1
+            if node.lock_ref == 0:
+                self._protected -= len(node.pages)
+                self._evictable += len(node.pages)
+            node = node.parent
+
+    def insert(self, tokens: Sequence[int], pages: Sequence[int]) -> list[int]:
+        """Cache `pages` as holding `tokens`; return the caller's pages that are now redundant.
+
+        `len(tokens)` must equal `len(pages) * page_size`. Where a leading part of `tokens`
+        is already cached, the tree keeps its own pages; every `pages[i]` in that part that
+        differs from the tree's page is returned, and the caller must free exactly those
+        (pages it got from `match_prefix` are the tree's and are never returned). All other
+        pages now belong to the tree. A disabled cache takes nothing and returns all pages.
+        """
+        if len(tokens) != len(pages) * self.page_size:
+            raise ValueError(
+                f"{len(tokens)} tokens do not fill {len(pages)} pages of {self.page_size}"
+            )
+        if not self.enabled:
+            return list(pages)
+        node, cached = self._walk(tokens)
+        redundant = [mine for mine, tree in zip(pages, cached) if mine != tree]
+        if len(cached) < len(pages):
+            self._add_leaf(node, tokens[len(cached) * self.page_size:], pages[len(cached):])
+        return redundant
+
+    def evict(self, num_pages: int) -> int:
+        """Free unlocked leaves, least recently used first, until at least `num_pages` pages
+        are freed or nothing is evictable. Whole nodes are freed, so the result may exceed
+        `num_pages`. Returns the number of pages freed."""
+        heap = [(n.last_access, id(n), n) for n in self._nodes() if self._is_evictable_leaf(n)]
+        heapq.heapify(heap)
+        freed = 0
+        while freed < num_pages and heap:
+            _, _, leaf = heapq.heappop(heap)
+            parent = leaf.parent
+            freed += self._remove_leaf(leaf)
+            if self._is_evictable_leaf(parent):
+                heapq.heappush(heap, (parent.last_access, id(parent), parent))
+        return freed
+
+    def total_refs(self) -> int:
+        """Sum of lock counts over all nodes; 0 when no request holds a lock."""
+        return sum(n.lock_ref for n in self._nodes())
+
+    def reset(self) -> None:
+        """Free every page held by the tree. ValueError if any node is locked."""
+        if self._protected or self.total_refs():
+            raise ValueError("reset while requests hold locks on the prefix cache")
+        self.allocator.free([p for n in self._nodes() for p in n.pages])
+        for node in self._nodes():
+            node.parent = None
+        self._root = Node((), [], None)
+        self._evictable = 0
+
+    def _walk(self, tokens: Sequence[int]) -> tuple[Node, list[int]]:
+        """Follow whole pages of `tokens` down the tree, splitting the last node reached if
+        the match ends inside it. Returns the deepest matched node and the matched pages."""
+        ps = self.page_size
+        self._clock += 1
+        node, pages, pos = self._root, [], 0
+        node.last_access = self._clock
+        while pos + ps <= len(tokens):
+            child = node.children.get(tuple(tokens[pos:pos + ps]))
+            if child is None:
+                break
+            n = self._common_pages(child.key, tokens, pos)
+            if n < len(child.pages):
+                child = self._split(child, n)
+            child.last_access = self._clock
+            pages.extend(child.pages)
+            pos += len(child.key)
+            node = child
+        return node, pages
+
+    def _common_pages(self, key: tuple[int, ...], tokens: Sequence[int], pos: int) -> int:
+        """Number of leading whole pages of `key` equal to `tokens[pos:]` (at least 1: the
+        first page is the child's dict key)."""
+        ps = self.page_size
+        n = 1
+        while (n + 1) * ps <= len(key) and pos + (n + 1) * ps <= len(tokens):
+            if tuple(tokens[pos + n * ps:pos + (n + 1) * ps]) != key[n * ps:(n + 1) * ps]:
+                break
+            n += 1
+        return n
+
+    def _split(self, node: Node, n: int) -> Node:
+        """Cut `node` after its first `n` pages; return the new upper part.
+
+        `node` itself keeps the lower part so that references held by requests stay valid;
+        the new parent inherits its lock count, since every lock on `node` passes through it.
+        """
+        ps = self.page_size
+        upper = Node(node.key[:n * ps], node.pages[:n], node.parent)
+        upper.lock_ref = node.lock_ref
+        upper.last_access = node.last_access
+        node.parent.children[upper.key[:ps]] = upper
+        node.key, node.pages, node.parent = node.key[n * ps:], node.pages[n:], upper
+        upper.children[node.key[:ps]] = node
+        return upper
+
+    def _add_leaf(self, parent: Node, tokens: Sequence[int], pages: Sequence[int]) -> None:
+        leaf = Node(tuple(tokens), list(pages), parent)
+        leaf.last_access = self._clock
+        parent.children[leaf.key[:self.page_size]] = leaf
+        self._evictable += len(leaf.pages)
+
+    def _remove_leaf(self, leaf: Node) -> int:
+        del leaf.parent.children[leaf.key[:self.page_size]]
+        leaf.parent = None
+        self.allocator.free(leaf.pages)
+        self._evictable -= len(leaf.pages)
+        return len(leaf.pages)
+
+    def _is_evictable_leaf(self, node: Node) -> bool:
+        return node is not self._root and not node.children and node.lock_ref == 0
+
+    def _check_attached(self, node: Node) -> None:
+        n = node
+        while n.parent is not None:
+            n = n.parent
+        if n is not self._root:
+            raise ValueError("lock of a node that is no longer in the tree (evicted?)")
+
+    def _nodes(self) -> list[Node]:
+        out, stack = [], list(self._root.children.values())
+        while stack:
+            n = stack.pop()
+            out.append(n)
+            stack.extend(n.children.values())
+        return out
