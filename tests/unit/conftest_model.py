@@ -82,3 +82,12 @@ def make_batch(seqs: list[PagedSeq], new_ids: list[list[int]], page_size: int) -
         seq_lens=seq_lens,
         kv_slots=kv_slots,
     )
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Tiny models run far faster on one thread than on a shared, oversubscribed CPU."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

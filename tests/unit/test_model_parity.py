@@ -7,7 +7,7 @@ import shutil
 import pytest
 import torch
 import transformers
-from conftest_model import ARCHS, PageAllocator, StandInKV, make_batch, tiny_dirs  # noqa: F401
+from tests.unit.conftest_model import ARCHS, PageAllocator, StandInKV, make_batch, one_torch_thread, tiny_dirs  # noqa: F401
 
 from disagg_worker.model.loader import load_model
 
@@ -20,8 +20,11 @@ PROMPTS = [
 ]
 
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
 @pytest.fixture(scope="module")
-def models(tiny_dirs):
+def models(tiny_dirs, one_torch_thread):
     out = {}
     for arch in ARCHS:
         ours, cfg = load_model(tiny_dirs[arch], "float32", "cpu")
