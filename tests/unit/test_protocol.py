@@ -302,7 +302,8 @@ def mutated_bodies(draw):
     kind = draw(st.sampled_from(sorted(VALID)))
     body = json.loads(json.dumps(VALID[kind]))
     for _ in range(draw(st.integers(1, 4))):
-        target = body["sampling_params"] if kind == "generate" and draw(st.booleans()) else body
+        nested = body.get("sampling_params")
+        target = nested if isinstance(nested, dict) and draw(st.booleans()) else body
         key = draw(st.sampled_from(FIELDS))
         if draw(st.integers(0, 5)) == 0:
             target.pop(key, None)

@@ -163,13 +163,17 @@ _CHECKS = {
 
 @dataclass
 class SamplingState:
-    """Per-request sampling state, owned by the request: the sampler reads, the scheduler appends."""
+    """Per-request sampling state, owned by the request.
+
+    The sampler reads `output_ids`; the scheduler appends to it after each step. `create` makes
+    the generator from `params.seed`, on `device` (the sampler moves its draws where needed).
+    """
 
     params: SamplingParams
     prompt_ids: list[int]
     output_ids: list[int]
     generator: torch.Generator | None
-    # Prompt ids as a tensor, built on first use by the repetition penalty (the prompt never changes).
+    # Prompt ids as a tensor, built on first use by the repetition penalty (prompts never change).
     _prompt_tensor: torch.Tensor | None = field(default=None, init=False, repr=False)
 
     @classmethod

@@ -44,9 +44,8 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 
 def model_not_found(model: str) -> APIError:
     # OpenAI answers an unknown model with 404, type invalid_request_error, code model_not_found.
-    return APIError(
-        404, f"The model `{model}` does not exist.", "invalid_request_error", "model", "model_not_found"
-    )
+    message = f"The model `{model}` does not exist."
+    return APIError(404, message, "invalid_request_error", "model", "model_not_found")
 
 
 def server_error(message: str) -> APIError:

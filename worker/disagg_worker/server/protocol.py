@@ -137,7 +137,9 @@ def _show(v: Any) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
-def _opt(body: dict, key: str, read: Callable[[Any, str], Any], default: Any, prefix: str = "") -> Any:
+def _opt(
+    body: dict, key: str, read: Callable[[Any, str], Any], default: Any, prefix: str = ""
+) -> Any:
     v = body.get(key)
     return default if v is None else read(v, prefix + key)
 
@@ -182,7 +184,10 @@ def _sampling(
     return params
 
 
-def _max_tokens(body: dict, key: str, default: int, max_context: int, prefix: str = "") -> tuple[int, bool]:
+def _max_tokens(
+    body: dict, key: str, default: int, max_context: int, prefix: str = ""
+) -> tuple[int, bool]:
+    """(max_new_tokens, whether the client set it); a default is capped at the context."""
     v = body.get(key)
     if v is None:
         return min(default, max_context), False
@@ -207,7 +212,11 @@ def fit_to_context(
     param: str = "max_tokens",
     prompt_param: str = "prompt",
 ) -> SamplingParams:
-    """Make prompt + output fit the context: shrink a default max_new_tokens, reject an explicit one."""
+    """Make prompt + output fit the context.
+
+    A default max_new_tokens shrinks to the room left; an explicit one that does not fit, or a
+    prompt that leaves no room at all, is a 400. Call it once the prompt length is known.
+    """
     room = max_context - prompt_len
     if room < 1:
         raise bad_request(
@@ -325,7 +334,8 @@ def _messages(v: Any) -> list[dict]:
             raise bad_request(f"{param}: must be an object", param)
         role = m.get("role")
         if role not in CHAT_ROLES:
-            raise bad_request(f"{param}.role: must be one of {', '.join(CHAT_ROLES)}", f"{param}.role")
+            roles = ", ".join(CHAT_ROLES)
+            raise bad_request(f"{param}.role: must be one of {roles}", f"{param}.role")
         msg = {"role": role, "content": _content(m.get("content"), role, f"{param}.content")}
         if m.get("name") is not None:
             msg["name"] = _text(m["name"], f"{param}.name")
@@ -377,7 +387,9 @@ def parse_generate(body: Any, max_context: int, vocab_size: int) -> GenerateRequ
     if not isinstance(raw, dict):
         raise bad_request("sampling_params: must be an object", "sampling_params")
     prefix = "sampling_params."
-    max_new, explicit = _max_tokens(raw, "max_new_tokens", DEFAULT_COMPLETION_MAX_TOKENS, max_context, prefix)
+    max_new, explicit = _max_tokens(
+        raw, "max_new_tokens", DEFAULT_COMPLETION_MAX_TOKENS, max_context, prefix
+    )
     extra = {"max_new_tokens": max_new, "logprobs": _opt(raw, "logprobs", _int, None, prefix)}
     names = {f: f for f in _SAMPLING_FIELDS}
     sampling = _sampling(raw, extra, names, vocab_size, prefix)
