@@ -190,6 +190,8 @@ class RadixCache:
         """Number of leading whole pages of `key` equal to `tokens[pos:]` (at least 1: the
         first page is the child's dict key)."""
         ps = self.page_size
+        if tuple(tokens[pos:pos + len(key)]) == key:
+            return len(key) // ps
         n = 1
         while (n + 1) * ps <= len(key) and pos + (n + 1) * ps <= len(tokens):
             if tuple(tokens[pos + n * ps:pos + (n + 1) * ps]) != key[n * ps:(n + 1) * ps]:
