@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -52,9 +52,16 @@ class ModelConfig:
 
     @classmethod
     def from_hf_dir(cls, path: str | Path) -> ModelConfig:
-        """Read `<path>/config.json`."""
-        with open(Path(path) / "config.json", encoding="utf-8") as f:
-            return cls.from_hf_dict(json.load(f))
+        """Read `<path>/config.json`; EOS ids listed in `generation_config.json` are added to its own."""
+        path = Path(path)
+        with open(path / "config.json", encoding="utf-8") as f:
+            cfg = cls.from_hf_dict(json.load(f))
+        gen_path = path / "generation_config.json"
+        if not gen_path.exists():
+            return cfg
+        with open(gen_path, encoding="utf-8") as f:
+            gen_eos = _as_id_tuple(json.load(f).get("eos_token_id"))
+        return replace(cfg, eos_token_ids=tuple(dict.fromkeys(cfg.eos_token_ids + gen_eos)))
 
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any]) -> ModelConfig:
