@@ -114,6 +114,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--log-level", default="info")
+    p.add_argument("--health-timeout", type=float, default=ServerArgs.health_timeout_s,
+                   help="seconds without a scheduler report after which /health fails")
 
 
 def add_disagg_args(p: argparse.ArgumentParser) -> None:
@@ -171,7 +173,8 @@ def server_args_from_cli(ns: argparse.Namespace, role: Role = Role.MONOLITHIC) -
         scheduler=sched,
         disagg=disagg,
     )
-    return ServerArgs(engine=engine, host=ns.host, port=ns.port, log_level=ns.log_level)
+    return ServerArgs(engine=engine, host=ns.host, port=ns.port, log_level=ns.log_level,
+                      health_timeout_s=ns.health_timeout)
 
 
 def replace_nested(cfg, **changes):

@@ -85,6 +85,7 @@ class SchedulerStats:
     step_count: int
     cache_pages: int = 0
     cache_refs: int = 0
+    pid: int = 0
     queues: dict[str, int] = field(default_factory=dict)
 
 

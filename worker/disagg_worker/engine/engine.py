@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
 
 import torch
@@ -98,6 +99,7 @@ class Engine:
             step_count=s.step_count,
             cache_pages=self.radix.total_pages,
             cache_refs=self.radix.total_refs(),
+            pid=os.getpid(),
         )
 
     def pages_accounted(self) -> bool:

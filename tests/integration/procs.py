@@ -1,0 +1,94 @@
+"""Start real `disagg` processes on localhost for integration tests."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import requests
+
+DISAGG = str(Path(sys.executable).with_name("disagg"))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Proc:
+    """A `disagg` subcommand running in its own process group; logs go to a temp file."""
+
+    def __init__(self, args: list[str], port: int, env: dict | None = None):
+        self.port = port
+        self.url = f"http://127.0.0.1:{port}"
+        self.log = tempfile.NamedTemporaryFile(prefix="disagg-", suffix=".log", delete=False)
+        full_env = {**os.environ, "MC_LOG_LEVEL": "WARNING", **(env or {})}
+        self.proc = subprocess.Popen([DISAGG, *args], stdout=self.log, stderr=subprocess.STDOUT,
+                                     env=full_env, start_new_session=True)
+
+    def wait_healthy(self, timeout: float = 180.0) -> "Proc":
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"process exited with {self.proc.returncode}:\n{self.logs()}")
+            try:
+                if requests.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return self
+            except requests.RequestException:
+                pass
+            time.sleep(0.3)
+        raise TimeoutError(f"{self.url} not healthy after {timeout}s:\n{self.logs()}")
+
+    def logs(self) -> str:
+        return Path(self.log.name).read_text(errors="replace")[-5000:]
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 20.0) -> int:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+        return self.proc.returncode
+
+    def kill(self) -> None:
+        self.stop(signal.SIGKILL)
+
+
+def serve(model: str, *extra: str, port: int | None = None) -> Proc:
+    port = port or free_port()
+    return Proc(["serve", "--model", model, "--port", str(port), *extra], port)
+
+
+def wait_until(pred, timeout: float = 30.0, interval: float = 0.2, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        last = pred()
+        if last:
+            return last
+        time.sleep(interval)
+    raise TimeoutError(f"{what} not reached in {timeout}s (last: {last!r})")
+
+
+def idle_and_flushed(url: str, timeout: float = 30.0) -> dict:
+    """Wait until the instance is idle, flush its prefix cache, and return its page accounting."""
+    def idle():
+        st = requests.get(f"{url}/stats", timeout=5).json()
+        return st if st["running"] == 0 and st["waiting"] == 0 and not any(st["queues"].values()) else None
+
+    wait_until(idle, timeout, what=f"{url} idle")
+    requests.post(f"{url}/flush_cache", timeout=5)
+
+    def flushed():
+        st = requests.get(f"{url}/stats", timeout=5).json()
+        return st if st["pages_used"] == 0 else None
+
+    return wait_until(flushed, timeout, what=f"{url} pages freed")
