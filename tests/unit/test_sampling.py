@@ -236,9 +236,12 @@ def test_partial_prefix_is_released_when_it_turns_out_not_to_stop():
     assert c.flush() == "<"
 
 
-def test_earliest_of_several_stops_wins():
-    c = StopChecker(("world", "lo w"))
-    assert c.push("hello world") == ("hel", True)
+def test_the_stop_that_completes_first_wins_however_the_text_is_split():
+    assert StopChecker(("world", "lo w")).push("hello world") == ("hel", True)
+    assert StopChecker(("a", "baa")).push("baa") == ("b", True)
+    split = StopChecker(("a", "baa"))
+    assert split.push("b") == ("", False)
+    assert split.push("aa") == ("b", True)
 
 
 @settings(max_examples=300, deadline=None)
@@ -247,7 +250,7 @@ def test_earliest_of_several_stops_wins():
     stops=st.lists(st.text(alphabet="abc", min_size=1, max_size=4), min_size=1, max_size=3),
     cuts=st.lists(st.integers(0, 30), max_size=8),
 )
-def test_emitted_text_is_the_text_before_the_first_stop(text, stops, cuts):
+def test_emitted_text_is_the_text_before_the_stop_that_completes_first(text, stops, cuts):
     pieces, last = [], 0
     for c in sorted(cuts) + [len(text)]:
         pieces.append(text[last:c])
@@ -257,6 +260,7 @@ def test_emitted_text_is_the_text_before_the_first_stop(text, stops, cuts):
         out, hit = checker.push(p)
         emitted += out
     emitted += checker.flush()
-    found = [i for i in (text.find(s) for s in stops) if i >= 0]
-    assert emitted == (text[: min(found)] if found else text)
+    # The stop that completes first wins (earliest end, then earliest start).
+    found = [(i + len(s), i) for s in stops if (i := text.find(s)) >= 0]
+    assert emitted == (text[: min(found)[1]] if found else text)
     assert hit == bool(found)

@@ -297,7 +297,9 @@ def _sorted_drop(vals, logits, ks, ps) -> tuple[torch.Tensor, torch.Tensor]:
     ranks = torch.arange(cand, device=vals.device).unsqueeze(0)
     drop = ranks >= ks
     kept = vals.masked_fill(drop, -math.inf)
-    norm = torch.where(ks <= cand, kept.logsumexp(-1, True), logits.logsumexp(-1, True))
+    norm = kept.logsumexp(-1, True)
+    if bool((ks > cand).any()):
+        norm = torch.where(ks <= cand, norm, logits.logsumexp(-1, True))
     probs = (kept - norm).exp()
     mass = probs.cumsum(dim=-1)
     # Keep the smallest best-first set whose mass reaches top_p (the best token always stays).
@@ -307,6 +309,9 @@ def _sorted_drop(vals, logits, ks, ps) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class Sampler:
+    """Samples one token per request from a batch of logits; stateless apart from the shared
+    generator that requests without a seed draw from (seeded with `seed`)."""
+
     def __init__(self, vocab_size: int, device: str | torch.device = "cpu", seed: int = 0):
         self.vocab_size = vocab_size
         self.device = torch.device(device)
@@ -366,7 +371,10 @@ class Sampler:
 
 
 class StopChecker:
-    """Cuts streamed text at the first occurrence of any stop string.
+    """Cuts streamed text at the stop string that completes first.
+
+    "First" means the earliest end (the longest string when several end together), so the result
+    does not depend on how the text is split into deltas.
 
     `push(delta)` returns the text that is safe to emit now and whether a stop string was hit.
     Text that could be the start of a stop string is held back until the next delta decides;
@@ -389,10 +397,10 @@ class StopChecker:
         if self._hit:
             return "", True
         text = self._held + delta
-        hits = [i for i in (text.find(s) for s in self._stop) if i >= 0]
+        hits = [(i + len(s), i) for s in self._stop if (i := text.find(s)) >= 0]
         if hits:
             self._hit, self._held = True, ""
-            return text[: min(hits)], True
+            return text[: min(hits)[1]], True
         keep = self._partial_suffix(text)
         self._held = text[len(text) - keep :]
         return text[: len(text) - keep], False
