@@ -4,13 +4,35 @@ from __future__ import annotations
 import argparse
 import sys
 
-from disagg_worker.config import Role, add_engine_args, server_args_from_cli
+from disagg_worker.config import Role, add_disagg_args, add_engine_args, server_args_from_cli
 
 
 def cmd_serve(ns: argparse.Namespace) -> int:
+    args = server_args_from_cli(ns, Role.MONOLITHIC)
+    if ns.local:
+        from disagg_worker.server.local import run_local
+
+        return run_local(sys.argv[2:], args.host, args.port, args.engine.model_name)
     from disagg_worker.server import launch
 
-    launch.run(server_args_from_cli(ns, Role.MONOLITHIC))
+    launch.run(args)
+    return 0
+
+
+def cmd_role(role: Role):
+    def run(ns: argparse.Namespace) -> int:
+        from disagg_worker.server import launch
+
+        launch.run(server_args_from_cli(ns, role))
+        return 0
+
+    return run
+
+
+def cmd_router(ns: argparse.Namespace) -> int:
+    from disagg_worker.router.server import run
+
+    run(ns)
     return 0
 
 
@@ -34,7 +56,21 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser("serve", help="serve a model (one engine instance)")
     add_engine_args(serve)
+    serve.add_argument("--local", action="store_true",
+                       help="run router + prefill + decode as separate local processes (Mooncake over TCP)")
     serve.set_defaults(func=cmd_serve)
+
+    for role in (Role.PREFILL, Role.DECODE):
+        sp = sub.add_parser(role.value, help=f"serve as a {role.value} instance of a disaggregated deployment")
+        add_engine_args(sp)
+        add_disagg_args(sp)
+        sp.set_defaults(func=cmd_role(role))
+
+    router = sub.add_parser("router", help="route requests to prefill/decode pairs (OpenAI-compatible)")
+    from disagg_worker.router.server import add_router_args
+
+    add_router_args(router)
+    router.set_defaults(func=cmd_router)
 
     model = sub.add_parser("model", help="model utilities")
     msub = model.add_subparsers(dest="model_command", required=True)

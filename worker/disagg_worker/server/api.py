@@ -200,10 +200,11 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     resp = await sse_response(request)
     choices = [fmt.Choice(i) for i in range(req.n)]
     try:
-        for i in range(req.n):
-            await send_event(resp, fmt.chat_chunk(rid, s["model"], i, None, fe.tokenizer, first=True))
+        started: set[int] = set()
         async for i, d in merged([fe.complete(ids, choice_params(params, i), bootstrap) for i in range(req.n)]):
-            await send_event(resp, fmt.chat_chunk(rid, s["model"], i, d, fe.tokenizer, first=False))
+            # The role arrives with the first token, so the first event of a stream is output or an error.
+            await send_event(resp, fmt.chat_chunk(rid, s["model"], i, d, fe.tokenizer, first=i not in started))
+            started.add(i)
             choices[i].add(d)
         if req.stream_options_include_usage:
             await send_event(resp, fmt.usage_chunk(rid, s["model"], "chat.completion.chunk", choices, len(ids)))

@@ -1,0 +1,123 @@
+"""The router's view of its workers: who they are (static list or DNS), whether they are healthy,
+how loaded they are, and which prefill/decode pair serves the next request.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import socket
+from dataclasses import dataclass, field
+from enum import Enum
+from urllib.parse import urlsplit
+
+import aiohttp
+
+log = logging.getLogger(__name__)
+
+
+class Policy(str, Enum):
+    ROUND_ROBIN = "round_robin"
+    LEAST_LOAD = "least_load"
+
+
+@dataclass(eq=False)
+class Worker:
+    url: str
+    role: str  # "prefill" | "decode"
+    bootstrap_port: int = 0
+    healthy: bool = False
+    inflight: int = 0
+    failures: int = 0
+
+    @property
+    def host(self) -> str:
+        return urlsplit(self.url).hostname or ""
+
+    def describe(self) -> dict:
+        d = {"url": self.url, "role": self.role, "healthy": self.healthy, "inflight": self.inflight}
+        if self.role == "prefill":
+            d["bootstrap_port"] = self.bootstrap_port
+        return d
+
+
+@dataclass(frozen=True)
+class DnsSource:
+    """A headless Service: every A record of `host` is a worker listening on `port`."""
+
+    host: str
+    port: int
+    role: str
+    bootstrap_port: int = 0
+
+    @classmethod
+    def parse(cls, spec: str, role: str, bootstrap_port: int = 0) -> "DnsSource":
+        host, _, port = spec.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"expected HOST:PORT, got {spec!r}")
+        return cls(host, int(port), role, bootstrap_port)
+
+    async def resolve(self) -> list[str]:
+        loop = asyncio.get_running_loop()
+        try:
+            infos = await loop.getaddrinfo(self.host, self.port, type=socket.SOCK_STREAM)
+        except socket.gaierror:
+            return []
+        ips = sorted({info[4][0] for info in infos})
+        return [f"http://{ip}:{self.port}" for ip in ips]
+
+
+@dataclass
+class WorkerPool:
+    """Static workers plus those found through DNS; only healthy ones are picked."""
+
+    static: list[Worker] = field(default_factory=list)
+    dns: list[DnsSource] = field(default_factory=list)
+    policy: Policy = Policy.ROUND_ROBIN
+    discovered: dict[DnsSource, dict[str, Worker]] = field(default_factory=dict)
+    _rr: itertools.count = field(default_factory=itertools.count)
+
+    def workers(self, role: str | None = None) -> list[Worker]:
+        found = [w for by_url in self.discovered.values() for w in by_url.values()]
+        return [w for w in self.static + found if role is None or w.role == role]
+
+    def pick(self, role: str, exclude: frozenset[Worker] | set[Worker] = frozenset()) -> Worker | None:
+        candidates = [w for w in self.workers(role) if w.healthy and w not in exclude]
+        if not candidates:
+            return None
+        if self.policy is Policy.LEAST_LOAD:
+            return min(candidates, key=lambda w: (w.inflight, w.failures))
+        return candidates[next(self._rr) % len(candidates)]
+
+    def pick_pair(self, exclude: frozenset[Worker] | set[Worker] = frozenset()) -> tuple[Worker, Worker] | None:
+        p, d = self.pick("prefill", exclude), self.pick("decode", exclude)
+        return (p, d) if p is not None and d is not None else None
+
+    async def refresh_dns(self) -> None:
+        for src in self.dns:
+            known = self.discovered.get(src, {})
+            urls = await src.resolve()
+            self.discovered[src] = {u: known.get(u) or Worker(u, src.role, src.bootstrap_port) for u in urls}
+
+    async def check_health(self, session: aiohttp.ClientSession) -> None:
+        async def probe(w: Worker) -> None:
+            try:
+                async with session.get(f"{w.url}/health", timeout=aiohttp.ClientTimeout(total=3)) as r:
+                    ok = r.status == 200
+            except (aiohttp.ClientError, asyncio.TimeoutError):
+                ok = False
+            if ok != w.healthy:
+                log.info("%s worker %s is now %s", w.role, w.url, "healthy" if ok else "unhealthy")
+            w.healthy = ok
+
+        await asyncio.gather(*(probe(w) for w in self.workers()))
+
+    async def watch(self, session: aiohttp.ClientSession, interval_s: float) -> None:
+        """Keep membership and health current until cancelled."""
+        while True:
+            try:
+                await self.refresh_dns()
+                await self.check_health(session)
+            except Exception:  # one failed round must not stop the watching
+                log.exception("worker refresh failed")
+            await asyncio.sleep(interval_s)

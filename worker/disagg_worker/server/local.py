@@ -1,0 +1,111 @@
+"""`disagg serve --local`: router + one prefill + one decode instance as separate local processes.
+
+The same command lines a cluster runs, on 127.0.0.1 with Mooncake over TCP. Ctrl-C (or SIGTERM)
+stops every process; if any of them dies, the others are stopped too.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import requests
+
+DISAGG = [sys.executable, "-m", "disagg_worker.cli"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def engine_flags(argv: list[str]) -> list[str]:
+    """The user's engine flags minus the ones this launcher sets per process."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+            continue
+        if a in ("--port", "--host"):
+            skip = True
+            continue
+        if a == "--local" or a.startswith("--port=") or a.startswith("--host="):
+            continue
+        out.append(a)
+    return out
+
+
+def plan(argv: list[str], port: int, model_name: str) -> dict[str, list[str]]:
+    flags = engine_flags(argv)
+    p_port, d_port, boot = free_port(), free_port(), free_port()
+    return {
+        "prefill": [*DISAGG, "prefill", *flags, "--port", str(p_port), "--bootstrap-port", str(boot)],
+        "decode": [*DISAGG, "decode", *flags, "--port", str(d_port)],
+        "router": [*DISAGG, "router", "--port", str(port), "--served-model-name", model_name,
+                   "--prefill", f"http://127.0.0.1:{p_port}", str(boot), "--decode", f"http://127.0.0.1:{d_port}"],
+    }
+
+
+def wait_healthy(url: str, procs: dict[str, subprocess.Popen], timeout: float = 600.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for name, p in procs.items():
+            if p.poll() is not None:
+                raise RuntimeError(f"{name} exited with code {p.returncode}")
+        try:
+            if requests.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except requests.RequestException:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"{url} did not become healthy")
+
+
+def stop_all(procs: dict[str, subprocess.Popen]) -> None:
+    for p in procs.values():
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + 15
+    for p in procs.values():
+        try:
+            p.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def run_local(argv: list[str], host: str, port: int, model_name: str) -> int:
+    cmds = plan(argv, port, model_name)
+    env = {**os.environ, "MC_LOG_LEVEL": os.environ.get("MC_LOG_LEVEL", "WARNING")}
+    procs: dict[str, subprocess.Popen] = {}
+    stopping = False
+
+    def on_signal(*_):
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        for name in ("prefill", "decode", "router"):
+            procs[name] = subprocess.Popen(cmds[name], env=env, start_new_session=True)
+        url = f"http://127.0.0.1:{port}"
+        wait_healthy(url, procs)
+        print(f"disagg serving {model_name} at {url} (router -> prefill + decode, Mooncake TCP)\n"
+              f"try: curl {url}/v1/completions -H 'Content-Type: application/json' "
+              f"-d '{{\"model\": \"{model_name}\", \"prompt\": \"Once upon a time\", \"max_tokens\": 16}}'",
+              flush=True)
+        while not stopping:
+            dead = [n for n, p in procs.items() if p.poll() is not None]
+            if dead:
+                print(f"{', '.join(dead)} exited; stopping the others", file=sys.stderr)
+                return 1
+            time.sleep(0.5)
+        return 0
+    finally:
+        stop_all(procs)
