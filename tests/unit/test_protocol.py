@@ -147,7 +147,7 @@ def test_generate_native_body():
 
 
 @pytest.mark.parametrize(
-    "raw", [b"", b"{", b"[1, 2]", b'"text"', b"null", b'{"a": NaN}', b'{"a": Infinity}', b"\xff\xfe\x00", b"[" * 100000]
+    "raw", [b"", b"{", b"[1, 2]", b'"text"', b"null", b'{"a": NaN}', b'{"a": Infinity}', b"\xff\xfe\x00", b"[" * 100000, b'{"n": ' + b"9" * 5000 + b"}"]
 )
 def test_malformed_json_is_400(raw):
     e = error(parse_json, raw)
@@ -176,6 +176,9 @@ BAD_COMPLETIONS = [
     ({"prompt": "x", "max_tokens": -5}, "max_tokens"),
     ({"prompt": "x", "max_tokens": CTX + 1}, "max_tokens"),
     ({"prompt": "x", "max_tokens": 10**30}, "max_tokens"),
+    ({"prompt": "x", "max_tokens": -(10**5000)}, "max_tokens"),
+    ({"prompt": "x", "n": 10**5000}, "n"),
+    ({"prompt": "x", "seed": 10**5000}, "seed"),
     ({"prompt": "x", "max_tokens": True}, "max_tokens"),
     ({"prompt": "x", "max_tokens": 16.0}, "max_tokens"),
     ({"prompt": "x", "max_tokens": "16"}, "max_tokens"),
@@ -279,7 +282,8 @@ json_values = st.recursive(
     | st.booleans()
     | st.integers(min_value=-(2**80), max_value=2**80)
     | st.floats(allow_nan=True, allow_infinity=True)
-    | st.text(max_size=8),
+    | st.text(max_size=8)
+    | st.sampled_from([10**400, -(10**400), float("nan"), "\ud800", "", 0, -1, True]),
     lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=6), children, max_size=4),
     max_leaves=12,
 )

@@ -194,11 +194,11 @@ def _max_tokens(
     param = prefix + key
     n = _int(v, param)
     if n < 1:
-        raise bad_request(f"{param}: must be at least 1, got {n}", param)
+        raise bad_request(f"{param}: must be at least 1, got {_show(n)}", param)
     if n > max_context:
         raise bad_request(
             f"{param}: must be at most this model's maximum context length of "
-            f"{max_context} tokens, got {n}",
+            f"{max_context} tokens, got {_show(n)}",
             param,
         )
     return n, True
@@ -265,7 +265,7 @@ def _stream(body: dict) -> tuple[bool, bool]:
 def _n(body: dict) -> int:
     n = _opt(body, "n", _int, 1)
     if not 1 <= n <= MAX_N:
-        raise bad_request(f"n: must be between 1 and {MAX_N}, got {n}", "n")
+        raise bad_request(f"n: must be between 1 and {MAX_N}, got {_show(n)}", "n")
     return n
 
 
