@@ -1,0 +1,115 @@
+"""The bootstrap server over real HTTP on 127.0.0.1 (a thread, no processes)."""
+from __future__ import annotations
+
+import http.client
+import json
+import urllib.parse
+from dataclasses import asdict, replace
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from disagg_worker.disagg.bootstrap import BootstrapServer, RankRegistration
+from disagg_worker.disagg.bootstrap_client import BootstrapError, fetch_topology, register_rank
+
+TOKEN = "t0ken"
+REG = RankRegistration(0, 2, 0, 1, "10.0.0.1", 5555, 16, "bfloat16", "10.0.0.1:15001", 0, 4)
+
+
+def request(port, method, path, body=None, headers=None):
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+    try:
+        conn.request(method, path, body=body, headers=headers or {})
+        resp = conn.getresponse()
+        raw = resp.read()
+        return resp.status, resp.getheader("Content-Type", ""), raw
+    finally:
+        conn.close()
+
+
+def auth(token=TOKEN):
+    return {"Authorization": f"Bearer {token}"}
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = BootstrapServer(0, tp_size=2, pp_size=1, token=TOKEN, host="127.0.0.1").start()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def open_server():
+    srv = BootstrapServer(0, tp_size=1, pp_size=1, host="127.0.0.1").start()
+    yield srv
+    srv.stop()
+
+
+def test_route_is_503_until_every_rank_registered(server):
+    url = server.url
+    assert request(server.port, "GET", "/health")[0] == 503
+    register_rank(url, REG, TOKEN)
+    assert fetch_topology(url, TOKEN) is None, "half an instance must not be served"
+    status, _, raw = request(server.port, "GET", "/route?tp_rank=0&pp_rank=0", headers=auth())
+    assert status == 503 and "1 of 2" in json.loads(raw)["error"]
+    register_rank(url, replace(REG, tp_rank=1, rank_port=5556), TOKEN)
+    topo = fetch_topology(url, TOKEN)
+    assert (topo.tp_size, topo.page_size, topo.kv_dtype) == (2, 16, "bfloat16")
+    assert [r.rank_port for r in topo.ranks] == [5555, 5556]
+    status, _, raw = request(server.port, "GET", "/route?tp_rank=1&pp_rank=0", headers=auth())
+    assert status == 200 and json.loads(raw) == {"rank_ip": "10.0.0.1", "rank_port": 5556}
+    status, _, raw = request(server.port, "GET", "/health")
+    assert status == 200 and json.loads(raw)["instance_id"] == topo.instance_id
+    status, _, raw = request(server.port, "GET", "/route?tp_rank=5&pp_rank=0", headers=auth())
+    assert status == 404 and "tp=5" in json.loads(raw)["error"]
+
+
+def test_auth_fails_closed(server):
+    body = json.dumps(asdict(REG)).encode()
+    for headers in ({}, auth("wrong"), {"Authorization": TOKEN}, {"Authorization": f"Basic {TOKEN}"}):
+        assert request(server.port, "PUT", "/route", body, headers)[0] == 401
+        assert request(server.port, "GET", "/route?tp_rank=-1&pp_rank=-1", headers=headers)[0] == 401
+    with pytest.raises(BootstrapError, match="401"):
+        register_rank(server.url, REG, "wrong")
+
+
+def test_conflicting_registrations_are_refused(open_server):
+    with pytest.raises(BootstrapError, match="409"):
+        register_rank(open_server.url, replace(REG, tp_size=1, tp_rank=3))
+    with pytest.raises(BootstrapError, match="instance is tp=1"):
+        register_rank(open_server.url, REG)
+
+
+json_values = st.recursive(
+    st.one_of(st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(allow_nan=False), st.text(max_size=8)),
+    lambda inner: st.one_of(st.lists(inner, max_size=4), st.dictionaries(st.text(max_size=8), inner, max_size=4)),
+    max_leaves=10,
+)
+# Registration-shaped objects with some fields missing or of the wrong type.
+near_regs = st.fixed_dictionaries({}, optional={k: json_values | st.just(v) for k, v in asdict(REG).items()})
+bodies = st.one_of(
+    st.binary(max_size=80),
+    json_values.map(lambda v: json.dumps(v).encode()),
+    near_regs.map(lambda v: json.dumps(v).encode()),
+)
+queries = st.lists(st.tuples(st.text(max_size=10), st.text(max_size=10)), max_size=4).map(
+    lambda kv: urllib.parse.urlencode(kv)
+)
+header_text = st.text(st.characters(min_codepoint=32, max_codepoint=126), max_size=30)
+headers = st.dictionaries(
+    st.sampled_from(["Authorization", "Content-Type", "Content-Length-X", "X-Junk"]), header_text, max_size=3
+)
+paths = st.sampled_from(["/route", "/health", "/nope", "/route/x"])
+methods = st.sampled_from(["GET", "PUT", "POST", "DELETE"])
+
+
+@settings(max_examples=1000, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(method=methods, path=paths, query=queries, body=bodies, hdrs=headers, authorized=st.booleans())
+def test_malformed_requests_get_4xx_json_never_5xx(server, method, path, query, body, hdrs, authorized):
+    if authorized:
+        hdrs = {**hdrs, **auth()}
+    status, ctype, raw = request(server.port, method, f"{path}?{query}", body, hdrs)
+    assert status < 500 or status == 503, (status, raw[:200])
+    if status >= 400:
+        assert ctype.startswith("application/json") and "error" in json.loads(raw)

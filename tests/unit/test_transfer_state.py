@@ -1,0 +1,124 @@
+"""The room state machine, tombstones, page-run grouping and the control-plane codec."""
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from disagg_worker.disagg.messages import (
+    CodecError,
+    DecodeHello,
+    RoomAbort,
+    RoomRequest,
+    RoomUpdate,
+    decode,
+    encode,
+)
+from disagg_worker.disagg.poll import KVPoll, StatusCell
+from disagg_worker.disagg.rooms import RoomTable
+from disagg_worker.disagg.runs import group_runs
+
+ORDER = [KVPoll.Bootstrapping, KVPoll.WaitingForInput, KVPoll.Transferring, KVPoll.Success]
+
+
+@given(st.lists(st.sampled_from(list(KVPoll)), max_size=12))
+def test_status_only_moves_forward_or_to_failed(moves):
+    cell = StatusCell()
+    for new in moves:
+        before = cell.get()
+        changed = cell.fail("boom") if new is KVPoll.Failed else cell.advance(new)
+        after = cell.get()
+        if before.terminal:
+            assert not changed and after is before
+        elif new is KVPoll.Failed:
+            assert changed and after is KVPoll.Failed and cell.reason == "boom"
+        else:
+            assert changed == (new > before)
+            assert after == max(before, new)
+
+
+def test_failed_keeps_first_reason_and_success_is_final():
+    cell = StatusCell()
+    assert cell.advance(KVPoll.Transferring)
+    assert not cell.advance(KVPoll.WaitingForInput)
+    assert cell.fail("first")
+    assert not cell.fail("second") and cell.reason == "first"
+    done = StatusCell()
+    done.advance(KVPoll.Success)
+    assert not done.fail("late") and done.get() is KVPoll.Success
+    with pytest.raises(ValueError):
+        done.advance(KVPoll.Failed)
+
+
+def test_room_ids_are_never_reused_and_tombstones_are_bounded():
+    table: RoomTable[str] = RoomTable(max_tombstones=2)
+    assert table.add(1, "a") and not table.add(1, "b")
+    assert table.retire(1, "success") == "a"
+    assert not table.add(1, "again"), "a finished room must not be attached to a new request"
+    assert table.tombstone(1) == "success" and table.get(1) is None
+    assert table.retire(99, "failed") is None  # a late abort still leaves a tombstone
+    table.retire(2, "failed")
+    assert table.tombstone(1) is None and table.tombstone(99) == "failed"
+
+
+pages = st.lists(st.integers(0, 60), min_size=0, max_size=40)
+
+
+@given(st.data())
+def test_group_runs_covers_the_pairing_with_maximal_runs(data):
+    src = data.draw(pages)
+    dst = data.draw(st.lists(st.integers(0, 60), min_size=len(src), max_size=len(src)))
+    runs = group_runs(src, dst)
+    expanded = [(s + k, d + k) for s, d, n in runs for k in range(n)]
+    assert expanded == list(zip(src, dst))
+    assert all(n >= 1 for _, _, n in runs)
+    for (s1, d1, n1), (s2, d2, _) in zip(runs, runs[1:]):
+        assert not (s2 == s1 + n1 and d2 == d1 + n1), "adjacent runs that could merge"
+
+
+def test_group_runs_examples():
+    assert group_runs([4, 5, 6, 9], [0, 1, 2, 3]) == [(4, 0, 3), (9, 3, 1)]
+    assert group_runs([1, 2, 3], [7, 9, 10]) == [(1, 7, 1), (2, 9, 2)]
+    assert group_runs([], []) == []
+    with pytest.raises(ValueError):
+        group_runs([1], [])
+
+
+ints = st.integers(0, 2**63 - 1)
+text = st.text(max_size=20)
+messages = st.one_of(
+    st.builds(DecodeHello, text, text, text, st.lists(ints), st.lists(ints), ints, ints, ints),
+    st.builds(RoomRequest, text, text, ints, st.lists(ints), ints),
+    st.builds(RoomAbort, text, ints, text),
+    st.builds(RoomUpdate, ints, ints, ints, st.sampled_from([int(p) for p in KVPoll]), text, st.booleans(), st.binary()),
+)
+
+
+@given(messages)
+def test_codec_round_trips_every_message(msg):
+    assert decode(encode(msg)) == msg
+
+
+@settings(max_examples=300)
+@given(st.one_of(st.binary(max_size=64), st.dictionaries(text, st.one_of(ints, text, st.booleans())).map(lambda d: __import__("json").dumps(d).encode())))
+def test_codec_rejects_garbage_with_codec_error(frame):
+    try:
+        decode(frame)
+    except CodecError:
+        pass
+
+
+def test_codec_rejects_wrong_types_and_fields():
+    good = encode(RoomAbort("d", 7, "why"))
+    assert decode(good) == RoomAbort("d", 7, "why")
+    for bad in (
+        b'{"type":"RoomAbort","decode_id":"d","room":"7","reason":"x"}',
+        b'{"type":"RoomAbort","decode_id":"d","room":true,"reason":"x"}',
+        b'{"type":"RoomAbort","decode_id":"d","room":7}',
+        b'{"type":"RoomAbort","decode_id":"d","room":7,"reason":"x","extra":1}',
+        b'{"type":"Nope"}',
+        b"[1,2]",
+        b"\xff",
+    ):
+        with pytest.raises(CodecError):
+            decode(bad)

@@ -1,0 +1,207 @@
+"""The KV transfer contract: what the prefill and decode schedulers see.
+
+Prefill: `mgr.create_sender(room)` when a request arrives; poll it until WaitingForInput
+(decode sent its destination pages), then `send(pages, last, aux)` after each prefill chunk;
+poll until Success or Failed. Decode: `mgr.create_receiver(room, bootstrap_addr)`; after it
+leaves Bootstrapping call `init(dest_pages, aux_slot)`; poll until Success, then read
+`aux_bytes()`. `abort()` on either side fails the other side's handle too.
+
+Backends implement `KVManager` and register in `registry`; handles never block.
+"""
+from __future__ import annotations
+
+import math
+import struct
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+from disagg_worker.config import DisaggConfig, Role
+from disagg_worker.disagg.metrics import TransferMetrics
+from disagg_worker.disagg.poll import KVPoll
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """Where a KV pool lives. Buffer order is KVPool.buffers(): K of each layer, then V.
+
+    Page `p` of buffer `b` is the byte range `[buffer_ptrs[b] + p * page_nbytes, +page_nbytes)`.
+    `start_layer` is the first model layer this rank holds (pipeline parallelism).
+    The aux region has `aux_num_slots` slots of `aux_item_nbytes` bytes (decode side).
+    """
+
+    buffer_ptrs: list[int]
+    buffer_nbytes: list[int]
+    page_nbytes: int
+    page_size: int
+    kv_dtype: str
+    num_pages: int
+    start_layer: int = 0
+    aux_num_slots: int = 256
+    aux_item_nbytes: int = 16
+
+    def __post_init__(self) -> None:
+        if len(self.buffer_ptrs) != len(self.buffer_nbytes) or len(self.buffer_ptrs) % 2:
+            raise ValueError("need one K and one V buffer per layer, with a size each")
+        if any(n < self.num_pages * self.page_nbytes for n in self.buffer_nbytes):
+            raise ValueError("a buffer is smaller than num_pages * page_nbytes")
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.buffer_ptrs) // 2
+
+    @classmethod
+    def from_pool(cls, pool, kv_dtype: str, start_layer: int = 0, **aux) -> "KVLayout":
+        """Describe a `disagg_worker.mem.kv_pool.KVPool` (any object with `buffers()`)."""
+        bufs = pool.buffers()
+        return cls(
+            buffer_ptrs=[b.data_ptr() for b in bufs],
+            buffer_nbytes=[b.numel() * b.element_size() for b in bufs],
+            page_nbytes=pool.page_nbytes,
+            page_size=pool.page_size,
+            kv_dtype=kv_dtype,
+            num_pages=pool.num_pages,
+            start_layer=start_layer,
+            **aux,
+        )
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    """This process's place in its instance. `bootstrap_url` is where a prefill rank
+    registers (empty: the instance's server on 127.0.0.1:cfg.bootstrap_port)."""
+
+    tp_rank: int = 0
+    pp_rank: int = 0
+    bootstrap_url: str = ""
+
+
+@dataclass(frozen=True)
+class TransferFailure:
+    """Why a room failed. `pages_unsafe`: the destination pages may still be written by
+    the prefill side (a submitted write is never cancelled), so decode must quarantine them
+    instead of freeing them while this is True."""
+
+    reason: str
+    pages_unsafe: bool = False
+
+
+_FIRST_TOKEN = struct.Struct("<qd")
+
+
+def pack_first_token(token_id: int, logprob: float | None = None) -> bytes:
+    """The aux record of a request: its first output token and optionally its logprob."""
+    return _FIRST_TOKEN.pack(token_id, math.nan if logprob is None else logprob)
+
+
+def unpack_first_token(aux: bytes) -> tuple[int, float | None]:
+    token_id, logprob = _FIRST_TOKEN.unpack_from(aux)
+    return token_id, None if math.isnan(logprob) else logprob
+
+
+class KVSender(ABC):
+    """Prefill-side handle of one room."""
+
+    room: int
+
+    @abstractmethod
+    def poll(self) -> KVPoll:
+        """Current status; never blocks. Bootstrapping until decode sent its destination."""
+
+    @abstractmethod
+    def send(self, page_indices: list[int], last: bool, aux: bytes | None = None) -> None:
+        """Queue pages (in prompt order, continuing where the previous call stopped) for
+        transfer; `last=True` with the final chunk, carrying `aux`. Never blocks; errors
+        (more pages than decode allocated, a call before WaitingForInput) fail the room."""
+
+    @abstractmethod
+    def abort(self, reason: str = "aborted by prefill") -> None:
+        """Fail the room here and tell decode."""
+
+    @abstractmethod
+    def failure_reason(self) -> str:
+        """Why the room failed ("" unless poll() is Failed)."""
+
+
+class KVReceiver(ABC):
+    """Decode-side handle of one room.
+
+    Contract on failure: if poll() is Failed and `failure().pages_unsafe` is True, the
+    destination pages given to init() may still be written by a transfer that prefill
+    submitted and Mooncake does not cancel. Keep them out of the free list until
+    `failure().pages_unsafe` turns False (prefill confirmed it stopped writing, or the
+    prefill instance was confirmed dead via `KVManager.confirm_instance_dead`).
+    """
+
+    room: int
+
+    @abstractmethod
+    def poll(self) -> KVPoll:
+        """Bootstrapping until the prefill instance is resolved and compatible, then
+        WaitingForInput, Transferring once data flows, Success when every write landed."""
+
+    @abstractmethod
+    def init(self, dest_pages: list[int], aux_slot: int) -> None:
+        """Give the destination (one page per prompt page, in order) and the aux slot.
+        Call once; may be called before the handshake finishes (it is sent after it)."""
+
+    @abstractmethod
+    def abort(self, reason: str = "aborted by decode") -> None:
+        """Fail the room here and tell prefill."""
+
+    @abstractmethod
+    def failure(self) -> TransferFailure | None:
+        """None unless Failed; `pages_unsafe` may change from True to False later."""
+
+    def failure_reason(self) -> str:
+        f = self.failure()
+        return f.reason if f else ""
+
+    @abstractmethod
+    def aux_bytes(self) -> bytes:
+        """The aux record written by prefill (valid after Success)."""
+
+
+class KVManager(ABC):
+    """One per scheduler process; owns the transfer engine and background threads."""
+
+    def __init__(self, cfg: DisaggConfig, layout: KVLayout, rank: RankInfo, metrics: TransferMetrics):
+        if cfg.role is Role.MONOLITHIC:
+            raise ValueError("a KV manager needs role prefill or decode")
+        self.cfg = cfg
+        self.role = cfg.role
+        self.layout = layout
+        self.rank = rank
+        self.metrics = metrics
+
+    def create_sender(self, room: int) -> KVSender:
+        raise TypeError(f"a {self.role.value} manager has no senders")
+
+    def create_receiver(self, room: int, bootstrap_addr: str) -> KVReceiver:
+        raise TypeError(f"a {self.role.value} manager has no receivers")
+
+    def confirm_instance_dead(self, bootstrap_addr: str) -> None:
+        """Decode: the caller knows that prefill instance is gone; its pages are safe."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Stop threads and release the engine; live rooms fail."""
+
+
+def check_pages(pages: list[int], num_pages: int) -> str:
+    """"" if every page index is valid, else a reason."""
+    bad = [p for p in pages if not 0 <= p < num_pages]
+    return f"page indices out of range [0, {num_pages}): {bad[:5]}" if bad else ""
+
+
+__all__ = [
+    "KVLayout",
+    "KVManager",
+    "KVPoll",
+    "KVReceiver",
+    "KVSender",
+    "RankInfo",
+    "TransferFailure",
+    "pack_first_token",
+    "unpack_first_token",
+    "check_pages",
+]

@@ -1,0 +1,213 @@
+"""Bootstrap server of one prefill instance (aiohttp, its own port).
+
+Prefill ranks register with `PUT /route`; decode asks `GET /route?tp_rank=-1&pp_rank=-1`
+for the topology (or a given rank for its `{rank_ip, rank_port}`) and heartbeats
+`GET /health`. Route queries answer 503 until all `tp_size * pp_size` ranks registered.
+With a token, `/route` needs `Authorization: Bearer <token>` (401 otherwise, fail closed).
+Every error is a 4xx/503 with a JSON body `{"error": ...}`.
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import threading
+import uuid
+from dataclasses import asdict, dataclass, fields
+
+from aiohttp import web
+
+_INT_FIELDS = ("tp_rank", "tp_size", "pp_rank", "pp_size", "rank_port", "page_size", "start_layer", "num_layers")
+_STR_FIELDS = ("rank_ip", "kv_dtype", "session_id")
+
+
+@dataclass(frozen=True)
+class RankRegistration:
+    tp_rank: int
+    tp_size: int
+    pp_rank: int
+    pp_size: int
+    rank_ip: str
+    rank_port: int
+    page_size: int
+    kv_dtype: str
+    session_id: str  # transfer-engine session id of this rank
+    start_layer: int
+    num_layers: int
+
+    @classmethod
+    def from_json(cls, obj: object) -> "RankRegistration":
+        """Validate a decoded JSON object; raises ValueError naming the first problem."""
+        if not isinstance(obj, dict):
+            raise ValueError("body must be a JSON object")
+        names = [f.name for f in fields(cls)]
+        missing = [n for n in names if n not in obj]
+        if missing:
+            raise ValueError(f"missing fields: {missing}")
+        for n in _INT_FIELDS:
+            v = obj[n]
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise ValueError(f"{n} must be a non-negative integer")
+        for n in _STR_FIELDS:
+            if not isinstance(obj[n], str) or not obj[n]:
+                raise ValueError(f"{n} must be a non-empty string")
+        if not 0 < obj["rank_port"] < 65536:
+            raise ValueError("rank_port out of range")
+        return cls(**{n: obj[n] for n in names})
+
+
+def _error(status: int, message: str) -> web.Response:
+    return web.json_response({"error": message}, status=status)
+
+
+@web.middleware
+async def _json_errors(request: web.Request, handler):
+    try:
+        return await handler(request)
+    except web.HTTPException as e:  # unknown path, wrong method, body too large, ...
+        if e.status < 400:
+            raise
+        return _error(e.status, e.reason or "error")
+
+
+class _Registry:
+    def __init__(self, tp_size: int, pp_size: int):
+        self.tp_size = tp_size
+        self.pp_size = pp_size
+        self.instance_id = uuid.uuid4().hex
+        self.ranks: dict[tuple[int, int], RankRegistration] = {}
+
+    @property
+    def complete(self) -> bool:
+        return len(self.ranks) == self.tp_size * self.pp_size
+
+    def add(self, reg: RankRegistration) -> str:
+        """"" if accepted, else why not."""
+        if (reg.tp_size, reg.pp_size) != (self.tp_size, self.pp_size):
+            return f"instance is tp={self.tp_size} pp={self.pp_size}, rank says tp={reg.tp_size} pp={reg.pp_size}"
+        if reg.tp_rank >= self.tp_size or reg.pp_rank >= self.pp_size:
+            return f"rank tp={reg.tp_rank} pp={reg.pp_rank} outside tp={self.tp_size} pp={self.pp_size}"
+        for other in self.ranks.values():
+            if (other.page_size, other.kv_dtype) != (reg.page_size, reg.kv_dtype):
+                return f"page_size/kv_dtype {reg.page_size}/{reg.kv_dtype} differ from {other.page_size}/{other.kv_dtype}"
+        self.ranks[(reg.tp_rank, reg.pp_rank)] = reg
+        return ""
+
+    def topology(self) -> dict:
+        first = next(iter(self.ranks.values()))
+        return {
+            "instance_id": self.instance_id,
+            "tp_size": self.tp_size,
+            "pp_size": self.pp_size,
+            "page_size": first.page_size,
+            "kv_dtype": first.kv_dtype,
+            "ranks": [asdict(r) for _, r in sorted(self.ranks.items())],
+        }
+
+
+def build_app(tp_size: int = 1, pp_size: int = 1, token: str = "") -> web.Application:
+    """The bootstrap app for an instance of `tp_size * pp_size` ranks."""
+    if tp_size < 1 or pp_size < 1:
+        raise ValueError("tp_size and pp_size must be >= 1")
+    reg = _Registry(tp_size, pp_size)
+    expected = f"Bearer {token}".encode()
+
+    def authorized(request: web.Request) -> bool:
+        if not token:
+            return True
+        return hmac.compare_digest(request.headers.get("Authorization", "").encode(), expected)
+
+    async def put_route(request: web.Request) -> web.Response:
+        if not authorized(request):
+            return _error(401, "missing or wrong bearer token")
+        try:
+            body = json.loads(await request.read())
+            rank = RankRegistration.from_json(body)
+        except (ValueError, UnicodeDecodeError) as e:
+            return _error(400, f"bad registration: {e}")
+        problem = reg.add(rank)
+        if problem:
+            return _error(409, problem)
+        return web.json_response({"ok": True, "registered": len(reg.ranks), "expected": tp_size * pp_size})
+
+    async def get_route(request: web.Request) -> web.Response:
+        if not authorized(request):
+            return _error(401, "missing or wrong bearer token")
+        try:
+            tp = int(request.query.get("tp_rank", "-1"))
+            pp = int(request.query.get("pp_rank", "-1"))
+        except ValueError:
+            return _error(400, "tp_rank and pp_rank must be integers")
+        if not reg.complete:
+            return _error(503, f"{len(reg.ranks)} of {tp_size * pp_size} ranks registered")
+        if tp == -1 and pp == -1:
+            return web.json_response(reg.topology())
+        rank = reg.ranks.get((tp, pp))
+        if rank is None:
+            return _error(404, f"no rank tp={tp} pp={pp} in tp={tp_size} pp={pp_size}")
+        return web.json_response({"rank_ip": rank.rank_ip, "rank_port": rank.rank_port})
+
+    async def health(request: web.Request) -> web.Response:
+        body = {"instance_id": reg.instance_id, "registered": len(reg.ranks), "expected": tp_size * pp_size}
+        return web.json_response(body, status=200 if reg.complete else 503)
+
+    app = web.Application(middlewares=[_json_errors], client_max_size=64 * 1024)
+    app.router.add_put("/route", put_route)
+    app.router.add_get("/route", get_route)
+    app.router.add_get("/health", health)
+    return app
+
+
+class BootstrapServer:
+    """The bootstrap app served from a daemon thread of the prefill process."""
+
+    def __init__(self, port: int, tp_size: int = 1, pp_size: int = 1, token: str = "", host: str = "0.0.0.0"):
+        self._app = build_app(tp_size, pp_size, token)
+        self._host = host
+        self.port = port
+        self._loop = asyncio.new_event_loop()
+        self._runner: web.AppRunner | None = None
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> "BootstrapServer":
+        """Bind and serve; returns once the port accepts connections (raises on bind error)."""
+        ready: list[BaseException | None] = []
+        started = threading.Event()
+
+        def run() -> None:
+            asyncio.set_event_loop(self._loop)
+            try:
+                self._loop.run_until_complete(self._serve())
+                ready.append(None)
+            except BaseException as e:  # reported to the caller of start()
+                ready.append(e)
+            started.set()
+            if ready[0] is None:
+                self._loop.run_forever()
+
+        self._thread = threading.Thread(target=run, name=f"bootstrap-{self.port}", daemon=True)
+        self._thread.start()
+        started.wait()
+        if ready[0] is not None:
+            raise ready[0]
+        return self
+
+    async def _serve(self) -> None:
+        self._runner = web.AppRunner(self._app, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self._host, self.port)
+        await site.start()
+        self.port = site._server.sockets[0].getsockname()[1]
+
+    def stop(self) -> None:
+        if self._thread is None:
+            return
+        if self._runner is not None:
+            asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(timeout=10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)
+        self._thread = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"

@@ -1,0 +1,105 @@
+"""Control-plane messages between decode and prefill ranks, and their one codec (JSON).
+
+Decode -> prefill: `DecodeHello` once per (decode rank, prefill rank) connection, carrying
+the decode KV buffer addresses and transfer session; then per room `RoomRequest` (destination
+pages and aux slot) and possibly `RoomAbort`. Prefill -> decode: `RoomUpdate` (Transferring,
+Success or Failed; `quiesced` says no write of that room is still in flight). The aux record
+travels inside the Success update, so it can never be seen before the pages it describes.
+"""
+from __future__ import annotations
+
+import base64
+import json
+import typing
+from dataclasses import asdict, dataclass, fields
+
+
+class CodecError(ValueError):
+    """A frame that is not a well-formed message of a known type."""
+
+
+@dataclass(frozen=True)
+class DecodeHello:
+    decode_id: str
+    reply_endpoint: str
+    session_id: str
+    buffer_ptrs: list[int]
+    buffer_nbytes: list[int]
+    page_nbytes: int
+    start_layer: int
+    aux_item_nbytes: int
+
+
+@dataclass(frozen=True)
+class RoomRequest:
+    decode_id: str
+    reply_endpoint: str
+    room: int
+    dest_pages: list[int]
+    aux_slot: int
+
+
+@dataclass(frozen=True)
+class RoomAbort:
+    decode_id: str
+    room: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class RoomUpdate:
+    room: int
+    tp_rank: int
+    pp_rank: int
+    status: int  # a KVPoll value
+    reason: str
+    quiesced: bool
+    aux: bytes  # the request's aux record, with Success only (written into the decode aux slot)
+
+
+Message = DecodeHello | RoomRequest | RoomAbort | RoomUpdate
+_TYPES: dict[str, type] = {t.__name__: t for t in (DecodeHello, RoomRequest, RoomAbort, RoomUpdate)}
+
+
+def encode(msg: Message) -> bytes:
+    body = {k: base64.b64encode(v).decode() if isinstance(v, bytes) else v for k, v in asdict(msg).items()}
+    return json.dumps({"type": type(msg).__name__, **body}, separators=(",", ":")).encode()
+
+
+def decode(frame: bytes) -> Message:
+    """Parse one frame; raises CodecError for anything but a valid message."""
+    try:
+        obj = json.loads(frame)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise CodecError(f"not JSON: {e}") from None
+    if not isinstance(obj, dict) or obj.get("type") not in _TYPES:
+        raise CodecError("missing or unknown message type")
+    cls = _TYPES[obj.pop("type")]
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in fields(cls)}
+    if set(obj) != names:
+        raise CodecError(f"{cls.__name__}: fields {sorted(obj)} != {sorted(names)}")
+    for name, value in obj.items():
+        if hints[name] is bytes and isinstance(value, str):
+            try:
+                obj[name] = value = base64.b64decode(value, validate=True)
+            except ValueError:
+                raise CodecError(f"{cls.__name__}.{name}: not base64") from None
+        if not _matches(value, hints[name]):
+            raise CodecError(f"{cls.__name__}.{name}: wrong type {type(value).__name__}")
+    return cls(**obj)
+
+
+def _matches(value: object, hint: object) -> bool:
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is str:
+        return isinstance(value, str)
+    if hint is bytes:
+        return isinstance(value, bytes)
+    if typing.get_origin(hint) is list:
+        (item,) = typing.get_args(hint)
+        return isinstance(value, list) and all(_matches(v, item) for v in value)
+    return False
