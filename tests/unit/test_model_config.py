@@ -1,32 +1,71 @@
 """ModelConfig from Hugging Face config.json dicts of the supported families, and clear refusals."""
+
 from __future__ import annotations
 
 import json
 
 import pytest
-
 from disagg_worker.model.config import ModelConfig
 
 LLAMA3 = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256, "hidden_size": 4096,
-    "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
-    "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "max_position_embeddings": 131072, "tie_word_embeddings": False,
-    "bos_token_id": 128000, "eos_token_id": [128001, 128008, 128009], "torch_dtype": "bfloat16",
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "vocab_size": 128256,
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0,
+    "max_position_embeddings": 131072,
+    "tie_word_embeddings": False,
+    "bos_token_id": 128000,
+    "eos_token_id": [128001, 128008, 128009],
+    "torch_dtype": "bfloat16",
     "hidden_act": "silu",
-    "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+    "rope_scaling": {
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+        "rope_type": "llama3",
+    },
 }
 QWEN3 = {
-    "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 151936, "hidden_size": 1024,
-    "intermediate_size": 3072, "num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 8,
-    "head_dim": 128, "rms_norm_eps": 1e-6, "rope_theta": 1000000, "max_position_embeddings": 40960,
-    "tie_word_embeddings": True, "eos_token_id": 151645, "bos_token_id": 151643, "use_sliding_window": False,
-    "sliding_window": None, "attention_bias": False, "hidden_act": "silu",
+    "architectures": ["Qwen3ForCausalLM"],
+    "model_type": "qwen3",
+    "vocab_size": 151936,
+    "hidden_size": 1024,
+    "intermediate_size": 3072,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1000000,
+    "max_position_embeddings": 40960,
+    "tie_word_embeddings": True,
+    "eos_token_id": 151645,
+    "bos_token_id": 151643,
+    "use_sliding_window": False,
+    "sliding_window": None,
+    "attention_bias": False,
+    "hidden_act": "silu",
 }
 MISTRAL = {
-    "architectures": ["MistralForCausalLM"], "model_type": "mistral", "vocab_size": 32000, "hidden_size": 4096,
-    "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
-    "max_position_embeddings": 32768, "sliding_window": 4096, "eos_token_id": 2, "hidden_act": "silu",
+    "architectures": ["MistralForCausalLM"],
+    "model_type": "mistral",
+    "vocab_size": 32000,
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "max_position_embeddings": 32768,
+    "sliding_window": 4096,
+    "eos_token_id": 2,
+    "hidden_act": "silu",
 }
 
 

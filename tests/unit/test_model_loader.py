@@ -1,4 +1,5 @@
 """Loading Hugging Face directories: sharded checkpoints, tied heads, dtypes, clear errors."""
+
 from __future__ import annotations
 
 import json
@@ -6,14 +7,16 @@ import shutil
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
-
 from disagg_worker.model import loader
 from disagg_worker.model.loader import WeightMismatchError, load_model
-from tests.unit.conftest_model import PageAllocator, StandInKV, make_batch, one_torch_thread, tiny_dirs  # noqa: F401
+from safetensors.torch import load_file, save_file
+
+from tests.unit.model_stubs import PageAllocator, StandInKV, make_batch
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 PROMPT = [5, 17, 300, 42, 9, 1500, 77, 8]
+
+pytest_plugins = ["tests.unit.conftest_model"]
 
 
 def last_logits(model, cfg) -> torch.Tensor:

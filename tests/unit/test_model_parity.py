@@ -1,4 +1,5 @@
 """Our paged forward gives the same logits and greedy tokens as `transformers` on the same weights."""
+
 from __future__ import annotations
 
 import json
@@ -7,9 +8,14 @@ import shutil
 import pytest
 import torch
 import transformers
-from tests.unit.conftest_model import ARCHS, PageAllocator, StandInKV, make_batch, one_torch_thread, tiny_dirs  # noqa: F401
-
 from disagg_worker.model.loader import load_model
+
+from tests.unit.model_stubs import (
+    ARCHS,
+    PageAllocator,
+    StandInKV,
+    make_batch,
+)
 
 PAGE_SIZE = 4
 ATOL = 1e-4
@@ -19,12 +25,14 @@ PROMPTS = [
     [7, 1024, 88, 19, 2000, 3, 45, 66, 120, 230, 11, 404, 505, 606, 70, 71, 72],
 ]
 
+pytest_plugins = ["tests.unit.conftest_model"]
+
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
-def models(tiny_dirs, one_torch_thread):
+def models(tiny_dirs):
     out = {}
     for arch in ARCHS:
         ours, cfg = load_model(tiny_dirs[arch], "float32", "cpu")
@@ -112,8 +120,13 @@ def test_greedy_generation_is_token_identical_to_transformers(models, arch):
 @pytest.mark.parametrize(
     "scaling",
     [
-        {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-         "original_max_position_embeddings": 64},
+        {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
         {"rope_type": "linear", "factor": 4.0},
     ],
 )

@@ -1,14 +1,17 @@
 """make_tiny: deterministic, small, loadable, and not degenerate."""
+
 from __future__ import annotations
 
 import pytest
-
 from disagg_worker.model.config import ModelConfig
 from disagg_worker.model.tiny import make_tiny
 from disagg_worker.model.tokenizer import Tokenizer
-from tests.unit.conftest_model import ARCHS, tiny_dirs  # noqa: F401
+
+from tests.unit.model_stubs import ARCHS
 
 FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
+
+pytest_plugins = ["tests.unit.conftest_model"]
 
 
 def test_same_seed_gives_byte_identical_files(tiny_dirs, tmp_path):

@@ -1,13 +1,12 @@
 """Tokenizer of the tiny model: round trips, BOS handling, chat template, streaming detokenization."""
+
 from __future__ import annotations
 
 import pytest
 import transformers
+from disagg_worker.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from disagg_worker.model.tokenizer import IncrementalDetokenizer, Tokenizer
-from tests.unit.conftest_model import tiny_dirs  # noqa: F401
 
 TEXTS = [
     "The lighthouse keeper climbed the stairs.",
@@ -18,6 +17,8 @@ MESSAGES = [
     {"role": "system", "content": "You are terse."},
     {"role": "user", "content": "Name a colour."},
 ]
+
+pytest_plugins = ["tests.unit.conftest_model"]
 
 
 @pytest.fixture(scope="module")

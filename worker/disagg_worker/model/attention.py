@@ -9,6 +9,7 @@ Two paths, same result:
   length mask, one `scaled_dot_product_attention` call;
 - extend (prefill, chunked prefill, mixed batches): one call per request with an offset causal mask.
 """
+
 from __future__ import annotations
 
 import torch
@@ -26,9 +27,7 @@ def write_kv(k_buf: torch.Tensor, v_buf: torch.Tensor, k: torch.Tensor, v: torch
     v_flat[slots] = v.to(v_flat.dtype)
 
 
-def paged_attention(
-    q: torch.Tensor, batch: ForwardBatch, k_buf: torch.Tensor, v_buf: torch.Tensor
-) -> torch.Tensor:
+def paged_attention(q: torch.Tensor, batch: ForwardBatch, k_buf: torch.Tensor, v_buf: torch.Tensor) -> torch.Tensor:
     """Attention of q ([T, H, D]) over each request's cached sequence; returns [T, H, D].
 
     The new tokens' K/V must already be in the pool (see `write_kv`).

@@ -6,6 +6,7 @@ decode steps) are already in the KV pool; `kv_slots[i]` lists the slots of the w
 the new tokens' slots last, so `kv_slots[i][-extend_lens[i]:]` equals that request's `out_slots`.
 A slot is `page * page_size + offset`.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

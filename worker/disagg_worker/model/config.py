@@ -7,6 +7,7 @@ Mistral's sliding window is accepted but not applied: attention is always full. 
 sequences stay within the window (always the case when the window is at least the context length);
 beyond it, outputs differ from the reference implementation.
 """
+
 from __future__ import annotations
 
 import json

@@ -5,6 +5,7 @@ state dict keys are the safetensors names. The model is stateless across calls: 
 token lives in the pool passed to `forward`, which needs only `k_buffer(layer)`, `v_buffer(layer)`
 (each [num_pages, page_size, H_kv, D]) and `page_size`.
 """
+
 from __future__ import annotations
 
 from typing import Protocol
@@ -54,9 +55,7 @@ class LlamaAttention(nn.Module):
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
 
-    def forward(
-        self, x: torch.Tensor, batch: ForwardBatch, kv: KVCacheView, rotary: RotaryEmbedding
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, kv: KVCacheView, rotary: RotaryEmbedding) -> torch.Tensor:
         t = x.shape[0]
         q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
@@ -89,9 +88,7 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(
-        self, h: torch.Tensor, batch: ForwardBatch, kv: KVCacheView, rotary: RotaryEmbedding
-    ) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, batch: ForwardBatch, kv: KVCacheView, rotary: RotaryEmbedding) -> torch.Tensor:
         h = h + self.self_attn(self.input_layernorm(h), batch, kv, rotary)
         return h + self.mlp(self.post_attention_layernorm(h))
 
@@ -99,7 +96,10 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # Weights always come from a checkpoint: skip the random init (normal_ on the meta device
+        # costs seconds on first use).
+        embedding = torch.empty(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=embedding)
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         # Built on the CPU explicitly (also under a meta-device context); `.to(device)` moves it.

@@ -3,6 +3,7 @@
 absent or present; rotary `inv_freq` buffers are ignored); anything missing or unexpected is an
 error that lists the names.
 """
+
 from __future__ import annotations
 
 import json
@@ -72,7 +73,8 @@ def _check_names(expected: set[str], names_by_file: dict[Path, list[str]], cfg: 
     missing, unexpected = sorted(expected - found), sorted(found - expected)
     if missing or unexpected:
         raise WeightMismatchError(
-            f"checkpoint does not match the {cfg.arch} model: missing tensors {missing}, unexpected tensors {unexpected}"
+            f"checkpoint does not match the {cfg.arch} model: "
+            f"missing tensors {missing}, unexpected tensors {unexpected}"
         )
 
 

@@ -1,4 +1,5 @@
 """Rotary position embedding, Hugging Face convention (rotate-half), with Llama-3 and linear scaling."""
+
 from __future__ import annotations
 
 import math

@@ -6,6 +6,7 @@
 byte-identical files. `arch` picks the shape: "llama" (untied head), "qwen2" (q/k/v bias, tied
 head) or "qwen3" (q/k norm, explicit head_dim, tied head).
 """
+
 from __future__ import annotations
 
 import json
@@ -51,13 +52,32 @@ _COMMON = {
     "initializer_range": WEIGHT_STD,
 }
 _ARCH_CONFIGS: dict[str, dict[str, Any]] = {
-    "llama": {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "tie_word_embeddings": False,
-              "attention_bias": False, "mlp_bias": False, "rope_scaling": None},
-    "qwen2": {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "tie_word_embeddings": True,
-              "use_sliding_window": False, "sliding_window": 4096, "max_window_layers": 4},
-    "qwen3": {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "tie_word_embeddings": True,
-              "head_dim": 64, "attention_bias": False, "use_sliding_window": False, "sliding_window": 4096,
-              "max_window_layers": 4},
+    "llama": {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "rope_scaling": None,
+    },
+    "qwen2": {
+        "architectures": ["Qwen2ForCausalLM"],
+        "model_type": "qwen2",
+        "tie_word_embeddings": True,
+        "use_sliding_window": False,
+        "sliding_window": 4096,
+        "max_window_layers": 4,
+    },
+    "qwen3": {
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "tie_word_embeddings": True,
+        "head_dim": 64,
+        "attention_bias": False,
+        "use_sliding_window": False,
+        "sliding_window": 4096,
+        "max_window_layers": 4,
+    },
 }
 
 

@@ -6,6 +6,7 @@ immutable sandbox, with the same globals Hugging Face provides (`raise_exception
 `eos_token`, `strftime_now`, the `tojson` filter). A rendered chat already contains its special
 tokens, so encode it with `add_special_tokens=False`.
 """
+
 from __future__ import annotations
 
 import json
@@ -157,7 +158,9 @@ def _raise_exception(message: str) -> None:
     raise ValueError(message)
 
 
-def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None, sort_keys: bool = False) -> str:
+def _tojson(
+    x: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None, sort_keys: bool = False
+) -> str:
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
