@@ -1,0 +1,63 @@
+"""Decode-side liveness check of prefill instances: `GET /health` of each bootstrap server.
+
+After `max_misses` consecutive failed checks, or when the server reports another instance
+id (the instance restarted), `on_lost(addr, reason, restarted)` is called once and the
+address is no longer watched.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Callable
+
+from disagg_worker.disagg.bootstrap_client import check_health
+
+OnLost = Callable[[str, str, bool], None]
+
+
+class HeartbeatMonitor:
+    def __init__(self, interval_s: float, max_misses: int, on_lost: OnLost, check=check_health):
+        self._interval = interval_s
+        self._max_misses = max(1, max_misses)
+        self._on_lost = on_lost
+        self._check = check
+        self._lock = threading.Lock()
+        self._watched: dict[str, tuple[str, int]] = {}  # addr -> (instance id, misses)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kv-heartbeat", daemon=True)
+        self._thread.start()
+
+    def watch(self, addr: str, instance_id: str) -> None:
+        with self._lock:
+            self._watched[addr] = (instance_id, 0)
+
+    def unwatch(self, addr: str) -> None:
+        with self._lock:
+            self._watched.pop(addr, None)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval):
+            with self._lock:
+                targets = list(self._watched.items())
+            for addr, (instance_id, _) in targets:
+                self._beat(addr, instance_id, self._check(addr, min(self._interval, 2.0)))
+
+    def _beat(self, addr: str, instance_id: str, seen: str | None) -> None:
+        with self._lock:
+            if addr not in self._watched:
+                return
+            misses = 0 if seen else self._watched[addr][1] + 1
+            lost = misses >= self._max_misses or (seen is not None and seen != instance_id)
+            if lost:
+                del self._watched[addr]
+            else:
+                self._watched[addr] = (instance_id, misses)
+        if not lost:
+            return
+        if seen is not None:
+            self._on_lost(addr, f"prefill instance {addr} restarted (instance id changed)", True)
+        else:
+            self._on_lost(addr, f"prefill instance {addr} lost: {misses} heartbeats missed", False)

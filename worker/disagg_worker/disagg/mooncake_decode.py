@@ -1,0 +1,308 @@
+"""Decode side of the `mooncake` backend.
+
+Per prefill instance (bootstrap address): resolve the topology once, check compatibility,
+send a `DecodeHello` to each target rank, then watch it with heartbeats. Per room: send
+`RoomRequest` after `init()` and the handshake; apply `RoomUpdate`s from prefill. Threads:
+`control` (zmq updates, waiting timeouts), a resolver pool (blocking HTTP), heartbeat.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from enum import Enum
+
+import torch
+
+from disagg_worker.config import DisaggConfig
+from disagg_worker.disagg.base import KVLayout, KVManager, KVReceiver, RankInfo, TransferFailure, check_pages
+from disagg_worker.disagg.bootstrap import RankRegistration
+from disagg_worker.disagg.bootstrap_client import BootstrapError, Topology, fetch_topology
+from disagg_worker.disagg.channel import ControlChannel
+from disagg_worker.disagg.heartbeat import HeartbeatMonitor
+from disagg_worker.disagg.messages import DecodeHello, RoomAbort, RoomRequest, RoomUpdate
+from disagg_worker.disagg.metrics import TransferMetrics
+from disagg_worker.disagg.mooncake import MooncakeEngine
+from disagg_worker.disagg.poll import KVPoll, StatusCell
+from disagg_worker.disagg.rooms import RoomTable
+from disagg_worker.env import load_env
+
+log = logging.getLogger(__name__)
+
+
+class InstanceState(Enum):
+    RESOLVING = "resolving"
+    READY = "ready"
+
+
+@dataclass
+class _Instance:
+    addr: str
+    state: InstanceState = InstanceState.RESOLVING
+    instance_id: str = ""
+    targets: list[RankRegistration] = field(default_factory=list)
+    rooms: set[int] = field(default_factory=set)
+
+
+@dataclass
+class _Room:
+    room: int
+    addr: str
+    cell: StatusCell = field(default_factory=StatusCell)
+    dest_pages: list[int] | None = None
+    aux_slot: int = -1
+    init_at: float = 0.0
+    targets: list[tuple[int, int]] = field(default_factory=list)  # (tp, pp) of prefill ranks asked
+    done: set[tuple[int, int]] = field(default_factory=set)
+    quiesced: set[tuple[int, int]] = field(default_factory=set)
+    unsafe: bool = False
+
+
+def check_compatible(topo: Topology, cfg: DisaggConfig, layout: KVLayout, tp_rank: int, pp_rank: int) -> tuple[list[RankRegistration], str]:
+    """The prefill ranks this decode rank pulls from, or ("", reason) naming both values."""
+    if topo.page_size != layout.page_size:
+        return [], f"page size mismatch: prefill page_size={topo.page_size}, decode page_size={layout.page_size}"
+    if topo.kv_dtype != layout.kv_dtype:
+        return [], f"KV dtype mismatch: prefill kv_dtype={topo.kv_dtype}, decode kv_dtype={layout.kv_dtype}"
+    if topo.tp_size != cfg.tp_size:
+        return [], f"unsupported TP mapping: prefill tp_size={topo.tp_size}, decode tp_size={cfg.tp_size} (must be equal)"
+    if cfg.pp_size == topo.pp_size:
+        return [topo.rank(tp_rank, pp_rank)], ""
+    if cfg.pp_size == 1:
+        return [topo.rank(tp_rank, pp) for pp in range(topo.pp_size)], ""
+    return [], f"unsupported PP mapping: prefill pp_size={topo.pp_size}, decode pp_size={cfg.pp_size} (must be equal or 1)"
+
+
+class DecodeReceiver(KVReceiver):
+    def __init__(self, mgr: "MooncakeDecodeManager", state: _Room):
+        self.room = state.room
+        self._mgr = mgr
+        self._state = state
+
+    def poll(self) -> KVPoll:
+        return self._state.cell.get()
+
+    def init(self, dest_pages: list[int], aux_slot: int) -> None:
+        self._mgr._init(self._state, list(dest_pages), aux_slot)
+
+    def abort(self, reason: str = "aborted by decode") -> None:
+        self._mgr._fail(self._state, reason)
+
+    def failure(self) -> TransferFailure | None:
+        if self._state.cell.get() is not KVPoll.Failed:
+            return None
+        return TransferFailure(self._state.cell.reason, self._state.unsafe)
+
+    def aux_bytes(self) -> bytes:
+        return self._mgr.read_aux(self._state.aux_slot)
+
+
+class MooncakeDecodeManager(KVManager):
+    def __init__(self, cfg: DisaggConfig, layout: KVLayout, rank: RankInfo, metrics: TransferMetrics):
+        super().__init__(cfg, layout, rank, metrics)
+        self._token = load_env().auth_token
+        self.engine = MooncakeEngine(cfg.advertise_host, cfg.transfer_protocol, cfg.ib_device)
+        for ptr, n in zip(layout.buffer_ptrs, layout.buffer_nbytes):
+            self.engine.register(ptr, n)
+        self.aux = torch.zeros(layout.aux_num_slots * layout.aux_item_nbytes, dtype=torch.uint8)
+        self.decode_id = uuid.uuid4().hex
+        self.channel = ControlChannel("0.0.0.0", cfg.advertise_host)
+        self.rooms: RoomTable[_Room] = RoomTable()
+        self._quarantine: dict[int, _Room] = {}  # failed rooms whose pages prefill may still write
+        self._instances: dict[str, _Instance] = {}
+        self._lock = threading.RLock()
+        self._stop = threading.Event()
+        self._resolver = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kv-resolve")
+        self.heartbeat = HeartbeatMonitor(cfg.heartbeat_interval_s, cfg.heartbeat_max_misses, self._on_lost)
+        self._control = threading.Thread(target=self._control_loop, name="kv-decode-control", daemon=True)
+        self._control.start()
+
+    # ---- scheduler-facing ------------------------------------------------------------
+    def create_receiver(self, room: int, bootstrap_addr: str) -> KVReceiver:
+        state = _Room(room, bootstrap_addr)
+        if not self.rooms.add(room, state):
+            state.cell.fail(f"room {room} was already used on this instance")
+            return DecodeReceiver(self, state)
+        with self._lock:
+            inst = self._instances.get(bootstrap_addr)
+            if inst is None:
+                inst = self._instances[bootstrap_addr] = _Instance(bootstrap_addr)
+                self._resolver.submit(self._resolve, inst)
+            inst.rooms.add(room)
+            if inst.state is InstanceState.READY:
+                state.cell.advance(KVPoll.WaitingForInput)
+        return DecodeReceiver(self, state)
+
+    def read_aux(self, slot: int) -> bytes:
+        n = self.layout.aux_item_nbytes
+        return bytes(self.aux[slot * n : (slot + 1) * n].numpy())
+
+    def confirm_instance_dead(self, bootstrap_addr: str) -> None:
+        with self._lock:
+            for room, state in list(self._quarantine.items()):
+                if state.addr == bootstrap_addr:
+                    state.unsafe = False
+                    del self._quarantine[room]
+
+    def close(self) -> None:
+        self._stop.set()
+        for _, state in self.rooms.snapshot():
+            self._fail(state, "decode transfer manager closed")
+        self.heartbeat.close()
+        self._resolver.shutdown(wait=False, cancel_futures=True)
+        self._control.join(timeout=5)
+        self.channel.close()
+
+    def _init(self, state: _Room, dest: list[int], aux_slot: int) -> None:
+        if state.cell.get() is KVPoll.Failed:
+            return
+        problem = check_pages(dest, self.layout.num_pages)
+        if not 0 <= aux_slot < self.layout.aux_num_slots:
+            problem = problem or f"aux slot {aux_slot} outside [0, {self.layout.aux_num_slots})"
+        if state.dest_pages is not None:
+            problem = problem or "init() called twice"
+        if problem:
+            self._fail(state, problem)
+            return
+        with self._lock:
+            state.dest_pages, state.aux_slot, state.init_at = dest, aux_slot, time.monotonic()
+            inst = self._instances.get(state.addr)
+            if inst is not None and inst.state is InstanceState.READY:
+                self._request(state, inst)
+
+    def _request(self, state: _Room, inst: _Instance) -> None:
+        """Send the destination to every target rank (under the lock, once)."""
+        state.targets = [(t.tp_rank, t.pp_rank) for t in inst.targets]
+        for t in inst.targets:
+            msg = RoomRequest(self.decode_id, self.channel.endpoint, state.room, state.dest_pages, state.aux_slot)
+            self.channel.send(_endpoint(t), msg)
+
+    def _fail(self, state: _Room, reason: str, tell_prefill: bool = True) -> None:
+        if not state.cell.fail(reason):
+            return
+        self.rooms.retire(state.room, "failed")
+        with self._lock:
+            inst = self._instances.get(state.addr)
+            if inst is not None:
+                inst.rooms.discard(state.room)
+            state.unsafe = bool(state.targets) and not set(state.targets) <= state.quiesced
+            if state.unsafe:
+                self._quarantine[state.room] = state
+            targets = inst.targets if inst is not None and inst.state is InstanceState.READY else []
+        if state.init_at:
+            self.metrics.transfer_failed()
+        else:
+            self.metrics.bootstrap_failed()
+        if tell_prefill:
+            for t in targets:
+                self.channel.send(_endpoint(t), RoomAbort(self.decode_id, state.room, reason))
+
+    # ---- instance handling -------------------------------------------------------------
+    def _resolve(self, inst: _Instance) -> None:
+        deadline = time.monotonic() + self.cfg.waiting_timeout_s
+        error = f"prefill bootstrap server {inst.addr} not ready within {self.cfg.waiting_timeout_s:g}s"
+        while not self._stop.is_set() and time.monotonic() < deadline:
+            try:
+                topo = fetch_topology(inst.addr, self._token)
+            except BootstrapError as e:
+                error = str(e)
+                break
+            except (OSError, ValueError, KeyError):
+                topo = None
+            if topo is not None:
+                targets, error = check_compatible(topo, self.cfg, self.layout, self.rank.tp_rank, self.rank.pp_rank)
+                if not error:
+                    self._ready(inst, topo.instance_id, targets)
+                    return
+                break
+            time.sleep(0.2)
+        self._fail_instance(inst.addr, f"prefill instance {inst.addr}: {error}", dead=False)
+
+    def _ready(self, inst: _Instance, instance_id: str, targets: list[RankRegistration]) -> None:
+        hello = DecodeHello(
+            self.decode_id, self.channel.endpoint, self.engine.session_id, self.layout.buffer_ptrs,
+            self.layout.buffer_nbytes, self.layout.page_nbytes, self.layout.start_layer, self.layout.aux_item_nbytes,
+        )  # fmt: skip
+        with self._lock:
+            for t in targets:
+                self.channel.send(_endpoint(t), hello)
+            inst.state, inst.instance_id, inst.targets = InstanceState.READY, instance_id, targets
+            for room in list(inst.rooms):
+                state = self.rooms.get(room)
+                if state is None:
+                    continue
+                state.cell.advance(KVPoll.WaitingForInput)
+                if state.dest_pages is not None:
+                    self._request(state, inst)
+        self.heartbeat.watch(inst.addr, instance_id)
+
+    def _on_lost(self, addr: str, reason: str, restarted: bool) -> None:
+        self._fail_instance(addr, reason, dead=restarted)
+
+    def _fail_instance(self, addr: str, reason: str, dead: bool) -> None:
+        """Fail every room of an instance; the next receiver resolves it afresh."""
+        with self._lock:
+            inst = self._instances.pop(addr, None)
+        if inst is None:
+            return
+        self.heartbeat.unwatch(addr)
+        for room in list(inst.rooms):
+            state = self.rooms.get(room)
+            if state is not None:
+                self._fail(state, reason, tell_prefill=False)
+        if dead:
+            self.confirm_instance_dead(addr)
+
+    # ---- control thread --------------------------------------------------------------
+    def _control_loop(self) -> None:
+        while not self._stop.is_set():
+            for msg in self.channel.recv(timeout_ms=20):
+                if isinstance(msg, RoomUpdate):
+                    self._on_update(msg)
+            self._sweep(time.monotonic())
+
+    def _on_update(self, msg: RoomUpdate) -> None:
+        key = (msg.tp_rank, msg.pp_rank)
+        with self._lock:
+            state = self.rooms.get(msg.room) or self._quarantine.get(msg.room)
+            if state is None or key not in state.targets:
+                return  # late update for a room that is gone: dropped
+            if msg.quiesced:
+                state.quiesced.add(key)
+                if state.unsafe and set(state.targets) <= state.quiesced:
+                    state.unsafe = False
+                    self._quarantine.pop(msg.room, None)
+        status = KVPoll(msg.status) if msg.status in KVPoll._value2member_map_ else KVPoll.Failed
+        if status is KVPoll.Failed:
+            self._fail(state, f"prefill failed: {msg.reason}")
+        elif status is KVPoll.Transferring:
+            state.cell.advance(KVPoll.Transferring)
+        elif status is KVPoll.Success:
+            self._on_success(state, key, msg.aux)
+
+    def _on_success(self, state: _Room, key: tuple[int, int], aux: bytes) -> None:
+        if aux:
+            n = self.layout.aux_item_nbytes
+            self.aux[state.aux_slot * n : state.aux_slot * n + len(aux)] = torch.frombuffer(bytearray(aux), dtype=torch.uint8)
+        state.done.add(key)
+        if set(state.targets) <= state.done and state.cell.advance(KVPoll.Success):
+            self.rooms.retire(state.room, "success")
+            with self._lock:
+                inst = self._instances.get(state.addr)
+                if inst is not None:
+                    inst.rooms.discard(state.room)
+            nbytes = len(state.dest_pages) * self.layout.page_nbytes * len(self.layout.buffer_ptrs)
+            self.metrics.transfer_done(nbytes, time.monotonic() - state.init_at)
+
+    def _sweep(self, now: float) -> None:
+        limit = self.cfg.waiting_timeout_s
+        for _, state in self.rooms.snapshot():
+            if state.init_at and now - state.init_at > limit and not state.cell.get().terminal:
+                self._fail(state, f"no KV from prefill within {limit:g}s (waiting timeout)")
+
+
+def _endpoint(rank: RankRegistration) -> str:
+    return f"tcp://{rank.rank_ip}:{rank.rank_port}"

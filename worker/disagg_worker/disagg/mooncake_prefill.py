@@ -1,0 +1,305 @@
+"""Prefill side of the `mooncake` backend.
+
+Threads: `control` (zmq: decode hellos, room requests and aborts; timeouts; registration
+with the bootstrap server) and `transfer` (submits the writes of each send and polls them
+with a short sleep). The scheduler thread only calls non-blocking handle methods.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+from disagg_worker.config import DisaggConfig
+from disagg_worker.disagg.base import KVLayout, KVManager, KVSender, RankInfo, check_pages
+from disagg_worker.disagg.bootstrap import RankRegistration
+from disagg_worker.disagg.bootstrap_client import BootstrapError, register_rank
+from disagg_worker.disagg.channel import ControlChannel
+from disagg_worker.disagg.messages import DecodeHello, RoomAbort, RoomRequest, RoomUpdate
+from disagg_worker.disagg.metrics import TransferMetrics
+from disagg_worker.disagg.mooncake import MooncakeEngine, WriteGroup, WriteState
+from disagg_worker.disagg.peers import DecodePeer
+from disagg_worker.disagg.poll import KVPoll, StatusCell
+from disagg_worker.disagg.rooms import RoomTable
+from disagg_worker.disagg.runs import group_runs
+from disagg_worker.env import load_env
+
+log = logging.getLogger(__name__)
+POLL_SLEEP_S = 0.0005
+
+
+@dataclass
+class _Room:
+    room: int
+    cell: StatusCell = field(default_factory=StatusCell)
+    created: float = field(default_factory=time.monotonic)
+    peer: DecodePeer | None = None
+    request: RoomRequest | None = None
+    sent: int = 0  # destination pages consumed by send() so far
+    inflight: int = 0  # write groups submitted or queued and not yet settled
+    last_queued: bool = False
+    nbytes: int = 0
+    first_send: float = 0.0
+    aux: bytes = b""
+    owes_quiesced: bool = False  # decode was told Failed while writes were still in flight
+
+
+@dataclass
+class _Job:
+    state: _Room
+    src_pages: list[int]
+    dst_pages: list[int]
+    last: bool
+    group: WriteGroup | None = None
+
+
+class PrefillSender(KVSender):
+    def __init__(self, mgr: "MooncakePrefillManager", state: _Room):
+        self.room = state.room
+        self._mgr = mgr
+        self._state = state
+
+    def poll(self) -> KVPoll:
+        return self._state.cell.get()
+
+    def send(self, page_indices: list[int], last: bool, aux: bytes | None = None) -> None:
+        self._mgr._send(self._state, list(page_indices), last, aux or b"")
+
+    def abort(self, reason: str = "aborted by prefill") -> None:
+        self._mgr._fail(self._state, reason)
+
+    def failure_reason(self) -> str:
+        return self._state.cell.reason
+
+
+class MooncakePrefillManager(KVManager):
+    def __init__(self, cfg: DisaggConfig, layout: KVLayout, rank: RankInfo, metrics: TransferMetrics):
+        super().__init__(cfg, layout, rank, metrics)
+        self._token = load_env().auth_token
+        self.engine = MooncakeEngine(cfg.advertise_host, cfg.transfer_protocol, cfg.ib_device)
+        for ptr, n in zip(layout.buffer_ptrs, layout.buffer_nbytes):
+            self.engine.register(ptr, n)
+        self.channel = ControlChannel("0.0.0.0", cfg.advertise_host)
+        self.rooms: RoomTable[_Room] = RoomTable()
+        self._peers: dict[str, DecodePeer] = {}
+        self._early: dict[int, tuple[float, RoomRequest]] = {}  # requests before their sender
+        self._jobs: queue.Queue[_Job] = queue.Queue()
+        self._lock = threading.Lock()  # guards _Room.inflight/last_queued and _early
+        self._stop = threading.Event()
+        self.registered = threading.Event()
+        self._threads = [
+            threading.Thread(target=self._control_loop, name="kv-prefill-control", daemon=True),
+            threading.Thread(target=self._transfer_loop, name="kv-prefill-transfer", daemon=True),
+        ]
+        for t in self._threads:
+            t.start()
+
+    def registration(self) -> RankRegistration:
+        cfg, lay = self.cfg, self.layout
+        return RankRegistration(
+            self.rank.tp_rank, cfg.tp_size, self.rank.pp_rank, cfg.pp_size, cfg.advertise_host,
+            self.channel.port, lay.page_size, lay.kv_dtype, self.engine.session_id,
+            lay.start_layer, lay.num_layers,
+        )  # fmt: skip
+
+    # ---- scheduler-facing ------------------------------------------------------------
+    def create_sender(self, room: int) -> KVSender:
+        state = _Room(room)
+        if not self.rooms.add(room, state):
+            outcome = self.rooms.tombstone(room) or "in use"
+            state.cell.fail(f"room {room} was already used on this instance ({outcome})")
+            return PrefillSender(self, state)
+        with self._lock:
+            early = self._early.pop(room, None)
+        if early is not None:
+            self._attach(state, early[1])
+        return PrefillSender(self, state)
+
+    def _send(self, state: _Room, pages: list[int], last: bool, aux: bytes) -> None:
+        status = state.cell.get()
+        if status is KVPoll.Failed:
+            return
+        if status < KVPoll.WaitingForInput or state.request is None or state.last_queued:
+            self._fail(state, f"send() in status {status.name}" + (" after the last chunk" if state.last_queued else ""))
+            return
+        dest = state.request.dest_pages
+        problem = check_pages(pages, self.layout.num_pages)
+        if state.sent + len(pages) > len(dest):
+            problem = f"{state.sent + len(pages)} pages sent but decode allocated {len(dest)}"
+        if last and len(aux) > state.peer.aux_item_nbytes:
+            problem = f"aux record of {len(aux)} bytes exceeds decode's {state.peer.aux_item_nbytes}"
+        if problem:
+            self._fail(state, problem)
+            return
+        dst = dest[state.sent : state.sent + len(pages)]
+        with self._lock:
+            state.sent += len(pages)
+            state.inflight += 1
+            state.last_queued = last
+            state.aux = aux if last else state.aux
+            state.first_send = state.first_send or time.monotonic()
+        if state.cell.advance(KVPoll.Transferring):
+            self._update(state, KVPoll.Transferring, "", False)
+        self._jobs.put(_Job(state, pages, dst, last))
+
+    def _fail(self, state: _Room, reason: str, notify: bool = True) -> None:
+        if not state.cell.fail(reason):
+            return
+        if state.first_send:
+            self.metrics.transfer_failed()
+        else:
+            self.metrics.bootstrap_failed()
+        self.rooms.retire(state.room, f"failed: {reason}")
+        if notify and state.request is not None:
+            with self._lock:
+                quiet = state.inflight == 0
+                state.owes_quiesced = not quiet
+            self._update(state, KVPoll.Failed, reason, quiet)
+
+    def _update(self, state: _Room, status: KVPoll, reason: str, quiesced: bool, aux: bytes = b"") -> None:
+        msg = RoomUpdate(state.room, self.rank.tp_rank, self.rank.pp_rank, int(status), reason, quiesced, aux)
+        self.channel.send(state.request.reply_endpoint, msg)
+
+    def close(self) -> None:
+        self._stop.set()
+        for _, state in self.rooms.snapshot():
+            self._fail(state, "prefill transfer manager closed")
+        for t in self._threads:
+            t.join(timeout=5)
+        self.channel.close()
+
+    # ---- control thread --------------------------------------------------------------
+    def _control_loop(self) -> None:
+        next_register = 0.0
+        while not self._stop.is_set():
+            now = time.monotonic()
+            if not self.registered.is_set() and now >= next_register:
+                next_register = now + self._try_register()
+            for msg in self.channel.recv(timeout_ms=20):
+                self._on_message(msg)
+            self._sweep(time.monotonic())
+
+    def _try_register(self) -> float:
+        """Register with the bootstrap server; seconds until the next attempt."""
+        url = self.rank.bootstrap_url or f"http://127.0.0.1:{self.cfg.bootstrap_port}"
+        try:
+            register_rank(url, self.registration(), self._token)
+        except BootstrapError as e:
+            log.error("bootstrap registration refused: %s", e)
+            return 5.0
+        except OSError:
+            return 0.2
+        self.registered.set()
+        return 0.0
+
+    def _on_message(self, msg) -> None:
+        if isinstance(msg, DecodeHello):
+            self._peers[msg.decode_id] = DecodePeer.from_hello(msg, self.layout)
+        elif isinstance(msg, RoomRequest):
+            self._on_request(msg)
+        elif isinstance(msg, RoomAbort):
+            state = self.rooms.get(msg.room)
+            if state is not None:
+                self._fail(state, f"aborted by decode: {msg.reason}")
+            else:  # the sender may not exist yet: its room must never start
+                self.rooms.retire(msg.room, f"aborted by decode: {msg.reason}")
+            with self._lock:
+                self._early.pop(msg.room, None)
+
+    def _on_request(self, req: RoomRequest) -> None:
+        state = self.rooms.get(req.room)
+        if state is None:
+            outcome = self.rooms.tombstone(req.room)
+            if outcome is not None:  # late request for a finished room: refuse, never reuse
+                msg = RoomUpdate(req.room, self.rank.tp_rank, self.rank.pp_rank, int(KVPoll.Failed),
+                                 f"room already finished on prefill ({outcome})", True, b"")  # fmt: skip
+                self.channel.send(req.reply_endpoint, msg)
+                return
+            with self._lock:
+                self._early[req.room] = (time.monotonic(), req)
+            return
+        self._attach(state, req)
+
+    def _attach(self, state: _Room, req: RoomRequest) -> None:
+        peer = self._peers.get(req.decode_id)
+        state.request = req
+        if peer is None:
+            self._fail(state, f"no handshake from decode {req.decode_id}")
+        elif peer.error:
+            self._fail(state, peer.error)
+        elif bad := peer.check_dest(req.dest_pages, req.aux_slot):
+            self._fail(state, bad)
+        else:
+            state.peer = peer
+            state.cell.advance(KVPoll.WaitingForInput)
+
+    def _sweep(self, now: float) -> None:
+        limit = self.cfg.bootstrap_timeout_s
+        for _, state in self.rooms.snapshot():
+            if state.cell.get() is KVPoll.Bootstrapping and now - state.created > limit:
+                self._fail(state, f"decode did not send its destination within {limit:g}s (bootstrap timeout)")
+        with self._lock:
+            stale = [(r, req) for r, (t, req) in self._early.items() if now - t > limit]
+            for r, _ in stale:
+                del self._early[r]
+        for room, req in stale:
+            msg = RoomUpdate(room, self.rank.tp_rank, self.rank.pp_rank, int(KVPoll.Failed),
+                             "prefill never received this request", True, b"")  # fmt: skip
+            self.channel.send(req.reply_endpoint, msg)
+
+    # ---- transfer thread -------------------------------------------------------------
+    def _transfer_loop(self) -> None:
+        active: list[_Job] = []
+        while not self._stop.is_set():
+            try:
+                job = self._jobs.get(timeout=0.02) if not active else self._jobs.get_nowait()
+                self._start(job)
+                active.append(job)
+                continue
+            except queue.Empty:
+                pass
+            active = [job for job in active if not self._progress(job)]
+            if active:
+                time.sleep(POLL_SLEEP_S)
+
+    def _start(self, job: _Job) -> None:
+        state, peer = job.state, job.state.peer
+        handles: list[int] = []
+        nbytes = 0
+        if state.cell.get() is not KVPoll.Failed:
+            for src, dst, n in group_runs(job.src_pages, job.dst_pages):
+                for i, ptr in enumerate(self.layout.buffer_ptrs):
+                    length = n * self.layout.page_nbytes
+                    dst_ptr = peer.buffer_ptrs[peer.buffer_map[i]] + dst * self.layout.page_nbytes
+                    handles.append(self.engine.submit(peer.session_id, ptr + src * self.layout.page_nbytes, dst_ptr, length))
+                    nbytes += length
+        job.group = WriteGroup(handles, nbytes, time.monotonic() + self.cfg.waiting_timeout_s)
+
+    def _progress(self, job: _Job) -> bool:
+        """Advance one job; True when it is settled and can be dropped."""
+        state, group = job.state, job.group
+        result = group.poll(self.engine)
+        if result is WriteState.FAILED:
+            self._fail(state, "KV write to decode failed (decode gone or refused the address)")
+        elif result is WriteState.PENDING and time.monotonic() > group.deadline:
+            self._fail(state, f"KV transfer timed out after {self.cfg.waiting_timeout_s:g}s (writes not cancelled)")
+        if not group.settled:
+            return False
+        with self._lock:
+            state.inflight -= 1
+            state.nbytes += group.nbytes
+            quiet = state.inflight == 0
+            owed, state.owes_quiesced = state.owes_quiesced and quiet, state.owes_quiesced and not quiet
+        if owed:  # the last write of a failed room settled: decode may reuse its pages now
+            self._update(state, KVPoll.Failed, state.cell.reason, True)
+        elif quiet and state.last_queued and state.cell.get() is KVPoll.Transferring:
+            self._finish(state)
+        return True
+
+    def _finish(self, state: _Room) -> None:
+        if state.cell.advance(KVPoll.Success):
+            self.rooms.retire(state.room, "success")
+            self._update(state, KVPoll.Success, "", True, state.aux)
+            self.metrics.transfer_done(state.nbytes, time.monotonic() - state.first_send)

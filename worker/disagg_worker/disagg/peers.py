@@ -1,0 +1,55 @@
+"""What a prefill rank knows about a decode rank after its hello: where to write."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from disagg_worker.disagg.base import KVLayout
+from disagg_worker.disagg.messages import DecodeHello
+
+
+@dataclass(frozen=True)
+class DecodePeer:
+    session_id: str
+    buffer_ptrs: list[int]
+    buffer_nbytes: list[int]
+    page_nbytes: int
+    aux_item_nbytes: int
+    # buffer_map[i]: index of the decode buffer that receives local buffer i.
+    buffer_map: list[int]
+    error: str = ""  # set when this peer cannot be served; every room from it fails with it
+
+    @classmethod
+    def from_hello(cls, hello: DecodeHello, local: KVLayout) -> "DecodePeer":
+        error = ""
+        if hello.page_nbytes != local.page_nbytes:
+            error = f"KV page bytes differ: prefill page_nbytes={local.page_nbytes}, decode page_nbytes={hello.page_nbytes}"
+        try:
+            mapping = layer_buffer_map(local.start_layer, local.num_layers, hello.start_layer, len(hello.buffer_ptrs) // 2)
+        except ValueError as e:
+            mapping, error = [], error or str(e)
+        return cls(
+            hello.session_id, hello.buffer_ptrs, hello.buffer_nbytes, hello.page_nbytes,
+            hello.aux_item_nbytes, mapping, error,
+        )  # fmt: skip
+
+    def check_dest(self, dest_pages: list[int], aux_slot: int) -> str:
+        """"" if every destination page lies inside every decode buffer."""
+        limit = min(self.buffer_nbytes, default=0) // max(1, self.page_nbytes)
+        bad = [p for p in dest_pages if not 0 <= p < limit]
+        if bad:
+            return f"destination pages outside decode's pool of {limit} pages: {bad[:5]}"
+        return "" if aux_slot >= 0 else f"negative aux slot {aux_slot}"
+
+
+def layer_buffer_map(src_start: int, src_layers: int, dst_start: int, dst_layers: int) -> list[int]:
+    """Map buffers `[K_0..K_{n-1}, V_0..V_{n-1}]` of a rank holding layers
+    `[src_start, src_start + src_layers)` onto the same layers of a rank holding
+    `[dst_start, dst_start + dst_layers)`. Raises ValueError if a layer has no destination."""
+    if src_start < dst_start or src_start + src_layers > dst_start + dst_layers:
+        raise ValueError(
+            f"prefill layers [{src_start}, {src_start + src_layers}) not held by decode layers "
+            f"[{dst_start}, {dst_start + dst_layers})"
+        )
+    offset = src_start - dst_start
+    keys = [offset + i for i in range(src_layers)]
+    return keys + [dst_layers + k for k in keys]
