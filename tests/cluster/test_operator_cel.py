@@ -1,0 +1,105 @@
+"""Each CEL rule of the CRD rejects a violating DisaggregatedModel at `kubectl apply`, with the rule's message."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+
+from disagg_operator import crd
+from test_operator_support import REPO, apply_cr, load_example
+
+ALL_MESSAGES = {message for _, _, message in crd.RULES}
+
+
+def message_of(fragment: str) -> str:
+    matches = [m for _, r, m in crd.RULES if fragment in r]
+    assert len(matches) == 1, fragment
+    return matches[0]
+
+
+def tiny(**spec) -> dict:
+    cr = load_example("dm-tcp-fake.yaml")
+    for path, value in spec.items():
+        node = cr["spec"]
+        *parents, leaf = path.split("__")
+        for p in parents:
+            node = node.setdefault(p, {})
+        if value is None:
+            node.pop(leaf, None)
+        else:
+            node[leaf] = value
+    return cr
+
+
+VIOLATIONS = [
+    ("prefill replicas", tiny(prefill__replicas=-1), "self.prefill.replicas >= 0"),
+    ("decode replicas", tiny(decode__replicas=-2), "self.decode.replicas >= 0"),
+    ("router replicas", tiny(router__replicas=-1), "self.router.replicas >= 0"),
+    ("pipeline sizes", tiny(prefill__ppSize=2, decode__ppSize=3), "decode.ppSize == self.prefill.ppSize"),
+    ("tensor sizes", tiny(prefill__tpSize=3, decode__tpSize=2), "tpSize % self.decode.tpSize"),
+    ("page size", tiny(decode__engine={"pageSize": 32}), "engine.pageSize"),
+    ("kv dtype", tiny(prefill__engine={"kvDtype": "bfloat16"}), "engine.kvDtype"),
+    ("prefill gpus", tiny(prefill__tpSize=2, prefill__resources={"gpus": 3}), "self.prefill.resources.gpus"),
+    ("decode gpus", tiny(decode__resources={"gpus": 2}), "self.decode.resources.gpus"),
+    ("rdma needs mooncake", tiny(transfer={"backend": "fake", "protocol": "rdma"}), "protocol != 'rdma'"),
+    ("ib device needs rdma", tiny(transfer={"backend": "mooncake", "protocol": "tcp", "ibDevice": "mlx5_0"}),
+     "ibDevice"),
+    ("both model sources", tiny(model={"hostPath": "/m", "path": "x", "huggingFaceId": "a/b"}),
+     "has(self.path) != has(self.huggingFaceId)"),
+    ("path without volume", tiny(model={"path": "x"}), "has(self.pvc) || has(self.hostPath)"),
+    ("two volumes", tiny(model={"path": "x", "pvc": "p", "hostPath": "/m"}), "has(self.pvc) && has(self.hostPath)"),
+]
+
+
+@pytest.fixture(scope="module")
+def crd_installed(kube_cluster):
+    kube_cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f",
+                         str(REPO / "crds" / "disagg.dev_disaggregatedmodels.yaml"))
+    kube_cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s",
+                         "crd/disaggregatedmodels.disagg.dev")
+
+
+def test_every_rule_is_exercised_here():
+    exercised = {message_of(f) for _, _, f in VIOLATIONS} | {m for _, r, m in crd.RULES if "oldSelf" in r}
+    exercised |= {m for w, _, m in crd.RULES if w == ""}
+    assert exercised == ALL_MESSAGES
+
+
+@pytest.mark.parametrize("case,cr,fragment", VIOLATIONS, ids=[v[0] for v in VIOLATIONS])
+def test_violation_is_rejected_with_the_rules_message(kube_cluster, crd_installed, namespace, case, cr, fragment):
+    proc = apply_cr(kube_cluster, namespace, copy.deepcopy(cr), check=False)
+    assert proc.returncode != 0
+    assert message_of(fragment) in proc.stderr
+
+
+@pytest.mark.parametrize("name,fragment", [
+    ("a" * 41, "size() <="), ("9lives", "matches("),
+])
+def test_names_that_cannot_name_children_are_rejected(kube_cluster, crd_installed, namespace, name, fragment):
+    cr = load_example("dm-tcp-fake.yaml", name=name)
+    proc = apply_cr(kube_cluster, namespace, cr, check=False)
+    assert proc.returncode != 0 and message_of(fragment) in proc.stderr
+
+
+@pytest.mark.parametrize("field,value,fragment", [
+    ("model", {"hostPath": "/m", "path": "other"}, "model is immutable"),
+    ("servedModelName", "renamed", "servedModelName is immutable"),
+    ("transfer", {"backend": "mooncake", "protocol": "tcp"}, "transfer is immutable"),
+])
+def test_immutable_fields_cannot_change(kube_cluster, crd_installed, namespace, field, value, fragment):
+    apply_cr(kube_cluster, namespace, load_example("dm-tcp-fake.yaml"))
+    changed = load_example("dm-tcp-fake.yaml")
+    changed["spec"][field] = value
+    proc = apply_cr(kube_cluster, namespace, changed, check=False)
+    assert proc.returncode != 0 and fragment in proc.stderr
+
+
+@pytest.mark.parametrize("example", ["dm-tcp-fake.yaml", "dm-rdma-gpu.yaml"])
+def test_examples_pass_validation_and_get_defaults(kube_cluster, crd_installed, namespace, example):
+    out = kube_cluster.kubectl("-n", namespace, "apply", "--dry-run=server", "-o", "json", "-f",
+                               str(REPO / "examples" / example))
+    spec = json.loads(out.stdout)["spec"]
+    assert spec["prefill"]["tpSize"] >= 1 and spec["imagePullPolicy"] == "IfNotPresent"
+    assert spec["auth"] == {}

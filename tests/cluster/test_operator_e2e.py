@@ -1,0 +1,163 @@
+"""The operator against a real API server: install, reconcile, status, scaling, failures, restarts, deletion.
+
+The operator runs as a local process with the chart's ServiceAccount token (so the chart's RBAC must suffice);
+kwok plays the kubelets, so pods become Ready without running the worker.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from test_operator_support import (OPERATOR_NS, RELEASE, OperatorUnderTest, apply_cr, condition, events_for,
+                                   install_chart, load_example, wait_until)
+
+CHILD_KINDS = "statefulsets,deployments,services,poddisruptionbudgets,networkpolicies,secrets"
+
+
+@pytest.fixture(scope="module")
+def operator(kube_cluster, tmp_path_factory):
+    install_chart(kube_cluster)
+    op = OperatorUnderTest(kube_cluster, tmp_path_factory.mktemp("operator"))
+    op.start()
+    yield op
+    op.stop()
+
+
+def children(cluster, namespace: str, name: str) -> list[dict]:
+    return cluster.get("-n", namespace, CHILD_KINDS, "-l", f"disagg.dev/model={name}")["items"]
+
+
+def wait_ready(cluster, namespace: str, name: str, timeout: int = 120) -> None:
+    cluster.kubectl("-n", namespace, "wait", "--for=condition=Ready", f"dm/{name}", f"--timeout={timeout}s")
+
+
+def test_the_service_account_can_do_what_the_operator_needs_and_no_more(kube_cluster, operator):
+    sa = f"system:serviceaccount:{OPERATOR_NS}:{RELEASE}"
+
+    def can(*args: str) -> bool:
+        return kube_cluster.kubectl("auth", "can-i", "--as", sa, *args, check=False).stdout.strip() == "yes"
+
+    assert can("patch", "statefulsets", "-n", "default") and can("create", "networkpolicies", "-n", "default")
+    assert can("patch", "disaggregatedmodels.disagg.dev/status", "-n", "default")
+    assert not can("delete", "statefulsets", "-n", "default")
+    assert not can("list", "secrets", "-n", "default")
+    assert not can("create", "clusterroles")
+
+
+@pytest.mark.parametrize("example,name,expected", [
+    ("dm-tcp-fake.yaml", "tiny", ["1/1", "1/1", "1/1"]),
+    ("dm-rdma-gpu.yaml", "llama-8b", ["1/1", "2/2", "2/2"]),
+])
+def test_example_becomes_ready_with_owned_children(kube_cluster, operator, namespace, example, name, expected):
+    kube_cluster.kubectl("-n", namespace, "apply", "-f", f"examples/{example}")
+    kinds = wait_until(lambda: (lambda c: c if len(c) >= 12 else None)(children(kube_cluster, namespace, name)),
+                       60, what="children")
+    uid = kube_cluster.get("-n", namespace, "dm", name)["metadata"]["uid"]
+    for child in kinds:
+        assert child["metadata"]["ownerReferences"][0]["uid"] == uid, child["metadata"]["name"]
+    wait_ready(kube_cluster, namespace, name)
+    row = kube_cluster.kubectl("-n", namespace, "get", "dm", name, "--no-headers").stdout.split()
+    assert row[:5] == [name, "True", *expected]
+    assert row[5] == f"http://{name}-router.{namespace}.svc:8000"
+    reasons = [e["reason"] for e in events_for(kube_cluster, namespace, name)]
+    assert "AllReplicasReady" in reasons
+
+
+def test_scaling_decode_with_kubectl_scale(kube_cluster, operator, namespace):
+    kube_cluster.kubectl("-n", namespace, "apply", "-f", "examples/dm-tcp-fake.yaml")
+    wait_ready(kube_cluster, namespace, "tiny")
+    for replicas in (3, 1):
+        kube_cluster.kubectl("-n", namespace, "scale", "dm/tiny", f"--replicas={replicas}")
+        wait_until(lambda: kube_cluster.get("-n", namespace, "sts", "tiny-decode")["spec"]["replicas"] == replicas,
+                   30, what=f"StatefulSet at {replicas}")
+        wait_until(lambda: kube_cluster.get("-n", namespace, "dm", "tiny")["status"]["decode"]["ready"]
+                   == f"{replicas}/{replicas}", 60, what=f"status decode {replicas}/{replicas}")
+        wait_ready(kube_cluster, namespace, "tiny")
+    scale = kube_cluster.get("-n", namespace, "--subresource=scale", "dm", "tiny")
+    assert scale["status"]["replicas"] == 1
+    assert scale["status"]["selector"] == "disagg.dev/model=tiny,disagg.dev/role=decode"
+
+
+def test_a_failing_pod_degrades_and_recovery_clears_it(kube_cluster, operator, namespace):
+    kube_cluster.kubectl("-n", namespace, "apply", "-f", "examples/dm-tcp-fake.yaml")
+    wait_ready(kube_cluster, namespace, "tiny")
+    kube_cluster.fail_pod(namespace, "tiny-decode-0")
+    degraded = wait_until(lambda: (lambda c: c if c.get("status") == "True" else None)(
+        condition(kube_cluster, namespace, "tiny", "Degraded")), 60, what="Degraded=True")
+    assert "tiny-decode-0" in degraded["message"] and degraded["reason"] == "PodFailing"
+    warnings = [e for e in events_for(kube_cluster, namespace, "tiny") if e["reason"] == "PodFailing"]
+    assert warnings and warnings[0]["type"] == "Warning" and "tiny-decode-0" in warnings[0]["message"]
+    # The pod recovers the way a restarted pod does: the StatefulSet replaces it.
+    kube_cluster.kubectl("-n", namespace, "delete", "pod", "tiny-decode-0", "--wait=false")
+    wait_until(lambda: condition(kube_cluster, namespace, "tiny", "Degraded").get("status") == "False", 90,
+               what="Degraded=False")
+    wait_ready(kube_cluster, namespace, "tiny")
+    assert [e for e in events_for(kube_cluster, namespace, "tiny") if e["reason"] == "AsExpected"]
+
+
+def test_a_child_deleted_by_hand_is_recreated(kube_cluster, operator, namespace):
+    kube_cluster.kubectl("-n", namespace, "apply", "-f", "examples/dm-tcp-fake.yaml")
+    wait_ready(kube_cluster, namespace, "tiny")
+    targets = [("sts", "tiny-decode"), ("svc", "tiny-prefill"), ("networkpolicy", "tiny-transfer")]
+
+    def uid(kind: str, name: str) -> str:
+        return kube_cluster.kubectl("-n", namespace, "get", kind, name, "-o", "jsonpath={.metadata.uid}",
+                                    check=False).stdout
+
+    old = {t: uid(*t) for t in targets}
+    for kind, name in targets:
+        kube_cluster.kubectl("-n", namespace, "delete", kind, name)
+    wait_until(lambda: all(uid(*t) not in ("", old[t]) for t in targets), 30, what="recreated children")
+    wait_ready(kube_cluster, namespace, "tiny")
+
+
+def test_killed_mid_reconcile_the_operator_converges_after_restart(kube_cluster, operator, namespace):
+    kube_cluster.kubectl("-n", namespace, "apply", "-f", "examples/dm-tcp-fake.yaml")
+    time.sleep(0.3)
+    operator.kill()
+    kube_cluster.kubectl("-n", namespace, "patch", "dm", "tiny", "--type=merge",
+                         "-p", '{"spec":{"prefill":{"replicas":2}}}')
+    operator.start()
+    wait_until(lambda: kube_cluster.get("-n", namespace, "sts", "tiny-prefill")["spec"]["replicas"] == 2, 60,
+               what="prefill StatefulSet at 2")
+    wait_ready(kube_cluster, namespace, "tiny")
+    assert kube_cluster.get("-n", namespace, "dm", "tiny")["status"]["prefill"]["ready"] == "2/2"
+
+
+def test_deleting_the_cr_leaves_no_orphans(kube_cluster, operator, namespace):
+    kube_cluster.kubectl("-n", namespace, "apply", "-f", "examples/dm-tcp-fake.yaml")
+    wait_ready(kube_cluster, namespace, "tiny")
+    kube_cluster.kubectl("-n", namespace, "delete", "dm", "tiny")
+
+    def gone() -> bool:
+        pods = kube_cluster.get("-n", namespace, "pods", "-l", "disagg.dev/model=tiny")["items"]
+        return not children(kube_cluster, namespace, "tiny") and not pods
+
+    wait_until(gone, 90, what="children garbage-collected")
+    time.sleep(3)
+    assert children(kube_cluster, namespace, "tiny") == []
+
+
+def test_an_idle_operator_makes_no_api_writes(kube_cluster, operator, namespace):
+    kube_cluster.kubectl("-n", namespace, "apply", "-f", "examples/dm-tcp-fake.yaml")
+    wait_ready(kube_cluster, namespace, "tiny")
+    time.sleep(5)
+    before = operator.proxy.snapshot()
+    time.sleep(60)
+    after = operator.proxy.snapshot()
+    writes = {k: after[k] - before[k] for k in after if k[0] != "GET" and after[k] != before[k]}
+    print(f"writes while idle for 60 s: {sum(writes.values())} {writes}")
+    assert writes == {}, operator.log_tail()
+
+
+def test_a_missing_auth_secret_is_reported_as_degraded(kube_cluster, operator, namespace):
+    cr = load_example("dm-tcp-fake.yaml")
+    cr["spec"]["auth"] = {"secretName": "not-there"}
+    apply_cr(kube_cluster, namespace, cr)
+    degraded = wait_until(lambda: (lambda c: c if c.get("status") == "True" else None)(
+        condition(kube_cluster, namespace, "tiny", "Degraded")), 60, what="Degraded=True")
+    assert degraded["reason"] == "ReconcileFailed" and "auth Secret not-there not found" in degraded["message"]
+    kube_cluster.kubectl("-n", namespace, "create", "secret", "generic", "not-there", "--from-literal=token=t")
+    wait_ready(kube_cluster, namespace, "tiny", timeout=120)
