@@ -37,7 +37,9 @@ class PagedSeq:
     tokens: list[int] = field(default_factory=list)
 
     def slots(self, start: int, end: int, page_size: int) -> torch.Tensor:
-        return torch.tensor([self.pages[p // page_size] * page_size + p % page_size for p in range(start, end)])
+        return torch.tensor(
+            [self.pages[p // page_size] * page_size + p % page_size for p in range(start, end)], dtype=torch.long
+        )
 
 
 class PageAllocator:
