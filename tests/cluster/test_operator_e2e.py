@@ -143,6 +143,9 @@ def test_deleting_the_cr_leaves_no_orphans(kube_cluster, operator, namespace):
 def test_an_idle_operator_makes_no_api_writes(kube_cluster, operator, namespace):
     kube_cluster.kubectl("-n", namespace, "apply", "-f", "examples/dm-tcp-fake.yaml")
     wait_ready(kube_cluster, namespace, "tiny")
+    # Earlier tests' namespaces are being torn down: that is work, not idling.
+    wait_until(lambda: not [n for n in kube_cluster.get("namespaces")["items"]
+                            if n["status"].get("phase") == "Terminating"], 120, what="namespaces deleted")
     time.sleep(5)
     before = operator.proxy.snapshot()
     time.sleep(60)
