@@ -18,6 +18,7 @@ from .reconcile import ReconcileError, Runtime
 from .status import Event, observe_workload, pod_problem
 
 MANAGED = {names.LABEL_MANAGED_BY: names.MANAGED_BY}
+logger = logging.getLogger(__name__)
 CR = (names.GROUP, names.VERSION, names.PLURAL)
 CHILD_KINDS = [("apps", "v1", "statefulsets"), ("apps", "v1", "deployments"), ("", "v1", "services"),
                ("policy", "v1", "poddisruptionbudgets"), ("networking.k8s.io", "v1", "networkpolicies")]
@@ -103,8 +104,8 @@ def _on_child(type: str | None, namespace: str, labels: Mapping[str, str], memo:
     if recreate and type == "DELETED" and runtime.cr_is_live(namespace, meta["name"], meta["uid"]):
         try:
             runtime.apply_children(cr)
-        except ReconcileError as e:
-            raise kopf.TemporaryError(str(e), delay=10) from e
+        except ReconcileError as e:  # event handlers are not retried: Degraded says it, the next event retries
+            logger.warning("recreating children of %s/%s: %s", namespace, meta["name"], e)
     refresh(runtime, cr, worker_sets, router_sets, failing_pods)
 
 
