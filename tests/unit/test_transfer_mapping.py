@@ -1,0 +1,89 @@
+"""Compatibility rules between a prefill instance and a decode rank, the PP layer mapping,
+and heartbeat loss detection (with a scripted health check, no network)."""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from disagg_worker.config import DisaggConfig, Role
+from disagg_worker.disagg import KVLayout
+from disagg_worker.disagg.bootstrap import RankRegistration
+from disagg_worker.disagg.bootstrap_client import Topology
+from disagg_worker.disagg.heartbeat import HeartbeatMonitor
+from disagg_worker.disagg.mooncake_decode import check_compatible
+from disagg_worker.disagg.peers import layer_buffer_map
+
+LAYOUT = KVLayout([1, 2, 3, 4], [1024] * 4, page_nbytes=256, page_size=16, kv_dtype="bfloat16", num_pages=4)
+
+
+def topo(tp=1, pp=1, page_size=16, kv_dtype="bfloat16"):
+    ranks = [
+        RankRegistration(t, tp, p, pp, "10.0.0.9", 5000 + 10 * p + t, page_size, kv_dtype, "s", 2 * p, 2)
+        for p in range(pp)
+        for t in range(tp)
+    ]
+    return Topology("id", tp, pp, page_size, kv_dtype, ranks)
+
+
+def cfg(tp=1, pp=1):
+    return DisaggConfig(role=Role.DECODE, tp_size=tp, pp_size=pp)
+
+
+def test_equal_tp_maps_rank_to_rank_and_pp1_decode_pulls_every_stage():
+    targets, err = check_compatible(topo(tp=2), cfg(tp=2), LAYOUT, tp_rank=1, pp_rank=0)
+    assert not err and [(r.tp_rank, r.pp_rank) for r in targets] == [(1, 0)]
+    targets, err = check_compatible(topo(tp=2, pp=3), cfg(tp=2, pp=1), LAYOUT, tp_rank=0, pp_rank=0)
+    assert not err and [(r.tp_rank, r.pp_rank) for r in targets] == [(0, 0), (0, 1), (0, 2)]
+    targets, err = check_compatible(topo(pp=2), cfg(pp=2), LAYOUT, tp_rank=0, pp_rank=1)
+    assert [(r.tp_rank, r.pp_rank) for r in targets] == [(0, 1)]
+
+
+@pytest.mark.parametrize(
+    "t,c,needles",
+    [
+        (topo(page_size=32), cfg(), ["prefill page_size=32", "decode page_size=16"]),
+        (topo(kv_dtype="float32"), cfg(), ["prefill kv_dtype=float32", "decode kv_dtype=bfloat16"]),
+        (topo(tp=2), cfg(tp=1), ["prefill tp_size=2", "decode tp_size=1"]),
+        (topo(pp=2), cfg(pp=3), ["prefill pp_size=2", "decode pp_size=3"]),
+    ],
+)
+def test_mismatch_names_both_values(t, c, needles):
+    targets, err = check_compatible(t, c, LAYOUT, 0, 0)
+    assert targets == [] and all(n in err for n in needles), err
+
+
+def test_layer_map_places_a_pp_stage_inside_the_full_decode_pool():
+    # prefill stage holding layers [2, 4) -> decode holding all 4 layers: K2,K3,V2,V3
+    assert layer_buffer_map(2, 2, 0, 4) == [2, 3, 6, 7]
+    assert layer_buffer_map(0, 3, 0, 3) == [0, 1, 2, 3, 4, 5]
+    with pytest.raises(ValueError, match=r"layers \[2, 4\)"):
+        layer_buffer_map(2, 2, 0, 3)
+
+
+def test_heartbeat_reports_loss_after_max_misses_and_restart_at_once():
+    answers = {"a:1": ["id", None, "id", None, None, None], "b:1": ["id", "other"]}
+    lost: list[tuple[str, str, bool]] = []
+    done = threading.Event()
+
+    def check(addr, timeout):
+        seq = answers[addr]
+        return seq.pop(0) if seq else None
+
+    def on_lost(addr, reason, restarted):
+        lost.append((addr, reason, restarted))
+        if len(lost) == 2:
+            done.set()
+
+    mon = HeartbeatMonitor(0.01, 2, on_lost, check=check)
+    mon.watch("a:1", "id")
+    mon.watch("b:1", "id")
+    assert done.wait(5)
+    mon.close()
+    by_addr = {a: (r, dead) for a, r, dead in lost}
+    assert by_addr["b:1"] == ("prefill instance b:1 restarted (instance id changed)", True)
+    assert "2 heartbeats missed" in by_addr["a:1"][0] and by_addr["a:1"][1] is False
+    assert answers["a:1"] == [None], "one miss followed by a success must reset the count"
+    time.sleep(0.05)
+    assert len(lost) == 2, "a lost instance is reported once"
