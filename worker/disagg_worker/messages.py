@@ -86,6 +86,8 @@ class SchedulerStats:
     cache_pages: int = 0
     cache_refs: int = 0
     pid: int = 0
+    # Prometheus exposition of the scheduler process's own series (KV transfer metrics).
+    metrics_text: str = ""
     queues: dict[str, int] = field(default_factory=dict)
 
 

@@ -6,6 +6,7 @@ import os
 import time
 
 import torch
+from prometheus_client import REGISTRY, generate_latest
 
 from disagg_worker import messages as msg
 from disagg_worker.config import EngineConfig
@@ -54,7 +55,16 @@ class Engine:
 
     @property
     def idle(self) -> bool:
-        return self.scheduler.idle
+        """Nothing to do until a message arrives."""
+        return self.scheduler.idle and not self.waiting_on_transfers
+
+    @property
+    def waiting_on_transfers(self) -> bool:
+        """Requests wait on KV transfers (P/D roles); the loop polls them often."""
+        return False
+
+    def tick(self) -> None:
+        """Advance whatever does not need the model (P/D queues); called before each schedule."""
 
     def handle(self, m: msg.Message) -> None:
         if isinstance(m, msg.GenerateReq):
@@ -100,7 +110,16 @@ class Engine:
             cache_pages=self.radix.total_pages,
             cache_refs=self.radix.total_refs(),
             pid=os.getpid(),
+            queues=self.queue_sizes(),
+            metrics_text=own_metrics(),
         )
+
+    def queue_sizes(self) -> dict[str, int]:
+        """Sizes of the P/D queues (none for a monolithic instance)."""
+        return {}
+
+    def close(self) -> None:
+        """Release what the engine holds outside this process (transfer engines)."""
 
     def pages_accounted(self) -> bool:
         """At idle, every page is free or held unlocked by the prefix cache."""
@@ -108,3 +127,11 @@ class Engine:
             self.allocator.num_free + self.radix.total_pages == self.allocator.num_total
             and self.radix.total_refs() == 0
         )
+
+
+def own_metrics() -> str:
+    """This process's `disagg_*` Prometheus series (the HTTP process serves them on /metrics)."""
+    text = generate_latest(REGISTRY).decode()
+    keep = [line for line in text.splitlines()
+            if line.startswith("disagg_") or line.startswith(("# HELP disagg_", "# TYPE disagg_"))]
+    return "\n".join(keep) + ("\n" if keep else "")

@@ -19,6 +19,7 @@ from disagg_worker.engine.engine import Engine
 log = logging.getLogger(__name__)
 
 STATS_INTERVAL_S = 0.5
+TRANSFER_POLL_MS = 2
 
 
 class Stepper:
@@ -34,8 +35,14 @@ class Stepper:
     def busy(self) -> bool:
         return self.inflight is not None or not self.engine.idle
 
+    @property
+    def computing(self) -> bool:
+        """A forward is running or could be scheduled now."""
+        return self.inflight is not None or not self.engine.scheduler.idle
+
     def step(self) -> None:
         """One turn: schedule the next batch, start it, and finish the one before it."""
+        self.engine.tick()
         sched = self.engine.scheduler
         if self.inflight is not None and (not self.overlap or sched.needs_sync()):
             self.drain()
@@ -78,12 +85,18 @@ class EngineLoop:
     def serve_forever(self) -> None:
         self.publish(self.engine.info())
         while not self.stopped:
-            self._drain_inbox(block=not self.stepper.busy)
+            self._drain_inbox(self._wait_ms())
             self.stepper.step()
             self._flush()
 
-    def _drain_inbox(self, block: bool) -> None:
-        timeout = int(STATS_INTERVAL_S * 1000) if block else 0
+    def _wait_ms(self) -> int:
+        if self.stepper.computing:
+            return 0
+        if self.engine.waiting_on_transfers:
+            return TRANSFER_POLL_MS
+        return int(STATS_INTERVAL_S * 1000)
+
+    def _drain_inbox(self, timeout: int) -> None:
         while self.recv.poll(timeout):
             self.engine.handle(msg.decode(self.recv.recv()))
             timeout = 0

@@ -4,19 +4,33 @@ from __future__ import annotations
 import logging
 import signal
 
-from disagg_worker.config import EngineConfig
+from disagg_worker.config import EngineConfig, Role
 
 
 def run_scheduler(cfg: EngineConfig, recv_addr: str, send_addr: str, log_level: str = "info") -> None:
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s scheduler %(levelname)s %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when this process ends
-    from disagg_worker.engine.engine import Engine
     from disagg_worker.engine.loop import EngineLoop
 
-    engine = Engine.from_config(cfg)
+    engine = engine_class(cfg.disagg.role).from_config(cfg)
     loop = EngineLoop(engine, recv_addr, send_addr, overlap=cfg.scheduler.enable_overlap)
     signal.signal(signal.SIGTERM, lambda *_: setattr(loop, "stopped", True))
     try:
         loop.serve_forever()
     finally:
         loop.close()
+        engine.close()
+
+
+def engine_class(role: Role):
+    if role is Role.PREFILL:
+        from disagg_worker.engine.prefill import PrefillEngine
+
+        return PrefillEngine
+    if role is Role.DECODE:
+        from disagg_worker.engine.decode import DecodeEngine
+
+        return DecodeEngine
+    from disagg_worker.engine.engine import Engine
+
+    return Engine

@@ -51,12 +51,12 @@ class Scheduler:
     def add(self, req: Req) -> None:
         if req.rid in self.by_rid:
             req.fail(400, f"request id {req.rid!r} is already in use")
-            self._emit(req, [])
+            self.emit(req, [])
             return
         capacity = self.cfg.cache.capacity_tokens
         if req.seq_len + 1 > capacity:
             req.fail(400, f"prompt of {req.seq_len} tokens does not fit the KV cache ({capacity} tokens)")
-            self._emit(req, [])
+            self.emit(req, [])
             return
         self.by_rid[req.rid] = req
         self.waiting.append(req)
@@ -220,9 +220,28 @@ class Scheduler:
             tok = result.tokens[i]
             r.output_ids.append(tok)
             r.check_finished(tok)
-            self._emit(r, [tok], result.logprobs[i], result.top_logprobs[i])
-            if r.finished:
-                self._finish(r, emit=False)
+            self._on_token(r, tok, result.logprobs[i], result.top_logprobs[i])
+
+    def _on_token(self, req: Req, token: int, logprob: float | None, top) -> None:
+        """A request got a token: stream it, and end the request if that was its last."""
+        self.emit(req, [token], logprob, top)
+        if req.finished:
+            self._finish(req, emit=False)
+
+    def add_running(self, req: Req) -> None:
+        """Admit a request whose prompt KV is already in its pages (decode after a transfer)."""
+        self.by_rid[req.rid] = req
+        self.running.append(req)
+
+    def detach(self, req: Req) -> None:
+        """Take a request out of the queues without touching its pages (the caller owns them now)."""
+        if req in self.running:
+            self.running.remove(req)
+        self.by_rid.pop(req.rid, None)
+
+    def release(self, req: Req) -> None:
+        """Return the pages of a detached request (whole computed pages go to the prefix cache)."""
+        self._release(req)
 
     def take_outputs(self) -> list[TokenOut]:
         out, self.outbox = self.outbox, []
@@ -237,7 +256,7 @@ class Scheduler:
             self.waiting.remove(req)
         self.by_rid.pop(req.rid, None)
         if emit:
-            self._emit(req, [])
+            self.emit(req, [])
 
     def _release(self, req: Req) -> None:
         """Return the request's pages: whole computed pages to the radix cache, the rest freed."""
@@ -252,7 +271,7 @@ class Scheduler:
         req.pages = []
         req.prefix_pages = 0
 
-    def _emit(self, req: Req, tokens: list[int], lp=None, top=None) -> None:
+    def emit(self, req: Req, tokens: list[int], lp=None, top=None) -> None:
         self.outbox.append(
             TokenOut(
                 rid=req.rid,

@@ -278,7 +278,9 @@ async def stats(request: web.Request) -> web.Response:
     st = request.app[FRONTEND].stats
     if st is None:
         raise APIError(503, "the scheduler has not reported yet", type="server_error")
-    return web.json_response(asdict(st))
+    report = asdict(st)
+    report.pop("metrics_text", None)  # served on /metrics
+    return web.json_response(report)
 
 
 async def flush_cache(request: web.Request) -> web.Response:

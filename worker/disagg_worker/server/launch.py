@@ -11,7 +11,8 @@ import tempfile
 
 from aiohttp import web
 
-from disagg_worker.config import ServerArgs
+from disagg_worker.config import Role, ServerArgs
+from disagg_worker.env import load_env
 from disagg_worker.engine.process import run_scheduler
 from disagg_worker.model.tokenizer import Tokenizer
 from disagg_worker.server.api import build_app
@@ -32,6 +33,7 @@ class EngineServer:
         self.to_engine = f"ipc://{self.ipc_dir}/to-engine"
         self.from_engine = f"ipc://{self.ipc_dir}/from-engine"
         self.proc: mp.Process | None = None
+        self.bootstrap = None
         self.runner: web.AppRunner | None = None
         self.frontend: Frontend | None = None
 
@@ -41,6 +43,11 @@ class EngineServer:
         metrics = ServerMetrics(instance=f"{a.host}:{a.port}")
         self.frontend = Frontend(tokenizer, self.to_engine, self.from_engine, metrics)
         self.frontend.start()
+        if a.engine.disagg.role is Role.PREFILL:
+            from disagg_worker.disagg.bootstrap import BootstrapServer
+
+            d = a.engine.disagg
+            self.bootstrap = BootstrapServer(d.bootstrap_port, d.tp_size, d.pp_size, load_env().auth_token).start()
         ctx = mp.get_context("spawn")
         self.proc = ctx.Process(
             target=run_scheduler, args=(a.engine, self.to_engine, self.from_engine, a.log_level),
@@ -73,6 +80,8 @@ class EngineServer:
                 self.proc.kill()
         if self.frontend is not None:
             await self.frontend.close()
+        if self.bootstrap is not None:
+            self.bootstrap.stop()
         shutil.rmtree(self.ipc_dir, ignore_errors=True)
 
 
@@ -94,7 +103,8 @@ def run(args: ServerArgs) -> None:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s server %(levelname)s %(message)s")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     url = f"http://{args.host}:{args.port}"
-    banner = (f"disagg serving {args.engine.model_name} at {url}\n"
+    role = args.engine.disagg.role
+    banner = f"disagg {role.value} instance of {args.engine.model_name} at {url}" if role is not Role.MONOLITHIC else (f"disagg serving {args.engine.model_name} at {url}\n"
               f"try: curl {url}/v1/completions -H 'Content-Type: application/json' "
               f"-d '{{\"model\": \"{args.engine.model_name}\", \"prompt\": \"Once upon a time\", \"max_tokens\": 16}}'")
     asyncio.run(serve_until_signalled(EngineServer(args), banner))

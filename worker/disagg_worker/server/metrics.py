@@ -15,6 +15,7 @@ class ServerMetrics:
         self.registry = CollectorRegistry()
         r, labels = self.registry, ["instance"]
         self.instance = instance
+        self.scheduler_text = ""
 
         def gauge(name: str, doc: str) -> Gauge:
             return Gauge(name, doc, labels, registry=r).labels(instance)
@@ -36,6 +37,7 @@ class ServerMetrics:
         self.requests = Counter("disagg_requests", "Requests finished", labels, registry=r).labels(instance)
 
     def observe_stats(self, s: msg.SchedulerStats) -> None:
+        self.scheduler_text = s.metrics_text
         self.running.set(s.running)
         self.waiting.set(s.waiting)
         self.pages_used.set(s.pages_used)
@@ -50,7 +52,7 @@ class ServerMetrics:
         return RequestTimer(self)
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        return generate_latest(self.registry) + self.scheduler_text.encode()
 
 
 class RequestTimer:
