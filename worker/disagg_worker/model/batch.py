@@ -9,7 +9,7 @@ A slot is `page * page_size + offset`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -41,3 +41,13 @@ class ForwardBatch:
         """Index into the T new tokens of each request's last new token."""
         lens = torch.tensor(self.extend_lens, dtype=torch.long, device=self.input_ids.device)
         return torch.cumsum(lens, 0) - 1
+
+    def to(self, device: torch.device | str) -> ForwardBatch:
+        """The same batch with its tensors on `device` (`Tensor.to` does not copy tensors already there)."""
+        return replace(
+            self,
+            input_ids=self.input_ids.to(device),
+            positions=self.positions.to(device),
+            out_slots=self.out_slots.to(device),
+            kv_slots=[s.to(device) for s in self.kv_slots],
+        )

@@ -127,6 +127,10 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.no_grad()
     def forward(self, batch: ForwardBatch, kv: KVCacheView) -> torch.Tensor:
-        """Run the new tokens of every request; float32 logits [num_requests, vocab] of each last token."""
+        """Run the new tokens of every request; float32 logits [num_requests, vocab] of each last token.
+
+        The batch may be built on the CPU; its tensors are moved to the model's device.
+        """
+        batch = batch.to(self.model.embed_tokens.weight.device)
         h = self.model(batch, kv)
         return self.lm_head(h[batch.logits_indices]).float()
