@@ -92,3 +92,41 @@ def idle_and_flushed(url: str, timeout: float = 30.0) -> dict:
         return st if st["pages_used"] == 0 else None
 
     return wait_until(flushed, timeout, what=f"{url} pages freed")
+
+
+FAST_FAILURE = ["--bootstrap-timeout", "5", "--waiting-timeout", "8", "--heartbeat-interval", "0.5"]
+
+
+class PDStack:
+    """A router in front of one prefill and one decode instance, each its own process."""
+
+    def __init__(self, model: str, *engine_flags: str):
+        self.model = model
+        self.flags = [*engine_flags, *FAST_FAILURE]
+        self.bootstrap_port = free_port()
+        self.prefill = self.start_prefill()
+        self.decode = self.start_decode()
+        self.router = Proc(["router", "--port", str(free_port()), "--served-model-name", "tiny",
+                            "--prefill", self.prefill.url, str(self.bootstrap_port),
+                            "--decode", self.decode.url, "--health-interval", "0.5"], 0)
+        self.router.port = int(self.router.proc.args[3])
+        self.router.url = f"http://127.0.0.1:{self.router.port}"
+
+    def start_prefill(self, port: int | None = None) -> Proc:
+        port = port or free_port()
+        return Proc(["prefill", "--model", self.model, "--port", str(port), "--bootstrap-port",
+                     str(self.bootstrap_port), *self.flags], port)
+
+    def start_decode(self, port: int | None = None) -> Proc:
+        port = port or free_port()
+        return Proc(["decode", "--model", self.model, "--port", str(port), *self.flags], port)
+
+    def wait_healthy(self) -> "PDStack":
+        self.prefill.wait_healthy()
+        self.decode.wait_healthy()
+        self.router.wait_healthy()
+        return self
+
+    def stop(self) -> None:
+        for p in (self.router, self.decode, self.prefill):
+            p.stop()

@@ -43,11 +43,15 @@ class PrefillScheduler(Scheduler):
     def __init__(self, *args, **kw):
         super().__init__(*args, **kw)
         self.sampled: list[tuple[Req, int, float | None]] = []
-        self.chunked: list[Req] = []
+        # (request, tokens whose KV this step completed): num_computed may already count a later
+        # step still in flight (overlap), whose pages must not be sent yet.
+        self.chunked: list[tuple[Req, int]] = []
 
     def process(self, batch, result) -> None:
         super().process(batch, result)
-        self.chunked.extend(r for r, s in zip(batch.reqs, batch.samples) if not s and not r.finished)
+        for r, sampled, done in zip(batch.reqs, batch.samples, batch.forward.seq_lens):
+            if not sampled and not r.finished:
+                self.chunked.append((r, done))
 
     def _on_token(self, req: Req, token: int, logprob, top) -> None:
         self.detach(req)
@@ -125,11 +129,11 @@ class PrefillEngine(Engine):
 
     def _send_chunks(self) -> None:
         chunked, self.scheduler.chunked = self.scheduler.chunked, []
-        for req in chunked:
+        for req, done in chunked:
             p = self.prefilling.get(req.rid)
             if p is None:
                 continue
-            full = req.num_computed // self.cfg.cache.page_size
+            full = done // self.cfg.cache.page_size
             if full > p.sent_pages:
                 p.sender.send(req.pages[p.sent_pages:full], last=False)
                 p.sent_pages = full

@@ -1,0 +1,96 @@
+"""Prefill/decode disaggregation end to end: router -> prefill -> decode, real Mooncake TCP."""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+
+import pytest
+import requests
+
+from tests.integration.procs import PDStack, idle_and_flushed, serve
+from tests.integration.test_server import generate, varied_prompts
+
+pytestmark = pytest.mark.integration
+FLAGS = ("--page-size", "4", "--chunk-size", "32", "--max-total-tokens", "8192")
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_model):
+    s = PDStack(tiny_model, *FLAGS).wait_healthy()
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def mono(tiny_model):
+    p = serve(tiny_model, *FLAGS).wait_healthy()
+    yield p
+    p.stop()
+
+
+def assert_clean(*urls: str) -> None:
+    """Every queue is empty and, after flushing the prefix cache, every page is free."""
+    for url in urls:
+        st = idle_and_flushed(url, timeout=60)
+        assert st["pages_used"] == 0 and st["cache_refs"] == 0, (url, st)
+        assert not any(st["queues"].values()), (url, st)
+
+
+def test_pd_greedy_equals_monolithic(stack, mono):
+    prompts = varied_prompts(32)
+    expected = [generate(mono.url, p) for p in prompts]
+    with cf.ThreadPoolExecutor(16) as pool:
+        got = list(pool.map(lambda p: generate(stack.router.url, p), prompts))
+    assert got == expected
+    assert_clean(stack.prefill.url, stack.decode.url)
+
+
+def test_pd_openai_endpoints_match_monolithic(stack, mono):
+    body = {"prompt": "Once upon a time", "max_tokens": 10, "temperature": 0, "ignore_eos": True}
+    a = requests.post(f"{stack.router.url}/v1/completions", json=body, timeout=60).json()
+    b = requests.post(f"{mono.url}/v1/completions", json=body, timeout=60).json()
+    assert a["choices"][0]["text"] == b["choices"][0]["text"]
+    assert a["usage"] == b["usage"]
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 6, "temperature": 0, "stream": True}
+    with requests.post(f"{stack.router.url}/v1/chat/completions", json=chat, stream=True, timeout=60) as r:
+        events = [line[6:] for line in r.iter_lines(decode_unicode=True) if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    text = "".join(json.loads(e)["choices"][0]["delta"].get("content", "") for e in events[:-1])
+    mono_text = requests.post(f"{mono.url}/v1/chat/completions", json={**chat, "stream": False},
+                              timeout=60).json()["choices"][0]["message"]["content"]
+    assert text == mono_text
+
+
+def test_n_greater_than_one_uses_distinct_rooms(stack):
+    body = {"prompt": "The sea", "max_tokens": 4, "n": 4, "temperature": 1.0, "seed": 5}
+    r = requests.post(f"{stack.router.url}/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    assert [c["index"] for c in r.json()["choices"]] == [0, 1, 2, 3]
+    assert r.json()["usage"]["completion_tokens"] == 16
+
+
+def test_prompt_over_capacity_is_400_through_the_router(stack):
+    r = requests.post(f"{stack.router.url}/v1/completions",
+                      json={"prompt": list(range(10, 9010)), "max_tokens": 1}, timeout=60)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["message"]
+
+
+def test_workers_refuse_requests_without_a_room(stack):
+    for url in (stack.prefill.url, stack.decode.url):
+        r = requests.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=30)
+        assert r.status_code == 400
+        assert "bootstrap_room" in r.json()["error"]["message"]
+
+
+def test_router_health_lists_workers(stack):
+    h = requests.get(f"{stack.router.url}/health", timeout=5).json()
+    assert h["status"] == "ok"
+    assert sorted(w["role"] for w in h["workers"]) == ["decode", "prefill"]
+    m = requests.get(f"{stack.prefill.url}/metrics", timeout=5).text
+    for name in ('queue="prefill_bootstrap"', 'queue="prefill_inflight"', "disagg_kv_transfer_seconds_bucket",
+                 "disagg_kv_transfer_bytes_total"):
+        assert name in m
+    m = requests.get(f"{stack.decode.url}/metrics", timeout=5).text
+    for name in ('queue="decode_prealloc"', 'queue="decode_transfer"'):
+        assert name in m
