@@ -27,7 +27,10 @@ from disagg_worker.disagg.runs import group_runs
 from disagg_worker.env import load_env
 
 log = logging.getLogger(__name__)
-POLL_SLEEP_S = 0.0005
+# Sleep between status polls: starts short (small transfers finish in tens of microseconds)
+# and doubles while nothing completes, up to the cap; the thread never spins a core.
+POLL_SLEEP_MIN_S = 0.00002
+POLL_SLEEP_MAX_S = 0.0005
 
 
 @dataclass
@@ -252,17 +255,21 @@ class MooncakePrefillManager(KVManager):
     # ---- transfer thread -------------------------------------------------------------
     def _transfer_loop(self) -> None:
         active: list[_Job] = []
+        sleep = POLL_SLEEP_MIN_S
         while not self._stop.is_set():
             try:
                 job = self._jobs.get(timeout=0.02) if not active else self._jobs.get_nowait()
                 self._start(job)
                 active.append(job)
+                sleep = POLL_SLEEP_MIN_S
                 continue
             except queue.Empty:
                 pass
+            before = len(active)
             active = [job for job in active if not self._progress(job)]
             if active:
-                time.sleep(POLL_SLEEP_S)
+                sleep = POLL_SLEEP_MIN_S if len(active) < before else min(2 * sleep, POLL_SLEEP_MAX_S)
+                time.sleep(sleep)
 
     def _start(self, job: _Job) -> None:
         state, peer = job.state, job.state.peer
