@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from disagg_worker.model.attention import paged_attention, write_kv
+from disagg_worker.model.attention import AttentionPlan, paged_attention, write_kv
 from disagg_worker.model.batch import ForwardBatch
 
 from tests.unit.model_stubs import PageAllocator, PagedSeq
 
-PAGE_SIZE, NUM_PAGES, H, H_KV, D = 4, 32, 4, 2, 16
+PAGE_SIZE, NUM_PAGES, H, H_KV, D = 4, 40, 4, 2, 16
 
 
 def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_new: int) -> torch.Tensor:
@@ -39,7 +39,7 @@ def run_step(plan: list[tuple[int, int]], q_dtype: torch.dtype, kv_dtype: torch.
     k_new, v_new = torch.randn(total, H_KV, D, generator=gen), torch.randn(total, H_KV, D, generator=gen)
     batch = batch_for(seqs, plan)
     write_kv(k_buf, v_buf, k_new.to(q_dtype), v_new.to(q_dtype), batch.out_slots)
-    out = paged_attention(q, batch, k_buf, v_buf)
+    out = paged_attention(q, AttentionPlan.build(batch, q.device), k_buf, v_buf)
     expected, start = [], 0
     for (k, v), (_, new) in zip(histories, plan):
         sl = slice(start, start + new)
@@ -63,6 +63,7 @@ def batch_for(seqs: list[PagedSeq], plan: list[tuple[int, int]]) -> ForwardBatch
 PLANS = {
     "decode of different lengths": [(9, 1), (0, 1), (22, 1), (3, 1)],
     "mixed prefill, chunk and decode": [(0, 7), (10, 5), (13, 1)],
+    "one long prefill": [(0, 40)],
 }
 
 

@@ -7,16 +7,55 @@ request i sits at position `seq_len - extend_len + j` and sees keys 0..that posi
 Two paths, same result:
 - decode (every request has one new token): K/V gathered into one padded [B, Lmax] batch with a
   length mask, one `scaled_dot_product_attention` call;
-- extend (prefill, chunked prefill, mixed batches): one call per request with an offset causal mask.
+- extend (prefill, chunked prefill, mixed batches): one call per request with an offset causal mask
+  (plain `is_causal` when nothing is cached yet, so fused kernels apply).
+The index tensors and masks are built once per forward (`AttentionPlan.build`) and shared by all layers.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch.nn.utils.rnn import pad_sequence
 
 from disagg_worker.model.batch import ForwardBatch
+
+
+@dataclass(frozen=True)
+class Span:
+    """One request of an extend batch: its queries are rows start..start+n of q."""
+
+    start: int
+    n: int
+    slots: torch.Tensor  # [seq_len] slots of the whole sequence
+    mask: torch.Tensor | None  # [n, seq_len] offset causal mask; None when there is no cached prefix
+
+
+@dataclass(frozen=True)
+class AttentionPlan:
+    """What every layer's attention needs, derived once per forward from the batch."""
+
+    out_slots: torch.Tensor  # [T] where the new tokens' K/V go
+    decode_index: torch.Tensor | None  # decode only: [B, Lmax] slots, padded with slot 0
+    decode_mask: torch.Tensor | None  # decode only: [B, 1, 1, Lmax], True where a key exists
+    spans: tuple[Span, ...]  # extend only
+
+    @classmethod
+    def build(cls, batch: ForwardBatch, device: torch.device) -> AttentionPlan:
+        batch = batch.to(device)
+        if batch.is_decode:
+            index = pad_sequence(batch.kv_slots, batch_first=True)
+            lens = torch.tensor(batch.seq_lens, dtype=torch.long, device=device)
+            mask = torch.arange(index.shape[1], device=device)[None, :] < lens[:, None]
+            return cls(batch.out_slots, index, mask[:, None, None, :], ())
+        spans, start = [], 0
+        for n, seq_len, slots in zip(batch.extend_lens, batch.seq_lens, batch.kv_slots):
+            mask = None if n == seq_len else _offset_causal_mask(n, seq_len, device)
+            spans.append(Span(start, n, slots, mask))
+            start += n
+        return cls(batch.out_slots, None, None, tuple(spans))
 
 
 def write_kv(k_buf: torch.Tensor, v_buf: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
@@ -27,50 +66,44 @@ def write_kv(k_buf: torch.Tensor, v_buf: torch.Tensor, k: torch.Tensor, v: torch
     v_flat[slots] = v.to(v_flat.dtype)
 
 
-def paged_attention(q: torch.Tensor, batch: ForwardBatch, k_buf: torch.Tensor, v_buf: torch.Tensor) -> torch.Tensor:
+def paged_attention(q: torch.Tensor, plan: AttentionPlan, k_buf: torch.Tensor, v_buf: torch.Tensor) -> torch.Tensor:
     """Attention of q ([T, H, D]) over each request's cached sequence; returns [T, H, D].
 
     The new tokens' K/V must already be in the pool (see `write_kv`).
     """
     k_flat = _flat(k_buf)
     v_flat = _flat(v_buf)
-    if batch.is_decode:
-        return _decode(q, batch, k_flat, v_flat)
-    return _extend(q, batch, k_flat, v_flat)
+    if plan.decode_index is not None:
+        return _decode(q, plan, k_flat, v_flat)
+    return _extend(q, plan, k_flat, v_flat)
 
 
 def _flat(buf: torch.Tensor) -> torch.Tensor:
     return buf.view(-1, buf.shape[-2], buf.shape[-1])
 
 
-def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """q [B, H, Lq, D], k/v [B, H_kv, Lk, D] (any H_kv dividing H), bool mask broadcastable."""
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """q [B, H, Lq, D], k/v [B, H_kv, Lk, D] (any H_kv dividing H); mask None means causal with Lq == Lk."""
     k = k.to(q.dtype)
     v = v.to(q.dtype)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=k.shape[1] != q.shape[1])
+    gqa = k.shape[1] != q.shape[1]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=gqa)
 
 
-def _decode(q: torch.Tensor, batch: ForwardBatch, k_flat: torch.Tensor, v_flat: torch.Tensor) -> torch.Tensor:
-    device = q.device
-    lens = torch.tensor(batch.seq_lens, dtype=torch.long, device=device)
-    index = pad_sequence([s.to(device) for s in batch.kv_slots], batch_first=True)  # [B, Lmax], padded with 0
-    mask = torch.arange(index.shape[1], device=device)[None, :] < lens[:, None]
-    k = k_flat[index].transpose(1, 2)  # [B, H_kv, Lmax, D]
-    v = v_flat[index].transpose(1, 2)
-    out = _sdpa(q.unsqueeze(2), k, v, mask[:, None, None, :])  # q [B, H, 1, D]
+def _decode(q: torch.Tensor, plan: AttentionPlan, k_flat: torch.Tensor, v_flat: torch.Tensor) -> torch.Tensor:
+    k = k_flat[plan.decode_index].transpose(1, 2)  # [B, H_kv, Lmax, D]
+    v = v_flat[plan.decode_index].transpose(1, 2)
+    out = _sdpa(q.unsqueeze(2), k, v, plan.decode_mask)  # q [B, H, 1, D]
     return out.squeeze(2)
 
 
-def _extend(q: torch.Tensor, batch: ForwardBatch, k_flat: torch.Tensor, v_flat: torch.Tensor) -> torch.Tensor:
+def _extend(q: torch.Tensor, plan: AttentionPlan, k_flat: torch.Tensor, v_flat: torch.Tensor) -> torch.Tensor:
     outs = []
-    start = 0
-    for n, seq_len, slots in zip(batch.extend_lens, batch.seq_lens, batch.kv_slots):
-        q_i = q[start : start + n].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
-        k_i = k_flat[slots].transpose(0, 1).unsqueeze(0)  # [1, H_kv, L, D]
-        v_i = v_flat[slots].transpose(0, 1).unsqueeze(0)
-        mask = _offset_causal_mask(n, seq_len, q.device)
-        outs.append(_sdpa(q_i, k_i, v_i, mask)[0].transpose(0, 1))
-        start += n
+    for span in plan.spans:
+        q_i = q[span.start : span.start + span.n].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
+        k_i = k_flat[span.slots].transpose(0, 1).unsqueeze(0)  # [1, H_kv, L, D]
+        v_i = v_flat[span.slots].transpose(0, 1).unsqueeze(0)
+        outs.append(_sdpa(q_i, k_i, v_i, span.mask)[0].transpose(0, 1))
     return torch.cat(outs, dim=0)
 
 

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from disagg_worker.model.attention import paged_attention, write_kv
+from disagg_worker.model.attention import AttentionPlan, paged_attention, write_kv
 from disagg_worker.model.batch import ForwardBatch
 from disagg_worker.model.config import ModelConfig
 from disagg_worker.model.rope import RotaryEmbedding
@@ -55,17 +55,19 @@ class LlamaAttention(nn.Module):
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, kv: KVCacheView, rotary: RotaryEmbedding) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor, plan: AttentionPlan, kv: KVCacheView, rotary: RotaryEmbedding
+    ) -> torch.Tensor:
         t = x.shape[0]
         q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary(q, k, batch.positions)
+        q, k = rotary(q, k, positions)
         k_buf, v_buf = kv.k_buffer(self.layer), kv.v_buffer(self.layer)
-        write_kv(k_buf, v_buf, k, v, batch.out_slots)
-        out = paged_attention(q, batch, k_buf, v_buf)
+        write_kv(k_buf, v_buf, k, v, plan.out_slots)
+        out = paged_attention(q, plan, k_buf, v_buf)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
 
@@ -88,8 +90,10 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, h: torch.Tensor, batch: ForwardBatch, kv: KVCacheView, rotary: RotaryEmbedding) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), batch, kv, rotary)
+    def forward(
+        self, h: torch.Tensor, positions: torch.Tensor, plan: AttentionPlan, kv: KVCacheView, rotary: RotaryEmbedding
+    ) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), positions, plan, kv, rotary)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -106,9 +110,11 @@ class LlamaModel(nn.Module):
         self.rotary = RotaryEmbedding(cfg, device="cpu")
 
     def forward(self, batch: ForwardBatch, kv: KVCacheView) -> torch.Tensor:
+        """Final hidden states [T, hidden] of the batch's new tokens (already on this model's device)."""
+        plan = AttentionPlan.build(batch, batch.input_ids.device)
         h = self.embed_tokens(batch.input_ids)
         for layer in self.layers:
-            h = layer(h, batch, kv, self.rotary)
+            h = layer(h, batch.positions, plan, kv, self.rotary)
         return self.norm(h)
 
 
