@@ -78,6 +78,8 @@ up() {
     --kube-controller-manager-binary "$BIN/kube-controller-manager" \
     --kube-scheduler-binary "$BIN/kube-scheduler" \
     --kwok-controller-binary "$BIN/kwok" \
+    --kube-authorization \
+    --kube-admission \
     --disable-qps-limits \
     --wait 60s >&2
   add_nodes

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -150,5 +151,12 @@ def namespace(kube_cluster: KubeCluster) -> Iterator[str]:
     """A fresh namespace for one test, deleted afterwards."""
     name = f"t-{uuid.uuid4().hex[:8]}"
     kube_cluster.kubectl("create", "namespace", name)
+    # Admission rejects pods until the controller-manager has created the
+    # namespace's default ServiceAccount.
+    deadline = time.monotonic() + 30
+    while kube_cluster.kubectl("-n", name, "get", "serviceaccount", "default", check=False).returncode:
+        if time.monotonic() > deadline:
+            pytest.fail(f"namespace {name} got no default ServiceAccount")
+        time.sleep(0.2)
     yield name
     kube_cluster.kubectl("delete", "namespace", name, "--wait=false", check=False)
