@@ -8,7 +8,7 @@ from __future__ import annotations
 import pickle
 from dataclasses import dataclass, field
 
-from disagg_worker.engine.sampling import SamplingParams
+from disagg_worker.engine.params import SamplingParams
 
 
 @dataclass(frozen=True)

@@ -19,146 +19,19 @@ default generator. EOS handling and stop checks are the scheduler's and detokeni
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
 
-MAX_LOGPROBS = 20
-MAX_STOP_STRINGS = 16
-# Temperatures below this are treated as greedy (dividing by them would overflow).
-GREEDY_EPS = 1e-5
-# Best tokens considered by top-k/top-p before falling back to sorting the whole vocabulary.
-TOP_P_CANDIDATES = 1024
-_SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1
-
-
-def _is_int(v: object) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_real(v: object) -> bool:
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        return False
-    try:
-        return math.isfinite(v)
-    except OverflowError:
-        return False
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    max_new_tokens: int = 16
-    temperature: float = 1.0  # < GREEDY_EPS -> greedy
-    top_p: float = 1.0
-    top_k: int = -1  # -1 or 0 -> disabled
-    min_p: float = 0.0
-    # Same seed + same prompt -> same output, whatever the batch composition.
-    seed: int | None = None
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-    min_new_tokens: int = 0
-    # None: no logprobs; 0: the chosen token's; N: plus the top-N alternatives.
-    logprobs: int | None = None
-    skip_special_tokens: bool = True
-
-    @property
-    def is_greedy(self) -> bool:
-        return self.temperature < GREEDY_EPS
-
-    def validate(self) -> None:
-        """Raise ValueError("<field>: <what is wrong>") for the first out-of-range field."""
-        for f in fields(self):
-            problem = _CHECKS[f.name](getattr(self, f.name))
-            if problem:
-                raise ValueError(f"{f.name}: {problem}")
-        if self.min_new_tokens > self.max_new_tokens:
-            raise ValueError(
-                "min_new_tokens: must not exceed the maximum number of new tokens "
-                f"({self.max_new_tokens}), got {_fmt(self.min_new_tokens)}"
-            )
-
-
-def _fmt(v: object) -> str:
-    if _is_int(v) and abs(v) >= 10**40:
-        return "a huge integer"
-    text = repr(v)
-    return text if len(text) <= 40 else text[:37] + "..."
-
-
-def _int_range(lo: int | None, hi: int | None, optional: bool = False):
-    def check(v: object) -> str | None:
-        if v is None and optional:
-            return None
-        if not _is_int(v):
-            return f"must be an integer, got {_fmt(v)}"
-        if lo is not None and v < lo:
-            return f"must be >= {lo}, got {_fmt(v)}"
-        if hi is not None and v > hi:
-            return f"must be <= {hi}, got {_fmt(v)}"
-        return None
-
-    return check
-
-
-def _real_range(lo: float, hi: float, lo_open: bool = False):
-    def check(v: object) -> str | None:
-        if not _is_real(v):
-            return f"must be a finite number, got {_fmt(v)}"
-        if v < lo or (lo_open and v == lo):
-            return f"must be {'>' if lo_open else '>='} {lo}, got {_fmt(v)}"
-        if v > hi:
-            return f"must be <= {hi}, got {_fmt(v)}"
-        return None
-
-    return check
-
-
-def _check_bool(v: object) -> str | None:
-    return None if isinstance(v, bool) else f"must be a boolean, got {_fmt(v)}"
-
-
-def _check_stop(v: object) -> str | None:
-    if not isinstance(v, tuple) or not all(isinstance(s, str) and s for s in v):
-        return "must be a tuple of non-empty strings"
-    if len(v) > MAX_STOP_STRINGS:
-        return f"at most {MAX_STOP_STRINGS} stop strings, got {len(v)}"
-    return None
-
-
-def _check_stop_ids(v: object) -> str | None:
-    if not isinstance(v, tuple) or not all(_is_int(t) and 0 <= t < 2**31 for t in v):
-        return "must be a tuple of non-negative token ids"
-    return None
-
-
-def _check_top_k(v: object) -> str | None:
-    if not _is_int(v) or v < -1:
-        return f"must be -1 (disabled), 0 (disabled) or a positive integer, got {_fmt(v)}"
-    return None
-
-
-_CHECKS = {
-    "max_new_tokens": _int_range(1, None),
-    "temperature": _real_range(0.0, 2.0),
-    "top_p": _real_range(0.0, 1.0, lo_open=True),
-    "top_k": _check_top_k,
-    "min_p": _real_range(0.0, 1.0),
-    "seed": _int_range(_SEED_MIN, _SEED_MAX, optional=True),
-    "frequency_penalty": _real_range(-2.0, 2.0),
-    "presence_penalty": _real_range(-2.0, 2.0),
-    "repetition_penalty": _real_range(0.0, math.inf, lo_open=True),
-    "stop": _check_stop,
-    "stop_token_ids": _check_stop_ids,
-    "ignore_eos": _check_bool,
-    "min_new_tokens": _int_range(0, None),
-    "logprobs": _int_range(0, MAX_LOGPROBS, optional=True),
-    "skip_special_tokens": _check_bool,
-}
+from disagg_worker.engine.params import (  # noqa: F401 - re-exported for the engine
+    GREEDY_EPS,
+    MAX_LOGPROBS,
+    MAX_STOP_STRINGS,
+    TOP_P_CANDIDATES,
+    SamplingParams,
+    StopChecker,
+)
 
 
 @dataclass
@@ -368,53 +241,3 @@ class Sampler:
             for i, w in enumerate(wanted):
                 top[i] = list(zip(ids[i][: w or 0], vals[i][: w or 0]))
         return chosen, top
-
-
-class StopChecker:
-    """Cuts streamed text at the stop string that completes first.
-
-    "First" means the earliest end (the longest string when several end together), so the result
-    does not depend on how the text is split into deltas.
-
-    `push(delta)` returns the text that is safe to emit now and whether a stop string was hit.
-    Text that could be the start of a stop string is held back until the next delta decides;
-    `flush()` returns it at the end of the stream. After a hit, nothing more is emitted and the
-    stop string itself is never emitted.
-    """
-
-    def __init__(self, stop: tuple[str, ...]):
-        if any(not s for s in stop):
-            raise ValueError("stop: stop strings must be non-empty")
-        self._stop = tuple(stop)
-        self._held = ""
-        self._hit = False
-
-    @property
-    def stopped(self) -> bool:
-        return self._hit
-
-    def push(self, delta: str) -> tuple[str, bool]:
-        if self._hit:
-            return "", True
-        text = self._held + delta
-        hits = [(i + len(s), i) for s in self._stop if (i := text.find(s)) >= 0]
-        if hits:
-            self._hit, self._held = True, ""
-            return text[: min(hits)[1]], True
-        keep = self._partial_suffix(text)
-        self._held = text[len(text) - keep :]
-        return text[: len(text) - keep], False
-
-    def flush(self) -> str:
-        held, self._held = self._held, ""
-        return held
-
-    def _partial_suffix(self, text: str) -> int:
-        """Length of the longest suffix of `text` that is a proper prefix of a stop string."""
-        best = 0
-        for s in self._stop:
-            for n in range(min(len(s) - 1, len(text)), best, -1):
-                if s.startswith(text[len(text) - n :]):
-                    best = n
-                    break
-        return best

@@ -13,7 +13,7 @@ from dataclasses import asdict, replace
 
 from aiohttp import web
 
-from disagg_worker.engine.sampling import SamplingParams
+from disagg_worker.engine.params import SamplingParams
 from disagg_worker.messages import BootstrapInfo, FlushCacheReq
 from disagg_worker.server import openai_format as fmt
 from disagg_worker.server.errors import APIError

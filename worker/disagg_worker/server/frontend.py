@@ -18,7 +18,7 @@ import zmq
 import zmq.asyncio
 
 from disagg_worker import messages as msg
-from disagg_worker.engine.sampling import SamplingParams, StopChecker
+from disagg_worker.engine.params import SamplingParams, StopChecker
 from disagg_worker.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from disagg_worker.server.errors import APIError
 from disagg_worker.server.metrics import ServerMetrics

@@ -16,7 +16,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any, Callable
 
-from disagg_worker.engine.sampling import SamplingParams
+from disagg_worker.engine.params import SamplingParams
 from disagg_worker.server.errors import APIError, bad_request, model_not_found
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16
