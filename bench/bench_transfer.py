@@ -52,6 +52,7 @@ def scatter_pages(seed: int) -> tuple[list[int], list[int]]:
 def _receiver(conn, addrs: dict) -> None:
     import threading
 
+    torch.set_num_threads(1)
     from mooncake.engine import TransferEngine
 
     buf = torch.zeros(POOL, dtype=torch.uint8)
@@ -272,6 +273,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="sizes up to 64 MiB only")
     args = ap.parse_args()
     sizes = [s for s in SIZES if not args.quick or s <= 64 << 20]
+    torch.set_num_threads(1)  # small shared machines: intra-op threads only add contention
     t0 = time.time()
     bench = Bench()
     try:

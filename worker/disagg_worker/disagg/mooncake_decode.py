@@ -275,7 +275,10 @@ class MooncakeDecodeManager(KVManager):
                 if state.unsafe and set(state.targets) <= state.quiesced:
                     state.unsafe = False
                     self._quarantine.pop(msg.room, None)
-        status = KVPoll(msg.status) if msg.status in KVPoll._value2member_map_ else KVPoll.Failed
+        try:
+            status = KVPoll(msg.status)
+        except ValueError:
+            status = KVPoll.Failed
         if status is KVPoll.Failed:
             self._fail(state, f"prefill failed: {msg.reason}")
         elif status is KVPoll.Transferring:
@@ -284,6 +287,8 @@ class MooncakeDecodeManager(KVManager):
             self._on_success(state, key, msg.aux)
 
     def _on_success(self, state: _Room, key: tuple[int, int], aux: bytes) -> None:
+        if state.cell.get().terminal:
+            return  # a failed room's aux slot may already belong to another request
         if aux:
             n = self.layout.aux_item_nbytes
             self.aux[state.aux_slot * n : state.aux_slot * n + len(aux)] = torch.frombuffer(bytearray(aux), dtype=torch.uint8)

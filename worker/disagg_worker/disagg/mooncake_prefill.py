@@ -3,6 +3,11 @@
 Threads: `control` (zmq: decode hellos, room requests and aborts; timeouts; registration
 with the bootstrap server) and `transfer` (submits the writes of each send and polls them
 with a short sleep). The scheduler thread only calls non-blocking handle methods.
+
+Timeouts: a sender still Bootstrapping after `bootstrap_timeout_s` fails; a send whose writes
+have not all landed after `waiting_timeout_s` fails. Such writes are not cancelled, so decode
+is told `quiesced=False` and gets a second Failed update with `quiesced=True` once every
+write of the room has settled; only then may it reuse the pages.
 """
 from __future__ import annotations
 
@@ -55,6 +60,7 @@ class _Job:
     src_pages: list[int]
     dst_pages: list[int]
     last: bool
+    first: bool  # the room's first send: decode is told it moved to Transferring
     group: WriteGroup | None = None
 
 
@@ -143,9 +149,8 @@ class MooncakePrefillManager(KVManager):
             state.last_queued = last
             state.aux = aux if last else state.aux
             state.first_send = state.first_send or time.monotonic()
-        if state.cell.advance(KVPoll.Transferring):
-            self._update(state, KVPoll.Transferring, "", False)
-        self._jobs.put(_Job(state, pages, dst, last))
+        first = state.cell.advance(KVPoll.Transferring)
+        self._jobs.put(_Job(state, pages, dst, last, first))
 
     def _fail(self, state: _Room, reason: str, notify: bool = True) -> None:
         if not state.cell.fail(reason):
@@ -283,6 +288,8 @@ class MooncakePrefillManager(KVManager):
                     handles.append(self.engine.submit(peer.session_id, ptr + src * self.layout.page_nbytes, dst_ptr, length))
                     nbytes += length
         job.group = WriteGroup(handles, nbytes, time.monotonic() + self.cfg.waiting_timeout_s)
+        if job.first and handles:
+            self._update(state, KVPoll.Transferring, "", False)
 
     def _progress(self, job: _Job) -> bool:
         """Advance one job; True when it is settled and can be dropped."""
