@@ -164,3 +164,18 @@ def test_a_missing_auth_secret_is_reported_as_degraded(kube_cluster, operator, n
     assert degraded["reason"] == "ReconcileFailed" and "auth Secret not-there not found" in degraded["message"]
     kube_cluster.kubectl("-n", namespace, "create", "secret", "generic", "not-there", "--from-literal=token=t")
     wait_ready(kube_cluster, namespace, "tiny", timeout=120)
+
+
+def test_chart_can_watch_one_namespace_with_peering(kube_cluster):
+    import yaml
+    from test_operator_support import CHART
+    out = kube_cluster.helm("template", "x", str(CHART), "-n", "sys", "--set", "watchNamespace=llm",
+                            "--set", "replicas=2").stdout
+    docs = {(d["kind"], d["metadata"]["name"]): d for d in yaml.safe_load_all(out) if d}
+    assert docs[("Role", "x-disagg-operator")]["metadata"]["namespace"] == "llm"
+    assert ("ClusterRole", "x-disagg-operator") not in docs
+    assert docs[("KopfPeering", "x-disagg-operator")]["metadata"]["namespace"] == "llm"
+    args = docs[("Deployment", "x-disagg-operator")]["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--namespace=llm" in args and "--peering=x-disagg-operator" in args
+    rejected = kube_cluster.helm("template", "x", str(CHART), "--set", "replicas=-1", check=False)
+    assert rejected.returncode != 0 and "replicas" in rejected.stderr
