@@ -37,40 +37,33 @@ class StepResult:
     top_logprobs: list[list[tuple[int, float]] | None]
 
 
-def page_slots(pages: list[int], page_size: int, length: int) -> torch.Tensor:
-    """Slots of positions [0, length) for a page table."""
-    if length == 0:
-        return torch.empty(0, dtype=torch.long)
-    n_pages = (length + page_size - 1) // page_size
-    p = torch.tensor(pages[:n_pages], dtype=torch.long)
-    slots = (p[:, None] * page_size + torch.arange(page_size, dtype=torch.long)).flatten()
-    return slots[:length]
-
-
-def build_forward(
-    reqs: list[Req], extend: list[int], page_size: int, known_tokens: list[list[int]]
-) -> ForwardBatch:
+def build_forward(reqs: list[Req], extend: list[int], page_size: int) -> ForwardBatch:
     """Assemble the tensors for requests computing `extend[i]` tokens from `reqs[i].num_computed`.
 
-    `known_tokens[i]` is the request's token ids as far as the scheduler knows them; positions past
-    its end are placeholders (0) filled in later from the previous step's samples.
+    A token not known yet (sampled by the step in flight) is a placeholder 0, filled in later from
+    the previous step's samples. Slots of all requests come from one padded page table in a few
+    vectorised ops (this runs every step).
     """
-    ids, positions, out_slots, kv_slots, seq_lens = [], [], [], [], []
-    for r, n, toks in zip(reqs, extend, known_tokens):
-        start = r.num_computed
-        end = start + n
-        chunk = toks[start:end]
-        ids.extend(chunk + [0] * (n - len(chunk)))
-        positions.append(torch.arange(start, end, dtype=torch.long))
-        slots = page_slots(r.pages, page_size, end)
-        kv_slots.append(slots)
-        out_slots.append(slots[start:end])
-        seq_lens.append(end)
+    starts = [r.num_computed for r in reqs]
+    ends = [s + n for s, n in zip(starts, extend)]
+    ids: list[int] = []
+    for r, s, e in zip(reqs, starts, ends):
+        chunk = r.tokens(s, e)
+        ids.extend(chunk)
+        ids.extend([0] * (e - s - len(chunk)))
+    width = max((e + page_size - 1) // page_size for e in ends)
+    table = torch.tensor([r.pages[:width] + [0] * (width - len(r.pages[:width])) for r in reqs], dtype=torch.long)
+    pos = torch.arange(max(ends), dtype=torch.long)
+    slots = table[:, pos // page_size] * page_size + pos % page_size  # [requests, longest]
+    ext = torch.tensor(extend, dtype=torch.long)
+    row = torch.repeat_interleave(torch.arange(len(reqs)), ext)
+    first = torch.repeat_interleave(torch.tensor(starts, dtype=torch.long) - (torch.cumsum(ext, 0) - ext), ext)
+    positions = torch.arange(len(ids), dtype=torch.long) + first
     return ForwardBatch(
         input_ids=torch.tensor(ids, dtype=torch.long),
-        positions=torch.cat(positions),
-        out_slots=torch.cat(out_slots),
+        positions=positions,
+        out_slots=slots[row, positions],
         extend_lens=list(extend),
-        seq_lens=seq_lens,
-        kv_slots=kv_slots,
+        seq_lens=ends,
+        kv_slots=[slots[i, :e] for i, e in enumerate(ends)],
     )

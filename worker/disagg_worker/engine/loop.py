@@ -47,12 +47,14 @@ class Stepper:
         if self.inflight is not None and (not self.overlap or sched.needs_sync()):
             self.drain()
         batch = sched.schedule()
-        started = self.pool.submit(self.engine.runner.run, batch) if batch is not None else None
-        self.drain()
-        if started is not None:
+        if batch is None:
+            self.drain()
+        elif not self.overlap:  # run inline: a thread hand-off costs more than it saves here
+            sched.process(batch, self.engine.runner.run(batch))
+        else:
+            started = self.pool.submit(self.engine.runner.run, batch)
+            self.drain()
             self.inflight = (batch, started)
-            if not self.overlap:
-                self.drain()
 
     def drain(self) -> None:
         """Wait for the step in flight and process its results."""

@@ -48,6 +48,15 @@ class Req:
     def fill_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
 
+    def tokens(self, start: int, end: int) -> list[int]:
+        """Known token ids at positions [start, end) without building the whole sequence."""
+        p = len(self.prompt_ids)
+        if end <= p:
+            return self.prompt_ids[start:end]
+        if start >= p:
+            return self.output_ids[start - p : end - p]
+        return self.prompt_ids[start:] + self.output_ids[: end - p]
+
     @property
     def seq_len(self) -> int:
         """Tokens known to exist, counting those still being sampled."""

@@ -193,8 +193,7 @@ class Scheduler:
         return True
 
     def _build(self, plan: Plan) -> ScheduledBatch:
-        known = [r.fill_ids for r in plan.reqs]
-        forward = build_forward(plan.reqs, plan.extend, self.page_size, known)
+        forward = build_forward(plan.reqs, plan.extend, self.page_size)
         samples, future = [], []
         pos = 0
         for r, n in zip(plan.reqs, plan.extend):
