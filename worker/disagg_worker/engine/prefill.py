@@ -108,7 +108,8 @@ class PrefillEngine(Engine):
     # ---- queues --------------------------------------------------------------------------
     @property
     def waiting_on_transfers(self) -> bool:
-        return bool(self.bootstrapping or self.inflight)
+        s = self.scheduler
+        return bool(self.bootstrapping or self.inflight or s.sampled or s.chunked)
 
     def tick(self) -> None:
         self._poll_bootstrapping()
