@@ -23,8 +23,9 @@ SMALL = dict(num_layers=2, num_pages=64, page_size=4, num_kv_heads=2, head_dim=3
 _rooms = itertools.count(random.getrandbits(40) << 20)
 
 
-def _decode_child(conn, pool_kw: dict, cfg_kw: dict) -> None:
+def _decode_child(conn, pool_kw: dict, cfg_kw: dict, env: dict) -> None:
     """Decode side, driven by (command, *args) tuples over `conn`."""
+    os.environ.update(env)
     pool = KVPool(**pool_kw, dtype=torch.float32)
     layout = KVLayout.from_pool(pool, "float32")
     mgr = create_kv_manager(DisaggConfig(role=Role.DECODE, **cfg_kw), layout)
@@ -62,10 +63,10 @@ def _decode_child(conn, pool_kw: dict, cfg_kw: dict) -> None:
 
 
 class DecodeProc:
-    def __init__(self, pool_kw: dict, **cfg_kw):
+    def __init__(self, pool_kw: dict, env: dict | None = None, **cfg_kw):
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_decode_child, args=(child, pool_kw, cfg_kw), daemon=True)
+        self.proc = ctx.Process(target=_decode_child, args=(child, pool_kw, cfg_kw, env or {}), daemon=True)
         self.proc.start()
         assert self.conn.poll(60) and self.conn.recv() == "ready"
 
@@ -85,8 +86,8 @@ class DecodeProc:
 
 
 class Prefill:
-    def __init__(self, pool_kw: dict, **cfg_kw):
-        self.server = BootstrapServer(0, host="127.0.0.1").start()
+    def __init__(self, pool_kw: dict, token: str = "", **cfg_kw):
+        self.server = BootstrapServer(0, host="127.0.0.1", token=token).start()
         self.pool = KVPool(**pool_kw, dtype=torch.float32)
         for buf in self.pool.buffers():
             buf.copy_(torch.randn_like(buf))
@@ -261,4 +262,27 @@ def test_killing_decode_mid_transfer_fails_sender_within_timeout():
         assert prefill.mgr.metrics.transfer_failures == 1
     finally:
         decode.close()
+        prefill.close()
+
+
+def test_bootstrap_token_is_required_end_to_end(monkeypatch):
+    monkeypatch.setenv("DISAGG_AUTH_TOKEN", "s3cret")  # read by the prefill manager at start
+    prefill = Prefill(SMALL, token="s3cret")
+    good = DecodeProc(SMALL, env={"DISAGG_AUTH_TOKEN": "s3cret"})
+    bad = DecodeProc(SMALL, env={"DISAGG_AUTH_TOKEN": "guess"})
+    try:
+        room = next(_rooms)
+        bad("recv", room, prefill.addr, [0], 0)
+        status, reason, unsafe, took = bad("wait", room, 20)
+        assert status == KVPoll.Failed and "401" in reason and unsafe is False and took < 5
+        room = next(_rooms)
+        sender = prefill.mgr.create_sender(room)
+        good("recv", room, prefill.addr, [0], 0)
+        wait_for(sender, KVPoll.WaitingForInput)
+        sender.send([9], last=True, aux=pack_first_token(7))
+        assert good("wait", room, 20)[0] == KVPoll.Success
+        assert good("bytes", [0]) == prefill.pool.page_bytes([9])
+    finally:
+        bad.close()
+        good.close()
         prefill.close()

@@ -122,3 +122,21 @@ def test_codec_rejects_wrong_types_and_fields():
     ):
         with pytest.raises(CodecError):
             decode(bad)
+
+
+def test_kv_layout_describes_a_kv_pool_and_rejects_inconsistent_buffers():
+    import torch
+
+    from disagg_worker.disagg import KVLayout, pack_first_token, unpack_first_token
+    from disagg_worker.mem.kv_pool import KVPool
+
+    pool = KVPool(num_layers=3, num_pages=5, page_size=4, num_kv_heads=2, head_dim=8, dtype=torch.float16)
+    lay = KVLayout.from_pool(pool, "float16", start_layer=3)
+    assert lay.num_layers == 3 and len(lay.buffer_ptrs) == 6 and lay.page_nbytes == 4 * 2 * 8 * 2
+    assert lay.buffer_ptrs[0] == pool.k_buffer(0).data_ptr() and lay.buffer_ptrs[3] == pool.v_buffer(0).data_ptr()
+    with pytest.raises(ValueError):
+        KVLayout([1, 2, 3], [64] * 3, page_nbytes=16, page_size=1, kv_dtype="x", num_pages=4)
+    with pytest.raises(ValueError):
+        KVLayout([1, 2], [64, 32], page_nbytes=16, page_size=1, kv_dtype="x", num_pages=4)
+    assert unpack_first_token(pack_first_token(2**40, None)) == (2**40, None)
+    assert unpack_first_token(pack_first_token(-1, -3.5)) == (-1, -3.5)
