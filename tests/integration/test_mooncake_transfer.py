@@ -286,3 +286,32 @@ def test_bootstrap_token_is_required_end_to_end(monkeypatch):
         bad.close()
         good.close()
         prefill.close()
+
+
+def test_frozen_decode_times_out_and_pages_stay_quarantined_until_writes_settle():
+    import signal
+
+    big = dict(num_layers=2, num_pages=512, page_size=16, num_kv_heads=8, head_dim=128)
+    prefill = Prefill(big, waiting_timeout_s=2.0)
+    decode = DecodeProc(big, waiting_timeout_s=60)
+    try:
+        room = next(_rooms)
+        sender = prefill.mgr.create_sender(room)
+        decode("recv", room, prefill.addr, list(range(511, -1, -1)), 0)
+        wait_for(sender, KVPoll.WaitingForInput)
+        sender.send(list(range(512)), last=True)
+        os.kill(decode.proc.pid, signal.SIGSTOP)
+        status, took = wait_status(sender, 15)
+        assert status is KVPoll.Failed and "timed out" in sender.failure_reason() and took < 2.0 + 2.0
+        os.kill(decode.proc.pid, signal.SIGCONT)
+        d_status, reason, _, _ = decode("wait", room, 20)
+        assert d_status == KVPoll.Failed and "timed out" in reason
+        deadline = time.monotonic() + 30
+        while decode("unsafe", room) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert decode("unsafe", room) is False, "prefill must confirm once its writes settled"
+    finally:
+        if decode.proc.is_alive():
+            os.kill(decode.proc.pid, signal.SIGCONT)
+        decode.close()
+        prefill.close()

@@ -65,10 +65,18 @@ def fetch_topology(url: str, token: str = "", timeout: float = 2.0) -> Topology 
     return Topology(body["instance_id"], body["tp_size"], body["pp_size"], body["page_size"], body["kv_dtype"], ranks)
 
 
+# check_health's answer when nothing listens on the bootstrap port: the instance is gone, not slow.
+REFUSED = "<refused>"
+
+
 def check_health(url: str, timeout: float = 1.0) -> str | None:
-    """The instance id if GET /health answers 200, else None."""
+    """The instance id if GET /health answers 200, REFUSED if the connection is refused, else None."""
     try:
         status, body = _call("GET", f"{base_url(url)}/health", "", None, timeout)
+    except ConnectionRefusedError:
+        return REFUSED
+    except urllib.error.URLError as e:
+        return REFUSED if isinstance(e.reason, ConnectionRefusedError) else None
     except (OSError, ValueError):
         return None
     return body.get("instance_id") if status == 200 else None

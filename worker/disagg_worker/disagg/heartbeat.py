@@ -1,15 +1,16 @@
 """Decode-side liveness check of prefill instances: `GET /health` of each bootstrap server.
 
 After `max_misses` consecutive failed checks, or when the server reports another instance
-id (the instance restarted), `on_lost(addr, reason, restarted)` is called once and the
-address is no longer watched.
+id (the instance restarted), `on_lost(addr, reason, dead)` is called once and the address is
+no longer watched. `dead` is True when the old instance is known to write nothing more: it
+restarted, or its port refuses connections; a silent (frozen) instance is not known dead.
 """
 from __future__ import annotations
 
 import threading
 from typing import Callable
 
-from disagg_worker.disagg.bootstrap_client import check_health
+from disagg_worker.disagg.bootstrap_client import REFUSED, check_health
 
 OnLost = Callable[[str, str, bool], None]
 
@@ -46,18 +47,22 @@ class HeartbeatMonitor:
                 self._beat(addr, instance_id, self._check(addr, min(self._interval, 2.0)))
 
     def _beat(self, addr: str, instance_id: str, seen: str | None) -> None:
+        refused = seen == REFUSED
+        answered = seen is not None and not refused
         with self._lock:
             if addr not in self._watched:
                 return
-            misses = 0 if seen else self._watched[addr][1] + 1
-            lost = misses >= self._max_misses or (seen is not None and seen != instance_id)
+            misses = 0 if answered else self._watched[addr][1] + 1
+            lost = misses >= self._max_misses or (answered and seen != instance_id)
             if lost:
                 del self._watched[addr]
             else:
                 self._watched[addr] = (instance_id, misses)
         if not lost:
             return
-        if seen is not None:
+        if answered:
             self._on_lost(addr, f"prefill instance {addr} restarted (instance id changed)", True)
+        elif refused:  # nothing listens any more: the instance is gone and writes nothing
+            self._on_lost(addr, f"prefill instance {addr} is gone (connection refused)", True)
         else:
             self._on_lost(addr, f"prefill instance {addr} lost: {misses} heartbeats missed", False)

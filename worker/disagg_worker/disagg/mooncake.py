@@ -62,7 +62,6 @@ class WriteGroup:
 
     handles: list[int]
     nbytes: int
-    deadline: float
     started: float = field(default_factory=time.monotonic)
     _next: int = 0
     failed: bool = False

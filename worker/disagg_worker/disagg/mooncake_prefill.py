@@ -52,6 +52,7 @@ class _Room:
     first_send: float = 0.0
     aux: bytes = b""
     owes_quiesced: bool = False  # decode was told Failed while writes were still in flight
+    deadline: float = 0.0  # all queued writes must have landed by then (waiting timeout)
 
 
 @dataclass
@@ -149,6 +150,7 @@ class MooncakePrefillManager(KVManager):
             state.last_queued = last
             state.aux = aux if last else state.aux
             state.first_send = state.first_send or time.monotonic()
+            state.deadline = time.monotonic() + self.cfg.waiting_timeout_s
         first = state.cell.advance(KVPoll.Transferring)
         self._jobs.put(_Job(state, pages, dst, last, first))
 
@@ -244,10 +246,16 @@ class MooncakePrefillManager(KVManager):
             state.cell.advance(KVPoll.WaitingForInput)
 
     def _sweep(self, now: float) -> None:
+        """Timeouts are enforced here, not in the transfer thread: a call into the engine
+        may block for a frozen peer."""
         limit = self.cfg.bootstrap_timeout_s
         for _, state in self.rooms.snapshot():
-            if state.cell.get() is KVPoll.Bootstrapping and now - state.created > limit:
+            status = state.cell.get()
+            if status is KVPoll.Bootstrapping and now - state.created > limit:
                 self._fail(state, f"decode did not send its destination within {limit:g}s (bootstrap timeout)")
+            elif status is KVPoll.Transferring and now > state.deadline:
+                wait = self.cfg.waiting_timeout_s
+                self._fail(state, f"KV transfer timed out after {wait:g}s (writes not cancelled)")
         with self._lock:
             stale = [(r, req) for r, (t, req) in self._early.items() if now - t > limit]
             for r, _ in stale:
@@ -287,18 +295,15 @@ class MooncakePrefillManager(KVManager):
                     dst_ptr = peer.buffer_ptrs[peer.buffer_map[i]] + dst * self.layout.page_nbytes
                     handles.append(self.engine.submit(peer.session_id, ptr + src * self.layout.page_nbytes, dst_ptr, length))
                     nbytes += length
-        job.group = WriteGroup(handles, nbytes, time.monotonic() + self.cfg.waiting_timeout_s)
+        job.group = WriteGroup(handles, nbytes)
         if job.first and handles:
             self._update(state, KVPoll.Transferring, "", False)
 
     def _progress(self, job: _Job) -> bool:
         """Advance one job; True when it is settled and can be dropped."""
         state, group = job.state, job.group
-        result = group.poll(self.engine)
-        if result is WriteState.FAILED:
+        if group.poll(self.engine) is WriteState.FAILED:
             self._fail(state, "KV write to decode failed (decode gone or refused the address)")
-        elif result is WriteState.PENDING and time.monotonic() > group.deadline:
-            self._fail(state, f"KV transfer timed out after {self.cfg.waiting_timeout_s:g}s (writes not cancelled)")
         if not group.settled:
             return False
         with self._lock:
