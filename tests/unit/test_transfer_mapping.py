@@ -87,3 +87,24 @@ def test_heartbeat_reports_loss_after_max_misses_and_restart_at_once():
     assert answers["a:1"] == [None], "one miss followed by a success must reset the count"
     time.sleep(0.05)
     assert len(lost) == 2, "a lost instance is reported once"
+
+
+def test_heartbeat_refused_port_is_a_dead_instance_but_silence_is_not():
+    from disagg_worker.disagg.bootstrap_client import REFUSED
+
+    answers = {"gone:1": [REFUSED, REFUSED], "silent:1": [None, None]}
+    lost: dict[str, tuple[str, bool]] = {}
+    done = threading.Event()
+
+    def on_lost(addr, reason, dead):
+        lost[addr] = (reason, dead)
+        if len(lost) == 2:
+            done.set()
+
+    mon = HeartbeatMonitor(0.01, 2, on_lost, check=lambda a, t: answers[a].pop(0) if answers[a] else None)
+    mon.watch("gone:1", "id")
+    mon.watch("silent:1", "id")
+    assert done.wait(5)
+    mon.close()
+    assert lost["gone:1"] == ("prefill instance gone:1 is gone (connection refused)", True)
+    assert lost["silent:1"] == ("prefill instance silent:1 lost: 2 heartbeats missed", False)

@@ -1,8 +1,8 @@
 """Prefill side of the `mooncake` backend.
 
 Threads: `control` (zmq: decode hellos, room requests and aborts; timeouts; registration
-with the bootstrap server) and `transfer` (submits the writes of each send and polls them
-with a short sleep). The scheduler thread only calls non-blocking handle methods.
+with the bootstrap server) and one transfer thread per decode peer (`TransferWorkers`:
+submits the writes of each send and polls them with a short sleep). The scheduler thread only calls non-blocking handle methods.
 
 Timeouts: a sender still Bootstrapping after `bootstrap_timeout_s` fails; a send whose writes
 have not all landed after `waiting_timeout_s` fails. Such writes are not cancelled, so decode
@@ -12,7 +12,6 @@ write of the room has settled; only then may it reuse the pages.
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
 from dataclasses import dataclass, field
@@ -29,13 +28,10 @@ from disagg_worker.disagg.peers import DecodePeer
 from disagg_worker.disagg.poll import KVPoll, StatusCell
 from disagg_worker.disagg.rooms import RoomTable
 from disagg_worker.disagg.runs import group_runs
+from disagg_worker.disagg.transfer_workers import TransferWorkers
 from disagg_worker.env import load_env
 
 log = logging.getLogger(__name__)
-# Sleep between status polls: starts short (small transfers finish in tens of microseconds)
-# and doubles while nothing completes, up to the cap; the thread never spins a core.
-POLL_SLEEP_MIN_S = 0.00002
-POLL_SLEEP_MAX_S = 0.0005
 
 
 @dataclass
@@ -95,16 +91,12 @@ class MooncakePrefillManager(KVManager):
         self.rooms: RoomTable[_Room] = RoomTable()
         self._peers: dict[str, DecodePeer] = {}
         self._early: dict[int, tuple[float, RoomRequest]] = {}  # requests before their sender
-        self._jobs: queue.Queue[_Job] = queue.Queue()
+        self._workers: TransferWorkers[_Job] = TransferWorkers(self._start, self._progress)
         self._lock = threading.Lock()  # guards _Room.inflight/last_queued and _early
         self._stop = threading.Event()
         self.registered = threading.Event()
-        self._threads = [
-            threading.Thread(target=self._control_loop, name="kv-prefill-control", daemon=True),
-            threading.Thread(target=self._transfer_loop, name="kv-prefill-transfer", daemon=True),
-        ]
-        for t in self._threads:
-            t.start()
+        self._control = threading.Thread(target=self._control_loop, name="kv-prefill-control", daemon=True)
+        self._control.start()
 
     def registration(self) -> RankRegistration:
         cfg, lay = self.cfg, self.layout
@@ -152,7 +144,7 @@ class MooncakePrefillManager(KVManager):
             state.first_send = state.first_send or time.monotonic()
             state.deadline = time.monotonic() + self.cfg.waiting_timeout_s
         first = state.cell.advance(KVPoll.Transferring)
-        self._jobs.put(_Job(state, pages, dst, last, first))
+        self._workers.put(state.peer.session_id, _Job(state, pages, dst, last, first))
 
     def _fail(self, state: _Room, reason: str, notify: bool = True) -> None:
         if not state.cell.fail(reason):
@@ -176,8 +168,8 @@ class MooncakePrefillManager(KVManager):
         self._stop.set()
         for _, state in self.rooms.snapshot():
             self._fail(state, "prefill transfer manager closed")
-        for t in self._threads:
-            t.join(timeout=5)
+        self._control.join(timeout=5)
+        self._workers.close()
         self.channel.close()
 
     # ---- control thread --------------------------------------------------------------
@@ -265,25 +257,7 @@ class MooncakePrefillManager(KVManager):
                              "prefill never received this request", True, b"")  # fmt: skip
             self.channel.send(req.reply_endpoint, msg)
 
-    # ---- transfer thread -------------------------------------------------------------
-    def _transfer_loop(self) -> None:
-        active: list[_Job] = []
-        sleep = POLL_SLEEP_MIN_S
-        while not self._stop.is_set():
-            try:
-                job = self._jobs.get(timeout=0.02) if not active else self._jobs.get_nowait()
-                self._start(job)
-                active.append(job)
-                sleep = POLL_SLEEP_MIN_S
-                continue
-            except queue.Empty:
-                pass
-            before = len(active)
-            active = [job for job in active if not self._progress(job)]
-            if active:
-                sleep = POLL_SLEEP_MIN_S if len(active) < before else min(2 * sleep, POLL_SLEEP_MAX_S)
-                time.sleep(sleep)
-
+    # ---- transfer threads -----------------------------------------------------------
     def _start(self, job: _Job) -> None:
         state, peer = job.state, job.state.peer
         handles: list[int] = []
