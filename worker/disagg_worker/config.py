@@ -75,9 +75,22 @@ class EngineConfig:
     max_context_len: int = 0  # 0: the model's max_position_embeddings
     # "model" runs the real forward; "noop" skips it (scheduler-overhead benchmark only).
     forward: str = "model"
+    # Intra-op threads of the scheduler process; 0: half the cores on CPU (the HTTP process and
+    # the forward share the machine), torch's default on an accelerator.
+    torch_threads: int = 0
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     disagg: DisaggConfig = field(default_factory=DisaggConfig)
+
+    @property
+    def resolved_torch_threads(self) -> int:
+        if self.torch_threads > 0:
+            return self.torch_threads
+        if self.device != "cpu":
+            return 0
+        import os
+
+        return max(1, (os.cpu_count() or 2) // 2)
 
     @property
     def model_name(self) -> str:
@@ -102,6 +115,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-context-len", type=int, default=0)
     p.add_argument("--forward", default="model", choices=["model", "noop"])
+    p.add_argument("--torch-threads", type=int, default=0, help="0: half the cores on CPU")
     p.add_argument("--page-size", type=int, default=CacheConfig.page_size)
     p.add_argument("--num-pages", type=int, default=0)
     p.add_argument("--max-total-tokens", type=int, default=CacheConfig.max_total_tokens)
@@ -169,6 +183,7 @@ def server_args_from_cli(ns: argparse.Namespace, role: Role = Role.MONOLITHIC) -
         seed=ns.seed,
         max_context_len=ns.max_context_len,
         forward=ns.forward,
+        torch_threads=ns.torch_threads,
         cache=cache,
         scheduler=sched,
         disagg=disagg,

@@ -208,7 +208,11 @@ class MooncakePrefillManager(KVManager):
             else:  # the sender may not exist yet: its room must never start
                 self.rooms.retire(msg.room, f"aborted by decode: {msg.reason}")
             with self._lock:
-                self._early.pop(msg.room, None)
+                early = self._early.pop(msg.room, None)
+            if early is not None:  # nothing was written for it: decode may reuse its pages at once
+                update = RoomUpdate(msg.room, self.rank.tp_rank, self.rank.pp_rank, int(KVPoll.Failed),
+                                    "aborted by decode before prefill started it", True, b"")  # fmt: skip
+                self.channel.send(early[1].reply_endpoint, update)
 
     def _on_request(self, req: RoomRequest) -> None:
         state = self.rooms.get(req.room)

@@ -7,6 +7,7 @@ processed while N+1 runs. With overlap off, each step is scheduled, run and proc
 from __future__ import annotations
 
 import logging
+import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -80,6 +81,7 @@ class EngineLoop:
         self.send.connect(send_addr)
         self.last_stats = 0.0
         self.stopped = False
+        self.parent = os.getppid()
 
     def publish(self, m: msg.Message) -> None:
         self.send.send(msg.encode(m))
@@ -111,6 +113,9 @@ class EngineLoop:
         if now - self.last_stats >= STATS_INTERVAL_S:
             self.last_stats = now
             self.publish(self.engine.stats())
+            if os.getppid() != self.parent:  # the HTTP process is gone: nobody can use our output
+                log.warning("the server process exited; stopping")
+                self.stopped = True
 
     def close(self) -> None:
         self.stopped = True

@@ -10,7 +10,12 @@ from disagg_worker.config import EngineConfig, Role
 def run_scheduler(cfg: EngineConfig, recv_addr: str, send_addr: str, log_level: str = "info") -> None:
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s scheduler %(levelname)s %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when this process ends
+    import torch
+
     from disagg_worker.engine.loop import EngineLoop
+
+    if cfg.resolved_torch_threads:
+        torch.set_num_threads(cfg.resolved_torch_threads)
 
     engine = engine_class(cfg.disagg.role).from_config(cfg)
     loop = EngineLoop(engine, recv_addr, send_addr, overlap=cfg.scheduler.enable_overlap)

@@ -82,12 +82,16 @@ class Router:
         d.inflight += 1
         try:
             resp = await self.session.post(f"{d.url}{path}", json=routed, timeout=self.timeout)
+            first = await self._first_event(resp) if resp.status == 200 else await resp.read()
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
             d.inflight -= 1
             d.failures += 1
             prefill.cancel()
-            return Attempt(502, APIError(502, f"decode {d.url} unreachable: {e}", type="server_error").body(), True)
-        first = await self._first_event(resp) if resp.status == 200 else await resp.read()
+            return Attempt(502, APIError(502, f"decode {d.url} failed: {e!r}", type="server_error").body(), True)
+        except BaseException:  # the client left: abort the prefill side too
+            d.inflight -= 1
+            prefill.cancel()
+            raise
         error = self._error_in(resp.status, first)
         if error is None:
             return resp, prefill, first, [d]
