@@ -76,7 +76,7 @@ def test_heartbeat_reports_loss_after_max_misses_and_restart_at_once():
         if len(lost) == 2:
             done.set()
 
-    mon = HeartbeatMonitor(0.01, 2, on_lost, check=check)
+    mon = HeartbeatMonitor(0.01, 2, on_lost, check=check)  # no on_dead: no probation
     mon.watch("a:1", "id")
     mon.watch("b:1", "id")
     assert done.wait(5)
@@ -108,3 +108,29 @@ def test_heartbeat_refused_port_is_a_dead_instance_but_silence_is_not():
     mon.close()
     assert lost["gone:1"] == ("prefill instance gone:1 is gone (connection refused)", True)
     assert lost["silent:1"] == ("prefill instance silent:1 lost: 2 heartbeats missed", False)
+
+
+def test_silent_instance_is_declared_dead_once_its_port_refuses():
+    from disagg_worker.disagg.bootstrap_client import REFUSED
+
+    # lost by silence, then two more silent probes, then the port refuses: dead
+    answers = {"a:1": [None, None, None, None, REFUSED], "b:1": [None, None, "id"]}
+    events: list[tuple[str, str]] = []
+    dead_seen = threading.Event()
+
+    def on_dead(addr):
+        events.append(("dead", addr))
+        dead_seen.set()
+
+    mon = HeartbeatMonitor(
+        0.01, 2, lambda a, r, d: events.append(("lost", a)), on_dead,
+        check=lambda a, t: answers[a].pop(0) if answers[a] else "id",
+    )  # fmt: skip
+    mon.watch("a:1", "id")
+    mon.watch("b:1", "id")
+    assert dead_seen.wait(5)
+    time.sleep(0.1)
+    mon.close()
+    assert events.count(("lost", "a:1")) == 1 and events.count(("lost", "b:1")) == 1
+    assert ("dead", "a:1") in events
+    assert ("dead", "b:1") not in events, "an instance that answers again as itself is not dead"

@@ -4,6 +4,9 @@ After `max_misses` consecutive failed checks, or when the server reports another
 id (the instance restarted), `on_lost(addr, reason, dead)` is called once and the address is
 no longer watched. `dead` is True when the old instance is known to write nothing more: it
 restarted, or its port refuses connections; a silent (frozen) instance is not known dead.
+A silent instance stays on probation: `on_dead(addr)` is called if it later refuses or comes
+back with another instance id, so pages held for it are not quarantined forever; if it comes
+back as the same instance, probation ends (its own late updates settle those pages).
 """
 from __future__ import annotations
 
@@ -16,8 +19,13 @@ OnLost = Callable[[str, str, bool], None]
 
 
 class HeartbeatMonitor:
-    def __init__(self, interval_s: float, max_misses: int, on_lost: OnLost, check=check_health):
+    def __init__(
+        self, interval_s: float, max_misses: int, on_lost: OnLost,
+        on_dead: Callable[[str], None] | None = None, check=check_health,
+    ):  # fmt: skip
         self._interval = interval_s
+        self._on_dead = on_dead
+        self._silent: dict[str, str] = {}  # addr -> instance id of a lost, not known dead, instance
         self._max_misses = max(1, max_misses)
         self._on_lost = on_lost
         self._check = check
@@ -43,8 +51,19 @@ class HeartbeatMonitor:
         while not self._stop.wait(self._interval):
             with self._lock:
                 targets = list(self._watched.items())
+                silent = list(self._silent.items())
             for addr, (instance_id, _) in targets:
                 self._beat(addr, instance_id, self._check(addr, min(self._interval, 2.0)))
+            for addr, instance_id in silent:
+                self._probe(addr, instance_id, self._check(addr, min(self._interval, 2.0)))
+
+    def _probe(self, addr: str, instance_id: str, seen: str | None) -> None:
+        if seen is None:
+            return
+        with self._lock:
+            self._silent.pop(addr, None)
+        if seen == REFUSED or seen != instance_id:
+            self._on_dead(addr)
 
     def _beat(self, addr: str, instance_id: str, seen: str | None) -> None:
         refused = seen == REFUSED
@@ -65,4 +84,7 @@ class HeartbeatMonitor:
         elif refused:  # nothing listens any more: the instance is gone and writes nothing
             self._on_lost(addr, f"prefill instance {addr} is gone (connection refused)", True)
         else:
+            if self._on_dead is not None:
+                with self._lock:
+                    self._silent[addr] = instance_id
             self._on_lost(addr, f"prefill instance {addr} lost: {misses} heartbeats missed", False)

@@ -116,7 +116,9 @@ class MooncakeDecodeManager(KVManager):
         self._lock = threading.RLock()
         self._stop = threading.Event()
         self._resolver = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kv-resolve")
-        self.heartbeat = HeartbeatMonitor(cfg.heartbeat_interval_s, cfg.heartbeat_max_misses, self._on_lost)
+        self.heartbeat = HeartbeatMonitor(
+            cfg.heartbeat_interval_s, cfg.heartbeat_max_misses, self._on_lost, self.confirm_instance_dead
+        )
         self._control = threading.Thread(target=self._control_loop, name="kv-decode-control", daemon=True)
         self._control.start()
 
