@@ -183,8 +183,8 @@ class OperatorUnderTest:
         return self.log_path.read_text()[-chars:] if self.log_path.exists() else ""
 
 
-def load_example(name: str, **metadata) -> dict:
-    cr = yaml.safe_load((EXAMPLES / name).read_text())
+def load_example(example: str, **metadata) -> dict:
+    cr = yaml.safe_load((EXAMPLES / example).read_text())
     cr["metadata"].update(metadata)
     return cr
 
