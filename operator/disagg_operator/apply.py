@@ -48,10 +48,14 @@ class Kube:
               content_type: str = "application/json") -> Any:
         with self._lock:
             self.calls[verb] += 1
-        return self.api.call_api(
-            path, method, query_params=query or [], body=body, response_type="object",
-            header_params={"Content-Type": content_type, "Accept": "application/json"},
-            auth_settings=["BearerToken"], _return_http_data_only=True)
+        headers = {"Content-Type": content_type, "Accept": "application/json"}
+        method, url, headers, body, _ = self.api.param_serialize(
+            method, path, query_params=query or [], header_params=headers, body=body, auth_settings=["BearerToken"])
+        resp = self.api.call_api(method, url, header_params=headers, body=body)
+        data = resp.read()
+        if not 200 <= resp.status < 300:
+            raise ApiException(status=resp.status, reason=resp.reason, body=data)
+        return json.loads(data) if data else None
 
     @property
     def writes(self) -> int:

@@ -1,7 +1,6 @@
 """`disagg-operator`: run the kopf operator for DisaggregatedModels."""
 
 import argparse
-import logging
 import sys
 
 import kopf
@@ -25,7 +24,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.debug else logging.INFO)
     kopf.configure(verbose=args.verbose, debug=args.debug)
     from . import handlers  # noqa: F401  (registers the handlers)
 

@@ -82,8 +82,9 @@ class CountingProxy:
             with self._lock:
                 self.calls[(request.method, kind)] += 1
             headers = {k: v for k, v in request.headers.items() if k.lower() not in ("host", "content-length")}
+            body = await request.read() if request.can_read_body else None
             async with self._session.request(request.method, self.upstream + request.path_qs, headers=headers,
-                                             data=await request.read()) as up:
+                                             data=body or None) as up:
                 resp = web.StreamResponse(status=up.status, headers={
                     k: v for k, v in up.headers.items()
                     if k.lower() not in ("content-length", "transfer-encoding", "connection")})
