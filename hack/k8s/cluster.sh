@@ -98,6 +98,7 @@ down() {
     "$BIN/kwokctl" delete cluster --name "$CLUSTER_NAME" --kubeconfig "$KUBECONFIG_PATH" >&2 || true
   fi
   rm -rf "$KWOK_WORKDIR" "$KUBECONFIG_PATH" "$CLUSTER_DIR/kwokctl.yaml"
+  rmdir "$CLUSTER_DIR" 2>/dev/null || true
 }
 
 status() {

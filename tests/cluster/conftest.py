@@ -36,6 +36,8 @@ REUSE = os.environ.get("DISAGG_REUSE_CLUSTER", "") == "1"
 # kwok's chaos stage: a running pod carrying this label has its containers fail.
 CHAOS_LABEL = "pod-container-running-failed.stage.kwok.x-k8s.io"
 
+_BUILD_ERRORS: list[str] = []
+
 
 @dataclass(frozen=True)
 class KubeCluster:
@@ -130,15 +132,20 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         return
     capture = session.config.pluginmanager.getplugin("capturemanager")
     with capture.global_and_fixture_disabled():  # show the build's progress live
-        _script("build.sh", env=dict(os.environ))
+        try:
+            _script("build.sh", env=dict(os.environ))
+        except RuntimeError as e:  # the cluster tests fail with it; the other tiers still run
+            _BUILD_ERRORS.append(str(e))
 
 
 @pytest.fixture(scope="session")
 def kube_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KubeCluster]:
+    if _BUILD_ERRORS:
+        pytest.fail(_BUILD_ERRORS[0], pytrace=False)
     env = _cluster_env()
     bin_dir = Path(_script("build.sh", env=env))
-    kubeconfig = Path(_script("cluster.sh", "up", env=env))
     try:
+        kubeconfig = Path(_script("cluster.sh", "up", env=env))
         yield KubeCluster(kubeconfig=kubeconfig, bin_dir=bin_dir,
                           _helm_home=tmp_path_factory.mktemp("helm"))
     finally:
