@@ -44,17 +44,19 @@ up_to_date() {
 
 stamp() { date -u +%FT%TZ >"$STAMP_DIR/$1-$2"; }
 
-module_field() {  # module_field FIELD MODULE VERSION: a field of `go mod download -json`
-  (cd "$SRC_DIR" && go mod download -json "$2@$3") | sed -n "s/^\s*\"$1\": \"\(.*\)\",\?\$/\1/p"
-}
-module_gomod() { module_field GoMod "$@"; }  # the .mod file the proxy serves
-module_dir() { module_field Dir "$@"; }      # the extracted module source
+json_field() { sed -n "s/^\s*\"$1\": \"\(.*\)\",\?\$/\1/p"; }
+# The .mod file the proxy serves for MODULE VERSION (fetches only that file).
+module_gomod() { (cd "$SRC_DIR" && go list -m -json "$1@$2") | json_field GoMod; }
+# The extracted source of MODULE VERSION.
+module_dir() { (cd "$SRC_DIR" && go mod download -json "$1@$2") | json_field Dir; }
 
 k8s_gomod() { module_gomod k8s.io/kubernetes "$K8S_VERSION"; }
 
-resolve_etcd_version() {
+resolve_etcd_version() {  # remembered, so a warm run needs no module look-up
   [[ -n "$ETCD_VERSION" ]] && return
-  ETCD_VERSION=$(awk '$1 == "go.etcd.io/etcd/server/v3" {print $2; exit}' "$(k8s_gomod)")
+  local file="$CACHE_ROOT/etcd-version"
+  [[ -s "$file" ]] || awk '$1 == "go.etcd.io/etcd/server/v3" {print $2; exit}' "$(k8s_gomod)" >"$file"
+  ETCD_VERSION=$(<"$file")
   [[ -n "$ETCD_VERSION" ]] || { log "cannot find etcd server version in k8s.io/kubernetes@$K8S_VERSION go.mod"; exit 1; }
 }
 
