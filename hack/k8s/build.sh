@@ -101,8 +101,9 @@ build_kwok() {
 # ship kwok's own fast node/pod stages plus the container-failure chaos stage
 # for cluster.sh to hand over as a whole.
 install_kwok_stages() {
-  [[ -f "$STAMP_DIR/kwok-stages-$KWOK_VERSION" ]] && return
-  local src dst="$CACHE_ROOT/share/kwok-stages" f
+  [[ -f "$STAMP_DIR/kwok-stages-$KWOK_VERSION" && -d "$(dirname "$BIN_DIR")/share/kwok-stages" ]] && return
+  local src dst f
+  dst="$(dirname "$BIN_DIR")/share/kwok-stages"  # cluster.sh looks beside the bin dir
   src=$(module_dir sigs.k8s.io/kwok "$KWOK_VERSION")/kustomize/stage
   rm -rf "$dst" && mkdir -p "$dst"
   for f in node/fast/node-initialize.yaml node/heartbeat-with-lease/node-heartbeat-with-lease.yaml \
