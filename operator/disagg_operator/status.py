@@ -56,6 +56,9 @@ def pod_problem(pod: Mapping[str, Any]) -> PodProblem | None:
         return None
     if st.get("phase") == "Failed":
         return PodProblem(meta.get("name", ""), role, st.get("reason") or "pod failed")
+    for cond in st.get("conditions") or []:
+        if cond.get("type") == "PodScheduled" and cond.get("reason") == "Unschedulable":
+            return PodProblem(meta.get("name", ""), role, f"unschedulable: {cond.get('message', '')}".strip())
     for cs in st.get("containerStatuses") or []:
         state = cs.get("state") or {}
         waiting, terminated = state.get("waiting") or {}, state.get("terminated") or {}

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from test_operator_support import (OPERATOR_NS, RELEASE, OperatorUnderTest, apply_cr, condition, events_for,
+from test_operator_support import (EXAMPLES, OPERATOR_NS, RELEASE, OperatorUnderTest, apply_cr, condition, events_for,
                                    install_chart, load_example, wait_until)
 
 CHILD_KINDS = "statefulsets,deployments,services,poddisruptionbudgets,networkpolicies,secrets"
@@ -27,6 +27,32 @@ def operator(kube_cluster, tmp_path_factory):
 
 def children(cluster, namespace: str, name: str) -> list[dict]:
     return cluster.get("-n", namespace, CHILD_KINDS, "-l", f"disagg.dev/model={name}")["items"]
+
+
+def provide_models_volume(cluster, namespace: str) -> None:
+    """The PVC `models` the GPU example mounts, statically bound to a hostPath PV."""
+    pv = f"models-{namespace}"
+    cluster.kubectl("apply", "-f", "-", input=f"""
+apiVersion: v1
+kind: PersistentVolume
+metadata: {{name: {pv}}}
+spec:
+  capacity: {{storage: 1Gi}}
+  accessModes: [ReadOnlyMany]
+  persistentVolumeReclaimPolicy: Delete
+  storageClassName: ""
+  hostPath: {{path: /var/lib/models}}
+  claimRef: {{namespace: {namespace}, name: models}}
+---
+apiVersion: v1
+kind: PersistentVolumeClaim
+metadata: {{name: models, namespace: {namespace}}}
+spec:
+  accessModes: [ReadOnlyMany]
+  storageClassName: ""
+  volumeName: {pv}
+  resources: {{requests: {{storage: 1Gi}}}}
+""")
 
 
 def wait_ready(cluster, namespace: str, name: str, timeout: int = 120) -> None:
@@ -51,6 +77,8 @@ def test_the_service_account_can_do_what_the_operator_needs_and_no_more(kube_clu
     ("dm-rdma-gpu.yaml", "llama-8b", ["1/1", "2/2", "2/2"]),
 ])
 def test_example_becomes_ready_with_owned_children(kube_cluster, operator, namespace, example, name, expected):
+    if "pvc:" in (EXAMPLES / example).read_text():
+        provide_models_volume(kube_cluster, namespace)
     kube_cluster.kubectl("-n", namespace, "apply", "-f", f"examples/{example}")
     kinds = wait_until(lambda: (lambda c: c if len(c) >= 12 else None)(children(kube_cluster, namespace, name)),
                        60, what="children")

@@ -108,6 +108,9 @@ def test_observe_workload_reads_counts_and_generation():
     ({"phase": "Running", "containerStatuses": [{"name": "decode", "state": {"terminated": {
         "exitCode": 137, "reason": "OOMKilled"}}}]}, "container decode: OOMKilled (exit code 137)"),
     ({"phase": "Failed", "reason": "Evicted"}, "Evicted"),
+    ({"phase": "Pending", "conditions": [{"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+                                          "message": "persistentvolumeclaim \"models\" not found"}]},
+     'unschedulable: persistentvolumeclaim "models" not found'),
 ])
 def test_pod_problem_names_what_a_user_would_look_for(pod_status, expected):
     pod = {"metadata": {"name": "m-decode-0", "labels": {"disagg.dev/role": "decode"}}, "status": pod_status}
