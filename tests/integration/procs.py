@@ -80,11 +80,17 @@ def wait_until(pred, timeout: float = 30.0, interval: float = 0.2, what: str = "
 
 def idle_and_flushed(url: str, timeout: float = 30.0) -> dict:
     """Wait until the instance is idle, flush its prefix cache, and return its page accounting."""
+    seen: list[dict] = []
+
     def idle():
         st = requests.get(f"{url}/stats", timeout=5).json()
+        seen[:] = [st]
         return st if st["running"] == 0 and st["waiting"] == 0 and not any(st["queues"].values()) else None
 
-    wait_until(idle, timeout, what=f"{url} idle")
+    try:
+        wait_until(idle, timeout, what=f"{url} idle")
+    except TimeoutError as e:
+        raise TimeoutError(f"{e}; last report: {seen}") from None
     requests.post(f"{url}/flush_cache", timeout=5)
 
     def flushed():

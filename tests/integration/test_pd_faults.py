@@ -1,0 +1,119 @@
+"""Faults in a P/D deployment: every client request ends (tokens or a clear error) within its
+timeout, and afterwards every queue is empty and every page free on both sides."""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import os
+import random
+import signal
+import time
+
+import pytest
+import requests
+
+from tests.integration.procs import PDStack, idle_and_flushed, wait_until
+from tests.integration.test_pd import FLAGS, assert_clean
+
+pytestmark = pytest.mark.integration
+CLIENT_TIMEOUT = 40.0
+
+
+@pytest.fixture()
+def stack(tiny_model):
+    s = PDStack(tiny_model, *FLAGS).wait_healthy()
+    yield s
+    s.stop()
+
+
+def request(url: str, seed: int, timeout: float = CLIENT_TIMEOUT, prompt_len: int = 300, max_tokens: int = 40):
+    """One client: returns ("ok", tokens) or ("error", status, message) or ("timeout",)."""
+    rng = random.Random(seed)
+    body = {"prompt": [rng.randrange(10, 2000) for _ in range(prompt_len)], "max_tokens": max_tokens,
+            "temperature": 0, "ignore_eos": True}
+    start = time.monotonic()
+    try:
+        r = requests.post(f"{url}/v1/completions", json=body, timeout=timeout)
+    except requests.Timeout:
+        return ("timeout", time.monotonic() - start)
+    except requests.ConnectionError as e:
+        return ("error", 0, str(e))
+    if r.status_code == 200:
+        return ("ok", r.json()["usage"]["completion_tokens"])
+    return ("error", r.status_code, r.json()["error"]["message"])
+
+
+def load(url: str, n: int, pool: cf.ThreadPoolExecutor, **kw) -> list[cf.Future]:
+    return [pool.submit(request, url, i, **kw) for i in range(n)]
+
+
+def outcomes(futures: list[cf.Future]) -> list[tuple]:
+    results = [f.result(timeout=CLIENT_TIMEOUT + 10) for f in futures]
+    assert not [r for r in results if r[0] == "timeout"], "a client request hung past its timeout"
+    for r in results:
+        if r[0] == "ok":
+            assert r[1] == 40
+        else:
+            assert r[2], "an error without a message"
+    return results
+
+
+def test_kill_decode_mid_transfer(stack):
+    with cf.ThreadPoolExecutor(24) as pool:
+        futures = load(stack.router.url, 24, pool)
+        wait_until(lambda: requests.get(f"{stack.prefill.url}/stats", timeout=5).json()["queues"]
+                   .get("prefill_inflight", 0) + requests.get(f"{stack.prefill.url}/stats", timeout=5).json()
+                   ["running"] > 0, timeout=30, interval=0.02, what="requests reaching prefill")
+        stack.decode.kill()
+        results = outcomes(futures)
+    assert any(r[0] == "error" for r in results)
+    assert_clean(stack.prefill.url)
+    stack.decode = stack.start_decode(stack.decode.port).wait_healthy()
+    wait_until(lambda: requests.get(f"{stack.router.url}/health", timeout=5).status_code == 200, timeout=30)
+    assert request(stack.router.url, 999)[0] == "ok"
+    assert_clean(stack.prefill.url, stack.decode.url)
+
+
+def test_kill_prefill_mid_bootstrap(stack):
+    with cf.ThreadPoolExecutor(24) as pool:
+        futures = load(stack.router.url, 24, pool)
+        time.sleep(0.3)
+        stack.prefill.kill()
+        results = outcomes(futures)
+    assert any(r[0] == "error" for r in results)
+    assert_clean(stack.decode.url)
+    # Decode reconnects to a restarted prefill instance without being restarted itself.
+    stack.prefill = stack.start_prefill(stack.prefill.port).wait_healthy()
+    wait_until(lambda: requests.get(f"{stack.router.url}/health", timeout=5).status_code == 200, timeout=30)
+    wait_until(lambda: request(stack.router.url, 1000)[0] == "ok", timeout=60, interval=1,
+               what="a request through the restarted prefill")
+    assert_clean(stack.prefill.url, stack.decode.url)
+
+
+def test_bootstrap_server_stops_answering(stack):
+    """The prefill instance (and its bootstrap server) freezes: decode's heartbeat fails its rooms."""
+    with cf.ThreadPoolExecutor(16) as pool:
+        futures = load(stack.router.url, 16, pool)
+        time.sleep(0.3)
+        os.killpg(stack.prefill.proc.pid, signal.SIGSTOP)
+        try:
+            results = outcomes(futures)
+        finally:
+            os.killpg(stack.prefill.proc.pid, signal.SIGCONT)
+    assert any(r[0] == "error" for r in results)
+    assert_clean(stack.prefill.url, stack.decode.url)
+    wait_until(lambda: request(stack.router.url, 2000)[0] == "ok", timeout=60, interval=1,
+               what="serving again after the bootstrap server came back")
+
+
+def test_abort_1000_requests_at_random_stages(stack):
+    rng = random.Random(0)
+    timeouts = [rng.uniform(0.005, 0.6) for _ in range(1000)]
+    with cf.ThreadPoolExecutor(48) as pool:
+        futures = [pool.submit(request, stack.router.url, i, t, rng.choice([5, 40, 120]), 20)
+                   for i, t in enumerate(timeouts)]
+        results = [f.result(timeout=120) for f in futures]
+    assert len(results) == 1000
+    assert {r[0] for r in results} <= {"ok", "error", "timeout"}
+    assert sum(r[0] == "timeout" for r in results) > 100  # most were cut off by the client
+    assert_clean(stack.prefill.url, stack.decode.url)
+    assert request(stack.router.url, 3000)[0] == "ok"
