@@ -15,7 +15,7 @@ from . import names
 from .apply import Kube, load_client
 from .config import OperatorConfig
 from .reconcile import ReconcileError, Runtime
-from .status import Event, observe_workload, pod_problem
+from .status import Event, PodProblem, observe_workload, pod_problem
 
 MANAGED = {names.LABEL_MANAGED_BY: names.MANAGED_BY}
 logger = logging.getLogger(__name__)
@@ -71,10 +71,13 @@ def _one(index: kopf.Index, key: tuple) -> Any:
 
 
 def refresh(runtime: Runtime, cr: Mapping[str, Any], worker_sets: kopf.Index, router_sets: kopf.Index,
-            failing_pods: kopf.Index) -> None:
+            failing_pods: kopf.Index, seen: PodProblem | None = None) -> None:
+    """Recompute the CR's status from the indexes (plus `seen`: a failure in the event being handled, which
+    the index may already have dropped when the pod was deleted)."""
     key = (cr["metadata"]["namespace"], cr["metadata"]["name"])
     observed = dict(worker_sets.get(key, ())) | dict(router_sets.get(key, ()))
-    runtime.refresh_status(cr, observed, list(failing_pods.get(key, ())))
+    problems = list(failing_pods.get(key, ())) + ([seen] if seen else [])
+    runtime.refresh_status(cr, observed, problems)
 
 
 @kopf.on.resume(*CR)
@@ -95,7 +98,8 @@ def reconcile(body: kopf.Body, memo: kopf.Memo, worker_sets: kopf.Index, router_
 
 
 def _on_child(type: str | None, namespace: str, labels: Mapping[str, str], memo: kopf.Memo, models: kopf.Index,
-              worker_sets: kopf.Index, router_sets: kopf.Index, failing_pods: kopf.Index, recreate: bool) -> None:
+              worker_sets: kopf.Index, router_sets: kopf.Index, failing_pods: kopf.Index, recreate: bool,
+              seen: PodProblem | None = None) -> None:
     runtime: Runtime = memo.runtime
     cr = _one(models, (namespace, labels.get(names.MODEL_LABEL)))
     if cr is None:
@@ -106,7 +110,7 @@ def _on_child(type: str | None, namespace: str, labels: Mapping[str, str], memo:
             runtime.apply_children(cr)
         except ReconcileError as e:  # event handlers are not retried: Degraded says it, the next event retries
             logger.warning("recreating children of %s/%s: %s", namespace, meta["name"], e)
-    refresh(runtime, cr, worker_sets, router_sets, failing_pods)
+    refresh(runtime, cr, worker_sets, router_sets, failing_pods, seen)
 
 
 def _register_child_handlers() -> None:
@@ -121,10 +125,12 @@ def on_child(type: str | None, namespace: str, labels: Mapping[str, str], memo: 
     _on_child(type, namespace, labels, memo, models, worker_sets, router_sets, failing_pods, recreate=True)
 
 
-def on_pod(type: str | None, namespace: str, labels: Mapping[str, str], memo: kopf.Memo, models: kopf.Index,
-           worker_sets: kopf.Index, router_sets: kopf.Index, failing_pods: kopf.Index, **_: Any) -> None:
+def on_pod(type: str | None, namespace: str, labels: Mapping[str, str], body: kopf.Body, memo: kopf.Memo,
+           models: kopf.Index, worker_sets: kopf.Index, router_sets: kopf.Index, failing_pods: kopf.Index,
+           **_: Any) -> None:
     """A pod changed: refresh the parent's status (pods are the StatefulSets' business to recreate)."""
-    _on_child(type, namespace, labels, memo, models, worker_sets, router_sets, failing_pods, recreate=False)
+    _on_child(type, namespace, labels, memo, models, worker_sets, router_sets, failing_pods, recreate=False,
+              seen=pod_problem(body))
 
 
 @kopf.on.event(*CR)

@@ -17,7 +17,8 @@ from . import builders, names
 from .apply import Kube
 from .config import OperatorConfig
 from .spec import ModelSpec
-from .status import Event, PodProblem, RoleObservation, compute_status, status_changed, transitions
+from .status import (Event, PodProblem, RoleObservation, compute_status, latch_problems, settled_roles,
+                     status_changed, transitions)
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +53,7 @@ class Runtime:
     post_event: EventSink
     written: dict[str, dict] = field(default_factory=dict)
     errors: dict[str, list[str]] = field(default_factory=dict)
+    latched: dict[str, dict[str, PodProblem]] = field(default_factory=dict)
     _locks: dict[str, threading.Lock] = field(default_factory=dict)
     _guard: threading.Lock = field(default_factory=threading.Lock)
 
@@ -64,6 +66,7 @@ class Runtime:
             self._locks.pop(uid, None)
         self.written.pop(uid, None)
         self.errors.pop(uid, None)
+        self.latched.pop(uid, None)
 
     def ensure_auth_secret(self, spec: ModelSpec) -> None:
         if spec.auth_secret:
@@ -93,10 +96,12 @@ class Runtime:
         """Write the CR's status when it differs from the last one written; post an Event per transition."""
         spec = ModelSpec.from_cr(cr)
         with self._lock(spec.uid):
+            latched = latch_problems(self.latched.get(spec.uid, {}), problems, settled_roles(spec, observed))
+            self.latched[spec.uid] = latched
             previous = self.written.get(spec.uid) or cr.get("status") or {}
             new = compute_status(spec, cr["metadata"].get("generation", 0), observed,
-                                 sorted(problems, key=lambda p: p.pod), self.errors.get(spec.uid, []), previous,
-                                 builders.router_endpoint(spec), now())
+                                 sorted(latched.values(), key=lambda p: p.pod), self.errors.get(spec.uid, []),
+                                 previous, builders.router_endpoint(spec), now())
             if not status_changed(previous, new):
                 return False
             self.kube.patch_status(spec.namespace, spec.name, new)

@@ -6,7 +6,7 @@ the Ready, Progressing and Degraded conditions. A condition's lastTransitionTime
 """
 
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 from . import names
 from .spec import ModelSpec
@@ -52,10 +52,11 @@ def pod_problem(pod: Mapping[str, Any]) -> PodProblem | None:
     """Why a pod is failing, or None when it is fine or merely starting."""
     meta, st = pod.get("metadata", {}), pod.get("status") or {}
     role = meta.get("labels", {}).get(names.ROLE_LABEL, "")
-    if meta.get("deletionTimestamp"):
-        return None
     if st.get("phase") == "Failed":
-        return PodProblem(meta.get("name", ""), role, st.get("reason") or "pod failed")
+        reason = st.get("reason") or _terminated_reason(st) or "pod failed"
+        return PodProblem(meta.get("name", ""), role, reason)
+    if meta.get("deletionTimestamp"):
+        return None  # a pod shutting down normally (scale-down, rollout) exits non-zero too
     for cond in st.get("conditions") or []:
         if cond.get("type") == "PodScheduled" and cond.get("reason") == "Unschedulable":
             return PodProblem(meta.get("name", ""), role, f"unschedulable: {cond.get('message', '')}".strip())
@@ -69,6 +70,30 @@ def pod_problem(pod: Mapping[str, Any]) -> PodProblem | None:
             return PodProblem(meta.get("name", ""), role,
                               f"container {cs.get('name')}: {reason} (exit code {terminated['exitCode']})")
     return None
+
+
+def _terminated_reason(st: Mapping[str, Any]) -> str | None:
+    for cs in st.get("containerStatuses") or []:
+        terminated = (cs.get("state") or {}).get("terminated") or {}
+        if terminated.get("exitCode", 0) != 0:
+            return (f"container {cs.get('name')}: {terminated.get('reason') or 'Error'} "
+                    f"(exit code {terminated['exitCode']})")
+    return None
+
+
+def latch_problems(latched: Mapping[str, PodProblem], current: Iterable[PodProblem],
+                   settled: set[str]) -> dict[str, PodProblem]:
+    """Problems to report: a pod's failure stays reported until its role is whole again, so a failed pod that
+    the StatefulSet replaces keeps the CR Degraded until the replacement is ready."""
+    out = {p.pod: p for p in current}
+    for pod, problem in latched.items():
+        if pod not in out and problem.role not in settled:
+            out[pod] = problem
+    return out
+
+
+def settled_roles(spec: ModelSpec, observed: Mapping[str, RoleObservation | None]) -> set[str]:
+    return {r for r in names.ROLES if _settled(spec, r, observed.get(r))}
 
 
 def selector(spec: ModelSpec, role: str) -> str:

@@ -189,3 +189,24 @@ def test_missing_named_secret_degrades_with_a_message(runtime):
     runtime.refresh_status(cr, ALL_READY, [])
     degraded = conds(runtime.kube.status_writes[-1])["Degraded"]
     assert degraded["status"] == "True" and "auth Secret absent not found" in degraded["message"]
+
+
+def test_a_replaced_pods_failure_stays_reported_until_its_role_is_whole_again(runtime):
+    failed = PodProblem("m-decode-0", "decode", "container decode: Error (exit code 1)")
+    replacing = dict(ALL_READY, decode=RoleObservation(2, 1, 2))
+    runtime.refresh_status(CR, replacing, [failed])
+    runtime.refresh_status(CR, replacing, [])  # the failed pod is gone, its replacement is not ready yet
+    assert conds(runtime.kube.status_writes[-1])["Degraded"]["status"] == "True"
+    runtime.refresh_status(CR, ALL_READY, [])
+    assert conds(runtime.kube.status_writes[-1])["Degraded"]["status"] == "False"
+    assert [e.reason for e in runtime.events][-3:] == ["AllReplicasReady", "Complete", "AsExpected"]
+
+
+def test_a_failed_pod_being_deleted_still_counts_but_a_normal_shutdown_does_not():
+    pod = {"metadata": {"name": "m-decode-0", "labels": {"disagg.dev/role": "decode"}, "deletionTimestamp": "T"},
+           "status": {"phase": "Failed", "containerStatuses": [{"name": "decode", "state": {"terminated": {
+               "exitCode": 1, "reason": "Error"}}}]}}
+    assert pod_problem(pod).reason == "container decode: Error (exit code 1)"
+    pod["status"]["phase"] = "Running"
+    pod["status"]["containerStatuses"][0]["state"]["terminated"]["exitCode"] = 143
+    assert pod_problem(pod) is None
