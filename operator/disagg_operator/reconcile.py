@@ -104,7 +104,12 @@ class Runtime:
                                  previous, builders.router_endpoint(spec), now())
             if not status_changed(previous, new):
                 return False
-            self.kube.patch_status(spec.namespace, spec.name, new)
+            try:
+                self.kube.patch_status(spec.namespace, spec.name, new)
+            except ApiException as e:
+                if e.status == 404:  # deleted meanwhile: nothing left to report on
+                    return False
+                raise
             self.written[spec.uid] = new
         for event in transitions(previous.get("conditions") or [], new["conditions"]):
             self.post_event(cr, event)
