@@ -53,30 +53,15 @@ class DecodeEngine(Engine):
         self.transfer: dict[str, DecodeReq] = {}
         self.quarantine: list[DecodeReq] = []
 
-    def handle(self, m: msg.Message) -> None:
-        if isinstance(m, msg.GenerateReq):
-            self._arrive(m)
-        elif isinstance(m, msg.AbortReq):
-            self._abort(m.rid)
-        else:
-            super().handle(m)
-
-    def _arrive(self, m: msg.GenerateReq) -> None:
+    def arrive(self, m: msg.GenerateReq) -> None:
         req = self.make_req(m)
-        if m.bootstrap is None:
-            return self._reject(req, 400, "a decode instance serves requests routed with bootstrap_room; "
-                                          "send requests through the router")
-        if req.seq_len + 1 > self.cfg.cache.capacity_tokens:
-            return self._reject(req, 400, f"prompt of {req.seq_len} tokens does not fit the KV cache "
-                                          f"({self.cfg.cache.capacity_tokens} tokens)")
+        problem = self.routing_problem(req, m)
+        if problem:
+            return self.reject(req, 400, problem)
         addr = f"{m.bootstrap.host}:{m.bootstrap.port}"
         self.prealloc[req.rid] = DecodeReq(req, self.kv.create_receiver(m.bootstrap.room, addr))
 
-    def _reject(self, req: Req, status: int, message: str) -> None:
-        req.fail(status, message)
-        self.scheduler.emit(req, [])
-
-    def _abort(self, rid: str) -> None:
+    def abort(self, rid: str) -> None:
         d = self.prealloc.pop(rid, None)
         if d is not None:
             d.receiver.abort("the decode request was aborted")
@@ -101,7 +86,7 @@ class DecodeEngine(Engine):
             state = d.receiver.poll()
             if state is KVPoll.Failed:
                 del self.prealloc[rid]
-                self._reject(d.req, 500, f"KV transfer handshake failed: {d.receiver.failure_reason()}")
+                self.reject(d.req, 500, f"KV transfer handshake failed: {d.receiver.failure_reason()}")
                 continue
             if state is KVPoll.Bootstrapping:
                 continue
@@ -137,7 +122,7 @@ class DecodeEngine(Engine):
                     self.quarantine.append(d)
                 else:
                     self._free(d)
-                self._reject(d.req, 500, f"KV transfer failed: {d.receiver.failure_reason()}")
+                self.reject(d.req, 500, f"KV transfer failed: {d.receiver.failure_reason()}")
 
     def _start_decoding(self, d: DecodeReq) -> None:
         token, logprob = unpack_first_token(d.receiver.aux_bytes())

@@ -68,13 +68,34 @@ class Engine:
 
     def handle(self, m: msg.Message) -> None:
         if isinstance(m, msg.GenerateReq):
-            self.scheduler.add(self.make_req(m))
+            self.arrive(m)
         elif isinstance(m, msg.AbortReq):
-            self.scheduler.abort(m.rid)
+            self.abort(m.rid)
         elif isinstance(m, msg.FlushCacheReq):
             self.radix.evict(self.radix.total_pages)
         else:
             log.warning("ignoring unexpected message %s", type(m).__name__)
+
+    def arrive(self, m: msg.GenerateReq) -> None:
+        self.scheduler.add(self.make_req(m))
+
+    def abort(self, rid: str) -> None:
+        self.scheduler.abort(rid)
+
+    def reject(self, req: Req, status: int, message: str) -> None:
+        """End a request that never reached the scheduler with an error."""
+        req.fail(status, message)
+        self.scheduler.emit(req, [])
+
+    def routing_problem(self, req: Req, m: msg.GenerateReq) -> str:
+        """Why a P/D instance cannot take a request ("" if it can); the answer is a 400."""
+        if m.bootstrap is None:
+            return (f"a {self.cfg.disagg.role.value} instance serves requests routed with bootstrap_room; "
+                    "send requests through the router")
+        capacity = self.cfg.cache.capacity_tokens
+        if req.seq_len + 1 > capacity:
+            return f"prompt of {req.seq_len} tokens does not fit the KV cache ({capacity} tokens)"
+        return ""
 
     def make_req(self, m: msg.GenerateReq) -> Req:
         return Req(

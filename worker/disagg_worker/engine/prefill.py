@@ -72,31 +72,16 @@ class PrefillEngine(Engine):
         self.inflight: dict[str, PrefillReq] = {}
 
     # ---- arrivals and aborts -------------------------------------------------------------
-    def handle(self, m: msg.Message) -> None:
-        if isinstance(m, msg.GenerateReq):
-            self._arrive(m)
-        elif isinstance(m, msg.AbortReq):
-            self._abort(m.rid)
-        else:
-            super().handle(m)
-
-    def _arrive(self, m: msg.GenerateReq) -> None:
+    def arrive(self, m: msg.GenerateReq) -> None:
         req = self.make_req(replace(m, params=replace(m.params, max_new_tokens=1, min_new_tokens=0)))
-        if m.bootstrap is None:
-            return self._reject(req, 400, "a prefill instance serves requests routed with bootstrap_room; "
-                                          "send requests through the router")
+        problem = self.routing_problem(req, m)
+        if problem:
+            return self.reject(req, 400, problem)
         if len(self.bootstrapping) >= self.cfg.disagg.max_bootstrap_queue:
-            return self._reject(req, 503, "the prefill bootstrap queue is full; retry later")
-        if req.seq_len + 1 > self.cfg.cache.capacity_tokens:
-            return self._reject(req, 400, f"prompt of {req.seq_len} tokens does not fit the KV cache "
-                                          f"({self.cfg.cache.capacity_tokens} tokens)")
+            return self.reject(req, 503, "the prefill bootstrap queue is full; retry later")
         self.bootstrapping[req.rid] = PrefillReq(req, self.kv.create_sender(m.bootstrap.room))
 
-    def _reject(self, req: Req, status: int, message: str) -> None:
-        req.fail(status, message)
-        self.scheduler.emit(req, [])
-
-    def _abort(self, rid: str) -> None:
+    def abort(self, rid: str) -> None:
         for queue in (self.bootstrapping, self.prefilling, self.inflight):
             p = queue.get(rid)
             if p is not None:
@@ -122,7 +107,7 @@ class PrefillEngine(Engine):
             state = p.sender.poll()
             if state is KVPoll.Failed:
                 del self.bootstrapping[rid]
-                self._reject(p.req, 500, f"KV transfer bootstrap failed: {p.sender.failure_reason()}")
+                self.reject(p.req, 500, f"KV transfer bootstrap failed: {p.sender.failure_reason()}")
             elif state >= KVPoll.WaitingForInput:
                 del self.bootstrapping[rid]
                 self.prefilling[rid] = p
@@ -163,7 +148,7 @@ class PrefillEngine(Engine):
                 p.req.check_finished(p.first_token)
                 self.scheduler.emit(p.req, [p.first_token], p.logprob)
             else:
-                self._reject(p.req, 500, f"KV transfer failed: {p.sender.failure_reason()}")
+                self.reject(p.req, 500, f"KV transfer failed: {p.sender.failure_reason()}")
 
     def queue_sizes(self) -> dict[str, int]:
         return {"prefill_bootstrap": len(self.bootstrapping), "prefill_inflight": len(self.inflight),

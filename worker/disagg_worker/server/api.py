@@ -162,23 +162,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
     req = parse_completion(body, s["model"], fe.info.max_context_len)
     ids = req.prompt if isinstance(req.prompt, list) else fe.tokenizer.encode(req.prompt)
     params = check_ids(fe, ids, req.sampling, "max_tokens" in body)
-    bootstrap = bootstrap_of(body)
-    rid = fmt.new_id("cmpl")
-    if not req.stream:
-        choices = await run_choices(fe, ids, params, req.n, bootstrap)
-        return web.json_response(fmt.completion_body(rid, s["model"], choices, fe.tokenizer, len(ids)))
-    resp = await sse_response(request)
-    choices = [fmt.Choice(i) for i in range(req.n)]
-    try:
-        async for i, d in merged([fe.complete(ids, choice_params(params, i), bootstrap) for i in range(req.n)]):
-            await send_event(resp, fmt.completion_chunk(rid, s["model"], i, d, fe.tokenizer, len(choices[i].text)))
-            choices[i].add(d)
-        if req.stream_options_include_usage:
-            await send_event(resp, fmt.usage_chunk(rid, s["model"], "text_completion", choices, len(ids)))
-    except APIError as e:
-        await send_event(resp, e.body())
-    await send_event(resp, "[DONE]")
-    return resp
+    return await respond(request, ids, params, req.n, bootstrap_of(body), req.stream,
+                         req.stream_options_include_usage, chat=False)
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -192,22 +177,34 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     ids = fe.tokenizer.encode(text, add_special_tokens=False)
     explicit = "max_tokens" in body or "max_completion_tokens" in body
     params = check_ids(fe, ids, req.sampling, explicit)
-    bootstrap = bootstrap_of(body)
-    rid = fmt.new_id("chatcmpl")
-    if not req.stream:
-        choices = await run_choices(fe, ids, params, req.n, bootstrap)
-        return web.json_response(fmt.chat_body(rid, s["model"], choices, fe.tokenizer, len(ids)))
+    return await respond(request, ids, params, req.n, bootstrap_of(body), req.stream,
+                         req.stream_options_include_usage, chat=True)
+
+
+async def respond(request: web.Request, ids: list[int], params: SamplingParams, n: int,
+                  bootstrap: BootstrapInfo | None, stream: bool, include_usage: bool, chat: bool) -> web.StreamResponse:
+    """Run n choices and answer as a completion or chat completion, whole or streamed (SSE)."""
+    fe, model, tok = request.app[FRONTEND], request.app[SETTINGS]["model"], request.app[FRONTEND].tokenizer
+    rid = fmt.new_id("chatcmpl" if chat else "cmpl")
+    if not stream:
+        choices = await run_choices(fe, ids, params, n, bootstrap)
+        build = fmt.chat_body if chat else fmt.completion_body
+        return web.json_response(build(rid, model, choices, tok, len(ids)))
     resp = await sse_response(request)
-    choices = [fmt.Choice(i) for i in range(req.n)]
+    choices = [fmt.Choice(i) for i in range(n)]
+    started: set[int] = set()
     try:
-        started: set[int] = set()
-        async for i, d in merged([fe.complete(ids, choice_params(params, i), bootstrap) for i in range(req.n)]):
-            # The role arrives with the first token, so the first event of a stream is output or an error.
-            await send_event(resp, fmt.chat_chunk(rid, s["model"], i, d, fe.tokenizer, first=i not in started))
+        async for i, d in merged([fe.complete(ids, choice_params(params, i), bootstrap) for i in range(n)]):
+            if chat:  # the role comes with the first token: a stream's first event is output or an error
+                chunk = fmt.chat_chunk(rid, model, i, d, tok, first=i not in started)
+            else:
+                chunk = fmt.completion_chunk(rid, model, i, d, tok, len(choices[i].text))
+            await send_event(resp, chunk)
             started.add(i)
             choices[i].add(d)
-        if req.stream_options_include_usage:
-            await send_event(resp, fmt.usage_chunk(rid, s["model"], "chat.completion.chunk", choices, len(ids)))
+        if include_usage:
+            obj = "chat.completion.chunk" if chat else "text_completion"
+            await send_event(resp, fmt.usage_chunk(rid, model, obj, choices, len(ids)))
     except APIError as e:
         await send_event(resp, e.body())
     await send_event(resp, "[DONE]")
