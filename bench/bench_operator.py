@@ -46,18 +46,22 @@ def progress(cluster: KubeCluster, ns: str, count: int) -> tuple[int, int, int]:
     return children, statused, ready
 
 
-def run(cluster: KubeCluster, count: int, idle: float, timeout: float) -> dict:
+def run(cluster: KubeCluster, count: int, idle: float, timeout: float, settle: float = 60) -> dict:
     install_chart(cluster)
     op = OperatorUnderTest(cluster, Path(tempfile.mkdtemp()))
     op.start()
     ns = f"bench-{uuid.uuid4().hex[:6]}"
     cluster.kubectl("create", "namespace", ns)
     items = [load_example("dm-tcp-fake.yaml", name=f"m{i:03d}") for i in range(count)]
+    for cr in items:  # the two kwok nodes hold 220 pods: no requests, so CPU is not what limits
+        for role in ("prefill", "decode"):
+            cr["spec"][role].pop("resources", None)
     before = op.proxy.snapshot()
     t0 = time.monotonic()
     cluster.kubectl("-n", ns, "apply", "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "List",
                                                                      "items": items}))
     t_children = t_status = t_ready = None
+    ready = 0
     while time.monotonic() - t0 < timeout:
         children, statused, ready = progress(cluster, ns, count)
         now = time.monotonic() - t0
@@ -68,6 +72,8 @@ def run(cluster: KubeCluster, count: int, idle: float, timeout: float) -> dict:
         if ready == count:
             t_ready = now
             break
+        if t_status is not None and t_children is not None and now - max(t_status, t_children) > settle:
+            break  # pods beyond the nodes' capacity stay Pending: their CRs cannot become Ready
         time.sleep(1)
     converged = op.proxy.snapshot()
     calls = {f"{m} {k}": converged[(m, k)] - before[(m, k)] for (m, k) in converged
@@ -82,7 +88,7 @@ def run(cluster: KubeCluster, count: int, idle: float, timeout: float) -> dict:
     return {
         "crs": count, "children_per_cr": CHILDREN_PER_CR,
         "seconds_until_all_children_exist": t_children, "seconds_until_every_status_written": t_status,
-        "seconds_until_all_ready": t_ready,
+        "seconds_until_all_ready": t_ready, "crs_ready": ready,
         "api_calls_until_ready": calls, "writes_per_cr": round(writes / count, 2),
         "reads_per_cr": round(sum(n for k, n in calls.items() if k.startswith("GET")) / count, 2),
         "idle_seconds": idle, "writes_while_idle": idle_writes,
@@ -101,12 +107,13 @@ runs as a local process with the chart's ServiceAccount; its API calls are count
 |---|---|
 | all {r['crs'] * r['children_per_cr']} children exist | {r['seconds_until_all_children_exist']} s |
 | every status written | {r['seconds_until_every_status_written']} s |
+| CRs Ready (3 pods each; the 2 kwok nodes hold 220 pods) | {r['crs_ready']} of {r['crs']} |
 | every CR Ready | {r['seconds_until_all_ready']} s |
-| API writes per CR (until Ready) | {r['writes_per_cr']} |
-| API reads per CR (until Ready; watches included) | {r['reads_per_cr']} |
+| API writes per CR (until converged) | {r['writes_per_cr']} |
+| API reads per CR (until converged; watch requests included) | {r['reads_per_cr']} |
 | writes during {r['idle_seconds']} s idle | {sum(r['writes_while_idle'].values())} |
 
-API calls until Ready, by verb and object (writes name the object kind, or `status`):
+API calls until converged, by verb and object (writes name the object kind, or `status`):
 
 | call | count |
 |---|---|

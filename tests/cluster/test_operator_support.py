@@ -49,6 +49,15 @@ def wait_until(predicate, timeout: float = 60, interval: float = 0.5, what: str 
         time.sleep(interval)
 
 
+def resource_of(path: str) -> str:
+    """`statefulsets`, `disaggregatedmodels/status`, ... from an API path."""
+    parts = path.strip("/").split("/")
+    if "namespaces" in parts and len(parts) > parts.index("namespaces") + 2:
+        rest = parts[parts.index("namespaces") + 2:]
+        return rest[0] + ("/" + rest[2] if len(rest) > 2 else "")
+    return parts[-1]
+
+
 class CountingProxy:
     """A plain-HTTP reverse proxy on 127.0.0.1 in front of the API server, streaming (watches included)."""
 
@@ -78,7 +87,7 @@ class CountingProxy:
         from aiohttp import ClientSession, ClientTimeout, TCPConnector, web
 
         async def handle(request: web.Request) -> web.StreamResponse:
-            kind = request.path.split("/")[-1] if request.method in WRITE_METHODS else "read"
+            kind = resource_of(request.path) if request.method in WRITE_METHODS else "read"
             with self._lock:
                 self.calls[(request.method, kind)] += 1
             headers = {k: v for k, v in request.headers.items() if k.lower() not in ("host", "content-length")}
