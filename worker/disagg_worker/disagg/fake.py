@@ -1,7 +1,8 @@
 """The `fake` backend: same handles and states, no data moved, everything completes at once.
 
 A sender is WaitingForInput as soon as it exists and Success on its `last` send; a receiver
-is WaitingForInput at once and Success on `init()`. Handles of one room created in the same
+is WaitingForInput at once and Success once it is `init()`ed and its sender (if one exists in
+this process) has sent its last chunk, so the aux record is there when decode reads it. Handles of one room created in the same
 process (any fake managers) are paired through a process-wide fabric: an abort on one side
 fails the other, and a receiver reads the aux record its sender sent (zeros if none did).
 """
@@ -96,9 +97,14 @@ class FakeSender(_FakeHandle, KVSender):
             self._mgr.metrics.transfer_done(self._nbytes, 0.0)
             FABRIC.post_aux(self.room, aux or b"")
             self._succeed()
+            for peer in FABRIC.peers(self.room, self):
+                if isinstance(peer, FakeReceiver) and peer.inited:
+                    peer._succeed()
 
 
 class FakeReceiver(_FakeHandle, KVReceiver):
+    inited = False
+
     def init(self, dest_pages: list[int], aux_slot: int) -> None:
         if self.poll() is KVPoll.Failed:
             return
@@ -108,7 +114,12 @@ class FakeReceiver(_FakeHandle, KVReceiver):
         if bad:
             self.abort(bad)
             return
-        self._succeed()
+        self.inited = True
+        senders = [h for h in FABRIC.peers(self.room, self) if isinstance(h, FakeSender)]
+        if not senders or any(h.poll() is KVPoll.Success for h in senders):
+            self._succeed()  # alone in this process, or the sender already sent its last chunk
+        else:
+            self._cell.advance(KVPoll.Transferring)
 
     def failure(self) -> TransferFailure | None:
         return TransferFailure(self._cell.reason) if self.poll() is KVPoll.Failed else None

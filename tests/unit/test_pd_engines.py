@@ -1,0 +1,112 @@
+"""Prefill and decode queues over the `fake` transfer backend, in one process: life cycles, page
+accounting and error paths (real KV movement is covered by the integration tier)."""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from disagg_worker import messages as msg
+from disagg_worker.config import CacheConfig, DisaggConfig, EngineConfig, Role, SchedulerConfig
+from disagg_worker.engine.decode import DecodeEngine
+from disagg_worker.engine.loop import Stepper
+from disagg_worker.engine.params import SamplingParams
+from disagg_worker.engine.prefill import PrefillEngine
+
+ROOMS = itertools.count(1000)
+
+
+def config(model: str, role: Role, tokens: int = 2048, max_running: int = 16) -> EngineConfig:
+    return EngineConfig(
+        model_path=model,
+        cache=CacheConfig(page_size=4, max_total_tokens=tokens),
+        scheduler=SchedulerConfig(chunk_size=8, max_running_requests=max_running),
+        disagg=DisaggConfig(role=role, transfer_backend="fake"),
+    )
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_model):
+    p = PrefillEngine.from_config(config(tiny_model, Role.PREFILL))
+    d = DecodeEngine.from_config(config(tiny_model, Role.DECODE, tokens=256, max_running=4))
+    yield p, d
+    p.close()
+    d.close()
+
+
+def run(engines, requests: list[tuple[list[int], int]], abort: dict[str, int] | None = None):
+    """Send each (prompt, max_tokens) to both engines with a fresh room; step both until idle."""
+    p, d = engines
+    sp, sd = Stepper(p, overlap=True), Stepper(d, overlap=True)
+    for i, (ids, n) in enumerate(requests):
+        params = SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True)
+        info = msg.BootstrapInfo("127.0.0.1", 1, next(ROOMS))
+        p.handle(msg.GenerateReq(f"p{i}", ids, params, info))
+        d.handle(msg.GenerateReq(f"d{i}", ids, params, info))
+    outs: dict[str, list[msg.TokenOut]] = {}
+    for step in range(5000):
+        for rid, at in (abort or {}).items():
+            if step == at:
+                (p if rid.startswith("p") else d).handle(msg.AbortReq(rid))
+        if not (sp.busy or sd.busy):
+            break
+        sp.step()
+        sd.step()
+        for o in p.scheduler.take_outputs() + d.scheduler.take_outputs():
+            outs.setdefault(o.rid, []).append(o)
+    sp.close()
+    sd.close()
+    for o in p.scheduler.take_outputs() + d.scheduler.take_outputs():
+        outs.setdefault(o.rid, []).append(o)
+    for e in (p, d):
+        assert not any(e.queue_sizes().values()), e.queue_sizes()
+        e.handle(msg.FlushCacheReq())
+        assert e.allocator.num_free == e.allocator.num_total
+        assert e.radix.total_refs() == 0
+    return outs
+
+
+def tokens(outs: list[msg.TokenOut]) -> list[int]:
+    return [t for o in outs for t in o.token_ids]
+
+
+def test_life_cycle_first_token_travels_with_the_kv(engines):
+    prompts = [(list(range(10, 10 + n)), 6) for n in (3, 9, 30)]
+    outs = run(engines, prompts)
+    for i in range(len(prompts)):
+        prefill, decode = tokens(outs[f"p{i}"]), tokens(outs[f"d{i}"])
+        assert len(prefill) == 1, "prefill samples exactly the first token"
+        assert decode[0] == prefill[0]
+        assert len(decode) == 6
+        assert outs[f"d{i}"][-1].finish_reason == "length"
+
+
+def test_decode_preallocates_only_what_fits(engines):
+    # 64 pages of 4 tokens on decode: 8 requests of 100 tokens cannot all be preallocated at once.
+    prompts = [(list(range(20 + i, 120 + i)), 4) for i in range(8)]
+    outs = run(engines, prompts)
+    assert all(len(tokens(outs[f"d{i}"])) == 4 for i in range(8))
+
+
+def test_requests_without_a_room_are_refused(engines):
+    p, d = engines
+    for e, name in ((p, "prefill"), (d, "decode")):
+        e.handle(msg.GenerateReq("x", [1, 2, 3], SamplingParams()))
+        out = e.scheduler.take_outputs()
+        assert out[-1].error_status == 400 and name in out[-1].error
+
+
+def test_prompt_over_capacity_is_refused_on_both_sides(engines):
+    outs = run(engines, [(list(range(10, 10 + 3000)), 2)])
+    assert outs["p0"][-1].error_status == 400
+    assert outs["d0"][-1].error_status == 400
+
+
+def test_aborts_on_either_side_free_everything(engines):
+    prompts = [(list(range(30, 30 + 20 + i)), 8) for i in range(6)]
+    abort = {"p0": 0, "d1": 0, "p2": 2, "d3": 3, "d4": 6}
+    outs = run(engines, prompts, abort)
+    for rid in abort:
+        peer = ("d" if rid[0] == "p" else "p") + rid[1:]
+        assert outs[peer][-1].finish_reason in ("error", "abort", "length")
+    assert len(tokens(outs["d5"])) == 8
