@@ -28,6 +28,8 @@ class DecodeHello:
     page_nbytes: int
     start_layer: int
     aux_item_nbytes: int
+    staging_ptr: int = 0  # decode's registered staging area (mooncake_staging), 0: none
+    staging_nbytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -37,6 +39,7 @@ class RoomRequest:
     room: int
     dest_pages: list[int]
     aux_slot: int
+    staging_offset: int = -1  # write this room's pages staged at this offset of decode's staging area; -1: in place
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,7 @@ from disagg_worker.disagg.heartbeat import HeartbeatMonitor
 from disagg_worker.disagg.messages import DecodeHello, RoomAbort, RoomRequest, RoomUpdate
 from disagg_worker.disagg.metrics import TransferMetrics
 from disagg_worker.disagg.mooncake import MooncakeEngine
+from disagg_worker.disagg.mooncake_staging import StagingArea, raw_bytes, scatter, worth_staging
 from disagg_worker.disagg.poll import KVPoll, StatusCell
 from disagg_worker.disagg.rooms import RoomTable
 from disagg_worker.env import load_env
@@ -59,6 +60,9 @@ class _Room:
     done: set[tuple[int, int]] = field(default_factory=set)
     quiesced: set[tuple[int, int]] = field(default_factory=set)
     unsafe: bool = False
+    staging_offset: int = -1  # prefill writes this room into the staging area at this offset
+    staging_nbytes: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock)  # Success (with its scatter) vs Failed
 
 
 def check_compatible(topo: Topology, cfg: DisaggConfig, layout: KVLayout, tp_rank: int, pp_rank: int) -> tuple[list[RankRegistration], str]:
@@ -107,6 +111,9 @@ class MooncakeDecodeManager(KVManager):
         self.engine = MooncakeEngine(cfg.advertise_host, cfg.transfer_protocol, cfg.ib_device)
         for ptr, n in zip(layout.buffer_ptrs, layout.buffer_nbytes):
             self.engine.register(ptr, n)
+        self._buffers = [raw_bytes(ptr, n) for ptr, n in zip(layout.buffer_ptrs, layout.buffer_nbytes)]
+        self.staging = StagingArea()
+        self.engine.register(self.staging.ptr, self.staging.nbytes)
         self.aux = torch.zeros(layout.aux_num_slots * layout.aux_item_nbytes, dtype=torch.uint8)
         self.decode_id = uuid.uuid4().hex
         self.channel = ControlChannel("0.0.0.0", cfg.advertise_host)
@@ -148,6 +155,7 @@ class MooncakeDecodeManager(KVManager):
                 if state.addr == bootstrap_addr:
                     state.unsafe = False
                     del self._quarantine[room]
+                    self._release_staging(state)
 
     def close(self) -> None:
         self._stop.set()
@@ -169,6 +177,11 @@ class MooncakeDecodeManager(KVManager):
         if problem:
             self._fail(state, problem)
             return
+        if worth_staging(dest):
+            nbytes = len(dest) * self.layout.page_nbytes * len(self._buffers)
+            offset = self.staging.alloc(nbytes)
+            if offset >= 0:
+                state.staging_offset, state.staging_nbytes = offset, nbytes
         with self._lock:
             state.dest_pages, state.aux_slot, state.init_at = dest, aux_slot, time.monotonic()
             inst = self._instances.get(state.addr)
@@ -179,20 +192,25 @@ class MooncakeDecodeManager(KVManager):
         """Send the destination to every target rank (under the lock, once)."""
         state.targets = [(t.tp_rank, t.pp_rank) for t in inst.targets]
         for t in inst.targets:
-            msg = RoomRequest(self.decode_id, self.channel.endpoint, state.room, state.dest_pages, state.aux_slot)
+            msg = RoomRequest(self.decode_id, self.channel.endpoint, state.room, state.dest_pages, state.aux_slot,
+                              state.staging_offset)  # fmt: skip
             self.channel.send(_endpoint(t), msg)
 
     def _fail(self, state: _Room, reason: str, tell_prefill: bool = True) -> None:
-        if not state.cell.fail(reason):
-            return
-        self.rooms.retire(state.room, "failed")
-        with self._lock:
+        with self._lock, state.lock:  # unsafe is known before anyone can see Failed
+            if state.cell.get().terminal:
+                return
+            state.unsafe = bool(state.targets) and not set(state.targets) <= state.quiesced
+            state.cell.fail(reason)
             inst = self._instances.get(state.addr)
             if inst is not None:
                 inst.rooms.discard(state.room)
-            state.unsafe = bool(state.targets) and not set(state.targets) <= state.quiesced
             if state.unsafe:
                 self._quarantine[state.room] = state
+            else:
+                self._release_staging(state)
+        self.rooms.retire(state.room, "failed")
+        with self._lock:
             targets = inst.targets if inst is not None and inst.state is InstanceState.READY else []
         if state.init_at:
             self.metrics.transfer_failed()
@@ -227,6 +245,7 @@ class MooncakeDecodeManager(KVManager):
         hello = DecodeHello(
             self.decode_id, self.channel.endpoint, self.engine.session_id, self.layout.buffer_ptrs,
             self.layout.buffer_nbytes, self.layout.page_nbytes, self.layout.start_layer, self.layout.aux_item_nbytes,
+            self.staging.ptr, self.staging.nbytes,
         )  # fmt: skip
         with self._lock:
             for t in targets:
@@ -277,6 +296,7 @@ class MooncakeDecodeManager(KVManager):
                 if state.unsafe and set(state.targets) <= state.quiesced:
                     state.unsafe = False
                     self._quarantine.pop(msg.room, None)
+                    self._release_staging(state)
         try:
             status = KVPoll(msg.status)
         except ValueError:
@@ -289,13 +309,19 @@ class MooncakeDecodeManager(KVManager):
             self._on_success(state, key, msg.aux)
 
     def _on_success(self, state: _Room, key: tuple[int, int], aux: bytes) -> None:
-        if state.cell.get().terminal:
-            return  # a failed room's aux slot may already belong to another request
-        if aux:
-            n = self.layout.aux_item_nbytes
-            self.aux[state.aux_slot * n : state.aux_slot * n + len(aux)] = torch.frombuffer(bytearray(aux), dtype=torch.uint8)
-        state.done.add(key)
-        if set(state.targets) <= state.done and state.cell.advance(KVPoll.Success):
+        with state.lock:  # a failed room's pages and aux slot may already belong to another request
+            if state.cell.get().terminal:
+                return
+            if aux:
+                n = self.layout.aux_item_nbytes
+                self.aux[state.aux_slot * n : state.aux_slot * n + len(aux)] = torch.frombuffer(bytearray(aux), dtype=torch.uint8)
+            state.done.add(key)
+            if not set(state.targets) <= state.done:
+                return
+            if state.staging_offset >= 0:
+                self._unstage(state)
+            succeeded = state.cell.advance(KVPoll.Success)
+        if succeeded:
             self.rooms.retire(state.room, "success")
             with self._lock:
                 inst = self._instances.get(state.addr)
@@ -303,6 +329,19 @@ class MooncakeDecodeManager(KVManager):
                     inst.rooms.discard(state.room)
             nbytes = len(state.dest_pages) * self.layout.page_nbytes * len(self.layout.buffer_ptrs)
             self.metrics.transfer_done(nbytes, time.monotonic() - state.init_at)
+
+    def _unstage(self, state: _Room) -> None:
+        """Scatter a staged room into its destination pages and free its staging range."""
+        pn, dest = self.layout.page_nbytes, state.dest_pages
+        block = len(dest) * pn
+        for b, buf in enumerate(self._buffers):
+            scatter(self.staging.view(state.staging_offset + b * block, block), pn, buf, dest)
+        self._release_staging(state)
+
+    def _release_staging(self, state: _Room) -> None:
+        if state.staging_offset >= 0:
+            self.staging.free(state.staging_offset, state.staging_nbytes)
+            state.staging_offset = -1
 
     def _sweep(self, now: float) -> None:
         limit = self.cfg.waiting_timeout_s

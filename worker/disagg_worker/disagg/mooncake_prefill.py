@@ -24,10 +24,11 @@ from disagg_worker.disagg.channel import ControlChannel
 from disagg_worker.disagg.messages import DecodeHello, RoomAbort, RoomRequest, RoomUpdate
 from disagg_worker.disagg.metrics import TransferMetrics
 from disagg_worker.disagg.mooncake import MooncakeEngine, WriteGroup, WriteState
+from disagg_worker.disagg.mooncake_staging import StagingArea, gather, raw_bytes
 from disagg_worker.disagg.peers import DecodePeer
 from disagg_worker.disagg.poll import KVPoll, StatusCell
 from disagg_worker.disagg.rooms import RoomTable
-from disagg_worker.disagg.runs import group_runs
+from disagg_worker.disagg.runs import group_runs, split_for_lanes
 from disagg_worker.disagg.transfer_workers import TransferWorkers
 from disagg_worker.env import load_env
 
@@ -57,8 +58,10 @@ class _Job:
     src_pages: list[int]
     dst_pages: list[int]
     last: bool
-    first: bool  # the room's first send: decode is told it moved to Transferring
+    first: bool  # the room's first send: decode is told it moved to Transferring unless it ends at once
+    first_index: int = 0  # position of src_pages[0] in the room's destination
     group: WriteGroup | None = None
+    staged: tuple[int, int] | None = None  # (offset, nbytes) held in the local staging area
 
 
 class PrefillSender(KVSender):
@@ -87,6 +90,9 @@ class MooncakePrefillManager(KVManager):
         self.engine = MooncakeEngine(cfg.advertise_host, cfg.transfer_protocol, cfg.ib_device)
         for ptr, n in zip(layout.buffer_ptrs, layout.buffer_nbytes):
             self.engine.register(ptr, n)
+        self._buffers = [raw_bytes(ptr, n) for ptr, n in zip(layout.buffer_ptrs, layout.buffer_nbytes)]
+        self.staging = StagingArea()
+        self.engine.register(self.staging.ptr, self.staging.nbytes)
         self.channel = ControlChannel("0.0.0.0", cfg.advertise_host)
         self.rooms: RoomTable[_Room] = RoomTable()
         self._peers: dict[str, DecodePeer] = {}
@@ -135,7 +141,8 @@ class MooncakePrefillManager(KVManager):
         if problem:
             self._fail(state, problem)
             return
-        dst = dest[state.sent : state.sent + len(pages)]
+        first_index = state.sent
+        dst = dest[first_index : first_index + len(pages)]
         with self._lock:
             state.sent += len(pages)
             state.inflight += 1
@@ -144,7 +151,7 @@ class MooncakePrefillManager(KVManager):
             state.first_send = state.first_send or time.monotonic()
             state.deadline = time.monotonic() + self.cfg.waiting_timeout_s
         first = state.cell.advance(KVPoll.Transferring)
-        self._workers.put(state.peer.session_id, _Job(state, pages, dst, last, first))
+        self._workers.put(state.peer.session_id, _Job(state, pages, dst, last, first, first_index))
 
     def _fail(self, state: _Room, reason: str, notify: bool = True) -> None:
         if not state.cell.fail(reason):
@@ -235,7 +242,7 @@ class MooncakePrefillManager(KVManager):
             self._fail(state, f"no handshake from decode {req.decode_id}")
         elif peer.error:
             self._fail(state, peer.error)
-        elif bad := peer.check_dest(req.dest_pages, req.aux_slot):
+        elif bad := peer.check_dest(req.dest_pages, req.aux_slot, req.staging_offset):
             self._fail(state, bad)
         else:
             state.peer = peer
@@ -263,26 +270,54 @@ class MooncakePrefillManager(KVManager):
 
     # ---- transfer threads -----------------------------------------------------------
     def _start(self, job: _Job) -> None:
-        state, peer = job.state, job.state.peer
-        handles: list[int] = []
-        nbytes = 0
-        if state.cell.get() is not KVPoll.Failed:
-            for src, dst, n in group_runs(job.src_pages, job.dst_pages):
-                for i, ptr in enumerate(self.layout.buffer_ptrs):
-                    length = n * self.layout.page_nbytes
-                    dst_ptr = peer.buffer_ptrs[peer.buffer_map[i]] + dst * self.layout.page_nbytes
-                    handles.append(self.engine.submit(peer.session_id, ptr + src * self.layout.page_nbytes, dst_ptr, length))
-                    nbytes += length
-        job.group = WriteGroup(handles, nbytes)
-        if job.first and handles:
-            self._update(state, KVPoll.Transferring, "", False)
+        state = job.state
+        writes = self._writes(job) if state.cell.get() is not KVPoll.Failed else []
+        handles = [self.engine.submit(state.peer.session_id, s, d, n) for s, d, n in writes]
+        job.group = WriteGroup(handles, sum(n for _, _, n in writes))
+
+    def _writes(self, job: _Job) -> list[tuple[int, int, int]]:
+        """(src address, dst address, nbytes) for every page run of a job, in every buffer."""
+        peer, pn, req = job.state.peer, self.layout.page_nbytes, job.state.request
+        if req.staging_offset >= 0:
+            return split_for_lanes(self._staged_writes(job))
+        writes = []
+        for src, dst, n in group_runs(job.src_pages, job.dst_pages):
+            for i, ptr in enumerate(self.layout.buffer_ptrs):
+                writes.append((ptr + src * pn, peer.buffer_ptrs[peer.buffer_map[i]] + dst * pn, n * pn))
+        return split_for_lanes(writes)
+
+    def _staged_writes(self, job: _Job) -> list[tuple[int, int, int]]:
+        """Writes into decode's staging area: one block per buffer gathered through the local
+        staging area, or page runs straight from the pool when it is full."""
+        peer, pn, req = job.state.peer, self.layout.page_nbytes, job.state.request
+        n_dest, m = len(req.dest_pages), len(job.src_pages)
+        block = m * pn
+        off = self.staging.alloc(block * len(self._buffers))
+        if off >= 0:
+            job.staged = (off, block * len(self._buffers))
+            writes = []
+            for i, buf in enumerate(self._buffers):
+                gather(buf, pn, job.src_pages, self.staging.view(off + i * block, block))
+                dst = peer.staged_dst(req.staging_offset, n_dest, i, job.first_index)
+                writes.append((self.staging.ptr + off + i * block, dst, block))
+            return writes
+        index = list(range(job.first_index, job.first_index + m))
+        return [(ptr + src * pn, peer.staged_dst(req.staging_offset, n_dest, i, j), n * pn)
+                for src, j, n in group_runs(job.src_pages, index)
+                for i, ptr in enumerate(self.layout.buffer_ptrs)]  # fmt: skip
 
     def _progress(self, job: _Job) -> bool:
         """Advance one job; True when it is settled and can be dropped."""
         state, group = job.state, job.group
         if group.poll(self.engine) is WriteState.FAILED:
             self._fail(state, "KV write to decode failed (decode gone or refused the address)")
+        if group.settled and job.staged is not None:
+            self.staging.free(*job.staged)
+            job.staged = None
         if not group.settled:
+            if job.first and state.cell.get() is KVPoll.Transferring:  # after the first poll: the
+                job.first = False  # message never delays a write, and a short send skips it
+                self._update(state, KVPoll.Transferring, "", False)
             return False
         with self._lock:
             state.inflight -= 1

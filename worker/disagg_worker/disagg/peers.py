@@ -17,6 +17,8 @@ class DecodePeer:
     # buffer_map[i]: index of the decode buffer that receives local buffer i.
     buffer_map: list[int]
     error: str = ""  # set when this peer cannot be served; every room from it fails with it
+    staging_ptr: int = 0
+    staging_nbytes: int = 0
 
     @classmethod
     def from_hello(cls, hello: DecodeHello, local: KVLayout) -> "DecodePeer":
@@ -29,16 +31,25 @@ class DecodePeer:
             mapping, error = [], error or str(e)
         return cls(
             hello.session_id, hello.buffer_ptrs, hello.buffer_nbytes, hello.page_nbytes,
-            hello.aux_item_nbytes, mapping, error,
+            hello.aux_item_nbytes, mapping, error, hello.staging_ptr, hello.staging_nbytes,
         )  # fmt: skip
 
-    def check_dest(self, dest_pages: list[int], aux_slot: int) -> str:
-        """"" if every destination page lies inside every decode buffer."""
+    def check_dest(self, dest_pages: list[int], aux_slot: int, staging_offset: int = -1) -> str:
+        """"" if every destination page lies inside every decode buffer (and a staged room
+        inside decode's staging area)."""
         limit = min(self.buffer_nbytes, default=0) // max(1, self.page_nbytes)
         bad = [p for p in dest_pages if not 0 <= p < limit]
         if bad:
             return f"destination pages outside decode's pool of {limit} pages: {bad[:5]}"
+        staged = len(dest_pages) * self.page_nbytes * len(self.buffer_ptrs)
+        if staging_offset >= 0 and staging_offset + staged > self.staging_nbytes:
+            return f"staged room [{staging_offset}, +{staged}) outside decode's staging area of {self.staging_nbytes} bytes"
         return "" if aux_slot >= 0 else f"negative aux slot {aux_slot}"
+
+    def staged_dst(self, staging_offset: int, n_dest: int, local_buffer: int, dest_index: int) -> int:
+        """Address in decode's staging area of destination index `dest_index` of a local buffer."""
+        b = self.buffer_map[local_buffer]
+        return self.staging_ptr + staging_offset + (b * n_dest + dest_index) * self.page_nbytes
 
 
 def layer_buffer_map(src_start: int, src_layers: int, dst_start: int, dst_layers: int) -> list[int]:

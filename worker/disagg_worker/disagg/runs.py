@@ -1,6 +1,10 @@
 """Coalescing of page lists into contiguous runs, so one run moves as one write."""
 from __future__ import annotations
 
+import numpy as np
+
+_VECTORISE_FROM = 256  # pages; below this the plain loop is faster than building arrays
+
 
 def group_runs(src_pages: list[int], dst_pages: list[int]) -> list[tuple[int, int, int]]:
     """Split the pairing `src_pages[i] -> dst_pages[i]` into maximal runs.
@@ -11,6 +15,8 @@ def group_runs(src_pages: list[int], dst_pages: list[int]) -> list[tuple[int, in
     """
     if len(src_pages) != len(dst_pages):
         raise ValueError(f"page lists differ in length: {len(src_pages)} != {len(dst_pages)}")
+    if len(src_pages) >= _VECTORISE_FROM:
+        return _group_runs_np(np.asarray(src_pages, dtype=np.int64), np.asarray(dst_pages, dtype=np.int64))
     runs: list[tuple[int, int, int]] = []
     for s, d in zip(src_pages, dst_pages):
         if runs:
@@ -20,3 +26,29 @@ def group_runs(src_pages: list[int], dst_pages: list[int]) -> list[tuple[int, in
                 continue
         runs.append((s, d, 1))
     return runs
+
+
+def _group_runs_np(src: np.ndarray, dst: np.ndarray) -> list[tuple[int, int, int]]:
+    breaks = np.flatnonzero((np.diff(src) != 1) | (np.diff(dst) != 1)) + 1
+    starts = np.concatenate(([0], breaks))
+    lengths = np.diff(np.concatenate((starts, [len(src)])))
+    return list(zip(src[starts].tolist(), dst[starts].tolist(), lengths.tolist()))
+
+
+# Mooncake TCP moves several writes to one peer concurrently: a large write split into about
+# LANES pieces lands sooner than in one piece (measured on loopback: 1 MiB ~1.6x, 16 MiB ~1.1x).
+LANES = 4
+MIN_PIECE_NBYTES = 256 << 10
+
+
+def split_for_lanes(writes: list[tuple[int, int, int]], lanes: int = LANES,
+                    min_piece: int = MIN_PIECE_NBYTES) -> list[tuple[int, int, int]]:
+    """Split `(src, dst, nbytes)` writes so that large ones travel as about `lanes` pieces of
+    at least `min_piece` bytes; the pieces cover the same bytes, in order."""
+    total = sum(n for _, _, n in writes)
+    piece = max(min_piece, -(-total // lanes))
+    out: list[tuple[int, int, int]] = []
+    for src, dst, n in writes:
+        for off in range(0, n, piece):
+            out.append((src + off, dst + off, min(piece, n - off)))
+    return out

@@ -6,7 +6,9 @@ the writes of its jobs and polls them with a doubling sleep, never spinning a co
 """
 from __future__ import annotations
 
+import ctypes
 import queue
+import sys
 import threading
 import time
 from typing import Callable, Generic, TypeVar
@@ -14,9 +16,21 @@ from typing import Callable, Generic, TypeVar
 J = TypeVar("J")
 
 # Sleep between status polls: starts short (small transfers finish in tens of microseconds)
-# and doubles while nothing completes, up to the cap.
-POLL_SLEEP_MIN_S = 0.00002
-POLL_SLEEP_MAX_S = 0.0005
+# and doubles while nothing completes, up to the cap. The cap bounds how late a finished
+# transfer is noticed (a sleep overshoots by ~80 us here); polling costs ~10 us of CPU.
+POLL_SLEEP_MIN_S = 0.00001
+POLL_SLEEP_MAX_S = 0.0002
+_PR_SET_TIMERSLACK = 29
+
+
+def _tight_sleeps() -> None:
+    """Let this thread's sleeps end within ~1 us of their deadline instead of the default
+    50 us timer slack (a 20 us sleep took ~120 us here, ~40 us with this)."""
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL(None).prctl(_PR_SET_TIMERSLACK, 1000, 0, 0, 0)
+        except (OSError, AttributeError):
+            pass
 
 
 class TransferWorkers(Generic[J]):
@@ -48,6 +62,7 @@ class TransferWorkers(Generic[J]):
             t.join(timeout=timeout)
 
     def _run(self, jobs: "queue.Queue[J]") -> None:
+        _tight_sleeps()
         active: list[J] = []
         sleep = POLL_SLEEP_MIN_S
         while not self._stop.is_set():
