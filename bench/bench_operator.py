@@ -37,7 +37,8 @@ def cluster_from_repo(kubeconfig: Path) -> KubeCluster:
 
 def progress(cluster: KubeCluster, ns: str, count: int) -> tuple[int, int, int]:
     """(children that exist, CRs with a status for their generation, CRs Ready)."""
-    children = len(cluster.get("-n", ns, KINDS, "-l", "app.kubernetes.io/managed-by=disagg-operator")["items"])
+    children = len(cluster.kubectl("-n", ns, "get", KINDS, "-l", "app.kubernetes.io/managed-by=disagg-operator",
+                                   "-o", "name").stdout.split())
     crs = cluster.get("-n", ns, "dm")["items"]
     statused = sum(1 for cr in crs if cr.get("status", {}).get("observedGeneration") == cr["metadata"]["generation"]
                    and len(cr["status"].get("conditions", [])) == 3)
@@ -74,7 +75,7 @@ def run(cluster: KubeCluster, count: int, idle: float, timeout: float, settle: f
             break
         if t_status is not None and t_children is not None and now - max(t_status, t_children) > settle:
             break  # pods beyond the nodes' capacity stay Pending: their CRs cannot become Ready
-        time.sleep(1)
+        time.sleep(2)
     converged = op.proxy.snapshot()
     calls = {f"{m} {k}": converged[(m, k)] - before[(m, k)] for (m, k) in converged
              if converged[(m, k)] != before[(m, k)]}

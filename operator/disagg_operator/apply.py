@@ -27,13 +27,18 @@ def object_path(api_version: str, plural: str, namespace: str, name: str = "") -
     return f"{path}/{name}" if name else path
 
 
-def load_client() -> client.ApiClient:
-    """In a pod, the ServiceAccount's identity; elsewhere, the kubeconfig (KUBECONFIG or ~/.kube/config)."""
+def load_client(pool_size: int = 32) -> client.ApiClient:
+    """In a pod, the ServiceAccount's identity; elsewhere, the kubeconfig (KUBECONFIG or ~/.kube/config).
+
+    `pool_size` keeps one connection per handler thread, so concurrent reconciles do not reconnect.
+    """
     try:
         config.load_incluster_config()
     except config.ConfigException:
         config.load_kube_config()
-    return client.ApiClient()
+    cfg = client.Configuration.get_default_copy()
+    cfg.connection_pool_maxsize = pool_size
+    return client.ApiClient(cfg)
 
 
 class Kube:

@@ -19,6 +19,7 @@ from .status import Event, PodProblem, observe_workload, pod_problem
 
 MANAGED = {names.LABEL_MANAGED_BY: names.MANAGED_BY}
 logger = logging.getLogger(__name__)
+WORKERS = 16
 CR = (names.GROUP, names.VERSION, names.PLURAL)
 CHILD_KINDS = [("apps", "v1", "statefulsets"), ("apps", "v1", "deployments"), ("", "v1", "services"),
                ("policy", "v1", "poddisruptionbudgets"), ("networking.k8s.io", "v1", "networkpolicies")]
@@ -37,8 +38,8 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     settings.posting.level = logging.WARNING
     settings.watching.server_timeout = 300
     settings.watching.client_timeout = 330
-    settings.execution.max_workers = 16
-    memo.runtime = Runtime(Kube(load_client()), OperatorConfig.from_env(), post_event)
+    settings.execution.max_workers = WORKERS
+    memo.runtime = Runtime(Kube(load_client(pool_size=2 * WORKERS)), OperatorConfig.from_env(), post_event)
 
 
 def _plain(body: kopf.Body) -> dict[str, Any]:

@@ -1,6 +1,7 @@
 """`disagg-operator`: run the kopf operator for DisaggregatedModels."""
 
 import argparse
+import logging
 import sys
 
 import kopf
@@ -25,6 +26,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     kopf.configure(verbose=args.verbose, debug=args.debug)
+    if not (args.verbose or args.debug):  # one line per handled event is too much for a busy cluster
+        logging.getLogger("kopf.objects").setLevel(logging.WARNING)
     from . import handlers  # noqa: F401  (registers the handlers)
 
     standalone = args.standalone or not args.peering
