@@ -130,6 +130,7 @@ def pair():
         (list(range(8, 24)), list(range(30, 46)), [16]),  # contiguous: one run per buffer
         ([3, 9, 4, 60, 61, 62, 0], [50, 2, 17, 5, 6, 7, 33], [7]),  # scattered, mixed runs
         (list(range(10, 30)), random.Random(1).sample(range(64), 20), [5, 8, 7]),  # chunked prefill
+        (random.Random(2).sample(range(64), 40), random.Random(3).sample(range(64), 40), [40]),  # staged, one send
     ],
 )
 def test_destination_pages_are_byte_identical(pair, src, dst, chunks):

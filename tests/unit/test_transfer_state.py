@@ -140,3 +140,38 @@ def test_kv_layout_describes_a_kv_pool_and_rejects_inconsistent_buffers():
         KVLayout([1, 2], [64, 32], page_nbytes=16, page_size=1, kv_dtype="x", num_pages=4)
     assert unpack_first_token(pack_first_token(2**40, None)) == (2**40, None)
     assert unpack_first_token(pack_first_token(-1, -3.5)) == (-1, -3.5)
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 5), st.integers(0, 5)), min_size=256, max_size=600))
+def test_group_runs_vectorised_path_matches_the_definition(steps):
+    src, dst, s, d = [], [], 1000, 5000
+    for ds, dd in steps:  # steps of 1 on both sides continue a run, anything else breaks it
+        s, d = s + ds, d + dd
+        src.append(s)
+        dst.append(d)
+    runs = group_runs(src, dst)
+    assert [(rs + k, rd + k) for rs, rd, n in runs for k in range(n)] == list(zip(src, dst))
+    assert all(not (a[0] + a[2] == b[0] and a[1] + a[2] == b[1]) for a, b in zip(runs, runs[1:]))
+
+
+def test_staging_area_reuses_freed_ranges_and_pages_round_trip():
+    import torch
+
+    from disagg_worker.disagg.mooncake_staging import StagingArea, gather, scatter, worth_staging
+
+    area = StagingArea(64 << 10)
+    a, b = area.alloc(10_000), area.alloc(20_000)
+    assert a >= 0 and b >= a + 10_000 and area.alloc(64 << 10) == -1
+    area.free(a, 10_000)
+    area.free(b, 20_000)
+    assert area.alloc(64 << 10) == 0  # freed neighbours merge back into one range
+    area.free(0, 64 << 10)
+    pool = torch.randint(0, 255, (64 * 256,), dtype=torch.uint8)
+    out = torch.zeros_like(pool)
+    block = area.view(area.alloc(3 * 256), 3 * 256)
+    gather(pool, 256, [9, 2, 40], block)
+    scatter(block, 256, out, [0, 63, 7])
+    for src, dst in ((9, 0), (2, 63), (40, 7)):
+        assert torch.equal(out[dst * 256 : (dst + 1) * 256], pool[src * 256 : (src + 1) * 256])
+    assert worth_staging(list(range(0, 64, 2))) and not worth_staging(list(range(64)))

@@ -41,10 +41,11 @@ LANES = 4
 MIN_PIECE_NBYTES = 256 << 10
 
 
-def split_for_lanes(writes: list[tuple[int, int, int]], lanes: int = LANES,
-                    min_piece: int = MIN_PIECE_NBYTES) -> list[tuple[int, int, int]]:
-    """Split `(src, dst, nbytes)` writes so that large ones travel as about `lanes` pieces of
-    at least `min_piece` bytes; the pieces cover the same bytes, in order."""
+def split_for_lanes(writes: list[tuple[int, int, int]], lanes: int = 0, min_piece: int = 0) -> list[tuple[int, int, int]]:
+    """Split `(src, dst, nbytes)` writes so that large ones travel as about `lanes` pieces
+    (default LANES) of at least `min_piece` bytes (default MIN_PIECE_NBYTES); the pieces
+    cover the same bytes, in order."""
+    lanes, min_piece = lanes or LANES, min_piece or MIN_PIECE_NBYTES
     total = sum(n for _, _, n in writes)
     piece = max(min_piece, -(-total // lanes))
     out: list[tuple[int, int, int]] = []
