@@ -4,7 +4,8 @@ Methods, interleaved per repetition, one receiver process on 127.0.0.1:
   socket                plain TCP socket (the loopback ceiling; gather/scatter by memcpy for pages)
   mooncake_sync         batch_transfer_sync_write (busy-waits the calling thread)
   mooncake_submit_poll  transfer_submit_write per run + sleep-poll (what the KV layer does)
-  kv_manager            the `mooncake` KV manager end to end: send() -> sender Success
+  kv_manager            the `mooncake` KV manager end to end: prefill send() -> decode receiver
+                        Success (scattered pages go through the managers' staging areas)
 for contiguous sizes 4 KiB .. 512 MiB and 1000 scattered 16 KiB pages.
 Writes bench/results/transfer.json and transfer.png.  Usage: python bench/bench_transfer.py [--quick]
 """
@@ -40,7 +41,8 @@ def reps_for(nbytes: int) -> int:
 
 def machine() -> dict:
     cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
-    return {"cpu": cpu, "cores": os.cpu_count(), "kernel": platform.release(), "python": platform.python_version()}
+    return {"cpu": cpu, "cores": os.cpu_count(), "kernel": platform.release(), "python": platform.python_version(),
+            "torch": torch.__version__}
 
 
 def scatter_pages(seed: int) -> tuple[list[int], list[int]]:
@@ -99,8 +101,8 @@ def _manager_sink(conn, addrs: dict) -> None:
         room, page_nbytes, dest = cmd
         r = mgrs[page_nbytes].create_receiver(room, addrs[page_nbytes])
         r.init(dest, 0)
-        while not r.poll().terminal:
-            time.sleep(0.0005)
+        while not r.poll().terminal:  # decode's Success: staged pages are scattered by then
+            time.sleep(0.00005)
         conn.send(int(r.poll()) == KVPoll.Success)
     for m in mgrs.values():
         m.close()
@@ -188,11 +190,11 @@ class Bench:
             time.sleep(0.0002)
         t0 = time.perf_counter()
         sender.send(src, last=True)
-        while not sender.poll().terminal:  # a short fixed sleep: the caller notices completion
-            time.sleep(0.00005)  # soon, as the socket's blocking recv does, without hogging the GIL
+        assert self.conn.recv()  # until decode reports Success, as the socket waits for the ack
         took = time.perf_counter() - t0
+        while not sender.poll().terminal:
+            time.sleep(0.0001)
         assert sender.poll() is KVPoll.Success, sender.failure_reason()
-        assert self.conn.recv()
         return took
 
     def workloads(self, sizes: list[int]):
