@@ -23,6 +23,11 @@ def cmd_role(role: Role):
     def run(ns: argparse.Namespace) -> int:
         from disagg_worker.server import launch
 
+        if ns.tp_size != 1 or ns.pp_size != 1:
+            # The transfer layer maps TP/PP ranks, but this engine runs one rank per instance.
+            print(f"disagg {role.value}: --tp-size {ns.tp_size} --pp-size {ns.pp_size} is not supported: "
+                  "an instance runs one rank (tensor and pipeline parallel size 1)", file=sys.stderr)
+            return 2
         launch.run(server_args_from_cli(ns, role))
         return 0
 

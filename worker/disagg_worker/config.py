@@ -144,6 +144,9 @@ def add_disagg_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bootstrap-timeout", type=float, default=d.bootstrap_timeout_s)
     p.add_argument("--waiting-timeout", type=float, default=d.waiting_timeout_s)
     p.add_argument("--heartbeat-interval", type=float, default=d.heartbeat_interval_s)
+    p.add_argument("--heartbeat-max-misses", type=int, default=d.heartbeat_max_misses)
+    p.add_argument("--max-bootstrap-queue", type=int, default=d.max_bootstrap_queue,
+                   help="prefill: requests waiting for decode's handshake beyond this are refused (503)")
 
 
 def server_args_from_cli(ns: argparse.Namespace, role: Role = Role.MONOLITHIC) -> ServerArgs:
@@ -174,6 +177,8 @@ def server_args_from_cli(ns: argparse.Namespace, role: Role = Role.MONOLITHIC) -
             bootstrap_timeout_s=ns.bootstrap_timeout,
             waiting_timeout_s=ns.waiting_timeout,
             heartbeat_interval_s=ns.heartbeat_interval,
+            heartbeat_max_misses=ns.heartbeat_max_misses,
+            max_bootstrap_queue=ns.max_bootstrap_queue,
         )
     engine = EngineConfig(
         model_path=ns.model,
