@@ -23,7 +23,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests" / "cluster"))
 
 from conftest import KubeCluster  # noqa: E402
-from test_operator_support import OperatorUnderTest, install_chart, load_example  # noqa: E402
+from test_operator_support import OperatorUnderTest, install_chart, load_example, wait_until  # noqa: E402
 
 CHILDREN_PER_CR = 12  # 4 Services, 2 StatefulSets, 1 Deployment, 3 PDBs, 1 NetworkPolicy, 1 Secret
 KINDS = "statefulsets,deployments,services,poddisruptionbudgets,networkpolicies,secrets"
@@ -49,6 +49,8 @@ def progress(cluster: KubeCluster, ns: str, count: int) -> tuple[int, int, int]:
 
 def run(cluster: KubeCluster, count: int, idle: float, timeout: float, settle: float = 60) -> dict:
     install_chart(cluster)
+    wait_until(lambda: not [n for n in cluster.get("namespaces")["items"]
+                            if n["status"].get("phase") == "Terminating"], 300, 2, "earlier namespaces deleted")
     op = OperatorUnderTest(cluster, Path(tempfile.mkdtemp()))
     op.start()
     ns = f"bench-{uuid.uuid4().hex[:6]}"

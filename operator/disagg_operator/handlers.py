@@ -106,7 +106,8 @@ def _on_child(type: str | None, namespace: str, labels: Mapping[str, str], memo:
     if cr is None:
         return
     meta = cr["metadata"]
-    if recreate and type == "DELETED" and runtime.cr_is_live(namespace, meta["name"], meta["uid"]):
+    if (recreate and type == "DELETED" and namespace not in runtime.terminating
+            and runtime.cr_is_live(namespace, meta["name"], meta["uid"])):
         try:
             runtime.apply_children(cr)
         except ReconcileError as e:  # event handlers are not retried: Degraded says it, the next event retries

@@ -54,6 +54,7 @@ class Runtime:
     written: dict[str, dict] = field(default_factory=dict)
     errors: dict[str, list[str]] = field(default_factory=dict)
     latched: dict[str, dict[str, PodProblem]] = field(default_factory=dict)
+    terminating: set[str] = field(default_factory=set)
     _locks: dict[str, threading.Lock] = field(default_factory=dict)
     _guard: threading.Lock = field(default_factory=threading.Lock)
 
@@ -85,11 +86,14 @@ class Runtime:
                 try:
                     self.kube.apply(obj)
                 except ApiException as e:
+                    if e.status == 403 and b"being terminated" in (e.body or b""):
+                        self.terminating.add(spec.namespace)
                     raise describe_api_error(obj, e) from e
         except ReconcileError as e:
             self.errors[spec.uid] = [str(e)]
             raise
         self.errors.pop(spec.uid, None)
+        self.terminating.discard(spec.namespace)
 
     def refresh_status(self, cr: Mapping[str, Any], observed: Mapping[str, RoleObservation | None],
                        problems: Iterable[PodProblem]) -> bool:

@@ -210,3 +210,27 @@ def test_a_failed_pod_being_deleted_still_counts_but_a_normal_shutdown_does_not(
     pod["status"]["phase"] = "Running"
     pod["status"]["containerStatuses"][0]["state"]["terminated"]["exitCode"] = 143
     assert pod_problem(pod) is None
+
+
+def test_a_terminating_namespace_is_remembered_until_a_reconcile_succeeds(runtime):
+    from kubernetes.client.exceptions import ApiException
+    from disagg_operator.reconcile import ReconcileError
+
+    def refuse(obj):
+        raise ApiException(status=403, reason="Forbidden")
+    runtime.kube.apply = refuse
+    with pytest.raises(ReconcileError):
+        runtime.apply_children(CR)
+    assert runtime.terminating == set()
+
+    def terminating(obj):
+        e = ApiException(status=403, reason="Forbidden")
+        e.body = b'unable to create new content in namespace ns because it is being terminated'
+        raise e
+    runtime.kube.apply = terminating
+    with pytest.raises(ReconcileError) as err:
+        runtime.apply_children(CR)
+    assert runtime.terminating == {"ns"} and err.value.permanent
+    runtime.kube.apply = lambda obj: None
+    runtime.apply_children(CR)
+    assert runtime.terminating == set()
