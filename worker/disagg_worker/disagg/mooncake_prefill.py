@@ -4,6 +4,11 @@ Threads: `control` (zmq: decode hellos, room requests and aborts; timeouts; regi
 with the bootstrap server) and one transfer thread per decode peer (`TransferWorkers`:
 submits the writes of each send and polls them with a short sleep). The scheduler thread only calls non-blocking handle methods.
 
+Writes: contiguous page runs go straight from the pool into decode's pool, large ones split
+over a few lanes (`runs.split_for_lanes`). When decode names a staging range for a room (its
+destination is fragmented), each send is gathered into the local staging area and written as
+one block per KV buffer; decode scatters it before Success (`mooncake_staging`).
+
 Timeouts: a sender still Bootstrapping after `bootstrap_timeout_s` fails; a send whose writes
 have not all landed after `waiting_timeout_s` fails. Such writes are not cancelled, so decode
 is told `quiesced=False` and gets a second Failed update with `quiesced=True` once every
@@ -33,6 +38,8 @@ from disagg_worker.disagg.transfer_workers import TransferWorkers
 from disagg_worker.env import load_env
 
 log = logging.getLogger(__name__)
+# Decode hears "Transferring" only for sends still in flight after this long.
+TRANSFERRING_NOTICE_S = 0.005
 
 
 @dataclass
@@ -315,9 +322,10 @@ class MooncakePrefillManager(KVManager):
             self.staging.free(*job.staged)
             job.staged = None
         if not group.settled:
-            if job.first and state.cell.get() is KVPoll.Transferring:  # after the first poll: the
-                job.first = False  # message never delays a write, and a short send skips it
-                self._update(state, KVPoll.Transferring, "", False)
+            if job.first and time.monotonic() - group.started > TRANSFERRING_NOTICE_S:
+                job.first = False  # informational: a short send skips it, no CPU taken from the writes
+                if state.cell.get() is KVPoll.Transferring:
+                    self._update(state, KVPoll.Transferring, "", False)
             return False
         with self._lock:
             state.inflight -= 1
