@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -59,6 +60,7 @@ def run(cluster: KubeCluster, count: int, idle: float, timeout: float, settle: f
     for cr in items:  # the two kwok nodes hold 220 pods: no requests, so CPU is not what limits
         for role in ("prefill", "decode"):
             cr["spec"][role].pop("resources", None)
+    load_before = os.getloadavg()[0]
     before = op.proxy.snapshot()
     t0 = time.monotonic()
     cluster.kubectl("-n", ns, "apply", "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "List",
@@ -79,6 +81,7 @@ def run(cluster: KubeCluster, count: int, idle: float, timeout: float, settle: f
             break  # pods beyond the nodes' capacity stay Pending: their CRs cannot become Ready
         time.sleep(2)
     converged = op.proxy.snapshot()
+    load_after = os.getloadavg()[0]
     calls = {f"{m} {k}": converged[(m, k)] - before[(m, k)] for (m, k) in converged
              if converged[(m, k)] != before[(m, k)]}
     time.sleep(idle)
@@ -89,7 +92,8 @@ def run(cluster: KubeCluster, count: int, idle: float, timeout: float, settle: f
     cluster.kubectl("delete", "namespace", ns, "--wait=false")
     writes = sum(n for k, n in calls.items() if not k.startswith("GET"))
     return {
-        "crs": count, "children_per_cr": CHILDREN_PER_CR,
+        "crs": count, "children_per_cr": CHILDREN_PER_CR, "cpu_count": os.cpu_count(),
+        "load_average_1m_before_and_after": [round(load_before, 2), round(load_after, 2)],
         "seconds_until_all_children_exist": t_children, "seconds_until_every_status_written": t_status,
         "seconds_until_all_ready": t_ready, "crs_ready": ready,
         "api_calls_until_ready": calls, "writes_per_cr": round(writes / count, 2),
@@ -105,6 +109,8 @@ def markdown(r: dict) -> str:
 {r['crs']} DisaggregatedModels (examples/dm-tcp-fake.yaml, renamed) applied with one `kubectl apply` on the local
 control plane (etcd, kube-apiserver, controller-manager, scheduler built from source; kwok nodes). The operator
 runs as a local process with the chart's ServiceAccount; its API calls are counted by a proxy.
+Machine: {r['cpu_count']} CPUs shared with other work, 1-minute load average {r['load_average_1m_before_and_after'][0]}
+before and {r['load_average_1m_before_and_after'][1]} after the run.
 
 | measure | value |
 |---|---|
