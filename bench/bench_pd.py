@@ -5,6 +5,7 @@ Both servers run for the whole benchmark; rounds alternate between them (A B, B 
 slow phase of a shared machine hits both. Every round sends fresh random token-id prompts
 (a new seed per round, the same seed for both servers), so the prefix cache never helps.
   low load:      --low-requests prompts of --input-len tokens, one at a time (concurrency 1)
+  short prompts: the same at --short-len tokens: what the P/D path costs regardless of length
   moderate load: --mid-requests prompts at concurrency 8 (for information)
 Reports TTFT p50/p90 (median over rounds) and the P/D / monolithic ratio.
 Writes bench/results/pd.json and pd.png.  Usage: python bench/bench_pd.py [--rounds N]
@@ -102,20 +103,22 @@ def load(url: str, *, n: int, concurrency: int, input_len: int, output_len: int,
     return {k: report[k] for k in KEYS}
 
 
-def interleaved(servers: dict[str, Server], a: argparse.Namespace, *, n: int, concurrency: int, base_seed: int) -> dict:
+def interleaved(servers: dict[str, Server], a: argparse.Namespace, *, n: int, concurrency: int, base_seed: int,
+                input_len: int = 0) -> dict:
     """Rounds A B, B A, ... with the same fresh prompts for both servers in each round."""
+    input_len = input_len or a.input_len
     rounds: dict[str, list[dict]] = {name: [] for name in servers}
     names = list(servers)
     for r in range(a.rounds):
         for name in names if r % 2 == 0 else names[::-1]:
-            rep = load(servers[name].url, n=n, concurrency=concurrency, input_len=a.input_len,
+            rep = load(servers[name].url, n=n, concurrency=concurrency, input_len=input_len,
                        output_len=a.output_len, seed=base_seed + r)
             rounds[name].append(rep)
             print(f"  round {r} {name:>4}: TTFT p50 {rep['p50_ttft_ms']:.1f} p90 {rep['p90_ttft_ms']:.1f} ms", flush=True)
     med = {name: {k: statistics.median(x[k] for x in reps) for k in KEYS} for name, reps in rounds.items()}
     ratio = {k: med["pd"][k] / med["mono"][k] for k in ("p50_ttft_ms", "p90_ttft_ms", "mean_ttft_ms")}
     return {"median": med, "ratio_pd_over_mono": ratio, "rounds": rounds,
-            "config": {"requests": n, "concurrency": concurrency, "input_len": a.input_len, "output_len": a.output_len}}
+            "config": {"requests": n, "concurrency": concurrency, "input_len": input_len, "output_len": a.output_len}}
 
 
 def plot(res: dict, path: Path) -> None:
@@ -148,6 +151,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--rounds", type=int, default=4, help="interleaved rounds per load point")
     ap.add_argument("--input-len", type=int, default=1024)
     ap.add_argument("--output-len", type=int, default=16)
+    ap.add_argument("--short-len", type=int, default=16, help="prompt length of the fixed-cost probe")
     ap.add_argument("--low-requests", type=int, default=20)
     ap.add_argument("--mid-requests", type=int, default=32)
     ap.add_argument("--threads", type=int, default=1, help="torch threads per engine process")
@@ -173,6 +177,8 @@ def main(argv: list[str] | None = None) -> int:
             load(s.url, n=4, concurrency=2, input_len=a.input_len, output_len=a.output_len, seed=999)
         print("low load (concurrency 1)", flush=True)
         res["low"] = interleaved(servers, a, n=a.low_requests, concurrency=1, base_seed=1000)
+        print(f"short prompts ({a.short_len} tokens, concurrency 1): the fixed cost of the P/D path", flush=True)
+        res["short"] = interleaved(servers, a, n=a.low_requests, concurrency=1, base_seed=3000, input_len=a.short_len)
         if not a.skip_moderate:
             print("moderate load (concurrency 8)", flush=True)
             res["moderate"] = interleaved(servers, a, n=a.mid_requests, concurrency=8, base_seed=2000)
@@ -184,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     (RESULTS / "pd.json").write_text(json.dumps(res, indent=2) + "\n")
     if "moderate" in res:
         plot(res, RESULTS / "pd.png")
-    for key in ("low", "moderate"):
+    for key in ("low", "short", "moderate"):
         if key in res:
             r = res[key]
             print(f"{key}: TTFT p50 mono {r['median']['mono']['p50_ttft_ms']:.1f} ms, pd {r['median']['pd']['p50_ttft_ms']:.1f} ms"

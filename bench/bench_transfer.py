@@ -36,7 +36,7 @@ RESULTS = Path(__file__).parent / "results"
 
 
 def reps_for(nbytes: int) -> int:
-    return 50 if nbytes <= (1 << 20) else 12 if nbytes <= (64 << 20) else 6
+    return 60 if nbytes <= (1 << 20) else 20 if nbytes <= (64 << 20) else 8
 
 
 def machine() -> dict:
