@@ -153,8 +153,12 @@ def test_killed_mid_reconcile_the_operator_converges_after_restart(kube_cluster,
     kube_cluster.kubectl("-n", namespace, "patch", "dm", "tiny", "--type=merge",
                          "-p", '{"spec":{"prefill":{"replicas":2}}}')
     operator.start()
-    wait_until(lambda: kube_cluster.get("-n", namespace, "sts", "tiny-prefill")["spec"]["replicas"] == 2, 60,
-               what="prefill StatefulSet at 2")
+
+    def prefill_replicas() -> str:
+        return kube_cluster.kubectl("-n", namespace, "get", "sts", "tiny-prefill", "-o",
+                                    "jsonpath={.spec.replicas}", check=False).stdout
+
+    wait_until(lambda: prefill_replicas() == "2", 60, what="prefill StatefulSet at 2")
     wait_ready(kube_cluster, namespace, "tiny")
     assert kube_cluster.get("-n", namespace, "dm", "tiny")["status"]["prefill"]["ready"] == "2/2"
 
