@@ -56,7 +56,7 @@ def run(cluster: KubeCluster, count: int, idle: float, timeout: float, settle: f
     op.start()
     ns = f"bench-{uuid.uuid4().hex[:6]}"
     cluster.kubectl("create", "namespace", ns)
-    items = [load_example("dm-tcp-fake.yaml", name=f"m{i:03d}") for i in range(count)]
+    items = [load_example("dm-cpu-tcp.yaml", name=f"m{i:03d}") for i in range(count)]
     for cr in items:  # the two kwok nodes hold 220 pods: no requests, so CPU is not what limits
         for role in ("prefill", "decode"):
             cr["spec"][role].pop("resources", None)
@@ -106,7 +106,7 @@ def markdown(r: dict) -> str:
     rows = "\n".join(f"| {k} | {v} |" for k, v in sorted(r["api_calls_until_ready"].items()))
     return f"""# Operator benchmark
 
-{r['crs']} DisaggregatedModels (examples/dm-tcp-fake.yaml, renamed) applied with one `kubectl apply` on the local
+{r['crs']} DisaggregatedModels (examples/dm-cpu-tcp.yaml, renamed) applied with one `kubectl apply` on the local
 control plane (etcd, kube-apiserver, controller-manager, scheduler built from source; kwok nodes). The operator
 runs as a local process with the chart's ServiceAccount; its API calls are counted by a proxy.
 Machine: {r['cpu_count']} CPUs shared with other work, 1-minute load average {r['load_average_1m_before_and_after'][0]}

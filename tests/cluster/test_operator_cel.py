@@ -20,7 +20,7 @@ def message_of(fragment: str) -> str:
 
 
 def tiny(**spec) -> dict:
-    cr = load_example("dm-tcp-fake.yaml")
+    cr = load_example("dm-cpu-tcp.yaml")
     for path, value in spec.items():
         node = cr["spec"]
         *parents, leaf = path.split("__")
@@ -78,7 +78,7 @@ def test_violation_is_rejected_with_the_rules_message(kube_cluster, crd_installe
     ("a" * 41, "size() <="), ("9lives", "matches("),
 ])
 def test_names_that_cannot_name_children_are_rejected(kube_cluster, crd_installed, namespace, name, fragment):
-    cr = load_example("dm-tcp-fake.yaml", name=name)
+    cr = load_example("dm-cpu-tcp.yaml", name=name)
     proc = apply_cr(kube_cluster, namespace, cr, check=False)
     assert proc.returncode != 0 and message_of(fragment) in proc.stderr
 
@@ -89,14 +89,14 @@ def test_names_that_cannot_name_children_are_rejected(kube_cluster, crd_installe
     ("transfer", {"backend": "mooncake", "protocol": "tcp"}, "transfer is immutable"),
 ])
 def test_immutable_fields_cannot_change(kube_cluster, crd_installed, namespace, field, value, fragment):
-    apply_cr(kube_cluster, namespace, load_example("dm-tcp-fake.yaml"))
-    changed = load_example("dm-tcp-fake.yaml")
+    apply_cr(kube_cluster, namespace, load_example("dm-cpu-tcp.yaml"))
+    changed = load_example("dm-cpu-tcp.yaml")
     changed["spec"][field] = value
     proc = apply_cr(kube_cluster, namespace, changed, check=False)
     assert proc.returncode != 0 and fragment in proc.stderr
 
 
-@pytest.mark.parametrize("example", ["dm-tcp-fake.yaml", "dm-rdma-gpu.yaml"])
+@pytest.mark.parametrize("example", ["dm-cpu-tcp.yaml", "dm-rdma-gpu.yaml"])
 def test_examples_pass_validation_and_get_defaults(kube_cluster, crd_installed, namespace, example):
     out = kube_cluster.kubectl("-n", namespace, "apply", "--dry-run=server", "-o", "json", "-f",
                                str(REPO / "examples" / example))

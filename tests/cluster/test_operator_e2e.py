@@ -73,7 +73,7 @@ def test_the_service_account_can_do_what_the_operator_needs_and_no_more(kube_clu
 
 
 @pytest.mark.parametrize("example,name,expected", [
-    ("dm-tcp-fake.yaml", "tiny", ["1/1", "1/1", "1/1"]),
+    ("dm-cpu-tcp.yaml", "tiny", ["1/1", "1/1", "1/1"]),
     ("dm-rdma-gpu.yaml", "llama-8b", ["1/1", "2/2", "2/2"]),
 ])
 def test_example_becomes_ready_with_owned_children(kube_cluster, operator, namespace, example, name, expected):
@@ -94,7 +94,7 @@ def test_example_becomes_ready_with_owned_children(kube_cluster, operator, names
 
 
 def test_scaling_decode_with_kubectl_scale(kube_cluster, operator, namespace):
-    kube_cluster.kubectl("-n", namespace, "apply", "-f", "examples/dm-tcp-fake.yaml")
+    kube_cluster.kubectl("-n", namespace, "apply", "-f", "examples/dm-cpu-tcp.yaml")
     wait_ready(kube_cluster, namespace, "tiny")
     for replicas in (3, 1):
         kube_cluster.kubectl("-n", namespace, "scale", "dm/tiny", f"--replicas={replicas}")
@@ -109,7 +109,7 @@ def test_scaling_decode_with_kubectl_scale(kube_cluster, operator, namespace):
 
 
 def test_a_failing_pod_degrades_and_recovery_clears_it(kube_cluster, operator, namespace):
-    kube_cluster.kubectl("-n", namespace, "apply", "-f", "examples/dm-tcp-fake.yaml")
+    kube_cluster.kubectl("-n", namespace, "apply", "-f", "examples/dm-cpu-tcp.yaml")
     wait_ready(kube_cluster, namespace, "tiny")
     kube_cluster.fail_pod(namespace, "tiny-decode-0")
     # kwok fails the pod, the StatefulSet replaces it and kwok makes the new one ready within about a second:
@@ -131,7 +131,7 @@ def test_a_failing_pod_degrades_and_recovery_clears_it(kube_cluster, operator, n
 
 
 def test_a_child_deleted_by_hand_is_recreated(kube_cluster, operator, namespace):
-    kube_cluster.kubectl("-n", namespace, "apply", "-f", "examples/dm-tcp-fake.yaml")
+    kube_cluster.kubectl("-n", namespace, "apply", "-f", "examples/dm-cpu-tcp.yaml")
     wait_ready(kube_cluster, namespace, "tiny")
     targets = [("sts", "tiny-decode"), ("svc", "tiny-prefill"), ("networkpolicy", "tiny-transfer")]
 
@@ -147,7 +147,7 @@ def test_a_child_deleted_by_hand_is_recreated(kube_cluster, operator, namespace)
 
 
 def test_killed_mid_reconcile_the_operator_converges_after_restart(kube_cluster, operator, namespace):
-    kube_cluster.kubectl("-n", namespace, "apply", "-f", "examples/dm-tcp-fake.yaml")
+    kube_cluster.kubectl("-n", namespace, "apply", "-f", "examples/dm-cpu-tcp.yaml")
     time.sleep(0.3)
     operator.kill()
     kube_cluster.kubectl("-n", namespace, "patch", "dm", "tiny", "--type=merge",
@@ -164,7 +164,7 @@ def test_killed_mid_reconcile_the_operator_converges_after_restart(kube_cluster,
 
 
 def test_deleting_the_cr_leaves_no_orphans(kube_cluster, operator, namespace):
-    kube_cluster.kubectl("-n", namespace, "apply", "-f", "examples/dm-tcp-fake.yaml")
+    kube_cluster.kubectl("-n", namespace, "apply", "-f", "examples/dm-cpu-tcp.yaml")
     wait_ready(kube_cluster, namespace, "tiny")
     kube_cluster.kubectl("-n", namespace, "delete", "dm", "tiny")
 
@@ -178,7 +178,7 @@ def test_deleting_the_cr_leaves_no_orphans(kube_cluster, operator, namespace):
 
 
 def test_an_idle_operator_makes_no_api_writes(kube_cluster, operator, namespace):
-    kube_cluster.kubectl("-n", namespace, "apply", "-f", "examples/dm-tcp-fake.yaml")
+    kube_cluster.kubectl("-n", namespace, "apply", "-f", "examples/dm-cpu-tcp.yaml")
     wait_ready(kube_cluster, namespace, "tiny")
     # Earlier tests' namespaces are being torn down: that is work, not idling.
     wait_until(lambda: not [n for n in kube_cluster.get("namespaces")["items"]
@@ -193,7 +193,7 @@ def test_an_idle_operator_makes_no_api_writes(kube_cluster, operator, namespace)
 
 
 def test_a_missing_auth_secret_is_reported_as_degraded(kube_cluster, operator, namespace):
-    cr = load_example("dm-tcp-fake.yaml")
+    cr = load_example("dm-cpu-tcp.yaml")
     cr["spec"]["auth"] = {"secretName": "not-there"}
     apply_cr(kube_cluster, namespace, cr)
     degraded = wait_until(lambda: (lambda c: c if c.get("status") == "True" else None)(

@@ -33,7 +33,7 @@ def container(children: dict, kind: str, name: str) -> dict:
 
 @pytest.fixture
 def tiny() -> dict:
-    return load_example("dm-tcp-fake.yaml")
+    return load_example("dm-cpu-tcp.yaml")
 
 
 @pytest.fixture
@@ -65,7 +65,7 @@ def test_prefill_command_line_follows_the_worker_contract(tiny):
     assert c["args"] == [
         "prefill", "--model", "/models/tiny-llama", "--served-model-name", "tiny-llama", "--host", "0.0.0.0",
         "--port", "8000", "--advertise-host", "$(POD_IP)", "--bootstrap-port", "8998",
-        "--transfer-backend", "fake", "--transfer-protocol", "tcp", "--tp-size", "1", "--pp-size", "1",
+        "--transfer-backend", "mooncake", "--transfer-protocol", "tcp", "--tp-size", "1", "--pp-size", "1",
         "--page-size", "16", "--kv-dtype", "float32", "--dtype", "float32", "--chunk-size", "512",
         "--max-total-tokens", "8192", "--max-running-requests", "16"]
 
