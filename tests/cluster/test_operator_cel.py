@@ -86,7 +86,7 @@ def test_names_that_cannot_name_children_are_rejected(kube_cluster, crd_installe
 @pytest.mark.parametrize("field,value,fragment", [
     ("model", {"hostPath": "/m", "path": "other"}, "model is immutable"),
     ("servedModelName", "renamed", "servedModelName is immutable"),
-    ("transfer", {"backend": "mooncake", "protocol": "tcp"}, "transfer is immutable"),
+    ("transfer", {"backend": "fake", "protocol": "tcp"}, "transfer is immutable"),
 ])
 def test_immutable_fields_cannot_change(kube_cluster, crd_installed, namespace, field, value, fragment):
     apply_cr(kube_cluster, namespace, load_example("dm-cpu-tcp.yaml"))
