@@ -20,7 +20,7 @@ from disagg_worker.engine.engine import Engine
 log = logging.getLogger(__name__)
 
 STATS_INTERVAL_S = 0.5
-TRANSFER_POLL_MS = 2
+TRANSFER_POLL_MS = 1
 
 
 class Stepper:
