@@ -104,11 +104,13 @@ def test_prefix_cache_is_reused(tiny_model):
     assert second["0"][-1].cached_tokens == 64
 
 
-def test_retraction_under_page_pressure_keeps_outputs(tiny_model, reference):
+@pytest.mark.parametrize("tokens,overlap", [(256, True), (160, True), (160, False)])
+def test_retraction_under_page_pressure_keeps_outputs(tiny_model, reference, tokens, overlap):
     prompts, expected = reference
-    # 64 pages of 4 tokens cannot hold 16 requests of up to ~140 tokens at once.
-    engine = make_engine(tiny_model, tokens=256, chunk=16, overlap=True)
-    out = run_all(engine, [(p, GREEDY) for p in prompts], overlap=True)
+    # 40-64 pages of 4 tokens cannot hold 16 requests of up to ~150 tokens at once.
+    assert max(len(p) for p in prompts) + GREEDY.max_new_tokens <= tokens
+    engine = make_engine(tiny_model, tokens=tokens, chunk=16, overlap=overlap)
+    out = run_all(engine, [(p, GREEDY) for p in prompts], overlap=overlap)
     assert [tokens_of(out[str(i)]) for i in range(len(prompts))] == expected
 
 

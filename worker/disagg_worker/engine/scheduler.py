@@ -95,13 +95,13 @@ class Scheduler:
         # Decode steps first, then the chunks of prompts already admitted.
         order = sorted(self.running, key=lambda r: r.todo != 1)
         for r in order:
-            if r.finished or r.remaining_new_tokens() == 0:
-                continue
+            if r not in self.running or r.finished or r.remaining_new_tokens() == 0:
+                continue  # retracted by an earlier request of this loop, or nothing to compute
             if budget <= 0 and plan.reqs:
                 break
             n = self._take(r.todo, budget)
-            if not self._ensure_pages(r, n):
-                if r in self.running and not self._retractable(keep=r):
+            if not self._ensure_pages(r, n, protected=plan.reqs):
+                if self.running == [r]:
                     r.finish_reason = FinishReason.LENGTH  # alone and the KV cache is full
                     self._finish(r)
                 continue
@@ -158,12 +158,13 @@ class Scheduler:
     def _needs_page(self, req: Req, n: int) -> int:
         return max(0, pages_for(req.num_computed + n, self.page_size) - len(req.pages))
 
-    def _ensure_pages(self, req: Req, n: int) -> bool:
+    def _ensure_pages(self, req: Req, n: int, protected: list[Req]) -> bool:
+        """Pages for `req`'s next `n` tokens, retracting others (never `protected` ones) if needed."""
         need = self._needs_page(req, n)
         if need == 0:
             return True
         pages = self._alloc(need)
-        while pages is None and self._retract_one(keep=req):
+        while pages is None and self._retract_one([req, *protected]):
             pages = self._alloc(need)
         if pages is None:
             return False
@@ -176,11 +177,12 @@ class Scheduler:
             self.radix.evict(short)
         return self.allocator.alloc(n)
 
-    def _retractable(self, keep: Req) -> list[Req]:
-        return [r for r in self.running if r is not keep and not r.pending]
+    def _retractable(self, keep: list[Req]) -> list[Req]:
+        """Running requests that may give their pages back: not kept, not planned, none in flight."""
+        return [r for r in self.running if not any(r is k for k in keep) and not r.pending]
 
-    def _retract_one(self, keep: Req) -> bool:
-        """Send the newest running request back to the waiting queue, keeping its tokens."""
+    def _retract_one(self, keep: list[Req]) -> bool:
+        """Send the newest retractable request back to the waiting queue, keeping its tokens."""
         candidates = self._retractable(keep)
         if not candidates:
             return False
