@@ -245,6 +245,11 @@ class MooncakePrefillManager(KVManager):
     def _attach(self, state: _Room, req: RoomRequest) -> None:
         peer = self._peers.get(req.decode_id)
         state.request = req
+        if state.cell.get() is KVPoll.Failed:
+            # Failed (on another thread) before decode's request arrived: `_fail` may not have seen
+            # the request, so tell decode here. Nothing was sent, so its pages are safe at once.
+            self._update(state, KVPoll.Failed, state.cell.reason, True)
+            return
         if peer is None:
             self._fail(state, f"no handshake from decode {req.decode_id}")
         elif peer.error:
