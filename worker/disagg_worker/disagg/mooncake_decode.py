@@ -25,8 +25,7 @@ from disagg_worker.disagg.channel import ControlChannel
 from disagg_worker.disagg.heartbeat import HeartbeatMonitor
 from disagg_worker.disagg.messages import DecodeHello, RoomAbort, RoomRequest, RoomUpdate
 from disagg_worker.disagg.metrics import TransferMetrics
-from disagg_worker.disagg.mooncake import MooncakeEngine
-from disagg_worker.disagg.mooncake_staging import StagingArea, raw_bytes, scatter, worth_staging
+from disagg_worker.disagg.mooncake_staging import open_registered, scatter, worth_staging
 from disagg_worker.disagg.poll import KVPoll, StatusCell
 from disagg_worker.disagg.rooms import RoomTable
 from disagg_worker.env import load_env
@@ -108,12 +107,7 @@ class MooncakeDecodeManager(KVManager):
     def __init__(self, cfg: DisaggConfig, layout: KVLayout, rank: RankInfo, metrics: TransferMetrics):
         super().__init__(cfg, layout, rank, metrics)
         self._token = load_env().auth_token
-        self.engine = MooncakeEngine(cfg.advertise_host, cfg.transfer_protocol, cfg.ib_device)
-        for ptr, n in zip(layout.buffer_ptrs, layout.buffer_nbytes):
-            self.engine.register(ptr, n)
-        self._buffers = [raw_bytes(ptr, n) for ptr, n in zip(layout.buffer_ptrs, layout.buffer_nbytes)]
-        self.staging = StagingArea()
-        self.engine.register(self.staging.ptr, self.staging.nbytes)
+        self.engine, self._buffers, self.staging = open_registered(cfg, layout)
         self.aux = torch.zeros(layout.aux_num_slots * layout.aux_item_nbytes, dtype=torch.uint8)
         self.decode_id = uuid.uuid4().hex
         self.channel = ControlChannel("0.0.0.0", cfg.advertise_host)

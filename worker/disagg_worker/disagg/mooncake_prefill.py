@@ -28,8 +28,8 @@ from disagg_worker.disagg.bootstrap_client import BootstrapError, register_rank
 from disagg_worker.disagg.channel import ControlChannel
 from disagg_worker.disagg.messages import DecodeHello, RoomAbort, RoomRequest, RoomUpdate
 from disagg_worker.disagg.metrics import TransferMetrics
-from disagg_worker.disagg.mooncake import MooncakeEngine, WriteGroup, WriteState
-from disagg_worker.disagg.mooncake_staging import StagingArea, gather, raw_bytes
+from disagg_worker.disagg.mooncake import WriteGroup, WriteState
+from disagg_worker.disagg.mooncake_staging import gather, open_registered
 from disagg_worker.disagg.peers import DecodePeer
 from disagg_worker.disagg.poll import KVPoll, StatusCell
 from disagg_worker.disagg.rooms import RoomTable
@@ -94,12 +94,7 @@ class MooncakePrefillManager(KVManager):
     def __init__(self, cfg: DisaggConfig, layout: KVLayout, rank: RankInfo, metrics: TransferMetrics):
         super().__init__(cfg, layout, rank, metrics)
         self._token = load_env().auth_token
-        self.engine = MooncakeEngine(cfg.advertise_host, cfg.transfer_protocol, cfg.ib_device)
-        for ptr, n in zip(layout.buffer_ptrs, layout.buffer_nbytes):
-            self.engine.register(ptr, n)
-        self._buffers = [raw_bytes(ptr, n) for ptr, n in zip(layout.buffer_ptrs, layout.buffer_nbytes)]
-        self.staging = StagingArea()
-        self.engine.register(self.staging.ptr, self.staging.nbytes)
+        self.engine, self._buffers, self.staging = open_registered(cfg, layout)
         self.channel = ControlChannel("0.0.0.0", cfg.advertise_host)
         self.rooms: RoomTable[_Room] = RoomTable()
         self._peers: dict[str, DecodePeer] = {}

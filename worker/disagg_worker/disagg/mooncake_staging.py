@@ -15,6 +15,9 @@ import threading
 
 import torch
 
+from disagg_worker.config import DisaggConfig
+from disagg_worker.disagg.base import KVLayout
+from disagg_worker.disagg.mooncake import MooncakeEngine
 from disagg_worker.disagg.runs import group_runs
 
 STAGING_NBYTES = 64 << 20  # per manager; rooms that do not fit are written page run by page run
@@ -91,3 +94,15 @@ class StagingArea:
 
     def view(self, offset: int, nbytes: int) -> torch.Tensor:
         return self.tensor[offset : offset + nbytes]
+
+
+def open_registered(cfg: DisaggConfig, layout: KVLayout) -> tuple[MooncakeEngine, list[torch.Tensor], StagingArea]:
+    """A transfer engine with the KV buffers and a fresh staging area registered once, plus byte
+    views of the KV buffers (for gathering and scattering staged rooms). Both managers start so."""
+    engine = MooncakeEngine(cfg.advertise_host, cfg.transfer_protocol, cfg.ib_device)
+    for ptr, n in zip(layout.buffer_ptrs, layout.buffer_nbytes):
+        engine.register(ptr, n)
+    staging = StagingArea()
+    engine.register(staging.ptr, staging.nbytes)
+    buffers = [raw_bytes(ptr, n) for ptr, n in zip(layout.buffer_ptrs, layout.buffer_nbytes)]
+    return engine, buffers, staging
