@@ -316,3 +316,36 @@ def test_frozen_decode_times_out_and_pages_stay_quarantined_until_writes_settle(
             os.kill(decode.proc.pid, signal.SIGCONT)
         decode.close()
         prefill.close()
+
+
+def test_a_burst_of_writes_beyond_mooncakes_per_peer_queue_all_land():
+    """64 rooms sent at once, 64 single-page writes each: 4096 writes to one peer, four times what
+    Mooncake TCP queues per peer. Every room succeeds and every page arrives intact."""
+    pool = dict(num_layers=2, num_pages=2048, page_size=4, num_kv_heads=2, head_dim=32)
+    prefill = Prefill(pool, waiting_timeout_s=60)
+    decode = DecodeProc(pool, waiting_timeout_s=60)
+    try:
+        rng = random.Random(5)
+        rooms = []
+        for i in range(64):
+            room = next(_rooms)
+            dst = [p for start in range(i * 32, i * 32 + 16, 4) for p in range(start, start + 4)]  # runs of 4
+            src = rng.sample(range(2048), 16)  # scattered: every page is its own write in each of 4 buffers
+            sender = prefill.mgr.create_sender(room)
+            decode("recv", room, prefill.addr, dst, i % 8)
+            rooms.append((room, sender, src, dst))
+        for _, sender, _, _ in rooms:
+            wait_for(sender, KVPoll.WaitingForInput)
+        for _, sender, src, _ in rooms:
+            sender.send(src, last=True)
+        for room, sender, src, dst in rooms:
+            status, _ = wait_status(sender, 60)
+            assert status is KVPoll.Success, sender.failure_reason()
+            d_status, reason, _, _ = decode("wait", room, 30)
+            assert d_status == KVPoll.Success, reason
+        src_all = [p for *_, src, _ in rooms for p in src]
+        dst_all = [p for *_, dst in rooms for p in dst]
+        assert decode("bytes", dst_all) == prefill.pool.page_bytes(src_all)
+    finally:
+        decode.close()
+        prefill.close()

@@ -2,7 +2,8 @@
 
 Threads: `control` (zmq: decode hellos, room requests and aborts; timeouts; registration
 with the bootstrap server) and one transfer thread per decode peer (`TransferWorkers`:
-submits the writes of each send and polls them with a short sleep). The scheduler thread only calls non-blocking handle methods.
+submits the writes of each send, at most `MAX_WRITES_IN_FLIGHT` outstanding per peer, and
+polls them with a short sleep). The scheduler thread only calls non-blocking handle methods.
 
 Writes: contiguous page runs go straight from the pool into decode's pool, large ones split
 over a few lanes (`runs.split_for_lanes`). When decode names a staging range for a room (its
@@ -28,7 +29,7 @@ from disagg_worker.disagg.bootstrap_client import BootstrapError, register_rank
 from disagg_worker.disagg.channel import ControlChannel
 from disagg_worker.disagg.messages import DecodeHello, RoomAbort, RoomRequest, RoomUpdate
 from disagg_worker.disagg.metrics import TransferMetrics
-from disagg_worker.disagg.mooncake import WriteGroup, WriteState
+from disagg_worker.disagg.mooncake import MAX_WRITES_IN_FLIGHT, WriteGroup, WriteState
 from disagg_worker.disagg.mooncake_staging import gather, open_registered
 from disagg_worker.disagg.peers import DecodePeer
 from disagg_worker.disagg.poll import KVPoll, StatusCell
@@ -100,6 +101,7 @@ class MooncakePrefillManager(KVManager):
         self._peers: dict[str, DecodePeer] = {}
         self._early: dict[int, tuple[float, RoomRequest]] = {}  # requests before their sender
         self._workers: TransferWorkers[_Job] = TransferWorkers(self._start, self._progress)
+        self._in_flight: dict[str, int] = {}  # writes submitted and not yet settled, per decode session
         self._lock = threading.Lock()  # guards _Room.inflight/last_queued and _early
         self._stop = threading.Event()
         self.registered = threading.Event()
@@ -279,8 +281,17 @@ class MooncakePrefillManager(KVManager):
     def _start(self, job: _Job) -> None:
         state = job.state
         writes = self._writes(job) if state.cell.get() is not KVPoll.Failed else []
-        handles = [self.engine.submit(state.peer.session_id, s, d, n) for s, d, n in writes]
-        job.group = WriteGroup(handles, sum(n for _, _, n in writes))
+        job.group = WriteGroup(writes, sum(n for _, _, n in writes))
+        self._submit(job)
+
+    def _submit(self, job: _Job) -> None:
+        """Submit as many of the job's writes as its peer's budget allows (transfer thread of that peer only)."""
+        group, peer = job.group, job.state.peer.session_id
+        if job.state.cell.get() is KVPoll.Failed:
+            group.drop_unsubmitted()
+        free = MAX_WRITES_IN_FLIGHT - self._in_flight.get(peer, 0)
+        if free > 0 and not group.settled:
+            self._in_flight[peer] = self._in_flight.get(peer, 0) + group.submit(self.engine, peer, free)
 
     def _writes(self, job: _Job) -> list[tuple[int, int, int]]:
         """(src address, dst address, nbytes) for every page run of a job, in every buffer."""
@@ -316,8 +327,12 @@ class MooncakePrefillManager(KVManager):
     def _progress(self, job: _Job) -> bool:
         """Advance one job; True when it is settled and can be dropped."""
         state, group = job.state, job.group
-        if group.poll(self.engine) is WriteState.FAILED:
+        peer, in_flight = state.peer.session_id, group.in_flight
+        failed = group.poll(self.engine) is WriteState.FAILED
+        self._in_flight[peer] = self._in_flight.get(peer, 0) - (in_flight - group.in_flight)
+        if failed:
             self._fail(state, "KV write to decode failed (decode gone or refused the address)")
+        self._submit(job)
         if group.settled and job.staged is not None:
             self.staging.free(*job.staged)
             job.staged = None

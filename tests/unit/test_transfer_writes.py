@@ -1,0 +1,80 @@
+"""WriteGroup: bounded submission, oldest-first polling, and what a failed write does to the rest
+(against a scripted engine: each write finishes when the test says so)."""
+from __future__ import annotations
+
+from disagg_worker.disagg.mooncake import WriteGroup, WriteState
+
+
+class ScriptedEngine:
+    """Handles are 1, 2, ...; a write stays PENDING until `finish(handle, ok)`."""
+
+    def __init__(self):
+        self.submitted: list[tuple[int, int, int]] = []
+        self.states: dict[int, WriteState] = {}
+
+    def submit(self, peer: str, src: int, dst: int, nbytes: int) -> int:
+        self.submitted.append((src, dst, nbytes))
+        handle = len(self.submitted)
+        self.states[handle] = WriteState.PENDING
+        return handle
+
+    def check(self, handle: int) -> WriteState:
+        return self.states[handle]
+
+    def finish(self, handle: int, ok: bool = True) -> None:
+        self.states[handle] = WriteState.DONE if ok else WriteState.FAILED
+
+
+WRITES = [(i, 100 + i, 8) for i in range(10)]
+
+
+def test_writes_are_submitted_within_the_limit_in_order_and_the_group_settles_after_the_last():
+    eng, group = ScriptedEngine(), WriteGroup(list(WRITES), 80)
+    assert group.submit(eng, "peer", 4) == 4 and group.in_flight == 4
+    assert eng.submitted == WRITES[:4]
+    for h in (1, 2):
+        eng.finish(h)
+    assert group.poll(eng) is WriteState.PENDING and group.in_flight == 2
+    assert group.submit(eng, "peer", 2) == 2 and eng.submitted == WRITES[:6]
+    assert group.submit(eng, "peer", 0) == 0
+    assert group.submit(eng, "peer", 100) == 4 and eng.submitted == WRITES
+    for h in range(3, 11):
+        eng.finish(h)
+    assert not group.settled
+    assert group.poll(eng) is WriteState.DONE and group.settled and group.in_flight == 0
+
+
+def test_a_group_with_unsubmitted_writes_is_not_done_even_when_every_submitted_write_is():
+    eng, group = ScriptedEngine(), WriteGroup(list(WRITES), 80)
+    group.submit(eng, "peer", 3)
+    for h in (1, 2, 3):
+        eng.finish(h)
+    assert group.poll(eng) is WriteState.PENDING and not group.settled
+
+
+def test_after_a_failure_nothing_more_is_submitted_and_the_group_settles_when_the_submitted_ones_have():
+    eng, group = ScriptedEngine(), WriteGroup(list(WRITES), 80)
+    group.submit(eng, "peer", 3)
+    eng.finish(1, ok=False)
+    assert group.poll(eng) is WriteState.FAILED
+    assert group.submit(eng, "peer", 10) == 0 and len(eng.submitted) == 3
+    assert not group.settled  # writes 2 and 3 may still land
+    eng.finish(2)
+    eng.finish(3)
+    assert group.poll(eng) is WriteState.FAILED and group.settled
+
+
+def test_dropping_the_unsubmitted_writes_of_a_failed_room():
+    eng, group = ScriptedEngine(), WriteGroup(list(WRITES), 80)
+    group.submit(eng, "peer", 2)
+    group.drop_unsubmitted()
+    assert group.submit(eng, "peer", 10) == 0
+    eng.finish(1)
+    eng.finish(2)
+    assert group.poll(eng) is WriteState.DONE and group.settled
+
+
+def test_an_empty_group_is_settled_at_once():
+    eng, group = ScriptedEngine(), WriteGroup([], 0)
+    assert group.submit(eng, "peer", 5) == 0
+    assert group.poll(eng) is WriteState.DONE and group.settled
