@@ -20,18 +20,14 @@ import asyncio
 import cProfile
 import json
 import os
-import platform
 import pstats
 import random
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
-from typing import Self
 
 import aiohttp
 import torch
@@ -42,78 +38,10 @@ from disagg_worker.engine.engine import Engine
 from disagg_worker.engine.loop import Stepper
 from disagg_worker.engine.sampling import SamplingParams
 
-DISAGG = str(Path(sys.executable).with_name("disagg"))
-RESULTS = Path(__file__).resolve().parent / "results"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import DISAGG, RESULTS, Serve, machine_info  # noqa: E402
+
 DEFAULT_THREADS = torch.get_num_threads()
-
-
-# ---- machine and processes ----------------------------------------------------------------------
-def machine_info() -> dict:
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor())
-    mem_kb = int(next(line.split()[1] for line in Path("/proc/meminfo").read_text().splitlines()
-                      if line.startswith("MemTotal")))
-    import transformers
-
-    return {
-        "cpu": cpu,
-        "cores": os.cpu_count(),
-        "memory_gib": round(mem_kb / 2**20, 1),
-        "kernel": platform.release(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "load_average_at_start": list(os.getloadavg()),
-    }
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def get_json(url: str) -> dict:
-    with urllib.request.urlopen(url, timeout=5) as resp:
-        return json.loads(resp.read())
-
-
-class Server:
-    """`disagg serve` in its own process group, for the duration of a `with` block."""
-
-    def __init__(self, model: str, *flags: str, env: dict[str, str] | None = None):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        fd, self.log = tempfile.mkstemp(prefix="bench-engine-", suffix=".log")
-        os.close(fd)
-        self.argv = [DISAGG, "serve", "--model", model, "--port", str(self.port), "--log-level", "warning", *flags]
-        self.env = {**os.environ, **(env or {})}
-        self.proc: subprocess.Popen | None = None
-
-    def __enter__(self) -> Self:
-        with open(self.log, "wb") as log:
-            self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, env=self.env,
-                                         start_new_session=True)
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited: {Path(self.log).read_text()[-3000:]}")
-            try:
-                if get_json(f"{self.url}/health")["status"] == "ok":
-                    return self
-            except OSError:
-                pass
-            time.sleep(0.3)
-        raise TimeoutError(f"{self.url} did not become healthy")
-
-    def __exit__(self, *exc) -> None:
-        os.killpg(self.proc.pid, 15)
-        try:
-            self.proc.wait(20)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, 9)
-            self.proc.wait(10)
-        Path(self.log).unlink(missing_ok=True)
 
 
 def bench_args(url: str, *, num_prompts: int, concurrency: int, input_len: int, output_len: int) -> argparse.Namespace:
@@ -136,7 +64,7 @@ def ours_throughput(model: str, a: argparse.Namespace, env: dict) -> dict:
         return bench_args(url, num_prompts=n, concurrency=a.concurrency, input_len=a.input_len,
                           output_len=a.output_len)
 
-    with Server(model, env=env) as srv:
+    with Serve(model, env=env, name="bench-engine") as srv:
         asyncio.run(serve_bench.bench(ns(srv.url, 8)))  # warm-up
         runs = [asyncio.run(serve_bench.bench(ns(srv.url, a.num_prompts))) for _ in range(a.rounds)]
     best = sorted(runs, key=lambda r: r["output_throughput"])[len(runs) // 2]  # the median round
@@ -233,7 +161,8 @@ def http_overhead(model: str, a: argparse.Namespace, env: dict) -> dict:
                           output_len=a.overhead_output_len)
 
     per: dict[str, dict[str, list]] = {f: {"step_ms": [], "p50_itl_ms": []} for f in ("noop", "model")}
-    with Server(model, "--forward", "noop", *flags, env=env) as noop, Server(model, *flags, env=env) as real:
+    with Serve(model, "--forward", "noop", *flags, env=env, name="bench-engine") as noop, \
+            Serve(model, *flags, env=env, name="bench-engine") as real:
         for srv in (noop, real):
             asyncio.run(serve_bench.bench(bench_args(srv.url, num_prompts=4, concurrency=4, input_len=16,
                                                      output_len=8)))
@@ -427,7 +356,9 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(a.threads)
         env["OMP_NUM_THREADS"] = str(a.threads)
     config = {**vars(a), "torch_threads": torch.get_num_threads(), "torch_default_threads": DEFAULT_THREADS}
-    res: dict = {"machine": machine_info(), "config": config}
+    import transformers
+
+    res: dict = {"machine": machine_info(transformers=transformers.__version__), "config": config}
     with tempfile.TemporaryDirectory(prefix="bench-engine-") as tmp:
         model = str(Path(tmp) / "tiny-llama")
         subprocess.run([DISAGG, "model", "make-tiny", "--out", model], check=True, stdout=subprocess.DEVNULL)

@@ -15,80 +15,19 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import platform
-import signal
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 from disagg_worker.bench import serve as serve_bench
 
-DISAGG = str(Path(sys.executable).with_name("disagg"))
-RESULTS = Path(__file__).resolve().parent / "results"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import DISAGG, RESULTS, Serve, machine_info  # noqa: E402
+
 KEYS = ("p50_ttft_ms", "p90_ttft_ms", "mean_ttft_ms", "p50_itl_ms", "p50_e2e_ms", "request_throughput")
-
-
-def machine_info() -> dict:
-    import torch
-
-    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
-    return {"cpu": cpu, "cores": os.cpu_count(), "kernel": platform.release(), "python": platform.python_version(),
-            "torch": torch.__version__, "load_average_at_start": list(os.getloadavg())}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    """`disagg serve` (with `--local`: the P/D trio) in its own process group."""
-
-    def __init__(self, model: str, *flags: str, threads: int):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = tempfile.NamedTemporaryFile(prefix="bench-pd-", suffix=".log", delete=False)
-        self.argv = [DISAGG, "serve", "--model", model, "--port", str(self.port), "--log-level", "warning",
-                     "--torch-threads", str(threads), *flags]
-        self.env = {**os.environ, "MC_LOG_LEVEL": "WARNING", "OMP_NUM_THREADS": str(threads)}
-        self.proc: subprocess.Popen | None = None
-
-    def start(self) -> "Server":
-        self.proc = subprocess.Popen(self.argv, stdout=self.log, stderr=subprocess.STDOUT, env=self.env,
-                                     start_new_session=True)
-        return self
-
-    def wait_healthy(self, timeout: float = 300) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.argv} exited: {Path(self.log.name).read_text()[-3000:]}")
-            try:
-                with urllib.request.urlopen(f"{self.url}/health", timeout=2) as r:
-                    if r.status == 200:
-                        return
-            except OSError:
-                pass
-            time.sleep(0.3)
-        raise TimeoutError(f"{self.url} did not become healthy")
-
-    def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        os.killpg(self.proc.pid, signal.SIGTERM)
-        try:
-            self.proc.wait(20)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(10)
-        Path(self.log.name).unlink(missing_ok=True)
 
 
 def load(url: str, *, n: int, concurrency: int, input_len: int, output_len: int, seed: int) -> dict:
@@ -103,7 +42,7 @@ def load(url: str, *, n: int, concurrency: int, input_len: int, output_len: int,
     return {k: report[k] for k in KEYS}
 
 
-def interleaved(servers: dict[str, Server], a: argparse.Namespace, *, n: int, concurrency: int, base_seed: int,
+def interleaved(servers: dict[str, Serve], a: argparse.Namespace, *, n: int, concurrency: int, base_seed: int,
                 input_len: int = 0) -> dict:
     """Rounds A B, B A, ... with the same fresh prompts for both servers in each round."""
     input_len = input_len or a.input_len
@@ -167,7 +106,10 @@ def main(argv: list[str] | None = None) -> int:
         model = tempfile.mkdtemp(prefix="bench-pd-model-")
         subprocess.run([DISAGG, "model", "make-tiny", "--out", model], check=True, stdout=subprocess.DEVNULL)
     res: dict = {"machine": machine_info(), "config": vars(a) | {"model": model}}
-    servers = {"mono": Server(model, threads=a.threads), "pd": Server(model, "--local", threads=a.threads)}
+    threads = ["--torch-threads", str(a.threads)]
+    env = {"OMP_NUM_THREADS": str(a.threads)}
+    servers = {"mono": Serve(model, *threads, env=env, name="bench-pd"),
+               "pd": Serve(model, "--local", *threads, env=env, name="bench-pd")}
     try:
         for s in servers.values():
             s.start()

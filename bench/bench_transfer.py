@@ -15,17 +15,20 @@ import argparse
 import json
 import multiprocessing as mp
 import os
-import platform
 import random
 import socket
 import statistics
 import struct
+import sys
 import time
 from pathlib import Path
 
 os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
 
 import torch  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import machine_info  # noqa: E402
 
 SIZES = [4 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20, 256 << 20, 512 << 20]
 PAGE = 16 << 10
@@ -37,12 +40,6 @@ RESULTS = Path(__file__).parent / "results"
 
 def reps_for(nbytes: int) -> int:
     return 60 if nbytes <= (1 << 20) else 20 if nbytes <= (64 << 20) else 8
-
-
-def machine() -> dict:
-    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
-    return {"cpu": cpu, "cores": os.cpu_count(), "kernel": platform.release(), "python": platform.python_version(),
-            "torch": torch.__version__}
 
 
 def scatter_pages(seed: int) -> tuple[list[int], list[int]]:
@@ -290,7 +287,7 @@ def main() -> None:
     keys = [*map(str, sizes), "scattered"]
     ratio = {k: gbps["kv_manager"][k] / gbps["socket"][k] for k in keys}
     ratio_raw = {k: gbps["mooncake_submit_poll"][k] / gbps["socket"][k] for k in keys}
-    result = {"machine": machine(), "load_avg_at_start": os.getloadavg(), "sizes": sizes, "gbps": gbps,
+    result = {"machine": machine_info(), "load_avg_at_start": os.getloadavg(), "sizes": sizes, "gbps": gbps,
               "ratio_kv_manager_over_socket": ratio, "ratio_submit_poll_over_socket": ratio_raw,
               "seconds": round(time.time() - t0, 1), "unit": "GB/s (1e9 bytes/s), median of interleaved repetitions; iqr: [p25, p75] throughput"}
     RESULTS.mkdir(exist_ok=True)
