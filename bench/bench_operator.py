@@ -147,10 +147,12 @@ def operator_run(cluster: KubeCluster, items: list[dict], idle: float, timeout: 
     apply = subprocess.Popen([str(cluster.kubectl_path), "-n", ns, "apply", "-f", "-"], env=cluster.env,
                              stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
     applied: list[float] = []
-    threading.Thread(target=lambda: (apply.communicate(json.dumps({"apiVersion": "v1", "kind": "List",
-                                                                    "items": items})),
-                                     applied.append(time.monotonic() - t0)), daemon=True).start()
+    feeder = threading.Thread(target=lambda: (apply.communicate(json.dumps({"apiVersion": "v1", "kind": "List",
+                                                                             "items": items})),
+                                              applied.append(time.monotonic() - t0)), daemon=True)
+    feeder.start()
     timeline, times = follow(cluster, ns, count, t0, timeout, settle, want_status=True)
+    feeder.join(60)
     assert apply.wait(60) == 0, "kubectl apply of the CRs failed"
     converged = op.proxy.snapshot()
     operator_cpu = cpu_seconds(op.proc.pid) - cpu_before
