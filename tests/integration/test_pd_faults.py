@@ -11,7 +11,7 @@ import time
 import pytest
 import requests
 
-from tests.integration.procs import PDStack, idle_and_flushed, wait_until
+from tests.integration.procs import PDStack, wait_until
 from tests.integration.test_pd import FLAGS, assert_clean
 
 pytestmark = pytest.mark.integration
@@ -57,18 +57,28 @@ def outcomes(futures: list[cf.Future]) -> list[tuple]:
     return results
 
 
+def prefill_busy(url: str) -> bool:
+    """Requests are being prefilled or are in the inflight queue (one /stats read)."""
+    st = requests.get(f"{url}/stats", timeout=5).json()
+    return st["queues"].get("prefill_inflight", 0) + st["running"] > 0
+
+
+def wait_router_healthy(stack: PDStack) -> None:
+    wait_until(lambda: requests.get(f"{stack.router.url}/health", timeout=5).status_code == 200, timeout=30,
+               what="router healthy")
+
+
 def test_kill_decode_mid_transfer(stack):
     with cf.ThreadPoolExecutor(24) as pool:
         futures = load(stack.router.url, 24, pool)
-        wait_until(lambda: requests.get(f"{stack.prefill.url}/stats", timeout=5).json()["queues"]
-                   .get("prefill_inflight", 0) + requests.get(f"{stack.prefill.url}/stats", timeout=5).json()
-                   ["running"] > 0, timeout=30, interval=0.02, what="requests reaching prefill")
+        wait_until(lambda: prefill_busy(stack.prefill.url), timeout=30, interval=0.02,
+                   what="requests reaching prefill")
         stack.decode.kill()
         results = outcomes(futures)
     assert any(r[0] == "error" for r in results)
     assert_clean(stack.prefill.url)
     stack.decode = stack.start_decode(stack.decode.port).wait_healthy()
-    wait_until(lambda: requests.get(f"{stack.router.url}/health", timeout=5).status_code == 200, timeout=30)
+    wait_router_healthy(stack)
     assert request(stack.router.url, 999)[0] == "ok"
     assert_clean(stack.prefill.url, stack.decode.url)
 
@@ -83,7 +93,7 @@ def test_kill_prefill_mid_bootstrap(stack):
     assert_clean(stack.decode.url)
     # Decode reconnects to a restarted prefill instance without being restarted itself.
     stack.prefill = stack.start_prefill(stack.prefill.port).wait_healthy()
-    wait_until(lambda: requests.get(f"{stack.router.url}/health", timeout=5).status_code == 200, timeout=30)
+    wait_router_healthy(stack)
     wait_until(lambda: request(stack.router.url, 1000)[0] == "ok", timeout=60, interval=1,
                what="a request through the restarted prefill")
     assert_clean(stack.prefill.url, stack.decode.url)
