@@ -25,7 +25,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests" / "cluster"))
+sys.path.insert(0, str(REPO / "bench"))
 
+from common import machine_info  # noqa: E402
 from conftest import KubeCluster  # noqa: E402
 from test_operator_support import OperatorUnderTest, install_chart, load_example, wait_until  # noqa: E402
 
@@ -181,10 +183,12 @@ def operator_run(cluster: KubeCluster, items: list[dict], idle: float, timeout: 
 
 def run(cluster: KubeCluster, count: int, idle: float, timeout: float) -> dict:
     install_chart(cluster)
+    machine = machine_info()
     items = bench_items(count)
     result = operator_run(cluster, items, idle, timeout)
     direct = direct_run(cluster, items, timeout)  # second: the operator's run sees the same cluster as before
     result["direct_apply"] = direct
+    result["machine"] = machine
     if direct["seconds_until_all_children_exist"] and result["seconds_until_all_children_exist"]:
         result["ratio_children_operator_over_direct"] = round(
             result["seconds_until_all_children_exist"] / direct["seconds_until_all_children_exist"], 2)
@@ -231,8 +235,9 @@ def markdown(r: dict) -> str:
 {r['crs']} DisaggregatedModels (examples/dm-cpu-tcp.yaml, renamed) applied with one `kubectl apply` on the local
 control plane (etcd, kube-apiserver, controller-manager, scheduler built from source; kwok nodes). The operator
 runs as a local process with the chart's ServiceAccount; its API calls are counted by a proxy.
-Machine: {r['cpu_count']} CPUs shared with other work, 1-minute load average {r['load_average_1m_before_and_after'][0]}
-before and {r['load_average_1m_before_and_after'][1]} after the run.
+Machine: {r['machine']['cpu']}, {r['cpu_count']} CPUs, {r['machine']['memory_gib']} GiB, kernel \
+{r['machine']['kernel']}, shared with other work; 1-minute load average \
+{r['load_average_1m_before_and_after'][0]} before and {r['load_average_1m_before_and_after'][1]} after the run.
 
 | measure | value |
 |---|---|
