@@ -76,6 +76,23 @@ def test_group_runs_covers_the_pairing_with_maximal_runs(data):
         assert not (s2 == s1 + n1 and d2 == d1 + n1), "adjacent runs that could merge"
 
 
+segments = st.lists(st.tuples(st.integers(0, 10**6), st.integers(0, 10**6), st.integers(1, 64)), max_size=30)
+
+
+@settings(max_examples=60)
+@given(segments)
+def test_group_runs_on_long_page_lists_covers_the_pairing_with_maximal_runs(segs):
+    """Lists of 256 pages and more take the vectorised path; one contiguous run is the common case."""
+    segs = [(7, 9000, 256), *segs]
+    src = [s + k for s, _, n in segs for k in range(n)]
+    dst = [d + k for _, d, n in segs for k in range(n)]
+    runs = group_runs(src, dst)
+    assert [(s + k, d + k) for s, d, n in runs for k in range(n)] == list(zip(src, dst))
+    for (s1, d1, n1), (s2, d2, _) in zip(runs, runs[1:]):
+        assert not (s2 == s1 + n1 and d2 == d1 + n1), "adjacent runs that could merge"
+    assert group_runs(list(range(300)), list(range(50, 350))) == [(0, 50, 300)]
+
+
 def test_group_runs_examples():
     assert group_runs([4, 5, 6, 9], [0, 1, 2, 3]) == [(4, 0, 3), (9, 3, 1)]
     assert group_runs([1, 2, 3], [7, 9, 10]) == [(1, 7, 1), (2, 9, 2)]
@@ -117,6 +134,9 @@ def test_codec_rejects_wrong_types_and_fields():
         b'{"type":"RoomAbort","decode_id":"d","room":7}',
         b'{"type":"RoomAbort","decode_id":"d","room":7,"reason":"x","extra":1}',
         b'{"type":"Nope"}',
+        b'{"type":"RoomRequest","decode_id":"d","reply_endpoint":"e","room":7,"dest_pages":[1,true],"aux_slot":0,"staging_offset":-1}',
+        b'{"type":"RoomRequest","decode_id":"d","reply_endpoint":"e","room":7,"dest_pages":[1,2.5],"aux_slot":0,"staging_offset":-1}',
+        b'{"type":"RoomRequest","decode_id":"d","reply_endpoint":"e","room":7,"dest_pages":3,"aux_slot":0,"staging_offset":-1}',
         b"[1,2]",
         b"\xff",
     ):

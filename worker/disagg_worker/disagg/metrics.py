@@ -25,6 +25,12 @@ class TransferMetrics:
 
     def __init__(self, instance: str):
         self.instance = instance
+        # The labelled children, bound once: `labels()` costs more than the update itself.
+        self._seconds = _SECONDS.labels(instance)
+        self._bytes = _BYTES.labels(instance)
+        self._failures = _FAILURES.labels(instance)
+        self._bootstrap_failures = _BOOTSTRAP_FAILURES.labels(instance)
+        self._gbps = _GBPS.labels(instance)
         self._lock = threading.Lock()
         self.bootstrap_failures = 0
         self.transfer_failures = 0
@@ -35,19 +41,19 @@ class TransferMetrics:
     def bootstrap_failed(self) -> None:
         with self._lock:
             self.bootstrap_failures += 1
-        _BOOTSTRAP_FAILURES.labels(self.instance).inc()
+        self._bootstrap_failures.inc()
 
     def transfer_failed(self) -> None:
         with self._lock:
             self.transfer_failures += 1
-        _FAILURES.labels(self.instance).inc()
+        self._failures.inc()
 
     def transfer_done(self, nbytes: int, seconds: float) -> None:
         with self._lock:
             self.transfers += 1
             self.bytes_total += nbytes
             self.last_seconds = seconds
-        _SECONDS.labels(self.instance).observe(seconds)
-        _BYTES.labels(self.instance).inc(nbytes)
+        self._seconds.observe(seconds)
+        self._bytes.inc(nbytes)
         if seconds > 0:
-            _GBPS.labels(self.instance).set(nbytes / seconds / 1e9)
+            self._gbps.set(nbytes / seconds / 1e9)

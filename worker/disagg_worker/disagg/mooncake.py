@@ -102,6 +102,10 @@ class WriteGroup:
         return WriteState.DONE if self.settled else WriteState.PENDING
 
     @property
+    def all_submitted(self) -> bool:
+        return len(self.handles) == len(self.writes)
+
+    @property
     def in_flight(self) -> int:
         """Writes submitted and not yet seen settled."""
         return len(self.handles) - self._next
@@ -109,4 +113,4 @@ class WriteGroup:
     @property
     def settled(self) -> bool:
         """Every write submitted (or dropped) has finished or failed."""
-        return self._next >= len(self.handles) == len(self.writes)
+        return self._next >= len(self.handles) and self.all_submitted

@@ -31,6 +31,7 @@ from disagg_worker.disagg.rooms import RoomTable
 from disagg_worker.env import load_env
 
 log = logging.getLogger(__name__)
+SWEEP_INTERVAL_MS = 20  # how often waiting timeouts are checked
 
 
 class InstanceState(Enum):
@@ -273,11 +274,15 @@ class MooncakeDecodeManager(KVManager):
 
     # ---- control thread --------------------------------------------------------------
     def _control_loop(self) -> None:
+        next_sweep = 0.0
         while not self._stop.is_set():
-            for msg in self.channel.recv(timeout_ms=20):
+            for msg in self.channel.recv(timeout_ms=SWEEP_INTERVAL_MS):
                 if isinstance(msg, RoomUpdate):
                     self._on_update(msg)
-            self._sweep(time.monotonic())
+            now = time.monotonic()
+            if now >= next_sweep:  # not on every message: a sweep visits every room
+                self._sweep(now)
+                next_sweep = now + SWEEP_INTERVAL_MS / 1000
 
     def _on_update(self, msg: RoomUpdate) -> None:
         key = (msg.tp_rank, msg.pp_rank)

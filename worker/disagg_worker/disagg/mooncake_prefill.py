@@ -6,7 +6,7 @@ submits the writes of each send, at most `MAX_WRITES_IN_FLIGHT` outstanding per 
 polls them with a short sleep). The scheduler thread only calls non-blocking handle methods.
 
 Writes: contiguous page runs go straight from the pool into decode's pool, large ones split
-over a few lanes (`runs.split_for_lanes`). When decode names a staging range for a room (its
+over a few lanes (`runs.split_for_lanes`) when nothing else is in flight to that peer. When decode names a staging range for a room (its
 destination is fragmented), each send is gathered into the local staging area and written as
 one block per KV buffer; decode scatters it before Success (`mooncake_staging`).
 
@@ -34,13 +34,14 @@ from disagg_worker.disagg.mooncake_staging import gather, open_registered
 from disagg_worker.disagg.peers import DecodePeer
 from disagg_worker.disagg.poll import KVPoll, StatusCell
 from disagg_worker.disagg.rooms import RoomTable
-from disagg_worker.disagg.runs import group_runs, split_for_lanes
+from disagg_worker.disagg.runs import LANES, group_runs, split_for_lanes
 from disagg_worker.disagg.transfer_workers import TransferWorkers
 from disagg_worker.env import load_env
 
 log = logging.getLogger(__name__)
 # Decode hears "Transferring" only for sends still in flight after this long.
 TRANSFERRING_NOTICE_S = 0.005
+SWEEP_INTERVAL_MS = 20  # how often bootstrap and waiting timeouts are checked
 
 
 @dataclass
@@ -185,14 +186,17 @@ class MooncakePrefillManager(KVManager):
 
     # ---- control thread --------------------------------------------------------------
     def _control_loop(self) -> None:
-        next_register = 0.0
+        next_register = next_sweep = 0.0
         while not self._stop.is_set():
             now = time.monotonic()
             if not self.registered.is_set() and now >= next_register:
                 next_register = now + self._try_register()
-            for msg in self.channel.recv(timeout_ms=20):
+            for msg in self.channel.recv(timeout_ms=SWEEP_INTERVAL_MS):
                 self._on_message(msg)
-            self._sweep(time.monotonic())
+            now = time.monotonic()
+            if now >= next_sweep:  # not on every message: a sweep visits every room
+                self._sweep(now)
+                next_sweep = now + SWEEP_INTERVAL_MS / 1000
 
     def _try_register(self) -> float:
         """Register with the bootstrap server; seconds until the next attempt."""
@@ -294,15 +298,18 @@ class MooncakePrefillManager(KVManager):
             self._in_flight[peer] = self._in_flight.get(peer, 0) + group.submit(self.engine, peer, free)
 
     def _writes(self, job: _Job) -> list[tuple[int, int, int]]:
-        """(src address, dst address, nbytes) for every page run of a job, in every buffer."""
+        """(src address, dst address, nbytes) for every page run of a job, in every buffer. Large
+        writes are split over Mooncake's lanes only when the link to the peer is idle: with other
+        writes in flight the lanes are busy already, and more pieces only add per-write cost."""
         peer, pn, req = job.state.peer, self.layout.page_nbytes, job.state.request
+        lanes = LANES if self._in_flight.get(peer.session_id, 0) == 0 else 1
         if req.staging_offset >= 0:
-            return split_for_lanes(self._staged_writes(job))
+            return split_for_lanes(self._staged_writes(job), lanes)
         writes = []
         for src, dst, n in group_runs(job.src_pages, job.dst_pages):
             for i, ptr in enumerate(self.layout.buffer_ptrs):
                 writes.append((ptr + src * pn, peer.buffer_ptrs[peer.buffer_map[i]] + dst * pn, n * pn))
-        return split_for_lanes(writes)
+        return split_for_lanes(writes, lanes)
 
     def _staged_writes(self, job: _Job) -> list[tuple[int, int, int]]:
         """Writes into decode's staging area: one block per buffer gathered through the local
@@ -328,7 +335,11 @@ class MooncakePrefillManager(KVManager):
         """Advance one job; True when it is settled and can be dropped."""
         state, group = job.state, job.group
         peer, in_flight = state.peer.session_id, group.in_flight
-        failed = group.poll(self.engine) is WriteState.FAILED
+        polled = group.poll(self.engine)
+        if polled is WriteState.PENDING and group.in_flight == in_flight and group.all_submitted:
+            if not (job.first and time.monotonic() - group.started > TRANSFERRING_NOTICE_S):
+                return False  # the common case while writes are on the wire: nothing changed
+        failed = polled is WriteState.FAILED
         self._in_flight[peer] = self._in_flight.get(peer, 0) - (in_flight - group.in_flight)
         if failed:
             self._fail(state, "KV write to decode failed (decode gone or refused the address)")

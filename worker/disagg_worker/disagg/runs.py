@@ -16,7 +16,7 @@ def group_runs(src_pages: list[int], dst_pages: list[int]) -> list[tuple[int, in
     if len(src_pages) != len(dst_pages):
         raise ValueError(f"page lists differ in length: {len(src_pages)} != {len(dst_pages)}")
     if len(src_pages) >= _VECTORISE_FROM:
-        return _group_runs_np(np.asarray(src_pages, dtype=np.int64), np.asarray(dst_pages, dtype=np.int64))
+        return _group_runs_np(list(src_pages), list(dst_pages))
     runs: list[tuple[int, int, int]] = []
     for s, d in zip(src_pages, dst_pages):
         if runs:
@@ -28,11 +28,16 @@ def group_runs(src_pages: list[int], dst_pages: list[int]) -> list[tuple[int, in
     return runs
 
 
-def _group_runs_np(src: np.ndarray, dst: np.ndarray) -> list[tuple[int, int, int]]:
-    breaks = np.flatnonzero((np.diff(src) != 1) | (np.diff(dst) != 1)) + 1
+def _group_runs_np(src_pages: list[int], dst_pages: list[int]) -> list[tuple[int, int, int]]:
+    n = len(src_pages)
+    both = np.fromiter(src_pages + dst_pages, dtype=np.int64, count=2 * n).reshape(2, n)
+    step = np.diff(both, axis=1)
+    breaks = np.flatnonzero((step[0] != 1) | (step[1] != 1)) + 1
+    if not len(breaks):  # one run: the common case of a fresh request's pages
+        return [(src_pages[0], dst_pages[0], n)]
     starts = np.concatenate(([0], breaks))
-    lengths = np.diff(np.concatenate((starts, [len(src)])))
-    return list(zip(src[starts].tolist(), dst[starts].tolist(), lengths.tolist()))
+    lengths = np.diff(np.append(starts, n))
+    return list(zip(both[0, starts].tolist(), both[1, starts].tolist(), lengths.tolist()))
 
 
 # Mooncake TCP moves several writes to one peer concurrently: a large write split into about
