@@ -6,8 +6,13 @@ Methods, interleaved per repetition, one receiver process on 127.0.0.1:
   mooncake_submit_poll  transfer_submit_write per run + sleep-poll (what the KV layer does)
   kv_manager            the `mooncake` KV manager end to end: prefill send() -> decode receiver
                         Success (scattered pages go through the managers' staging areas)
-for contiguous sizes 4 KiB .. 512 MiB and 1000 scattered 16 KiB pages.
-Writes bench/results/transfer.json and transfer.png.  Usage: python bench/bench_transfer.py [--quick]
+for contiguous sizes 4 KiB .. 512 MiB and 1000 scattered 16 KiB pages, two ways:
+  single    one transfer at a time, timed until the receiver has it (latency-bound for small sizes)
+  streamed  bandwidth: `stream_count(size)` transfers issued back to back (64 MiB in flight, at
+            most 32 transfers; one room each through the KV manager), timed until the receiver has
+            the last one, as ib_write_bw or iperf measure a link. A prefill instance serving many
+            requests moves KV this way.
+Writes bench/results/transfer.json and transfer.png (both passes).  Usage: python bench/bench_transfer.py [--quick]
 """
 from __future__ import annotations
 
@@ -35,11 +40,19 @@ PAGE = 16 << 10
 SMALL_PAGE = 2 << 10  # contiguous sizes: n bytes = n/2 in each of K and V, whole 2 KiB pages
 N_SCATTER = 1000
 POOL = 512 << 20
+STREAM_BYTES = 64 << 20
+STREAM_MAX = 32
+PASSES = ("single", "streamed")
 RESULTS = Path(__file__).parent / "results"
 
 
 def reps_for(nbytes: int) -> int:
     return 60 if nbytes <= (1 << 20) else 20 if nbytes <= (64 << 20) else 8
+
+
+def stream_count(nbytes: int) -> int:
+    """Transfers of `nbytes` issued back to back in the streamed pass."""
+    return max(1, min(STREAM_MAX, STREAM_BYTES // nbytes))
 
 
 def scatter_pages(seed: int) -> tuple[list[int], list[int]]:
@@ -72,14 +85,14 @@ def _socket_sink(srv, buf: torch.Tensor) -> None:
     staging = torch.empty(N_SCATTER * PAGE, dtype=torch.uint8)
     pages = buf.view(torch.int64).view(-1, PAGE // 8)  # 8-byte elements: much faster row copies
     while True:
-        header = sock.recv(16, socket.MSG_WAITALL)
-        if len(header) < 16:
+        header = sock.recv(24, socket.MSG_WAITALL)
+        if len(header) < 24:
             return
-        nbytes, scatter_seed = struct.unpack("<qq", header)
+        nbytes, scatter_seed, count = struct.unpack("<qqq", header)
         target = memoryview(staging.numpy()) if scatter_seed >= 0 else view
-        got = 0
-        while got < nbytes:
-            got += sock.recv_into(target[got:nbytes])
+        got, total = 0, nbytes * count  # message i lands at [i * nbytes, (i + 1) * nbytes)
+        while got < total:
+            got += sock.recv_into(target[got:total])
         if scatter_seed >= 0:  # scatter the received pages into their destinations
             _, dst = scatter_pages(scatter_seed)
             pages[torch.tensor(dst)] = staging.view(torch.int64).view(-1, PAGE // 8)
@@ -95,25 +108,35 @@ def _manager_sink(conn, addrs: dict) -> None:
             for p, (_, lay) in layouts.items()}
     conn.send("ready")
     while (cmd := conn.recv()) is not None:
-        room, page_nbytes, dest = cmd
-        r = mgrs[page_nbytes].create_receiver(room, addrs[page_nbytes])
-        r.init(dest, 0)
-        while not r.poll().terminal:  # decode's Success: staged pages are scattered by then
-            time.sleep(0.00005)
-        conn.send(int(r.poll()) == KVPoll.Success)
+        rooms, page_nbytes, dests = cmd
+        receivers = [mgrs[page_nbytes].create_receiver(room, addrs[page_nbytes]) for room in rooms]
+        for slot, (r, dest) in enumerate(zip(receivers, dests)):
+            r.init(dest, slot)
+        # Rooms finish about in order: watch the oldest, then the next. Streamed, only the last
+        # one's time counts, so poll less often and leave the CPU to the transfer.
+        pending, sleep = receivers[::-1], 0.00005 if len(rooms) == 1 else 0.0002
+        while pending:
+            if pending[-1].poll().terminal:  # decode's Success: staged pages are scattered by then
+                pending.pop()
+            else:
+                time.sleep(sleep)
+        conn.send(all(int(r.poll()) == KVPoll.Success for r in receivers))
     for m in mgrs.values():
         m.close()
 
 
-def _time_socket(sock, src: torch.Tensor, nbytes: int, seed: int = -1) -> float:
+def _time_socket(sock, src: torch.Tensor, nbytes: int, seed: int = -1, count: int = 1) -> float:
+    """`count` messages of `nbytes` sent back to back, until the receiver acknowledges the last."""
     t0 = time.perf_counter()
+    sock.sendall(struct.pack("<qqq", nbytes, seed, count))
     if seed >= 0:
         srcp, _ = scatter_pages(seed)
         payload = src.view(torch.int64).view(-1, PAGE // 8).index_select(0, torch.tensor(srcp)).numpy()
+        sock.sendall(memoryview(payload).cast("B"))
     else:
-        payload = src[:nbytes].numpy()
-    sock.sendall(struct.pack("<qq", nbytes, seed))
-    sock.sendall(memoryview(payload).cast("B"))
+        view = memoryview(src.numpy())
+        for i in range(count):
+            sock.sendall(view[i * nbytes : (i + 1) * nbytes])
     assert sock.recv(1) == b"k"
     return time.perf_counter() - t0
 
@@ -177,58 +200,72 @@ class Bench:
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.room = random.getrandbits(48)
 
-    def manager_once(self, page_nbytes: int, src: list[int], dst: list[int]) -> float:
+    def manager_run(self, page_nbytes: int, transfers: list[tuple[list[int], list[int]]]) -> float:
+        """One room per (src pages, dst pages), handshaken before the clock starts; seconds from
+        the first send() until decode reports Success for every room."""
         from disagg_worker.disagg import KVPoll
 
-        self.room += 1
-        sender = self.mgrs[page_nbytes][1].create_sender(self.room)
-        self.conn.send((self.room, page_nbytes, dst))
-        while sender.poll() is KVPoll.Bootstrapping:
-            time.sleep(0.0002)
+        rooms = list(range(self.room + 1, self.room + 1 + len(transfers)))
+        self.room += len(transfers)
+        senders = [self.mgrs[page_nbytes][1].create_sender(room) for room in rooms]
+        self.conn.send((rooms, page_nbytes, [dst for _, dst in transfers]))
+        for sender in senders:
+            while sender.poll() is KVPoll.Bootstrapping:
+                time.sleep(0.0002)
         t0 = time.perf_counter()
-        sender.send(src, last=True)
+        for sender, (src, _) in zip(senders, transfers):
+            sender.send(src, last=True)
         assert self.conn.recv()  # until decode reports Success, as the socket waits for the ack
         took = time.perf_counter() - t0
-        while not sender.poll().terminal:
-            time.sleep(0.0001)
-        assert sender.poll() is KVPoll.Success, sender.failure_reason()
+        for sender in senders:
+            while not sender.poll().terminal:
+                time.sleep(0.0001)
+            assert sender.poll() is KVPoll.Success, sender.failure_reason()
         return took
 
-    def workloads(self, sizes: list[int]):
+    def workloads(self, sizes: list[int], streamed: bool):
+        """(name, bytes per transfer, count, raw writes, scatter seed, (page size, manager transfers))."""
         sptr, dptr = self.src.data_ptr(), self.dptr
         for n in sizes:  # the manager moves n bytes as n/2 over each of the K and V buffers
-            pages = list(range(n // 2 // SMALL_PAGE))
-            yield str(n), n, [(sptr, dptr, n)], -1, (SMALL_PAGE, pages, pages)
+            count, m = stream_count(n) if streamed else 1, n // 2 // SMALL_PAGE
+            writes = [(sptr + i * n, dptr + i * n, n) for i in range(count)]
+            rooms = [(list(range(i * m, (i + 1) * m)),) * 2 for i in range(count)]
+            yield str(n), n, count, writes, -1, (SMALL_PAGE, rooms)
+        if streamed:
+            return
         srcp, dstp = scatter_pages(7)
         writes = [(sptr + s * PAGE, dptr + d * PAGE, PAGE) for s, d in zip(srcp, dstp)]
         half = POOL // 2 // PAGE  # manager: 500 scattered pages x (K, V) = 1000 x 16 KiB writes
         msrc = list(dict.fromkeys(s % half for s in srcp))[:500]
         mdst = list(dict.fromkeys(d % half for d in dstp))[:500]
-        yield "scattered", N_SCATTER * PAGE, writes, 7, (PAGE, msrc, mdst)
+        yield "scattered", N_SCATTER * PAGE, 1, writes, 7, (PAGE, [(msrc, mdst)])
 
-    def run(self, sizes: list[int]) -> dict:
+    def run(self, sizes: list[int], streamed: bool) -> dict:
         methods = ("socket", "mooncake_sync", "mooncake_submit_poll", "kv_manager")
-        out: dict = {m: {} for m in methods} | {"cpu_s": {}, "iqr": {m: {} for m in methods}}
-        for name, nbytes, writes, seed, (pn, msrc, mdst) in self.workloads(sizes):
+        out: dict = {m: {} for m in methods} | {"cpu_s": {}, "iqr": {m: {} for m in methods}, "count": {}}
+        for name, nbytes, count, writes, seed, (pn, rooms) in self.workloads(sizes, streamed):
             _time_mc(self.te, self.peer, writes, "poll")  # warm connections
-            self.manager_once(pn, msrc, mdst)
+            self.manager_run(pn, rooms)
             t: dict = {m: [] for m in methods} | {"cpu_sync": [], "cpu_poll": []}
-            for _ in range(reps_for(nbytes)):
-                t["socket"].append(_time_socket(self.sock, self.src, nbytes, seed))
+            for _ in range(reps_for(nbytes * count)):
+                t["socket"].append(_time_socket(self.sock, self.src, nbytes, seed, count))
                 wall, cpu = _time_mc(self.te, self.peer, writes, "sync")
                 t["mooncake_sync"].append(wall)
                 t["cpu_sync"].append(cpu / wall)
                 wall, cpu = _time_mc(self.te, self.peer, writes, "poll")
                 t["mooncake_submit_poll"].append(wall)
                 t["cpu_poll"].append(cpu / wall)
-                t["kv_manager"].append(self.manager_once(pn, msrc, mdst))
+                t["kv_manager"].append(self.manager_run(pn, rooms))
+            total = nbytes * count
             for m in methods:
-                out[m][name] = nbytes / statistics.median(t[m]) / 1e9
+                out[m][name] = total / statistics.median(t[m]) / 1e9
                 q1, _, q3 = statistics.quantiles(t[m], n=4)
-                out["iqr"][m][name] = [round(nbytes / q3 / 1e9, 3), round(nbytes / q1 / 1e9, 3)]
+                out["iqr"][m][name] = [round(total / q3 / 1e9, 3), round(total / q1 / 1e9, 3)]
             out["cpu_s"][name] = {"sync_cores": statistics.median(t["cpu_sync"]),
                                   "submit_poll_cores": statistics.median(t["cpu_poll"])}
-            print(f"{name:>10}: " + "  ".join(f"{m} {out[m][name]:.2f}" for m in methods) + " GB/s", flush=True)
+            out["count"][name] = count
+            label = f"{name} x{count}" if streamed else name
+            print(f"{label:>14}: " + "  ".join(f"{m} {out[m][name]:.2f}" for m in methods) + " GB/s", flush=True)
         return out
 
     def close(self) -> None:
@@ -247,20 +284,23 @@ def plot(result: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    labels = [*map(str, result["sizes"]), "scattered"]
-    xs = range(len(labels))
-    fig, ax = plt.subplots(figsize=(9, 4.5))
-    r = result["gbps"]
-    series = {"socket (ceiling)": r["socket"], "mooncake sync (batch)": r["mooncake_sync"],
-              "mooncake submit + sleep-poll": r["mooncake_submit_poll"], "KV manager (mooncake)": r["kv_manager"]}
-    for name, vals in series.items():
-        ax.plot(xs, [vals.get(k, float("nan")) for k in labels], marker="o", label=name)
-    ax.set_xticks(list(xs), [_human(k) for k in labels], rotation=30)
-    ax.set_ylabel("GB/s")
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.8), sharey=True)
+    for ax, mode in zip(axes, PASSES):
+        r = result[mode]["gbps"]
+        labels = [k for k in [*map(str, result["sizes"]), "scattered"] if k in r["socket"]]
+        xs = range(len(labels))
+        series = {"socket (ceiling)": r["socket"], "mooncake sync (batch)": r["mooncake_sync"],
+                  "mooncake submit + sleep-poll": r["mooncake_submit_poll"], "KV manager (mooncake)": r["kv_manager"]}
+        for name, vals in series.items():
+            ax.plot(xs, [vals[k] for k in labels], marker="o", label=name)
+        ticks = [_human(k) + (f"\nx{r['count'][k]}" if mode == "streamed" else "") for k in labels]
+        ax.set_xticks(list(xs), ticks, rotation=30, fontsize=8)
+        ax.set_title("one transfer at a time" if mode == "single" else "streamed: transfers back to back", fontsize=9)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("GB/s")
+    axes[0].legend(fontsize=8)
     m = result["machine"]
-    ax.set_title(f"KV transfer over loopback TCP ({m['cpu']}, {m['cores']} cores, {m['kernel']})", fontsize=9)
-    ax.legend()
-    ax.grid(alpha=0.3)
+    fig.suptitle(f"KV transfer over loopback TCP ({m['cpu']}, {m['cores']} cores, {m['kernel']})", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -279,22 +319,30 @@ def main() -> None:
     sizes = [s for s in SIZES if not args.quick or s <= 64 << 20]
     torch.set_num_threads(1)  # small shared machines: intra-op threads only add contention
     t0 = time.time()
+    load = os.getloadavg()
     bench = Bench()
+    result: dict = {"machine": machine_info(), "load_avg_at_start": load, "sizes": sizes}
     try:
-        gbps = bench.run(sizes)
+        for mode in PASSES:
+            print(f"-- {mode}", flush=True)
+            gbps = bench.run(sizes, streamed=mode == "streamed")
+            result[mode] = {"gbps": gbps,
+                            "ratio_kv_manager_over_socket": _ratios(gbps, "kv_manager"),
+                            "ratio_submit_poll_over_socket": _ratios(gbps, "mooncake_submit_poll")}
     finally:
         bench.close()
-    keys = [*map(str, sizes), "scattered"]
-    ratio = {k: gbps["kv_manager"][k] / gbps["socket"][k] for k in keys}
-    ratio_raw = {k: gbps["mooncake_submit_poll"][k] / gbps["socket"][k] for k in keys}
-    result = {"machine": machine_info(), "load_avg_at_start": os.getloadavg(), "sizes": sizes, "gbps": gbps,
-              "ratio_kv_manager_over_socket": ratio, "ratio_submit_poll_over_socket": ratio_raw,
-              "seconds": round(time.time() - t0, 1), "unit": "GB/s (1e9 bytes/s), median of interleaved repetitions; iqr: [p25, p75] throughput"}
+    result |= {"seconds": round(time.time() - t0, 1),
+               "unit": "GB/s (1e9 bytes/s), median of interleaved repetitions; iqr: [p25, p75] throughput"}
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "transfer.json").write_text(json.dumps(result, indent=2) + "\n")
     plot(result, RESULTS / "transfer.png")
-    for k, v in ratio.items():
-        print(f"ratio kv_manager/socket {_human(k).replace(chr(10), ' '):>22}: {v:.2f}")
+    for mode in PASSES:
+        for k, v in result[mode]["ratio_kv_manager_over_socket"].items():
+            print(f"{mode:>8} ratio kv_manager/socket {_human(k).replace(chr(10), ' '):>20}: {v:.2f}")
+
+
+def _ratios(gbps: dict, method: str) -> dict:
+    return {k: round(gbps[method][k] / gbps["socket"][k], 3) for k in gbps["socket"]}
 
 
 if __name__ == "__main__":
