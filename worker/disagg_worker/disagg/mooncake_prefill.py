@@ -6,9 +6,10 @@ submits the writes of each send, at most `MAX_WRITES_IN_FLIGHT` outstanding per 
 polls them with a short sleep). The scheduler thread only calls non-blocking handle methods.
 
 Writes: contiguous page runs go straight from the pool into decode's pool, large ones split
-over a few lanes (`runs.split_for_lanes`) when nothing else is in flight to that peer. When decode names a staging range for a room (its
-destination is fragmented), each send is gathered into the local staging area and written as
-one block per KV buffer; decode scatters it before Success (`mooncake_staging`).
+over a few lanes (`runs.split_for_lanes`) when nothing else is in flight to that peer. When
+decode names a staging range for a room (its destination is fragmented), each send is gathered
+into the local staging area and written as one block per KV buffer; decode scatters it before
+Success (`mooncake_staging`).
 
 Timeouts: a sender still Bootstrapping after `bootstrap_timeout_s` fails; a send whose writes
 have not all landed after `waiting_timeout_s` fails. Such writes are not cancelled, so decode
