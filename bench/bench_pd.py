@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import shutil
 import statistics
 import subprocess
 import sys
@@ -101,8 +102,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     t0 = time.time()
-    model = a.model
-    if not model:
+    model, made = a.model, not a.model
+    if made:
         model = tempfile.mkdtemp(prefix="bench-pd-model-")
         subprocess.run([DISAGG, "model", "make-tiny", "--out", model], check=True, stdout=subprocess.DEVNULL)
     res: dict = {"machine": machine_info(), "config": vars(a) | {"model": model}}
@@ -127,6 +128,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for s in servers.values():
             s.stop()
+        if made:
+            shutil.rmtree(model, ignore_errors=True)
     res["seconds"] = round(time.time() - t0, 1)
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "pd.json").write_text(json.dumps(res, indent=2) + "\n")
