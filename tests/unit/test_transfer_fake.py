@@ -49,6 +49,20 @@ def test_fake_round_trip_delivers_aux_and_success():
     assert p.metrics.transfers == 1 and p.metrics.bytes_total == 3 * 512 * 2
 
 
+def test_every_status_move_wakes_the_manager_that_owns_the_handle():
+    p, d = managers()
+    woken = {"prefill": 0, "decode": 0}
+    p.on_change = lambda: woken.__setitem__("prefill", woken["prefill"] + 1)
+    d.on_change = lambda: woken.__setitem__("decode", woken["decode"] + 1)
+    room = next(_rooms)
+    sender, receiver = p.create_sender(room), d.create_receiver(room, "127.0.0.1:1")
+    receiver.init([0], aux_slot=0)
+    before = dict(woken)
+    sender.send([5], last=True)  # prefill's send completes decode's transfer
+    assert receiver.poll() is KVPoll.Success
+    assert woken["decode"] > before["decode"] and woken["prefill"] > before["prefill"]
+
+
 def test_decode_abort_fails_prefill_sender_and_vice_versa():
     p, d = managers()
     r1, r2 = next(_rooms), next(_rooms)

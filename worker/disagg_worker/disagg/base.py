@@ -14,10 +14,11 @@ import math
 import struct
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import Callable
 
 from disagg_worker.config import DisaggConfig, Role
 from disagg_worker.disagg.metrics import TransferMetrics
-from disagg_worker.disagg.poll import KVPoll
+from disagg_worker.disagg.poll import KVPoll, StatusCell
 
 
 @dataclass(frozen=True)
@@ -161,6 +162,10 @@ class KVReceiver(ABC):
         """The aux record written by prefill (valid after Success)."""
 
 
+def _nothing() -> None:
+    pass
+
+
 class KVManager(ABC):
     """One per scheduler process; owns the transfer engine and background threads."""
 
@@ -172,6 +177,11 @@ class KVManager(ABC):
         self.layout = layout
         self.rank = rank
         self.metrics = metrics
+        self.on_change: Callable[[], None] = _nothing  # set by the scheduler loop: wakes it up
+
+    def new_cell(self, initial: KVPoll = KVPoll.Bootstrapping) -> StatusCell:
+        """A status cell whose every move calls `on_change` (from whichever thread moved it)."""
+        return StatusCell(initial, on_change=lambda: self.on_change())
 
     def create_sender(self, room: int) -> KVSender:
         raise TypeError(f"a {self.role.value} manager has no senders")

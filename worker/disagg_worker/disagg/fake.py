@@ -55,7 +55,7 @@ class _FakeHandle:
     def __init__(self, mgr: "FakeKVManager", room: int):
         self.room = room
         self._mgr = mgr
-        self._cell = StatusCell(KVPoll.WaitingForInput)
+        self._cell = mgr.new_cell(KVPoll.WaitingForInput)
         FABRIC.join(room, self)
 
     def poll(self) -> KVPoll:

@@ -126,7 +126,7 @@ class MooncakeDecodeManager(KVManager):
 
     # ---- scheduler-facing ------------------------------------------------------------
     def create_receiver(self, room: int, bootstrap_addr: str) -> KVReceiver:
-        state = _Room(room, bootstrap_addr)
+        state = _Room(room, bootstrap_addr, self.new_cell())
         if not self.rooms.add(room, state):
             state.cell.fail(f"room {room} was already used on this instance")
             return DecodeReceiver(self, state)
@@ -151,6 +151,7 @@ class MooncakeDecodeManager(KVManager):
                     state.unsafe = False
                     del self._quarantine[room]
                     self._release_staging(state)
+        self.on_change()  # quarantined pages may be free now
 
     def close(self) -> None:
         self._stop.set()
@@ -290,12 +291,16 @@ class MooncakeDecodeManager(KVManager):
             state = self.rooms.get(msg.room) or self._quarantine.get(msg.room)
             if state is None or key not in state.targets:
                 return  # late update for a room that is gone: dropped
+            released = False
             if msg.quiesced:
                 state.quiesced.add(key)
                 if state.unsafe and set(state.targets) <= state.quiesced:
                     state.unsafe = False
                     self._quarantine.pop(msg.room, None)
                     self._release_staging(state)
+                    released = True
+        if released:
+            self.on_change()  # the room's pages left quarantine
         try:
             status = KVPoll(msg.status)
         except ValueError:

@@ -120,7 +120,7 @@ class MooncakePrefillManager(KVManager):
 
     # ---- scheduler-facing ------------------------------------------------------------
     def create_sender(self, room: int) -> KVSender:
-        state = _Room(room)
+        state = _Room(room, self.new_cell())
         if not self.rooms.add(room, state):
             outcome = self.rooms.tombstone(room) or "in use"
             state.cell.fail(f"room {room} was already used on this instance ({outcome})")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import threading
 from enum import IntEnum
+from typing import Callable
 
 
 class KVPoll(IntEnum):
@@ -25,13 +26,15 @@ class StatusCell:
     """A thread-safe KVPoll value that enforces the forward-only rule.
 
     Invalid moves (backwards, sideways, out of a terminal status) are ignored and reported
-    by the return value, never raised: a late message must not crash the caller.
+    by the return value, never raised: a late message must not crash the caller. `on_change`
+    is called (from the thread that moved it, outside the lock) after every move.
     """
 
-    def __init__(self, initial: KVPoll = KVPoll.Bootstrapping):
+    def __init__(self, initial: KVPoll = KVPoll.Bootstrapping, on_change: Callable[[], None] | None = None):
         self._lock = threading.Lock()
         self._status = initial
         self._reason = ""
+        self._on_change = on_change
 
     def get(self) -> KVPoll:
         return self._status
@@ -48,7 +51,9 @@ class StatusCell:
             if self._status.terminal or new <= self._status:
                 return False
             self._status = new
-            return True
+        if self._on_change is not None:
+            self._on_change()
+        return True
 
     def fail(self, reason: str) -> bool:
         """Move to Failed with `reason`; True if the status changed (it was not terminal)."""
@@ -57,4 +62,6 @@ class StatusCell:
                 return False
             self._status = KVPoll.Failed
             self._reason = reason
-            return True
+        if self._on_change is not None:
+            self._on_change()
+        return True

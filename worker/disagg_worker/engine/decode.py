@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -75,6 +76,9 @@ class DecodeEngine(Engine):
     @property
     def waiting_on_transfers(self) -> bool:
         return bool(self.prealloc or self.transfer or self.quarantine)
+
+    def set_wakeup(self, wake: Callable[[], None]) -> None:
+        self.kv.on_change = wake
 
     def tick(self) -> None:
         self._poll_prealloc()

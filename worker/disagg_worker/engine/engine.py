@@ -4,6 +4,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from typing import Callable
 
 import torch
 from prometheus_client import REGISTRY, generate_latest
@@ -62,6 +63,14 @@ class Engine:
     def waiting_on_transfers(self) -> bool:
         """Requests wait on KV transfers (P/D roles); the loop polls them often."""
         return False
+
+    @property
+    def tick_ready(self) -> bool:
+        """`tick()` has work now, without waiting for any transfer (the last step's results)."""
+        return False
+
+    def set_wakeup(self, wake: Callable[[], None]) -> None:
+        """`wake` is called, from any thread, when a KV transfer this engine waits on moves."""
 
     def tick(self) -> None:
         """Advance whatever does not need the model (P/D queues); called before each schedule."""

@@ -3,6 +3,10 @@
 One loop with an explicit overlap switch. With overlap on, step N+1 is scheduled and its tensors
 built on this thread while step N's forward runs on the runner thread; step N's results are then
 processed while N+1 runs. With overlap off, each step is scheduled, run and processed in turn.
+
+While requests wait on KV transfers (P/D roles) the loop sleeps on its inbox and an eventfd that
+the transfer layer signals on every status move, so it reacts at once; it still polls every
+TRANSFER_POLL_MS for what no status move announces (pages freed by finished requests).
 """
 from __future__ import annotations
 
@@ -79,6 +83,11 @@ class EngineLoop:
         self.recv.bind(recv_addr)
         self.send = self.ctx.socket(zmq.PUSH)
         self.send.connect(send_addr)
+        self.wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self.poller = zmq.Poller()
+        self.poller.register(self.recv, zmq.POLLIN)
+        self.poller.register(self.wake_fd, zmq.POLLIN)
+        engine.set_wakeup(self._wake)
         self.last_stats = 0.0
         self.stopped = False
         self.parent = os.getppid()
@@ -94,14 +103,27 @@ class EngineLoop:
             self._flush()
 
     def _wait_ms(self) -> int:
-        if self.stepper.computing:
+        if self.stepper.computing or self.engine.tick_ready:
             return 0
         if self.engine.waiting_on_transfers:
             return TRANSFER_POLL_MS
         return int(STATS_INTERVAL_S * 1000)
 
+    def _wake(self) -> None:
+        """Any thread: a transfer moved; end the current wait."""
+        os.eventfd_write(self.wake_fd, 1)
+
     def _drain_inbox(self, timeout: int) -> None:
-        while self.recv.poll(timeout):
+        """Handle every queued message, waiting up to `timeout` ms for the first message or a wake-up."""
+        while True:
+            ready = dict(self.poller.poll(timeout))
+            if self.wake_fd in ready:
+                try:
+                    os.eventfd_read(self.wake_fd)
+                except BlockingIOError:
+                    pass
+            if self.recv not in ready:
+                return
             self.engine.handle(msg.decode(self.recv.recv()))
             timeout = 0
 
@@ -123,3 +145,4 @@ class EngineLoop:
         self.recv.close(0)
         self.send.close(0)
         self.ctx.term()
+        os.close(self.wake_fd)

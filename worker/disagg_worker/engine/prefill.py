@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, replace
+from typing import Callable
 
 import torch
 
@@ -93,8 +94,14 @@ class PrefillEngine(Engine):
     # ---- queues --------------------------------------------------------------------------
     @property
     def waiting_on_transfers(self) -> bool:
-        s = self.scheduler
-        return bool(self.bootstrapping or self.inflight or s.sampled or s.chunked)
+        return bool(self.bootstrapping or self.inflight or self.tick_ready)
+
+    @property
+    def tick_ready(self) -> bool:  # a finished chunk or first token to hand to the sender
+        return bool(self.scheduler.sampled or self.scheduler.chunked)
+
+    def set_wakeup(self, wake: Callable[[], None]) -> None:
+        self.kv.on_change = wake
 
     def tick(self) -> None:
         self._poll_bootstrapping()
