@@ -95,9 +95,13 @@ def idle_and_flushed(url: str, timeout: float = 30.0) -> dict:
 
     def flushed():
         st = requests.get(f"{url}/stats", timeout=5).json()
+        seen[:] = [st]
         return st if st["pages_used"] == 0 else None
 
-    return wait_until(flushed, timeout, what=f"{url} pages freed")
+    try:
+        return wait_until(flushed, timeout, what=f"{url} pages freed")
+    except TimeoutError as e:
+        raise TimeoutError(f"{e}; last report: {seen}") from None
 
 
 FAST_FAILURE = ["--bootstrap-timeout", "5", "--waiting-timeout", "8", "--heartbeat-interval", "0.5"]
