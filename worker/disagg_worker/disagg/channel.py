@@ -14,6 +14,9 @@ import zmq
 from disagg_worker.disagg.messages import CodecError, Message, decode, encode
 
 log = logging.getLogger(__name__)
+# The control threads of both managers wait at most this long for messages, and check their
+# rooms' timeouts at most this often (not on every message: a sweep visits every room).
+SWEEP_INTERVAL_MS = 20
 
 
 class ControlChannel:

@@ -21,7 +21,7 @@ from disagg_worker.disagg.base import (
     check_pages,
 )
 from disagg_worker.disagg.metrics import TransferMetrics
-from disagg_worker.disagg.poll import KVPoll, StatusCell
+from disagg_worker.disagg.poll import KVPoll
 from disagg_worker.disagg.rooms import RoomTable
 
 

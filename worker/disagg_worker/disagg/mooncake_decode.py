@@ -21,7 +21,7 @@ from disagg_worker.config import DisaggConfig
 from disagg_worker.disagg.base import KVLayout, KVManager, KVReceiver, RankInfo, TransferFailure, check_pages
 from disagg_worker.disagg.bootstrap import RankRegistration
 from disagg_worker.disagg.bootstrap_client import BootstrapError, Topology, fetch_topology
-from disagg_worker.disagg.channel import ControlChannel
+from disagg_worker.disagg.channel import SWEEP_INTERVAL_MS, ControlChannel
 from disagg_worker.disagg.heartbeat import HeartbeatMonitor
 from disagg_worker.disagg.messages import DecodeHello, RoomAbort, RoomRequest, RoomUpdate
 from disagg_worker.disagg.metrics import TransferMetrics
@@ -31,7 +31,6 @@ from disagg_worker.disagg.rooms import RoomTable
 from disagg_worker.env import load_env
 
 log = logging.getLogger(__name__)
-SWEEP_INTERVAL_MS = 20  # how often waiting timeouts are checked
 
 
 class InstanceState(Enum):
@@ -281,7 +280,7 @@ class MooncakeDecodeManager(KVManager):
                 if isinstance(msg, RoomUpdate):
                     self._on_update(msg)
             now = time.monotonic()
-            if now >= next_sweep:  # not on every message: a sweep visits every room
+            if now >= next_sweep:
                 self._sweep(now)
                 next_sweep = now + SWEEP_INTERVAL_MS / 1000
 

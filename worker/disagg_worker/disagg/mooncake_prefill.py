@@ -27,7 +27,7 @@ from disagg_worker.config import DisaggConfig
 from disagg_worker.disagg.base import KVLayout, KVManager, KVSender, RankInfo, check_pages
 from disagg_worker.disagg.bootstrap import RankRegistration
 from disagg_worker.disagg.bootstrap_client import BootstrapError, register_rank
-from disagg_worker.disagg.channel import ControlChannel
+from disagg_worker.disagg.channel import SWEEP_INTERVAL_MS, ControlChannel
 from disagg_worker.disagg.messages import DecodeHello, RoomAbort, RoomRequest, RoomUpdate
 from disagg_worker.disagg.metrics import TransferMetrics
 from disagg_worker.disagg.mooncake import MAX_WRITES_IN_FLIGHT, WriteGroup, WriteState
@@ -42,7 +42,6 @@ from disagg_worker.env import load_env
 log = logging.getLogger(__name__)
 # Decode hears "Transferring" only for sends still in flight after this long.
 TRANSFERRING_NOTICE_S = 0.005
-SWEEP_INTERVAL_MS = 20  # how often bootstrap and waiting timeouts are checked
 
 
 @dataclass
@@ -195,7 +194,7 @@ class MooncakePrefillManager(KVManager):
             for msg in self.channel.recv(timeout_ms=SWEEP_INTERVAL_MS):
                 self._on_message(msg)
             now = time.monotonic()
-            if now >= next_sweep:  # not on every message: a sweep visits every room
+            if now >= next_sweep:
                 self._sweep(now)
                 next_sweep = now + SWEEP_INTERVAL_MS / 1000
 
@@ -337,9 +336,9 @@ class MooncakePrefillManager(KVManager):
         state, group = job.state, job.group
         peer, in_flight = state.peer.session_id, group.in_flight
         polled = group.poll(self.engine)
-        if polled is WriteState.PENDING and group.in_flight == in_flight and group.all_submitted:
-            if not (job.first and time.monotonic() - group.started > TRANSFERRING_NOTICE_S):
-                return False  # the common case while writes are on the wire: nothing changed
+        unchanged = polled is WriteState.PENDING and group.in_flight == in_flight and group.all_submitted
+        if unchanged and not _notice_due(job):
+            return False  # the common case while writes are on the wire
         failed = polled is WriteState.FAILED
         self._in_flight[peer] = self._in_flight.get(peer, 0) - (in_flight - group.in_flight)
         if failed:
@@ -349,7 +348,7 @@ class MooncakePrefillManager(KVManager):
             self.staging.free(*job.staged)
             job.staged = None
         if not group.settled:
-            if job.first and time.monotonic() - group.started > TRANSFERRING_NOTICE_S:
+            if _notice_due(job):
                 job.first = False  # informational: a short send skips it, no CPU taken from the writes
                 if state.cell.get() is KVPoll.Transferring:
                     self._update(state, KVPoll.Transferring, "", False)
@@ -370,3 +369,8 @@ class MooncakePrefillManager(KVManager):
             self.rooms.retire(state.room, "success")
             self._update(state, KVPoll.Success, "", True, state.aux)
             self.metrics.transfer_done(state.nbytes, time.monotonic() - state.first_send)
+
+
+def _notice_due(job: _Job) -> bool:
+    """The job is its room's first send and has been on the wire long enough to tell decode."""
+    return job.first and time.monotonic() - job.group.started > TRANSFERRING_NOTICE_S
