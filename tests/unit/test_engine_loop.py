@@ -1,4 +1,5 @@
-"""The scheduler loop's wait: a transfer's wake-up ends it at once; without one it runs its course."""
+"""The scheduler loop: a transfer's wake-up ends its wait at once (without one the wait runs its
+course), and what a transfer finished is sent before the next forward."""
 from __future__ import annotations
 
 import threading
@@ -16,11 +17,11 @@ class _Engine:
         self.wake = wake
 
 
-def _loop() -> EngineLoop:
+def _loop(engine: _Engine | None = None) -> EngineLoop:
     ctx = zmq.Context.instance()
     sink = ctx.socket(zmq.PULL)
     port = sink.bind_to_random_port("tcp://127.0.0.1")
-    loop = EngineLoop(_Engine(), "tcp://127.0.0.1:0", f"tcp://127.0.0.1:{port}", overlap=False)
+    loop = EngineLoop(engine or _Engine(), "tcp://127.0.0.1:0", f"tcp://127.0.0.1:{port}", overlap=False)
     loop._sink = sink
     return loop
 
@@ -41,6 +42,49 @@ def test_a_wake_up_from_another_thread_ends_the_wait():
             loop.engine.wake()
         assert _timed_wait(loop, 5000) < 2.0
         assert _timed_wait(loop, 100) >= 0.09
+    finally:
+        loop._sink.close(0)
+        loop.close()
+
+
+class _Stepping(_Engine):
+    """An engine whose tick finishes a request (as a landed KV transfer does on decode) and whose
+    scheduler then runs one forward; everything that happens is logged in order."""
+
+    def __init__(self):
+        self.log: list[str] = []
+        self.scheduler = self
+        self.runner = self
+        self.pending: list[str] = []
+
+    def tick(self):
+        self.log.append("tick")
+        self.pending.append("first token")
+
+    def take_outputs(self):
+        outs, self.pending = self.pending, []
+        return outs
+
+    def schedule(self):
+        return "batch"
+
+    def needs_sync(self):
+        return True
+
+    def run(self, batch):
+        self.log.append("forward")
+
+    def process(self, batch, result):
+        self.pending.append("next token")
+
+
+def test_tokens_from_the_tick_are_sent_before_the_next_forward():
+    loop = _loop(_Stepping())
+    try:
+        loop.publish = lambda m: loop.engine.log.append(f"sent {m.outputs}")
+        loop.stepper.step()
+        loop._send_outputs()  # what the loop does after each step
+        assert loop.engine.log == ["tick", "sent ['first token']", "forward", "sent ['next token']"]
     finally:
         loop._sink.close(0)
         loop.close()

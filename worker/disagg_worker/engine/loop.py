@@ -14,6 +14,7 @@ import logging
 import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable
 
 import zmq
 
@@ -30,9 +31,12 @@ TRANSFER_POLL_MS = 1
 class Stepper:
     """Steps the engine with or without overlap; the scheduling logic lives in the Scheduler."""
 
-    def __init__(self, engine: Engine, overlap: bool):
+    def __init__(self, engine: Engine, overlap: bool, after_tick: Callable[[], None] = lambda: None):
+        """`after_tick` runs between the engine's tick and the next forward: tokens the tick
+        produced (decode's first token, landed by a KV transfer) go out without waiting a step."""
         self.engine = engine
         self.overlap = overlap
+        self.after_tick = after_tick
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forward")
         self.inflight: tuple[ScheduledBatch, Future] | None = None
 
@@ -48,6 +52,7 @@ class Stepper:
     def step(self) -> None:
         """One turn: schedule the next batch, start it, and finish the one before it."""
         self.engine.tick()
+        self.after_tick()
         sched = self.engine.scheduler
         if self.inflight is not None and (not self.overlap or sched.needs_sync()):
             self.drain()
@@ -77,7 +82,7 @@ class Stepper:
 class EngineLoop:
     def __init__(self, engine: Engine, recv_addr: str, send_addr: str, overlap: bool):
         self.engine = engine
-        self.stepper = Stepper(engine, overlap)
+        self.stepper = Stepper(engine, overlap, after_tick=self._send_outputs)
         self.ctx = zmq.Context()
         self.recv = self.ctx.socket(zmq.PULL)
         self.recv.bind(recv_addr)
@@ -127,10 +132,13 @@ class EngineLoop:
             self.engine.handle(msg.decode(self.recv.recv()))
             timeout = 0
 
-    def _flush(self) -> None:
+    def _send_outputs(self) -> None:
         outs = self.engine.scheduler.take_outputs()
         if outs:
             self.publish(msg.BatchOut(outs))
+
+    def _flush(self) -> None:
+        self._send_outputs()
         now = time.monotonic()
         if now - self.last_stats >= STATS_INTERVAL_S:
             self.last_stats = now
