@@ -1,5 +1,5 @@
 """WriteGroup: bounded submission, oldest-first polling, and what a failed write does to the rest
-(against a scripted engine: each write finishes when the test says so)."""
+(against a scripted engine: each write finishes when the test says so); the engine's TCP lanes."""
 from __future__ import annotations
 
 from disagg_worker.disagg.mooncake import WriteGroup, WriteState
@@ -78,3 +78,38 @@ def test_an_empty_group_is_settled_at_once():
     eng, group = ScriptedEngine(), WriteGroup([], 0)
     assert group.submit(eng, "peer", 5) == 0
     assert group.poll(eng) is WriteState.DONE and group.settled
+
+
+class _RecordingEngine:
+    """Stands in for Mooncake's TransferEngine: records the lanes it would start with."""
+
+    lanes: list[str | None] = []
+
+    def initialize(self, host, metadata, protocol, device):
+        import os
+
+        self.lanes.append(os.environ.get("MC_TCP_LANES_PER_PEER"))
+        return 0
+
+    def get_rpc_port(self):
+        return 1234
+
+
+def test_tcp_lanes_are_set_for_mooncake_unless_the_user_set_them(monkeypatch):
+    import argparse
+
+    from disagg_worker.config import Role, add_disagg_args, add_engine_args, server_args_from_cli
+    from disagg_worker.disagg import mooncake
+
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    add_disagg_args(p)
+    cfg = server_args_from_cli(p.parse_args(["--model", "m", "--tcp-lanes", "8"]), Role.PREFILL).engine.disagg
+    assert cfg.tcp_lanes == 8
+    monkeypatch.setattr(mooncake, "_import_engine", lambda: _RecordingEngine)
+    monkeypatch.delenv("MC_TCP_LANES_PER_PEER", raising=False)
+    _RecordingEngine.lanes = []
+    mooncake.MooncakeEngine("127.0.0.1", "tcp", "", cfg.tcp_lanes)
+    monkeypatch.setenv("MC_TCP_LANES_PER_PEER", "2")  # the user's own setting wins
+    mooncake.MooncakeEngine("127.0.0.1", "tcp", "", cfg.tcp_lanes)
+    assert _RecordingEngine.lanes == ["8", "2"]

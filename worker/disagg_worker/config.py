@@ -63,6 +63,11 @@ class DisaggConfig:
     heartbeat_interval_s: float = 2.0
     heartbeat_max_misses: int = 2
     max_bootstrap_queue: int = 256
+    # Mooncake TCP connections per peer (MC_TCP_LANES_PER_PEER; an explicit env var wins). Each
+    # lane carries one write at a time with a round trip, so a request's many small writes (one
+    # per page run per layer's K and V) finish sooner over more lanes: 64 writes of 4 KiB took
+    # 4.0 ms with Mooncake's default of 4 lanes and 2.3 ms with 16 on loopback here.
+    tcp_lanes: int = 16
 
 
 @dataclass(frozen=True)
@@ -147,6 +152,8 @@ def add_disagg_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--heartbeat-max-misses", type=int, default=d.heartbeat_max_misses)
     p.add_argument("--max-bootstrap-queue", type=int, default=d.max_bootstrap_queue,
                    help="prefill: requests waiting for decode's handshake beyond this are refused (503)")
+    p.add_argument("--tcp-lanes", type=int, default=d.tcp_lanes,
+                   help="Mooncake TCP connections per peer (MC_TCP_LANES_PER_PEER, which wins if set)")
 
 
 def server_args_from_cli(ns: argparse.Namespace, role: Role = Role.MONOLITHIC) -> ServerArgs:
@@ -179,6 +186,7 @@ def server_args_from_cli(ns: argparse.Namespace, role: Role = Role.MONOLITHIC) -
             heartbeat_interval_s=ns.heartbeat_interval,
             heartbeat_max_misses=ns.heartbeat_max_misses,
             max_bootstrap_queue=ns.max_bootstrap_queue,
+            tcp_lanes=ns.tcp_lanes,
         )
     engine = EngineConfig(
         model_path=ns.model,

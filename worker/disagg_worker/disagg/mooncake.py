@@ -13,6 +13,7 @@ writes, and after such a burst some of the queued ones never finish (measured: 3
 """
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 from enum import Enum
@@ -39,7 +40,9 @@ def _import_engine():
 
 
 class MooncakeEngine:
-    def __init__(self, host: str, protocol: str = "tcp", device: str = ""):
+    def __init__(self, host: str, protocol: str = "tcp", device: str = "", tcp_lanes: int = 0):
+        if protocol == "tcp" and tcp_lanes > 0:  # read when the TCP transport starts; the user's value wins
+            os.environ.setdefault("MC_TCP_LANES_PER_PEER", str(tcp_lanes))
         self._te = _import_engine()()
         rc = self._te.initialize(host, "P2PHANDSHAKE", protocol, device)
         if rc != 0:
