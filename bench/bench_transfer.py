@@ -12,7 +12,10 @@ for contiguous sizes 4 KiB .. 512 MiB and 1000 scattered 16 KiB pages, two ways:
             most 32 transfers; one room each through the KV manager), timed until the receiver has
             the last one, as ib_write_bw or iperf measure a link. A prefill instance serving many
             requests moves KV this way.
-Writes bench/results/transfer.json and transfer.png (both passes).  Usage: python bench/bench_transfer.py [--quick]
+and a third pass, `model`: one room at a time through the KV manager, shaped like a fresh request
+of a real model (32 layers, so 64 KV buffers and 64 writes, with 32 KiB pages: 16 tokens of 8 KV
+heads x 128 x bf16) for prompts of 16 to 1024 tokens, against the socket moving the same bytes.
+Writes bench/results/transfer.json and transfer.png.  Usage: python bench/bench_transfer.py [--quick]
 """
 from __future__ import annotations
 
@@ -29,6 +32,10 @@ import time
 from pathlib import Path
 
 os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
+from disagg_worker.config import DisaggConfig  # noqa: E402
+
+# The lanes the KV managers configure, for the raw engines too (both processes inherit it).
+os.environ.setdefault("MC_TCP_LANES_PER_PEER", str(DisaggConfig.tcp_lanes))
 
 import torch  # noqa: E402
 
@@ -43,6 +50,8 @@ POOL = 512 << 20
 STREAM_BYTES = 64 << 20
 STREAM_MAX = 32
 PASSES = ("single", "streamed")
+MODEL_LAYERS, MODEL_PAGE, MODEL_BUF = 32, 32 << 10, 4 << 20  # 64 buffers of 128 pages
+MODEL_TOKENS = [16, 64, 256, 1024]  # 16 tokens a page: 2, 8, 32 and 128 MiB rooms
 RESULTS = Path(__file__).parent / "results"
 
 
@@ -103,13 +112,14 @@ def _manager_sink(conn, addrs: dict) -> None:
     from disagg_worker.config import DisaggConfig, Role
     from disagg_worker.disagg import KVPoll, create_kv_manager
 
-    layouts = {p: _pool_layout(p) for p in addrs}
-    mgrs = {p: create_kv_manager(DisaggConfig(role=Role.DECODE, waiting_timeout_s=120), lay)
-            for p, (_, lay) in layouts.items()}
+    mgrs, pools = {}, {}  # the pools must outlive the managers: they are registered memory
+    for name in addrs:
+        pools[name], lay = _layout_of(name)
+        mgrs[name] = create_kv_manager(DisaggConfig(role=Role.DECODE, waiting_timeout_s=120), lay)
     conn.send("ready")
     while (cmd := conn.recv()) is not None:
-        rooms, page_nbytes, dests = cmd
-        receivers = [mgrs[page_nbytes].create_receiver(room, addrs[page_nbytes]) for room in rooms]
+        rooms, name, dests = cmd
+        receivers = [mgrs[name].create_receiver(room, addrs[name]) for room in rooms]
         for slot, (r, dest) in enumerate(zip(receivers, dests)):
             r.init(dest, slot)
         # Rooms finish about in order: watch the oldest, then the next. Streamed, only the last
@@ -159,13 +169,20 @@ def _time_mc(te, peer: str, writes: list[tuple[int, int, int]], mode: str) -> tu
     return time.perf_counter() - t0, time.thread_time() - c0
 
 
-def _pool_layout(page_nbytes: int):
+def _pool_layout(page_nbytes: int, layers: int = 1, buf_nbytes: int = POOL // 2):
     from disagg_worker.disagg import KVLayout
 
-    bufs = [torch.zeros(POOL // 2, dtype=torch.uint8) for _ in range(2)]  # one layer: K and V
+    bufs = [torch.zeros(buf_nbytes, dtype=torch.uint8) for _ in range(2 * layers)]  # K and V per layer
     layout = KVLayout([b.data_ptr() for b in bufs], [b.numel() for b in bufs], page_nbytes, 1, "uint8",
-                      (POOL // 2) // page_nbytes)
+                      buf_nbytes // page_nbytes)
     return bufs, layout
+
+
+def _layout_of(name: str):
+    """The pool of a manager pair: `small` and `page` (one layer), `model` (32 layers)."""
+    if name == "model":
+        return _pool_layout(MODEL_PAGE, MODEL_LAYERS, MODEL_BUF)
+    return _pool_layout(SMALL_PAGE if name == "small" else PAGE)
 
 
 class Bench:
@@ -180,12 +197,12 @@ class Bench:
         from disagg_worker.disagg.bootstrap import BootstrapServer
 
         self.servers, self.mgrs, addrs = {}, {}, {}
-        for p in (SMALL_PAGE, PAGE):
-            self.servers[p] = BootstrapServer(0, host="127.0.0.1").start()
-            bufs, lay = _pool_layout(p)
+        for name in ("small", "page", "model"):
+            self.servers[name] = BootstrapServer(0, host="127.0.0.1").start()
+            bufs, lay = _layout_of(name)
             cfg = DisaggConfig(role=Role.PREFILL, waiting_timeout_s=120)
-            self.mgrs[p] = (bufs, create_kv_manager(cfg, lay, RankInfo(bootstrap_url=self.servers[p].url)))
-            addrs[p] = f"127.0.0.1:{self.servers[p].port}"
+            self.mgrs[name] = (bufs, create_kv_manager(cfg, lay, RankInfo(bootstrap_url=self.servers[name].url)))
+            addrs[name] = f"127.0.0.1:{self.servers[name].port}"
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=_receiver, args=(child, addrs), daemon=True)
@@ -200,15 +217,15 @@ class Bench:
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.room = random.getrandbits(48)
 
-    def manager_run(self, page_nbytes: int, transfers: list[tuple[list[int], list[int]]]) -> float:
-        """One room per (src pages, dst pages), handshaken before the clock starts; seconds from
-        the first send() until decode reports Success for every room."""
+    def manager_run(self, name: str, transfers: list[tuple[list[int], list[int]]]) -> float:
+        """One room per (src pages, dst pages) through decode manager `name`, handshaken before the
+        clock starts; seconds from the first send() until decode reports Success for every room."""
         from disagg_worker.disagg import KVPoll
 
         rooms = list(range(self.room + 1, self.room + 1 + len(transfers)))
         self.room += len(transfers)
-        senders = [self.mgrs[page_nbytes][1].create_sender(room) for room in rooms]
-        self.conn.send((rooms, page_nbytes, [dst for _, dst in transfers]))
+        senders = [self.mgrs[name][1].create_sender(room) for room in rooms]
+        self.conn.send((rooms, name, [dst for _, dst in transfers]))
         for sender in senders:
             while sender.poll() is KVPoll.Bootstrapping:
                 time.sleep(0.0002)
@@ -224,13 +241,13 @@ class Bench:
         return took
 
     def workloads(self, sizes: list[int], streamed: bool):
-        """(name, bytes per transfer, count, raw writes, scatter seed, (page size, manager transfers))."""
+        """(name, bytes per transfer, count, raw writes, scatter seed, (manager pair, manager transfers))."""
         sptr, dptr = self.src.data_ptr(), self.dptr
         for n in sizes:  # the manager moves n bytes as n/2 over each of the K and V buffers
             count, m = stream_count(n) if streamed else 1, n // 2 // SMALL_PAGE
             writes = [(sptr + i * n, dptr + i * n, n) for i in range(count)]
             rooms = [(list(range(i * m, (i + 1) * m)),) * 2 for i in range(count)]
-            yield str(n), n, count, writes, -1, (SMALL_PAGE, rooms)
+            yield str(n), n, count, writes, -1, ("small", rooms)
         if streamed:
             return
         srcp, dstp = scatter_pages(7)
@@ -238,7 +255,7 @@ class Bench:
         half = POOL // 2 // PAGE  # manager: 500 scattered pages x (K, V) = 1000 x 16 KiB writes
         msrc = list(dict.fromkeys(s % half for s in srcp))[:500]
         mdst = list(dict.fromkeys(d % half for d in dstp))[:500]
-        yield "scattered", N_SCATTER * PAGE, 1, writes, 7, (PAGE, [(msrc, mdst)])
+        yield "scattered", N_SCATTER * PAGE, 1, writes, 7, ("page", [(msrc, mdst)])
 
     def run(self, sizes: list[int], streamed: bool) -> dict:
         methods = ("socket", "mooncake_sync", "mooncake_submit_poll", "kv_manager")
@@ -268,6 +285,27 @@ class Bench:
             print(f"{label:>14}: " + "  ".join(f"{m} {out[m][name]:.2f}" for m in methods) + " GB/s", flush=True)
         return out
 
+    def run_model(self, tokens: list[int]) -> dict:
+        """One model-shaped room at a time (a fresh request: one page run per buffer) and the
+        socket moving the same bytes, interleaved."""
+        methods = ("socket", "kv_manager")
+        out: dict = {m: {} for m in methods} | {"bytes": {}}
+        for t in tokens:
+            pages = -(-t // 16)
+            room = [(list(range(pages)), list(range(64, 64 + pages)))]
+            nbytes = pages * MODEL_PAGE * 2 * MODEL_LAYERS
+            self.manager_run("model", room)  # warm
+            times: dict = {m: [] for m in methods}
+            for _ in range(reps_for(nbytes)):
+                times["socket"].append(_time_socket(self.sock, self.src, nbytes))
+                times["kv_manager"].append(self.manager_run("model", room))
+            for m in methods:
+                out[m][str(t)] = nbytes / statistics.median(times[m]) / 1e9
+            out["bytes"][str(t)] = nbytes
+            print(f"{t:>5} tokens ({nbytes >> 20} MiB): " + "  ".join(f"{m} {out[m][str(t)]:.2f}" for m in methods)
+                  + " GB/s", flush=True)
+        return out
+
     def close(self) -> None:
         self.conn.send(None)
         self.sock.close()
@@ -284,7 +322,9 @@ def plot(result: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(13, 4.8), sharey=True)
+    fig, axes = plt.subplots(1, 3, figsize=(18, 4.8), gridspec_kw={"width_ratios": [3, 3, 2]})
+    axes[1].sharey(axes[0])
+    _plot_model(axes[2], result["model"])
     for ax, mode in zip(axes, PASSES):
         r = result[mode]["gbps"]
         labels = [k for k in [*map(str, result["sizes"]), "scattered"] if k in r["socket"]]
@@ -305,6 +345,20 @@ def plot(result: dict, path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def _plot_model(ax, model: dict) -> None:
+    series = {"socket (ceiling)": "socket", "KV manager (mooncake)": "kv_manager"}
+    tokens = [str(t) for t in model["tokens"]]
+    width = 0.8 / len(series)
+    for i, (label, key) in enumerate(series.items()):
+        ax.bar([x + i * width for x in range(len(tokens))], [model["gbps"][key][t] for t in tokens], width, label=label)
+    ax.set_xticks([x + 0.4 - width / 2 for x in range(len(tokens))],
+                  [f"{t} tokens\n{model['bytes'][t] >> 20} MiB" for t in tokens], fontsize=8)
+    ax.set_title("one room at a time, 32 layers (64 KV buffers, 32 KiB pages)", fontsize=9)
+    ax.set_ylabel("GB/s")
+    ax.grid(alpha=0.3, axis="y")
+    ax.legend(fontsize=8)
+
+
 def _human(key: str) -> str:
     if key == "scattered":
         return "1000x16KiB\nscattered"
@@ -315,6 +369,7 @@ def _human(key: str) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="sizes up to 64 MiB only")
+    ap.add_argument("--model-only", action="store_true", help="only the model-shaped pass; writes nothing")
     args = ap.parse_args()
     sizes = [s for s in SIZES if not args.quick or s <= 64 << 20]
     torch.set_num_threads(1)  # small shared machines: intra-op threads only add contention
@@ -323,14 +378,21 @@ def main() -> None:
     bench = Bench()
     result: dict = {"machine": machine_info(), "load_avg_at_start": load, "sizes": sizes}
     try:
-        for mode in PASSES:
+        for mode in PASSES if not args.model_only else ():
             print(f"-- {mode}", flush=True)
             gbps = bench.run(sizes, streamed=mode == "streamed")
             result[mode] = {"gbps": gbps,
                             "ratio_kv_manager_over_socket": _ratios(gbps, "kv_manager"),
                             "ratio_submit_poll_over_socket": _ratios(gbps, "mooncake_submit_poll")}
+        print("-- model (one room at a time, 64 KV buffers)", flush=True)
+        m = bench.run_model(MODEL_TOKENS)
+        result["model"] = {"tokens": MODEL_TOKENS, "bytes": m.pop("bytes"), "gbps": m,
+                           "ratio_kv_manager_over_socket": _ratios(m, "kv_manager")}
     finally:
         bench.close()
+    if args.model_only:
+        print(json.dumps(result["model"]["ratio_kv_manager_over_socket"]))
+        return
     result |= {"seconds": round(time.time() - t0, 1),
                "unit": "GB/s (1e9 bytes/s), median of interleaved repetitions; iqr: [p25, p75] throughput"}
     RESULTS.mkdir(exist_ok=True)
