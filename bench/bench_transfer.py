@@ -51,7 +51,8 @@ STREAM_BYTES = 64 << 20
 STREAM_MAX = 32
 PASSES = ("single", "streamed")
 MODEL_LAYERS, MODEL_PAGE, MODEL_BUF = 32, 32 << 10, 4 << 20  # 64 buffers of 128 pages
-MODEL_TOKENS = [16, 64, 256, 1024]  # 16 tokens a page: 2, 8, 32 and 128 MiB rooms
+MODEL_PAGE_TOKENS = 16
+MODEL_TOKENS = [16, 64, 256, 1024]  # 2, 8, 32 and 128 MiB rooms
 RESULTS = Path(__file__).parent / "results"
 
 
@@ -109,7 +110,7 @@ def _socket_sink(srv, buf: torch.Tensor) -> None:
 
 
 def _manager_sink(conn, addrs: dict) -> None:
-    from disagg_worker.config import DisaggConfig, Role
+    from disagg_worker.config import Role
     from disagg_worker.disagg import KVPoll, create_kv_manager
 
     mgrs, pools = {}, {}  # the pools must outlive the managers: they are registered memory
@@ -192,7 +193,7 @@ class Bench:
     def __init__(self):
         from mooncake.engine import TransferEngine
 
-        from disagg_worker.config import DisaggConfig, Role
+        from disagg_worker.config import Role
         from disagg_worker.disagg import RankInfo, create_kv_manager
         from disagg_worker.disagg.bootstrap import BootstrapServer
 
@@ -291,8 +292,8 @@ class Bench:
         methods = ("socket", "kv_manager")
         out: dict = {m: {} for m in methods} | {"bytes": {}}
         for t in tokens:
-            pages = -(-t // 16)
-            room = [(list(range(pages)), list(range(64, 64 + pages)))]
+            pages, dst = -(-t // MODEL_PAGE_TOKENS), MODEL_BUF // MODEL_PAGE // 2  # dst: the second half
+            room = [(list(range(pages)), list(range(dst, dst + pages)))]
             nbytes = pages * MODEL_PAGE * 2 * MODEL_LAYERS
             self.manager_run("model", room)  # warm
             times: dict = {m: [] for m in methods}

@@ -145,12 +145,11 @@ class MooncakeDecodeManager(KVManager):
 
     def confirm_instance_dead(self, bootstrap_addr: str) -> None:
         with self._lock:
-            for room, state in list(self._quarantine.items()):
-                if state.addr == bootstrap_addr:
-                    state.unsafe = False
-                    del self._quarantine[room]
-                    self._release_staging(state)
-        self.on_change()  # quarantined pages may be free now
+            safe = [state for state in self._quarantine.values() if state.addr == bootstrap_addr]
+            for state in safe:
+                self._unquarantine(state)
+        if safe:
+            self.on_change()  # their pages are free now
 
     def close(self) -> None:
         self._stop.set()
@@ -293,11 +292,9 @@ class MooncakeDecodeManager(KVManager):
             released = False
             if msg.quiesced:
                 state.quiesced.add(key)
-                if state.unsafe and set(state.targets) <= state.quiesced:
-                    state.unsafe = False
-                    self._quarantine.pop(msg.room, None)
-                    self._release_staging(state)
-                    released = True
+                released = state.unsafe and set(state.targets) <= state.quiesced
+                if released:
+                    self._unquarantine(state)
         if released:
             self.on_change()  # the room's pages left quarantine
         try:
@@ -339,6 +336,12 @@ class MooncakeDecodeManager(KVManager):
         block = len(dest) * pn
         for b, buf in enumerate(self._buffers):
             scatter(self.staging.view(state.staging_offset + b * block, block), pn, buf, dest)
+        self._release_staging(state)
+
+    def _unquarantine(self, state: _Room) -> None:
+        """Prefill can no longer write the room's pages (under the lock): they are safe to reuse."""
+        state.unsafe = False
+        self._quarantine.pop(state.room, None)
         self._release_staging(state)
 
     def _release_staging(self, state: _Room) -> None:
