@@ -199,6 +199,8 @@ class KVManager(ABC):
 
 def check_pages(pages: list[int], num_pages: int) -> str:
     """"" if every page index is valid, else a reason."""
+    if not pages or (0 <= min(pages) and max(pages) < num_pages):
+        return ""
     bad = [p for p in pages if not 0 <= p < num_pages]
     return f"page indices out of range [0, {num_pages}): {bad[:5]}" if bad else ""
 

@@ -3,6 +3,11 @@
 A call into the transfer engine can block for a frozen peer (up to tens of seconds); with a
 thread per destination that only delays the rooms going to that peer. Each worker submits
 the writes of its jobs and polls them with a doubling sleep, never spinning a core.
+
+Jobs to one destination finish about in the order they were started, so a poll walks them
+oldest first and stops at the first one that is still waiting; a full pass every
+`FULL_POLL_INTERVAL_S` catches a job that finished out of order. With many rooms streaming
+to one decode instance that is one or two status reads per poll instead of one per room.
 """
 from __future__ import annotations
 
@@ -11,6 +16,7 @@ import queue
 import sys
 import threading
 import time
+from enum import Enum
 from typing import Callable, Generic, TypeVar
 
 J = TypeVar("J")
@@ -20,7 +26,16 @@ J = TypeVar("J")
 # transfer is noticed (a sleep overshoots by ~80 us here); polling costs ~10 us of CPU.
 POLL_SLEEP_MIN_S = 0.00001
 POLL_SLEEP_MAX_S = 0.0002
+FULL_POLL_INTERVAL_S = 0.002
 _PR_SET_TIMERSLACK = 29
+
+
+class Progress(Enum):
+    """What one poll of a job found."""
+
+    SETTLED = "settled"  # every write finished or failed: drop the job
+    MOVED = "moved"  # something changed (writes landed, more were submitted, decode was told)
+    WAITING = "waiting"  # nothing changed: its writes are still on the wire
 
 
 def _tight_sleeps() -> None:
@@ -34,9 +49,9 @@ def _tight_sleeps() -> None:
 
 
 class TransferWorkers(Generic[J]):
-    def __init__(self, start: Callable[[J], None], progress: Callable[[J], bool]):
-        """`start(job)` submits a job's writes; `progress(job)` polls it and returns True
-        once it is settled (every write finished or failed)."""
+    def __init__(self, start: Callable[[J], None], progress: Callable[[J], Progress]):
+        """`start(job)` submits a job's writes; `progress(job)` polls it and says whether it
+        is settled (every write finished or failed), moved, or still waiting."""
         self._start = start
         self._progress = progress
         self._stop = threading.Event()
@@ -64,7 +79,7 @@ class TransferWorkers(Generic[J]):
     def _run(self, jobs: "queue.Queue[J]") -> None:
         _tight_sleeps()
         active: list[J] = []
-        sleep = POLL_SLEEP_MIN_S
+        sleep, next_full = POLL_SLEEP_MIN_S, 0.0
         while not self._stop.is_set():
             try:
                 job = jobs.get(timeout=0.05) if not active else jobs.get_nowait()
@@ -74,8 +89,24 @@ class TransferWorkers(Generic[J]):
                 continue
             except queue.Empty:
                 pass
+            now = time.monotonic()
+            full = now >= next_full
+            next_full = now + FULL_POLL_INTERVAL_S if full else next_full
             before = len(active)
-            active = [job for job in active if not self._progress(job)]
+            active = poll_in_order(active, self._progress, full)
             if active:
                 sleep = POLL_SLEEP_MIN_S if len(active) < before else min(2 * sleep, POLL_SLEEP_MAX_S)
                 time.sleep(sleep)
+
+
+def poll_in_order(active: list[J], progress: Callable[[J], Progress], full: bool) -> list[J]:
+    """Poll `active` jobs oldest first; returns those not settled, in order. Unless `full`,
+    stops at the first job still waiting: the ones behind it are most likely waiting too."""
+    kept: list[J] = []
+    for i, job in enumerate(active):
+        found = progress(job)
+        if found is not Progress.SETTLED:
+            kept.append(job)
+        if found is Progress.WAITING and not full:
+            return kept + active[i + 1 :]
+    return kept
