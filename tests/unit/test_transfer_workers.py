@@ -57,7 +57,7 @@ def test_a_job_that_finished_behind_a_stuck_one_is_settled_within_the_full_poll_
         while "quick" not in settled and time.monotonic() < deadline:
             time.sleep(0.001)
         assert "quick" in settled and "stuck" not in settled
-        assert settled["quick"] - t0 < 20 * FULL_POLL_INTERVAL_S  # generous: a loaded machine sleeps late
+        assert settled["quick"] - t0 < 100 * FULL_POLL_INTERVAL_S  # 2 ms passes; generous for a loaded machine
         release.set()
         while "stuck" not in settled and time.monotonic() < deadline:
             time.sleep(0.001)
