@@ -95,6 +95,27 @@ def test_batched_equals_one_at_a_time(tiny_model, reference, overlap, chunk):
     assert all(out[str(i)][-1].finish_reason == "length" for i in range(len(prompts)))
 
 
+def test_overlap_runs_decode_steps_on_the_runner_thread_and_prompt_chunks_inline(tiny_model, reference):
+    """With overlap on, only decode-only steps go to the runner thread; a batch with a prompt chunk
+    runs on the loop's thread (the overlap would hide little and slow the chunk). Same tokens."""
+    import threading
+
+    prompts, expected = reference
+    engine = make_engine(tiny_model, chunk=16)
+    seen: list[tuple[bool, bool]] = []  # (has a prompt chunk, ran on the loop's thread)
+    run = engine.runner.run
+
+    def spy(batch):
+        seen.append((batch.has_prefill, threading.current_thread() is threading.main_thread()))
+        return run(batch)
+
+    engine.runner.run = spy
+    out = run_all(engine, [(p, GREEDY) for p in prompts[:4]], overlap=True)
+    assert [tokens_of(out[str(i)]) for i in range(4)] == expected[:4]
+    assert {inline for chunk, inline in seen if chunk} == {True}
+    assert {inline for chunk, inline in seen if not chunk} == {False}
+
+
 def test_prefix_cache_is_reused(tiny_model):
     engine = make_engine(tiny_model)
     prefix = list(range(100, 164))
