@@ -106,7 +106,7 @@ def test_overlap_runs_decode_steps_on_the_runner_thread_and_prompt_chunks_inline
     run = engine.runner.run
 
     def spy(batch):
-        seen.append((batch.has_prefill, threading.current_thread() is threading.main_thread()))
+        seen.append((not batch.forward.is_decode, threading.current_thread() is threading.main_thread()))
         return run(batch)
 
     engine.runner.run = spy

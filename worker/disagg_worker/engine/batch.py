@@ -27,11 +27,6 @@ class ScheduledBatch:
     def num_tokens(self) -> int:
         return int(self.forward.input_ids.numel())
 
-    @property
-    def has_prefill(self) -> bool:
-        """Some request computes more than one token (a prompt chunk), not only decode steps."""
-        return any(n > 1 for n in self.forward.extend_lens)
-
 
 @dataclass
 class StepResult:

@@ -64,7 +64,7 @@ class Stepper:
         batch = sched.schedule()
         if batch is None:
             self.drain()
-        elif not self.overlap or batch.has_prefill:  # inline: a thread hand-off costs more than it saves
+        elif not self.overlap or not batch.forward.is_decode:  # inline: a hand-off costs more than it saves
             self.drain()
             sched.process(batch, self.engine.runner.run(batch))
         else:
