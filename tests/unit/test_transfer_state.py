@@ -23,14 +23,18 @@ ORDER = [KVPoll.Bootstrapping, KVPoll.WaitingForInput, KVPoll.Transferring, KVPo
 
 @given(st.lists(st.sampled_from(list(KVPoll)), max_size=12))
 def test_status_only_moves_forward_or_to_failed(moves):
-    calls = []
+    calls, thens = [], []
     cell = StatusCell(on_change=lambda: calls.append(cell.get()))
     for new in moves:
-        before, n_calls = cell.get(), len(calls)
-        changed = cell.fail("boom") if new is KVPoll.Failed else cell.advance(new)
+        before, n_calls, n_thens = cell.get(), len(calls), len(thens)
+        then = lambda: thens.append((cell.get(), len(calls)))
+        changed = cell.fail("boom") if new is KVPoll.Failed else cell.advance(new, then=then)
         after = cell.get()
         assert len(calls) == n_calls + changed, "on_change runs once per move, never for a refused one"
         assert not changed or calls[-1] is after, "on_change sees the new status"
+        if new is not KVPoll.Failed:
+            assert len(thens) == n_thens + changed, "`then` runs once per move, never for a refused one"
+            assert not changed or thens[-1] == (after, n_calls), "`then` sees the new status, before on_change"
         if before.terminal:
             assert not changed and after is before
         elif new is KVPoll.Failed:

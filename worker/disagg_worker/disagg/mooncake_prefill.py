@@ -18,6 +18,7 @@ write of the room has settled; only then may it reuse the pages.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -372,9 +373,11 @@ class MooncakePrefillManager(KVManager):
         return Progress.SETTLED
 
     def _finish(self, state: _Room) -> None:
-        if state.cell.advance(KVPoll.Success):
+        # Decode's first token waits on this notice: send it before the move wakes this
+        # instance's scheduler, which would take the GIL for its own bookkeeping first.
+        notify = functools.partial(self._update, state, KVPoll.Success, "", True, state.aux)
+        if state.cell.advance(KVPoll.Success, then=notify):
             self.rooms.retire(state.room, "success")
-            self._update(state, KVPoll.Success, "", True, state.aux)
             self.metrics.transfer_done(state.nbytes, time.monotonic() - state.first_send)
 
 

@@ -43,14 +43,18 @@ class StatusCell:
     def reason(self) -> str:
         return self._reason
 
-    def advance(self, new: KVPoll) -> bool:
-        """Move forward to `new` (not Failed); True if the status changed."""
+    def advance(self, new: KVPoll, then: Callable[[], None] | None = None) -> bool:
+        """Move forward to `new` (not Failed); True if the status changed. `then` runs only if
+        it changed, after the move and before `on_change`: for work that must not wait behind
+        what `on_change` wakes."""
         if new is KVPoll.Failed:
             raise ValueError("use fail(reason) to move to Failed")
         with self._lock:
             if self._status.terminal or new <= self._status:
                 return False
             self._status = new
+        if then is not None:
+            then()
         if self._on_change is not None:
             self._on_change()
         return True
