@@ -4,6 +4,9 @@ Methods, interleaved per repetition, one receiver process on 127.0.0.1:
   socket                plain TCP socket (the loopback ceiling; gather/scatter by memcpy for pages)
   mooncake_sync         batch_transfer_sync_write (busy-waits the calling thread)
   mooncake_submit_poll  transfer_submit_write per run + sleep-poll (what the KV layer does)
+  mooncake_lanes        the same, each write first split over TCP lanes as the KV manager splits
+                        an idle peer's writes (`runs.split_for_lanes`); single pass only: the
+                        engine's own latency with the manager's tuning, before its control plane
   kv_manager            the `mooncake` KV manager end to end: prefill send() -> decode receiver
                         Success (scattered pages go through the managers' staging areas)
 for contiguous sizes 4 KiB .. 512 MiB and 1000 scattered 16 KiB pages, two ways:
@@ -28,6 +31,7 @@ import socket
 import statistics
 import struct
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -73,8 +77,6 @@ def scatter_pages(seed: int) -> tuple[list[int], list[int]]:
 
 # ---- receiver process: socket server, raw engine, decode KV managers -----------------------
 def _receiver(conn, addrs: dict) -> None:
-    import threading
-
     torch.set_num_threads(1)
     from mooncake.engine import TransferEngine
 
@@ -114,23 +116,24 @@ def _manager_sink(conn, addrs: dict) -> None:
     from disagg_worker.disagg import KVPoll, create_kv_manager
 
     mgrs, pools = {}, {}  # the pools must outlive the managers: they are registered memory
+    moved = threading.Event()  # as a decode server's loop waits: woken by every status move
     for name in addrs:
         pools[name], lay = _layout_of(name)
         mgrs[name] = create_kv_manager(DisaggConfig(role=Role.DECODE, waiting_timeout_s=120), lay)
+        mgrs[name].on_change = moved.set
     conn.send("ready")
     while (cmd := conn.recv()) is not None:
         rooms, name, dests = cmd
         receivers = [mgrs[name].create_receiver(room, addrs[name]) for room in rooms]
         for slot, (r, dest) in enumerate(zip(receivers, dests)):
             r.init(dest, slot)
-        # Rooms finish about in order: watch the oldest, then the next. Streamed, only the last
-        # one's time counts, so poll less often and leave the CPU to the transfer.
-        pending, sleep = receivers[::-1], 0.00005 if len(rooms) == 1 else 0.0002
+        pending = receivers[::-1]  # rooms finish about in order: watch the oldest, then the next
         while pending:
+            moved.clear()
             if pending[-1].poll().terminal:  # decode's Success: staged pages are scattered by then
                 pending.pop()
             else:
-                time.sleep(sleep)
+                moved.wait(1.0)
         conn.send(all(int(r.poll()) == KVPoll.Success for r in receivers))
     for m in mgrs.values():
         m.close()
@@ -259,7 +262,10 @@ class Bench:
         yield "scattered", N_SCATTER * PAGE, 1, writes, 7, ("page", [(msrc, mdst)])
 
     def run(self, sizes: list[int], streamed: bool) -> dict:
+        from disagg_worker.disagg.runs import split_for_lanes
+
         methods = ("socket", "mooncake_sync", "mooncake_submit_poll", "kv_manager")
+        methods += () if streamed else ("mooncake_lanes",)
         out: dict = {m: {} for m in methods} | {"cpu_s": {}, "iqr": {m: {} for m in methods}, "count": {}}
         for name, nbytes, count, writes, seed, (pn, rooms) in self.workloads(sizes, streamed):
             _time_mc(self.te, self.peer, writes, "poll")  # warm connections
@@ -274,6 +280,8 @@ class Bench:
                 t["mooncake_submit_poll"].append(wall)
                 t["cpu_poll"].append(cpu / wall)
                 t["kv_manager"].append(self.manager_run(pn, rooms))
+                if not streamed:
+                    t["mooncake_lanes"].append(_time_mc(self.te, self.peer, split_for_lanes(writes), "poll")[0])
             total = nbytes * count
             for m in methods:
                 out[m][name] = total / statistics.median(t[m]) / 1e9
@@ -332,6 +340,8 @@ def plot(result: dict, path: Path) -> None:
         xs = range(len(labels))
         series = {"socket (ceiling)": r["socket"], "mooncake sync (batch)": r["mooncake_sync"],
                   "mooncake submit + sleep-poll": r["mooncake_submit_poll"], "KV manager (mooncake)": r["kv_manager"]}
+        if "mooncake_lanes" in r:
+            series["mooncake split over lanes + sleep-poll"] = r["mooncake_lanes"]
         for name, vals in series.items():
             ax.plot(xs, [vals[k] for k in labels], marker="o", label=name)
         ticks = [_human(k) + (f"\nx{r['count'][k]}" if mode == "streamed" else "") for k in labels]
@@ -385,6 +395,8 @@ def main() -> None:
             result[mode] = {"gbps": gbps,
                             "ratio_kv_manager_over_socket": _ratios(gbps, "kv_manager"),
                             "ratio_submit_poll_over_socket": _ratios(gbps, "mooncake_submit_poll")}
+            if "mooncake_lanes" in gbps:
+                result[mode]["ratio_lanes_over_socket"] = _ratios(gbps, "mooncake_lanes")
         print("-- model (one room at a time, 64 KV buffers)", flush=True)
         m = bench.run_model(MODEL_TOKENS)
         result["model"] = {"tokens": MODEL_TOKENS, "bytes": m.pop("bytes"), "gbps": m,
@@ -401,7 +413,9 @@ def main() -> None:
     plot(result, RESULTS / "transfer.png")
     for mode in PASSES:
         for k, v in result[mode]["ratio_kv_manager_over_socket"].items():
-            print(f"{mode:>8} ratio kv_manager/socket {_human(k).replace(chr(10), ' '):>20}: {v:.2f}")
+            lanes = result[mode].get("ratio_lanes_over_socket", {}).get(k)
+            print(f"{mode:>8} ratio kv_manager/socket {_human(k).replace(chr(10), ' '):>20}: {v:.2f}"
+                  + (f"  (mooncake split over lanes: {lanes:.2f})" if lanes is not None else ""))
 
 
 def _ratios(gbps: dict, method: str) -> dict:
