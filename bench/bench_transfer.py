@@ -271,6 +271,7 @@ class Bench:
             _time_mc(self.te, self.peer, writes, "poll")  # warm connections
             self.manager_run(pn, rooms)
             t: dict = {m: [] for m in methods} | {"cpu_sync": [], "cpu_poll": []}
+            split = split_for_lanes(writes)
             for _ in range(reps_for(nbytes * count)):
                 t["socket"].append(_time_socket(self.sock, self.src, nbytes, seed, count))
                 wall, cpu = _time_mc(self.te, self.peer, writes, "sync")
@@ -281,7 +282,7 @@ class Bench:
                 t["cpu_poll"].append(cpu / wall)
                 t["kv_manager"].append(self.manager_run(pn, rooms))
                 if not streamed:
-                    t["mooncake_lanes"].append(_time_mc(self.te, self.peer, split_for_lanes(writes), "poll")[0])
+                    t["mooncake_lanes"].append(_time_mc(self.te, self.peer, split, "poll")[0])
             total = nbytes * count
             for m in methods:
                 out[m][name] = total / statistics.median(t[m]) / 1e9

@@ -6,6 +6,7 @@ unlocked by the prefix cache, and flushing the cache frees them all.
 from __future__ import annotations
 
 import random
+import threading
 
 import pytest
 
@@ -98,8 +99,6 @@ def test_batched_equals_one_at_a_time(tiny_model, reference, overlap, chunk):
 def test_overlap_runs_decode_steps_on_the_runner_thread_and_prompt_chunks_inline(tiny_model, reference):
     """With overlap on, only decode-only steps go to the runner thread; a batch with a prompt chunk
     runs on the loop's thread (the overlap would hide little and slow the chunk). Same tokens."""
-    import threading
-
     prompts, expected = reference
     engine = make_engine(tiny_model, chunk=16)
     seen: list[tuple[bool, bool]] = []  # (has a prompt chunk, ran on the loop's thread)
