@@ -13,6 +13,7 @@ machines this runs on are small and shared:
 Run: `.venv/bin/python bench/bench_engine.py` (about 3-5 minutes on 2 cores). Writes
 `bench/results/engine.json` and `bench/results/engine.png`.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,6 +32,7 @@ from pathlib import Path
 
 import aiohttp
 import torch
+
 from disagg_worker import messages as msg
 from disagg_worker.bench import serve as serve_bench
 from disagg_worker.config import EngineConfig, SchedulerConfig
@@ -47,8 +49,20 @@ DEFAULT_THREADS = torch.get_num_threads()
 def bench_args(url: str, *, num_prompts: int, concurrency: int, input_len: int, output_len: int) -> argparse.Namespace:
     p = argparse.ArgumentParser()
     serve_bench.add_args(p)
-    return p.parse_args(["--base-url", url, "--num-prompts", str(num_prompts), "--max-concurrency",
-                         str(concurrency), "--input-len", str(input_len), "--output-len", str(output_len)])
+    return p.parse_args(
+        [
+            "--base-url",
+            url,
+            "--num-prompts",
+            str(num_prompts),
+            "--max-concurrency",
+            str(concurrency),
+            "--input-len",
+            str(input_len),
+            "--output-len",
+            str(output_len),
+        ]
+    )
 
 
 def pick(report: dict, *keys: str) -> dict:
@@ -61,8 +75,7 @@ LATENCY_KEYS = tuple(f"p{q}_{m}_ms" for m in ("ttft", "itl", "e2e") for q in (50
 # ---- 1. throughput vs transformers --------------------------------------------------------------
 def ours_throughput(model: str, a: argparse.Namespace, env: dict) -> dict:
     def ns(url: str, n: int) -> argparse.Namespace:
-        return bench_args(url, num_prompts=n, concurrency=a.concurrency, input_len=a.input_len,
-                          output_len=a.output_len)
+        return bench_args(url, num_prompts=n, concurrency=a.concurrency, input_len=a.input_len, output_len=a.output_len)
 
     with Serve(model, env=env, name="bench-engine") as srv:
         asyncio.run(serve_bench.bench(ns(srv.url, 8)))  # warm-up
@@ -85,8 +98,9 @@ def transformers_throughput(model: str, a: argparse.Namespace, threads: int, num
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        return _hf_generate(AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval(), a,
-                            num_prompts) | {"torch_threads": threads}
+        return _hf_generate(AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval(), a, num_prompts) | {
+            "torch_threads": threads
+        }
     finally:
         torch.set_num_threads(before)
 
@@ -94,8 +108,12 @@ def transformers_throughput(model: str, a: argparse.Namespace, threads: int, num
 def _hf_generate(hf: torch.nn.Module, a: argparse.Namespace, num_prompts: int) -> dict:
     ns = bench_args("", num_prompts=a.num_prompts, concurrency=1, input_len=a.input_len, output_len=a.output_len)
     prompts = [p for p, _ in serve_bench.make_workload(ns)][:num_prompts]
-    kw = {"do_sample": False, "max_new_tokens": a.output_len, "min_new_tokens": a.output_len,
-          "pad_token_id": hf.config.eos_token_id}
+    kw = {
+        "do_sample": False,
+        "max_new_tokens": a.output_len,
+        "min_new_tokens": a.output_len,
+        "pad_token_id": hf.config.eos_token_id,
+    }
     with torch.inference_mode():
         hf.generate(torch.tensor([prompts[0]]), **{**kw, "max_new_tokens": 4, "min_new_tokens": 4})  # warm-up
         produced, start = 0, time.perf_counter()
@@ -103,8 +121,12 @@ def _hf_generate(hf: torch.nn.Module, a: argparse.Namespace, num_prompts: int) -
             out = hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long), **kw)
             produced += out.shape[1] - len(p)
         elapsed = time.perf_counter() - start
-    return {"output_tok_s": round(produced / elapsed, 1), "prompts": len(prompts), "output_tokens": produced,
-            "duration_s": round(elapsed, 2)}
+    return {
+        "output_tok_s": round(produced / elapsed, 1),
+        "prompts": len(prompts),
+        "output_tokens": produced,
+        "duration_s": round(elapsed, 2),
+    }
 
 
 def compare_throughput(ours: dict, model: str, a: argparse.Namespace) -> dict:
@@ -113,8 +135,12 @@ def compare_throughput(ours: dict, model: str, a: argparse.Namespace) -> dict:
     if DEFAULT_THREADS != torch.get_num_threads():
         runs.append(transformers_throughput(model, a, DEFAULT_THREADS, max(1, a.hf_prompts // 8)))
     hf = max(runs, key=lambda r: r["output_tok_s"])
-    return {"ours": ours, "transformers": hf, "transformers_runs": runs,
-            "ratio": round(ours["output_tok_s"] / hf["output_tok_s"], 2)}
+    return {
+        "ours": ours,
+        "transformers": hf,
+        "transformers_runs": runs,
+        "ratio": round(ours["output_tok_s"] / hf["output_tok_s"], 2),
+    }
 
 
 # ---- 2. scheduler overhead over HTTP ------------------------------------------------------------
@@ -156,16 +182,21 @@ def step_ms(samples: list[dict]) -> float | None:
 
 def http_overhead(model: str, a: argparse.Namespace, env: dict) -> dict:
     flags = ("--max-total-tokens", str(a.batch * (a.input_len + a.overhead_output_len + 64)))
+
     def ns(url: str) -> argparse.Namespace:
-        return bench_args(url, num_prompts=a.batch, concurrency=a.batch, input_len=a.input_len,
-                          output_len=a.overhead_output_len)
+        return bench_args(
+            url, num_prompts=a.batch, concurrency=a.batch, input_len=a.input_len, output_len=a.overhead_output_len
+        )
 
     per: dict[str, dict[str, list]] = {f: {"step_ms": [], "p50_itl_ms": []} for f in ("noop", "model")}
-    with Serve(model, "--forward", "noop", *flags, env=env, name="bench-engine") as noop, \
-            Serve(model, *flags, env=env, name="bench-engine") as real:
+    with (
+        Serve(model, "--forward", "noop", *flags, env=env, name="bench-engine") as noop,
+        Serve(model, *flags, env=env, name="bench-engine") as real,
+    ):
         for srv in (noop, real):
-            asyncio.run(serve_bench.bench(bench_args(srv.url, num_prompts=4, concurrency=4, input_len=16,
-                                                     output_len=8)))
+            asyncio.run(
+                serve_bench.bench(bench_args(srv.url, num_prompts=4, concurrency=4, input_len=16, output_len=8))
+            )
         for _ in range(a.rounds):  # alternate, so slow phases of a shared machine hit both
             for fwd, srv in (("noop", noop), ("model", real)):
                 # A noop load lasts a few stats reports only; it is cheap to repeat until two land in it.
@@ -178,9 +209,11 @@ def http_overhead(model: str, a: argparse.Namespace, env: dict) -> dict:
     out = {}
     for fwd, d in per.items():
         steps = [x for x in d["step_ms"] if x is not None]
-        out[fwd] = {"step_ms": round(statistics.median(steps), 3) if steps else None,
-                    "step_ms_rounds": [round(x, 3) if x else None for x in d["step_ms"]],
-                    "p50_itl_ms": round(statistics.median(d["p50_itl_ms"]), 3)}
+        out[fwd] = {
+            "step_ms": round(statistics.median(steps), 3) if steps else None,
+            "step_ms_rounds": [round(x, 3) if x else None for x in d["step_ms"]],
+            "p50_itl_ms": round(statistics.median(d["p50_itl_ms"]), 3),
+        }
     if out["noop"]["step_ms"] and out["model"]["step_ms"]:
         out["overhead_ratio_stats"] = round(out["noop"]["step_ms"] / out["model"]["step_ms"], 4)
     out["overhead_ratio_itl"] = round(out["noop"]["p50_itl_ms"] / out["model"]["p50_itl_ms"], 4)
@@ -191,8 +224,12 @@ def http_overhead(model: str, a: argparse.Namespace, env: dict) -> dict:
 def make_engine(model: str, forward: str, overlap: bool, tokens: int) -> Engine:
     from disagg_worker.config import CacheConfig
 
-    cfg = EngineConfig(model_path=model, forward=forward, cache=CacheConfig(max_total_tokens=tokens),
-                       scheduler=SchedulerConfig(enable_overlap=overlap))
+    cfg = EngineConfig(
+        model_path=model,
+        forward=forward,
+        cache=CacheConfig(max_total_tokens=tokens),
+        scheduler=SchedulerConfig(enable_overlap=overlap),
+    )
     return Engine.from_config(cfg)
 
 
@@ -232,10 +269,14 @@ def microbench(model: str, a: argparse.Namespace) -> dict:
     for (fwd, overlap), r in rates.items():
         med = statistics.median(r)
         out[f"{fwd}_overlap_{'on' if overlap else 'off'}"] = {
-            "steps_s": round(med, 1), "step_ms": round(1000 / med, 3), "steps_s_rounds": [round(x, 1) for x in r]}
+            "steps_s": round(med, 1),
+            "step_ms": round(1000 / med, 3),
+            "steps_s_rounds": [round(x, 1) for x in r],
+        }
     for ov in ("on", "off"):
-        out[f"overhead_ratio_overlap_{ov}"] = round(out[f"model_overlap_{ov}"]["steps_s"]
-                                                    / out[f"noop_overlap_{ov}"]["steps_s"], 4)
+        out[f"overhead_ratio_overlap_{ov}"] = round(
+            out[f"model_overlap_{ov}"]["steps_s"] / out[f"noop_overlap_{ov}"]["steps_s"], 4
+        )
     return out
 
 
@@ -247,8 +288,10 @@ def threads_effect(model: str, a: argparse.Namespace) -> dict:
         rates = {f: decode_steps_per_s(model, f, True, a) for f in ("noop", "model")}
     finally:
         torch.set_num_threads(before)
-    return {"torch_threads": DEFAULT_THREADS,
-            **{f"{f}_overlap_on": {"steps_s": round(r, 1), "step_ms": round(1000 / r, 3)} for f, r in rates.items()}}
+    return {
+        "torch_threads": DEFAULT_THREADS,
+        **{f"{f}_overlap_on": {"steps_s": round(r, 1), "step_ms": round(1000 / r, 3)} for f, r in rates.items()},
+    }
 
 
 def phase_breakdown(model: str, a: argparse.Namespace, steps: int = 150) -> dict:
@@ -293,9 +336,15 @@ def profile_noop(model: str, a: argparse.Namespace, steps: int = 100) -> list[di
     prof.disable()
     st = pstats.Stats(prof)
     rows = sorted(st.stats.items(), key=lambda kv: kv[1][2], reverse=True)[:12]
-    return [{"function": f"{Path(f).name}:{line}({name})", "calls_per_step": round(cc / steps, 1),
-             "tottime_ms_per_step": round(tt / steps * 1000, 3), "cumtime_ms_per_step": round(ct / steps * 1000, 3)}
-            for (f, line, name), (cc, _nc, tt, ct, _callers) in rows]
+    return [
+        {
+            "function": f"{Path(f).name}:{line}({name})",
+            "calls_per_step": round(cc / steps, 1),
+            "tottime_ms_per_step": round(tt / steps * 1000, 3),
+            "cumtime_ms_per_step": round(ct / steps * 1000, 3),
+        }
+        for (f, line, name), (cc, _nc, tt, ct, _callers) in rows
+    ]
 
 
 # ---- report -------------------------------------------------------------------------------------
@@ -307,18 +356,27 @@ def plot(res: dict, path: Path) -> None:
 
     fig, ax = plt.subplots(1, 3, figsize=(14, 4))
     tp = res["throughput"]
-    ax[0].bar([f"disagg serve\n(concurrency {res['config']['concurrency']})", "transformers\n(one at a time)"],
-              [tp["ours"]["output_tok_s"], tp["transformers"]["output_tok_s"]], color=["tab:blue", "tab:gray"])
+    ax[0].bar(
+        [f"disagg serve\n(concurrency {res['config']['concurrency']})", "transformers\n(one at a time)"],
+        [tp["ours"]["output_tok_s"], tp["transformers"]["output_tok_s"]],
+        color=["tab:blue", "tab:gray"],
+    )
     ax[0].set_title(f"output tok/s ({tp['ratio']:.1f}x)")
     ho = res["http_overhead"]
-    ax[1].bar(["noop", "model"], [ho["noop"]["step_ms"] or 0, ho["model"]["step_ms"] or 0],
-              color=["tab:orange", "tab:blue"])
+    ax[1].bar(
+        ["noop", "model"], [ho["noop"]["step_ms"] or 0, ho["model"]["step_ms"] or 0], color=["tab:orange", "tab:blue"]
+    )
     ax[1].set_title(f"HTTP server: ms per step at batch {res['config']['batch']}")
     mb = res["microbench"]
     xs = range(2)
     for k, (ov, color) in enumerate((("on", "tab:green"), ("off", "tab:red"))):
-        ax[2].bar([x + 0.4 * k for x in xs], [mb[f"{f}_overlap_{ov}"]["step_ms"] for f in ("noop", "model")],
-                  width=0.4, label=f"overlap {ov}", color=color)
+        ax[2].bar(
+            [x + 0.4 * k for x in xs],
+            [mb[f"{f}_overlap_{ov}"]["step_ms"] for f in ("noop", "model")],
+            width=0.4,
+            label=f"overlap {ov}",
+            color=color,
+        )
     ax[2].set_xticks([x + 0.2 for x in xs], ["noop", "model"])
     ax[2].set_title("in-process: ms per decode step")
     ax[2].legend()
@@ -338,8 +396,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--overhead-output-len", type=int, default=384)
     p.add_argument("--micro-output-len", type=int, default=160)
     p.add_argument("--rounds", type=int, default=3, help="repetitions per measurement (median or best)")
-    p.add_argument("--threads", type=int, default=1,
-                   help="torch threads in every process (server, scheduler, transformers); 0 keeps torch's default")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads in every process (server, scheduler, transformers); 0 keeps torch's default",
+    )
     p.add_argument("--out", default=str(RESULTS / "engine.json"))
     return p.parse_args(argv)
 

@@ -27,29 +27,44 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests" / "cluster"))
 sys.path.insert(0, str(REPO / "bench"))
 
+from test_operator_support import OperatorUnderTest, install_chart, load_example, wait_until  # noqa: E402
+
 from common import machine_info  # noqa: E402
 from conftest import KubeCluster  # noqa: E402
-from test_operator_support import OperatorUnderTest, install_chart, load_example, wait_until  # noqa: E402
 
 CHILDREN_PER_CR = 12  # 4 Services, 2 StatefulSets, 1 Deployment, 3 PDBs, 1 NetworkPolicy, 1 Secret
 KINDS = "statefulsets,deployments,services,poddisruptionbudgets,networkpolicies,secrets"
 
 
 def cluster_from_repo(kubeconfig: Path) -> KubeCluster:
-    bin_dir = Path(subprocess.run([str(REPO / "hack/k8s/build.sh"), "--bin-dir"], capture_output=True,
-                                  text=True, check=True).stdout.strip().splitlines()[-1])
+    bin_dir = Path(
+        subprocess.run([str(REPO / "hack/k8s/build.sh"), "--bin-dir"], capture_output=True, text=True, check=True)
+        .stdout.strip()
+        .splitlines()[-1]
+    )
     return KubeCluster(kubeconfig=kubeconfig, bin_dir=bin_dir, _helm_home=Path(tempfile.mkdtemp()))
 
 
 def progress(cluster: KubeCluster, ns: str, count: int) -> tuple[int, int, int]:
     """(children that exist, CRs with a status for their generation, CRs Ready)."""
-    children = len(cluster.kubectl("-n", ns, "get", KINDS, "-l", "app.kubernetes.io/managed-by=disagg-operator",
-                                   "-o", "name").stdout.split())
+    children = len(
+        cluster.kubectl(
+            "-n", ns, "get", KINDS, "-l", "app.kubernetes.io/managed-by=disagg-operator", "-o", "name"
+        ).stdout.split()
+    )
     crs = cluster.get("-n", ns, "dm")["items"]
-    statused = sum(1 for cr in crs if cr.get("status", {}).get("observedGeneration") == cr["metadata"]["generation"]
-                   and len(cr["status"].get("conditions", [])) == 3)
-    ready = sum(1 for cr in crs for c in cr.get("status", {}).get("conditions", [])
-                if c["type"] == "Ready" and c["status"] == "True")
+    statused = sum(
+        1
+        for cr in crs
+        if cr.get("status", {}).get("observedGeneration") == cr["metadata"]["generation"]
+        and len(cr["status"].get("conditions", [])) == 3
+    )
+    ready = sum(
+        1
+        for cr in crs
+        for c in cr.get("status", {}).get("conditions", [])
+        if c["type"] == "Ready" and c["status"] == "True"
+    )
     return children, statused, ready
 
 
@@ -68,15 +83,20 @@ def bench_items(count: int) -> list[dict]:
 
 
 def fresh_namespace(cluster: KubeCluster) -> str:
-    wait_until(lambda: not [n for n in cluster.get("namespaces")["items"]
-                            if n["status"].get("phase") == "Terminating"], 300, 2, "earlier namespaces deleted")
+    wait_until(
+        lambda: not [n for n in cluster.get("namespaces")["items"] if n["status"].get("phase") == "Terminating"],
+        300,
+        2,
+        "earlier namespaces deleted",
+    )
     ns = f"bench-{uuid.uuid4().hex[:6]}"
     cluster.kubectl("create", "namespace", ns)
     return ns
 
 
-def follow(cluster: KubeCluster, ns: str, count: int, t0: float, timeout: float, settle: float,
-           want_status: bool) -> tuple[list[list[float]], dict]:
+def follow(
+    cluster: KubeCluster, ns: str, count: int, t0: float, timeout: float, settle: float, want_status: bool
+) -> tuple[list[list[float]], dict]:
     """Poll every 2 s until every child exists (and, with `want_status`, every status is written) and then
     `settle` more seconds or until every CR is Ready. Returns the timeline and the times, from `t0`."""
     timeline: list[list[float]] = []
@@ -92,8 +112,11 @@ def follow(cluster: KubeCluster, ns: str, count: int, t0: float, timeout: float,
         if ready == count:
             times["ready"] = now
             break
-        if times["status"] is not None and times["children"] is not None and \
-                now - max(times["status"], times["children"]) > settle:
+        if (
+            times["status"] is not None
+            and times["children"] is not None
+            and now - max(times["status"], times["children"]) > settle
+        ):
             break  # pods beyond the nodes' capacity stay Pending: their CRs cannot become Ready
         time.sleep(2)
     return timeline, times
@@ -104,12 +127,13 @@ def direct_run(cluster: KubeCluster, items: list[dict], timeout: float) -> dict:
     API server by as many threads as the operator has workers; no operator, no CRs, no status."""
     from concurrent.futures import ThreadPoolExecutor
 
+    from kubernetes import client, config
+
     from disagg_operator import builders
     from disagg_operator.apply import Kube
     from disagg_operator.config import OperatorConfig
     from disagg_operator.handlers import WORKERS
     from disagg_operator.spec import ModelSpec
-    from kubernetes import client, config
 
     ns = fresh_namespace(cluster)
     cfg = client.Configuration()
@@ -119,8 +143,10 @@ def direct_run(cluster: KubeCluster, items: list[dict], timeout: float) -> dict:
     manifests = []
     for cr in items:
         spec = ModelSpec.from_cr({**cr, "metadata": {**cr["metadata"], "namespace": ns}})
-        objs = [builders.build_auth_secret(spec, builders.new_token()),
-                *builders.build_children(spec, OperatorConfig())]
+        objs = [
+            builders.build_auth_secret(spec, builders.new_token()),
+            *builders.build_children(spec, OperatorConfig()),
+        ]
         for obj in objs:
             obj["metadata"].pop("ownerReferences", None)  # no CR: an owner that does not exist would be collected
         manifests.append(objs)
@@ -133,8 +159,12 @@ def direct_run(cluster: KubeCluster, items: list[dict], timeout: float) -> dict:
         f.result()
     pool.shutdown()
     cluster.kubectl("delete", "namespace", ns, "--wait=false")
-    return {"seconds_until_all_children_exist": times["children"], "writes": kube.writes, "timeline": timeline,
-            "load_average_1m_before": round(load_before, 2)}
+    return {
+        "seconds_until_all_children_exist": times["children"],
+        "writes": kube.writes,
+        "timeline": timeline,
+        "load_average_1m_before": round(load_before, 2),
+    }
 
 
 def operator_run(cluster: KubeCluster, items: list[dict], idle: float, timeout: float, settle: float = 60) -> dict:
@@ -146,12 +176,21 @@ def operator_run(cluster: KubeCluster, items: list[dict], idle: float, timeout: 
     before = op.proxy.snapshot()
     cpu_before = cpu_seconds(op.proc.pid)
     t0 = time.monotonic()  # the clock includes `kubectl apply` itself: 100 creates, one after another
-    apply = subprocess.Popen([str(cluster.kubectl_path), "-n", ns, "apply", "-f", "-"], env=cluster.env,
-                             stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    apply = subprocess.Popen(
+        [str(cluster.kubectl_path), "-n", ns, "apply", "-f", "-"],
+        env=cluster.env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        text=True,
+    )
     applied: list[float] = []
-    feeder = threading.Thread(target=lambda: (apply.communicate(json.dumps({"apiVersion": "v1", "kind": "List",
-                                                                             "items": items})),
-                                              applied.append(time.monotonic() - t0)), daemon=True)
+    feeder = threading.Thread(
+        target=lambda: (
+            apply.communicate(json.dumps({"apiVersion": "v1", "kind": "List", "items": items})),
+            applied.append(time.monotonic() - t0),
+        ),
+        daemon=True,
+    )
     feeder.start()
     timeline, times = follow(cluster, ns, count, t0, timeout, settle, want_status=True)
     feeder.join(60)
@@ -159,25 +198,36 @@ def operator_run(cluster: KubeCluster, items: list[dict], idle: float, timeout: 
     converged = op.proxy.snapshot()
     operator_cpu = cpu_seconds(op.proc.pid) - cpu_before
     load_after = os.getloadavg()[0]
-    calls = {f"{m} {k}": converged[(m, k)] - before[(m, k)] for (m, k) in converged
-             if converged[(m, k)] != before[(m, k)]}
+    calls = {
+        f"{m} {k}": converged[(m, k)] - before[(m, k)] for (m, k) in converged if converged[(m, k)] != before[(m, k)]
+    }
     time.sleep(idle)
     idle_calls = op.proxy.snapshot()
-    idle_writes = {f"{m} {k}": idle_calls[(m, k)] - converged[(m, k)] for (m, k) in idle_calls
-                   if m != "GET" and idle_calls[(m, k)] != converged[(m, k)]}
+    idle_writes = {
+        f"{m} {k}": idle_calls[(m, k)] - converged[(m, k)]
+        for (m, k) in idle_calls
+        if m != "GET" and idle_calls[(m, k)] != converged[(m, k)]
+    }
     op.stop()
     cluster.kubectl("delete", "namespace", ns, "--wait=false")
     writes = sum(n for k, n in calls.items() if not k.startswith("GET"))
     return {
-        "crs": count, "children_per_cr": CHILDREN_PER_CR, "cpu_count": os.cpu_count(),
+        "crs": count,
+        "children_per_cr": CHILDREN_PER_CR,
+        "cpu_count": os.cpu_count(),
         "load_average_1m_before_and_after": [round(load_before, 2), round(load_after, 2)],
         "seconds_kubectl_apply_of_the_crs": round(applied[0], 1) if applied else None,
-        "seconds_until_all_children_exist": times["children"], "seconds_until_every_status_written": times["status"],
-        "seconds_until_all_ready": times["ready"], "crs_ready": timeline[-1][3],
+        "seconds_until_all_children_exist": times["children"],
+        "seconds_until_every_status_written": times["status"],
+        "seconds_until_all_ready": times["ready"],
+        "crs_ready": timeline[-1][3],
         "operator_cpu_seconds_until_converged": round(operator_cpu, 1),
-        "api_calls_until_ready": calls, "writes_per_cr": round(writes / count, 2),
+        "api_calls_until_ready": calls,
+        "writes_per_cr": round(writes / count, 2),
         "reads_per_cr": round(sum(n for k, n in calls.items() if k.startswith("GET")) / count, 2),
-        "idle_seconds": idle, "writes_while_idle": idle_writes, "timeline": timeline,
+        "idle_seconds": idle,
+        "writes_while_idle": idle_writes,
+        "timeline": timeline,
     }
 
 
@@ -191,7 +241,8 @@ def run(cluster: KubeCluster, count: int, idle: float, timeout: float) -> dict:
     result["machine"] = machine
     if direct["seconds_until_all_children_exist"] and result["seconds_until_all_children_exist"]:
         result["ratio_children_operator_over_direct"] = round(
-            result["seconds_until_all_children_exist"] / direct["seconds_until_all_children_exist"], 2)
+            result["seconds_until_all_children_exist"] / direct["seconds_until_all_children_exist"], 2
+        )
     return result
 
 
@@ -210,14 +261,20 @@ def plot(r: dict, path: Path) -> None:
     ax.plot([t[0] for t in op], [t[3] / r["crs"] for t in op], marker=".", label="CRs Ready")
     if r.get("seconds_kubectl_apply_of_the_crs"):
         ax.axvline(r["seconds_kubectl_apply_of_the_crs"], color="tab:purple", linestyle=":", linewidth=1)
-        ax.text(r["seconds_kubectl_apply_of_the_crs"] + 0.5, 0.12, "kubectl apply of the CRs returns",
-                color="tab:purple", fontsize=8)
+        ax.text(
+            r["seconds_kubectl_apply_of_the_crs"] + 0.5,
+            0.12,
+            "kubectl apply of the CRs returns",
+            color="tab:purple",
+            fontsize=8,
+        )
     ax.axvline(60, color="gray", linestyle="--", linewidth=1)
     ax.text(60.5, 0.05, "target 60 s", color="gray", fontsize=8)
     ax.set_xlabel("seconds after the start of kubectl apply (operator) or of the first apply (direct)")
     ax.set_ylabel("fraction done")
-    ax.set_title(f"{r['crs']} DisaggregatedModels applied at once ({r['cpu_count']} CPUs, local control plane)",
-                 fontsize=9)
+    ax.set_title(
+        f"{r['crs']} DisaggregatedModels applied at once ({r['cpu_count']} CPUs, local control plane)", fontsize=9
+    )
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     fig.tight_layout()
@@ -232,27 +289,27 @@ def markdown(r: dict) -> str:
     rows = "\n".join(f"| {k} | {v} |" for k, v in sorted(r["api_calls_until_ready"].items()))
     return f"""# Operator benchmark
 
-{r['crs']} DisaggregatedModels (examples/dm-cpu-tcp.yaml, renamed) applied with one `kubectl apply` on the local
+{r["crs"]} DisaggregatedModels (examples/dm-cpu-tcp.yaml, renamed) applied with one `kubectl apply` on the local
 control plane (etcd, kube-apiserver, controller-manager, scheduler built from source; kwok nodes). The operator
 runs as a local process with the chart's ServiceAccount; its API calls are counted by a proxy.
-Machine: {r['machine']['cpu']}, {r['cpu_count']} CPUs, {r['machine']['memory_gib']} GiB, kernel \
-{r['machine']['kernel']}, shared with other work; 1-minute load average \
-{r['load_average_1m_before_and_after'][0]} before and {r['load_average_1m_before_and_after'][1]} after the run.
+Machine: {r["machine"]["cpu"]}, {r["cpu_count"]} CPUs, {r["machine"]["memory_gib"]} GiB, kernel \
+{r["machine"]["kernel"]}, shared with other work; 1-minute load average \
+{r["load_average_1m_before_and_after"][0]} before and {r["load_average_1m_before_and_after"][1]} after the run.
 
 | measure | value |
 |---|---|
-| `kubectl apply` of the {r['crs']} CRs returned | {_s(r['seconds_kubectl_apply_of_the_crs'])} |
-| all {r['crs'] * r['children_per_cr']} children exist | {_s(r['seconds_until_all_children_exist'])} |
+| `kubectl apply` of the {r["crs"]} CRs returned | {_s(r["seconds_kubectl_apply_of_the_crs"])} |
+| all {r["crs"] * r["children_per_cr"]} children exist | {_s(r["seconds_until_all_children_exist"])} |
 | baseline: the same children applied directly (16 threads, no operator) | \
-{_s(r['direct_apply']['seconds_until_all_children_exist'])} |
-| ratio operator / direct | {r.get('ratio_children_operator_over_direct')} |
-| every status written | {_s(r['seconds_until_every_status_written'])} |
-| CRs Ready (3 pods each; the 2 kwok nodes hold 220 pods) | {r['crs_ready']} of {r['crs']} |
-| every CR Ready | {_s(r['seconds_until_all_ready'])} |
-| operator CPU until converged | {r['operator_cpu_seconds_until_converged']} s |
-| API writes per CR (until converged) | {r['writes_per_cr']} |
-| API reads per CR (until converged; watch requests included) | {r['reads_per_cr']} |
-| writes during {r['idle_seconds']} s idle | {sum(r['writes_while_idle'].values())} |
+{_s(r["direct_apply"]["seconds_until_all_children_exist"])} |
+| ratio operator / direct | {r.get("ratio_children_operator_over_direct")} |
+| every status written | {_s(r["seconds_until_every_status_written"])} |
+| CRs Ready (3 pods each; the 2 kwok nodes hold 220 pods) | {r["crs_ready"]} of {r["crs"]} |
+| every CR Ready | {_s(r["seconds_until_all_ready"])} |
+| operator CPU until converged | {r["operator_cpu_seconds_until_converged"]} s |
+| API writes per CR (until converged) | {r["writes_per_cr"]} |
+| API reads per CR (until converged; watch requests included) | {r["reads_per_cr"]} |
+| writes during {r["idle_seconds"]} s idle | {sum(r["writes_while_idle"].values())} |
 
 API calls until converged, by verb and object (writes name the object kind, or `status`):
 

@@ -10,6 +10,7 @@ slow phase of a shared machine hits both. Every round sends fresh random token-i
 Reports TTFT p50/p90 (median over rounds) and the P/D / monolithic ratio.
 Writes bench/results/pd.json and pd.png.  Usage: python bench/bench_pd.py [--rounds N]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,31 +35,59 @@ KEYS = ("p50_ttft_ms", "p90_ttft_ms", "mean_ttft_ms", "p50_itl_ms", "p50_e2e_ms"
 def load(url: str, *, n: int, concurrency: int, input_len: int, output_len: int, seed: int) -> dict:
     p = argparse.ArgumentParser()
     serve_bench.add_args(p)
-    ns = p.parse_args(["--base-url", url, "--num-prompts", str(n), "--max-concurrency", str(concurrency),
-                       "--input-len", str(input_len), "--output-len", str(output_len), "--seed", str(seed),
-                       "--vocab-high", "2000"])
+    ns = p.parse_args(
+        [
+            "--base-url",
+            url,
+            "--num-prompts",
+            str(n),
+            "--max-concurrency",
+            str(concurrency),
+            "--input-len",
+            str(input_len),
+            "--output-len",
+            str(output_len),
+            "--seed",
+            str(seed),
+            "--vocab-high",
+            "2000",
+        ]
+    )
     report = asyncio.run(serve_bench.bench(ns))
     if report["failed"]:
         raise RuntimeError(f"{url}: {report['failed']} requests failed: {report.get('errors')}")
     return {k: report[k] for k in KEYS}
 
 
-def interleaved(servers: dict[str, Serve], a: argparse.Namespace, *, n: int, concurrency: int, base_seed: int,
-                input_len: int = 0) -> dict:
+def interleaved(
+    servers: dict[str, Serve], a: argparse.Namespace, *, n: int, concurrency: int, base_seed: int, input_len: int = 0
+) -> dict:
     """Rounds A B, B A, ... with the same fresh prompts for both servers in each round."""
     input_len = input_len or a.input_len
     rounds: dict[str, list[dict]] = {name: [] for name in servers}
     names = list(servers)
     for r in range(a.rounds):
         for name in names if r % 2 == 0 else names[::-1]:
-            rep = load(servers[name].url, n=n, concurrency=concurrency, input_len=input_len,
-                       output_len=a.output_len, seed=base_seed + r)
+            rep = load(
+                servers[name].url,
+                n=n,
+                concurrency=concurrency,
+                input_len=input_len,
+                output_len=a.output_len,
+                seed=base_seed + r,
+            )
             rounds[name].append(rep)
-            print(f"  round {r} {name:>4}: TTFT p50 {rep['p50_ttft_ms']:.1f} p90 {rep['p90_ttft_ms']:.1f} ms", flush=True)
+            print(
+                f"  round {r} {name:>4}: TTFT p50 {rep['p50_ttft_ms']:.1f} p90 {rep['p90_ttft_ms']:.1f} ms", flush=True
+            )
     med = {name: {k: statistics.median(x[k] for x in reps) for k in KEYS} for name, reps in rounds.items()}
     ratio = {k: med["pd"][k] / med["mono"][k] for k in ("p50_ttft_ms", "p90_ttft_ms", "mean_ttft_ms")}
-    return {"median": med, "ratio_pd_over_mono": ratio, "rounds": rounds,
-            "config": {"requests": n, "concurrency": concurrency, "input_len": input_len, "output_len": a.output_len}}
+    return {
+        "median": med,
+        "ratio_pd_over_mono": ratio,
+        "rounds": rounds,
+        "config": {"requests": n, "concurrency": concurrency, "input_len": input_len, "output_len": a.output_len},
+    }
 
 
 def plot(res: dict, path: Path) -> None:
@@ -109,8 +138,10 @@ def main(argv: list[str] | None = None) -> int:
     res: dict = {"machine": machine_info(), "config": vars(a) | {"model": model}}
     threads = ["--torch-threads", str(a.threads)]
     env = {"OMP_NUM_THREADS": str(a.threads)}
-    servers = {"mono": Serve(model, *threads, env=env, name="bench-pd"),
-               "pd": Serve(model, "--local", *threads, env=env, name="bench-pd")}
+    servers = {
+        "mono": Serve(model, *threads, env=env, name="bench-pd"),
+        "pd": Serve(model, "--local", *threads, env=env, name="bench-pd"),
+    }
     try:
         for s in servers.values():
             s.start()
@@ -138,8 +169,10 @@ def main(argv: list[str] | None = None) -> int:
     for key in ("low", "short", "moderate"):
         if key in res:
             r = res[key]
-            print(f"{key}: TTFT p50 mono {r['median']['mono']['p50_ttft_ms']:.1f} ms, pd {r['median']['pd']['p50_ttft_ms']:.1f} ms"
-                  f" (x{r['ratio_pd_over_mono']['p50_ttft_ms']:.2f}); p90 x{r['ratio_pd_over_mono']['p90_ttft_ms']:.2f}")
+            print(
+                f"{key}: TTFT p50 mono {r['median']['mono']['p50_ttft_ms']:.1f} ms, pd {r['median']['pd']['p50_ttft_ms']:.1f} ms"
+                f" (x{r['ratio_pd_over_mono']['p50_ttft_ms']:.2f}); p90 x{r['ratio_pd_over_mono']['p90_ttft_ms']:.2f}"
+            )
     return 0
 
 

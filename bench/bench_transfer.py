@@ -20,6 +20,7 @@ of a real model (32 layers, so 64 KV buffers and 64 writes, with 32 KiB pages: 1
 heads x 128 x bf16) for prompts of 16 to 1024 tokens, against the socket moving the same bytes.
 Writes bench/results/transfer.json and transfer.png.  Usage: python bench/bench_transfer.py [--quick]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -177,8 +178,9 @@ def _pool_layout(page_nbytes: int, layers: int = 1, buf_nbytes: int = POOL // 2)
     from disagg_worker.disagg import KVLayout
 
     bufs = [torch.zeros(buf_nbytes, dtype=torch.uint8) for _ in range(2 * layers)]  # K and V per layer
-    layout = KVLayout([b.data_ptr() for b in bufs], [b.numel() for b in bufs], page_nbytes, 1, "uint8",
-                      buf_nbytes // page_nbytes)
+    layout = KVLayout(
+        [b.data_ptr() for b in bufs], [b.numel() for b in bufs], page_nbytes, 1, "uint8", buf_nbytes // page_nbytes
+    )
     return bufs, layout
 
 
@@ -288,8 +290,10 @@ class Bench:
                 out[m][name] = total / statistics.median(t[m]) / 1e9
                 q1, _, q3 = statistics.quantiles(t[m], n=4)
                 out["iqr"][m][name] = [round(total / q3 / 1e9, 3), round(total / q1 / 1e9, 3)]
-            out["cpu_s"][name] = {"sync_cores": statistics.median(t["cpu_sync"]),
-                                  "submit_poll_cores": statistics.median(t["cpu_poll"])}
+            out["cpu_s"][name] = {
+                "sync_cores": statistics.median(t["cpu_sync"]),
+                "submit_poll_cores": statistics.median(t["cpu_poll"]),
+            }
             out["count"][name] = count
             label = f"{name} x{count}" if streamed else name
             print(f"{label:>14}: " + "  ".join(f"{m} {out[m][name]:.2f}" for m in methods) + " GB/s", flush=True)
@@ -312,8 +316,12 @@ class Bench:
             for m in methods:
                 out[m][str(t)] = nbytes / statistics.median(times[m]) / 1e9
             out["bytes"][str(t)] = nbytes
-            print(f"{t:>5} tokens ({nbytes >> 20} MiB): " + "  ".join(f"{m} {out[m][str(t)]:.2f}" for m in methods)
-                  + " GB/s", flush=True)
+            print(
+                f"{t:>5} tokens ({nbytes >> 20} MiB): "
+                + "  ".join(f"{m} {out[m][str(t)]:.2f}" for m in methods)
+                + " GB/s",
+                flush=True,
+            )
         return out
 
     def close(self) -> None:
@@ -339,8 +347,12 @@ def plot(result: dict, path: Path) -> None:
         r = result[mode]["gbps"]
         labels = [k for k in [*map(str, result["sizes"]), "scattered"] if k in r["socket"]]
         xs = range(len(labels))
-        series = {"socket (ceiling)": r["socket"], "mooncake sync (batch)": r["mooncake_sync"],
-                  "mooncake submit + sleep-poll": r["mooncake_submit_poll"], "KV manager (mooncake)": r["kv_manager"]}
+        series = {
+            "socket (ceiling)": r["socket"],
+            "mooncake sync (batch)": r["mooncake_sync"],
+            "mooncake submit + sleep-poll": r["mooncake_submit_poll"],
+            "KV manager (mooncake)": r["kv_manager"],
+        }
         if "mooncake_lanes" in r:
             series["mooncake split over lanes + sleep-poll"] = r["mooncake_lanes"]
         for name, vals in series.items():
@@ -363,8 +375,11 @@ def _plot_model(ax, model: dict) -> None:
     width = 0.8 / len(series)
     for i, (label, key) in enumerate(series.items()):
         ax.bar([x + i * width for x in range(len(tokens))], [model["gbps"][key][t] for t in tokens], width, label=label)
-    ax.set_xticks([x + 0.4 - width / 2 for x in range(len(tokens))],
-                  [f"{t} tokens\n{model['bytes'][t] >> 20} MiB" for t in tokens], fontsize=8)
+    ax.set_xticks(
+        [x + 0.4 - width / 2 for x in range(len(tokens))],
+        [f"{t} tokens\n{model['bytes'][t] >> 20} MiB" for t in tokens],
+        fontsize=8,
+    )
     ax.set_title("one room at a time, 32 layers (64 KV buffers, 32 KiB pages)", fontsize=9)
     ax.set_ylabel("GB/s")
     ax.grid(alpha=0.3, axis="y")
@@ -393,30 +408,40 @@ def main() -> None:
         for mode in PASSES if not args.model_only else ():
             print(f"-- {mode}", flush=True)
             gbps = bench.run(sizes, streamed=mode == "streamed")
-            result[mode] = {"gbps": gbps,
-                            "ratio_kv_manager_over_socket": _ratios(gbps, "kv_manager"),
-                            "ratio_submit_poll_over_socket": _ratios(gbps, "mooncake_submit_poll")}
+            result[mode] = {
+                "gbps": gbps,
+                "ratio_kv_manager_over_socket": _ratios(gbps, "kv_manager"),
+                "ratio_submit_poll_over_socket": _ratios(gbps, "mooncake_submit_poll"),
+            }
             if "mooncake_lanes" in gbps:
                 result[mode]["ratio_lanes_over_socket"] = _ratios(gbps, "mooncake_lanes")
         print("-- model (one room at a time, 64 KV buffers)", flush=True)
         m = bench.run_model(MODEL_TOKENS)
-        result["model"] = {"tokens": MODEL_TOKENS, "bytes": m.pop("bytes"), "gbps": m,
-                           "ratio_kv_manager_over_socket": _ratios(m, "kv_manager")}
+        result["model"] = {
+            "tokens": MODEL_TOKENS,
+            "bytes": m.pop("bytes"),
+            "gbps": m,
+            "ratio_kv_manager_over_socket": _ratios(m, "kv_manager"),
+        }
     finally:
         bench.close()
     if args.model_only:
         print(json.dumps(result["model"]["ratio_kv_manager_over_socket"]))
         return
-    result |= {"seconds": round(time.time() - t0, 1),
-               "unit": "GB/s (1e9 bytes/s), median of interleaved repetitions; iqr: [p25, p75] throughput"}
+    result |= {
+        "seconds": round(time.time() - t0, 1),
+        "unit": "GB/s (1e9 bytes/s), median of interleaved repetitions; iqr: [p25, p75] throughput",
+    }
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "transfer.json").write_text(json.dumps(result, indent=2) + "\n")
     plot(result, RESULTS / "transfer.png")
     for mode in PASSES:
         for k, v in result[mode]["ratio_kv_manager_over_socket"].items():
             lanes = result[mode].get("ratio_lanes_over_socket", {}).get(k)
-            print(f"{mode:>8} ratio kv_manager/socket {_human(k).replace(chr(10), ' '):>20}: {v:.2f}"
-                  + (f"  (mooncake split over lanes: {lanes:.2f})" if lanes is not None else ""))
+            print(
+                f"{mode:>8} ratio kv_manager/socket {_human(k).replace(chr(10), ' '):>20}: {v:.2f}"
+                + (f"  (mooncake split over lanes: {lanes:.2f})" if lanes is not None else "")
+            )
 
 
 def _ratios(gbps: dict, method: str) -> dict:

@@ -1,4 +1,5 @@
 """What the benchmarks share: the machine they ran on, a free port, and `disagg serve` as a child process."""
+
 from __future__ import annotations
 
 import json
@@ -22,13 +23,27 @@ def machine_info(**extra: str) -> dict:
     """CPU, cores, memory, kernel, library versions and the load average when the run started."""
     import torch
 
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor())
-    mem_kb = int(next(line.split()[1] for line in Path("/proc/meminfo").read_text().splitlines()
-                      if line.startswith("MemTotal")))
-    return {"cpu": cpu, "cores": os.cpu_count(), "memory_gib": round(mem_kb / 2**20, 1),
-            "kernel": platform.release(), "python": platform.python_version(), "torch": torch.__version__,
-            **extra, "load_average_at_start": list(os.getloadavg())}
+    cpu = next(
+        (
+            line.split(":", 1)[1].strip()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("model name")
+        ),
+        platform.processor(),
+    )
+    mem_kb = int(
+        next(line.split()[1] for line in Path("/proc/meminfo").read_text().splitlines() if line.startswith("MemTotal"))
+    )
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "memory_gib": round(mem_kb / 2**20, 1),
+        "kernel": platform.release(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        **extra,
+        "load_average_at_start": list(os.getloadavg()),
+    }
 
 
 def free_port() -> int:
@@ -57,8 +72,9 @@ class Serve:
 
     def start(self) -> Self:
         with open(self.log, "wb") as log:
-            self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, env=self.env,
-                                         start_new_session=True)
+            self.proc = subprocess.Popen(
+                self.argv, stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True
+            )
         return self
 
     def wait_healthy(self, timeout: float = 300) -> Self:

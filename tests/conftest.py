@@ -1,4 +1,5 @@
 """Fixtures shared by every tier: the embedded tiny model, built once per session."""
+
 from __future__ import annotations
 
 import pytest

@@ -6,7 +6,8 @@ Every call is counted by verb so a benchmark (or a test) can say how many writes
 import collections
 import json
 import threading
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
@@ -14,8 +15,12 @@ from kubernetes.client.exceptions import ApiException
 from . import names
 
 PLURALS = {
-    "StatefulSet": "statefulsets", "Deployment": "deployments", "Service": "services", "Secret": "secrets",
-    "PodDisruptionBudget": "poddisruptionbudgets", "NetworkPolicy": "networkpolicies",
+    "StatefulSet": "statefulsets",
+    "Deployment": "deployments",
+    "Service": "services",
+    "Secret": "secrets",
+    "PodDisruptionBudget": "poddisruptionbudgets",
+    "NetworkPolicy": "networkpolicies",
     names.KIND: names.PLURAL,
 }
 WRITE_VERBS = ("apply", "create", "patch_status")
@@ -49,13 +54,21 @@ class Kube:
         self._lock = threading.Lock()
         self.calls: collections.Counter[str] = collections.Counter()
 
-    def _call(self, verb: str, method: str, path: str, body: Any = None, query: list | None = None,
-              content_type: str = "application/json") -> Any:
+    def _call(
+        self,
+        verb: str,
+        method: str,
+        path: str,
+        body: Any = None,
+        query: list | None = None,
+        content_type: str = "application/json",
+    ) -> Any:
         with self._lock:
             self.calls[verb] += 1
         headers = {"Content-Type": content_type, "Accept": "application/json"}
         method, url, headers, body, _ = self.api.param_serialize(
-            method, path, query_params=query or [], header_params=headers, body=body, auth_settings=["BearerToken"])
+            method, path, query_params=query or [], header_params=headers, body=body, auth_settings=["BearerToken"]
+        )
         resp = self.api.call_api(method, url, header_params=headers, body=body)
         data = resp.read()
         if not 200 <= resp.status < 300:
@@ -88,8 +101,9 @@ class Kube:
         if self.get(obj["apiVersion"], obj["kind"], meta["namespace"], meta["name"]) is not None:
             return False
         try:
-            self._call("create", "POST", object_path(obj["apiVersion"], PLURALS[obj["kind"]], meta["namespace"]),
-                       dict(obj))
+            self._call(
+                "create", "POST", object_path(obj["apiVersion"], PLURALS[obj["kind"]], meta["namespace"]), dict(obj)
+            )
         except ApiException as e:
             if e.status == 409:
                 return False
@@ -98,5 +112,6 @@ class Kube:
 
     def patch_status(self, namespace: str, name: str, status: Mapping[str, Any]) -> Any:
         path = object_path(names.API_VERSION, names.PLURAL, namespace, name) + "/status"
-        return self._call("patch_status", "PATCH", path, {"status": dict(status)},
-                          content_type="application/merge-patch+json")
+        return self._call(
+            "patch_status", "PATCH", path, {"status": dict(status)}, content_type="application/merge-patch+json"
+        )

@@ -54,8 +54,12 @@ def _engine_props(with_defaults: bool) -> dict:
     d = DEFAULT_ENGINE if with_defaults else {}
     return {
         "pageSize": _int(d.get("pageSize"), 1, "Tokens per KV page; prefill and decode must agree."),
-        "kvDtype": _str("KV cache dtype; prefill and decode must agree.", 16, enum=DTYPES,
-                        **({"default": d["kvDtype"]} if d else {})),
+        "kvDtype": _str(
+            "KV cache dtype; prefill and decode must agree.",
+            16,
+            enum=DTYPES,
+            **({"default": d["kvDtype"]} if d else {}),
+        ),
         "dtype": _str("Model weights dtype.", 16, enum=DTYPES, **({"default": d["dtype"]} if d else {})),
         "chunkSize": _int(d.get("chunkSize"), 1, "Chunked-prefill size in tokens."),
         "maxTotalTokens": _int(d.get("maxTotalTokens"), 1, "KV cache capacity in tokens."),
@@ -66,12 +70,16 @@ def _engine_props(with_defaults: bool) -> dict:
 def _placement_props() -> dict:
     quantities = {"type": "object", "additionalProperties": {"x-kubernetes-int-or-string": True}}
     return {
-        "resources": _obj({
-            "requests": quantities,
-            "limits": quantities,
-            "gpus": _int(0, 0, "GPUs per pod (0 runs on CPU); must equal tpSize * ppSize when set."),
-            "rdma": _int(1, 0, "RDMA devices per pod, requested when transfer.protocol is rdma."),
-        }, "Pod resources.", default={}),
+        "resources": _obj(
+            {
+                "requests": quantities,
+                "limits": quantities,
+                "gpus": _int(0, 0, "GPUs per pod (0 runs on CPU); must equal tpSize * ppSize when set."),
+                "rdma": _int(1, 0, "RDMA devices per pod, requested when transfer.protocol is rdma."),
+            },
+            "Pod resources.",
+            default={},
+        ),
         "nodeSelector": {"type": "object", "additionalProperties": {"type": "string"}},
         "tolerations": {"type": "array", "items": _free_obj("A core/v1 Toleration.")},
         "affinity": _free_obj("A core/v1 Affinity."),
@@ -81,70 +89,116 @@ def _placement_props() -> dict:
 
 
 def _worker_role(role: str) -> dict:
-    return _obj({
-        "replicas": _int(1, doc=f"Number of {role} pods."),
-        "tpSize": _int(1, 1, "Tensor-parallel size."),
-        "ppSize": _int(1, 1, "Pipeline-parallel size."),
-        "engine": _obj(_engine_props(False), f"Engine settings for {role} only, over spec.engine.", default={}),
-        **_placement_props(),
-    }, f"The {role} role.", default={})
+    return _obj(
+        {
+            "replicas": _int(1, doc=f"Number of {role} pods."),
+            "tpSize": _int(1, 1, "Tensor-parallel size."),
+            "ppSize": _int(1, 1, "Pipeline-parallel size."),
+            "engine": _obj(_engine_props(False), f"Engine settings for {role} only, over spec.engine.", default={}),
+            **_placement_props(),
+        },
+        f"The {role} role.",
+        default={},
+    )
 
 
 def _router() -> dict:
-    return _obj({
-        "replicas": _int(1, doc="Number of router pods."),
-        "policy": _str("How the router picks workers.", 32, enum=["round_robin", "least_load"],
-                       default="round_robin"),
-        **_placement_props(),
-    }, "The router that receives requests and pairs a prefill with a decode worker.", default={})
+    return _obj(
+        {
+            "replicas": _int(1, doc="Number of router pods."),
+            "policy": _str(
+                "How the router picks workers.", 32, enum=["round_robin", "least_load"], default="round_robin"
+            ),
+            **_placement_props(),
+        },
+        "The router that receives requests and pairs a prefill with a decode worker.",
+        default={},
+    )
 
 
 MODEL_RULES = [
-    ("spec.model", "has(self.path) != has(self.huggingFaceId)",
-     "set exactly one of model.path (a directory on a volume) and model.huggingFaceId"),
-    ("spec.model", "!has(self.path) || has(self.pvc) || has(self.hostPath)",
-     "model.path needs model.pvc or model.hostPath to say which volume holds it"),
+    (
+        "spec.model",
+        "has(self.path) != has(self.huggingFaceId)",
+        "set exactly one of model.path (a directory on a volume) and model.huggingFaceId",
+    ),
+    (
+        "spec.model",
+        "!has(self.path) || has(self.pvc) || has(self.hostPath)",
+        "model.path needs model.pvc or model.hostPath to say which volume holds it",
+    ),
     ("spec.model", "!(has(self.pvc) && has(self.hostPath))", "set at most one of model.pvc and model.hostPath"),
-    ("spec.model", "self == oldSelf",
-     "model is immutable: create a new DisaggregatedModel to serve another model"),
+    ("spec.model", "self == oldSelf", "model is immutable: create a new DisaggregatedModel to serve another model"),
 ]
 
-SPEC_RULES = [
-    ("spec", f"self.{r}.replicas >= 0", f"{r}.replicas must be 0 or more") for r in names.ROLES
-] + [
-    ("spec", "self.decode.ppSize == self.prefill.ppSize || self.decode.ppSize == 1",
-     "decode.ppSize must equal prefill.ppSize or be 1"),
-    ("spec", "self.prefill.tpSize % self.decode.tpSize == 0 || self.decode.tpSize % self.prefill.tpSize == 0",
-     "prefill.tpSize and decode.tpSize must divide one another (for example 4 and 2, or 2 and 4)"),
-    ("spec", "(has(self.prefill.engine.pageSize) ? self.prefill.engine.pageSize : self.engine.pageSize) == "
-             "(has(self.decode.engine.pageSize) ? self.decode.engine.pageSize : self.engine.pageSize)",
-     "prefill and decode must use the same pageSize: KV pages are copied page for page"),
-    ("spec", "(has(self.prefill.engine.kvDtype) ? self.prefill.engine.kvDtype : self.engine.kvDtype) == "
-             "(has(self.decode.engine.kvDtype) ? self.decode.engine.kvDtype : self.engine.kvDtype)",
-     "prefill and decode must use the same kvDtype: the KV cache is copied byte for byte"),
-] + [
-    ("spec", f"self.{r}.resources.gpus == 0 || self.{r}.resources.gpus == self.{r}.tpSize * self.{r}.ppSize",
-     f"{r}.resources.gpus must be 0 (CPU) or {r}.tpSize * {r}.ppSize (one GPU per rank)")
-    for r in names.WORKER_ROLES
-] + [
-    ("spec", "self.transfer.protocol != 'rdma' || self.transfer.backend == 'mooncake'",
-     "transfer.protocol rdma needs transfer.backend mooncake"),
-    ("spec", "!has(self.transfer.ibDevice) || self.transfer.protocol == 'rdma'",
-     "transfer.ibDevice is only used with transfer.protocol rdma"),
-]
+SPEC_RULES = (
+    [("spec", f"self.{r}.replicas >= 0", f"{r}.replicas must be 0 or more") for r in names.ROLES]
+    + [
+        (
+            "spec",
+            "self.decode.ppSize == self.prefill.ppSize || self.decode.ppSize == 1",
+            "decode.ppSize must equal prefill.ppSize or be 1",
+        ),
+        (
+            "spec",
+            "self.prefill.tpSize % self.decode.tpSize == 0 || self.decode.tpSize % self.prefill.tpSize == 0",
+            "prefill.tpSize and decode.tpSize must divide one another (for example 4 and 2, or 2 and 4)",
+        ),
+        (
+            "spec",
+            "(has(self.prefill.engine.pageSize) ? self.prefill.engine.pageSize : self.engine.pageSize) == "
+            "(has(self.decode.engine.pageSize) ? self.decode.engine.pageSize : self.engine.pageSize)",
+            "prefill and decode must use the same pageSize: KV pages are copied page for page",
+        ),
+        (
+            "spec",
+            "(has(self.prefill.engine.kvDtype) ? self.prefill.engine.kvDtype : self.engine.kvDtype) == "
+            "(has(self.decode.engine.kvDtype) ? self.decode.engine.kvDtype : self.engine.kvDtype)",
+            "prefill and decode must use the same kvDtype: the KV cache is copied byte for byte",
+        ),
+    ]
+    + [
+        (
+            "spec",
+            f"self.{r}.resources.gpus == 0 || self.{r}.resources.gpus == self.{r}.tpSize * self.{r}.ppSize",
+            f"{r}.resources.gpus must be 0 (CPU) or {r}.tpSize * {r}.ppSize (one GPU per rank)",
+        )
+        for r in names.WORKER_ROLES
+    ]
+    + [
+        (
+            "spec",
+            "self.transfer.protocol != 'rdma' || self.transfer.backend == 'mooncake'",
+            "transfer.protocol rdma needs transfer.backend mooncake",
+        ),
+        (
+            "spec",
+            "!has(self.transfer.ibDevice) || self.transfer.protocol == 'rdma'",
+            "transfer.ibDevice is only used with transfer.protocol rdma",
+        ),
+    ]
+)
 
 IMMUTABLE_RULES = [
-    ("spec.servedModelName", "self == oldSelf",
-     "servedModelName is immutable: clients address the model by this name"),
-    ("spec.transfer", "self == oldSelf",
-     "transfer is immutable: prefill and decode would have to switch at the same moment"),
+    ("spec.servedModelName", "self == oldSelf", "servedModelName is immutable: clients address the model by this name"),
+    (
+        "spec.transfer",
+        "self == oldSelf",
+        "transfer is immutable: prefill and decode would have to switch at the same moment",
+    ),
 ]
 
 ROOT_RULES = [
-    ("", f"self.metadata.name.size() <= {names.MAX_NAME_LENGTH}",
-     f"metadata.name must be at most {names.MAX_NAME_LENGTH} characters: child objects append -prefill etc."),
-    ("", "self.metadata.name.matches('^[a-z]([-a-z0-9]*[a-z0-9])?$')",
-     "metadata.name must start with a letter and hold only lowercase letters, digits and '-' (it names Services)"),
+    (
+        "",
+        f"self.metadata.name.size() <= {names.MAX_NAME_LENGTH}",
+        f"metadata.name must be at most {names.MAX_NAME_LENGTH} characters: child objects append -prefill etc.",
+    ),
+    (
+        "",
+        "self.metadata.name.matches('^[a-z]([-a-z0-9]*[a-z0-9])?$')",
+        "metadata.name must start with a letter and hold only lowercase letters, digits and '-' (it names Services)",
+    ),
 ]
 
 RULES = ROOT_RULES + SPEC_RULES + MODEL_RULES + IMMUTABLE_RULES
@@ -155,58 +209,91 @@ def _rules_at(where: str) -> list[dict]:
 
 
 def spec_schema() -> dict:
-    model = _obj({
-        "path": _str("Directory of the model inside the volume (model.pvc or model.hostPath).", 1024),
-        "pvc": _str("PersistentVolumeClaim holding model.path, mounted read-only."),
-        "hostPath": _str("Node directory holding model.path, mounted read-only.", 1024),
-        "huggingFaceId": _str("A Hugging Face model id, downloaded into the cache volume at start-up.", 256),
-        "cachePvc": _str("PersistentVolumeClaim for the Hugging Face cache (an emptyDir when absent)."),
-    }, "Where the model weights come from.", **{"x-kubernetes-validations": _rules_at("spec.model")})
-    transfer = _obj({
-        "backend": _str("KV transfer backend.", 16, enum=["mooncake", "fake"], default="mooncake"),
-        "protocol": _str("Transport of the mooncake backend.", 8, enum=["tcp", "rdma"], default="tcp"),
-        "ibDevice": _str("InfiniBand device name(s) for rdma, e.g. mlx5_0.", 128),
-    }, "How KV pages move from prefill to decode.", default={},
-        **{"x-kubernetes-validations": _rules_at("spec.transfer")})
-    return _obj({
-        "model": model,
-        "servedModelName": _str("The model name clients send in requests.", 256,
-                                **{"x-kubernetes-validations": _rules_at("spec.servedModelName")}),
-        "image": _str("Worker image (entrypoint `disagg`).", 512),
-        "imagePullPolicy": _str("", 16, enum=["Always", "IfNotPresent", "Never"], default="IfNotPresent"),
-        "engine": _obj(_engine_props(True), "Engine settings shared by prefill and decode.", default={}),
-        "transfer": transfer,
-        "prefill": _worker_role(names.PREFILL),
-        "decode": _worker_role(names.DECODE),
-        "router": _router(),
-        "auth": _obj({"secretName": _str("Existing Secret with key `token`; generated when absent.")},
-                     "Token the router and workers share.", default={}),
-    }, "The desired state of a disaggregated deployment.", required=["model", "servedModelName", "image"],
-        **{"x-kubernetes-validations": _rules_at("spec")})
+    model = _obj(
+        {
+            "path": _str("Directory of the model inside the volume (model.pvc or model.hostPath).", 1024),
+            "pvc": _str("PersistentVolumeClaim holding model.path, mounted read-only."),
+            "hostPath": _str("Node directory holding model.path, mounted read-only.", 1024),
+            "huggingFaceId": _str("A Hugging Face model id, downloaded into the cache volume at start-up.", 256),
+            "cachePvc": _str("PersistentVolumeClaim for the Hugging Face cache (an emptyDir when absent)."),
+        },
+        "Where the model weights come from.",
+        **{"x-kubernetes-validations": _rules_at("spec.model")},
+    )
+    transfer = _obj(
+        {
+            "backend": _str("KV transfer backend.", 16, enum=["mooncake", "fake"], default="mooncake"),
+            "protocol": _str("Transport of the mooncake backend.", 8, enum=["tcp", "rdma"], default="tcp"),
+            "ibDevice": _str("InfiniBand device name(s) for rdma, e.g. mlx5_0.", 128),
+        },
+        "How KV pages move from prefill to decode.",
+        default={},
+        **{"x-kubernetes-validations": _rules_at("spec.transfer")},
+    )
+    return _obj(
+        {
+            "model": model,
+            "servedModelName": _str(
+                "The model name clients send in requests.",
+                256,
+                **{"x-kubernetes-validations": _rules_at("spec.servedModelName")},
+            ),
+            "image": _str("Worker image (entrypoint `disagg`).", 512),
+            "imagePullPolicy": _str("", 16, enum=["Always", "IfNotPresent", "Never"], default="IfNotPresent"),
+            "engine": _obj(_engine_props(True), "Engine settings shared by prefill and decode.", default={}),
+            "transfer": transfer,
+            "prefill": _worker_role(names.PREFILL),
+            "decode": _worker_role(names.DECODE),
+            "router": _router(),
+            "auth": _obj(
+                {"secretName": _str("Existing Secret with key `token`; generated when absent.")},
+                "Token the router and workers share.",
+                default={},
+            ),
+        },
+        "The desired state of a disaggregated deployment.",
+        required=["model", "servedModelName", "image"],
+        **{"x-kubernetes-validations": _rules_at("spec")},
+    )
 
 
 def _role_status() -> dict:
-    return _obj({
-        "replicas": _int(), "readyReplicas": _int(), "updatedReplicas": _int(),
-        "ready": {"type": "string", "description": "ready/desired, for printing."},
-        "selector": {"type": "string", "description": "Label selector of the role's pods (for an HPA)."},
-    })
+    return _obj(
+        {
+            "replicas": _int(),
+            "readyReplicas": _int(),
+            "updatedReplicas": _int(),
+            "ready": {"type": "string", "description": "ready/desired, for printing."},
+            "selector": {"type": "string", "description": "Label selector of the role's pods (for an HPA)."},
+        }
+    )
 
 
 def status_schema() -> dict:
-    condition = _obj({
-        "type": {"type": "string"}, "status": {"type": "string", "enum": ["True", "False", "Unknown"]},
-        "reason": {"type": "string"}, "message": {"type": "string"},
-        "lastTransitionTime": {"type": "string", "format": "date-time"},
-        "observedGeneration": {"type": "integer"},
-    }, required=["type", "status"])
-    return _obj({
-        "observedGeneration": _int(),
-        "endpoint": {"type": "string", "description": "URL of the router Service inside the cluster."},
-        **{role: _role_status() for role in names.ROLES},
-        "conditions": {"type": "array", "items": condition, "x-kubernetes-list-type": "map",
-                       "x-kubernetes-list-map-keys": ["type"]},
-    })
+    condition = _obj(
+        {
+            "type": {"type": "string"},
+            "status": {"type": "string", "enum": ["True", "False", "Unknown"]},
+            "reason": {"type": "string"},
+            "message": {"type": "string"},
+            "lastTransitionTime": {"type": "string", "format": "date-time"},
+            "observedGeneration": {"type": "integer"},
+        },
+        required=["type", "status"],
+    )
+    return _obj(
+        {
+            "observedGeneration": _int(),
+            "endpoint": {"type": "string", "description": "URL of the router Service inside the cluster."},
+            **{role: _role_status() for role in names.ROLES},
+            "conditions": {
+                "type": "array",
+                "items": condition,
+                "x-kubernetes-list-type": "map",
+                "x-kubernetes-list-map-keys": ["type"],
+            },
+        }
+    )
 
 
 PRINTER_COLUMNS = [
@@ -221,8 +308,11 @@ PRINTER_COLUMNS = [
 
 def build_crd() -> dict:
     """The complete CRD manifest."""
-    root = _obj({"spec": spec_schema(), "status": status_schema()}, required=["spec"],
-                **{"x-kubernetes-validations": _rules_at("")})
+    root = _obj(
+        {"spec": spec_schema(), "status": status_schema()},
+        required=["spec"],
+        **{"x-kubernetes-validations": _rules_at("")},
+    )
     return {
         "apiVersion": "apiextensions.k8s.io/v1",
         "kind": "CustomResourceDefinition",
@@ -230,18 +320,30 @@ def build_crd() -> dict:
         "spec": {
             "group": names.GROUP,
             "scope": "Namespaced",
-            "names": {"kind": names.KIND, "plural": names.PLURAL, "singular": names.SINGULAR,
-                      "shortNames": [names.SHORT_NAME], "listKind": f"{names.KIND}List"},
-            "versions": [{
-                "name": names.VERSION, "served": True, "storage": True,
-                "schema": {"openAPIV3Schema": root},
-                "subresources": {"status": {}, "scale": {
-                    "specReplicasPath": ".spec.decode.replicas",
-                    "statusReplicasPath": ".status.decode.replicas",
-                    "labelSelectorPath": ".status.decode.selector",
-                }},
-                "additionalPrinterColumns": PRINTER_COLUMNS,
-            }],
+            "names": {
+                "kind": names.KIND,
+                "plural": names.PLURAL,
+                "singular": names.SINGULAR,
+                "shortNames": [names.SHORT_NAME],
+                "listKind": f"{names.KIND}List",
+            },
+            "versions": [
+                {
+                    "name": names.VERSION,
+                    "served": True,
+                    "storage": True,
+                    "schema": {"openAPIV3Schema": root},
+                    "subresources": {
+                        "status": {},
+                        "scale": {
+                            "specReplicasPath": ".spec.decode.replicas",
+                            "statusReplicasPath": ".status.decode.replicas",
+                            "labelSelectorPath": ".status.decode.selector",
+                        },
+                    },
+                    "additionalPrinterColumns": PRINTER_COLUMNS,
+                }
+            ],
         },
     }
 

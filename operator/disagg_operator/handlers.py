@@ -7,7 +7,8 @@ parent through the `disagg.dev/model` label; an idle cluster produces no events 
 
 import copy
 import logging
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import kopf
 
@@ -21,8 +22,13 @@ MANAGED = {names.LABEL_MANAGED_BY: names.MANAGED_BY}
 logger = logging.getLogger(__name__)
 WORKERS = 16
 CR = (names.GROUP, names.VERSION, names.PLURAL)
-CHILD_KINDS = [("apps", "v1", "statefulsets"), ("apps", "v1", "deployments"), ("", "v1", "services"),
-               ("policy", "v1", "poddisruptionbudgets"), ("networking.k8s.io", "v1", "networkpolicies")]
+CHILD_KINDS = [
+    ("apps", "v1", "statefulsets"),
+    ("apps", "v1", "deployments"),
+    ("", "v1", "services"),
+    ("policy", "v1", "poddisruptionbudgets"),
+    ("networking.k8s.io", "v1", "networkpolicies"),
+]
 
 
 def post_event(cr: Mapping[str, Any], event: Event) -> None:
@@ -33,7 +39,8 @@ def post_event(cr: Mapping[str, Any], event: Event) -> None:
 def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=names.ANNOTATION_PREFIX)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
-        prefix=names.ANNOTATION_PREFIX, key="last-handled-configuration")
+        prefix=names.ANNOTATION_PREFIX, key="last-handled-configuration"
+    )
     settings.persistence.finalizer = f"{names.GROUP}/finalizer"
     settings.posting.level = logging.WARNING
     settings.watching.server_timeout = 300
@@ -71,8 +78,14 @@ def _one(index: kopf.Index, key: tuple) -> Any:
     return next(iter(index.get(key, ())), None)
 
 
-def refresh(runtime: Runtime, cr: Mapping[str, Any], worker_sets: kopf.Index, router_sets: kopf.Index,
-            failing_pods: kopf.Index, seen: PodProblem | None = None) -> None:
+def refresh(
+    runtime: Runtime,
+    cr: Mapping[str, Any],
+    worker_sets: kopf.Index,
+    router_sets: kopf.Index,
+    failing_pods: kopf.Index,
+    seen: PodProblem | None = None,
+) -> None:
     """Recompute the CR's status from the indexes (plus `seen`: a failure in the event being handled, which
     the index may already have dropped when the pod was deleted)."""
     key = (cr["metadata"]["namespace"], cr["metadata"]["name"])
@@ -84,8 +97,14 @@ def refresh(runtime: Runtime, cr: Mapping[str, Any], worker_sets: kopf.Index, ro
 @kopf.on.resume(*CR)
 @kopf.on.create(*CR)
 @kopf.on.update(*CR)
-def reconcile(body: kopf.Body, memo: kopf.Memo, worker_sets: kopf.Index, router_sets: kopf.Index,
-              failing_pods: kopf.Index, **_: Any) -> None:
+def reconcile(
+    body: kopf.Body,
+    memo: kopf.Memo,
+    worker_sets: kopf.Index,
+    router_sets: kopf.Index,
+    failing_pods: kopf.Index,
+    **_: Any,
+) -> None:
     runtime: Runtime = memo.runtime
     cr = _plain(body)
     try:
@@ -98,16 +117,29 @@ def reconcile(body: kopf.Body, memo: kopf.Memo, worker_sets: kopf.Index, router_
     refresh(runtime, cr, worker_sets, router_sets, failing_pods)
 
 
-def _on_child(type: str | None, namespace: str, labels: Mapping[str, str], memo: kopf.Memo, models: kopf.Index,
-              worker_sets: kopf.Index, router_sets: kopf.Index, failing_pods: kopf.Index, recreate: bool,
-              seen: PodProblem | None = None) -> None:
+def _on_child(
+    type: str | None,
+    namespace: str,
+    labels: Mapping[str, str],
+    memo: kopf.Memo,
+    models: kopf.Index,
+    worker_sets: kopf.Index,
+    router_sets: kopf.Index,
+    failing_pods: kopf.Index,
+    recreate: bool,
+    seen: PodProblem | None = None,
+) -> None:
     runtime: Runtime = memo.runtime
     cr = _one(models, (namespace, labels.get(names.MODEL_LABEL)))
     if cr is None:
         return
     meta = cr["metadata"]
-    if (recreate and type == "DELETED" and namespace not in runtime.terminating
-            and runtime.cr_is_live(namespace, meta["name"], meta["uid"])):
+    if (
+        recreate
+        and type == "DELETED"
+        and namespace not in runtime.terminating
+        and runtime.cr_is_live(namespace, meta["name"], meta["uid"])
+    ):
         try:
             runtime.apply_children(cr)
         except ReconcileError as e:  # event handlers are not retried: Degraded says it, the next event retries
@@ -121,18 +153,46 @@ def _register_child_handlers() -> None:
     kopf.on.event("", "v1", "pods", labels=MANAGED, id="child-pods")(on_pod)
 
 
-def on_child(type: str | None, namespace: str, labels: Mapping[str, str], memo: kopf.Memo, models: kopf.Index,
-             worker_sets: kopf.Index, router_sets: kopf.Index, failing_pods: kopf.Index, **_: Any) -> None:
+def on_child(
+    type: str | None,
+    namespace: str,
+    labels: Mapping[str, str],
+    memo: kopf.Memo,
+    models: kopf.Index,
+    worker_sets: kopf.Index,
+    router_sets: kopf.Index,
+    failing_pods: kopf.Index,
+    **_: Any,
+) -> None:
     """A child changed: recreate it if it was deleted by hand, then refresh the parent's status."""
     _on_child(type, namespace, labels, memo, models, worker_sets, router_sets, failing_pods, recreate=True)
 
 
-def on_pod(type: str | None, namespace: str, labels: Mapping[str, str], body: kopf.Body, memo: kopf.Memo,
-           models: kopf.Index, worker_sets: kopf.Index, router_sets: kopf.Index, failing_pods: kopf.Index,
-           **_: Any) -> None:
+def on_pod(
+    type: str | None,
+    namespace: str,
+    labels: Mapping[str, str],
+    body: kopf.Body,
+    memo: kopf.Memo,
+    models: kopf.Index,
+    worker_sets: kopf.Index,
+    router_sets: kopf.Index,
+    failing_pods: kopf.Index,
+    **_: Any,
+) -> None:
     """A pod changed: refresh the parent's status (pods are the StatefulSets' business to recreate)."""
-    _on_child(type, namespace, labels, memo, models, worker_sets, router_sets, failing_pods, recreate=False,
-              seen=pod_problem(body))
+    _on_child(
+        type,
+        namespace,
+        labels,
+        memo,
+        models,
+        worker_sets,
+        router_sets,
+        failing_pods,
+        recreate=False,
+        seen=pod_problem(body),
+    )
 
 
 @kopf.on.event(*CR)

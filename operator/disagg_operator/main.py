@@ -10,11 +10,19 @@ import kopf
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="disagg-operator", description=__doc__)
     scope = p.add_mutually_exclusive_group()
-    scope.add_argument("-n", "--namespace", action="append", default=[],
-                       help="watch this namespace (repeatable); default: all namespaces")
+    scope.add_argument(
+        "-n",
+        "--namespace",
+        action="append",
+        default=[],
+        help="watch this namespace (repeatable); default: all namespaces",
+    )
     scope.add_argument("-A", "--all-namespaces", action="store_true", help="watch every namespace")
-    p.add_argument("--peering", metavar="NAME",
-                   help="kopf peering object for HA: one active operator among replicas (default: standalone)")
+    p.add_argument(
+        "--peering",
+        metavar="NAME",
+        help="kopf peering object for HA: one active operator among replicas (default: standalone)",
+    )
     p.add_argument("--standalone", action="store_true", help="no peering even if --peering is given")
     p.add_argument("--priority", type=int, default=0, help="peering priority of this replica")
     p.add_argument("--liveness", metavar="URL", help="serve a liveness probe, e.g. http://0.0.0.0:8080/healthz")

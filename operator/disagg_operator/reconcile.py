@@ -8,8 +8,9 @@ pods), so refreshing it reads nothing from the API server and writes only on a c
 import datetime
 import logging
 import threading
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any
 
 from kubernetes.client.exceptions import ApiException
 
@@ -17,8 +18,16 @@ from . import builders, names
 from .apply import Kube
 from .config import OperatorConfig
 from .spec import ModelSpec
-from .status import (Event, PodProblem, RoleObservation, compute_status, latch_problems, settled_roles,
-                     status_changed, transitions)
+from .status import (
+    Event,
+    PodProblem,
+    RoleObservation,
+    compute_status,
+    latch_problems,
+    settled_roles,
+    status_changed,
+    transitions,
+)
 
 log = logging.getLogger(__name__)
 
@@ -72,8 +81,10 @@ class Runtime:
     def ensure_auth_secret(self, spec: ModelSpec) -> None:
         if spec.auth_secret:
             if self.kube.get("v1", "Secret", spec.namespace, spec.auth_secret) is None:
-                raise ReconcileError(f"auth Secret {spec.auth_secret} not found (it needs the key "
-                                     f"'{names.AUTH_TOKEN_KEY}')", permanent=False)
+                raise ReconcileError(
+                    f"auth Secret {spec.auth_secret} not found (it needs the key '{names.AUTH_TOKEN_KEY}')",
+                    permanent=False,
+                )
             return
         self.kube.create_if_absent(builders.build_auth_secret(spec, builders.new_token()))
 
@@ -95,17 +106,25 @@ class Runtime:
         self.errors.pop(spec.uid, None)
         self.terminating.discard(spec.namespace)
 
-    def refresh_status(self, cr: Mapping[str, Any], observed: Mapping[str, RoleObservation | None],
-                       problems: Iterable[PodProblem]) -> bool:
+    def refresh_status(
+        self, cr: Mapping[str, Any], observed: Mapping[str, RoleObservation | None], problems: Iterable[PodProblem]
+    ) -> bool:
         """Write the CR's status when it differs from the last one written; post an Event per transition."""
         spec = ModelSpec.from_cr(cr)
         with self._lock(spec.uid):
             latched = latch_problems(self.latched.get(spec.uid, {}), problems, settled_roles(spec, observed))
             self.latched[spec.uid] = latched
             previous = self.written.get(spec.uid) or cr.get("status") or {}
-            new = compute_status(spec, cr["metadata"].get("generation", 0), observed,
-                                 sorted(latched.values(), key=lambda p: p.pod), self.errors.get(spec.uid, []),
-                                 previous, builders.router_endpoint(spec), now())
+            new = compute_status(
+                spec,
+                cr["metadata"].get("generation", 0),
+                observed,
+                sorted(latched.values(), key=lambda p: p.pod),
+                self.errors.get(spec.uid, []),
+                previous,
+                builders.router_endpoint(spec),
+                now(),
+            )
             if not status_changed(previous, new):
                 return False
             try:
@@ -122,5 +141,6 @@ class Runtime:
     def cr_is_live(self, namespace: str, name: str, uid: str) -> bool:
         """Whether the CR still exists and is not being deleted (read fresh, not from a cache)."""
         current = self.kube.get(names.API_VERSION, names.KIND, namespace, name)
-        return bool(current and current["metadata"].get("uid") == uid
-                    and not current["metadata"].get("deletionTimestamp"))
+        return bool(
+            current and current["metadata"].get("uid") == uid and not current["metadata"].get("deletionTimestamp")
+        )

@@ -4,8 +4,9 @@ The CRD's structural schema fills in defaults on the API server; `ModelSpec.from
 that builders see the same values for a CR read from the server and for a hand-written dict in a test.
 """
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 from . import names
 
@@ -33,8 +34,9 @@ class EngineSpec:
     def merged(cls, shared: Mapping[str, Any], override: Mapping[str, Any]) -> "EngineSpec":
         """The role's engine settings: the role's `engine` block over the CR's `engine` block over defaults."""
         v = {**DEFAULT_ENGINE, **shared, **override}
-        return cls(v["pageSize"], v["kvDtype"], v["dtype"], v["chunkSize"], v["maxTotalTokens"],
-                   v["maxRunningRequests"])
+        return cls(
+            v["pageSize"], v["kvDtype"], v["dtype"], v["chunkSize"], v["maxTotalTokens"], v["maxRunningRequests"]
+        )
 
 
 @dataclass(frozen=True)
@@ -46,8 +48,7 @@ class Resources:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "Resources":
-        return cls(dict(d.get("requests", {})), dict(d.get("limits", {})), int(d.get("gpus", 0)),
-                   int(d.get("rdma", 1)))
+        return cls(dict(d.get("requests", {})), dict(d.get("limits", {})), int(d.get("gpus", 0)), int(d.get("rdma", 1)))
 
 
 @dataclass(frozen=True)
@@ -63,9 +64,14 @@ class Placement:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "Placement":
-        return cls(Resources.from_dict(d.get("resources", {})), dict(d.get("nodeSelector", {})),
-                   tuple(d.get("tolerations", ())), dict(d.get("affinity", {})), tuple(d.get("env", ())),
-                   tuple(str(a) for a in d.get("args", ())))
+        return cls(
+            Resources.from_dict(d.get("resources", {})),
+            dict(d.get("nodeSelector", {})),
+            tuple(d.get("tolerations", ())),
+            dict(d.get("affinity", {})),
+            tuple(d.get("env", ())),
+            tuple(str(a) for a in d.get("args", ())),
+        )
 
 
 @dataclass(frozen=True)
@@ -154,18 +160,31 @@ class ModelSpec:
             image=spec["image"],
             image_pull_policy=spec.get("imagePullPolicy", "IfNotPresent"),
             served_model_name=spec["servedModelName"],
-            model=ModelSource(model.get("path"), model.get("pvc"), model.get("hostPath"),
-                              model.get("huggingFaceId"), model.get("cachePvc")),
-            transfer=TransferSpec(transfer.get("backend", "mooncake"), transfer.get("protocol", "tcp"),
-                                  transfer.get("ibDevice")),
+            model=ModelSource(
+                model.get("path"),
+                model.get("pvc"),
+                model.get("hostPath"),
+                model.get("huggingFaceId"),
+                model.get("cachePvc"),
+            ),
+            transfer=TransferSpec(
+                transfer.get("backend", "mooncake"), transfer.get("protocol", "tcp"), transfer.get("ibDevice")
+            ),
             prefill=_worker_role(names.PREFILL, spec.get("prefill", {}), engine),
             decode=_worker_role(names.DECODE, spec.get("decode", {}), engine),
-            router=RouterSpec(int(router.get("replicas", 1)), router.get("policy", "round_robin"),
-                              Placement.from_dict(router)),
+            router=RouterSpec(
+                int(router.get("replicas", 1)), router.get("policy", "round_robin"), Placement.from_dict(router)
+            ),
             auth_secret=spec.get("auth", {}).get("secretName"),
         )
 
 
 def _worker_role(role: str, d: Mapping[str, Any], shared_engine: Mapping[str, Any]) -> WorkerRoleSpec:
-    return WorkerRoleSpec(role, int(d.get("replicas", 1)), int(d.get("tpSize", 1)), int(d.get("ppSize", 1)),
-                          EngineSpec.merged(shared_engine, d.get("engine", {})), Placement.from_dict(d))
+    return WorkerRoleSpec(
+        role,
+        int(d.get("replicas", 1)),
+        int(d.get("tpSize", 1)),
+        int(d.get("ppSize", 1)),
+        EngineSpec.merged(shared_engine, d.get("engine", {})),
+        Placement.from_dict(d),
+    )

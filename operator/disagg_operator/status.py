@@ -5,14 +5,22 @@ the Ready, Progressing and Degraded conditions. A condition's lastTransitionTime
 `transitions` lists those moves, one Event each.
 """
 
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 from . import names
 from .spec import ModelSpec
 
-FAILING_WAIT_REASONS = {"CrashLoopBackOff", "ErrImagePull", "ImagePullBackOff", "CreateContainerConfigError",
-                        "CreateContainerError", "InvalidImageName", "RunContainerError"}
+FAILING_WAIT_REASONS = {
+    "CrashLoopBackOff",
+    "ErrImagePull",
+    "ImagePullBackOff",
+    "CreateContainerConfigError",
+    "CreateContainerError",
+    "InvalidImageName",
+    "RunContainerError",
+}
 
 
 @dataclass(frozen=True)
@@ -43,9 +51,12 @@ def observe_workload(obj: Mapping[str, Any]) -> RoleObservation:
     """Counts from a StatefulSet's or Deployment's status."""
     st = obj.get("status") or {}
     generation = obj.get("metadata", {}).get("generation", 0)
-    return RoleObservation(replicas=st.get("replicas", 0), ready=st.get("readyReplicas", 0),
-                           updated=st.get("updatedReplicas", 0),
-                           current=st.get("observedGeneration", 0) >= generation)
+    return RoleObservation(
+        replicas=st.get("replicas", 0),
+        ready=st.get("readyReplicas", 0),
+        updated=st.get("updatedReplicas", 0),
+        current=st.get("observedGeneration", 0) >= generation,
+    )
 
 
 def pod_problem(pod: Mapping[str, Any]) -> PodProblem | None:
@@ -67,8 +78,9 @@ def pod_problem(pod: Mapping[str, Any]) -> PodProblem | None:
             return PodProblem(meta.get("name", ""), role, f"container {cs.get('name')}: {waiting['reason']}")
         if terminated and terminated.get("exitCode", 0) != 0:
             reason = terminated.get("reason") or "Error"
-            return PodProblem(meta.get("name", ""), role,
-                              f"container {cs.get('name')}: {reason} (exit code {terminated['exitCode']})")
+            return PodProblem(
+                meta.get("name", ""), role, f"container {cs.get('name')}: {reason} (exit code {terminated['exitCode']})"
+            )
     return None
 
 
@@ -76,13 +88,16 @@ def _terminated_reason(st: Mapping[str, Any]) -> str | None:
     for cs in st.get("containerStatuses") or []:
         terminated = (cs.get("state") or {}).get("terminated") or {}
         if terminated.get("exitCode", 0) != 0:
-            return (f"container {cs.get('name')}: {terminated.get('reason') or 'Error'} "
-                    f"(exit code {terminated['exitCode']})")
+            return (
+                f"container {cs.get('name')}: {terminated.get('reason') or 'Error'} "
+                f"(exit code {terminated['exitCode']})"
+            )
     return None
 
 
-def latch_problems(latched: Mapping[str, PodProblem], current: Iterable[PodProblem],
-                   settled: set[str]) -> dict[str, PodProblem]:
+def latch_problems(
+    latched: Mapping[str, PodProblem], current: Iterable[PodProblem], settled: set[str]
+) -> dict[str, PodProblem]:
     """Problems to report: a pod's failure stays reported until its role is whole again, so a failed pod that
     the StatefulSet replaces keeps the CR Degraded until the replacement is ready."""
     out = {p.pod: p for p in current}
@@ -103,14 +118,20 @@ def selector(spec: ModelSpec, role: str) -> str:
 def role_status(spec: ModelSpec, role: str, obs: RoleObservation | None) -> dict[str, Any]:
     obs = obs or RoleObservation()
     desired = spec.replicas(role)
-    return {"replicas": obs.replicas, "readyReplicas": obs.ready, "updatedReplicas": obs.updated,
-            "ready": f"{obs.ready}/{desired}", "selector": selector(spec, role)}
+    return {
+        "replicas": obs.replicas,
+        "readyReplicas": obs.ready,
+        "updatedReplicas": obs.updated,
+        "ready": f"{obs.ready}/{desired}",
+        "selector": selector(spec, role),
+    }
 
 
 def _settled(spec: ModelSpec, role: str, obs: RoleObservation | None) -> bool:
     desired = spec.replicas(role)
-    return (obs is not None and obs.current and obs.replicas == desired and obs.ready == desired
-            and obs.updated == desired)
+    return (
+        obs is not None and obs.current and obs.replicas == desired and obs.ready == desired and obs.updated == desired
+    )
 
 
 def _counts(spec: ModelSpec, observed: Mapping[str, RoleObservation | None]) -> str:
@@ -121,8 +142,9 @@ def _condition(ctype: str, ok: bool, reason: str, message: str) -> dict[str, Any
     return {"type": ctype, "status": "True" if ok else "False", "reason": reason, "message": message}
 
 
-def desired_conditions(spec: ModelSpec, observed: Mapping[str, RoleObservation | None],
-                       problems: list[PodProblem], errors: list[str]) -> list[dict[str, Any]]:
+def desired_conditions(
+    spec: ModelSpec, observed: Mapping[str, RoleObservation | None], problems: list[PodProblem], errors: list[str]
+) -> list[dict[str, Any]]:
     """Ready, Progressing and Degraded, without timestamps. `errors` are spec or apply failures."""
     counts = _counts(spec, observed)
     pending = [r for r in names.ROLES if not _settled(spec, r, observed.get(r))]
@@ -130,16 +152,23 @@ def desired_conditions(spec: ModelSpec, observed: Mapping[str, RoleObservation |
     if errors:
         ready = _condition(names.READY, False, "ReconcileFailed", "; ".join(errors))
     elif zero:
-        ready = _condition(names.READY, False, "ScaledToZero",
-                           f"{', '.join(zero)} has 0 replicas: requests cannot be served")
+        ready = _condition(
+            names.READY, False, "ScaledToZero", f"{', '.join(zero)} has 0 replicas: requests cannot be served"
+        )
     elif pending:
         ready = _condition(names.READY, False, "ReplicasNotReady", f"ready: {counts}")
     else:
         ready = _condition(names.READY, True, "AllReplicasReady", f"ready: {counts}")
-    progressing = (_condition(names.PROGRESSING, True, "RollingOut", f"waiting for {', '.join(pending)}: {counts}")
-                   if pending and not errors else
-                   _condition(names.PROGRESSING, False, "Blocked" if errors else "Complete",
-                              "see Degraded" if errors else "every role has its desired replicas"))
+    progressing = (
+        _condition(names.PROGRESSING, True, "RollingOut", f"waiting for {', '.join(pending)}: {counts}")
+        if pending and not errors
+        else _condition(
+            names.PROGRESSING,
+            False,
+            "Blocked" if errors else "Complete",
+            "see Degraded" if errors else "every role has its desired replicas",
+        )
+    )
     if errors:
         degraded = _condition(names.DEGRADED, True, "ReconcileFailed", "; ".join(errors))
     elif problems:
@@ -150,22 +179,35 @@ def desired_conditions(spec: ModelSpec, observed: Mapping[str, RoleObservation |
     return [ready, progressing, degraded]
 
 
-def with_times(new: list[dict[str, Any]], previous: list[dict[str, Any]], generation: int,
-               now: str) -> list[dict[str, Any]]:
+def with_times(
+    new: list[dict[str, Any]], previous: list[dict[str, Any]], generation: int, now: str
+) -> list[dict[str, Any]]:
     """Stamp conditions: keep the previous lastTransitionTime unless the status changed."""
     before = {c.get("type"): c for c in previous}
     out = []
     for c in new:
         old = before.get(c["type"])
         changed = old is None or old.get("status") != c["status"]
-        out.append({**c, "observedGeneration": generation,
-                    "lastTransitionTime": now if changed else old.get("lastTransitionTime", now)})
+        out.append(
+            {
+                **c,
+                "observedGeneration": generation,
+                "lastTransitionTime": now if changed else old.get("lastTransitionTime", now),
+            }
+        )
     return out
 
 
-def compute_status(spec: ModelSpec, generation: int, observed: Mapping[str, RoleObservation | None],
-                   problems: list[PodProblem], errors: list[str], previous: Mapping[str, Any],
-                   endpoint: str, now: str) -> dict[str, Any]:
+def compute_status(
+    spec: ModelSpec,
+    generation: int,
+    observed: Mapping[str, RoleObservation | None],
+    problems: list[PodProblem],
+    errors: list[str],
+    previous: Mapping[str, Any],
+    endpoint: str,
+    now: str,
+) -> dict[str, Any]:
     """The full `.status` the CR should have."""
     conds = desired_conditions(spec, observed, problems, errors)
     return {

@@ -22,9 +22,9 @@ import os
 import subprocess
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 
@@ -82,8 +82,15 @@ class KubeCluster:
     def fail_pod(self, namespace: str, name: str, *, reason: str = "Error", exit_code: int = 1) -> None:
         """Make the containers of a running pod terminate (kwok's chaos stage)."""
         prefix = f"{CHAOS_LABEL}/"
-        self.kubectl("-n", namespace, "annotate", "--overwrite", f"pod/{name}",
-                     f"{prefix}reason={reason}", f"{prefix}exit-code={exit_code}")
+        self.kubectl(
+            "-n",
+            namespace,
+            "annotate",
+            "--overwrite",
+            f"pod/{name}",
+            f"{prefix}reason={reason}",
+            f"{prefix}exit-code={exit_code}",
+        )
         self.kubectl("-n", namespace, "label", "--overwrite", f"pod/{name}", f"{CHAOS_LABEL}=true")
 
     def api_client(self):
@@ -92,9 +99,12 @@ class KubeCluster:
 
         return config.new_client_from_config(config_file=str(self.kubeconfig))
 
-    def _run(self, tool: Path, args: tuple[str, ...], input: str | None, check: bool) -> subprocess.CompletedProcess[str]:
-        proc = subprocess.run([str(tool), *args], input=input, env=self.env,
-                              capture_output=True, text=True, timeout=180)
+    def _run(
+        self, tool: Path, args: tuple[str, ...], input: str | None, check: bool
+    ) -> subprocess.CompletedProcess[str]:
+        proc = subprocess.run(
+            [str(tool), *args], input=input, env=self.env, capture_output=True, text=True, timeout=180
+        )
         if check and proc.returncode != 0:
             raise AssertionError(f"{tool.name} {' '.join(args)} failed ({proc.returncode}):\n{proc.stderr}")
         return proc
@@ -103,8 +113,11 @@ class KubeCluster:
 def _cluster_env() -> dict[str, str]:
     if REUSE:
         return dict(os.environ)
-    return {**os.environ, "DISAGG_CLUSTER_NAME": "disagg-pytest",
-            "DISAGG_CLUSTER_DIR": str(REPO / ".cluster" / "pytest")}
+    return {
+        **os.environ,
+        "DISAGG_CLUSTER_NAME": "disagg-pytest",
+        "DISAGG_CLUSTER_DIR": str(REPO / ".cluster" / "pytest"),
+    }
 
 
 def _script(*args: str, env: dict[str, str]) -> str:
@@ -146,8 +159,7 @@ def kube_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KubeClust
     bin_dir = Path(_script("build.sh", env=env))
     try:
         kubeconfig = Path(_script("cluster.sh", "up", env=env))
-        yield KubeCluster(kubeconfig=kubeconfig, bin_dir=bin_dir,
-                          _helm_home=tmp_path_factory.mktemp("helm"))
+        yield KubeCluster(kubeconfig=kubeconfig, bin_dir=bin_dir, _helm_home=tmp_path_factory.mktemp("helm"))
     finally:
         if not REUSE:
             subprocess.run([str(HACK / "cluster.sh"), "down"], env=env, check=False)

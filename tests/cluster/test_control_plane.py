@@ -57,14 +57,12 @@ def test_cel_rule_rejects_invalid_object(kube_cluster, namespace: str):
     from kubernetes.client.exceptions import ApiException
 
     kube_cluster.kubectl("apply", "-f", str(TESTDATA / "crd-widget.yaml"))
-    kube_cluster.kubectl("wait", "--for=condition=Established", "--timeout=30s",
-                         "crd/widgets.test.disagg.dev")
+    kube_cluster.kubectl("wait", "--for=condition=Established", "--timeout=30s", "crd/widgets.test.disagg.dev")
     api = client.CustomObjectsApi(kube_cluster.api_client())
     args = ("test.disagg.dev", "v1", namespace, "widgets")
 
     def widget(name: str, **spec) -> dict:
-        return {"apiVersion": "test.disagg.dev/v1", "kind": "Widget",
-                "metadata": {"name": name}, "spec": spec}
+        return {"apiVersion": "test.disagg.dev/v1", "kind": "Widget", "metadata": {"name": name}, "spec": spec}
 
     created = api.create_namespaced_custom_object(*args, widget("ok", replicas=2, extra="pruned"))
     assert created["spec"] == {"replicas": 2, "minReplicas": 0, "mode": "decode"}
@@ -74,16 +72,18 @@ def test_cel_rule_rejects_invalid_object(kube_cluster, namespace: str):
     assert rejected.value.status == 422
     assert "minReplicas must not exceed replicas" in rejected.value.body
 
-    by_kubectl = kube_cluster.kubectl("apply", "-n", namespace, "-f", "-", check=False,
-                                      input=json.dumps(widget("bad", replicas=1, minReplicas=3)))
+    by_kubectl = kube_cluster.kubectl(
+        "apply", "-n", namespace, "-f", "-", check=False, input=json.dumps(widget("bad", replicas=1, minReplicas=3))
+    )
     assert by_kubectl.returncode != 0
     assert "minReplicas must not exceed replicas" in by_kubectl.stderr
 
 
 def test_statefulset_becomes_ready_and_is_garbage_collected(kube_cluster, namespace: str):
     kube_cluster.kubectl("apply", "-n", namespace, "-f", "-", input=GPU_STATEFULSET)
-    kube_cluster.kubectl("-n", namespace, "wait", "statefulset/decode", "--timeout=60s",
-                         "--for=jsonpath={.status.readyReplicas}=2")
+    kube_cluster.kubectl(
+        "-n", namespace, "wait", "statefulset/decode", "--timeout=60s", "--for=jsonpath={.status.readyReplicas}=2"
+    )
     pods = kube_cluster.get("pods", "-n", namespace, "-l", "app=decode")["items"]
     assert sorted(p["metadata"]["name"] for p in pods) == ["decode-0", "decode-1"]
     assert all(p["spec"]["nodeName"].startswith("kwok-") for p in pods)
@@ -91,19 +91,21 @@ def test_statefulset_becomes_ready_and_is_garbage_collected(kube_cluster, namesp
     # Background cascade: the StatefulSet goes at once, its pods only through
     # the garbage collector following their ownerReferences.
     kube_cluster.kubectl("-n", namespace, "delete", "statefulset/decode", "--cascade=background")
-    wait_until(lambda: not kube_cluster.get("pods", "-n", namespace, "-l", "app=decode")["items"],
-               what="garbage collection of the StatefulSet's pods")
+    wait_until(
+        lambda: not kube_cluster.get("pods", "-n", namespace, "-l", "app=decode")["items"],
+        what="garbage collection of the StatefulSet's pods",
+    )
 
 
 def test_chaos_label_fails_a_chosen_pod(kube_cluster, namespace: str):
-    kube_cluster.kubectl("-n", namespace, "run", "victim", "--image=registry.invalid/worker:1",
-                         "--restart=Never")
+    kube_cluster.kubectl("-n", namespace, "run", "victim", "--image=registry.invalid/worker:1", "--restart=Never")
     kube_cluster.kubectl("-n", namespace, "wait", "pod/victim", "--for=condition=Ready", "--timeout=60s")
 
     kube_cluster.fail_pod(namespace, "victim", reason="OOMKilled", exit_code=137)
 
-    kube_cluster.kubectl("-n", namespace, "wait", "pod/victim", "--timeout=60s",
-                         "--for=jsonpath={.status.phase}=Failed")
+    kube_cluster.kubectl(
+        "-n", namespace, "wait", "pod/victim", "--timeout=60s", "--for=jsonpath={.status.phase}=Failed"
+    )
     status = kube_cluster.get("-n", namespace, "pod/victim")["status"]
     terminated = status["containerStatuses"][0]["state"]["terminated"]
     assert (terminated["reason"], terminated["exitCode"]) == ("OOMKilled", 137)
@@ -111,8 +113,7 @@ def test_chaos_label_fails_a_chosen_pod(kube_cluster, namespace: str):
 
 def test_helm_install_and_uninstall(kube_cluster, namespace: str):
     chart = str(TESTDATA / "chart")
-    kube_cluster.helm("install", "smoke", chart, "-n", namespace, "--set", "greeting=hi",
-                      "--wait", "--timeout", "90s")
+    kube_cluster.helm("install", "smoke", chart, "-n", namespace, "--set", "greeting=hi", "--wait", "--timeout", "90s")
     config = kube_cluster.get("-n", namespace, "configmap/smoke-config")
     assert config["data"] == {"greeting": "hi"}
     deployment = kube_cluster.get("-n", namespace, "deployment/smoke-server")

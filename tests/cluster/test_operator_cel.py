@@ -6,9 +6,9 @@ import copy
 import json
 
 import pytest
+from test_operator_support import REPO, apply_cr, load_example
 
 from disagg_operator import crd
-from test_operator_support import REPO, apply_cr, load_example
 
 ALL_MESSAGES = {message for _, _, message in crd.RULES}
 
@@ -44,10 +44,16 @@ VIOLATIONS = [
     ("prefill gpus", tiny(prefill__tpSize=2, prefill__resources={"gpus": 3}), "self.prefill.resources.gpus"),
     ("decode gpus", tiny(decode__resources={"gpus": 2}), "self.decode.resources.gpus"),
     ("rdma needs mooncake", tiny(transfer={"backend": "fake", "protocol": "rdma"}), "protocol != 'rdma'"),
-    ("ib device needs rdma", tiny(transfer={"backend": "mooncake", "protocol": "tcp", "ibDevice": "mlx5_0"}),
-     "ibDevice"),
-    ("both model sources", tiny(model={"hostPath": "/m", "path": "x", "huggingFaceId": "a/b"}),
-     "has(self.path) != has(self.huggingFaceId)"),
+    (
+        "ib device needs rdma",
+        tiny(transfer={"backend": "mooncake", "protocol": "tcp", "ibDevice": "mlx5_0"}),
+        "ibDevice",
+    ),
+    (
+        "both model sources",
+        tiny(model={"hostPath": "/m", "path": "x", "huggingFaceId": "a/b"}),
+        "has(self.path) != has(self.huggingFaceId)",
+    ),
     ("path without volume", tiny(model={"path": "x"}), "has(self.pvc) || has(self.hostPath)"),
     ("two volumes", tiny(model={"path": "x", "pvc": "p", "hostPath": "/m"}), "has(self.pvc) && has(self.hostPath)"),
 ]
@@ -55,10 +61,10 @@ VIOLATIONS = [
 
 @pytest.fixture(scope="module")
 def crd_installed(kube_cluster):
-    kube_cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f",
-                         str(REPO / "crds" / "disagg.dev_disaggregatedmodels.yaml"))
-    kube_cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s",
-                         "crd/disaggregatedmodels.disagg.dev")
+    kube_cluster.kubectl(
+        "apply", "--server-side", "--force-conflicts", "-f", str(REPO / "crds" / "disagg.dev_disaggregatedmodels.yaml")
+    )
+    kube_cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd/disaggregatedmodels.disagg.dev")
 
 
 def test_every_rule_is_exercised_here():
@@ -74,20 +80,27 @@ def test_violation_is_rejected_with_the_rules_message(kube_cluster, crd_installe
     assert message_of(fragment) in proc.stderr
 
 
-@pytest.mark.parametrize("name,fragment", [
-    ("a" * 41, "size() <="), ("9lives", "matches("),
-])
+@pytest.mark.parametrize(
+    "name,fragment",
+    [
+        ("a" * 41, "size() <="),
+        ("9lives", "matches("),
+    ],
+)
 def test_names_that_cannot_name_children_are_rejected(kube_cluster, crd_installed, namespace, name, fragment):
     cr = load_example("dm-cpu-tcp.yaml", name=name)
     proc = apply_cr(kube_cluster, namespace, cr, check=False)
     assert proc.returncode != 0 and message_of(fragment) in proc.stderr
 
 
-@pytest.mark.parametrize("field,value,fragment", [
-    ("model", {"hostPath": "/m", "path": "other"}, "model is immutable"),
-    ("servedModelName", "renamed", "servedModelName is immutable"),
-    ("transfer", {"backend": "fake", "protocol": "tcp"}, "transfer is immutable"),
-])
+@pytest.mark.parametrize(
+    "field,value,fragment",
+    [
+        ("model", {"hostPath": "/m", "path": "other"}, "model is immutable"),
+        ("servedModelName", "renamed", "servedModelName is immutable"),
+        ("transfer", {"backend": "fake", "protocol": "tcp"}, "transfer is immutable"),
+    ],
+)
 def test_immutable_fields_cannot_change(kube_cluster, crd_installed, namespace, field, value, fragment):
     apply_cr(kube_cluster, namespace, load_example("dm-cpu-tcp.yaml"))
     changed = load_example("dm-cpu-tcp.yaml")
@@ -98,8 +111,9 @@ def test_immutable_fields_cannot_change(kube_cluster, crd_installed, namespace, 
 
 @pytest.mark.parametrize("example", ["dm-cpu-tcp.yaml", "dm-rdma-gpu.yaml"])
 def test_examples_pass_validation_and_get_defaults(kube_cluster, crd_installed, namespace, example):
-    out = kube_cluster.kubectl("-n", namespace, "apply", "--dry-run=server", "-o", "json", "-f",
-                               str(REPO / "examples" / example))
+    out = kube_cluster.kubectl(
+        "-n", namespace, "apply", "--dry-run=server", "-o", "json", "-f", str(REPO / "examples" / example)
+    )
     spec = json.loads(out.stdout)["spec"]
     assert spec["prefill"]["tpSize"] >= 1 and spec["imagePullPolicy"] == "IfNotPresent"
     assert spec["auth"] == {}

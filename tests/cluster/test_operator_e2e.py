@@ -9,9 +9,18 @@ from __future__ import annotations
 import time
 
 import pytest
-
-from test_operator_support import (EXAMPLES, OPERATOR_NS, RELEASE, OperatorUnderTest, apply_cr, condition, events_for,
-                                   install_chart, load_example, wait_until)
+from test_operator_support import (
+    EXAMPLES,
+    OPERATOR_NS,
+    RELEASE,
+    OperatorUnderTest,
+    apply_cr,
+    condition,
+    events_for,
+    install_chart,
+    load_example,
+    wait_until,
+)
 
 CHILD_KINDS = "statefulsets,deployments,services,poddisruptionbudgets,networkpolicies,secrets"
 
@@ -32,7 +41,11 @@ def children(cluster, namespace: str, name: str) -> list[dict]:
 def provide_models_volume(cluster, namespace: str) -> None:
     """The PVC `models` the GPU example mounts, statically bound to a hostPath PV."""
     pv = f"models-{namespace}"
-    cluster.kubectl("apply", "-f", "-", input=f"""
+    cluster.kubectl(
+        "apply",
+        "-f",
+        "-",
+        input=f"""
 apiVersion: v1
 kind: PersistentVolume
 metadata: {{name: {pv}}}
@@ -52,7 +65,8 @@ spec:
   storageClassName: ""
   volumeName: {pv}
   resources: {{requests: {{storage: 1Gi}}}}
-""")
+""",
+    )
 
 
 def wait_ready(cluster, namespace: str, name: str, timeout: int = 120) -> None:
@@ -72,16 +86,20 @@ def test_the_service_account_can_do_what_the_operator_needs_and_no_more(kube_clu
     assert not can("create", "clusterroles")
 
 
-@pytest.mark.parametrize("example,name,expected", [
-    ("dm-cpu-tcp.yaml", "tiny", ["1/1", "1/1", "1/1"]),
-    ("dm-rdma-gpu.yaml", "llama-8b", ["1/1", "2/2", "2/2"]),
-])
+@pytest.mark.parametrize(
+    "example,name,expected",
+    [
+        ("dm-cpu-tcp.yaml", "tiny", ["1/1", "1/1", "1/1"]),
+        ("dm-rdma-gpu.yaml", "llama-8b", ["1/1", "2/2", "2/2"]),
+    ],
+)
 def test_example_becomes_ready_with_owned_children(kube_cluster, operator, namespace, example, name, expected):
     if "pvc:" in (EXAMPLES / example).read_text():
         provide_models_volume(kube_cluster, namespace)
     kube_cluster.kubectl("-n", namespace, "apply", "-f", f"examples/{example}")
-    kinds = wait_until(lambda: (lambda c: c if len(c) >= 12 else None)(children(kube_cluster, namespace, name)),
-                       60, what="children")
+    kinds = wait_until(
+        lambda: (lambda c: c if len(c) >= 12 else None)(children(kube_cluster, namespace, name)), 60, what="children"
+    )
     uid = kube_cluster.get("-n", namespace, "dm", name)["metadata"]["uid"]
     for child in kinds:
         assert child["metadata"]["ownerReferences"][0]["uid"] == uid, child["metadata"]["name"]
@@ -98,10 +116,18 @@ def test_scaling_decode_with_kubectl_scale(kube_cluster, operator, namespace):
     wait_ready(kube_cluster, namespace, "tiny")
     for replicas in (3, 1):
         kube_cluster.kubectl("-n", namespace, "scale", "dm/tiny", f"--replicas={replicas}")
-        wait_until(lambda: kube_cluster.get("-n", namespace, "sts", "tiny-decode")["spec"]["replicas"] == replicas,
-                   30, what=f"StatefulSet at {replicas}")
-        wait_until(lambda: kube_cluster.get("-n", namespace, "dm", "tiny")["status"]["decode"]["ready"]
-                   == f"{replicas}/{replicas}", 60, what=f"status decode {replicas}/{replicas}")
+        wait_until(
+            lambda: kube_cluster.get("-n", namespace, "sts", "tiny-decode")["spec"]["replicas"] == replicas,
+            30,
+            what=f"StatefulSet at {replicas}",
+        )
+        wait_until(
+            lambda: (
+                kube_cluster.get("-n", namespace, "dm", "tiny")["status"]["decode"]["ready"] == f"{replicas}/{replicas}"
+            ),
+            60,
+            what=f"status decode {replicas}/{replicas}",
+        )
         wait_ready(kube_cluster, namespace, "tiny")
     scale = kube_cluster.get("-n", namespace, "--subresource=scale", "dm", "tiny")
     assert scale["status"]["replicas"] == 1
@@ -123,8 +149,7 @@ def test_a_failing_pod_degrades_and_recovery_clears_it(kube_cluster, operator, n
 
     failing, recovered = wait_until(episode, 90, what="PodFailing then AsExpected events")
     assert failing["type"] == "Warning"
-    assert failing["message"] == ("Degraded=True: decode pod tiny-decode-0: "
-                                  "container decode: Error (exit code 1)")
+    assert failing["message"] == ("Degraded=True: decode pod tiny-decode-0: container decode: Error (exit code 1)")
     assert recovered["type"] == "Normal" and recovered["message"].startswith("Degraded=False")
     wait_ready(kube_cluster, namespace, "tiny")
     assert condition(kube_cluster, namespace, "tiny", "Degraded")["status"] == "False"
@@ -136,8 +161,9 @@ def test_a_child_deleted_by_hand_is_recreated(kube_cluster, operator, namespace)
     targets = [("sts", "tiny-decode"), ("svc", "tiny-prefill"), ("networkpolicy", "tiny-transfer")]
 
     def uid(kind: str, name: str) -> str:
-        return kube_cluster.kubectl("-n", namespace, "get", kind, name, "-o", "jsonpath={.metadata.uid}",
-                                    check=False).stdout
+        return kube_cluster.kubectl(
+            "-n", namespace, "get", kind, name, "-o", "jsonpath={.metadata.uid}", check=False
+        ).stdout
 
     old = {t: uid(*t) for t in targets}
     for kind, name in targets:
@@ -150,13 +176,15 @@ def test_killed_mid_reconcile_the_operator_converges_after_restart(kube_cluster,
     kube_cluster.kubectl("-n", namespace, "apply", "-f", "examples/dm-cpu-tcp.yaml")
     time.sleep(0.3)
     operator.kill()
-    kube_cluster.kubectl("-n", namespace, "patch", "dm", "tiny", "--type=merge",
-                         "-p", '{"spec":{"prefill":{"replicas":2}}}')
+    kube_cluster.kubectl(
+        "-n", namespace, "patch", "dm", "tiny", "--type=merge", "-p", '{"spec":{"prefill":{"replicas":2}}}'
+    )
     operator.start()
 
     def prefill_replicas() -> str:
-        return kube_cluster.kubectl("-n", namespace, "get", "sts", "tiny-prefill", "-o",
-                                    "jsonpath={.spec.replicas}", check=False).stdout
+        return kube_cluster.kubectl(
+            "-n", namespace, "get", "sts", "tiny-prefill", "-o", "jsonpath={.spec.replicas}", check=False
+        ).stdout
 
     wait_until(lambda: prefill_replicas() == "2", 60, what="prefill StatefulSet at 2")
     wait_ready(kube_cluster, namespace, "tiny")
@@ -181,8 +209,11 @@ def test_an_idle_operator_makes_no_api_writes(kube_cluster, operator, namespace)
     kube_cluster.kubectl("-n", namespace, "apply", "-f", "examples/dm-cpu-tcp.yaml")
     wait_ready(kube_cluster, namespace, "tiny")
     # Earlier tests' namespaces are being torn down: that is work, not idling.
-    wait_until(lambda: not [n for n in kube_cluster.get("namespaces")["items"]
-                            if n["status"].get("phase") == "Terminating"], 120, what="namespaces deleted")
+    wait_until(
+        lambda: not [n for n in kube_cluster.get("namespaces")["items"] if n["status"].get("phase") == "Terminating"],
+        120,
+        what="namespaces deleted",
+    )
     time.sleep(5)
     before = operator.proxy.snapshot()
     time.sleep(60)
@@ -196,8 +227,13 @@ def test_a_missing_auth_secret_is_reported_as_degraded(kube_cluster, operator, n
     cr = load_example("dm-cpu-tcp.yaml")
     cr["spec"]["auth"] = {"secretName": "not-there"}
     apply_cr(kube_cluster, namespace, cr)
-    degraded = wait_until(lambda: (lambda c: c if c.get("status") == "True" else None)(
-        condition(kube_cluster, namespace, "tiny", "Degraded")), 60, what="Degraded=True")
+    degraded = wait_until(
+        lambda: (lambda c: c if c.get("status") == "True" else None)(
+            condition(kube_cluster, namespace, "tiny", "Degraded")
+        ),
+        60,
+        what="Degraded=True",
+    )
     assert degraded["reason"] == "ReconcileFailed" and "auth Secret not-there not found" in degraded["message"]
     kube_cluster.kubectl("-n", namespace, "create", "secret", "generic", "not-there", "--from-literal=token=t")
     wait_ready(kube_cluster, namespace, "tiny", timeout=120)
@@ -206,8 +242,10 @@ def test_a_missing_auth_secret_is_reported_as_degraded(kube_cluster, operator, n
 def test_chart_can_watch_one_namespace_with_peering(kube_cluster):
     import yaml
     from test_operator_support import CHART
-    out = kube_cluster.helm("template", "x", str(CHART), "-n", "sys", "--set", "watchNamespace=llm",
-                            "--set", "replicas=2").stdout
+
+    out = kube_cluster.helm(
+        "template", "x", str(CHART), "-n", "sys", "--set", "watchNamespace=llm", "--set", "replicas=2"
+    ).stdout
     docs = {(d["kind"], d["metadata"]["name"]): d for d in yaml.safe_load_all(out) if d}
     assert docs[("Role", "x-disagg-operator")]["metadata"]["namespace"] == "llm"
     assert ("ClusterRole", "x-disagg-operator") not in docs

@@ -53,7 +53,7 @@ def resource_of(path: str) -> str:
     """`statefulsets`, `disaggregatedmodels/status`, ... from an API path."""
     parts = path.strip("/").split("/")
     if "namespaces" in parts and len(parts) > parts.index("namespaces") + 2:
-        rest = parts[parts.index("namespaces") + 2:]
+        rest = parts[parts.index("namespaces") + 2 :]
         return rest[0] + ("/" + rest[2] if len(rest) > 2 else "")
     return parts[-1]
 
@@ -92,11 +92,17 @@ class CountingProxy:
                 self.calls[(request.method, kind)] += 1
             headers = {k: v for k, v in request.headers.items() if k.lower() not in ("host", "content-length")}
             body = await request.read() if request.can_read_body else None
-            async with self._session.request(request.method, self.upstream + request.path_qs, headers=headers,
-                                             data=body or None) as up:
-                resp = web.StreamResponse(status=up.status, headers={
-                    k: v for k, v in up.headers.items()
-                    if k.lower() not in ("content-length", "transfer-encoding", "connection")})
+            async with self._session.request(
+                request.method, self.upstream + request.path_qs, headers=headers, data=body or None
+            ) as up:
+                resp = web.StreamResponse(
+                    status=up.status,
+                    headers={
+                        k: v
+                        for k, v in up.headers.items()
+                        if k.lower() not in ("content-length", "transfer-encoding", "connection")
+                    },
+                )
                 await resp.prepare(request)
                 async for chunk in up.content.iter_any():
                     await resp.write(chunk)
@@ -106,8 +112,9 @@ class CountingProxy:
         async def start() -> None:
             ctx = ssl.create_default_context()
             ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE  # a local test API server
-            self._session = ClientSession(connector=TCPConnector(ssl=ctx, limit=0), auto_decompress=False,
-                                          timeout=ClientTimeout(total=None))
+            self._session = ClientSession(
+                connector=TCPConnector(ssl=ctx, limit=0), auto_decompress=False, timeout=ClientTimeout(total=None)
+            )
             app = web.Application(client_max_size=64 * 1024 * 1024)
             app.router.add_route("*", "/{tail:.*}", handle)
             runner = web.AppRunner(app, access_log=None)
@@ -122,20 +129,24 @@ class CountingProxy:
 
 def install_chart(cluster, *extra: str) -> None:
     """`helm upgrade --install` the chart (idempotent across test modules and benchmark runs)."""
-    cluster.helm("upgrade", "--install", RELEASE, str(CHART), "--namespace", OPERATOR_NS, "--create-namespace",
-                 *extra)
-    cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s",
-                    "crd/disaggregatedmodels.disagg.dev")
+    cluster.helm("upgrade", "--install", RELEASE, str(CHART), "--namespace", OPERATOR_NS, "--create-namespace", *extra)
+    cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd/disaggregatedmodels.disagg.dev")
 
 
 def service_account_kubeconfig(cluster, server: str, path: Path) -> Path:
     token = cluster.kubectl("-n", OPERATOR_NS, "create", "token", RELEASE, "--duration=4h").stdout.strip()
-    path.write_text(yaml.safe_dump({
-        "apiVersion": "v1", "kind": "Config", "current-context": "sa",
-        "clusters": [{"name": "local", "cluster": {"server": server}}],
-        "users": [{"name": "sa", "user": {"token": token}}],
-        "contexts": [{"name": "sa", "context": {"cluster": "local", "user": "sa"}}],
-    }))
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "current-context": "sa",
+                "clusters": [{"name": "local", "cluster": {"server": server}}],
+                "users": [{"name": "sa", "user": {"token": token}}],
+                "contexts": [{"name": "sa", "context": {"cluster": "local", "user": "sa"}}],
+            }
+        )
+    )
     return path
 
 
@@ -162,9 +173,12 @@ class OperatorUnderTest:
         exe = Path(sys.executable).parent / "disagg-operator"
         env = {**os.environ, "KUBECONFIG": str(self.kubeconfig)}
         log = open(self.log_path, "a")
-        self.proc = subprocess.Popen([str(exe), *self.args,
-                                      f"--liveness=http://127.0.0.1:{self.health_port}/healthz"],
-                                     env=env, stdout=log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(
+            [str(exe), *self.args, f"--liveness=http://127.0.0.1:{self.health_port}/healthz"],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
         wait_until(self._healthy, 60, what=f"operator liveness (log: {self.log_path})")
 
     def _healthy(self) -> bool:
@@ -209,6 +223,11 @@ def condition(cluster, namespace: str, name: str, ctype: str) -> dict:
 
 
 def events_for(cluster, namespace: str, name: str) -> list[dict]:
-    items = cluster.get("-n", namespace, "events", "--field-selector",
-                        f"involvedObject.kind=DisaggregatedModel,involvedObject.name={name}")["items"]
+    items = cluster.get(
+        "-n",
+        namespace,
+        "events",
+        "--field-selector",
+        f"involvedObject.kind=DisaggregatedModel,involvedObject.name={name}",
+    )["items"]
     return items

@@ -1,4 +1,5 @@
 """Start real `disagg` processes on localhost for integration tests."""
+
 from __future__ import annotations
 
 import os
@@ -29,10 +30,11 @@ class Proc:
         self.url = f"http://127.0.0.1:{port}"
         self.log = tempfile.NamedTemporaryFile(prefix="disagg-", suffix=".log", delete=False)
         full_env = {**os.environ, "MC_LOG_LEVEL": "WARNING", **(env or {})}
-        self.proc = subprocess.Popen([DISAGG, *args], stdout=self.log, stderr=subprocess.STDOUT,
-                                     env=full_env, start_new_session=True)
+        self.proc = subprocess.Popen(
+            [DISAGG, *args], stdout=self.log, stderr=subprocess.STDOUT, env=full_env, start_new_session=True
+        )
 
-    def wait_healthy(self, timeout: float = 180.0) -> "Proc":
+    def wait_healthy(self, timeout: float = 180.0) -> Proc:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -116,22 +118,47 @@ class PDStack:
         self.bootstrap_port = free_port()
         self.prefill = self.start_prefill()
         self.decode = self.start_decode()
-        self.router = Proc(["router", "--port", str(free_port()), "--served-model-name", "tiny",
-                            "--prefill", self.prefill.url, str(self.bootstrap_port),
-                            "--decode", self.decode.url, "--health-interval", "0.5"], 0)
+        self.router = Proc(
+            [
+                "router",
+                "--port",
+                str(free_port()),
+                "--served-model-name",
+                "tiny",
+                "--prefill",
+                self.prefill.url,
+                str(self.bootstrap_port),
+                "--decode",
+                self.decode.url,
+                "--health-interval",
+                "0.5",
+            ],
+            0,
+        )
         self.router.port = int(self.router.proc.args[3])
         self.router.url = f"http://127.0.0.1:{self.router.port}"
 
     def start_prefill(self, port: int | None = None) -> Proc:
         port = port or free_port()
-        return Proc(["prefill", "--model", self.model, "--port", str(port), "--bootstrap-port",
-                     str(self.bootstrap_port), *self.flags], port)
+        return Proc(
+            [
+                "prefill",
+                "--model",
+                self.model,
+                "--port",
+                str(port),
+                "--bootstrap-port",
+                str(self.bootstrap_port),
+                *self.flags,
+            ],
+            port,
+        )
 
     def start_decode(self, port: int | None = None) -> Proc:
         port = port or free_port()
         return Proc(["decode", "--model", self.model, "--port", str(port), *self.flags], port)
 
-    def wait_healthy(self) -> "PDStack":
+    def wait_healthy(self) -> PDStack:
         self.prefill.wait_healthy()
         self.decode.wait_healthy()
         self.router.wait_healthy()

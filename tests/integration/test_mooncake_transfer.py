@@ -1,5 +1,6 @@
 """Real Mooncake TCP between two processes on 127.0.0.1: prefill (this process, with its
 bootstrap server) writes KV pages into a decode process's pool."""
+
 from __future__ import annotations
 
 import itertools
@@ -92,7 +93,9 @@ class Prefill:
         for buf in self.pool.buffers():
             buf.copy_(torch.randn_like(buf))
         cfg = DisaggConfig(role=Role.PREFILL, **cfg_kw)
-        self.mgr = create_kv_manager(cfg, KVLayout.from_pool(self.pool, "float32"), RankInfo(bootstrap_url=self.server.url))
+        self.mgr = create_kv_manager(
+            cfg, KVLayout.from_pool(self.pool, "float32"), RankInfo(bootstrap_url=self.server.url)
+        )
         assert self.mgr.registered.wait(10), "prefill rank did not register"
         self.addr = f"127.0.0.1:{self.server.port}"
 

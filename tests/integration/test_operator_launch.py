@@ -5,12 +5,12 @@ the CPU example, give each "pod" its own loopback address (127.0.0.x stands for 
 names resolve to the pod behind them), resolve the downward-API and Secret environment, start them
 as local processes, and get a completion through the router that matches the monolithic server.
 """
+
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -82,8 +82,13 @@ def launched(tiny_model):
         args = localize(c["args"], env, role, tiny_model, model_arg)
         assert c["command"] == ["disagg"]
         log = open(f"/tmp/disagg-launch-{role}.log", "w")
-        procs[role] = subprocess.Popen([disagg, *args], env={**os.environ, **env, "MC_LOG_LEVEL": "WARNING"},
-                                       stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        procs[role] = subprocess.Popen(
+            [disagg, *args],
+            env={**os.environ, **env, "MC_LOG_LEVEL": "WARNING"},
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     url = f"http://{POD_IPS['router']}:8000"
     try:
         wait_until(lambda: _healthy(url, procs), timeout=180, interval=0.5, what="the launched stack healthy")
@@ -108,8 +113,7 @@ def _healthy(url: str, procs: dict) -> bool:
 
 
 def test_generated_commands_serve_a_completion(launched, tiny_model):
-    body = {"model": "tiny-llama", "prompt": "Once upon a time", "max_tokens": 8, "temperature": 0,
-            "ignore_eos": True}
+    body = {"model": "tiny-llama", "prompt": "Once upon a time", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
     r = requests.post(f"{launched}/v1/completions", json=body, timeout=60)
     assert r.status_code == 200, r.text
     got = r.json()["choices"][0]["text"]

@@ -1,4 +1,5 @@
 """Prefill/decode disaggregation end to end: router -> prefill -> decode, real Mooncake TCP."""
+
 from __future__ import annotations
 
 import concurrent.futures as cf
@@ -56,8 +57,9 @@ def test_pd_openai_endpoints_match_monolithic(stack, mono):
         events = [line[6:] for line in r.iter_lines(decode_unicode=True) if line.startswith("data: ")]
     assert events[-1] == "[DONE]"
     text = "".join(json.loads(e)["choices"][0]["delta"].get("content", "") for e in events[:-1])
-    mono_text = requests.post(f"{mono.url}/v1/chat/completions", json={**chat, "stream": False},
-                              timeout=60).json()["choices"][0]["message"]["content"]
+    mono_text = requests.post(f"{mono.url}/v1/chat/completions", json={**chat, "stream": False}, timeout=60).json()[
+        "choices"
+    ][0]["message"]["content"]
     assert text == mono_text
 
 
@@ -70,8 +72,9 @@ def test_n_greater_than_one_uses_distinct_rooms(stack):
 
 
 def test_prompt_over_capacity_is_400_through_the_router(stack):
-    r = requests.post(f"{stack.router.url}/v1/completions",
-                      json={"prompt": list(range(10, 9010)), "max_tokens": 1}, timeout=60)
+    r = requests.post(
+        f"{stack.router.url}/v1/completions", json={"prompt": list(range(10, 9010)), "max_tokens": 1}, timeout=60
+    )
     assert r.status_code == 400, r.text
     assert r.json()["error"]["message"]
 
@@ -88,8 +91,12 @@ def test_router_health_lists_workers(stack):
     assert h["status"] == "ok"
     assert sorted(w["role"] for w in h["workers"]) == ["decode", "prefill"]
     m = requests.get(f"{stack.prefill.url}/metrics", timeout=5).text
-    for name in ('queue="prefill_bootstrap"', 'queue="prefill_inflight"', "disagg_kv_transfer_seconds_bucket",
-                 "disagg_kv_transfer_bytes_total"):
+    for name in (
+        'queue="prefill_bootstrap"',
+        'queue="prefill_inflight"',
+        "disagg_kv_transfer_seconds_bucket",
+        "disagg_kv_transfer_bytes_total",
+    ):
         assert name in m
     m = requests.get(f"{stack.decode.url}/metrics", timeout=5).text
     for name in ('queue="decode_prealloc"', 'queue="decode_transfer"'):

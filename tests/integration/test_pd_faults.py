@@ -1,5 +1,6 @@
 """Faults in a P/D deployment: every client request ends (tokens or a clear error) within its
 timeout, and afterwards every queue is empty and every page free on both sides."""
+
 from __future__ import annotations
 
 import concurrent.futures as cf
@@ -28,8 +29,12 @@ def stack(tiny_model):
 def request(url: str, seed: int, timeout: float = CLIENT_TIMEOUT, prompt_len: int = 300, max_tokens: int = 40):
     """One client: returns ("ok", tokens) or ("error", status, message) or ("timeout",)."""
     rng = random.Random(seed)
-    body = {"prompt": [rng.randrange(10, 2000) for _ in range(prompt_len)], "max_tokens": max_tokens,
-            "temperature": 0, "ignore_eos": True}
+    body = {
+        "prompt": [rng.randrange(10, 2000) for _ in range(prompt_len)],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
     start = time.monotonic()
     try:
         r = requests.post(f"{url}/v1/completions", json=body, timeout=timeout)
@@ -64,15 +69,17 @@ def prefill_busy(url: str) -> bool:
 
 
 def wait_router_healthy(stack: PDStack) -> None:
-    wait_until(lambda: requests.get(f"{stack.router.url}/health", timeout=5).status_code == 200, timeout=30,
-               what="router healthy")
+    wait_until(
+        lambda: requests.get(f"{stack.router.url}/health", timeout=5).status_code == 200,
+        timeout=30,
+        what="router healthy",
+    )
 
 
 def test_kill_decode_mid_transfer(stack):
     with cf.ThreadPoolExecutor(24) as pool:
         futures = load(stack.router.url, 24, pool)
-        wait_until(lambda: prefill_busy(stack.prefill.url), timeout=30, interval=0.02,
-                   what="requests reaching prefill")
+        wait_until(lambda: prefill_busy(stack.prefill.url), timeout=30, interval=0.02, what="requests reaching prefill")
         stack.decode.kill()
         results = outcomes(futures)
     assert any(r[0] == "error" for r in results)
@@ -94,8 +101,12 @@ def test_kill_prefill_mid_bootstrap(stack):
     # Decode reconnects to a restarted prefill instance without being restarted itself.
     stack.prefill = stack.start_prefill(stack.prefill.port).wait_healthy()
     wait_router_healthy(stack)
-    wait_until(lambda: request(stack.router.url, 1000)[0] == "ok", timeout=60, interval=1,
-               what="a request through the restarted prefill")
+    wait_until(
+        lambda: request(stack.router.url, 1000)[0] == "ok",
+        timeout=60,
+        interval=1,
+        what="a request through the restarted prefill",
+    )
     assert_clean(stack.prefill.url, stack.decode.url)
 
 
@@ -111,16 +122,21 @@ def test_bootstrap_server_stops_answering(stack):
             os.killpg(stack.prefill.proc.pid, signal.SIGCONT)
     assert any(r[0] == "error" for r in results)
     assert_clean(stack.prefill.url, stack.decode.url)
-    wait_until(lambda: request(stack.router.url, 2000)[0] == "ok", timeout=60, interval=1,
-               what="serving again after the bootstrap server came back")
+    wait_until(
+        lambda: request(stack.router.url, 2000)[0] == "ok",
+        timeout=60,
+        interval=1,
+        what="serving again after the bootstrap server came back",
+    )
 
 
 def test_abort_1000_requests_at_random_stages(stack):
     rng = random.Random(0)
     timeouts = [rng.uniform(0.005, 0.6) for _ in range(1000)]
     with cf.ThreadPoolExecutor(48) as pool:
-        futures = [pool.submit(request, stack.router.url, i, t, rng.choice([5, 40, 120]), 20)
-                   for i, t in enumerate(timeouts)]
+        futures = [
+            pool.submit(request, stack.router.url, i, t, rng.choice([5, 40, 120]), 20) for i, t in enumerate(timeouts)
+        ]
         results = [f.result(timeout=120) for f in futures]
     assert len(results) == 1000
     assert {r[0] for r in results} <= {"ok", "error", "timeout"}

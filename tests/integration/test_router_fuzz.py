@@ -1,5 +1,6 @@
 """Generated malformed input against the router (and through it, the workers): never a 5xx for a
 client error, always an OpenAI-style JSON error body, and the router keeps serving."""
+
 from __future__ import annotations
 
 import json
@@ -14,13 +15,36 @@ from tests.integration.test_pd import stack  # noqa: F401 - the module's P/D sta
 pytestmark = pytest.mark.integration
 
 json_values = st.recursive(
-    st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.integers(-3, 40) | st.floats(allow_nan=False) | st.text(max_size=20),
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**70), 2**70)
+    | st.integers(-3, 40)
+    | st.floats(allow_nan=False)
+    | st.text(max_size=20),
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=10), inner, max_size=4),
     max_leaves=12,
 )
-FIELDS = ["prompt", "messages", "max_tokens", "temperature", "top_p", "top_k", "n", "stream", "stop", "seed",
-          "logprobs", "model", "min_p", "stream_options", "input_ids", "sampling_params", "bootstrap_room",
-          "presence_penalty", "frequency_penalty"]
+FIELDS = [
+    "prompt",
+    "messages",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "n",
+    "stream",
+    "stop",
+    "seed",
+    "logprobs",
+    "model",
+    "min_p",
+    "stream_options",
+    "input_ids",
+    "sampling_params",
+    "bootstrap_room",
+    "presence_penalty",
+    "frequency_penalty",
+]
 VALID = {
     "/v1/completions": {"prompt": "hi", "max_tokens": 2},
     "/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
@@ -49,8 +73,7 @@ def bodies(draw):
 @given(case=bodies())
 def test_router_never_answers_a_client_error_with_5xx(stack, case):  # noqa: F811
     path, raw = case
-    r = requests.post(f"{stack.router.url}{path}", data=raw, headers={"Content-Type": "application/json"},
-                      timeout=60)
+    r = requests.post(f"{stack.router.url}{path}", data=raw, headers={"Content-Type": "application/json"}, timeout=60)
     assert r.status_code < 500, (path, raw, r.status_code, r.text[:300])
     if r.status_code >= 400:
         err = r.json()["error"]

@@ -1,4 +1,5 @@
 """The monolithic server as a user meets it: real processes, real HTTP."""
+
 from __future__ import annotations
 
 import concurrent.futures as cf
@@ -13,7 +14,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from tests.integration.procs import Proc, idle_and_flushed, serve, wait_until
+from tests.integration.procs import idle_and_flushed, serve, wait_until
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
@@ -22,8 +23,17 @@ CHUNK = 32
 
 @pytest.fixture(scope="module")
 def server(tiny_model):
-    p = serve(tiny_model, "--page-size", "4", "--chunk-size", str(CHUNK), "--max-total-tokens", "8192",
-              "--health-timeout", "3").wait_healthy()
+    p = serve(
+        tiny_model,
+        "--page-size",
+        "4",
+        "--chunk-size",
+        str(CHUNK),
+        "--max-total-tokens",
+        "8192",
+        "--health-timeout",
+        "3",
+    ).wait_healthy()
     yield p
     p.stop()
 
@@ -31,8 +41,17 @@ def server(tiny_model):
 @pytest.fixture(scope="module")
 def reference_server(tiny_model):
     """Batching, prefix cache, chunking and overlap all off."""
-    p = serve(tiny_model, "--page-size", "4", "--chunk-size", "0", "--max-running-requests", "1",
-              "--disable-prefix-cache", "--disable-overlap").wait_healthy()
+    p = serve(
+        tiny_model,
+        "--page-size",
+        "4",
+        "--chunk-size",
+        "0",
+        "--max-running-requests",
+        "1",
+        "--disable-prefix-cache",
+        "--disable-overlap",
+    ).wait_healthy()
     yield p
     p.stop()
 
@@ -48,8 +67,11 @@ def varied_prompts(n: int) -> list[list[int]]:
 
 
 def generate(url: str, ids: list[int], n: int = 12) -> list[int]:
-    r = requests.post(f"{url}/generate", json={"input_ids": ids, "sampling_params": {
-        "max_new_tokens": n, "temperature": 0, "ignore_eos": True}}, timeout=120)
+    r = requests.post(
+        f"{url}/generate",
+        json={"input_ids": ids, "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}},
+        timeout=120,
+    )
     assert r.status_code == 200, r.text
     return r.json()["output_ids"]
 
@@ -66,22 +88,30 @@ def test_concurrent_greedy_equals_one_at_a_time(server, reference_server):
 
 
 def post(url, path, body, **kw):
-    return requests.post(f"{url}{path}", data=body if isinstance(body, (bytes, str)) else json.dumps(body),
-                         headers={"Content-Type": "application/json"}, timeout=60, **kw)
+    return requests.post(
+        f"{url}{path}",
+        data=body if isinstance(body, (bytes, str)) else json.dumps(body),
+        headers={"Content-Type": "application/json"},
+        timeout=60,
+        **kw,
+    )
 
 
-@pytest.mark.parametrize("body,status,param", [
-    (b"{not json", 400, None),
-    ([1, 2, 3], 400, None),
-    ({"prompt": "hi", "max_tokens": -1}, 400, "max_tokens"),
-    ({"prompt": "hi", "max_tokens": 10 ** 9}, 400, "max_tokens"),
-    ({"prompt": "hi", "max_tokens": "ten"}, 400, "max_tokens"),
-    ({"prompt": ""}, 400, "prompt"),
-    ({"prompt": "hi", "temperature": -1}, 400, "temperature"),
-    ({"prompt": "hi", "top_p": 0}, 400, "top_p"),
-    ({"prompt": "hi", "n": 0}, 400, "n"),
-    ({"model": "gpt-4", "prompt": "hi"}, 404, "model"),
-])
+@pytest.mark.parametrize(
+    "body,status,param",
+    [
+        (b"{not json", 400, None),
+        ([1, 2, 3], 400, None),
+        ({"prompt": "hi", "max_tokens": -1}, 400, "max_tokens"),
+        ({"prompt": "hi", "max_tokens": 10**9}, 400, "max_tokens"),
+        ({"prompt": "hi", "max_tokens": "ten"}, 400, "max_tokens"),
+        ({"prompt": ""}, 400, "prompt"),
+        ({"prompt": "hi", "temperature": -1}, 400, "temperature"),
+        ({"prompt": "hi", "top_p": 0}, 400, "top_p"),
+        ({"prompt": "hi", "n": 0}, 400, "n"),
+        ({"model": "gpt-4", "prompt": "hi"}, 404, "model"),
+    ],
+)
 def test_bad_completion_requests_get_openai_errors(server, body, status, param):
     r = post(server.url, "/v1/completions", body)
     assert r.status_code == status, r.text
@@ -98,8 +128,13 @@ def test_prompt_over_kv_capacity_is_400(server):
 
 
 def test_chat_streaming_with_usage(server):
-    body = {"messages": [{"role": "user", "content": "Tell me a story"}], "max_tokens": 8, "stream": True,
-            "stream_options": {"include_usage": True}, "temperature": 0}
+    body = {
+        "messages": [{"role": "user", "content": "Tell me a story"}],
+        "max_tokens": 8,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "temperature": 0,
+    }
     with requests.post(f"{server.url}/v1/chat/completions", json=body, stream=True, timeout=60) as r:
         assert r.status_code == 200
         events = [line[6:] for line in r.iter_lines(decode_unicode=True) if line.startswith("data: ")]
@@ -115,8 +150,11 @@ def test_chat_streaming_with_usage(server):
 
 
 def test_n_choices_and_logprobs(server):
-    r = post(server.url, "/v1/completions", {"prompt": "The sea", "max_tokens": 5, "n": 3, "temperature": 1.0,
-                                            "seed": 11, "logprobs": 2})
+    r = post(
+        server.url,
+        "/v1/completions",
+        {"prompt": "The sea", "max_tokens": 5, "n": 3, "temperature": 1.0, "seed": 11, "logprobs": 2},
+    )
     assert r.status_code == 200, r.text
     body = r.json()
     assert [c["index"] for c in body["choices"]] == [0, 1, 2]
@@ -125,18 +163,25 @@ def test_n_choices_and_logprobs(server):
         assert len(lp["token_logprobs"]) == 5 and all(x <= 0 for x in lp["token_logprobs"])
         assert all(len(t) == 2 for t in lp["top_logprobs"])
     assert body["usage"]["completion_tokens"] == 15
-    again = post(server.url, "/v1/completions", {"prompt": "The sea", "max_tokens": 5, "n": 3,
-                                                 "temperature": 1.0, "seed": 11, "logprobs": 2}).json()
+    again = post(
+        server.url,
+        "/v1/completions",
+        {"prompt": "The sea", "max_tokens": 5, "n": 3, "temperature": 1.0, "seed": 11, "logprobs": 2},
+    ).json()
     assert [c["text"] for c in again["choices"]] == [c["text"] for c in body["choices"]]
 
 
 def test_stop_string_cuts_the_text(server):
-    base = post(server.url, "/v1/completions", {"prompt": "Once", "max_tokens": 12, "temperature": 0,
-                                                "ignore_eos": True}).json()["choices"][0]["text"]
+    base = post(
+        server.url, "/v1/completions", {"prompt": "Once", "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+    ).json()["choices"][0]["text"]
     stop = base[3:6]
     assert stop
-    r = post(server.url, "/v1/completions", {"prompt": "Once", "max_tokens": 12, "temperature": 0,
-                                             "ignore_eos": True, "stop": [stop]}).json()
+    r = post(
+        server.url,
+        "/v1/completions",
+        {"prompt": "Once", "max_tokens": 12, "temperature": 0, "ignore_eos": True, "stop": [stop]},
+    ).json()
     assert r["choices"][0]["text"] == base[: base.index(stop)]
     assert r["choices"][0]["finish_reason"] == "stop"
 
@@ -157,10 +202,16 @@ def test_models_health_metrics(server):
     assert models["data"][0]["object"] == "model"
     assert requests.get(f"{server.url}/health", timeout=5).status_code == 200
     text = requests.get(f"{server.url}/metrics", timeout=5).text
-    for name in ("disagg_num_running_requests", "disagg_kv_pages_used", "disagg_kv_pages_free",
-                 "disagg_prefix_cache_hit_rate", "disagg_time_to_first_token_seconds_bucket",
-                 "disagg_inter_token_latency_seconds_bucket", "disagg_e2e_request_latency_seconds_bucket",
-                 "disagg_generation_tokens_total"):
+    for name in (
+        "disagg_num_running_requests",
+        "disagg_kv_pages_used",
+        "disagg_kv_pages_free",
+        "disagg_prefix_cache_hit_rate",
+        "disagg_time_to_first_token_seconds_bucket",
+        "disagg_inter_token_latency_seconds_bucket",
+        "disagg_e2e_request_latency_seconds_bucket",
+        "disagg_generation_tokens_total",
+    ):
         assert name in text
 
 
@@ -168,12 +219,18 @@ def test_health_fails_when_the_scheduler_is_stuck(server):
     pid = requests.get(f"{server.url}/stats", timeout=5).json()["pid"]
     os.kill(pid, signal.SIGSTOP)
     try:
-        wait_until(lambda: requests.get(f"{server.url}/health", timeout=5).status_code == 503, timeout=15,
-                   what="/health failing")
+        wait_until(
+            lambda: requests.get(f"{server.url}/health", timeout=5).status_code == 503,
+            timeout=15,
+            what="/health failing",
+        )
     finally:
         os.kill(pid, signal.SIGCONT)
-    wait_until(lambda: requests.get(f"{server.url}/health", timeout=5).status_code == 200, timeout=15,
-               what="/health recovering")
+    wait_until(
+        lambda: requests.get(f"{server.url}/health", timeout=5).status_code == 200,
+        timeout=15,
+        what="/health recovering",
+    )
 
 
 def readme_requests() -> list[str]:
@@ -187,7 +244,11 @@ def test_readme_examples_work(server):
     assert examples, "the README shows no example request"
     for ex in examples:
         cmd = ex.replace("localhost:8000", f"127.0.0.1:{server.port}")
-        out = subprocess.run(["bash", "-c", "set -o pipefail; " + cmd.replace("curl ", "curl -sf ", 1)],
-                             capture_output=True, text=True, timeout=60)
+        out = subprocess.run(
+            ["bash", "-c", "set -o pipefail; " + cmd.replace("curl ", "curl -sf ", 1)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert out.returncode == 0, f"{ex}\n{out.stderr}"
         assert out.stdout.strip(), ex

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from disagg_worker.model.tiny import make_tiny
 
+from disagg_worker.model.tiny import make_tiny
 from tests.unit.model_stubs import ARCHS
 
 

@@ -6,6 +6,7 @@ import random
 from dataclasses import dataclass, field
 
 import torch
+
 from disagg_worker.model.batch import ForwardBatch
 from disagg_worker.model.config import ModelConfig
 

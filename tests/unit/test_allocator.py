@@ -1,4 +1,5 @@
 """PageAllocator: exact accounting, contiguous-first allocation, loud double frees."""
+
 import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -53,7 +54,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         pages = self.held.pop(i % len(self.held))
         if part and len(pages) > 1:
             # Free half now and keep the rest: fragments the pool.
-            self.held.append(pages[len(pages) // 2:])
+            self.held.append(pages[len(pages) // 2 :])
             pages = pages[: len(pages) // 2]
         self.alloc.free(reversed(pages))
         self.free_pages |= set(pages)

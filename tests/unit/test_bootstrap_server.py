@@ -1,4 +1,5 @@
 """The bootstrap server over real HTTP on 127.0.0.1 (a thread, no processes)."""
+
 from __future__ import annotations
 
 import http.client

@@ -3,6 +3,7 @@
 Every test ends with the page accounting a user relies on: at idle, every page is free or held
 unlocked by the prefix cache, and flushing the cache frees them all.
 """
+
 from __future__ import annotations
 
 import random
@@ -17,19 +18,26 @@ from disagg_worker.engine.loop import Stepper
 from disagg_worker.engine.sampling import SamplingParams
 
 
-def make_engine(model: str, *, page_size=4, tokens=4096, cache=True, chunk=16, overlap=True, max_running=64,
-                batch_tokens=2048) -> Engine:
+def make_engine(
+    model: str, *, page_size=4, tokens=4096, cache=True, chunk=16, overlap=True, max_running=64, batch_tokens=2048
+) -> Engine:
     cfg = EngineConfig(
         model_path=model,
         cache=CacheConfig(page_size=page_size, max_total_tokens=tokens, enable_prefix_cache=cache),
-        scheduler=SchedulerConfig(chunk_size=chunk, enable_overlap=overlap, max_running_requests=max_running,
-                                  max_batch_tokens=batch_tokens),
+        scheduler=SchedulerConfig(
+            chunk_size=chunk, enable_overlap=overlap, max_running_requests=max_running, max_batch_tokens=batch_tokens
+        ),
     )
     return Engine.from_config(cfg)
 
 
-def run_all(engine: Engine, requests: list[tuple[list[int], SamplingParams]], overlap: bool,
-            abort_after: dict[str, int] | None = None, flush: bool = True) -> dict[str, list[msg.TokenOut]]:
+def run_all(
+    engine: Engine,
+    requests: list[tuple[list[int], SamplingParams]],
+    overlap: bool,
+    abort_after: dict[str, int] | None = None,
+    flush: bool = True,
+) -> dict[str, list[msg.TokenOut]]:
     stepper = Stepper(engine, overlap)
     for i, (ids, params) in enumerate(requests):
         engine.handle(msg.GenerateReq(str(i), ids, params))

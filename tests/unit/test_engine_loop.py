@@ -1,5 +1,6 @@
 """The scheduler loop: a transfer's wake-up ends its wait at once (without one the wait runs its
 course), and what a transfer finished is sent before the next forward."""
+
 from __future__ import annotations
 
 import threading

@@ -1,4 +1,5 @@
 """KVPool: per-layer page-major buffers whose pages are contiguous byte ranges."""
+
 import pytest
 import torch
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from disagg_worker.model.attention import AttentionPlan, paged_attention, write_kv
 from disagg_worker.model.batch import ForwardBatch
-
 from tests.unit.model_stubs import PageAllocator, PagedSeq
 
 PAGE_SIZE, NUM_PAGES, H, H_KV, D = 4, 40, 4, 2, 16

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+
 from disagg_worker.model.batch import ForwardBatch
 
 

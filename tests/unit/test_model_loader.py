@@ -7,10 +7,10 @@ import shutil
 
 import pytest
 import torch
-from disagg_worker.model import loader
-from disagg_worker.model.loader import WeightMismatchError, load_model
 from safetensors.torch import load_file, save_file
 
+from disagg_worker.model import loader
+from disagg_worker.model.loader import WeightMismatchError, load_model
 from tests.unit.model_stubs import PageAllocator, StandInKV, make_batch
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

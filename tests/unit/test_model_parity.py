@@ -8,8 +8,8 @@ import shutil
 import pytest
 import torch
 import transformers
-from disagg_worker.model.loader import load_model
 
+from disagg_worker.model.loader import load_model
 from tests.unit.model_stubs import (
     ARCHS,
     PageAllocator,

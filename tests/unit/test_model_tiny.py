@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import pytest
+
 from disagg_worker.model.config import ModelConfig
 from disagg_worker.model.tiny import make_tiny
 from disagg_worker.model.tokenizer import Tokenizer
-
 from tests.unit.model_stubs import ARCHS
 
 FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")

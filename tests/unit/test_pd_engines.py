@@ -1,5 +1,6 @@
 """Prefill and decode queues over the `fake` transfer backend, in one process: life cycles, page
 accounting and error paths (real KV movement is covered by the integration tier)."""
+
 from __future__ import annotations
 
 import itertools

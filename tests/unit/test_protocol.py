@@ -1,4 +1,5 @@
 """Request parsing: what a client gets back for the bodies it sends."""
+
 from __future__ import annotations
 
 import json
@@ -74,9 +75,21 @@ def test_completion_maps_openai_fields():
     assert req.prompt == "Once upon" and req.stream and req.stream_options_include_usage
     assert (req.n, req.user, req.max_tokens_set) == (2, "u1", True)
     assert req.sampling == SamplingParams(
-        max_new_tokens=32, temperature=0.7, top_p=0.9, top_k=40, min_p=0.05, seed=42,
-        frequency_penalty=0.5, presence_penalty=-0.5, repetition_penalty=1.1, stop=("\n",),
-        stop_token_ids=(2,), ignore_eos=True, min_new_tokens=4, logprobs=3, skip_special_tokens=False,
+        max_new_tokens=32,
+        temperature=0.7,
+        top_p=0.9,
+        top_k=40,
+        min_p=0.05,
+        seed=42,
+        frequency_penalty=0.5,
+        presence_penalty=-0.5,
+        repetition_penalty=1.1,
+        stop=("\n",),
+        stop_token_ids=(2,),
+        ignore_eos=True,
+        min_new_tokens=4,
+        logprobs=3,
+        skip_special_tokens=False,
     )
 
 
@@ -147,7 +160,19 @@ def test_generate_native_body():
 
 
 @pytest.mark.parametrize(
-    "raw", [b"", b"{", b"[1, 2]", b'"text"', b"null", b'{"a": NaN}', b'{"a": Infinity}', b"\xff\xfe\x00", b"[" * 100000, b'{"n": ' + b"9" * 5000 + b"}"]
+    "raw",
+    [
+        b"",
+        b"{",
+        b"[1, 2]",
+        b'"text"',
+        b"null",
+        b'{"a": NaN}',
+        b'{"a": Infinity}',
+        b"\xff\xfe\x00",
+        b"[" * 100000,
+        b'{"n": ' + b"9" * 5000 + b"}",
+    ],
 )
 def test_malformed_json_is_400(raw):
     e = error(parse_json, raw)
@@ -294,10 +319,38 @@ VALID = {
     "generate": {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 8, "top_k": 5}, "stream": False},
 }
 FIELDS = sorted(
-    {"model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
-     "min_p", "seed", "frequency_penalty", "presence_penalty", "repetition_penalty", "stop", "stop_token_ids",
-     "ignore_eos", "min_tokens", "logprobs", "top_logprobs", "n", "echo", "stream", "stream_options", "user",
-     "input_ids", "text", "sampling_params", "max_new_tokens", "add_generation_prompt", "skip_special_tokens"}
+    {
+        "model",
+        "prompt",
+        "messages",
+        "max_tokens",
+        "max_completion_tokens",
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "seed",
+        "frequency_penalty",
+        "presence_penalty",
+        "repetition_penalty",
+        "stop",
+        "stop_token_ids",
+        "ignore_eos",
+        "min_tokens",
+        "logprobs",
+        "top_logprobs",
+        "n",
+        "echo",
+        "stream",
+        "stream_options",
+        "user",
+        "input_ids",
+        "text",
+        "sampling_params",
+        "max_new_tokens",
+        "add_generation_prompt",
+        "skip_special_tokens",
+    }
 )
 
 

@@ -1,4 +1,5 @@
 """RadixCache: prefix reuse, redundant pages, LRU eviction that respects locks."""
+
 import pytest
 from hypothesis import settings
 from hypothesis import strategies as st

@@ -1,4 +1,5 @@
 """Sampler and StopChecker: the tokens and text a user gets for given sampling parameters."""
+
 from __future__ import annotations
 
 import math

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 import transformers
-from disagg_worker.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
+from disagg_worker.model.tokenizer import IncrementalDetokenizer, Tokenizer
 
 TEXTS = [
     "The lighthouse keeper climbed the stairs.",

@@ -1,4 +1,5 @@
 """The fake backend through the public registry: what a scheduler unit test relies on."""
+
 from __future__ import annotations
 
 import itertools

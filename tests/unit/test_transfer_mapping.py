@@ -1,5 +1,6 @@
 """Compatibility rules between a prefill instance and a decode rank, the PP layer mapping,
 and heartbeat loss detection (with a scripted health check, no network)."""
+
 from __future__ import annotations
 
 import threading

@@ -1,4 +1,5 @@
 """The room state machine, tombstones, page-run grouping and the control-plane codec."""
+
 from __future__ import annotations
 
 import pytest
@@ -114,7 +115,9 @@ messages = st.one_of(
     st.builds(DecodeHello, text, text, text, st.lists(ints), st.lists(ints), ints, ints, ints),
     st.builds(RoomRequest, text, text, ints, st.lists(ints), ints),
     st.builds(RoomAbort, text, ints, text),
-    st.builds(RoomUpdate, ints, ints, ints, st.sampled_from([int(p) for p in KVPoll]), text, st.booleans(), st.binary()),
+    st.builds(
+        RoomUpdate, ints, ints, ints, st.sampled_from([int(p) for p in KVPoll]), text, st.booleans(), st.binary()
+    ),
 )
 
 
@@ -124,7 +127,12 @@ def test_codec_round_trips_every_message(msg):
 
 
 @settings(max_examples=300)
-@given(st.one_of(st.binary(max_size=64), st.dictionaries(text, st.one_of(ints, text, st.booleans())).map(lambda d: __import__("json").dumps(d).encode())))
+@given(
+    st.one_of(
+        st.binary(max_size=64),
+        st.dictionaries(text, st.one_of(ints, text, st.booleans())).map(lambda d: __import__("json").dumps(d).encode()),
+    )
+)
 def test_codec_rejects_garbage_with_codec_error(frame):
     try:
         decode(frame)

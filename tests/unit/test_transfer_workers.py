@@ -1,5 +1,6 @@
 """TransferWorkers: jobs of one destination are polled oldest first, the walk stops at the first
 job still waiting, and a full pass still finds a job that finished out of order."""
+
 from __future__ import annotations
 
 import threading

@@ -1,5 +1,6 @@
 """WriteGroup: bounded submission, oldest-first polling, and what a failed write does to the rest
 (against a scripted engine: each write finishes when the test says so); the engine's TCP lanes."""
+
 from __future__ import annotations
 
 from disagg_worker.disagg.mooncake import WriteGroup, WriteState

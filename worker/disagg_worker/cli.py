@@ -1,4 +1,5 @@
 """The `disagg` command: serve, model make-tiny, bench serve (and the P/D roles)."""
+
 from __future__ import annotations
 
 import argparse
@@ -25,8 +26,11 @@ def cmd_role(role: Role):
 
         if ns.tp_size != 1 or ns.pp_size != 1:
             # The transfer layer maps TP/PP ranks, but this engine runs one rank per instance.
-            print(f"disagg {role.value}: --tp-size {ns.tp_size} --pp-size {ns.pp_size} is not supported: "
-                  "an instance runs one rank (tensor and pipeline parallel size 1)", file=sys.stderr)
+            print(
+                f"disagg {role.value}: --tp-size {ns.tp_size} --pp-size {ns.pp_size} is not supported: "
+                "an instance runs one rank (tensor and pipeline parallel size 1)",
+                file=sys.stderr,
+            )
             return 2
         launch.run(server_args_from_cli(ns, role))
         return 0
@@ -61,8 +65,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser("serve", help="serve a model (one engine instance)")
     add_engine_args(serve)
-    serve.add_argument("--local", action="store_true",
-                       help="run router + prefill + decode as separate local processes (Mooncake over TCP)")
+    serve.add_argument(
+        "--local",
+        action="store_true",
+        help="run router + prefill + decode as separate local processes (Mooncake over TCP)",
+    )
     serve.set_defaults(func=cmd_serve)
 
     for role in (Role.PREFILL, Role.DECODE):

@@ -4,6 +4,7 @@ ServerArgs (what the CLI parses) -> EngineConfig (what the scheduler and model r
 -> CacheConfig / SchedulerConfig / DisaggConfig. Derived values are properties. Every CLI flag
 maps 1:1 onto a field; environment variables are read only in `disagg_worker.env`.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -133,8 +134,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--log-level", default="info")
-    p.add_argument("--health-timeout", type=float, default=ServerArgs.health_timeout_s,
-                   help="seconds without a scheduler report after which /health fails")
+    p.add_argument(
+        "--health-timeout",
+        type=float,
+        default=ServerArgs.health_timeout_s,
+        help="seconds without a scheduler report after which /health fails",
+    )
 
 
 def add_disagg_args(p: argparse.ArgumentParser) -> None:
@@ -150,10 +155,18 @@ def add_disagg_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--waiting-timeout", type=float, default=d.waiting_timeout_s)
     p.add_argument("--heartbeat-interval", type=float, default=d.heartbeat_interval_s)
     p.add_argument("--heartbeat-max-misses", type=int, default=d.heartbeat_max_misses)
-    p.add_argument("--max-bootstrap-queue", type=int, default=d.max_bootstrap_queue,
-                   help="prefill: requests waiting for decode's handshake beyond this are refused (503)")
-    p.add_argument("--tcp-lanes", type=int, default=d.tcp_lanes,
-                   help="Mooncake TCP connections per peer (MC_TCP_LANES_PER_PEER, which wins if set)")
+    p.add_argument(
+        "--max-bootstrap-queue",
+        type=int,
+        default=d.max_bootstrap_queue,
+        help="prefill: requests waiting for decode's handshake beyond this are refused (503)",
+    )
+    p.add_argument(
+        "--tcp-lanes",
+        type=int,
+        default=d.tcp_lanes,
+        help="Mooncake TCP connections per peer (MC_TCP_LANES_PER_PEER, which wins if set)",
+    )
 
 
 def server_args_from_cli(ns: argparse.Namespace, role: Role = Role.MONOLITHIC) -> ServerArgs:
@@ -201,8 +214,9 @@ def server_args_from_cli(ns: argparse.Namespace, role: Role = Role.MONOLITHIC) -
         scheduler=sched,
         disagg=disagg,
     )
-    return ServerArgs(engine=engine, host=ns.host, port=ns.port, log_level=ns.log_level,
-                      health_timeout_s=ns.health_timeout)
+    return ServerArgs(
+        engine=engine, host=ns.host, port=ns.port, log_level=ns.log_level, health_timeout_s=ns.health_timeout
+    )
 
 
 def replace_nested(cfg, **changes):

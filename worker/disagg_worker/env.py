@@ -3,11 +3,12 @@
 Read once at start-up with `load_env()`; pass the values down instead of reading
 `os.environ` elsewhere.
 """
+
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
 PREFIX = "DISAGG_"
 

@@ -3,6 +3,7 @@
 Both ends are processes of the same instance on the same host (zmq ipc sockets), so the codec is
 pickle of these dataclasses; nothing here crosses a trust boundary.
 """
+
 from __future__ import annotations
 
 import pickle

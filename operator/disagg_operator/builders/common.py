@@ -27,8 +27,14 @@ def role_labels(spec: ModelSpec, role: str) -> dict[str, str]:
 
 
 def owner_reference(spec: ModelSpec) -> dict[str, Any]:
-    return {"apiVersion": names.API_VERSION, "kind": names.KIND, "name": spec.name, "uid": spec.uid,
-            "controller": True, "blockOwnerDeletion": True}
+    return {
+        "apiVersion": names.API_VERSION,
+        "kind": names.KIND,
+        "name": spec.name,
+        "uid": spec.uid,
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
 
 
 def metadata(spec: ModelSpec, name: str, component: str, role: str | None = None) -> dict[str, Any]:
@@ -43,16 +49,25 @@ def metadata(spec: ModelSpec, name: str, component: str, role: str | None = None
 
 def pod_security_context() -> dict[str, Any]:
     uid = names.WORKER_UID
-    return {"runAsNonRoot": True, "runAsUser": uid, "runAsGroup": uid, "fsGroup": uid,
-            "seccompProfile": {"type": "RuntimeDefault"}}
+    return {
+        "runAsNonRoot": True,
+        "runAsUser": uid,
+        "runAsGroup": uid,
+        "fsGroup": uid,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
 
 
 def container_security_context(ipc_lock: bool) -> dict[str, Any]:
     caps: dict[str, Any] = {"drop": ["ALL"]}
     if ipc_lock:
         caps["add"] = ["IPC_LOCK"]
-    return {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True, "runAsNonRoot": True,
-            "capabilities": caps}
+    return {
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "runAsNonRoot": True,
+        "capabilities": caps,
+    }
 
 
 def base_env(spec: ModelSpec) -> list[dict[str, Any]]:
@@ -61,14 +76,20 @@ def base_env(spec: ModelSpec) -> list[dict[str, Any]]:
         {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
         {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
-        {"name": names.AUTH_TOKEN_ENV, "valueFrom": {"secretKeyRef": {
-            "name": spec.auth_secret_name, "key": names.AUTH_TOKEN_KEY}}},
+        {
+            "name": names.AUTH_TOKEN_ENV,
+            "valueFrom": {"secretKeyRef": {"name": spec.auth_secret_name, "key": names.AUTH_TOKEN_KEY}},
+        },
     ]
 
 
 def http_probe(path: str, period: int, failures: int) -> dict[str, Any]:
-    return {"httpGet": {"path": path, "port": "http"}, "periodSeconds": period, "failureThreshold": failures,
-            "timeoutSeconds": 5}
+    return {
+        "httpGet": {"path": path, "port": "http"},
+        "periodSeconds": period,
+        "failureThreshold": failures,
+        "timeoutSeconds": 5,
+    }
 
 
 def probes() -> dict[str, Any]:

@@ -13,9 +13,13 @@ def build_bootstrap_service(spec: ModelSpec) -> dict[str, Any]:
         "apiVersion": "v1",
         "kind": "Service",
         "metadata": metadata(spec, names.bootstrap_service_name(spec.name), "bootstrap", names.PREFILL),
-        "spec": {"type": "ClusterIP", "selector": selector_labels(spec, names.PREFILL),
-                 "ports": [{"name": "bootstrap", "port": names.BOOTSTRAP_PORT, "targetPort": "bootstrap",
-                            "protocol": "TCP"}]},
+        "spec": {
+            "type": "ClusterIP",
+            "selector": selector_labels(spec, names.PREFILL),
+            "ports": [
+                {"name": "bootstrap", "port": names.BOOTSTRAP_PORT, "targetPort": "bootstrap", "protocol": "TCP"}
+            ],
+        },
     }
 
 
@@ -30,8 +34,12 @@ def build_pdb(spec: ModelSpec, role: str) -> dict[str, Any]:
 
 
 def _model_pods(spec: ModelSpec, roles: tuple[str, ...]) -> dict[str, Any]:
-    return {"podSelector": {"matchLabels": {names.MODEL_LABEL: spec.name},
-                            "matchExpressions": [{"key": names.ROLE_LABEL, "operator": "In", "values": list(roles)}]}}
+    return {
+        "podSelector": {
+            "matchLabels": {names.MODEL_LABEL: spec.name},
+            "matchExpressions": [{"key": names.ROLE_LABEL, "operator": "In", "values": list(roles)}],
+        }
+    }
 
 
 def build_network_policy(spec: ModelSpec) -> dict[str, Any]:
@@ -49,8 +57,10 @@ def build_network_policy(spec: ModelSpec) -> dict[str, Any]:
             "ingress": [
                 {"ports": [{"protocol": "TCP", "port": names.HTTP_PORT}]},
                 {"from": [everyone_of_cr], "ports": [{"protocol": "TCP", "port": names.BOOTSTRAP_PORT}]},
-                {"from": [workers], "ports": [{"protocol": "TCP", "port": names.TRANSFER_PORT_MIN,
-                                               "endPort": names.TRANSFER_PORT_MAX}]},
+                {
+                    "from": [workers],
+                    "ports": [{"protocol": "TCP", "port": names.TRANSFER_PORT_MIN, "endPort": names.TRANSFER_PORT_MAX}],
+                },
             ],
         },
     }

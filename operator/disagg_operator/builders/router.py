@@ -5,8 +5,17 @@ from typing import Any
 from .. import names
 from ..config import OperatorConfig
 from ..spec import ModelSpec
-from .common import (base_env, container_security_context, metadata, pod_security_context, probes, role_labels,
-                     scheduling, selector_labels, tmp_volume)
+from .common import (
+    base_env,
+    container_security_context,
+    metadata,
+    pod_security_context,
+    probes,
+    role_labels,
+    scheduling,
+    selector_labels,
+    tmp_volume,
+)
 
 
 def service_fqdn(spec: ModelSpec, service: str, cfg: OperatorConfig) -> str:
@@ -17,10 +26,23 @@ def router_args(spec: ModelSpec, cfg: OperatorConfig) -> list[str]:
     """`disagg router ...` arguments (after the `disagg` entrypoint), the CR's extra args last."""
     prefill = service_fqdn(spec, names.child_name(spec.name, names.PREFILL), cfg)
     decode = service_fqdn(spec, names.child_name(spec.name, names.DECODE), cfg)
-    return [names.ROUTER, "--host", "0.0.0.0", "--port", str(names.HTTP_PORT),
-            "--served-model-name", spec.served_model_name, "--policy", spec.router.policy,
-            "--prefill-dns", f"{prefill}:{names.HTTP_PORT}", "--decode-dns", f"{decode}:{names.HTTP_PORT}",
-            "--bootstrap-port", str(names.BOOTSTRAP_PORT)] + list(spec.router.placement.args)
+    return [
+        names.ROUTER,
+        "--host",
+        "0.0.0.0",
+        "--port",
+        str(names.HTTP_PORT),
+        "--served-model-name",
+        spec.served_model_name,
+        "--policy",
+        spec.router.policy,
+        "--prefill-dns",
+        f"{prefill}:{names.HTTP_PORT}",
+        "--decode-dns",
+        f"{decode}:{names.HTTP_PORT}",
+        "--bootstrap-port",
+        str(names.BOOTSTRAP_PORT),
+    ] + list(spec.router.placement.args)
 
 
 def router_endpoint(spec: ModelSpec) -> str:
@@ -54,9 +76,14 @@ def build_router_deployment(spec: ModelSpec, cfg: OperatorConfig) -> dict[str, A
             "selector": {"matchLabels": selector_labels(spec, names.ROUTER)},
             "template": {
                 "metadata": {"labels": role_labels(spec, names.ROUTER)},
-                "spec": {"containers": [container], "volumes": [tmp_vol],
-                         "securityContext": pod_security_context(), "automountServiceAccountToken": False,
-                         "enableServiceLinks": False, **scheduling(r.placement)},
+                "spec": {
+                    "containers": [container],
+                    "volumes": [tmp_vol],
+                    "securityContext": pod_security_context(),
+                    "automountServiceAccountToken": False,
+                    "enableServiceLinks": False,
+                    **scheduling(r.placement),
+                },
             },
         },
     }
@@ -67,6 +94,9 @@ def build_router_service(spec: ModelSpec) -> dict[str, Any]:
         "apiVersion": "v1",
         "kind": "Service",
         "metadata": metadata(spec, names.child_name(spec.name, names.ROUTER), names.ROUTER, names.ROUTER),
-        "spec": {"type": "ClusterIP", "selector": selector_labels(spec, names.ROUTER),
-                 "ports": [{"name": "http", "port": names.HTTP_PORT, "targetPort": "http", "protocol": "TCP"}]},
+        "spec": {
+            "type": "ClusterIP",
+            "selector": selector_labels(spec, names.ROUTER),
+            "ports": [{"name": "http", "port": names.HTTP_PORT, "targetPort": "http", "protocol": "TCP"}],
+        },
     }

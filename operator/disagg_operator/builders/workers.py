@@ -5,32 +5,69 @@ from typing import Any
 from .. import names
 from ..config import OperatorConfig
 from ..spec import ModelSpec, WorkerRoleSpec
-from .common import (base_env, container_security_context, metadata, pod_security_context, probes, role_labels,
-                     scheduling, selector_labels, tmp_volume)
+from .common import (
+    base_env,
+    container_security_context,
+    metadata,
+    pod_security_context,
+    probes,
+    role_labels,
+    scheduling,
+    selector_labels,
+    tmp_volume,
+)
 
 
 def worker_args(spec: ModelSpec, role: str) -> list[str]:
     """`disagg prefill|decode ...` arguments (after the `disagg` entrypoint), the CR's extra args last."""
     w = spec.worker(role)
     e = w.engine
-    args = [role, "--model", spec.model.model_arg, "--served-model-name", spec.served_model_name,
-            "--host", "0.0.0.0", "--port", str(names.HTTP_PORT), "--advertise-host", "$(POD_IP)"]
+    args = [
+        role,
+        "--model",
+        spec.model.model_arg,
+        "--served-model-name",
+        spec.served_model_name,
+        "--host",
+        "0.0.0.0",
+        "--port",
+        str(names.HTTP_PORT),
+        "--advertise-host",
+        "$(POD_IP)",
+    ]
     if role == names.PREFILL:
         args += ["--bootstrap-port", str(names.BOOTSTRAP_PORT)]
     args += ["--transfer-backend", spec.transfer.backend, "--transfer-protocol", spec.transfer.protocol]
     if spec.transfer.ib_device:
         args += ["--ib-device", spec.transfer.ib_device]
-    args += ["--tp-size", str(w.tp_size), "--pp-size", str(w.pp_size), "--page-size", str(e.page_size),
-             "--kv-dtype", e.kv_dtype, "--dtype", e.dtype, "--chunk-size", str(e.chunk_size),
-             "--max-total-tokens", str(e.max_total_tokens), "--max-running-requests", str(e.max_running_requests)]
+    args += [
+        "--tp-size",
+        str(w.tp_size),
+        "--pp-size",
+        str(w.pp_size),
+        "--page-size",
+        str(e.page_size),
+        "--kv-dtype",
+        e.kv_dtype,
+        "--dtype",
+        e.dtype,
+        "--chunk-size",
+        str(e.chunk_size),
+        "--max-total-tokens",
+        str(e.max_total_tokens),
+        "--max-running-requests",
+        str(e.max_running_requests),
+    ]
     return args + list(w.placement.args)
 
 
 def worker_env(spec: ModelSpec, w: WorkerRoleSpec) -> list[dict[str, Any]]:
     env = base_env(spec)
     if spec.transfer.backend == "mooncake":
-        env += [{"name": "MC_MIN_RPC_PORT", "value": str(names.TRANSFER_PORT_MIN)},
-                {"name": "MC_MAX_RPC_PORT", "value": str(names.TRANSFER_PORT_MAX)}]
+        env += [
+            {"name": "MC_MIN_RPC_PORT", "value": str(names.TRANSFER_PORT_MIN)},
+            {"name": "MC_MAX_RPC_PORT", "value": str(names.TRANSFER_PORT_MAX)},
+        ]
     if spec.model.hugging_face_id:
         env.append({"name": "HF_HOME", "value": names.HF_CACHE_MOUNT})
     return env + [dict(v) for v in w.placement.env]
@@ -125,12 +162,18 @@ def build_worker_statefulset(spec: ModelSpec, role: str, cfg: OperatorConfig) ->
 def build_headless_service(spec: ModelSpec, role: str) -> dict[str, Any]:
     """Headless Service whose A records list the role's ready pods; the router resolves it."""
     name = names.child_name(spec.name, role)
-    ports = [{"name": p["name"], "port": p["containerPort"], "targetPort": p["name"], "protocol": "TCP"}
-             for p in worker_ports(role)]
+    ports = [
+        {"name": p["name"], "port": p["containerPort"], "targetPort": p["name"], "protocol": "TCP"}
+        for p in worker_ports(role)
+    ]
     return {
         "apiVersion": "v1",
         "kind": "Service",
         "metadata": metadata(spec, name, role, role),
-        "spec": {"clusterIP": "None", "selector": selector_labels(spec, role), "ports": ports,
-                 "publishNotReadyAddresses": False},
+        "spec": {
+            "clusterIP": "None",
+            "selector": selector_labels(spec, role),
+            "ports": ports,
+            "publishNotReadyAddresses": False,
+        },
     }

@@ -4,6 +4,7 @@ Prompts are random token-id lists (exact input lengths) sent to /v1/completions 
 `ignore_eos`, so every request produces exactly its output length. Arrivals are Poisson at
 `--request-rate` (inf: all at once), capped by `--max-concurrency`.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -12,7 +13,7 @@ import json
 import random
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import aiohttp
 
@@ -36,8 +37,12 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-concurrency", type=int, default=0)
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=64)
-    p.add_argument("--range-ratio", type=float, default=1.0,
-                   help="lengths are uniform in [len*ratio, len]; 1.0 means fixed lengths")
+    p.add_argument(
+        "--range-ratio",
+        type=float,
+        default=1.0,
+        help="lengths are uniform in [len*ratio, len]; 1.0 means fixed lengths",
+    )
     p.add_argument("--vocab-low", type=int, default=10)
     p.add_argument("--vocab-high", type=int, default=1000)
     p.add_argument("--seed", type=int, default=0)
@@ -56,9 +61,17 @@ def make_workload(ns: argparse.Namespace) -> list[tuple[list[int], int]]:
     ]
 
 
-async def one_request(session: aiohttp.ClientSession, url: str, model: str, prompt: list[int], out_len: int) -> RequestResult:
-    body = {"model": model, "prompt": prompt, "max_tokens": out_len, "temperature": 0, "ignore_eos": True,
-            "stream": True}
+async def one_request(
+    session: aiohttp.ClientSession, url: str, model: str, prompt: list[int], out_len: int
+) -> RequestResult:
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": out_len,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
     res = RequestResult(ok=False, input_len=len(prompt))
     start = last = time.perf_counter()
     try:
@@ -90,6 +103,7 @@ async def run_load(ns: argparse.Namespace, model: str) -> tuple[list[RequestResu
     sem = asyncio.Semaphore(ns.max_concurrency or len(work))
     timeout = aiohttp.ClientTimeout(total=3600)
     async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
+
         async def guarded(prompt, out_len):
             async with sem:
                 return await one_request(session, ns.base_url, model, prompt, out_len)

@@ -6,6 +6,7 @@ the destination pages over zmq -> prefill writes its pages straight into the dec
 through the transfer engine after each prefill chunk -> prefill reports Success (with the aux
 record) -> decode polls Success and starts decoding.
 """
+
 from disagg_worker.disagg.base import (
     KVLayout,
     KVManager,

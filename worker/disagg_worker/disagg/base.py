@@ -8,13 +8,14 @@ leaves Bootstrapping call `init(dest_pages, aux_slot)`; poll until Success, then
 
 Backends implement `KVManager` and register in `registry`; handles never block.
 """
+
 from __future__ import annotations
 
 import math
 import struct
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from disagg_worker.config import DisaggConfig, Role
 from disagg_worker.disagg.metrics import TransferMetrics
@@ -51,7 +52,7 @@ class KVLayout:
         return len(self.buffer_ptrs) // 2
 
     @classmethod
-    def from_pool(cls, pool, kv_dtype: str, start_layer: int = 0, **aux) -> "KVLayout":
+    def from_pool(cls, pool, kv_dtype: str, start_layer: int = 0, **aux) -> KVLayout:
         """Describe a `disagg_worker.mem.kv_pool.KVPool` (any object with `buffers()`)."""
         bufs = pool.buffers()
         return cls(
@@ -198,7 +199,7 @@ class KVManager(ABC):
 
 
 def check_pages(pages: list[int], num_pages: int) -> str:
-    """"" if every page index is valid, else a reason."""
+    """ "" if every page index is valid, else a reason."""
     if not pages or (0 <= min(pages) and max(pages) < num_pages):
         return ""
     bad = [p for p in pages if not 0 <= p < num_pages]

@@ -6,6 +6,7 @@ for the topology (or a given rank for its `{rank_ip, rank_port}`) and heartbeats
 With a token, `/route` needs `Authorization: Bearer <token>` (401 otherwise, fail closed).
 Every error is a 4xx/503 with a JSON body `{"error": ...}`.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -36,7 +37,7 @@ class RankRegistration:
     num_layers: int
 
     @classmethod
-    def from_json(cls, obj: object) -> "RankRegistration":
+    def from_json(cls, obj: object) -> RankRegistration:
         """Validate a decoded JSON object; raises ValueError naming the first problem."""
         if not isinstance(obj, dict):
             raise ValueError("body must be a JSON object")
@@ -82,14 +83,16 @@ class _Registry:
         return len(self.ranks) == self.tp_size * self.pp_size
 
     def add(self, reg: RankRegistration) -> str:
-        """"" if accepted, else why not."""
+        """ "" if accepted, else why not."""
         if (reg.tp_size, reg.pp_size) != (self.tp_size, self.pp_size):
             return f"instance is tp={self.tp_size} pp={self.pp_size}, rank says tp={reg.tp_size} pp={reg.pp_size}"
         if reg.tp_rank >= self.tp_size or reg.pp_rank >= self.pp_size:
             return f"rank tp={reg.tp_rank} pp={reg.pp_rank} outside tp={self.tp_size} pp={self.pp_size}"
         for other in self.ranks.values():
             if (other.page_size, other.kv_dtype) != (reg.page_size, reg.kv_dtype):
-                return f"page_size/kv_dtype {reg.page_size}/{reg.kv_dtype} differ from {other.page_size}/{other.kv_dtype}"
+                return (
+                    f"page_size/kv_dtype {reg.page_size}/{reg.kv_dtype} differ from {other.page_size}/{other.kv_dtype}"
+                )
         self.ranks[(reg.tp_rank, reg.pp_rank)] = reg
         return ""
 
@@ -169,7 +172,7 @@ class BootstrapServer:
         self._runner: web.AppRunner | None = None
         self._thread: threading.Thread | None = None
 
-    def start(self) -> "BootstrapServer":
+    def start(self) -> BootstrapServer:
         """Bind and serve; returns once the port accepts connections (raises on bind error)."""
         ready: list[BaseException | None] = []
         started = threading.Event()

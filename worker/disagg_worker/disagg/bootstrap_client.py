@@ -1,4 +1,5 @@
 """Blocking HTTP calls to a bootstrap server (run them off the scheduler thread)."""
+
 from __future__ import annotations
 
 import json

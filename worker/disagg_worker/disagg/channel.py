@@ -4,6 +4,7 @@
 Sends never block: a peer that is gone or not reading just loses the message, and the
 timeouts on both sides turn that into a Failed room.
 """
+
 from __future__ import annotations
 
 import logging

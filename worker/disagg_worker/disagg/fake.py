@@ -6,6 +6,7 @@ this process) has sent its last chunk, so the aux record is there when decode re
 process (any fake managers) are paired through a process-wide fabric: an abort on one side
 fails the other, and a receiver reads the aux record its sender sent (zeros if none did).
 """
+
 from __future__ import annotations
 
 import threading
@@ -52,7 +53,7 @@ FABRIC = _Fabric()
 
 
 class _FakeHandle:
-    def __init__(self, mgr: "FakeKVManager", room: int):
+    def __init__(self, mgr: FakeKVManager, room: int):
         self.room = room
         self._mgr = mgr
         self._cell = mgr.new_cell(KVPoll.WaitingForInput)
@@ -79,7 +80,7 @@ class _FakeHandle:
 
 
 class FakeSender(_FakeHandle, KVSender):
-    def __init__(self, mgr: "FakeKVManager", room: int):
+    def __init__(self, mgr: FakeKVManager, room: int):
         super().__init__(mgr, room)
         self._nbytes = 0
 

@@ -8,10 +8,11 @@ A silent instance stays on probation: `on_dead(addr)` is called if it later refu
 back with another instance id, so pages held for it are not quarantined forever; if it comes
 back as the same instance, probation ends (its own late updates settle those pages).
 """
+
 from __future__ import annotations
 
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 from disagg_worker.disagg.bootstrap_client import REFUSED, check_health
 

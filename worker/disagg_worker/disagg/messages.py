@@ -6,6 +6,7 @@ pages and aux slot) and possibly `RoomAbort`. Prefill -> decode: `RoomUpdate` (T
 Success or Failed; `quiesced` says no write of that room is still in flight). The aux record
 travels inside the Success update, so it can never be seen before the pages it describes.
 """
+
 from __future__ import annotations
 
 import base64

@@ -1,5 +1,6 @@
 """Per-instance KV transfer metrics: plain attributes for callers and tests, mirrored into
 Prometheus series labelled by `instance`."""
+
 from __future__ import annotations
 
 import threading

@@ -11,13 +11,13 @@ writes, and after such a burst some of the queued ones never finish (measured: 3
 4 KiB submitted at once left 1024 pending for good). Callers therefore keep at most
 `MAX_WRITES_IN_FLIGHT` writes outstanding per peer.
 """
+
 from __future__ import annotations
 
 import os
 import time
 from dataclasses import dataclass, field
 from enum import Enum
-
 
 MAX_WRITES_IN_FLIGHT = 256  # per destination peer; Mooncake TCP's own per-peer queue holds 1024
 

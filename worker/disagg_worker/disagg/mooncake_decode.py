@@ -5,6 +5,7 @@ send a `DecodeHello` to each target rank, then watch it with heartbeats. Per roo
 `RoomRequest` after `init()` and the handshake; apply `RoomUpdate`s from prefill. Threads:
 `control` (zmq updates, waiting timeouts), a resolver pool (blocking HTTP), heartbeat.
 """
+
 from __future__ import annotations
 
 import logging
@@ -64,23 +65,31 @@ class _Room:
     lock: threading.Lock = field(default_factory=threading.Lock)  # Success (with its scatter) vs Failed
 
 
-def check_compatible(topo: Topology, cfg: DisaggConfig, layout: KVLayout, tp_rank: int, pp_rank: int) -> tuple[list[RankRegistration], str]:
+def check_compatible(
+    topo: Topology, cfg: DisaggConfig, layout: KVLayout, tp_rank: int, pp_rank: int
+) -> tuple[list[RankRegistration], str]:
     """The prefill ranks this decode rank pulls from, or ("", reason) naming both values."""
     if topo.page_size != layout.page_size:
         return [], f"page size mismatch: prefill page_size={topo.page_size}, decode page_size={layout.page_size}"
     if topo.kv_dtype != layout.kv_dtype:
         return [], f"KV dtype mismatch: prefill kv_dtype={topo.kv_dtype}, decode kv_dtype={layout.kv_dtype}"
     if topo.tp_size != cfg.tp_size:
-        return [], f"unsupported TP mapping: prefill tp_size={topo.tp_size}, decode tp_size={cfg.tp_size} (must be equal)"
+        return (
+            [],
+            f"unsupported TP mapping: prefill tp_size={topo.tp_size}, decode tp_size={cfg.tp_size} (must be equal)",
+        )
     if cfg.pp_size == topo.pp_size:
         return [topo.rank(tp_rank, pp_rank)], ""
     if cfg.pp_size == 1:
         return [topo.rank(tp_rank, pp) for pp in range(topo.pp_size)], ""
-    return [], f"unsupported PP mapping: prefill pp_size={topo.pp_size}, decode pp_size={cfg.pp_size} (must be equal or 1)"
+    return (
+        [],
+        f"unsupported PP mapping: prefill pp_size={topo.pp_size}, decode pp_size={cfg.pp_size} (must be equal or 1)",
+    )
 
 
 class DecodeReceiver(KVReceiver):
-    def __init__(self, mgr: "MooncakeDecodeManager", state: _Room):
+    def __init__(self, mgr: MooncakeDecodeManager, state: _Room):
         self.room = state.room
         self._mgr = mgr
         self._state = state
@@ -314,7 +323,9 @@ class MooncakeDecodeManager(KVManager):
                 return
             if aux:
                 n = self.layout.aux_item_nbytes
-                self.aux[state.aux_slot * n : state.aux_slot * n + len(aux)] = torch.frombuffer(bytearray(aux), dtype=torch.uint8)
+                self.aux[state.aux_slot * n : state.aux_slot * n + len(aux)] = torch.frombuffer(
+                    bytearray(aux), dtype=torch.uint8
+                )
             state.done.add(key)
             if not set(state.targets) <= state.done:
                 return

@@ -16,6 +16,7 @@ have not all landed after `waiting_timeout_s` fails. Such writes are not cancell
 is told `quiesced=False` and gets a second Failed update with `quiesced=True` once every
 write of the room has settled; only then may it reuse the pages.
 """
+
 from __future__ import annotations
 
 import functools
@@ -78,7 +79,7 @@ class _Job:
 
 
 class PrefillSender(KVSender):
-    def __init__(self, mgr: "MooncakePrefillManager", state: _Room):
+    def __init__(self, mgr: MooncakePrefillManager, state: _Room):
         self.room = state.room
         self._mgr = mgr
         self._state = state
@@ -139,7 +140,9 @@ class MooncakePrefillManager(KVManager):
         if status is KVPoll.Failed:
             return
         if status < KVPoll.WaitingForInput or state.request is None or state.last_queued:
-            self._fail(state, f"send() in status {status.name}" + (" after the last chunk" if state.last_queued else ""))
+            self._fail(
+                state, f"send() in status {status.name}" + (" after the last chunk" if state.last_queued else "")
+            )
             return
         dest = state.request.dest_pages
         problem = check_pages(pages, self.layout.num_pages)

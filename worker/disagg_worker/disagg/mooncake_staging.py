@@ -8,6 +8,7 @@ area (a memcpy) and writes them as one block per KV buffer, and decode scatters 
 into its pool before the room reports Success. Staged layout of a room with `n` destination
 pages: decode buffer `b`, destination index `j` at byte `(b * n + j) * page_nbytes`.
 """
+
 from __future__ import annotations
 
 import ctypes

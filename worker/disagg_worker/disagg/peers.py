@@ -1,4 +1,5 @@
 """What a prefill rank knows about a decode rank after its hello: where to write."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -21,12 +22,16 @@ class DecodePeer:
     staging_nbytes: int = 0
 
     @classmethod
-    def from_hello(cls, hello: DecodeHello, local: KVLayout) -> "DecodePeer":
+    def from_hello(cls, hello: DecodeHello, local: KVLayout) -> DecodePeer:
         error = ""
         if hello.page_nbytes != local.page_nbytes:
-            error = f"KV page bytes differ: prefill page_nbytes={local.page_nbytes}, decode page_nbytes={hello.page_nbytes}"
+            error = (
+                f"KV page bytes differ: prefill page_nbytes={local.page_nbytes}, decode page_nbytes={hello.page_nbytes}"
+            )
         try:
-            mapping = layer_buffer_map(local.start_layer, local.num_layers, hello.start_layer, len(hello.buffer_ptrs) // 2)
+            mapping = layer_buffer_map(
+                local.start_layer, local.num_layers, hello.start_layer, len(hello.buffer_ptrs) // 2
+            )
         except ValueError as e:
             mapping, error = [], error or str(e)
         return cls(
@@ -35,7 +40,7 @@ class DecodePeer:
         )  # fmt: skip
 
     def check_dest(self, dest_pages: list[int], aux_slot: int, staging_offset: int = -1) -> str:
-        """"" if every destination page lies inside every decode buffer (and a staged room
+        """ "" if every destination page lies inside every decode buffer (and a staged room
         inside decode's staging area)."""
         limit = min(self.buffer_nbytes, default=0) // max(1, self.page_nbytes)
         bad = [p for p in dest_pages if not 0 <= p < limit]

@@ -3,11 +3,12 @@
 A status moves forward only (Bootstrapping -> WaitingForInput -> Transferring -> Success),
 except that any non-terminal status may move to Failed. Success and Failed are terminal.
 """
+
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from enum import IntEnum
-from typing import Callable
 
 
 class KVPoll(IntEnum):

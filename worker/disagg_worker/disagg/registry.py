@@ -1,7 +1,8 @@
 """Transfer backends by config name (`DisaggConfig.transfer_backend`)."""
+
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from disagg_worker.config import DisaggConfig, Role
 from disagg_worker.disagg.base import KVLayout, KVManager, RankInfo

@@ -4,11 +4,13 @@ A room is never reused: once a room finished (Success, Failed or aborted) its id
 bounded tombstone set, so a late message for it is dropped instead of being attached to a
 new request that happens to carry the same id.
 """
+
 from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from typing import Generic, Iterator, TypeVar
+from collections.abc import Iterator
+from typing import Generic, TypeVar
 
 S = TypeVar("S")
 

@@ -1,4 +1,5 @@
 """Coalescing of page lists into contiguous runs, so one run moves as one write."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -53,7 +54,9 @@ LANES = 4
 MIN_PIECE_NBYTES = 256 << 10
 
 
-def split_for_lanes(writes: list[tuple[int, int, int]], lanes: int = 0, min_piece: int = 0) -> list[tuple[int, int, int]]:
+def split_for_lanes(
+    writes: list[tuple[int, int, int]], lanes: int = 0, min_piece: int = 0
+) -> list[tuple[int, int, int]]:
     """Split `(src, dst, nbytes)` writes so that large ones travel as about `lanes` pieces
     (default LANES) of at least `min_piece` bytes (default MIN_PIECE_NBYTES); the pieces
     cover the same bytes, in order."""

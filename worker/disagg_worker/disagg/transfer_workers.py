@@ -9,6 +9,7 @@ oldest first and stops at the first one that is still waiting; a full pass every
 `FULL_POLL_INTERVAL_S` catches a job that finished out of order. With many rooms streaming
 to one decode instance that is one or two status reads per poll instead of one per room.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -16,8 +17,9 @@ import queue
 import sys
 import threading
 import time
+from collections.abc import Callable
 from enum import Enum
-from typing import Callable, Generic, TypeVar
+from typing import Generic, TypeVar
 
 J = TypeVar("J")
 
@@ -76,7 +78,7 @@ class TransferWorkers(Generic[J]):
         for t in threads:
             t.join(timeout=timeout)
 
-    def _run(self, jobs: "queue.Queue[J]") -> None:
+    def _run(self, jobs: queue.Queue[J]) -> None:
         _tight_sleeps()
         active: list[J] = []
         sleep, next_full = POLL_SLEEP_MIN_S, 0.0

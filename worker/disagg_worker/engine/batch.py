@@ -1,4 +1,5 @@
 """What the scheduler hands the model runner for one step, and what comes back."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass

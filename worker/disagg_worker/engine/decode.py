@@ -12,11 +12,12 @@ Failure at any point ends the request with a 500 naming the cause. Pages a faile
 still write (Mooncake does not cancel a submitted write) are quarantined until prefill confirms
 it stopped or is known dead; every other page is freed at once.
 """
+
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
@@ -104,8 +105,10 @@ class DecodeEngine(Engine):
         if not self.free_slots or len(s.running) + len(self.transfer) >= self.cfg.scheduler.max_running_requests:
             return False
         need = pages_for(d.req.seq_len, self.cfg.cache.page_size)
-        reserve = sum(pages_for(min(r.remaining_new_tokens(), self.cfg.scheduler.decode_reserve_tokens),
-                                self.cfg.cache.page_size) for r in s.running)
+        reserve = sum(
+            pages_for(min(r.remaining_new_tokens(), self.cfg.scheduler.decode_reserve_tokens), self.cfg.cache.page_size)
+            for r in s.running
+        )
         if need + reserve > self.allocator.num_free:
             return False
         d.pages = self.allocator.alloc(need)
@@ -155,8 +158,11 @@ class DecodeEngine(Engine):
         self.free_slots.append(d.aux_slot)
 
     def queue_sizes(self) -> dict[str, int]:
-        return {"decode_prealloc": len(self.prealloc), "decode_transfer": len(self.transfer),
-                "decode_quarantine": len(self.quarantine)}
+        return {
+            "decode_prealloc": len(self.prealloc),
+            "decode_transfer": len(self.transfer),
+            "decode_quarantine": len(self.quarantine),
+        }
 
     def close(self) -> None:
         self.kv.close()

@@ -1,10 +1,11 @@
 """Assembles the engine of one instance from its config: model, KV pool, cache, scheduler, runner."""
+
 from __future__ import annotations
 
 import logging
 import os
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from prometheus_client import REGISTRY, generate_latest
@@ -47,7 +48,7 @@ class Engine:
         self.eos_ids = frozenset(model_cfg.eos_token_ids)
 
     @classmethod
-    def from_config(cls, cfg: EngineConfig) -> "Engine":
+    def from_config(cls, cfg: EngineConfig) -> Engine:
         torch.manual_seed(cfg.seed)
         model, model_cfg = load_model(cfg.model_path, DTYPES[cfg.dtype], cfg.device)
         if cfg.forward == "noop":
@@ -99,8 +100,10 @@ class Engine:
     def routing_problem(self, req: Req, m: msg.GenerateReq) -> str:
         """Why a P/D instance cannot take a request ("" if it can); the answer is a 400."""
         if m.bootstrap is None:
-            return (f"a {self.cfg.disagg.role.value} instance serves requests routed with bootstrap_room; "
-                    "send requests through the router")
+            return (
+                f"a {self.cfg.disagg.role.value} instance serves requests routed with bootstrap_room; "
+                "send requests through the router"
+            )
         capacity = self.cfg.cache.capacity_tokens
         if req.seq_len + 1 > capacity:
             return f"prompt of {req.seq_len} tokens does not fit the KV cache ({capacity} tokens)"
@@ -162,6 +165,9 @@ class Engine:
 def own_metrics() -> str:
     """This process's `disagg_*` Prometheus series (the HTTP process serves them on /metrics)."""
     text = generate_latest(REGISTRY).decode()
-    keep = [line for line in text.splitlines()
-            if line.startswith("disagg_") or line.startswith(("# HELP disagg_", "# TYPE disagg_"))]
+    keep = [
+        line
+        for line in text.splitlines()
+        if line.startswith("disagg_") or line.startswith(("# HELP disagg_", "# TYPE disagg_"))
+    ]
     return "\n".join(keep) + ("\n" if keep else "")

@@ -13,13 +13,14 @@ While requests wait on KV transfers (P/D roles) the loop sleeps on its inbox and
 the transfer layer signals on every status move, so it reacts at once; it still polls every
 TRANSFER_POLL_MS for what no status move announces (pages freed by finished requests).
 """
+
 from __future__ import annotations
 
 import logging
 import os
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable
 
 import zmq
 

@@ -3,6 +3,7 @@
 Pure Python (no torch), so the HTTP process and the router can use it; the sampler itself is in
 `disagg_worker.engine.sampling`.
 """
+
 from __future__ import annotations
 
 import math

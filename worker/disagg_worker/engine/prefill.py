@@ -10,11 +10,12 @@ Life cycle of a request here:
    sent with the last chunk; the sender is polled without blocking. Success: pages go to the
    prefix cache and the request answers with its token. Failure: pages freed, 500 with the cause.
 """
+
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Callable
 
 import torch
 
@@ -128,7 +129,7 @@ class PrefillEngine(Engine):
                 continue
             full = done // self.cfg.cache.page_size
             if full > p.sent_pages:
-                p.sender.send(req.pages[p.sent_pages:full], last=False)
+                p.sender.send(req.pages[p.sent_pages : full], last=False)
                 p.sent_pages = full
 
     def _start_transfers(self) -> None:
@@ -140,7 +141,7 @@ class PrefillEngine(Engine):
                 continue
             p.first_token, p.logprob = token, logprob
             total = (len(req.prompt_ids) + self.cfg.cache.page_size - 1) // self.cfg.cache.page_size
-            p.sender.send(req.pages[p.sent_pages:total], last=True, aux=pack_first_token(token, logprob))
+            p.sender.send(req.pages[p.sent_pages : total], last=True, aux=pack_first_token(token, logprob))
             p.sent_pages = total
             self.inflight[req.rid] = p
 
@@ -158,8 +159,11 @@ class PrefillEngine(Engine):
                 self.reject(p.req, 500, f"KV transfer failed: {p.sender.failure_reason()}")
 
     def queue_sizes(self) -> dict[str, int]:
-        return {"prefill_bootstrap": len(self.bootstrapping), "prefill_inflight": len(self.inflight),
-                "prefill_forward": len(self.prefilling)}
+        return {
+            "prefill_bootstrap": len(self.bootstrapping),
+            "prefill_inflight": len(self.inflight),
+            "prefill_forward": len(self.prefilling),
+        }
 
     def close(self) -> None:
         self.kv.close()

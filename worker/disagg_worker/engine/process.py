@@ -1,4 +1,5 @@
 """Entry point of the scheduler process (started by the HTTP server with multiprocessing spawn)."""
+
 from __future__ import annotations
 
 import logging

@@ -1,4 +1,5 @@
 """A request as the scheduler sees it: its tokens, its pages, and where it is in its life."""
+
 from __future__ import annotations
 
 import time

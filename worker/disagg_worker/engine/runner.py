@@ -1,4 +1,5 @@
 """Runs one scheduled batch: the model forward over the paged KV cache, then sampling."""
+
 from __future__ import annotations
 
 import torch

@@ -16,11 +16,12 @@ the batch: its noise comes from its own `torch.Generator`; unseeded rows share t
 default generator. EOS handling and stop checks are the scheduler's and detokenizer's job;
 `StopChecker` below is the text-side helper for stop strings.
 """
+
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import torch
 
@@ -50,9 +51,7 @@ class SamplingState:
     _prompt_tensor: torch.Tensor | None = field(default=None, init=False, repr=False)
 
     @classmethod
-    def create(
-        cls, params: SamplingParams, prompt_ids: list[int], device: str | torch.device = "cpu"
-    ) -> SamplingState:
+    def create(cls, params: SamplingParams, prompt_ids: list[int], device: str | torch.device = "cpu") -> SamplingState:
         gen = None
         if params.seed is not None:
             gen = torch.Generator(device=device)

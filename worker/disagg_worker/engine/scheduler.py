@@ -9,6 +9,7 @@ full pages go into the radix cache and the rest back to the allocator.
 Page accounting invariant: a page is either free in the allocator, held by the radix cache, or in
 exactly one request's private page table; `release` is the only way out of a request.
 """
+
 from __future__ import annotations
 
 import logging

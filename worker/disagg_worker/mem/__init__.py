@@ -1,5 +1,6 @@
 """Paged KV memory: page allocator, radix prefix cache, and (in `mem.kv_pool`, which needs
 torch) the per-layer KV pool. The allocator and the cache are pure Python."""
+
 from .allocator import OutOfPages, PageAllocator
 from .radix import CacheStats, MatchResult, Node, RadixCache
 

@@ -9,6 +9,7 @@ Accounting is exact: `num_free + num_used == num_total` at all times, and freein
 that is already free (or out of range) raises `ValueError` before anything is changed, so
 a leaked or doubly-freed page is caught where it happens.
 """
+
 from __future__ import annotations
 
 import bisect

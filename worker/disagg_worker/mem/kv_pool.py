@@ -5,6 +5,7 @@ page `p` occupies bytes `[p * page_nbytes, (p + 1) * page_nbytes)` of every buff
 transfer engine relies on this: it registers `buffers()` once and moves a run of pages as
 one byte range per buffer.
 """
+
 from __future__ import annotations
 
 import torch

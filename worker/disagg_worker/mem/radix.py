@@ -12,11 +12,12 @@ its pages to the allocator only on `evict` and `reset`. A request that matched a
 lock count is at least that of any descendant and an unlocked node has no locked
 descendants: evicting unlocked leaves never strands a locked node.
 """
+
 from __future__ import annotations
 
 import heapq
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from .allocator import PageAllocator
 
@@ -126,15 +127,13 @@ class RadixCache:
         pages now belong to the tree. A disabled cache takes nothing and returns all pages.
         """
         if len(tokens) != len(pages) * self.page_size:
-            raise ValueError(
-                f"{len(tokens)} tokens do not fill {len(pages)} pages of {self.page_size}"
-            )
+            raise ValueError(f"{len(tokens)} tokens do not fill {len(pages)} pages of {self.page_size}")
         if not self.enabled:
             return list(pages)
         node, cached = self._walk(tokens)
         redundant = [mine for mine, tree in zip(pages, cached) if mine != tree]
         if len(cached) < len(pages):
-            self._add_leaf(node, tokens[len(cached) * self.page_size:], pages[len(cached):])
+            self._add_leaf(node, tokens[len(cached) * self.page_size :], pages[len(cached) :])
         return redundant
 
     def evict(self, num_pages: int) -> int:
@@ -174,7 +173,7 @@ class RadixCache:
         node, pages, pos = self._root, [], 0
         node.last_access = self._clock
         while pos + ps <= len(tokens):
-            child = node.children.get(tuple(tokens[pos:pos + ps]))
+            child = node.children.get(tuple(tokens[pos : pos + ps]))
             if child is None:
                 break
             n = self._common_pages(child.key, tokens, pos)
@@ -190,11 +189,11 @@ class RadixCache:
         """Number of leading whole pages of `key` equal to `tokens[pos:]` (at least 1: the
         first page is the child's dict key)."""
         ps = self.page_size
-        if tuple(tokens[pos:pos + len(key)]) == key:
+        if tuple(tokens[pos : pos + len(key)]) == key:
             return len(key) // ps
         n = 1
         while (n + 1) * ps <= len(key) and pos + (n + 1) * ps <= len(tokens):
-            if tuple(tokens[pos + n * ps:pos + (n + 1) * ps]) != key[n * ps:(n + 1) * ps]:
+            if tuple(tokens[pos + n * ps : pos + (n + 1) * ps]) != key[n * ps : (n + 1) * ps]:
                 break
             n += 1
         return n
@@ -206,22 +205,22 @@ class RadixCache:
         the new parent inherits its lock count, since every lock on `node` passes through it.
         """
         ps = self.page_size
-        upper = Node(node.key[:n * ps], node.pages[:n], node.parent)
+        upper = Node(node.key[: n * ps], node.pages[:n], node.parent)
         upper.lock_ref = node.lock_ref
         upper.last_access = node.last_access
         node.parent.children[upper.key[:ps]] = upper
-        node.key, node.pages, node.parent = node.key[n * ps:], node.pages[n:], upper
+        node.key, node.pages, node.parent = node.key[n * ps :], node.pages[n:], upper
         upper.children[node.key[:ps]] = node
         return upper
 
     def _add_leaf(self, parent: Node, tokens: Sequence[int], pages: Sequence[int]) -> None:
         leaf = Node(tuple(tokens), list(pages), parent)
         leaf.last_access = self._clock
-        parent.children[leaf.key[:self.page_size]] = leaf
+        parent.children[leaf.key[: self.page_size]] = leaf
         self._evictable += len(leaf.pages)
 
     def _remove_leaf(self, leaf: Node) -> int:
-        del leaf.parent.children[leaf.key[:self.page_size]]
+        del leaf.parent.children[leaf.key[: self.page_size]]
         leaf.parent = None
         self.allocator.free(leaf.pages)
         self._evictable -= len(leaf.pages)

@@ -6,6 +6,7 @@ the bootstrap fields to both at once -> stream decode's answer. Until the first 
 passed on to the client, a failed pair is retried on another pair with a new room; afterwards an
 error ends the stream with an error event. A prefill 4xx (a prompt it cannot take) is the answer.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -19,7 +20,6 @@ from aiohttp import web
 
 from disagg_worker.router.workers import Worker, WorkerPool
 from disagg_worker.server.errors import APIError
-from disagg_worker.server.protocol import parse_json
 
 log = logging.getLogger(__name__)
 
@@ -71,13 +71,21 @@ class Router:
                     break
                 continue
             return opened
-        raise APIError(last.status, last.body.get("error", {}).get("message", "request failed"),
-                       type=last.body.get("error", {}).get("type", "server_error"),
-                       param=last.body.get("error", {}).get("param"), code=last.body.get("error", {}).get("code"))
+        raise APIError(
+            last.status,
+            last.body.get("error", {}).get("message", "request failed"),
+            type=last.body.get("error", {}).get("type", "server_error"),
+            param=last.body.get("error", {}).get("param"),
+            code=last.body.get("error", {}).get("code"),
+        )
 
     async def _try_pair(self, path: str, body: dict, p: Worker, d: Worker):
-        routed = {**body, "bootstrap_host": p.host, "bootstrap_port": p.bootstrap_port,
-                  "bootstrap_room": secrets.randbits(63)}
+        routed = {
+            **body,
+            "bootstrap_host": p.host,
+            "bootstrap_port": p.bootstrap_port,
+            "bootstrap_room": secrets.randbits(63),
+        }
         prefill = asyncio.create_task(self._prefill(p, path, {**routed, "stream": False}))
         d.inflight += 1
         try:

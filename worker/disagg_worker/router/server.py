@@ -1,4 +1,5 @@
 """HTTP handlers of the router, and its entry point."""
+
 from __future__ import annotations
 
 import asyncio
@@ -74,8 +75,7 @@ def sub_request(body: dict, i: int) -> dict:
 
 async def fan_out(request: web.Request, router: Router, path: str, body: dict, n: int) -> web.StreamResponse:
     """n choices = n single-choice requests, each on its own pair and bootstrap room."""
-    opened = await asyncio.gather(*(router.open(path, sub_request(body, i)) for i in range(n)),
-                                  return_exceptions=True)
+    opened = await asyncio.gather(*(router.open(path, sub_request(body, i)) for i in range(n)), return_exceptions=True)
     try:
         failed = next((o for o in opened if isinstance(o, BaseException)), None)
         if failed is not None:
@@ -167,8 +167,9 @@ async def stream_merged(request: web.Request, opened: list, body: dict) -> web.S
 
 async def models(request: web.Request) -> web.Response:
     name = request.app[ROUTER].model_name
-    return web.json_response({"object": "list", "data": [
-        {"id": name, "object": "model", "created": 0, "owned_by": "disagg"}]})
+    return web.json_response(
+        {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "disagg"}]}
+    )
 
 
 async def health(request: web.Request) -> web.Response:
@@ -206,8 +207,13 @@ def add_router_args(p) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", default="default")
-    p.add_argument("--prefill", nargs="+", action="append", metavar=("URL", "BOOTSTRAP_PORT"),
-                   help="a prefill instance and its bootstrap port (repeatable)")
+    p.add_argument(
+        "--prefill",
+        nargs="+",
+        action="append",
+        metavar=("URL", "BOOTSTRAP_PORT"),
+        help="a prefill instance and its bootstrap port (repeatable)",
+    )
     p.add_argument("--decode", nargs=1, action="append", metavar="URL", help="a decode instance (repeatable)")
     p.add_argument("--prefill-dns", default="", help="HOST:PORT of a headless Service of prefill pods")
     p.add_argument("--decode-dns", default="", help="HOST:PORT of a headless Service of decode pods")

@@ -1,6 +1,7 @@
 """The router's view of its workers: who they are (static list or DNS), whether they are healthy,
 how loaded they are, and which prefill/decode pair serves the next request.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -51,7 +52,7 @@ class DnsSource:
     bootstrap_port: int = 0
 
     @classmethod
-    def parse(cls, spec: str, role: str, bootstrap_port: int = 0) -> "DnsSource":
+    def parse(cls, spec: str, role: str, bootstrap_port: int = 0) -> DnsSource:
         host, _, port = spec.rpartition(":")
         if not host or not port.isdigit():
             raise ValueError(f"expected HOST:PORT, got {spec!r}")

@@ -3,6 +3,7 @@
 Every client error is an `APIError` with an OpenAI-style body and a 4xx status; the middleware turns
 anything else into a logged 500 so a bug never kills the server.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -69,10 +70,19 @@ def bootstrap_of(body) -> BootstrapInfo | None:
     if not isinstance(body, dict) or "bootstrap_room" not in body:
         return None
     host, port, room = body.get("bootstrap_host"), body.get("bootstrap_port"), body.get("bootstrap_room")
-    if not isinstance(host, str) or not isinstance(port, int) or not isinstance(room, int) \
-            or isinstance(port, bool) or isinstance(room, bool) or not 0 <= room < 2**63:
-        raise APIError(400, "bootstrap_host (str), bootstrap_port (int) and bootstrap_room (0..2^63-1) are required together",
-                       param="bootstrap_room")
+    if (
+        not isinstance(host, str)
+        or not isinstance(port, int)
+        or not isinstance(room, int)
+        or isinstance(port, bool)
+        or isinstance(room, bool)
+        or not 0 <= room < 2**63
+    ):
+        raise APIError(
+            400,
+            "bootstrap_host (str), bootstrap_port (int) and bootstrap_room (0..2^63-1) are required together",
+            param="bootstrap_room",
+        )
     return BootstrapInfo(host, port, room)
 
 
@@ -85,18 +95,30 @@ def check_ids(frontend: Frontend, ids: list[int], params: SamplingParams, explic
     if bad:
         raise APIError(400, f"token id {bad[0]} is outside the vocabulary (size {info.vocab_size})", param="prompt")
     if len(ids) + 1 > info.capacity_tokens:
-        raise APIError(400, f"the prompt has {len(ids)} tokens but the KV cache holds {info.capacity_tokens}",
-                       param="prompt", code="context_length_exceeded")
+        raise APIError(
+            400,
+            f"the prompt has {len(ids)} tokens but the KV cache holds {info.capacity_tokens}",
+            param="prompt",
+            code="context_length_exceeded",
+        )
     room = info.max_context_len - len(ids)
     if room < 1:
-        raise APIError(400, f"This model's maximum context length is {info.max_context_len} tokens; "
-                            f"the prompt has {len(ids)} tokens.", param="prompt", code="context_length_exceeded")
+        raise APIError(
+            400,
+            f"This model's maximum context length is {info.max_context_len} tokens; the prompt has {len(ids)} tokens.",
+            param="prompt",
+            code="context_length_exceeded",
+        )
     if params.max_new_tokens > room:
         if explicit_max:
-            raise APIError(400, f"This model's maximum context length is {info.max_context_len} tokens. However, "
-                                f"you requested {len(ids) + params.max_new_tokens} tokens ({len(ids)} in the prompt, "
-                                f"{params.max_new_tokens} for the completion).", param="max_tokens",
-                           code="context_length_exceeded")
+            raise APIError(
+                400,
+                f"This model's maximum context length is {info.max_context_len} tokens. However, "
+                f"you requested {len(ids) + params.max_new_tokens} tokens ({len(ids)} in the prompt, "
+                f"{params.max_new_tokens} for the completion).",
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
         params = replace(params, max_new_tokens=room)
     return params
 
@@ -162,8 +184,9 @@ async def completions(request: web.Request) -> web.StreamResponse:
     req = parse_completion(body, s["model"], fe.info.max_context_len)
     ids = req.prompt if isinstance(req.prompt, list) else fe.tokenizer.encode(req.prompt)
     params = check_ids(fe, ids, req.sampling, "max_tokens" in body)
-    return await respond(request, ids, params, req.n, bootstrap_of(body), req.stream,
-                         req.stream_options_include_usage, chat=False)
+    return await respond(
+        request, ids, params, req.n, bootstrap_of(body), req.stream, req.stream_options_include_usage, chat=False
+    )
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -177,12 +200,21 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     ids = fe.tokenizer.encode(text, add_special_tokens=False)
     explicit = "max_tokens" in body or "max_completion_tokens" in body
     params = check_ids(fe, ids, req.sampling, explicit)
-    return await respond(request, ids, params, req.n, bootstrap_of(body), req.stream,
-                         req.stream_options_include_usage, chat=True)
+    return await respond(
+        request, ids, params, req.n, bootstrap_of(body), req.stream, req.stream_options_include_usage, chat=True
+    )
 
 
-async def respond(request: web.Request, ids: list[int], params: SamplingParams, n: int,
-                  bootstrap: BootstrapInfo | None, stream: bool, include_usage: bool, chat: bool) -> web.StreamResponse:
+async def respond(
+    request: web.Request,
+    ids: list[int],
+    params: SamplingParams,
+    n: int,
+    bootstrap: BootstrapInfo | None,
+    stream: bool,
+    include_usage: bool,
+    chat: bool,
+) -> web.StreamResponse:
     """Run n choices and answer as a completion or chat completion, whole or streamed (SSE)."""
     fe, model, tok = request.app[FRONTEND], request.app[SETTINGS]["model"], request.app[FRONTEND].tokenizer
     rid = fmt.new_id("chatcmpl" if chat else "cmpl")
@@ -253,16 +285,16 @@ def generate_body(c: fmt.Choice, prompt_tokens: int) -> dict:
 
 async def models(request: web.Request) -> web.Response:
     name = request.app[SETTINGS]["model"]
-    return web.json_response({"object": "list", "data": [
-        {"id": name, "object": "model", "created": 0, "owned_by": "disagg"}]})
+    return web.json_response(
+        {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "disagg"}]}
+    )
 
 
 async def health(request: web.Request) -> web.Response:
     fe, s = request.app[FRONTEND], request.app[SETTINGS]
     if fe.healthy(s["health_timeout_s"]):
         return web.json_response({"status": "ok"})
-    return web.json_response({"status": "unhealthy", "reason": "the scheduler has not reported recently"},
-                             status=503)
+    return web.json_response({"status": "unhealthy", "reason": "the scheduler has not reported recently"}, status=503)
 
 
 async def metrics(request: web.Request) -> web.Response:

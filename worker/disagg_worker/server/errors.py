@@ -3,6 +3,7 @@
 Anything raised while parsing or validating a request is an `APIError`; the server turns it into
 a response with `status` and `body()` and never needs to know which check failed.
 """
+
 from __future__ import annotations
 
 

@@ -5,6 +5,7 @@ GenerateReq over zmq to the scheduler process -> TokenOut messages come back on 
 are routed to the request's queue -> detokenized incrementally, cut at stop strings -> streamed.
 Tokenizing here keeps the scheduler process free of HTTP and text work: it only ever sees ids.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -103,8 +104,11 @@ class Frontend:
                 out: msg.TokenOut = await q.get()
                 done = out.finish_reason is not None
                 if out.error:
-                    raise APIError(out.error_status or 500, out.error,
-                                   type="invalid_request_error" if out.error_status < 500 else "server_error")
+                    raise APIError(
+                        out.error_status or 500,
+                        out.error,
+                        type="invalid_request_error" if out.error_status < 500 else "server_error",
+                    )
                 yield out
         finally:
             self.queues.pop(rid, None)
@@ -134,8 +138,16 @@ class Frontend:
                 if finish is not None and not hit:
                     piece, hit = stopper.push(detok.flush())
                     text += piece + ("" if hit else stopper.flush())
-                yield Delta(text, list(out.token_ids), out.logprobs or [], out.top_logprobs or [],
-                            finish, out.prompt_tokens, completion, out.cached_tokens)
+                yield Delta(
+                    text,
+                    list(out.token_ids),
+                    out.logprobs or [],
+                    out.top_logprobs or [],
+                    finish,
+                    out.prompt_tokens,
+                    completion,
+                    out.cached_tokens,
+                )
                 if finish is not None:
                     break
         finally:

@@ -1,4 +1,5 @@
 """Start one engine instance: the scheduler process, then the HTTP server in this process."""
+
 from __future__ import annotations
 
 import asyncio
@@ -12,8 +13,8 @@ import tempfile
 from aiohttp import web
 
 from disagg_worker.config import Role, ServerArgs
-from disagg_worker.env import load_env
 from disagg_worker.engine.process import run_scheduler
+from disagg_worker.env import load_env
 from disagg_worker.model.tokenizer import Tokenizer
 from disagg_worker.server.api import build_app
 from disagg_worker.server.frontend import Frontend
@@ -50,8 +51,10 @@ class EngineServer:
             self.bootstrap = BootstrapServer(d.bootstrap_port, d.tp_size, d.pp_size, load_env().auth_token).start()
         ctx = mp.get_context("spawn")
         self.proc = ctx.Process(
-            target=run_scheduler, args=(a.engine, self.to_engine, self.from_engine, a.log_level),
-            name="disagg-scheduler", daemon=True,
+            target=run_scheduler,
+            args=(a.engine, self.to_engine, self.from_engine, a.log_level),
+            name="disagg-scheduler",
+            daemon=True,
         )
         self.proc.start()
         await self._wait_ready()
@@ -104,7 +107,13 @@ def run(args: ServerArgs) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     url = f"http://{args.host}:{args.port}"
     role = args.engine.disagg.role
-    banner = f"disagg {role.value} instance of {args.engine.model_name} at {url}" if role is not Role.MONOLITHIC else (f"disagg serving {args.engine.model_name} at {url}\n"
-              f"try: curl {url}/v1/completions -H 'Content-Type: application/json' "
-              f"-d '{{\"model\": \"{args.engine.model_name}\", \"prompt\": \"Once upon a time\", \"max_tokens\": 16}}'")
+    banner = (
+        f"disagg {role.value} instance of {args.engine.model_name} at {url}"
+        if role is not Role.MONOLITHIC
+        else (
+            f"disagg serving {args.engine.model_name} at {url}\n"
+            f"try: curl {url}/v1/completions -H 'Content-Type: application/json' "
+            f'-d \'{{"model": "{args.engine.model_name}", "prompt": "Once upon a time", "max_tokens": 16}}\''
+        )
+    )
     asyncio.run(serve_until_signalled(EngineServer(args), banner))

@@ -3,6 +3,7 @@
 The same command lines a cluster runs, on 127.0.0.1 with Mooncake over TCP. Ctrl-C (or SIGTERM)
 stops every process; if any of them dies, the others are stopped too.
 """
+
 from __future__ import annotations
 
 import os
@@ -11,7 +12,6 @@ import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import requests
 
@@ -46,8 +46,19 @@ def plan(argv: list[str], port: int, model_name: str) -> dict[str, list[str]]:
     return {
         "prefill": [*DISAGG, "prefill", *flags, "--port", str(p_port), "--bootstrap-port", str(boot)],
         "decode": [*DISAGG, "decode", *flags, "--port", str(d_port)],
-        "router": [*DISAGG, "router", "--port", str(port), "--served-model-name", model_name,
-                   "--prefill", f"http://127.0.0.1:{p_port}", str(boot), "--decode", f"http://127.0.0.1:{d_port}"],
+        "router": [
+            *DISAGG,
+            "router",
+            "--port",
+            str(port),
+            "--served-model-name",
+            model_name,
+            "--prefill",
+            f"http://127.0.0.1:{p_port}",
+            str(boot),
+            "--decode",
+            f"http://127.0.0.1:{d_port}",
+        ],
     }
 
 
@@ -96,10 +107,12 @@ def run_local(argv: list[str], host: str, port: int, model_name: str) -> int:
             procs[name] = subprocess.Popen(cmds[name], env=env, start_new_session=True)
         url = f"http://127.0.0.1:{port}"
         wait_healthy(url, procs)
-        print(f"disagg serving {model_name} at {url} (router -> prefill + decode, Mooncake TCP)\n"
-              f"try: curl {url}/v1/completions -H 'Content-Type: application/json' "
-              f"-d '{{\"model\": \"{model_name}\", \"prompt\": \"Once upon a time\", \"max_tokens\": 16}}'",
-              flush=True)
+        print(
+            f"disagg serving {model_name} at {url} (router -> prefill + decode, Mooncake TCP)\n"
+            f"try: curl {url}/v1/completions -H 'Content-Type: application/json' "
+            f'-d \'{{"model": "{model_name}", "prompt": "Once upon a time", "max_tokens": 16}}\'',
+            flush=True,
+        )
         while not stopping:
             dead = [n for n, p in procs.items() if p.poll() is not None]
             if dead:

@@ -1,4 +1,5 @@
 """Prometheus metrics of one server instance (its own registry, so several can share a process)."""
+
 from __future__ import annotations
 
 import time
@@ -25,15 +26,19 @@ class ServerMetrics:
         self.pages_used = gauge("disagg_kv_pages_used", "KV cache pages in use")
         self.pages_free = gauge("disagg_kv_pages_free", "KV cache pages free")
         self.hit_rate = gauge("disagg_prefix_cache_hit_rate", "Prefix cache hit tokens / queried tokens")
-        self.queue = Gauge("disagg_queue_size", "Requests per disaggregation queue", ["instance", "queue"],
-                           registry=r)
+        self.queue = Gauge("disagg_queue_size", "Requests per disaggregation queue", ["instance", "queue"], registry=r)
         hist = dict(labelnames=labels, buckets=LATENCY_BUCKETS, registry=r)
         self.ttft = Histogram("disagg_time_to_first_token_seconds", "Time to first token", **hist).labels(instance)
-        self.itl = Histogram("disagg_inter_token_latency_seconds", "Time between output tokens", **hist).labels(instance)
+        self.itl = Histogram("disagg_inter_token_latency_seconds", "Time between output tokens", **hist).labels(
+            instance
+        )
         self.e2e = Histogram("disagg_e2e_request_latency_seconds", "Request latency", **hist).labels(instance)
-        self.prompt_tokens = Counter("disagg_prompt_tokens", "Prompt tokens processed", labels, registry=r).labels(instance)
-        self.generation_tokens = Counter("disagg_generation_tokens", "Tokens generated", labels,
-                                         registry=r).labels(instance)
+        self.prompt_tokens = Counter("disagg_prompt_tokens", "Prompt tokens processed", labels, registry=r).labels(
+            instance
+        )
+        self.generation_tokens = Counter("disagg_generation_tokens", "Tokens generated", labels, registry=r).labels(
+            instance
+        )
         self.requests = Counter("disagg_requests", "Requests finished", labels, registry=r).labels(instance)
 
     def observe_stats(self, s: msg.SchedulerStats) -> None:
@@ -47,7 +52,7 @@ class ServerMetrics:
         for name, size in s.queues.items():
             self.queue.labels(self.instance, name).set(size)
 
-    def request_timer(self, prompt_tokens: int) -> "RequestTimer":
+    def request_timer(self, prompt_tokens: int) -> RequestTimer:
         self.prompt_tokens.inc(prompt_tokens)
         return RequestTimer(self)
 

@@ -1,4 +1,5 @@
 """OpenAI response bodies, built from the deltas of each choice. Pure functions."""
+
 from __future__ import annotations
 
 import time
@@ -60,9 +61,9 @@ def completion_logprobs(tok: Tokenizer, ids: list[int], lps: list[float], tops: 
     return {
         "tokens": tokens,
         "token_logprobs": lps,
-        "top_logprobs": [
-            {tok.decode([i], skip_special_tokens=False): lp for i, lp in top} for top in tops
-        ] if tops else None,
+        "top_logprobs": [{tok.decode([i], skip_special_tokens=False): lp for i, lp in top} for top in tops]
+        if tops
+        else None,
         "text_offset": offsets,
     }
 
@@ -148,10 +149,21 @@ def chat_chunk(rid: str, model: str, index: int, d: Delta | None, tok: Tokenizer
         "logprobs": chat_logprobs(tok, d.token_ids, d.logprobs, d.top_logprobs) if d is not None else None,
         "finish_reason": d.finish_reason if d is not None else None,
     }
-    return {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
-            "choices": [choice]}
+    return {
+        "id": rid,
+        "object": "chat.completion.chunk",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [choice],
+    }
 
 
 def usage_chunk(rid: str, model: str, obj: str, choices: list[Choice], prompt_tokens: int) -> dict:
-    return {"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": [],
-            "usage": usage(choices, prompt_tokens)}
+    return {
+        "id": rid,
+        "object": obj,
+        "created": int(time.time()),
+        "model": model,
+        "choices": [],
+        "usage": usage(choices, prompt_tokens),
+    }

@@ -9,15 +9,17 @@ Default `max_new_tokens`: 16 for completions and /generate (OpenAI's completions
 chat, up to DEFAULT_CHAT_MAX_TOKENS. A default is shrunk to the room left in the context once
 the prompt length is known (`fit_to_context`); an explicit value that does not fit is a 400.
 """
+
 from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any, Callable
+from typing import Any
 
 from disagg_worker.engine.params import SamplingParams
-from disagg_worker.server.errors import APIError, bad_request, model_not_found
+from disagg_worker.server.errors import bad_request, model_not_found
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 DEFAULT_CHAT_MAX_TOKENS = 1024
@@ -123,9 +125,7 @@ def _stop(v: Any, param: str) -> tuple[str, ...]:
 
 def _token_ids(v: Any, param: str, vocab_size: int | None) -> tuple[int, ...]:
     limit = vocab_size or _MAX_TOKEN_ID
-    if not isinstance(v, list) or not all(
-        isinstance(t, int) and not isinstance(t, bool) and 0 <= t < limit for t in v
-    ):
+    if not isinstance(v, list) or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < limit for t in v):
         raise bad_request(f"{param}: must be a list of token ids in [0, {limit})", param)
     return tuple(v)
 
@@ -137,9 +137,7 @@ def _show(v: Any) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
-def _opt(
-    body: dict, key: str, read: Callable[[Any, str], Any], default: Any, prefix: str = ""
-) -> Any:
+def _opt(body: dict, key: str, read: Callable[[Any, str], Any], default: Any, prefix: str = "") -> Any:
     v = body.get(key)
     return default if v is None else read(v, prefix + key)
 
@@ -184,9 +182,7 @@ def _sampling(
     return params
 
 
-def _max_tokens(
-    body: dict, key: str, default: int, max_context: int, prefix: str = ""
-) -> tuple[int, bool]:
+def _max_tokens(body: dict, key: str, default: int, max_context: int, prefix: str = "") -> tuple[int, bool]:
     """(max_new_tokens, whether the client set it); a default is capped at the context."""
     v = body.get(key)
     if v is None:
@@ -197,8 +193,7 @@ def _max_tokens(
         raise bad_request(f"{param}: must be at least 1, got {_show(n)}", param)
     if n > max_context:
         raise bad_request(
-            f"{param}: must be at most this model's maximum context length of "
-            f"{max_context} tokens, got {_show(n)}",
+            f"{param}: must be at most this model's maximum context length of {max_context} tokens, got {_show(n)}",
             param,
         )
     return n, True
@@ -319,7 +314,7 @@ def _content(v: Any, role: str, param: str) -> str:
     texts = []
     for part in v:
         if not isinstance(part, dict) or part.get("type") != "text":
-            raise bad_request(f"{param}: only parts of type \"text\" are supported", param)
+            raise bad_request(f'{param}: only parts of type "text" are supported', param)
         texts.append(_text(part.get("text"), param))
     return "".join(texts)
 
@@ -351,9 +346,7 @@ def _chat_logprobs(body: dict) -> int | None:
     return (top or 0) if want else None
 
 
-def parse_chat(
-    body: Any, served_model: str, max_context: int, vocab_size: int | None = None
-) -> ChatRequest:
+def parse_chat(body: Any, served_model: str, max_context: int, vocab_size: int | None = None) -> ChatRequest:
     """POST /v1/chat/completions. max_completion_tokens wins over the older max_tokens."""
     body = _object(body)
     model = _model(body, served_model)
@@ -387,9 +380,7 @@ def parse_generate(body: Any, max_context: int, vocab_size: int) -> GenerateRequ
     if not isinstance(raw, dict):
         raise bad_request("sampling_params: must be an object", "sampling_params")
     prefix = "sampling_params."
-    max_new, explicit = _max_tokens(
-        raw, "max_new_tokens", DEFAULT_COMPLETION_MAX_TOKENS, max_context, prefix
-    )
+    max_new, explicit = _max_tokens(raw, "max_new_tokens", DEFAULT_COMPLETION_MAX_TOKENS, max_context, prefix)
     extra = {"max_new_tokens": max_new, "logprobs": _opt(raw, "logprobs", _int, None, prefix)}
     names = {f: f for f in _SAMPLING_FIELDS}
     sampling = _sampling(raw, extra, names, vocab_size, prefix)
