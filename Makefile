@@ -9,7 +9,7 @@ PORT ?= 8000
 PYTEST_ARGS ?=
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: venv serve serve-mono test test-fast tiny-model clean
+.PHONY: venv serve serve-mono test test-fast lint tiny-model clean
 
 -include mk/cluster.mk
 
@@ -40,6 +40,12 @@ serve: tiny-model
 # One monolithic engine instance on the tiny model.
 serve-mono: tiny-model
 	$(VENV)/bin/disagg serve --model $(TINY_MODEL) --port $(PORT)
+
+# ruff (lint and format check) and mypy, configured in pyproject.toml.
+lint: venv
+	$(VENV)/bin/ruff check worker operator tests bench
+	$(VENV)/bin/ruff format --check worker operator tests bench
+	$(VENV)/bin/mypy
 
 test: venv
 	$(VENV)/bin/pytest $(PYTEST_ARGS) tests
