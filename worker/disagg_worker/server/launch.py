@@ -9,6 +9,8 @@ import os
 import shutil
 import signal
 import tempfile
+from multiprocessing.process import BaseProcess
+from typing import TYPE_CHECKING
 
 from aiohttp import web
 
@@ -19,6 +21,9 @@ from disagg_worker.model.tokenizer import Tokenizer
 from disagg_worker.server.api import build_app
 from disagg_worker.server.frontend import Frontend
 from disagg_worker.server.metrics import ServerMetrics
+
+if TYPE_CHECKING:
+    from disagg_worker.disagg.bootstrap import BootstrapServer
 
 log = logging.getLogger(__name__)
 
@@ -33,45 +38,37 @@ class EngineServer:
         self.ipc_dir = tempfile.mkdtemp(prefix="disagg-")
         self.to_engine = f"ipc://{self.ipc_dir}/to-engine"
         self.from_engine = f"ipc://{self.ipc_dir}/from-engine"
-        self.proc: mp.Process | None = None
-        self.bootstrap = None
+        self.proc: BaseProcess | None = None
+        self.bootstrap: BootstrapServer | None = None
         self.runner: web.AppRunner | None = None
         self.frontend: Frontend | None = None
 
     async def start(self) -> None:
         a = self.args
-        tokenizer = Tokenizer.from_dir(a.engine.model_path)
-        metrics = ServerMetrics(instance=f"{a.host}:{a.port}")
-        self.frontend = Frontend(tokenizer, self.to_engine, self.from_engine, metrics)
-        self.frontend.start()
         if a.engine.disagg.role is Role.PREFILL:
             from disagg_worker.disagg.bootstrap import BootstrapServer
 
             d = a.engine.disagg
             self.bootstrap = BootstrapServer(d.bootstrap_port, d.tp_size, d.pp_size, load_env().auth_token).start()
         ctx = mp.get_context("spawn")
-        self.proc = ctx.Process(
+        self.proc = proc = ctx.Process(
             target=run_scheduler,
             args=(a.engine, self.to_engine, self.from_engine, a.log_level),
             name="disagg-scheduler",
             daemon=True,
         )
-        self.proc.start()
-        await self._wait_ready()
-        app = build_app(self.frontend, a.engine.model_name, a.health_timeout_s)
+        proc.start()
+        # The tokenizer loads while the scheduler process loads the model: from a GGUF file each takes
+        # seconds. zmq queues the scheduler's messages until the frontend binds its socket.
+        tokenizer = await asyncio.to_thread(Tokenizer.from_path, a.engine.model_path)
+        metrics = ServerMetrics(instance=f"{a.host}:{a.port}")
+        self.frontend = frontend = Frontend(tokenizer, self.to_engine, self.from_engine, metrics)
+        frontend.start()
+        await _wait_ready(frontend, proc)
+        app = build_app(frontend, a.engine.model_name, a.health_timeout_s)
         self.runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
         await self.runner.setup()
         await web.TCPSite(self.runner, a.host, a.port).start()
-
-    async def _wait_ready(self) -> None:
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + STARTUP_TIMEOUT_S
-        while not self.frontend.ready.is_set():
-            if not self.proc.is_alive():
-                raise RuntimeError(f"the scheduler process exited with code {self.proc.exitcode} during start-up")
-            if loop.time() > deadline:
-                raise RuntimeError("the scheduler process did not become ready in time")
-            await asyncio.sleep(0.1)
 
     async def stop(self) -> None:
         if self.runner is not None:
@@ -86,6 +83,17 @@ class EngineServer:
         if self.bootstrap is not None:
             self.bootstrap.stop()
         shutil.rmtree(self.ipc_dir, ignore_errors=True)
+
+
+async def _wait_ready(frontend: Frontend, proc: BaseProcess) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + STARTUP_TIMEOUT_S
+    while not frontend.ready.is_set():
+        if not proc.is_alive():
+            raise RuntimeError(f"the scheduler process exited with code {proc.exitcode} during start-up")
+        if loop.time() > deadline:
+            raise RuntimeError("the scheduler process did not become ready in time")
+        await asyncio.sleep(0.1)
 
 
 async def serve_until_signalled(server: EngineServer, banner: str = "") -> None:
