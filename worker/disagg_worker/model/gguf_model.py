@@ -110,10 +110,10 @@ def check_tensor_types(reader: GGUFReader, path: str | Path) -> None:
         if t.tensor_type not in SUPPORTED_TYPES:
             bad.setdefault(t.tensor_type.name, []).append(t.name)
     if bad:
-        found = "; ".join(f"{kind} ({len(names)} tensors, e.g. {names[0]})" for kind, names in bad.items())
+        found = ", ".join(f"{len(names)} {kind} tensor(s) such as {names[0]}" for kind, names in bad.items())
         raise UnsupportedGGUFError(
-            f"{path}: quantisation type {', '.join(bad)} is not supported: {found}. "
-            f"Supported types: {', '.join(t.name for t in SUPPORTED_TYPES)}"
+            f"{path} uses quantisation type {', '.join(bad)}, which this engine cannot load ({found}); "
+            f"supported types: {', '.join(t.name for t in SUPPORTED_TYPES)}"
         )
 
 

@@ -1,0 +1,177 @@
+"""SmolLM2-135M-Instruct, the demo model, served from its GGUF file: the tokenizer and the greedy answers
+equal transformers' (its own GGUF loader, dequantised to float32), monolithic and through router +
+prefill + decode over Mooncake TCP; and the README's first example answers as the README says.
+
+Slow (real weights on a CPU): marked `real_model`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+import requests
+import torch
+import transformers
+
+from disagg_worker.model.demo import SERVED_NAME, demo_gguf
+from disagg_worker.model.tokenizer import Tokenizer
+from tests.integration.procs import DISAGG, PDStack, Proc, free_port, serve
+
+pytestmark = [pytest.mark.integration, pytest.mark.real_model]
+ROOT = Path(__file__).resolve().parents[2]
+MAX_NEW = 40
+CHATS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "user", "content": "Name three primary colors."}],
+    [{"role": "user", "content": "Write a haiku about the sea."}],
+    [{"role": "user", "content": "What is 12 times 12?"}],
+    [{"role": "user", "content": "Explain photosynthesis in one sentence."}],
+    [{"role": "user", "content": "Who wrote Romeo and Juliet?"}],
+    [{"role": "system", "content": "You are a pirate."}, {"role": "user", "content": "Say hello to my friend."}],
+    [{"role": "user", "content": "Translate 'good morning' into Spanish."}],
+]
+TEXTS = [
+    "Hello 2024 world, x\u00b2 + 10\u00b3",
+    "Caf\u00e9 na\u00efve r\u00e9sum\u00e9 \u2014 \u201cquoted\u201d \u6771\u4eac and \U0001f680 rockets",
+    "  leading spaces, tabs\tand\nnewlines  ",
+    "<|im_start|>user\nhi<|im_end|>\n<|endoftext|>",
+    "def f(x):\n    return x**2  # I'm you're THEY'LL\n\n",
+    "\U0001f600\U0001f44d\U0001f3fd \u0395\u03bb\u03bb\u03b7\u03bd\u03b9\u03ba\u03ac "
+    "\u0440\u0443\u0441\u0441\u043a\u0438\u0439 <repo_name>x<file_sep>",
+]
+
+
+@pytest.fixture(scope="module")
+def gguf() -> Path:
+    return demo_gguf()
+
+
+@pytest.fixture(scope="module")
+def reference(gguf):
+    tok = transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = transformers.AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    return tok, model.eval()
+
+
+@pytest.fixture(scope="module")
+def ours(gguf) -> Tokenizer:
+    return Tokenizer.from_path(gguf)
+
+
+def prompt_ids(tok: Tokenizer, messages: list[dict]) -> list[int]:
+    return tok.encode(tok.apply_chat_template(messages), add_special_tokens=False)
+
+
+def reference_greedy(model, ids: list[int], eos: tuple[int, ...]) -> list[int]:
+    with torch.inference_mode():
+        out = model.generate(
+            torch.tensor([ids]),
+            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            max_new_tokens=MAX_NEW,
+            do_sample=False,
+            eos_token_id=list(eos),
+            pad_token_id=eos[0],
+        )
+    return out[0, len(ids) :].tolist()
+
+
+def greedy(url: str, ids: list[int]) -> list[int]:
+    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": MAX_NEW, "temperature": 0}}
+    r = requests.post(f"{url}/generate", json=body, timeout=300)
+    assert r.status_code == 200, r.text
+    return r.json()["output_ids"]
+
+
+def without_eos(ids: list[int], eos: tuple[int, ...]) -> list[int]:
+    return ids[:-1] if ids and ids[-1] in eos else ids
+
+
+def test_tokenizer_matches_transformers(ours, reference):
+    hf_tok, _ = reference
+    for text in TEXTS:
+        assert ours.encode(text) == hf_tok(text).input_ids, text
+        assert ours.decode(ours.encode(text), skip_special_tokens=False) == text
+    for chat in CHATS:
+        expected = hf_tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+        assert ours.apply_chat_template(chat) == expected
+        assert prompt_ids(ours, chat) == hf_tok(expected, add_special_tokens=False).input_ids
+    assert ours.eos_token_ids == (2, 0)  # <|im_end|> (the file's eos) and <|endoftext|>
+    # Where the two differ: transformers' GGUF conversion ignores the file's pre-tokenizer name
+    # (`smollm`) and keeps a space with the numerals after it; llama.cpp's `smollm` split (as the
+    # StarCoder-style tokenizer it names) cuts every numeral off first. We follow llama.cpp.
+    pieces = [piece for piece, _ in ours.tok.pre_tokenizer.pre_tokenize_str(" \u0661\u0662")]
+    assert pieces == ["\u0120", "\u00d9\u00a1", "\u00d9\u00a2"]  # the space, then each digit's bytes
+
+
+@pytest.fixture(scope="module")
+def mono(gguf):
+    p = serve(str(gguf), "--max-total-tokens", "4096").wait_healthy(timeout=300)
+    yield p
+    p.stop()
+
+
+@pytest.fixture(scope="module")
+def stack(gguf):
+    s = PDStack(str(gguf), "--max-total-tokens", "4096")
+    for p in (s.prefill, s.decode, s.router):
+        p.wait_healthy(timeout=300)
+    yield s
+    s.stop()
+
+
+def test_greedy_answers_equal_transformers_monolithic_and_pd(ours, reference, mono, stack):
+    hf_tok, model = reference
+    eos = ours.eos_token_ids
+    prompts = [prompt_ids(ours, chat) for chat in CHATS]
+    expected = [without_eos(reference_greedy(model, ids, eos), eos) for ids in prompts]
+    for name, url in (("monolithic", mono.url), ("P/D", stack.router.url)):
+        got = [without_eos(greedy(url, ids), eos) for ids in prompts]
+        assert got == expected, name
+    first = hf_tok.decode(expected[0], skip_special_tokens=True)
+    assert "Paris" in first, first
+
+
+def test_chat_text_through_the_router_equals_transformers(ours, reference, stack):
+    hf_tok, model = reference
+    for chat in CHATS[:3]:
+        body = {"messages": chat, "max_tokens": MAX_NEW, "temperature": 0}
+        r = requests.post(f"{stack.router.url}/v1/chat/completions", json=body, timeout=300)
+        assert r.status_code == 200, r.text
+        expected = reference_greedy(model, prompt_ids(ours, chat), ours.eos_token_ids)
+        assert r.json()["choices"][0]["message"]["content"] == hf_tok.decode(expected, skip_special_tokens=True)
+
+
+def readme_first_example() -> tuple[str, dict]:
+    """The README's first curl command and the response it shows (the JSON block right after it)."""
+    text = (ROOT / "README.md").read_text()
+    match = re.search(r"```bash\n(curl .*?)```.*?```json\n(.*?)```", text, re.S)
+    assert match, "the README shows no curl example followed by its response"
+    return match.group(1), json.loads(match.group(2))
+
+
+@pytest.fixture(scope="module")
+def make_serve(gguf, tmp_path_factory):
+    """What `make serve` runs: convert the demo GGUF once, then router + prefill + decode on the directory."""
+    model_dir = tmp_path_factory.mktemp("models") / SERVED_NAME
+    subprocess.run([DISAGG, "model", "convert-gguf", "--out", str(model_dir)], check=True, timeout=300)
+    port = free_port()
+    p = Proc(["serve", "--local", "--model", str(model_dir), "--port", str(port)], port).wait_healthy(timeout=300)
+    yield p
+    p.stop()
+
+
+def test_readme_first_example_answers_as_shown(make_serve):
+    command, shown = readme_first_example()
+    assert "/v1/chat/completions" in command and "capital of France" in command
+    cmd = command.replace("localhost:8000", f"127.0.0.1:{make_serve.port}").replace("curl ", "curl -sf ", 1)
+    out = subprocess.run(["bash", "-c", cmd], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    answer = json.loads(out.stdout)
+    content = answer["choices"][0]["message"]["content"]
+    assert "Paris" in content
+    assert content == shown["choices"][0]["message"]["content"]
+    assert answer["model"] == shown["model"] == SERVED_NAME
