@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -17,6 +18,7 @@ from typing import Self
 
 DISAGG = str(Path(sys.executable).with_name("disagg"))
 RESULTS = Path(__file__).resolve().parent / "results"
+LATENCY_KEYS = tuple(f"p{q}_{m}_ms" for m in ("ttft", "itl", "e2e") for q in (50, 90, 99))
 
 
 def machine_info(**extra: str) -> dict:
@@ -44,6 +46,36 @@ def machine_info(**extra: str) -> dict:
         **extra,
         "load_average_at_start": list(os.getloadavg()),
     }
+
+
+def bench_args(
+    url: str, *, num_prompts: int, concurrency: int, input_len: int, output_len: int, seed: int = 0
+) -> argparse.Namespace:
+    """The arguments of `disagg bench serve` for one load (`seed` picks the random prompts)."""
+    from disagg_worker.bench import serve as serve_bench
+
+    p = argparse.ArgumentParser()
+    serve_bench.add_args(p)
+    return p.parse_args(
+        [
+            "--base-url",
+            url,
+            "--num-prompts",
+            str(num_prompts),
+            "--max-concurrency",
+            str(concurrency),
+            "--input-len",
+            str(input_len),
+            "--output-len",
+            str(output_len),
+            "--seed",
+            str(seed),
+        ]
+    )
+
+
+def pick(report: dict, *keys: str) -> dict:
+    return {k: round(report[k], 3) for k in keys}
 
 
 def free_port() -> int:
@@ -78,6 +110,8 @@ class Serve:
         return self
 
     def wait_healthy(self, timeout: float = 300) -> Self:
+        if self.proc is None:
+            raise RuntimeError("wait_healthy() before start()")
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
