@@ -111,6 +111,8 @@ class ServerArgs:
     log_level: str = "info"
     # Seconds without a scheduler heartbeat after which /health fails.
     health_timeout_s: float = 20.0
+    # Seconds a server told to stop (SIGTERM) may spend finishing the requests it holds before it exits.
+    drain_timeout_s: float = 30.0
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -139,6 +141,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         type=float,
         default=ServerArgs.health_timeout_s,
         help="seconds without a scheduler report after which /health fails",
+    )
+    p.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=ServerArgs.drain_timeout_s,
+        help="seconds to finish held requests after SIGTERM before exiting (Kubernetes sets the pod's grace period "
+        "from it)",
     )
 
 
@@ -215,7 +224,12 @@ def server_args_from_cli(ns: argparse.Namespace, role: Role = Role.MONOLITHIC) -
         disagg=disagg,
     )
     return ServerArgs(
-        engine=engine, host=ns.host, port=ns.port, log_level=ns.log_level, health_timeout_s=ns.health_timeout
+        engine=engine,
+        host=ns.host,
+        port=ns.port,
+        log_level=ns.log_level,
+        health_timeout_s=ns.health_timeout,
+        drain_timeout_s=ns.drain_timeout,
     )
 
 

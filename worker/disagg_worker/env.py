@@ -17,8 +17,17 @@ PREFIX = "DISAGG_"
 class WorkerEnv:
     # Bearer token for the bootstrap server ("" disables auth). Both ends must agree.
     auth_token: str = ""
+    # The pod's name (Kubernetes downward API); reported on /health so routers and the operator can name it.
+    pod_name: str = ""
+    # Pairing revision of this instance (the pod's `disagg.dev/revision` label): the router pairs a prefill
+    # only with a decode of the same revision, so a rollout never mixes incompatible halves. "" outside Kubernetes.
+    revision: str = ""
 
 
 def load_env(environ: Mapping[str, str] | None = None) -> WorkerEnv:
     env = os.environ if environ is None else environ
-    return WorkerEnv(auth_token=env.get(f"{PREFIX}AUTH_TOKEN", "").strip())
+    return WorkerEnv(
+        auth_token=env.get(f"{PREFIX}AUTH_TOKEN", "").strip(),
+        pod_name=env.get(f"{PREFIX}POD_NAME", "").strip(),
+        revision=env.get(f"{PREFIX}REVISION", "").strip(),
+    )

@@ -15,10 +15,13 @@ from dataclasses import asdict, replace
 from aiohttp import web
 
 from disagg_worker.engine.params import SamplingParams
-from disagg_worker.messages import BootstrapInfo, FlushCacheReq
+from disagg_worker.env import WorkerEnv, load_env
+from disagg_worker.messages import BootstrapInfo, EngineInfo, FlushCacheReq
 from disagg_worker.server import openai_format as fmt
 from disagg_worker.server.errors import APIError
 from disagg_worker.server.frontend import Delta, Frontend
+from disagg_worker.server.health import health_report
+from disagg_worker.server.metrics import PROBE_HEADER
 from disagg_worker.server.protocol import parse_chat, parse_completion, parse_generate, parse_json
 
 log = logging.getLogger(__name__)
@@ -46,10 +49,13 @@ async def error_middleware(request: web.Request, handler):
         return web.json_response(err.body(), status=500)
 
 
-def build_app(frontend: Frontend, model_name: str, health_timeout_s: float = 20.0) -> web.Application:
+def build_app(
+    frontend: Frontend, model_name: str, health_timeout_s: float = 20.0, identity: WorkerEnv | None = None
+) -> web.Application:
     app = web.Application(middlewares=[error_middleware], client_max_size=64 * 1024 * 1024)
     app[FRONTEND] = frontend
-    app[SETTINGS] = {"model": model_name, "health_timeout_s": health_timeout_s}
+    identity = identity if identity is not None else load_env()  # built once, at start-up
+    app[SETTINGS] = {"model": model_name, "health_timeout_s": health_timeout_s, "identity": identity}
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/generate", generate)
@@ -86,9 +92,16 @@ def bootstrap_of(body) -> BootstrapInfo | None:
     return BootstrapInfo(host, port, room)
 
 
+def engine_info(frontend: Frontend) -> EngineInfo:
+    """The engine's limits (the server listens only once the scheduler has reported them)."""
+    if frontend.info is None:
+        raise APIError(503, "the engine is not ready", type="server_error")
+    return frontend.info
+
+
 def check_ids(frontend: Frontend, ids: list[int], params: SamplingParams, explicit_max: bool) -> SamplingParams:
     """Reject prompts the engine cannot serve; fit an implicit max_tokens into the context."""
-    info = frontend.info
+    info = engine_info(frontend)
     if not ids:
         raise APIError(400, "the prompt is empty", param="prompt")
     bad = [i for i in ids if not 0 <= i < info.vocab_size]
@@ -181,7 +194,7 @@ async def send_event(resp: web.StreamResponse, data) -> None:
 async def completions(request: web.Request) -> web.StreamResponse:
     fe, s = request.app[FRONTEND], request.app[SETTINGS]
     body = await read_json(request)
-    req = parse_completion(body, s["model"], fe.info.max_context_len)
+    req = parse_completion(body, s["model"], engine_info(fe).max_context_len)
     ids = req.prompt if isinstance(req.prompt, list) else fe.tokenizer.encode(req.prompt)
     params = check_ids(fe, ids, req.sampling, "max_tokens" in body)
     return await respond(
@@ -192,7 +205,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     fe, s = request.app[FRONTEND], request.app[SETTINGS]
     body = await read_json(request)
-    req = parse_chat(body, s["model"], fe.info.max_context_len)
+    req = parse_chat(body, s["model"], engine_info(fe).max_context_len)
     try:
         text = fe.tokenizer.apply_chat_template(req.messages, add_generation_prompt=req.add_generation_prompt)
     except ValueError as e:
@@ -244,18 +257,20 @@ async def respond(
 
 
 async def generate(request: web.Request) -> web.StreamResponse:
-    """Native endpoint: token ids (or text) in, token ids and text out."""
+    """Native endpoint: token ids (or text) in, token ids and text out. A router's pair probe (PROBE_HEADER)
+    is served like any request but left out of the user-facing request metrics."""
     fe = request.app[FRONTEND]
     body = await read_json(request)
-    req = parse_generate(body, fe.info.max_context_len, fe.info.vocab_size)
-    ids = req.input_ids if req.input_ids is not None else fe.tokenizer.encode(req.text)
+    info = engine_info(fe)
+    req = parse_generate(body, info.max_context_len, info.vocab_size)
+    ids = req.input_ids if req.input_ids is not None else fe.tokenizer.encode(req.text or "")
     sp = body.get("sampling_params") if isinstance(body, dict) else None
     explicit = isinstance(sp, dict) and "max_new_tokens" in sp
     params = check_ids(fe, ids, req.sampling, explicit)
     bootstrap = bootstrap_of(body)
     choice = fmt.Choice(0)
     if not req.stream:
-        async for d in fe.complete(ids, params, bootstrap):
+        async for d in fe.complete(ids, params, bootstrap, probe=PROBE_HEADER in request.headers):
             choice.add(d)
         return web.json_response(generate_body(choice, len(ids)))
     resp = await sse_response(request)
@@ -292,9 +307,11 @@ async def models(request: web.Request) -> web.Response:
 
 async def health(request: web.Request) -> web.Response:
     fe, s = request.app[FRONTEND], request.app[SETTINGS]
+    report = health_report(fe.stats, s["identity"])
     if fe.healthy(s["health_timeout_s"]):
-        return web.json_response({"status": "ok"})
-    return web.json_response({"status": "unhealthy", "reason": "the scheduler has not reported recently"}, status=503)
+        return web.json_response({"status": "ok", **report})
+    reason = "the scheduler has not reported recently"
+    return web.json_response({"status": "unhealthy", "reason": reason, **report}, status=503)
 
 
 async def metrics(request: web.Request) -> web.Response:

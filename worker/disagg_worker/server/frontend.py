@@ -12,7 +12,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 
 import zmq
@@ -92,7 +92,7 @@ class Frontend:
     # ---- token streams --------------------------------------------------------------------
     async def token_stream(
         self, input_ids: list[int], params: SamplingParams, bootstrap: msg.BootstrapInfo | None = None
-    ) -> AsyncIterator[msg.TokenOut]:
+    ) -> AsyncGenerator[msg.TokenOut, None]:
         """Yield the engine's TokenOut messages for one request; aborts it if the consumer leaves."""
         rid = uuid.uuid4().hex
         q: asyncio.Queue = asyncio.Queue()
@@ -116,12 +116,16 @@ class Frontend:
                 await self.send(msg.AbortReq(rid))
 
     async def complete(
-        self, input_ids: list[int], params: SamplingParams, bootstrap: msg.BootstrapInfo | None = None
+        self,
+        input_ids: list[int],
+        params: SamplingParams,
+        bootstrap: msg.BootstrapInfo | None = None,
+        probe: bool = False,
     ) -> AsyncIterator[Delta]:
-        """Text deltas of one choice, with stop strings applied and metrics observed."""
+        """Text deltas of one choice, with stop strings applied and metrics observed (a router's probe apart)."""
         detok = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=params.skip_special_tokens)
         stopper = StopChecker(params.stop)
-        timer = self.metrics.request_timer(len(input_ids))
+        timer = self.metrics.request_timer(len(input_ids), probe)
         completion = 0
         stream = self.token_stream(input_ids, params, bootstrap)
         try:
