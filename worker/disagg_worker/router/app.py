@@ -18,12 +18,12 @@ from dataclasses import dataclass
 import aiohttp
 from aiohttp import web
 
+from disagg_worker.router.verify import PairVerifier
 from disagg_worker.router.workers import Worker, WorkerPool
 from disagg_worker.server.errors import APIError
 
 log = logging.getLogger(__name__)
 
-ROUTER = web.AppKey("router", "Router")
 STATUS_OF_TYPE = {"invalid_request_error": 400, "not_found_error": 404}
 
 
@@ -37,22 +37,46 @@ class Attempt:
 
 
 class Router:
-    def __init__(self, pool: WorkerPool, model_name: str, retries: int = 2, request_timeout_s: float = 600.0):
+    def __init__(
+        self,
+        pool: WorkerPool,
+        model_name: str,
+        retries: int = 2,
+        request_timeout_s: float = 600.0,
+        verifier: PairVerifier | None = None,
+    ):
         self.pool = pool
         self.model_name = model_name
         self.retries = retries
         self.timeout = aiohttp.ClientTimeout(total=request_timeout_s, sock_connect=5)
         self.session: aiohttp.ClientSession | None = None
+        # With a verifier, requests go only to verified same-revision pairs (router/verify.py).
+        self.verifier = verifier
+
+    @property
+    def http(self) -> aiohttp.ClientSession:
+        if self.session is None:
+            raise RuntimeError("the router has not been started")
+        return self.session
 
     async def start(self, health_interval_s: float = 2.0) -> None:
         self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
         await self.pool.refresh_dns()
         await self.pool.check_health(self.session)
         self._watch = asyncio.create_task(self.pool.watch(self.session, health_interval_s))
+        if self.verifier is not None:
+            self._verify = asyncio.create_task(self.verifier.run(self.session))
 
     async def stop(self) -> None:
         self._watch.cancel()
-        await self.session.close()
+        if self.verifier is not None:
+            self._verify.cancel()
+        await self.http.close()
+
+    def pick_pair(self, exclude: set[Worker]) -> tuple[Worker, Worker] | None:
+        if self.verifier is not None:
+            return self.verifier.pick_pair(exclude)
+        return self.pool.pick_pair(exclude=exclude)
 
     # ---- one choice -----------------------------------------------------------------------
     async def open(self, path: str, body: dict) -> tuple[aiohttp.ClientResponse, asyncio.Task, bytes, list[Worker]]:
@@ -60,7 +84,7 @@ class Router:
         tried: set[Worker] = set()
         last = Attempt(503, APIError(503, "no healthy prefill/decode pair", type="server_error").body(), True)
         for _ in range(self.retries + 1):
-            pair = self.pool.pick_pair(exclude=tried)
+            pair = self.pick_pair(tried)
             if pair is None:
                 break
             tried.update(pair)
@@ -89,7 +113,7 @@ class Router:
         prefill = asyncio.create_task(self._prefill(p, path, {**routed, "stream": False}))
         d.inflight += 1
         try:
-            resp = await self.session.post(f"{d.url}{path}", json=routed, timeout=self.timeout)
+            resp = await self.http.post(f"{d.url}{path}", json=routed, timeout=self.timeout)
             first = await self._first_event(resp) if resp.status == 200 else await resp.read()
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
             d.inflight -= 1
@@ -102,6 +126,8 @@ class Router:
             raise
         error = self._error_in(resp.status, first)
         if error is None:
+            if self.verifier is not None:
+                self.verifier.passed(p, d)
             return resp, prefill, first, [d]
         resp.release()
         d.inflight -= 1
@@ -110,7 +136,7 @@ class Router:
     async def _prefill(self, p: Worker, path: str, body: dict) -> Attempt:
         p.inflight += 1
         try:
-            async with self.session.post(f"{p.url}{path}", json=body, timeout=self.timeout) as r:
+            async with self.http.post(f"{p.url}{path}", json=body, timeout=self.timeout) as r:
                 data = await r.read()
                 return Attempt(r.status, _json_or_error(r.status, data), r.status >= 500)
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
@@ -159,6 +185,9 @@ class Router:
         if 400 <= p.status < 500:
             return p
         return decode_error
+
+
+ROUTER = web.AppKey("router", Router)
 
 
 def _json_or_error(status: int, data: bytes) -> dict:

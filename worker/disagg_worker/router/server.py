@@ -12,6 +12,8 @@ import aiohttp
 from aiohttp import web
 
 from disagg_worker.router.app import ROUTER, Router
+from disagg_worker.router.handoff import HandoffMonitor
+from disagg_worker.router.verify import PairVerifier
 from disagg_worker.router.workers import DnsSource, Policy, Worker, WorkerPool
 from disagg_worker.server.api import error_middleware
 from disagg_worker.server.errors import APIError
@@ -28,6 +30,7 @@ def build_router_app(router: Router) -> web.Application:
         app.router.add_post(path, make_handler(path))
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
+    app.router.add_get("/livez", livez)
     return app
 
 
@@ -81,7 +84,9 @@ async def fan_out(request: web.Request, router: Router, path: str, body: dict, n
         if failed is not None:
             raise failed
         if body.get("stream") is not True:
-            return web.json_response(merge_bodies([json.loads(o[2]) for o in opened]))
+            return web.json_response(
+                merge_bodies([json.loads(o[2]) for o in opened if not isinstance(o, BaseException)])
+            )
         return await stream_merged(request, opened, body)
     finally:
         for o in opened:
@@ -173,11 +178,22 @@ async def models(request: web.Request) -> web.Response:
 
 
 async def health(request: web.Request) -> web.Response:
-    """Healthy while at least one prefill and one decode instance are; lists every worker."""
-    pool = request.app[ROUTER].pool
-    workers = [w.describe() for w in pool.workers()]
-    ok = pool.pick("prefill") is not None and pool.pick("decode") is not None
-    return web.json_response({"status": "ok" if ok else "unhealthy", "workers": workers}, status=200 if ok else 503)
+    """Ready while a prefill->decode pair is verified (without verification: while a prefill and a decode
+    instance are healthy). Lists every worker, and every pair with its last result and its age."""
+    router = request.app[ROUTER]
+    pool, verifier = router.pool, router.verifier
+    body: dict = {"workers": [w.describe() for w in pool.workers()]}
+    if verifier is None:
+        ok = pool.pick("prefill") is not None and pool.pick("decode") is not None
+    else:
+        ok = verifier.ready()
+        body.update(pairs=verifier.describe(), handoff=verifier.monitor.describe())
+    return web.json_response({"status": "ok" if ok else "unhealthy", **body}, status=200 if ok else 503)
+
+
+async def livez(request: web.Request) -> web.Response:
+    """Alive as long as it answers: a router without a verified pair is not ready, but it needs no restart."""
+    return web.json_response({"status": "alive"})
 
 
 def parse_static(specs: list[list[str]], role: str) -> list[Worker]:
@@ -222,10 +238,40 @@ def add_router_args(p) -> None:
     p.add_argument("--retries", type=int, default=2)
     p.add_argument("--health-interval", type=float, default=2.0)
     p.add_argument("--log-level", default="info")
+    p.add_argument(
+        "--verify-interval",
+        type=float,
+        default=10.0,
+        help="seconds between synthetic one-token requests that re-verify an idle prefill->decode pair; 0 turns "
+        "verification off (then the router is ready while any prefill and decode are healthy)",
+    )
+    p.add_argument("--verify-timeout", type=float, default=60.0, help="seconds a pair verification may take")
+    p.add_argument("--handoff-window", type=float, default=300.0, help="seconds of KV handoff failures /health counts")
+    p.add_argument(
+        "--stall-after",
+        type=float,
+        default=60.0,
+        help="seconds a worker's handoff queue may hold requests without progress before /health calls it stalled",
+    )
+    p.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=30.0,
+        help="seconds to finish open streams after SIGTERM before exiting (Kubernetes sets the pod's grace period "
+        "from it)",
+    )
+
+
+def build_verifier(ns, pool: WorkerPool) -> PairVerifier | None:
+    if ns.verify_interval <= 0:
+        return None
+    monitor = HandoffMonitor(ns.handoff_window, ns.stall_after)
+    return PairVerifier(pool, ns.verify_interval, ns.verify_timeout, monitor=monitor)
 
 
 async def serve(ns, ready: asyncio.Event | None = None) -> None:
-    router = Router(build_pool(ns), ns.served_model_name, retries=ns.retries)
+    pool = build_pool(ns)
+    router = Router(pool, ns.served_model_name, retries=ns.retries, verifier=build_verifier(ns, pool))
     await router.start(ns.health_interval)
     runner = web.AppRunner(build_router_app(router), handler_cancellation=True, access_log=None)
     await runner.setup()
