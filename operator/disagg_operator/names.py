@@ -18,6 +18,11 @@ MANAGED_BY = "disagg-operator"
 # Labels. `MODEL_LABEL` and `ROLE_LABEL` select pods; the app.kubernetes.io set is for humans and tools.
 MODEL_LABEL = f"{GROUP}/model"
 ROLE_LABEL = f"{GROUP}/role"
+# A worker pod's pairing revision: a hash of what prefill and decode must agree on (image, model, transfer, page
+# size, KV dtype). The router pairs only pods of equal revision, so a rollout never mixes incompatible halves.
+REVISION_LABEL = f"{GROUP}/revision"
+# Set by the StatefulSet controller on every pod: which template revision the pod runs.
+CONTROLLER_REVISION_LABEL = "controller-revision-hash"
 LABEL_NAME = "app.kubernetes.io/name"
 LABEL_INSTANCE = "app.kubernetes.io/instance"
 LABEL_COMPONENT = "app.kubernetes.io/component"
@@ -27,6 +32,8 @@ APP_NAME = "disagg"
 
 # Annotations. The operator's own bookkeeping (kopf progress and diff base) lives under this prefix.
 ANNOTATION_PREFIX = GROUP
+# On a worker StatefulSet: the hash of the pod template last applied, so a changed template is seen as a new rollout.
+TEMPLATE_HASH_ANNOTATION = f"{GROUP}/template-hash"
 
 PREFILL = "prefill"
 DECODE = "decode"
@@ -42,6 +49,14 @@ TRANSFER_PORT_MAX = 17000
 
 AUTH_TOKEN_KEY = "token"
 AUTH_TOKEN_ENV = "DISAGG_AUTH_TOKEN"
+# Read by the worker's env module (prefix DISAGG_): the pod's name and pairing revision, from the downward API.
+POD_NAME_ENV = "DISAGG_POD_NAME"
+REVISION_ENV = "DISAGG_REVISION"
+
+# Pod shutdown: the preStop hook sleeps while Services and the router drop the pod, then SIGTERM starts the drain
+# (`--drain-timeout`); the grace period covers both plus the time the process needs to exit.
+PRESTOP_SLEEP_SECONDS = 5
+EXIT_MARGIN_SECONDS = 5
 
 WORKER_UID = 1000
 MODEL_MOUNT = "/models"
@@ -51,7 +66,14 @@ HF_CACHE_MOUNT = "/cache/huggingface"
 READY = "Ready"
 PROGRESSING = "Progressing"
 DEGRADED = "Degraded"
-CONDITION_TYPES = (READY, PROGRESSING, DEGRADED)
+PAIRING_VERIFIED = "PairingVerified"
+HANDOFF_STALLED = "HandoffStalled"
+CONDITION_TYPES = (READY, PROGRESSING, DEGRADED, PAIRING_VERIFIED, HANDOFF_STALLED)
+
+# The per-role scaling object (a scale subresource an HPA can drive) for prefill.
+SCALER_KIND = "RoleScaler"
+SCALER_PLURAL = "rolescalers"
+SCALER_SINGULAR = "rolescaler"
 
 MAX_NAME_LENGTH = 40
 

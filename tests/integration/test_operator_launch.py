@@ -8,6 +8,7 @@ as local processes, and get a completion through the router that matches the mon
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
@@ -19,6 +20,16 @@ import yaml
 
 from disagg_operator.builders import build_children
 from disagg_operator.config import OperatorConfig
+from disagg_operator.names import REVISION_LABEL
+from disagg_operator.observe import RoleObservation
+from disagg_operator.prober import read_routers
+from disagg_operator.routerview import (
+    PairResult,
+    handoff_condition,
+    merge_reports,
+    pairing_condition,
+    transfer_status,
+)
 from disagg_operator.spec import ModelSpec
 from tests.integration.procs import serve, wait_until
 
@@ -27,6 +38,7 @@ ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "dm-cpu-tcp.yaml"
 POD_IPS = {"prefill": "127.0.0.12", "decode": "127.0.0.13", "router": "127.0.0.14"}
 TOKEN = "launch-test-token"
+REVISION = "rev-under-test"  # the pods' pairing-revision label, as the downward API would pass it
 
 
 def containers(example: Path) -> dict[str, dict]:
@@ -43,7 +55,12 @@ def containers(example: Path) -> dict[str, dict]:
 
 def resolve_env(env: list[dict], pod_ip: str, pod_name: str) -> dict[str, str]:
     """What the kubelet would put in the environment: literal values, downward API, the Secret."""
-    fields = {"status.podIP": pod_ip, "metadata.name": pod_name, "metadata.namespace": "default"}
+    fields = {
+        "status.podIP": pod_ip,
+        "metadata.name": pod_name,
+        "metadata.namespace": "default",
+        f"metadata.labels['{REVISION_LABEL}']": REVISION,
+    }
     out = {}
     for e in env:
         if "value" in e:
@@ -124,3 +141,28 @@ def test_generated_commands_serve_a_completion(launched, tiny_model):
         mono.stop()
     assert got == want
     assert r.json()["usage"]["completion_tokens"] == 8
+
+
+def test_the_operator_reads_the_verified_path_from_the_launched_router(launched):
+    """What the operator's prober gets from the router pod: the pair, named by the pods' names from the downward
+    API, verified through a real handoff; handoff counters flowing (see disagg_operator.prober)."""
+    spec = ModelSpec.from_cr(
+        {**yaml.safe_load(EXAMPLE.read_text()), "metadata": {"name": "tiny", "namespace": "default"}}
+    )
+
+    def view():
+        reports = asyncio.run(read_routers({"uid": {"tiny-router-0": POD_IPS["router"]}}, 5.0))["uid"]
+        return merge_reports(reports)
+
+    seen = wait_until(lambda: (lambda v: v if v.workers else None)(view()), timeout=30, what="handoff counters")
+    assert seen.pairs == (PairResult("tiny-prefill-0", "tiny-decode-0", True, ""),)
+    assert pairing_condition(spec, RoleObservation(1, 1, 1), seen) == (
+        "True",
+        "PairsVerified",
+        "all 1 prefill->decode pairs verified",
+    )
+    assert handoff_condition(seen)[:2] == ("False", "Flowing")
+    assert transfer_status(seen)["decode"] == {"bootstrapFailures": 0, "transferFailures": 0}
+    assert sorted(w.pod for w in seen.workers) == ["tiny-decode-0", "tiny-prefill-0"]
+    unreachable = merge_reports(asyncio.run(read_routers({"uid": {"tiny-router-1": "127.0.0.99"}}, 1.0))["uid"])
+    assert unreachable.reached == 0 and pairing_condition(spec, RoleObservation(1, 0, 1), unreachable)[0] == "Unknown"

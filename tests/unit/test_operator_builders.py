@@ -109,13 +109,15 @@ def test_prefill_command_line_follows_the_worker_contract(tiny):
         "8192",
         "--max-running-requests",
         "16",
+        "--drain-timeout",
+        "30",
     ]
 
 
 def test_decode_has_no_bootstrap_port_and_uses_its_own_engine_overrides(gpu):
     args = worker_args(ModelSpec.from_cr(gpu), names.DECODE)
     assert args[0] == "decode" and "--bootstrap-port" not in args
-    flags = dict(zip(args[1::2], args[2::2]))
+    flags = dict(zip(args[1::2], args[2::2], strict=False))
     assert flags["--tp-size"] == "2" and flags["--max-running-requests"] == "256"
     assert flags["--page-size"] == "64" and flags["--ib-device"] == "mlx5_0"
     assert flags["--transfer-protocol"] == "rdma"
@@ -147,7 +149,10 @@ def test_pods_are_non_root_with_read_only_root_and_health_probes(tiny):
         assert c["securityContext"]["readOnlyRootFilesystem"] is True
         assert c["securityContext"]["capabilities"] == {"drop": ["ALL"]}
         assert c["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
-        assert c["livenessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+        # The router is Ready only with a verified pair, but alive as long as it answers.
+        live = "/livez" if kind == "Deployment" else "/health"
+        assert c["livenessProbe"]["httpGet"] == {"path": live, "port": "http"}
+        assert c["startupProbe"]["httpGet"] == {"path": live, "port": "http"}
         assert {"name": "tmp", "mountPath": "/tmp"} in c["volumeMounts"]
 
 
@@ -204,6 +209,8 @@ def test_router_finds_workers_through_the_headless_services(tiny):
         "tiny-decode.ns1.svc.example.org:8000",
         "--bootstrap-port",
         "8998",
+        "--drain-timeout",
+        "30",
     ]
     children = children_by_kind_name(tiny)
     for role in ("prefill", "decode"):
@@ -254,7 +261,7 @@ def test_defaults_match_when_the_api_server_filled_nothing():
         "spec": {"model": {"hostPath": "/m", "path": "x"}, "servedModelName": "m", "image": "img"},
     }
     args = worker_args(ModelSpec.from_cr(cr), names.PREFILL)
-    flags = dict(zip(args[1::2], args[2::2]))
+    flags = dict(zip(args[1::2], args[2::2], strict=False))
     assert flags["--transfer-backend"] == "mooncake" and flags["--transfer-protocol"] == "tcp"
     assert flags["--page-size"] == "16" and flags["--kv-dtype"] == "bfloat16"
 
@@ -271,3 +278,93 @@ def test_named_auth_secret_is_used_instead(tiny):
     c = container(children_by_kind_name(tiny), "Deployment", "tiny-router")
     env = {e["name"]: e for e in c["env"]}
     assert env["DISAGG_AUTH_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "mine", "key": "token"}
+
+
+def _pod(children: dict, kind: str, name: str) -> dict:
+    return children[(kind, name)]["spec"]["template"]["spec"]
+
+
+@pytest.mark.parametrize("timeout", [None, 120])
+def test_pods_drain_before_the_kubelet_kills_them(tiny, timeout):
+    if timeout is not None:
+        tiny["spec"]["drain"] = {"timeoutSeconds": timeout}
+    drain = timeout or 30
+    children = children_by_kind_name(tiny)
+    for kind, name in [("StatefulSet", "tiny-prefill"), ("StatefulSet", "tiny-decode"), ("Deployment", "tiny-router")]:
+        pod = _pod(children, kind, name)
+        c = pod["containers"][0]
+        assert c["args"][c["args"].index("--drain-timeout") + 1] == str(drain)
+        # preStop keeps serving while Services and the router drop the pod; SIGTERM then starts the drain.
+        assert c["lifecycle"] == {"preStop": {"sleep": {"seconds": names.PRESTOP_SLEEP_SECONDS}}}
+        grace = pod["terminationGracePeriodSeconds"]
+        assert grace == names.PRESTOP_SLEEP_SECONDS + drain + names.EXIT_MARGIN_SECONDS
+        assert grace > names.PRESTOP_SLEEP_SECONDS + drain
+
+
+def test_both_roles_carry_one_pairing_revision_that_follows_what_they_must_agree_on(tiny):
+    def revisions(cr: dict) -> dict[str, str]:
+        children = children_by_kind_name(cr)
+        out = {}
+        for role in ("prefill", "decode"):
+            template = children[("StatefulSet", f"tiny-{role}")]["spec"]["template"]
+            env = {e["name"]: e for e in template["spec"]["containers"][0]["env"]}
+            assert env["DISAGG_REVISION"]["valueFrom"] == {
+                "fieldRef": {"fieldPath": "metadata.labels['disagg.dev/revision']"}
+            }
+            assert env["DISAGG_POD_NAME"]["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.name"}}
+            out[role] = template["metadata"]["labels"]["disagg.dev/revision"]
+        return out
+
+    before = revisions(tiny)
+    assert before["prefill"] == before["decode"]
+    tiny["spec"]["decode"]["engine"] = {"maxRunningRequests": 8}  # decode only, compatible: same revision
+    assert revisions(tiny) == before
+    tiny["spec"]["image"] = "ghcr.io/disagg/worker:0.2.0"
+    after = revisions(tiny)
+    assert after["prefill"] == after["decode"] != before["prefill"]
+
+
+def test_template_hash_and_partition_are_what_the_rollout_planner_reads_and_sets(tiny):
+    spec = ModelSpec.from_cr(tiny)
+    objs = {o["metadata"]["name"]: o for o in build_children(spec, CFG, {"decode": 1}) if o["kind"] == "StatefulSet"}
+    assert objs["tiny-decode"]["spec"]["updateStrategy"] == {"type": "RollingUpdate", "rollingUpdate": {"partition": 1}}
+    assert objs["tiny-prefill"]["spec"]["updateStrategy"]["rollingUpdate"] == {"partition": 0}
+    hashes = {n: o["metadata"]["annotations"]["disagg.dev/template-hash"] for n, o in objs.items()}
+    tiny["spec"]["decode"]["engine"] = {"maxRunningRequests": 8}
+    changed = {
+        o["metadata"]["name"]: o["metadata"]["annotations"]["disagg.dev/template-hash"]
+        for o in build_children(ModelSpec.from_cr(tiny), CFG)
+        if o["kind"] == "StatefulSet"
+    }
+    assert changed["tiny-prefill"] == hashes["tiny-prefill"] and changed["tiny-decode"] != hashes["tiny-decode"]
+    tiny["spec"]["rollout"] = {"minReadySeconds": 20}
+    sts = children_by_kind_name(tiny)[("StatefulSet", "tiny-decode")]
+    assert sts["spec"]["minReadySeconds"] == 20
+
+
+def test_the_crs_own_labels_reach_every_child_and_pod_but_not_its_internal_ones(tiny):
+    tiny["metadata"]["labels"] = {
+        "team": "search",
+        "app.kubernetes.io/version": "1.2",
+        "app.kubernetes.io/managed-by": "argocd",  # the operator's own key: not copied
+        "disagg.dev/role": "x",  # internal: not copied
+    }
+    children = children_by_kind_name(tiny)
+    for (kind, name), obj in children.items():
+        labels = obj["metadata"]["labels"]
+        assert labels["team"] == "search" and labels["app.kubernetes.io/version"] == "1.2", name
+        assert labels["app.kubernetes.io/managed-by"] == "disagg-operator"
+        if kind in ("StatefulSet", "Deployment"):
+            pod_labels = obj["spec"]["template"]["metadata"]["labels"]
+            assert pod_labels["team"] == "search"
+            assert pod_labels["disagg.dev/role"] == obj["metadata"]["labels"]["app.kubernetes.io/component"]
+            assert "team" not in obj["spec"]["selector"]["matchLabels"]
+
+
+def test_served_model_name_defaults_to_the_crs_name(tiny):
+    del tiny["spec"]["servedModelName"]
+    spec = ModelSpec.from_cr(tiny)
+    assert spec.served_model_name == "tiny"
+    args = worker_args(spec, names.DECODE)
+    assert args[args.index("--served-model-name") + 1] == "tiny"
+    assert router_args(spec, CFG)[router_args(spec, CFG).index("--served-model-name") + 1] == "tiny"

@@ -8,6 +8,7 @@ from ..spec import ModelSpec
 from .common import (
     base_env,
     container_security_context,
+    drain_on_stop,
     metadata,
     pod_security_context,
     probes,
@@ -42,6 +43,8 @@ def router_args(spec: ModelSpec, cfg: OperatorConfig) -> list[str]:
         f"{decode}:{names.HTTP_PORT}",
         "--bootstrap-port",
         str(names.BOOTSTRAP_PORT),
+        "--drain-timeout",
+        str(spec.drain_timeout_s),
     ] + list(spec.router.placement.args)
 
 
@@ -65,7 +68,9 @@ def build_router_deployment(spec: ModelSpec, cfg: OperatorConfig) -> dict[str, A
         "resources": resources,
         "securityContext": container_security_context(ipc_lock=False),
         "volumeMounts": [tmp_mount],
-        **probes(),
+        # Ready only while it has a verified prefill->decode pair (/health); alive as long as it answers (/livez).
+        **probes(live_path="/livez"),
+        **drain_on_stop(),
     }
     return {
         "apiVersion": "apps/v1",
@@ -82,6 +87,7 @@ def build_router_deployment(spec: ModelSpec, cfg: OperatorConfig) -> dict[str, A
                     "securityContext": pod_security_context(),
                     "automountServiceAccountToken": False,
                     "enableServiceLinks": False,
+                    "terminationGracePeriodSeconds": spec.grace_period_s,
                     **scheduling(r.placement),
                 },
             },
