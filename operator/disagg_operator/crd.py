@@ -183,59 +183,53 @@ def _rules_at(where: str) -> list[dict]:
     return [rule(expression, msg) for w, expression, msg in RULES if w == where]
 
 
-def _day_two_props() -> dict:
-    """How the deployment changes after day one: drain on shutdown, coordinated rollouts, ratio scaling."""
-    return {
-        "drain": obj(
-            {
-                "timeoutSeconds": integer(
-                    DEFAULT_DRAIN_TIMEOUT,
-                    0,
-                    "Seconds a stopping pod may spend finishing its requests (`--drain-timeout`); the pods' "
-                    "terminationGracePeriodSeconds adds the preStop pause and an exit margin.",
-                    3600,
-                )
-            },
-            "Graceful shutdown of workers and routers (scale-down, rollout, eviction).",
-            default={},
-        ),
-        "rollout": obj(
-            {
-                "order": string(
-                    "Which role a change touching both roles updates first.",
-                    16,
-                    enum=list(ORDERS),
-                    default="DecodeFirst",
-                ),
-                "maxSkew": string(
-                    "Largest difference between the updated fractions of prefill and decode, e.g. '50%'; "
-                    "default (and lower bound): one pod's worth of the smaller role.",
-                    4,
-                    pattern="^(100|[1-9][0-9]?)%$",
-                ),
-                "progressDeadlineSeconds": integer(
-                    DEFAULT_PROGRESS_DEADLINE, 1, "A rollout without progress for this long is reported as stalled."
-                ),
-                "minReadySeconds": integer(0, 0, "Seconds a new pod must stay Ready before the rollout moves on."),
-            },
-            "Coordinated rollout of prefill and decode.",
-            default={},
-        ),
-        "scaling": obj(
-            {
-                "prefillPerDecode": {
-                    "type": "number",
-                    "minimum": 0,
-                    "exclusiveMinimum": True,
-                    "maximum": 64,
-                    "description": "Prefill pods per decode pod: prefill follows decode's replicas (rounded up, at "
-                    "least one), so one autoscaler on decode scales both; prefill.replicas is then ignored.",
-                }
-            },
-            "Scaling of the roles relative to one another.",
-            default={},
-        ),
+def _drain() -> dict:
+    timeout = integer(
+        DEFAULT_DRAIN_TIMEOUT,
+        0,
+        "Seconds a stopping pod may spend finishing its requests (`--drain-timeout`); the pods' "
+        "terminationGracePeriodSeconds adds the preStop pause and an exit margin.",
+        3600,
+    )
+    return obj(
+        {"timeoutSeconds": timeout},
+        "Graceful shutdown of workers and routers (scale-down, rollout, eviction).",
+        default={},
+    )
+
+
+def _rollout() -> dict:
+    return obj(
+        {
+            "order": string(
+                "Which role a change touching both roles updates first.", 16, enum=list(ORDERS), default="DecodeFirst"
+            ),
+            "maxSkew": string(
+                "Largest difference between the updated fractions of prefill and decode, e.g. '50%'; "
+                "default (and lower bound): one pod's worth of the smaller role.",
+                4,
+                pattern="^(100|[1-9][0-9]?)%$",
+            ),
+            "progressDeadlineSeconds": integer(
+                DEFAULT_PROGRESS_DEADLINE, 1, "A rollout without progress for this long is reported as stalled."
+            ),
+            "minReadySeconds": integer(0, 0, "Seconds a new pod must stay Ready before the rollout moves on."),
+        },
+        "Coordinated rollout of prefill and decode.",
+        default={},
+    )
+
+
+def _scaling() -> dict:
+    ratio = {
+        "type": "number",
+        "minimum": 0,
+        "exclusiveMinimum": True,
+        "maximum": 64,
+        "description": "Prefill pods per decode pod: prefill follows decode's replicas (rounded up, at least one), "
+        "so one autoscaler on decode scales both; prefill.replicas is then ignored.",
     }
+    return obj({"prefillPerDecode": ratio}, "Scaling of the roles relative to one another.", default={})
 
 
 def spec_schema() -> dict:
@@ -276,7 +270,9 @@ def spec_schema() -> dict:
                 "Token the router and workers share.",
                 default={},
             ),
-            **_day_two_props(),
+            "drain": _drain(),
+            "rollout": _rollout(),
+            "scaling": _scaling(),
         },
         "The desired state of a disaggregated deployment.",
         required=["model", "image"],

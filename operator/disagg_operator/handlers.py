@@ -8,10 +8,11 @@ status of every CR every few seconds; it too writes only on a change.
 """
 
 import asyncio
+import contextvars
 import copy
 import logging
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, cast
 
 import kopf
@@ -39,8 +40,18 @@ CHILD_KINDS = [
 
 
 def post_event(cr: Mapping[str, Any], event: Event) -> None:
+    """Post through kopf's event queue. Its context exists in handlers; the clock runs ticks in a copy of a
+    handler's context (`Runtime.handler_context`), so a tick can post too."""
     body = kopf.Body(cast(kopf.RawBody, dict(cr)))  # the CR as read from the API server: a raw body
-    kopf.event(body, type=event.type, reason=event.reason, message=event.message)
+    try:
+        kopf.event(body, type=event.type, reason=event.reason, message=event.message)
+    except LookupError:  # outside any handler's context: the status carries the news anyway
+        logger.warning("no event queue to post %s %s for %s", event.type, event.reason, cr["metadata"]["name"])
+
+
+def _remember_context(runtime: Runtime) -> None:
+    if runtime.handler_context is None:
+        runtime.handler_context = contextvars.copy_context()
 
 
 @kopf.on.startup()
@@ -50,6 +61,10 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) 
         prefix=names.ANNOTATION_PREFIX, key="last-handled-configuration"
     )
     settings.persistence.finalizer = f"{names.GROUP}/finalizer"
+    # How long kopf waits to see its own annotation patch before it trusts an older body of the CR. On a busy API
+    # server the echo can take longer than the default 5 s; an older body (say, from a status write) then looks
+    # unhandled and the creation handler runs twice.
+    settings.persistence.consistency_timeout = 30
     settings.posting.level = logging.WARNING
     settings.watching.server_timeout = 300
     settings.watching.client_timeout = 330
@@ -120,25 +135,44 @@ class Seen:
         return cls(observed, problems, list(kw["pod_infos"].get(key, ())), next(iter(kw["scalers"].get(key, ())), None))
 
     @property
-    def prefill_replicas(self) -> int:
-        return (self.observed.get(names.PREFILL) or RoleObservation()).replicas
+    def prefill_replicas(self) -> int | None:
+        """Prefill's pods as its StatefulSet counts them; None until its controller has reported on it."""
+        obs = self.observed.get(names.PREFILL)
+        return obs.replicas if obs is not None and obs.current else None
 
 
-def converge(runtime: Runtime, cr: Mapping[str, Any], read: Callable[[], Seen], apply_all: bool) -> None:
-    """Apply every child (`apply_all`) or only step the rollout, keep the RoleScaler in step, refresh status.
+@dataclass(frozen=True)
+class Work:
+    """What an event calls for, beyond refreshing the status."""
 
-    All of it under the CR's lock, reading the indexes (`read`) inside it: a handler that waited for the lock
-    acts on what the indexes hold now, not on what they held when its event arrived.
-    """
-    with runtime.locked(cr["metadata"]["uid"]):
-        seen = read()
+    apply_all: bool = False  # apply every child (the CR changed, or a child was deleted by hand)
+    step: bool = False  # a StatefulSet or a pod changed: the rollout may move
+    scaler: bool = False  # the prefill StatefulSet or the RoleScaler changed
+    scaler_gone: bool = False  # the RoleScaler was deleted
+
+
+def converge(runtime: Runtime, cr: Mapping[str, Any], read: Callable[[], Seen], work: Work) -> None:
+    """Do `work` and refresh the status. The children that need no observation are applied first; the rest runs
+    under the CR's lock, reading the indexes (`read`) inside it: a handler that waited for the lock acts on what
+    the indexes hold now, not on what they held when its event arrived."""
+    failed: ReconcileError | None = None
+    if work.apply_all:
         try:
-            if apply_all:
-                runtime.apply_children(cr, seen.observed, seen.pods)
-            else:
+            runtime.apply_children(cr, workers=False)
+        except ReconcileError as e:
+            failed = e
+    with runtime.locked(cr["metadata"]["uid"]):
+        try:
+            if failed is not None:
+                raise failed
+            seen = read()
+            if work.apply_all:
+                runtime.apply_children(cr, seen.observed, seen.pods, others=False)
+            elif work.step:
                 runtime.step_rollout(cr, seen.observed, seen.pods)
-            runtime.sync_scaler(cr, seen.scaler, seen.prefill_replicas)
-        finally:
+            if work.apply_all or work.scaler:
+                runtime.sync_scaler(cr, seen.scaler, seen.prefill_replicas, recreate=work.scaler_gone)
+        finally:  # the status says what happened, a failure included
             seen = read()
             runtime.refresh_status(cr, seen.observed, seen.problems, seen.pods)
 
@@ -147,8 +181,9 @@ def converge(runtime: Runtime, cr: Mapping[str, Any], read: Callable[[], Seen], 
 @kopf.on.create(*CR)
 @kopf.on.update(*CR)
 def reconcile(namespace: str | None, name: str, body: kopf.Body, memo: kopf.Memo, **kw: Any) -> None:
+    _remember_context(memo.runtime)
     try:
-        converge(memo.runtime, _plain(body), lambda: Seen.of((namespace, name), kw), apply_all=True)
+        converge(memo.runtime, _plain(body), lambda: Seen.of((namespace, name), kw), Work(apply_all=True))
     except ReconcileError as e:
         if e.permanent:
             raise kopf.PermanentError(str(e)) from e
@@ -161,41 +196,52 @@ def _on_child(
     labels: Mapping[str, str],
     memo: kopf.Memo,
     kw: Mapping[str, Any],
-    recreate: bool,
+    work: Work,
     seen: PodProblem | None = None,
 ) -> None:
     runtime: Runtime = memo.runtime
+    _remember_context(runtime)
     cr = next(iter(kw["models"].get(_key(namespace, labels), ())), None)
     if cr is None:
         return
     meta = cr["metadata"]
-    recreate = (
-        recreate
-        and type == "DELETED"
+    if work.apply_all and not (
+        type == "DELETED"
         and namespace not in runtime.terminating
         and runtime.cr_is_live(str(namespace), meta["name"], meta["uid"])
-    )
+    ):
+        work = replace(work, apply_all=False)
     try:
-        converge(runtime, cr, lambda: Seen.of(_key(namespace, labels), kw, seen), apply_all=recreate)
+        converge(runtime, cr, lambda: Seen.of(_key(namespace, labels), kw, seen), work)
     except ReconcileError as e:  # event handlers are not retried: Degraded says it, the next event retries
         logger.warning("reconciling %s/%s after a child changed: %s", namespace, meta["name"], e)
 
 
-def on_child(type: str | None, namespace: str | None, labels: Mapping[str, str], memo: kopf.Memo, **kw: Any) -> None:
-    """A child changed: recreate it if it was deleted by hand, step a rollout, refresh the parent's status."""
-    _on_child(type, namespace, labels, memo, kw, recreate=True)
+def on_child(
+    type: str | None,
+    namespace: str | None,
+    labels: Mapping[str, str],
+    resource: kopf.Resource,
+    memo: kopf.Memo,
+    **kw: Any,
+) -> None:
+    """A child changed: recreate it if it was deleted by hand; a StatefulSet may move the rollout (and prefill's
+    the RoleScaler's status); refresh the parent's status."""
+    sets = resource.plural == "statefulsets"
+    prefill = sets and labels.get(names.ROLE_LABEL) == names.PREFILL
+    _on_child(type, namespace, labels, memo, kw, Work(apply_all=True, step=sets, scaler=prefill))
 
 
 def on_pod(
     type: str | None, namespace: str | None, labels: Mapping[str, str], body: kopf.Body, memo: kopf.Memo, **kw: Any
 ) -> None:
     """A pod changed: step a rollout, refresh the parent's status (pods are the StatefulSets' business)."""
-    _on_child(type, namespace, labels, memo, kw, recreate=False, seen=pod_problem(body))
+    _on_child(type, namespace, labels, memo, kw, Work(step=True), seen=pod_problem(body))
 
 
 def on_scaler(type: str | None, namespace: str | None, labels: Mapping[str, str], memo: kopf.Memo, **kw: Any) -> None:
     """A RoleScaler changed (scaled, or deleted by hand): hand its replicas on, or recreate it."""
-    _on_child(type, namespace, labels, memo, kw, recreate=False)
+    _on_child(type, namespace, labels, memo, kw, Work(scaler=True, scaler_gone=type == "DELETED"))
 
 
 def _register_child_handlers() -> None:

@@ -69,7 +69,13 @@ async def run(runtime: Runtime) -> None:
                 reports = await read_routers(targets, cfg.router_probe_timeout_s)
                 for uid, by_pod in reports.items():
                     runtime.views[uid] = keep_or_replace(runtime.views.get(uid), merge_reports(by_pod), misses, uid)
-            for uid in list(runtime.inputs):
-                await asyncio.to_thread(runtime.tick, uid)  # to_thread keeps kopf's context (Event posting)
         except Exception:  # one failed round must not stop the clock
-            log.exception("periodic router probe and status refresh failed")
+            log.exception("reading the router pods failed")
+        context = runtime.handler_context
+        if context is None:  # no handler has run yet: no CR is known either
+            continue
+        for uid in list(runtime.inputs):
+            try:
+                await asyncio.to_thread(context.copy().run, runtime.tick, uid)
+            except Exception:  # one CR's failure must not hold up the others
+                log.exception("periodic status refresh of %s failed", uid)

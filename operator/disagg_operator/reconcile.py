@@ -7,6 +7,7 @@ indexes hold. Status is recomputed from the indexes (StatefulSets, the router De
 router reports (prober.py), so refreshing it reads nothing from the API server and writes only on a change.
 """
 
+import contextvars
 import datetime
 import logging
 import threading
@@ -90,6 +91,10 @@ class Runtime:
     # even when a handler plans from an index that has not yet seen the latest apply.
     partitions: dict[tuple[str, str], tuple[str, int]] = field(default_factory=dict)
     gone: set[str] = field(default_factory=set)  # uids of deleted CRs (a uid is never reused)
+    scaler_sent: dict[str, dict[str, Any]] = field(default_factory=dict)  # the RoleScaler writes made, per CR
+    # A copy of a kopf handler's context (it holds kopf's event queue), for the clock's ticks to run in.
+    handler_context: contextvars.Context | None = None
+    _hashes: dict[str, dict[str, str]] = field(default_factory=dict)
     _locks: dict[str, threading.RLock] = field(default_factory=dict)
     _guard: threading.Lock = field(default_factory=threading.Lock)
 
@@ -104,7 +109,7 @@ class Runtime:
         self.gone.add(uid)
         with self._guard:
             self._locks.pop(uid, None)
-        for cache in (self.written, self.errors, self.latched, self.inputs, self.views):
+        for cache in (self.written, self.errors, self.latched, self.inputs, self.views, self.scaler_sent):
             cache.pop(uid, None)
         for key in [k for k in self.partitions if k[0] == uid]:
             self.partitions.pop(key, None)
@@ -124,10 +129,16 @@ class Runtime:
             raise self._failed(spec, secret, e) from e
 
     def hashes(self, spec: ModelSpec) -> dict[str, str]:
-        return {
-            role: builders.template_hash(builders.worker_pod_template(spec, role, self.cfg))
-            for role in names.WORKER_ROLES
-        }
+        """The worker templates' hashes (remembered per spec: every event of a CR asks for them)."""
+        key = repr(spec)
+        if key not in self._hashes:
+            if len(self._hashes) > 4096:
+                self._hashes.clear()
+            self._hashes[key] = {
+                role: builders.template_hash(builders.worker_pod_template(spec, role, self.cfg))
+                for role in names.WORKER_ROLES
+            }
+        return self._hashes[key]
 
     def plan(self, spec: ModelSpec, observed: Observed, pods: Iterable[PodInfo]) -> RolloutPlan:
         return plan_rollout(spec, observed, pods, self.hashes(spec), time.time())
@@ -157,15 +168,31 @@ class Runtime:
                 raise self._failed(spec, obj, e) from e
 
     def apply_children(
-        self, cr: Mapping[str, Any], observed: Observed | None = None, pods: Iterable[PodInfo] = ()
+        self,
+        cr: Mapping[str, Any],
+        observed: Observed | None = None,
+        pods: Iterable[PodInfo] = (),
+        workers: bool = True,
+        others: bool = True,
     ) -> None:
-        """Create or update every child of `cr`; records (and raises) the first failure. Without `observed`
-        (no StatefulSet seen yet) the worker StatefulSets get partition 0."""
+        """Create or update the children of `cr` (the worker StatefulSets, the `others`, or both); records (and
+        raises) the first failure. The others need no observation, so a caller may apply them without holding
+        the CR's lock. Without `observed` (no StatefulSet seen yet) the worker StatefulSets get partition 0."""
         spec = ModelSpec.from_cr(cr)
         try:
-            self.ensure_auth_secret(spec)
-            partitions = self._partitions(spec, self.plan(spec, observed or {}, pods))
-            self._apply(spec, builders.build_children(spec, self.cfg, partitions))
+            if others:
+                self.ensure_auth_secret(spec)
+            partitions = self._partitions(spec, self.plan(spec, observed or {}, pods)) if workers else {}
+            children = builders.build_children(spec, self.cfg, partitions)
+            worker_sets = {names.child_name(spec.name, r) for r in names.WORKER_ROLES}
+            self._apply(
+                spec,
+                [
+                    c
+                    for c in children
+                    if (workers if c["kind"] == "StatefulSet" and c["metadata"]["name"] in worker_sets else others)
+                ],
+            )
         except ReconcileError as e:
             self.errors[spec.uid] = [str(e)]
             raise
@@ -184,24 +211,41 @@ class Runtime:
         self._apply(spec, [builders.build_worker_statefulset(spec, r, self.cfg, partitions[r]) for r in moved])
         return moved
 
-    def sync_scaler(self, cr: Mapping[str, Any], scaler: ScalerObservation | None, current_replicas: int) -> None:
-        """Create prefill's RoleScaler once, then keep it and the CR in step (scaling.py)."""
+    def sync_scaler(
+        self,
+        cr: Mapping[str, Any],
+        scaler: ScalerObservation | None,
+        current_replicas: int | None,
+        recreate: bool = False,
+    ) -> None:
+        """Create prefill's RoleScaler once (again after `recreate`: it was deleted), then keep it and the CR in
+        step (scaling.py). Each write is made once per scaler generation: the index may not show it yet."""
         spec = ModelSpec.from_cr(cr)
-        name = builders.scaler_name(spec, names.PREFILL)
         if cr["metadata"].get("deletionTimestamp") or spec.namespace in self.terminating:
             return
+        sent = self.scaler_sent.setdefault(spec.uid, {})
+        if recreate:
+            sent.clear()
+        name = builders.scaler_name(spec, names.PREFILL)
         try:
             if scaler is None:
-                self.kube.create_if_absent(builders.build_role_scaler(spec, names.PREFILL))
+                if "created" not in sent:
+                    self.kube.create_if_absent(builders.build_role_scaler(spec, names.PREFILL))
+                    sent["created"] = True
                 return
             sync = sync_scaler(spec, scaler, current_replicas)
+            writes: list[tuple[str, str, dict[str, Any]]] = []
             if sync.model_replicas is not None:
-                prefill = {"spec": {"prefill": {"replicas": sync.model_replicas}}}
-                self.kube.patch(names.KIND, spec.namespace, spec.name, prefill)
+                writes.append((names.KIND, spec.name, {"spec": {"prefill": {"replicas": sync.model_replicas}}}))
             if sync.scaler_replicas is not None:
-                self.kube.patch(names.SCALER_KIND, spec.namespace, name, {"spec": {"replicas": sync.scaler_replicas}})
-            if sync.scaler_status is not None:
+                writes.append((names.SCALER_KIND, name, {"spec": {"replicas": sync.scaler_replicas}}))
+            for kind, obj, body in writes:
+                if sent.get(kind) != (scaler.generation, body):
+                    self.kube.patch(kind, spec.namespace, obj, body)
+                    sent[kind] = (scaler.generation, body)
+            if sync.scaler_status is not None and sent.get("status") != sync.scaler_status:
                 self.kube.patch_status(spec.namespace, name, sync.scaler_status, kind=names.SCALER_KIND)
+                sent["status"] = sync.scaler_status
         except ApiException as e:
             if e.status == 404:  # the model or the scaler went away meanwhile; its deletion is handled elsewhere
                 return

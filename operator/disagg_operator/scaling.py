@@ -10,7 +10,9 @@ scale subresource, so an HPA or `kubectl scale` can drive prefill too:
   RoleScaler, so the two never disagree for long and an HPA reads the true current value;
 - with `spec.scaling.prefillPerDecode` prefill follows decode: the RoleScaler only shows the derived value.
 
-The RoleScaler's status (replicas, selector, the generation handed on) is rewritten only when it changes.
+The RoleScaler's status (replicas, selector, the generation handed on) is written when it changes, once prefill's
+StatefulSet has reached the replicas asked for (a new generation is recorded at once); until the first write,
+generation 1, the one it was created with, counts as handed on.
 """
 
 from collections.abc import Mapping
@@ -45,15 +47,20 @@ class ScalerSync:
     scaler_status: Mapping[str, Any] | None = None
 
 
-def sync_scaler(spec: ModelSpec, scaler: ScalerObservation, current_replicas: int) -> ScalerSync:
+def sync_scaler(spec: ModelSpec, scaler: ScalerObservation, current_replicas: int | None) -> ScalerSync:
+    """`current_replicas`: prefill's pods as its StatefulSet reports them (None: not reported yet, the status
+    waits)."""
     desired = spec.replicas(names.PREFILL)
     model = scaler_replicas = None
     if spec.prefill_per_decode is not None:
         scaler_replicas = desired if scaler.replicas != desired else None
-    elif scaler.generation != scaler.status.get("observedGeneration"):
+    elif scaler.generation != scaler.status.get("observedGeneration", 1):  # created (generation 1) in step
         model = scaler.replicas if scaler.replicas != desired else None
     elif scaler.replicas != desired:
         scaler_replicas = desired
+    handed_on = model is None and scaler.generation == scaler.status.get("observedGeneration", 1)
+    if current_replicas is None or (handed_on and current_replicas != desired):
+        return ScalerSync(model, scaler_replicas, None)  # the status waits for the StatefulSet to settle
     status = {
         "replicas": current_replicas,
         "selector": f"{names.MODEL_LABEL}={spec.name},{names.ROLE_LABEL}={names.PREFILL}",

@@ -86,6 +86,18 @@ def _condition(ctype: str, ok: bool | str, reason: str, message: str) -> dict[st
     return {"type": ctype, "status": status, "reason": reason, "message": message}
 
 
+def _progressing(
+    pending: list[str], counts: str, errors: list[str], rollout: tuple[bool, str, str] | None
+) -> dict[str, Any]:
+    if errors:
+        return _condition(names.PROGRESSING, False, "Blocked", "see Degraded")
+    if rollout:
+        return _condition(names.PROGRESSING, *rollout)
+    if pending:
+        return _condition(names.PROGRESSING, True, "RollingOut", f"waiting for {', '.join(pending)}: {counts}")
+    return _condition(names.PROGRESSING, False, "Complete", "every role has its desired replicas")
+
+
 def desired_conditions(
     spec: ModelSpec,
     observed: Mapping[str, RoleObservation | None],
@@ -111,20 +123,7 @@ def desired_conditions(
         ready = _condition(names.READY, False, "PairingNotVerified", f"{pairing[1]}: {pairing[2]}")
     else:
         ready = _condition(names.READY, True, "AllReplicasReady", f"ready: {counts}")
-    progressing = (
-        _condition(names.PROGRESSING, *rollout)
-        if rollout and not errors
-        else (
-            _condition(names.PROGRESSING, True, "RollingOut", f"waiting for {', '.join(pending)}: {counts}")
-            if pending and not errors
-            else _condition(
-                names.PROGRESSING,
-                False,
-                "Blocked" if errors else "Complete",
-                "see Degraded" if errors else "every role has its desired replicas",
-            )
-        )
-    )
+    progressing = _progressing(pending, counts, errors, rollout)
     if errors:
         degraded = _condition(names.DEGRADED, True, "ReconcileFailed", "; ".join(errors))
     elif problems:

@@ -162,8 +162,12 @@ def test_a_rollout_whose_new_pods_fail_is_reported_by_its_deadline_and_goes_no_f
     assert (prefill["status"].get("updatedReplicas") or 0) == 0
     decode = kube_cluster.get("-n", namespace, "sts", "tiny-decode")
     assert decode["spec"]["updateStrategy"]["rollingUpdate"]["partition"] == 1, "no second decode pod released"
-    warnings = [e for e in events_for(kube_cluster, namespace, "tiny") if e["reason"] == "ProgressDeadlineExceeded"]
-    assert warnings and warnings[0]["type"] == "Warning"
+    warnings = wait_until(
+        lambda: [e for e in events_for(kube_cluster, namespace, "tiny") if e["reason"] == "ProgressDeadlineExceeded"],
+        15,
+        what="the Warning Event (posted after the status)",
+    )
+    assert warnings[0]["type"] == "Warning"
 
 
 def test_prefill_scales_through_its_role_scaler(kube_cluster, operator, namespace):

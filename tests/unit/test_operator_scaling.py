@@ -42,7 +42,9 @@ def test_the_scaler_starts_with_the_models_prefill_replicas_and_names_its_target
 
 def test_in_step_there_is_nothing_to_write():
     assert sync_scaler(ModelSpec.from_cr(cr(prefill=2)), synced(2), 2) == ScalerSync()
-    assert sync_scaler(ModelSpec.from_cr(cr(prefill=2)), synced(2), 1).scaler_status["replicas"] == 1
+    behind = synced(2, current=1)  # the status still shows the StatefulSet before its last scale
+    assert sync_scaler(ModelSpec.from_cr(cr(prefill=2)), behind, 1).scaler_status is None  # still scaling
+    assert sync_scaler(ModelSpec.from_cr(cr(prefill=2)), behind, 2).scaler_status["replicas"] == 2  # settled
 
 
 def test_scaling_the_scaler_is_handed_to_the_model():
@@ -68,3 +70,11 @@ def test_observe_scaler_reads_spec_generation_and_status():
     obj = {"metadata": {"generation": 2}, "spec": {"replicas": 5}, "status": {"observedGeneration": 1}}
     assert observe_scaler(obj) == ScalerObservation(5, 2, {"observedGeneration": 1})
     assert observe_scaler({"metadata": {}, "spec": {}}) == ScalerObservation(0, 0, {})
+
+
+def test_a_new_scaler_counts_as_in_step_until_someone_scales_it():
+    fresh = ScalerObservation(1, 1, {})  # just created, no status yet
+    edited = sync_scaler(ModelSpec.from_cr(cr(prefill=2)), fresh, None)
+    assert edited == ScalerSync(None, 2, None)  # the model was edited: the scaler follows; status waits
+    scaled_early = ScalerObservation(4, 2, {})
+    assert sync_scaler(ModelSpec.from_cr(cr(prefill=1)), scaled_early, None).model_replicas == 4

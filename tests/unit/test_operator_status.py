@@ -431,3 +431,33 @@ def test_a_deleted_cr_is_neither_written_nor_ticked_again(runtime):
     runtime.refresh_status(other, ALL_READY, [])
     runtime.forget("u2")
     assert not runtime.refresh_status(other, ALL_READY, []) and len(calls) == 1
+
+
+def test_role_scaler_writes_are_made_once_while_the_index_lags(runtime):
+    runtime.sync_scaler(CR, None, 1)
+    runtime.sync_scaler(CR, None, 1)  # the index has not seen the new RoleScaler yet
+    assert runtime.kube.created == ["RoleScaler/m-prefill"]
+    scaled = ScalerObservation(3, 2, {"replicas": 1, "selector": "s", "observedGeneration": 1})
+    for _ in range(3):  # our writes are not in the index yet: each event sees the same scaler
+        runtime.sync_scaler(CR, scaled, 1)
+    assert [p[2] for p in runtime.kube.patches] == ["spec", "status"]
+    again = ScalerObservation(5, 3, {"replicas": 1, "selector": "s", "observedGeneration": 2})
+    runtime.sync_scaler(CR, again, 1)  # scaled once more: a new generation is handed on
+    assert runtime.kube.patches[-2][3] == {"spec": {"prefill": {"replicas": 5}}}
+    runtime.kube.objects.clear()
+    runtime.sync_scaler(CR, None, 1, recreate=True)  # deleted by hand
+    assert runtime.kube.created == ["RoleScaler/m-prefill", "RoleScaler/m-prefill"]
+
+
+def test_a_reconcile_that_fails_before_the_workers_still_reports_it(runtime):
+    from disagg_operator.handlers import Seen, Work, converge
+    from disagg_operator.reconcile import ReconcileError
+
+    cr = {**CR, "spec": {**CR["spec"], "auth": {"secretName": "absent"}}}
+    applied = []
+    runtime.kube.apply = applied.append
+    with pytest.raises(ReconcileError):
+        converge(runtime, cr, lambda: Seen(dict(ALL_READY), [], [], None), Work(apply_all=True))
+    assert applied == []  # nothing applied without the Secret
+    degraded = conds(runtime.kube.status_writes[-1])["Degraded"]
+    assert degraded["reason"] == "ReconcileFailed" and "auth Secret absent not found" in degraded["message"]
