@@ -78,7 +78,7 @@ def wait_router_healthy(stack: PDStack) -> None:
 
 def test_kill_decode_mid_transfer(stack):
     with cf.ThreadPoolExecutor(24) as pool:
-        futures = load(stack.router.url, 24, pool)
+        futures = load(stack.router.url, 24, pool, prompt_len=1500)  # long enough to be caught mid-transfer
         wait_until(lambda: prefill_busy(stack.prefill.url), timeout=30, interval=0.02, what="requests reaching prefill")
         stack.decode.kill()
         results = outcomes(futures)
@@ -113,8 +113,10 @@ def test_kill_prefill_mid_bootstrap(stack):
 def test_bootstrap_server_stops_answering(stack):
     """The prefill instance (and its bootstrap server) freezes: decode's heartbeat fails its rooms."""
     with cf.ThreadPoolExecutor(16) as pool:
-        futures = load(stack.router.url, 16, pool)
-        time.sleep(0.3)
+        # Long prompts, and the freeze once requests are in prefill's hands: a warm pair (the router verifies it
+        # before serving) finishes 16 short requests in well under a second, before a fixed sleep ends.
+        futures = load(stack.router.url, 16, pool, prompt_len=1500)
+        wait_until(lambda: prefill_busy(stack.prefill.url), timeout=30, interval=0.02, what="requests reaching prefill")
         os.killpg(stack.prefill.proc.pid, signal.SIGSTOP)
         try:
             results = outcomes(futures)

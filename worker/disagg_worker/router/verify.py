@@ -4,8 +4,8 @@ Two workers that each answer /health can still be unable to hand a request over 
 same address, a blocked transfer port, mismatched builds). So a pair is usable only when both workers pass their
 health check, report the same pairing revision (a rollout never pairs an old prefill with a new decode), and the
 pair's latest verification passed. A verification is a synthetic request through the normal path: /generate on
-both workers with one new token and the bootstrap fields, so decode really bootstraps with prefill and receives
-the KV pages. It carries PROBE_HEADER, so workers keep it out of their user-facing request metrics.
+both workers with a one-token prompt, one new token and the bootstrap fields, so decode really bootstraps with
+prefill and receives the KV pages. It carries PROBE_HEADER, so workers keep it out of their user-facing request metrics.
 
 Verified pairs are re-verified every `interval_s`; a user request that succeeds on a pair verifies it too, so a
 busy pair costs no probes. A failed pair (or one whose worker fails its health check) is out of rotation and
@@ -31,6 +31,7 @@ from disagg_worker.server.metrics import PROBE_HEADER
 
 log = logging.getLogger(__name__)
 Pair = tuple[Worker, Worker]
+PROBE_TOKEN = 0  # any id exists in every vocabulary
 
 
 @dataclass
@@ -141,7 +142,8 @@ class PairVerifier:
     async def probe(self, session: aiohttp.ClientSession, p: Worker, d: Worker) -> str:
         """One synthetic request through the pair: "" when decode produced its token, else why not."""
         body = {
-            "text": f"pair check {secrets.token_hex(4)}",  # a fresh prompt: the prefix cache cannot skip the work
+            # One token: shorter than a page, so the prefix cache neither skips the work nor keeps anything.
+            "input_ids": [PROBE_TOKEN],
             "sampling_params": {"max_new_tokens": 1, "temperature": 0},
             "bootstrap_host": p.host,
             "bootstrap_port": p.bootstrap_port,
