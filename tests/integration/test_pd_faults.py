@@ -68,6 +68,12 @@ def prefill_busy(url: str) -> bool:
     return st["queues"].get("prefill_inflight", 0) + st["running"] > 0
 
 
+def decode_waiting_on_prefill(url: str) -> bool:
+    """Decode holds requests in its prealloc or transfer queue: they need the prefill side (one /stats read)."""
+    queues = requests.get(f"{url}/stats", timeout=5).json()["queues"]
+    return queues.get("decode_prealloc", 0) + queues.get("decode_transfer", 0) > 0
+
+
 def wait_router_healthy(stack: PDStack) -> None:
     wait_until(
         lambda: requests.get(f"{stack.router.url}/health", timeout=5).status_code == 200,
@@ -93,7 +99,9 @@ def test_kill_decode_mid_transfer(stack):
 def test_kill_prefill_mid_bootstrap(stack):
     with cf.ThreadPoolExecutor(24) as pool:
         futures = load(stack.router.url, 24, pool)
-        time.sleep(0.3)
+        wait_until(
+            lambda: decode_waiting_on_prefill(stack.decode.url), timeout=30, interval=0.02, what="decode waiting on KV"
+        )
         stack.prefill.kill()
         results = outcomes(futures)
     assert any(r[0] == "error" for r in results)
@@ -114,7 +122,9 @@ def test_bootstrap_server_stops_answering(stack):
     """The prefill instance (and its bootstrap server) freezes: decode's heartbeat fails its rooms."""
     with cf.ThreadPoolExecutor(16) as pool:
         futures = load(stack.router.url, 16, pool)
-        time.sleep(0.3)
+        wait_until(
+            lambda: decode_waiting_on_prefill(stack.decode.url), timeout=30, interval=0.02, what="decode waiting on KV"
+        )
         os.killpg(stack.prefill.proc.pid, signal.SIGSTOP)
         try:
             results = outcomes(futures)

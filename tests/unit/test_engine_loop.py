@@ -54,8 +54,6 @@ class _Stepping(_Engine):
 
     def __init__(self):
         self.log: list[str] = []
-        self.scheduler = self
-        self.runner = self
         self.pending: list[str] = []
 
     def tick(self):

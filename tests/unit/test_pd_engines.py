@@ -9,10 +9,9 @@ import pytest
 
 from disagg_worker import messages as msg
 from disagg_worker.config import CacheConfig, DisaggConfig, EngineConfig, Role, SchedulerConfig
-from disagg_worker.engine.decode import DecodeEngine
+from disagg_worker.engine.engine import Engine
 from disagg_worker.engine.loop import Stepper
 from disagg_worker.engine.params import SamplingParams
-from disagg_worker.engine.prefill import PrefillEngine
 
 ROOMS = itertools.count(1000)
 
@@ -28,8 +27,8 @@ def config(model: str, role: Role, tokens: int = 2048, max_running: int = 16) ->
 
 @pytest.fixture(scope="module")
 def engines(tiny_model):
-    p = PrefillEngine.from_config(config(tiny_model, Role.PREFILL))
-    d = DecodeEngine.from_config(config(tiny_model, Role.DECODE, tokens=256, max_running=4))
+    p = Engine.from_config(config(tiny_model, Role.PREFILL))
+    d = Engine.from_config(config(tiny_model, Role.DECODE, tokens=256, max_running=4))
     yield p, d
     p.close()
     d.close()
@@ -53,11 +52,11 @@ def run(engines, requests: list[tuple[list[int], int]], abort: dict[str, int] | 
             break
         sp.step()
         sd.step()
-        for o in p.scheduler.take_outputs() + d.scheduler.take_outputs():
+        for o in p.take_outputs() + d.take_outputs():
             outs.setdefault(o.rid, []).append(o)
     sp.close()
     sd.close()
-    for o in p.scheduler.take_outputs() + d.scheduler.take_outputs():
+    for o in p.take_outputs() + d.take_outputs():
         outs.setdefault(o.rid, []).append(o)
     for e in (p, d):
         assert not any(e.queue_sizes().values()), e.queue_sizes()
@@ -93,7 +92,7 @@ def test_requests_without_a_room_are_refused(engines):
     p, d = engines
     for e, name in ((p, "prefill"), (d, "decode")):
         e.handle(msg.GenerateReq("x", [1, 2, 3], SamplingParams()))
-        out = e.scheduler.take_outputs()
+        out = e.take_outputs()
         assert out[-1].error_status == 400 and name in out[-1].error
 
 

@@ -9,11 +9,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from disagg_worker.engine.sampling import SamplingParams
+from disagg_worker.limits import RequestLimits
 from disagg_worker.server.errors import APIError
 from disagg_worker.server.protocol import (
     ChatRequest,
     CompletionRequest,
-    fit_to_context,
     parse_chat,
     parse_completion,
     parse_generate,
@@ -24,15 +24,19 @@ MODEL, CTX, VOCAB = "tiny-llama", 2048, 32000
 
 
 def completion(body, vocab=None):
-    return parse_completion(body, MODEL, CTX, vocab)
+    return parse_completion(body, MODEL, RequestLimits(CTX, vocab))
 
 
 def chat(body):
-    return parse_chat(body, MODEL, CTX)
+    return parse_chat(body, MODEL, RequestLimits(CTX))
 
 
 def generate(body):
-    return parse_generate(body, CTX, VOCAB)
+    return parse_generate(body, RequestLimits(CTX, VOCAB))
+
+
+def fit_to_context(sampling, prompt_len, max_context, explicit):
+    return RequestLimits(max_context).fit(sampling, prompt_len, explicit)
 
 
 def error(fn, body) -> APIError:
@@ -105,7 +109,7 @@ def test_completion_accepts_single_prompt_shapes(prompt, expected):
 
 
 def test_token_prompt_shrinks_default_and_rejects_explicit_overflow():
-    req = parse_completion({"prompt": [1] * 2040}, MODEL, CTX)
+    req = parse_completion({"prompt": [1] * 2040}, MODEL, RequestLimits(CTX))
     assert req.sampling.max_new_tokens == 8
     e = error(completion, {"prompt": [1] * 2040, "max_tokens": 9})
     assert (e.status, e.param) == (400, "max_tokens") and "2048" in e.message

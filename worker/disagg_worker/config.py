@@ -8,7 +8,7 @@ maps 1:1 onto a field; environment variables are read only in `disagg_worker.env
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from enum import Enum
 
 
@@ -97,6 +97,11 @@ class EngineConfig:
         import os
 
         return max(1, (os.cpu_count() or 2) // 2)
+
+    @property
+    def uses_prefix_cache(self) -> bool:
+        """Decode never matches prompts (they arrive as KV), so its prefix cache is off."""
+        return self.cache.enable_prefix_cache and self.disagg.role is not Role.DECODE
 
     @property
     def model_name(self) -> str:
@@ -218,21 +223,3 @@ def server_args_from_cli(ns: argparse.Namespace, role: Role = Role.MONOLITHIC) -
         engine=engine, host=ns.host, port=ns.port, log_level=ns.log_level, health_timeout_s=ns.health_timeout
     )
 
-
-def replace_nested(cfg, **changes):
-    """dataclasses.replace for the chain: `replace_nested(engine, cache__page_size=4)`."""
-    from dataclasses import replace
-
-    direct = {k: v for k, v in changes.items() if "__" not in k}
-    nested: dict[str, dict] = {}
-    for k, v in changes.items():
-        if "__" in k:
-            head, rest = k.split("__", 1)
-            nested.setdefault(head, {})[rest] = v
-    for head, sub in nested.items():
-        direct[head] = replace_nested(getattr(cfg, head), **sub)
-    names = {f.name for f in fields(cfg)}
-    unknown = set(direct) - names
-    if unknown:
-        raise TypeError(f"unknown config fields: {sorted(unknown)}")
-    return replace(cfg, **direct)

@@ -16,12 +16,14 @@ class ScheduledBatch:
 
     In overlap mode a decode request's input token may not be known yet when the batch is built:
     `(j, req)` in `future` says input position j takes the token the previous step sampled for
-    `req`; the runner fills it in just before the forward.
+    `req`; the runner fills it in just before the forward. `generated[i]` counts the output
+    tokens request i has before this step's sample, the one in flight included.
     """
 
     reqs: list[Req]
     forward: ForwardBatch
     samples: list[bool]
+    generated: list[int]
     future: list[tuple[int, Req]]
 
     @property

@@ -1,4 +1,10 @@
-"""Assembles the engine of one instance from its config: model, KV pool, cache, scheduler, runner."""
+"""The engine of one instance: model runner, KV pool, prefix cache, scheduler, and its role stage.
+
+Every role runs the same engine; a prefill or decode instance adds a role stage (`engine.stage`)
+that owns the KV transfer queues. The loop (`engine.loop`) drives it through `handle` (requests
+and aborts) and the step methods (`tick`, `schedule`, `run`, `process`); the engine routes each
+to the part that owns it.
+"""
 
 from __future__ import annotations
 
@@ -12,9 +18,13 @@ from prometheus_client import REGISTRY, generate_latest
 
 from disagg_worker import messages as msg
 from disagg_worker.config import EngineConfig
+from disagg_worker.engine.batch import ScheduledBatch, StepResult
+from disagg_worker.engine.outbox import Outbox
 from disagg_worker.engine.request import Req
 from disagg_worker.engine.runner import ModelRunner
 from disagg_worker.engine.scheduler import Scheduler
+from disagg_worker.engine.stage import build_stage
+from disagg_worker.limits import RequestLimits
 from disagg_worker.mem.allocator import PageAllocator
 from disagg_worker.mem.kv_pool import KVPool
 from disagg_worker.mem.radix import RadixCache
@@ -42,40 +52,21 @@ class Engine:
             device=cfg.device,
         )
         self.allocator = PageAllocator(cache.total_pages)
-        self.radix = RadixCache(cache.page_size, self.allocator, enabled=cache.enable_prefix_cache)
-        self.scheduler = Scheduler(cfg, self.allocator, self.radix)
+        self.radix = RadixCache(cache.page_size, self.allocator, enabled=cfg.uses_prefix_cache)
+        self.outbox = Outbox()
+        self.scheduler = Scheduler(cfg.scheduler, cache.page_size, self.allocator, self.radix, self.outbox)
         self.runner = ModelRunner(model, self.kv_pool, model_cfg.vocab_size, cfg.device)
+        self.stage = build_stage(cfg, self.kv_pool, self.scheduler, self.allocator, self.outbox)
+        self.limits = RequestLimits(self.max_context_len, model_cfg.vocab_size, cache.capacity_tokens)
         self.eos_ids = frozenset(model_cfg.eos_token_ids)
 
     @classmethod
     def from_config(cls, cfg: EngineConfig) -> Engine:
         torch.manual_seed(cfg.seed)
         model, model_cfg = load_model(cfg.model_path, DTYPES[cfg.dtype], cfg.device)
-        if cfg.forward == "noop":
-            model = None
-        return cls(cfg, model, model_cfg)
+        return cls(cfg, None if cfg.forward == "noop" else model, model_cfg)
 
-    @property
-    def idle(self) -> bool:
-        """Nothing to do until a message arrives."""
-        return self.scheduler.idle and not self.waiting_on_transfers
-
-    @property
-    def waiting_on_transfers(self) -> bool:
-        """Requests wait on KV transfers (P/D roles); the loop polls them often."""
-        return False
-
-    @property
-    def tick_ready(self) -> bool:
-        """`tick()` has work now, without waiting for any transfer (the last step's results)."""
-        return False
-
-    def set_wakeup(self, wake: Callable[[], None]) -> None:
-        """`wake` is called, from any thread, when a KV transfer this engine waits on moves."""
-
-    def tick(self) -> None:
-        """Advance whatever does not need the model (P/D queues); called before each schedule."""
-
+    # ---- messages from the HTTP process -------------------------------------------------------
     def handle(self, m: msg.Message) -> None:
         if isinstance(m, msg.GenerateReq):
             self.arrive(m)
@@ -87,37 +78,70 @@ class Engine:
             log.warning("ignoring unexpected message %s", type(m).__name__)
 
     def arrive(self, m: msg.GenerateReq) -> None:
-        self.scheduler.add(self.make_req(m))
-
-    def abort(self, rid: str) -> None:
-        self.scheduler.abort(rid)
-
-    def reject(self, req: Req, status: int, message: str) -> None:
-        """End a request that never reached the scheduler with an error."""
-        req.fail(status, message)
-        self.scheduler.emit(req, [])
-
-    def routing_problem(self, req: Req, m: msg.GenerateReq) -> str:
-        """Why a P/D instance cannot take a request ("" if it can); the answer is a 400."""
-        if m.bootstrap is None:
-            return (
-                f"a {self.cfg.disagg.role.value} instance serves requests routed with bootstrap_room; "
-                "send requests through the router"
-            )
-        capacity = self.cfg.cache.capacity_tokens
-        if req.seq_len + 1 > capacity:
-            return f"prompt of {req.seq_len} tokens does not fit the KV cache ({capacity} tokens)"
-        return ""
-
-    def make_req(self, m: msg.GenerateReq) -> Req:
-        return Req(
+        req = Req(
             rid=m.rid,
             prompt_ids=list(m.input_ids),
             params=m.params,
             eos_ids=self.eos_ids,
             max_context_len=self.max_context_len,
         )
+        problem = self.limits.kv_problem(len(req.prompt_ids))  # it would wait for pages forever
+        if problem:
+            self.outbox.reject(req, 400, problem)
+        elif self.stage is not None:
+            self.stage.arrive(req, m.bootstrap)
+        else:
+            self.scheduler.add(req)
 
+    def abort(self, rid: str) -> None:
+        if self.stage is None or not self.stage.abort(rid):
+            self.scheduler.abort(rid)
+
+    # ---- stepping (engine.loop) ---------------------------------------------------------------
+    def tick(self) -> None:
+        """Advance whatever does not need the model (P/D queues); called before each schedule."""
+        if self.stage is not None:
+            self.stage.tick()
+
+    def schedule(self) -> ScheduledBatch | None:
+        return self.scheduler.schedule()
+
+    def needs_sync(self) -> bool:
+        return self.scheduler.needs_sync()
+
+    def run(self, batch: ScheduledBatch) -> StepResult:
+        """The forward and sampling of one batch (on the runner thread with overlap)."""
+        return self.runner.run(batch)
+
+    def process(self, batch: ScheduledBatch, result: StepResult) -> None:
+        outcome = self.scheduler.process(batch, result)
+        if self.stage is not None:
+            self.stage.on_step(outcome)
+
+    def take_outputs(self) -> list[msg.TokenOut]:
+        return self.outbox.take()
+
+    @property
+    def has_batch_work(self) -> bool:
+        """A forward could be scheduled now."""
+        return not self.scheduler.idle
+
+    @property
+    def waiting_on_transfers(self) -> bool:
+        """Requests wait on KV transfers (P/D roles); the loop polls them often."""
+        return self.stage is not None and self.stage.waiting_on_transfers
+
+    @property
+    def idle(self) -> bool:
+        """Nothing to do until a message arrives."""
+        return self.scheduler.idle and not self.waiting_on_transfers
+
+    def set_wakeup(self, wake: Callable[[], None]) -> None:
+        """`wake` is called, from any thread, when a KV transfer this engine waits on moves."""
+        if self.stage is not None:
+            self.stage.set_wakeup(wake)
+
+    # ---- reports -------------------------------------------------------------------------------
     def info(self) -> msg.EngineInfo:
         return msg.EngineInfo(
             model_name=self.cfg.model_name,
@@ -149,10 +173,12 @@ class Engine:
 
     def queue_sizes(self) -> dict[str, int]:
         """Sizes of the P/D queues (none for a monolithic instance)."""
-        return {}
+        return self.stage.queue_sizes() if self.stage is not None else {}
 
     def close(self) -> None:
         """Release what the engine holds outside this process (transfer engines)."""
+        if self.stage is not None:
+            self.stage.close()
 
     def pages_accounted(self) -> bool:
         """At idle, every page is free or held unlocked by the prefix cache."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import signal
 
-from disagg_worker.config import EngineConfig, Role
+from disagg_worker.config import EngineConfig
 
 
 def run_scheduler(cfg: EngineConfig, recv_addr: str, send_addr: str, log_level: str = "info") -> None:
@@ -13,12 +13,13 @@ def run_scheduler(cfg: EngineConfig, recv_addr: str, send_addr: str, log_level: 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when this process ends
     import torch
 
+    from disagg_worker.engine.engine import Engine
     from disagg_worker.engine.loop import EngineLoop
 
     if cfg.resolved_torch_threads:
         torch.set_num_threads(cfg.resolved_torch_threads)
 
-    engine = engine_class(cfg.disagg.role).from_config(cfg)
+    engine = Engine.from_config(cfg)
     loop = EngineLoop(engine, recv_addr, send_addr, overlap=cfg.scheduler.enable_overlap)
     signal.signal(signal.SIGTERM, lambda *_: setattr(loop, "stopped", True))
     try:
@@ -26,17 +27,3 @@ def run_scheduler(cfg: EngineConfig, recv_addr: str, send_addr: str, log_level: 
     finally:
         loop.close()
         engine.close()
-
-
-def engine_class(role: Role):
-    if role is Role.PREFILL:
-        from disagg_worker.engine.prefill import PrefillEngine
-
-        return PrefillEngine
-    if role is Role.DECODE:
-        from disagg_worker.engine.decode import DecodeEngine
-
-        return DecodeEngine
-    from disagg_worker.engine.engine import Engine
-
-    return Engine

@@ -86,43 +86,6 @@ def bootstrap_of(body) -> BootstrapInfo | None:
     return BootstrapInfo(host, port, room)
 
 
-def check_ids(frontend: Frontend, ids: list[int], params: SamplingParams, explicit_max: bool) -> SamplingParams:
-    """Reject prompts the engine cannot serve; fit an implicit max_tokens into the context."""
-    info = frontend.info
-    if not ids:
-        raise APIError(400, "the prompt is empty", param="prompt")
-    bad = [i for i in ids if not 0 <= i < info.vocab_size]
-    if bad:
-        raise APIError(400, f"token id {bad[0]} is outside the vocabulary (size {info.vocab_size})", param="prompt")
-    if len(ids) + 1 > info.capacity_tokens:
-        raise APIError(
-            400,
-            f"the prompt has {len(ids)} tokens but the KV cache holds {info.capacity_tokens}",
-            param="prompt",
-            code="context_length_exceeded",
-        )
-    room = info.max_context_len - len(ids)
-    if room < 1:
-        raise APIError(
-            400,
-            f"This model's maximum context length is {info.max_context_len} tokens; the prompt has {len(ids)} tokens.",
-            param="prompt",
-            code="context_length_exceeded",
-        )
-    if params.max_new_tokens > room:
-        if explicit_max:
-            raise APIError(
-                400,
-                f"This model's maximum context length is {info.max_context_len} tokens. However, "
-                f"you requested {len(ids) + params.max_new_tokens} tokens ({len(ids)} in the prompt, "
-                f"{params.max_new_tokens} for the completion).",
-                param="max_tokens",
-                code="context_length_exceeded",
-            )
-        params = replace(params, max_new_tokens=room)
-    return params
-
-
 def choice_params(params: SamplingParams, i: int) -> SamplingParams:
     """Choice i of n: a seeded request gets seed + i so the choices differ but stay reproducible."""
     if i == 0 or params.seed is None:
@@ -181,9 +144,12 @@ async def send_event(resp: web.StreamResponse, data) -> None:
 async def completions(request: web.Request) -> web.StreamResponse:
     fe, s = request.app[FRONTEND], request.app[SETTINGS]
     body = await read_json(request)
-    req = parse_completion(body, s["model"], fe.info.max_context_len)
-    ids = req.prompt if isinstance(req.prompt, list) else fe.tokenizer.encode(req.prompt)
-    params = check_ids(fe, ids, req.sampling, "max_tokens" in body)
+    req = parse_completion(body, s["model"], fe.limits)
+    if isinstance(req.prompt, list):  # admitted while parsing
+        ids, params = req.prompt, req.sampling
+    else:
+        ids = fe.tokenizer.encode(req.prompt)
+        params = fe.limits.admit(ids, req.sampling, req.max_tokens_set)
     return await respond(
         request, ids, params, req.n, bootstrap_of(body), req.stream, req.stream_options_include_usage, chat=False
     )
@@ -192,14 +158,14 @@ async def completions(request: web.Request) -> web.StreamResponse:
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     fe, s = request.app[FRONTEND], request.app[SETTINGS]
     body = await read_json(request)
-    req = parse_chat(body, s["model"], fe.info.max_context_len)
+    req = parse_chat(body, s["model"], fe.limits)
     try:
         text = fe.tokenizer.apply_chat_template(req.messages, add_generation_prompt=req.add_generation_prompt)
     except ValueError as e:
         raise APIError(400, f"cannot render the chat template: {e}", param="messages") from e
     ids = fe.tokenizer.encode(text, add_special_tokens=False)
-    explicit = "max_tokens" in body or "max_completion_tokens" in body
-    params = check_ids(fe, ids, req.sampling, explicit)
+    key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    params = fe.limits.admit(ids, req.sampling, req.max_tokens_set, key, "messages")
     return await respond(
         request, ids, params, req.n, bootstrap_of(body), req.stream, req.stream_options_include_usage, chat=True
     )
@@ -247,11 +213,12 @@ async def generate(request: web.Request) -> web.StreamResponse:
     """Native endpoint: token ids (or text) in, token ids and text out."""
     fe = request.app[FRONTEND]
     body = await read_json(request)
-    req = parse_generate(body, fe.info.max_context_len, fe.info.vocab_size)
-    ids = req.input_ids if req.input_ids is not None else fe.tokenizer.encode(req.text)
-    sp = body.get("sampling_params") if isinstance(body, dict) else None
-    explicit = isinstance(sp, dict) and "max_new_tokens" in sp
-    params = check_ids(fe, ids, req.sampling, explicit)
+    req = parse_generate(body, fe.limits)
+    if req.input_ids is not None:  # admitted while parsing
+        ids, params = req.input_ids, req.sampling
+    else:
+        ids = fe.tokenizer.encode(req.text)
+        params = fe.limits.admit(ids, req.sampling, req.max_tokens_set, "sampling_params.max_new_tokens", "text")
     bootstrap = bootstrap_of(body)
     choice = fmt.Choice(0)
     if not req.stream:

@@ -20,6 +20,7 @@ import zmq.asyncio
 
 from disagg_worker import messages as msg
 from disagg_worker.engine.params import SamplingParams, StopChecker
+from disagg_worker.limits import RequestLimits
 from disagg_worker.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from disagg_worker.server.errors import APIError
 from disagg_worker.server.metrics import ServerMetrics
@@ -52,6 +53,8 @@ class Frontend:
         self.pull.bind(from_engine)
         self.queues: dict[str, asyncio.Queue] = {}
         self.info: msg.EngineInfo | None = None
+        # What every request is checked against: built from the scheduler's start-up report.
+        self.limits = RequestLimits(max_context_len=1)
         self.stats: msg.SchedulerStats | None = None
         self.last_heartbeat = 0.0
         self.ready = asyncio.Event()
@@ -81,6 +84,7 @@ class Frontend:
                 self.metrics.observe_stats(m)
             elif isinstance(m, msg.EngineInfo):
                 self.info = m
+                self.limits = RequestLimits.from_info(m)
                 self.ready.set()
 
     def healthy(self, timeout_s: float) -> bool:

@@ -1,0 +1,70 @@
+"""The role stage of a P/D instance: what a prefill or decode instance adds to the engine.
+
+An engine in a P/D role owns one stage beside its scheduler. The engine hands it the requests
+that arrive and the aborts, calls `tick` before each schedule (poll KV transfers) and `on_step`
+after each processed forward (send the KV it computed); the loop asks `waiting_on_transfers` to
+decide how long it may sleep. A monolithic engine has no stage.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
+
+from disagg_worker.config import EngineConfig, Role
+from disagg_worker.disagg import KVLayout, RankInfo, create_kv_manager
+from disagg_worker.engine.outbox import Outbox
+from disagg_worker.engine.request import Req
+from disagg_worker.engine.scheduler import Scheduler, StepOutcome
+from disagg_worker.mem.allocator import PageAllocator
+from disagg_worker.mem.kv_pool import KVPool
+from disagg_worker.messages import BootstrapInfo
+
+UNROUTED = "a {role} instance serves requests routed with bootstrap_room; send requests through the router"
+
+
+class RoleStage(Protocol):
+    def arrive(self, req: Req, bootstrap: BootstrapInfo | None) -> None:
+        """Take a new request (refused with a 400 when it was not routed with a bootstrap room)."""
+
+    def abort(self, rid: str) -> bool:
+        """Abort `rid` if this stage holds it; False when it is not here (the scheduler may have it)."""
+
+    def tick(self) -> None:
+        """Advance the transfer queues; never blocks."""
+
+    def on_step(self, outcome: StepOutcome) -> None:
+        """Act on what a processed forward did (prefill sends the KV it completed)."""
+
+    @property
+    def waiting_on_transfers(self) -> bool:
+        """Requests wait on KV transfers: the loop polls often instead of sleeping."""
+
+    def set_wakeup(self, wake: Callable[[], None]) -> None:
+        """`wake` is called, from any thread, when a transfer this stage waits on moves."""
+
+    def queue_sizes(self) -> dict[str, int]: ...
+
+    def close(self) -> None:
+        """Release what the stage holds outside this process (the transfer engine)."""
+
+
+def build_stage(
+    cfg: EngineConfig, kv_pool: KVPool, scheduler: Scheduler, allocator: PageAllocator, outbox: Outbox
+) -> RoleStage | None:
+    """The stage of `cfg`'s role with its KV transfer manager; None for a monolithic engine."""
+    d = cfg.disagg
+    if d.role is Role.PREFILL:
+        from disagg_worker.engine.prefill import PrefillStage
+
+        layout = KVLayout.from_pool(kv_pool, cfg.cache.kv_dtype)
+        kv = create_kv_manager(d, layout, RankInfo(bootstrap_url=f"http://127.0.0.1:{d.bootstrap_port}"))
+        return PrefillStage(d, cfg.cache.page_size, scheduler, outbox, kv)
+    if d.role is Role.DECODE:
+        from disagg_worker.engine.decode import DecodeStage
+
+        slots = 2 * cfg.scheduler.max_running_requests
+        layout = KVLayout.from_pool(kv_pool, cfg.cache.kv_dtype, aux_num_slots=slots)
+        kv = create_kv_manager(d, layout, RankInfo())
+        return DecodeStage(cfg, scheduler, allocator, outbox, kv, slots)
+    return None
