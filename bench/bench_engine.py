@@ -309,7 +309,7 @@ def phase_breakdown(model: str, a: argparse.Namespace, steps: int = 150) -> dict
         engine.take_outputs()
         t3 = time.perf_counter()
         if i >= 5:
-            for k, dt in zip(tot, (t1 - t0, t2 - t1, t3 - t2)):
+            for k, dt in zip(tot, (t1 - t0, t2 - t1, t3 - t2), strict=True):
                 tot[k] += dt
     phases = {k: round(v / steps * 1000, 3) for k, v in tot.items()}
     profile = profile_noop(model, a)

@@ -222,4 +222,3 @@ def server_args_from_cli(ns: argparse.Namespace, role: Role = Role.MONOLITHIC) -
     return ServerArgs(
         engine=engine, host=ns.host, port=ns.port, log_level=ns.log_level, health_timeout_s=ns.health_timeout
     )
-

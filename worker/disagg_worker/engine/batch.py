@@ -48,9 +48,9 @@ def build_forward(reqs: list[Req], extend: list[int], page_size: int) -> Forward
     vectorised ops (this runs every step).
     """
     starts = [r.num_computed for r in reqs]
-    ends = [s + n for s, n in zip(starts, extend)]
+    ends = [s + n for s, n in zip(starts, extend, strict=True)]
     ids: list[int] = []
-    for r, s, e in zip(reqs, starts, ends):
+    for r, s, e in zip(reqs, starts, ends, strict=True):
         chunk = r.tokens(s, e)
         ids.extend(chunk)
         ids.extend([0] * (e - s - len(chunk)))

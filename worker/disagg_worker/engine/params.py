@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields
+from typing import TypeGuard
 
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
@@ -18,11 +19,11 @@ TOP_P_CANDIDATES = 1024
 _SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1
 
 
-def _is_int(v: object) -> bool:
+def _is_int(v: object) -> TypeGuard[int]:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _is_real(v: object) -> bool:
+def _is_real(v: object) -> TypeGuard[int | float]:
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         return False
     try:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from disagg_worker.engine.sampling import SamplingParams, SamplingState
+from disagg_worker.mem.radix import Node
 
 
 class FinishReason(str, Enum):
@@ -35,7 +36,7 @@ class Req:
     pages: list[int] = field(default_factory=list)
     # Pages borrowed from the prefix cache (the first len(prefix_pages) entries of `pages`), locked.
     prefix_pages: int = 0
-    prefix_node: object = None
+    prefix_node: Node | None = None
     cached_tokens: int = 0
     finish_reason: FinishReason | None = None
     error: str = ""

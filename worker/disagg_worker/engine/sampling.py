@@ -253,8 +253,8 @@ class Sampler:
         n_top = min(max(w or 0 for w in wanted), raw.shape[1])
         top: list[list[tuple[int, float]]] = [[] for _ in reqs]
         if n_top > 0:
-            vals, ids = lsm.topk(n_top, dim=-1)
-            vals, ids = vals.tolist(), ids.tolist()
+            best = lsm.topk(n_top, dim=-1)
+            vals, ids = best.values.tolist(), best.indices.tolist()
             for i, w in enumerate(wanted):
-                top[i] = list(zip(ids[i][: w or 0], vals[i][: w or 0]))
+                top[i] = list(zip(ids[i][: w or 0], vals[i][: w or 0], strict=True))
         return chosen, top

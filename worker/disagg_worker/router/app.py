@@ -23,7 +23,7 @@ from disagg_worker.server.errors import APIError
 
 log = logging.getLogger(__name__)
 
-ROUTER = web.AppKey("router", "Router")
+ROUTER: web.AppKey[Router] = web.AppKey("router")
 STATUS_OF_TYPE = {"invalid_request_error": 400, "not_found_error": 404}
 
 
@@ -42,10 +42,16 @@ class Router:
         self.model_name = model_name
         self.retries = retries
         self.timeout = aiohttp.ClientTimeout(total=request_timeout_s, sock_connect=5)
-        self.session: aiohttp.ClientSession | None = None
+        self._session: aiohttp.ClientSession | None = None
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            raise RuntimeError("the router is not started")
+        return self._session
 
     async def start(self, health_interval_s: float = 2.0) -> None:
-        self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+        self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
         await self.pool.refresh_dns()
         await self.pool.check_health(self.session)
         self._watch = asyncio.create_task(self.pool.watch(self.session, health_interval_s))

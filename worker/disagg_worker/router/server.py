@@ -77,12 +77,13 @@ async def fan_out(request: web.Request, router: Router, path: str, body: dict, n
     """n choices = n single-choice requests, each on its own pair and bootstrap room."""
     opened = await asyncio.gather(*(router.open(path, sub_request(body, i)) for i in range(n)), return_exceptions=True)
     try:
+        ok = [o for o in opened if not isinstance(o, BaseException)]
         failed = next((o for o in opened if isinstance(o, BaseException)), None)
         if failed is not None:
             raise failed
         if body.get("stream") is not True:
-            return web.json_response(merge_bodies([json.loads(o[2]) for o in opened]))
-        return await stream_merged(request, opened, body)
+            return web.json_response(merge_bodies([json.loads(o[2]) for o in ok]))
+        return await stream_merged(request, ok, body)
     finally:
         for o in opened:
             if not isinstance(o, BaseException):

@@ -217,7 +217,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
     if req.input_ids is not None:  # admitted while parsing
         ids, params = req.input_ids, req.sampling
     else:
-        ids = fe.tokenizer.encode(req.text)
+        ids = fe.tokenizer.encode(req.text or "")
         params = fe.limits.admit(ids, req.sampling, req.max_tokens_set, "sampling_params.max_new_tokens", "text")
     bootstrap = bootstrap_of(body)
     choice = fmt.Choice(0)

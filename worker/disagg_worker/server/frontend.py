@@ -12,7 +12,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 
 import zmq
@@ -96,7 +96,7 @@ class Frontend:
     # ---- token streams --------------------------------------------------------------------
     async def token_stream(
         self, input_ids: list[int], params: SamplingParams, bootstrap: msg.BootstrapInfo | None = None
-    ) -> AsyncIterator[msg.TokenOut]:
+    ) -> AsyncGenerator[msg.TokenOut, None]:
         """Yield the engine's TokenOut messages for one request; aborts it if the consumer leaves."""
         rid = uuid.uuid4().hex
         q: asyncio.Queue = asyncio.Queue()

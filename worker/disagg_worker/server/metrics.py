@@ -27,12 +27,13 @@ class ServerMetrics:
         self.pages_free = gauge("disagg_kv_pages_free", "KV cache pages free")
         self.hit_rate = gauge("disagg_prefix_cache_hit_rate", "Prefix cache hit tokens / queried tokens")
         self.queue = Gauge("disagg_queue_size", "Requests per disaggregation queue", ["instance", "queue"], registry=r)
-        hist = dict(labelnames=labels, buckets=LATENCY_BUCKETS, registry=r)
-        self.ttft = Histogram("disagg_time_to_first_token_seconds", "Time to first token", **hist).labels(instance)
-        self.itl = Histogram("disagg_inter_token_latency_seconds", "Time between output tokens", **hist).labels(
-            instance
-        )
-        self.e2e = Histogram("disagg_e2e_request_latency_seconds", "Request latency", **hist).labels(instance)
+
+        def histogram(name: str, doc: str) -> Histogram:
+            return Histogram(name, doc, labels, buckets=LATENCY_BUCKETS, registry=r).labels(instance)
+
+        self.ttft = histogram("disagg_time_to_first_token_seconds", "Time to first token")
+        self.itl = histogram("disagg_inter_token_latency_seconds", "Time between output tokens")
+        self.e2e = histogram("disagg_e2e_request_latency_seconds", "Request latency")
         self.prompt_tokens = Counter("disagg_prompt_tokens", "Prompt tokens processed", labels, registry=r).labels(
             instance
         )
