@@ -341,7 +341,7 @@ def test_a_burst_of_writes_beyond_mooncakes_per_peer_queue_all_land():
             wait_for(sender, KVPoll.WaitingForInput)
         for _, sender, src, _ in rooms:
             sender.send(src, last=True)
-        for room, sender, src, dst in rooms:
+        for room, sender, _, _ in rooms:
             status, _ = wait_status(sender, 60)
             assert status is KVPoll.Success, sender.failure_reason()
             d_status, reason, _, _ = decode("wait", room, 30)

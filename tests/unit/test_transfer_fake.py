@@ -1,4 +1,4 @@
-"""The fake backend through the public registry: what a scheduler unit test relies on."""
+"""The fake backend through the public backend table: what a scheduler unit test relies on."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from disagg_worker.disagg import (
     KVLayout,
     KVPoll,
     create_kv_manager,
-    get_backend,
+    manager_class,
     pack_first_token,
     unpack_first_token,
 )
@@ -28,12 +28,14 @@ def managers():
     return p, d
 
 
-def test_registry_names_backends_and_rejects_unknown():
-    assert get_backend("fake", Role.PREFILL) is FakeKVManager
+def test_backends_are_found_by_name_and_unknown_names_rejected():
+    assert manager_class("fake", Role.PREFILL) is FakeKVManager
     with pytest.raises(ValueError, match="unknown transfer backend 'nope'"):
-        get_backend("nope", Role.DECODE)
+        manager_class("nope", Role.DECODE)
     with pytest.raises(ValueError):
-        get_backend("fake", Role.MONOLITHIC)
+        manager_class("fake", Role.MONOLITHIC)
+    with pytest.raises(ValueError, match="unknown transfer backend 'nope'"):
+        create_kv_manager(DisaggConfig(role=Role.PREFILL, transfer_backend="nope"), LAYOUT)
 
 
 def test_fake_round_trip_delivers_aux_and_success():

@@ -1,9 +1,15 @@
 """WriteGroup: bounded submission, oldest-first polling, and what a failed write does to the rest
-(against a scripted engine: each write finishes when the test says so); the engine's TCP lanes."""
+(against a scripted engine: each write finishes when the test says so); the engine's TCP lanes;
+large writes split into pieces."""
 
 from __future__ import annotations
 
-from disagg_worker.disagg.mooncake import WriteGroup, WriteState
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from disagg_worker.disagg.mooncake.engine import WriteGroup, WriteState
+from disagg_worker.disagg.mooncake.prefill_writes import split_writes
+from disagg_worker.tuning import TUNING
 
 
 class ScriptedEngine:
@@ -100,17 +106,47 @@ def test_tcp_lanes_are_set_for_mooncake_unless_the_user_set_them(monkeypatch):
     import argparse
 
     from disagg_worker.config import Role, add_disagg_args, add_engine_args, server_args_from_cli
-    from disagg_worker.disagg import mooncake
+    from disagg_worker.disagg.mooncake import engine
 
     p = argparse.ArgumentParser()
     add_engine_args(p)
     add_disagg_args(p)
     cfg = server_args_from_cli(p.parse_args(["--model", "m", "--tcp-lanes", "8"]), Role.PREFILL).engine.disagg
     assert cfg.tcp_lanes == 8
-    monkeypatch.setattr(mooncake, "_import_engine", lambda: _RecordingEngine)
+    monkeypatch.setattr(engine, "_import_engine", lambda: _RecordingEngine)
     monkeypatch.delenv("MC_TCP_LANES_PER_PEER", raising=False)
     _RecordingEngine.lanes = []
-    mooncake.MooncakeEngine("127.0.0.1", "tcp", "", cfg.tcp_lanes)
+    engine.MooncakeEngine("127.0.0.1", "tcp", "", cfg.tcp_lanes)
     monkeypatch.setenv("MC_TCP_LANES_PER_PEER", "2")  # the user's own setting wins
-    mooncake.MooncakeEngine("127.0.0.1", "tcp", "", cfg.tcp_lanes)
+    engine.MooncakeEngine("127.0.0.1", "tcp", "", cfg.tcp_lanes)
     assert _RecordingEngine.lanes == ["8", "2"]
+
+
+@settings(max_examples=200)
+@given(
+    st.lists(st.tuples(st.integers(0, 1 << 40), st.integers(0, 1 << 40), st.integers(1, 4 << 20)), max_size=12),
+    st.integers(0, 8),
+    st.integers(0, 1 << 20),
+)
+def test_split_writes_covers_the_same_bytes_in_order_in_about_the_asked_pieces(writes, pieces, min_piece):
+    out = split_writes(writes, pieces, min_piece)
+    pieces = pieces or TUNING.transfer.write_pieces
+    min_piece = min_piece or TUNING.transfer.min_piece_nbytes
+    piece = max(min_piece, -(-sum(n for *_, n in writes) // pieces))
+    rest = iter(out)
+    for src, dst, n in writes:  # each write's pieces follow each other, from its first byte to its last
+        off = 0
+        while off < n:
+            s, d, m = next(rest)
+            assert (s, d) == (src + off, dst + off) and 0 < m <= piece
+            off += m
+        assert off == n
+    assert next(rest, None) is None
+    assert len(out) <= len(writes) + pieces
+
+
+def test_split_writes_examples():
+    mib = 1 << 20
+    assert split_writes([(0, 100, 4 * mib)], 4) == [(i * mib, 100 + i * mib, mib) for i in range(4)]
+    assert split_writes([(0, 100, 4 * mib)], 1) == [(0, 100, 4 * mib)]
+    assert split_writes([(0, 100, 4096)], 4) == [(0, 100, 4096)]  # small writes stay whole
