@@ -39,9 +39,13 @@ from pathlib import Path
 
 os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
 from disagg_worker.config import DisaggConfig, Role  # noqa: E402
+from disagg_worker.disagg.mooncake.environ import mooncake_environ  # noqa: E402
+from disagg_worker.env import load_env  # noqa: E402
 
-# The lanes the KV managers configure, for the raw engines too (both processes inherit it).
-os.environ.setdefault("MC_TCP_LANES_PER_PEER", str(DisaggConfig.tcp_lanes))
+# The transfer engine's environment as a scheduler process sets it (TCP lanes per peer), for the
+# raw engines too; the receiver process inherits it.
+_USER_LANES = load_env().mc_tcp_lanes_per_peer
+os.environ.update(mooncake_environ(DisaggConfig(role=Role.PREFILL, mc_tcp_lanes_per_peer=_USER_LANES)))
 
 import torch  # noqa: E402
 

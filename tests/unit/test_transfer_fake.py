@@ -118,3 +118,17 @@ def test_close_fails_live_rooms():
 def test_env_reads_the_auth_token_with_prefix():
     assert load_env({"DISAGG_AUTH_TOKEN": " s3cret \n"}).auth_token == "s3cret"
     assert load_env({"AUTH_TOKEN": "x"}).auth_token == ""
+
+
+def test_the_auth_token_reaches_the_config_at_start_up_and_is_never_printed():
+    import argparse
+
+    from disagg_worker.config import add_disagg_args, add_engine_args, server_args_from_cli
+
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    add_disagg_args(p)
+    env = load_env({"DISAGG_AUTH_TOKEN": "s3cret"})
+    cfg = server_args_from_cli(p.parse_args(["--model", "m"]), Role.PREFILL, env).engine.disagg
+    assert cfg.auth_token == "s3cret"
+    assert "s3cret" not in repr(cfg) and "s3cret" not in repr(env)

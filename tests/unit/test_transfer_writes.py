@@ -102,24 +102,85 @@ class _RecordingEngine:
         return 1234
 
 
-def test_tcp_lanes_are_set_for_mooncake_unless_the_user_set_them(monkeypatch):
+def _disagg_config(argv: list[str], environ: dict[str, str]):
+    """The DisaggConfig a prefill instance started with `argv` in `environ` gets."""
     import argparse
 
     from disagg_worker.config import Role, add_disagg_args, add_engine_args, server_args_from_cli
-    from disagg_worker.disagg.mooncake import engine
+    from disagg_worker.env import load_env
 
     p = argparse.ArgumentParser()
     add_engine_args(p)
     add_disagg_args(p)
-    cfg = server_args_from_cli(p.parse_args(["--model", "m", "--tcp-lanes", "8"]), Role.PREFILL).engine.disagg
-    assert cfg.tcp_lanes == 8
+    return server_args_from_cli(p.parse_args(["--model", "m", *argv]), Role.PREFILL, load_env(environ)).engine.disagg
+
+
+def test_tcp_lanes_are_set_for_mooncake_unless_the_user_set_them(monkeypatch):
+    """As the scheduler process starts: mooncake_environ(cfg) applied, then the engine built."""
+    from disagg_worker.disagg.mooncake import engine
+    from disagg_worker.disagg.mooncake.environ import mooncake_environ
+
+    def start_engine(environ: dict[str, str]) -> None:
+        cfg = _disagg_config(["--tcp-lanes", "8"], environ)
+        assert cfg.tcp_lanes == 8
+        for name, value in mooncake_environ(cfg).items():
+            monkeypatch.setenv(name, value)
+        engine.MooncakeEngine("127.0.0.1", "tcp", "")
+
     monkeypatch.setattr(engine, "_import_engine", lambda: _RecordingEngine)
     monkeypatch.delenv("MC_TCP_LANES_PER_PEER", raising=False)
     _RecordingEngine.lanes = []
-    engine.MooncakeEngine("127.0.0.1", "tcp", "", cfg.tcp_lanes)
+    start_engine({})
     monkeypatch.setenv("MC_TCP_LANES_PER_PEER", "2")  # the user's own setting wins
-    engine.MooncakeEngine("127.0.0.1", "tcp", "", cfg.tcp_lanes)
+    start_engine({"MC_TCP_LANES_PER_PEER": "2"})
     assert _RecordingEngine.lanes == ["8", "2"]
+
+
+def test_the_scheduler_process_sets_the_engine_environment_before_it_builds_the_engine(monkeypatch):
+    import os
+
+    import pytest
+    import torch
+
+    from disagg_worker.config import EngineConfig
+    from disagg_worker.engine import process
+
+    class Built(Exception):
+        pass
+
+    seen: list[str | None] = []
+
+    class RecordingEngine:
+        @classmethod
+        def from_config(cls, cfg):
+            seen.append(os.environ.get("MC_TCP_LANES_PER_PEER"))
+            raise Built
+
+    monkeypatch.setattr(process.signal, "signal", lambda *args: None)  # leave this process's handlers alone
+    monkeypatch.setattr(process, "engine_class", lambda role: RecordingEngine)
+    monkeypatch.delenv("MC_TCP_LANES_PER_PEER", raising=False)
+    disagg = _disagg_config(["--tcp-lanes", "8"], {})
+    cfg = EngineConfig(model_path="m", torch_threads=torch.get_num_threads(), disagg=disagg)
+    with pytest.raises(Built):
+        process.run_scheduler(cfg, "ipc://unused-in", "ipc://unused-out")
+    assert seen == ["8"]
+
+
+def test_mooncake_environ_is_empty_where_no_mooncake_tcp_engine_starts():
+    from dataclasses import replace
+
+    from disagg_worker.config import Role
+    from disagg_worker.disagg.mooncake.environ import mooncake_environ
+
+    cfg = _disagg_config([], {})
+    assert mooncake_environ(cfg) == {"MC_TCP_LANES_PER_PEER": "16"}
+    assert mooncake_environ(replace(cfg, transfer_protocol="rdma")) == {}
+    assert mooncake_environ(replace(cfg, transfer_backend="fake")) == {}
+    assert mooncake_environ(replace(cfg, role=Role.MONOLITHIC)) == {}
+    assert mooncake_environ(replace(cfg, tcp_lanes=0)) == {}
+    assert mooncake_environ(_disagg_config(["--tcp-lanes", "0"], {"MC_TCP_LANES_PER_PEER": "3"})) == {
+        "MC_TCP_LANES_PER_PEER": "3"
+    }
 
 
 @settings(max_examples=200)

@@ -9,16 +9,20 @@ import os
 import shutil
 import signal
 import tempfile
+from multiprocessing.process import BaseProcess
+from typing import TYPE_CHECKING
 
 from aiohttp import web
 
 from disagg_worker.config import Role, ServerArgs
 from disagg_worker.engine.process import run_scheduler
-from disagg_worker.env import load_env
 from disagg_worker.model.tokenizer import Tokenizer
 from disagg_worker.server.api import build_app
 from disagg_worker.server.frontend import Frontend
 from disagg_worker.server.metrics import ServerMetrics
+
+if TYPE_CHECKING:
+    from disagg_worker.disagg.bootstrap import BootstrapServer
 
 log = logging.getLogger(__name__)
 
@@ -33,8 +37,8 @@ class EngineServer:
         self.ipc_dir = tempfile.mkdtemp(prefix="disagg-")
         self.to_engine = f"ipc://{self.ipc_dir}/to-engine"
         self.from_engine = f"ipc://{self.ipc_dir}/from-engine"
-        self.proc: mp.Process | None = None
-        self.bootstrap = None
+        self.proc: BaseProcess | None = None
+        self.bootstrap: BootstrapServer | None = None
         self.runner: web.AppRunner | None = None
         self.frontend: Frontend | None = None
 
@@ -42,33 +46,33 @@ class EngineServer:
         a = self.args
         tokenizer = Tokenizer.from_dir(a.engine.model_path)
         metrics = ServerMetrics(instance=f"{a.host}:{a.port}")
-        self.frontend = Frontend(tokenizer, self.to_engine, self.from_engine, metrics)
-        self.frontend.start()
+        self.frontend = frontend = Frontend(tokenizer, self.to_engine, self.from_engine, metrics)
+        frontend.start()
         if a.engine.disagg.role is Role.PREFILL:
             from disagg_worker.disagg.bootstrap import BootstrapServer
 
             d = a.engine.disagg
-            self.bootstrap = BootstrapServer(d.bootstrap_port, d.tp_size, d.pp_size, load_env().auth_token).start()
+            self.bootstrap = BootstrapServer(d.bootstrap_port, d.tp_size, d.pp_size, d.auth_token).start()
         ctx = mp.get_context("spawn")
-        self.proc = ctx.Process(
+        self.proc = proc = ctx.Process(
             target=run_scheduler,
             args=(a.engine, self.to_engine, self.from_engine, a.log_level),
             name="disagg-scheduler",
             daemon=True,
         )
-        self.proc.start()
-        await self._wait_ready()
-        app = build_app(self.frontend, a.engine.model_name, a.health_timeout_s)
+        proc.start()
+        await self._wait_ready(proc, frontend)
+        app = build_app(frontend, a.engine.model_name, a.health_timeout_s)
         self.runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
         await self.runner.setup()
         await web.TCPSite(self.runner, a.host, a.port).start()
 
-    async def _wait_ready(self) -> None:
+    async def _wait_ready(self, proc: BaseProcess, frontend: Frontend) -> None:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + STARTUP_TIMEOUT_S
-        while not self.frontend.ready.is_set():
-            if not self.proc.is_alive():
-                raise RuntimeError(f"the scheduler process exited with code {self.proc.exitcode} during start-up")
+        while not frontend.ready.is_set():
+            if not proc.is_alive():
+                raise RuntimeError(f"the scheduler process exited with code {proc.exitcode} during start-up")
             if loop.time() > deadline:
                 raise RuntimeError("the scheduler process did not become ready in time")
             await asyncio.sleep(0.1)

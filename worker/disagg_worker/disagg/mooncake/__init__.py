@@ -3,6 +3,8 @@ RDMA) straight from the prefill pool into the decode pool.
 
 What lives here depends on how Mooncake moves bytes, so another backend would not reuse it:
 - `engine`: the engine wrapper (asynchronous writes, a group of writes polled in order).
+- `environ`: the environment variables the engine must start with (it reads its settings
+  there); applied once by the scheduler process, never by this package.
 - `prefill`: the prefill manager's control protocol (hellos, room requests, aborts, timeouts,
   registration); `prefill_room`: a room's state shared with its writes.
 - `prefill_writes`: write planning (runs, pieces, staging) and the per-peer in-flight budget,

@@ -33,7 +33,6 @@ from disagg_worker.disagg.metrics import TransferMetrics
 from disagg_worker.disagg.mooncake.staging import open_registered, scatter, worth_staging
 from disagg_worker.disagg.poll import KVPoll, StatusCell
 from disagg_worker.disagg.rooms import RoomTable
-from disagg_worker.env import load_env
 from disagg_worker.tuning import TUNING
 
 log = logging.getLogger(__name__)
@@ -101,7 +100,6 @@ class DecodeReceiver(KVReceiver):
 class MooncakeDecodeManager(KVManager):
     def __init__(self, cfg: DisaggConfig, layout: KVLayout, rank: RankInfo, metrics: TransferMetrics):
         super().__init__(cfg, layout, rank, metrics)
-        self._token = load_env().auth_token
         self.engine, self._buffers, self.staging = open_registered(cfg, layout)
         self.aux = torch.zeros(layout.aux_num_slots * layout.aux_item_nbytes, dtype=torch.uint8)
         self.decode_id = uuid.uuid4().hex
@@ -220,7 +218,7 @@ class MooncakeDecodeManager(KVManager):
         error = f"prefill bootstrap server {inst.addr} not ready within {self.cfg.waiting_timeout_s:g}s"
         while not self._stop.is_set() and time.monotonic() < deadline:
             try:
-                topo = fetch_topology(inst.addr, self._token)
+                topo = fetch_topology(inst.addr, self.cfg.auth_token)
             except BootstrapError as e:
                 error = str(e)
                 break

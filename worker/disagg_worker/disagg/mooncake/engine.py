@@ -9,11 +9,13 @@ and are not used. A submitted write cannot be cancelled: a timed-out write may s
 Mooncake's TCP transport queues at most about a thousand writes per peer; past that it rejects
 writes, and after such a burst some of the queued ones never finish. Callers therefore keep at
 most `TUNING.transfer.max_writes_in_flight` writes outstanding per peer.
+
+The engine reads its settings (TCP lanes per peer and others) from the environment when it
+starts; `mooncake.environ.mooncake_environ` says which, and the scheduler process sets them.
 """
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass, field
 from enum import Enum
@@ -38,9 +40,7 @@ def _import_engine() -> Any:
 
 
 class MooncakeEngine:
-    def __init__(self, host: str, protocol: str = "tcp", device: str = "", tcp_lanes: int = 0):
-        if protocol == "tcp" and tcp_lanes > 0:  # read when the TCP transport starts; the user's value wins
-            os.environ.setdefault("MC_TCP_LANES_PER_PEER", str(tcp_lanes))
+    def __init__(self, host: str, protocol: str = "tcp", device: str = ""):
         self._te = _import_engine()()
         rc = self._te.initialize(host, "P2PHANDSHAKE", protocol, device)
         if rc != 0:

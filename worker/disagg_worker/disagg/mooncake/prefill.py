@@ -37,7 +37,6 @@ from disagg_worker.disagg.mooncake.prefill_writes import PrefillWrites
 from disagg_worker.disagg.mooncake.staging import open_registered
 from disagg_worker.disagg.poll import KVPoll
 from disagg_worker.disagg.rooms import RoomTable
-from disagg_worker.env import load_env
 from disagg_worker.tuning import TUNING
 
 log = logging.getLogger(__name__)
@@ -65,7 +64,6 @@ class PrefillSender(KVSender):
 class MooncakePrefillManager(KVManager):
     def __init__(self, cfg: DisaggConfig, layout: KVLayout, rank: RankInfo, metrics: TransferMetrics):
         super().__init__(cfg, layout, rank, metrics)
-        self._token = load_env().auth_token
         self.engine, buffers, staging = open_registered(cfg, layout)
         self.writes = PrefillWrites(
             self.engine, layout, buffers, staging,
@@ -176,7 +174,7 @@ class MooncakePrefillManager(KVManager):
         """Register with the bootstrap server; seconds until the next attempt."""
         url = self.rank.bootstrap_url or f"http://127.0.0.1:{self.cfg.bootstrap_port}"
         try:
-            register_rank(url, self.registration(), self._token)
+            register_rank(url, self.registration(), self.cfg.auth_token)
         except BootstrapError as e:
             log.error("bootstrap registration refused: %s", e)
             return TUNING.transfer.register_refused_retry_s

@@ -101,7 +101,7 @@ class StagingArea:
 def open_registered(cfg: DisaggConfig, layout: KVLayout) -> tuple[MooncakeEngine, list[torch.Tensor], StagingArea]:
     """A transfer engine with the KV buffers and a fresh staging area registered once, plus byte
     views of the KV buffers (for gathering and scattering staged rooms). Both managers start so."""
-    engine = MooncakeEngine(cfg.advertise_host, cfg.transfer_protocol, cfg.ib_device, cfg.tcp_lanes)
+    engine = MooncakeEngine(cfg.advertise_host, cfg.transfer_protocol, cfg.ib_device)
     buffers = list(zip(layout.buffer_ptrs, layout.buffer_nbytes, strict=True))
     for ptr, n in buffers:
         engine.register(ptr, n)
