@@ -17,6 +17,8 @@ os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
 from disagg_worker.config import DisaggConfig, Role  # noqa: E402
 from disagg_worker.disagg import KVLayout, KVPoll, RankInfo, create_kv_manager, pack_first_token, unpack_first_token  # noqa: E402
 from disagg_worker.disagg.bootstrap import BootstrapServer  # noqa: E402
+from disagg_worker.disagg.mooncake.environ import mooncake_environ  # noqa: E402
+from disagg_worker.env import load_env  # noqa: E402
 from disagg_worker.mem.kv_pool import KVPool  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
@@ -24,9 +26,19 @@ SMALL = dict(num_layers=2, num_pages=64, page_size=4, num_kv_heads=2, head_dim=3
 _rooms = itertools.count(random.getrandbits(40) << 20)
 
 
-def _decode_child(conn, pool_kw: dict, cfg_kw: dict, env: dict) -> None:
+@pytest.fixture(scope="module", autouse=True)
+def mooncake_settings():
+    """The transfer engine's environment, set as the scheduler process sets it before it builds an
+    engine; the decode processes inherit it."""
+    user = load_env().mc_tcp_lanes_per_peer
+    with pytest.MonkeyPatch.context() as patch:
+        for name, value in mooncake_environ(DisaggConfig(role=Role.PREFILL, mc_tcp_lanes_per_peer=user)).items():
+            patch.setenv(name, value)
+        yield
+
+
+def _decode_child(conn, pool_kw: dict, cfg_kw: dict) -> None:
     """Decode side, driven by (command, *args) tuples over `conn`."""
-    os.environ.update(env)
     pool = KVPool(**pool_kw, dtype=torch.float32)
     layout = KVLayout.from_pool(pool, "float32")
     mgr = create_kv_manager(DisaggConfig(role=Role.DECODE, **cfg_kw), layout)
@@ -64,10 +76,10 @@ def _decode_child(conn, pool_kw: dict, cfg_kw: dict, env: dict) -> None:
 
 
 class DecodeProc:
-    def __init__(self, pool_kw: dict, env: dict | None = None, **cfg_kw):
+    def __init__(self, pool_kw: dict, **cfg_kw):
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_decode_child, args=(child, pool_kw, cfg_kw, env or {}), daemon=True)
+        self.proc = ctx.Process(target=_decode_child, args=(child, pool_kw, cfg_kw), daemon=True)
         self.proc.start()
         assert self.conn.poll(60) and self.conn.recv() == "ready"
 
@@ -92,7 +104,7 @@ class Prefill:
         self.pool = KVPool(**pool_kw, dtype=torch.float32)
         for buf in self.pool.buffers():
             buf.copy_(torch.randn_like(buf))
-        cfg = DisaggConfig(role=Role.PREFILL, **cfg_kw)
+        cfg = DisaggConfig(role=Role.PREFILL, auth_token=token, **cfg_kw)
         self.mgr = create_kv_manager(
             cfg, KVLayout.from_pool(self.pool, "float32"), RankInfo(bootstrap_url=self.server.url)
         )
@@ -269,11 +281,10 @@ def test_killing_decode_mid_transfer_fails_sender_within_timeout():
         prefill.close()
 
 
-def test_bootstrap_token_is_required_end_to_end(monkeypatch):
-    monkeypatch.setenv("DISAGG_AUTH_TOKEN", "s3cret")  # read by the prefill manager at start
-    prefill = Prefill(SMALL, token="s3cret")
-    good = DecodeProc(SMALL, env={"DISAGG_AUTH_TOKEN": "s3cret"})
-    bad = DecodeProc(SMALL, env={"DISAGG_AUTH_TOKEN": "guess"})
+def test_bootstrap_token_is_required_end_to_end():
+    prefill = Prefill(SMALL, token="s3cret")  # its bootstrap server and its rank's registration
+    good = DecodeProc(SMALL, auth_token="s3cret")
+    bad = DecodeProc(SMALL, auth_token="guess")
     try:
         room = next(_rooms)
         bad("recv", room, prefill.addr, [0], 0)

@@ -15,7 +15,19 @@ from disagg_worker.disagg.bootstrap import BootstrapServer, RankRegistration
 from disagg_worker.disagg.bootstrap_client import BootstrapError, fetch_topology, register_rank
 
 TOKEN = "t0ken"
-REG = RankRegistration(0, 2, 0, 1, "10.0.0.1", 5555, 16, "bfloat16", "10.0.0.1:15001", 0, 4)
+REG = RankRegistration(
+    tp_rank=0,
+    tp_size=2,
+    pp_rank=0,
+    pp_size=1,
+    rank_ip="10.0.0.1",
+    rank_port=5555,
+    page_size=16,
+    kv_dtype="bfloat16",
+    session_id="10.0.0.1:15001",
+    start_layer=0,
+    num_layers=4,
+)
 
 
 def request(port, method, path, body=None, headers=None):

@@ -1,4 +1,4 @@
-"""The fake backend through the public registry: what a scheduler unit test relies on."""
+"""The fake backend through the public backend table: what a scheduler unit test relies on."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from disagg_worker.disagg import (
     KVLayout,
     KVPoll,
     create_kv_manager,
-    get_backend,
+    manager_class,
     pack_first_token,
     unpack_first_token,
 )
@@ -28,12 +28,14 @@ def managers():
     return p, d
 
 
-def test_registry_names_backends_and_rejects_unknown():
-    assert get_backend("fake", Role.PREFILL) is FakeKVManager
+def test_backends_are_found_by_name_and_unknown_names_rejected():
+    assert manager_class("fake", Role.PREFILL) is FakeKVManager
     with pytest.raises(ValueError, match="unknown transfer backend 'nope'"):
-        get_backend("nope", Role.DECODE)
+        manager_class("nope", Role.DECODE)
     with pytest.raises(ValueError):
-        get_backend("fake", Role.MONOLITHIC)
+        manager_class("fake", Role.MONOLITHIC)
+    with pytest.raises(ValueError, match="unknown transfer backend 'nope'"):
+        create_kv_manager(DisaggConfig(role=Role.PREFILL, transfer_backend="nope"), LAYOUT)
 
 
 def test_fake_round_trip_delivers_aux_and_success():
@@ -116,3 +118,17 @@ def test_close_fails_live_rooms():
 def test_env_reads_the_auth_token_with_prefix():
     assert load_env({"DISAGG_AUTH_TOKEN": " s3cret \n"}).auth_token == "s3cret"
     assert load_env({"AUTH_TOKEN": "x"}).auth_token == ""
+
+
+def test_the_auth_token_reaches_the_config_at_start_up_and_is_never_printed():
+    import argparse
+
+    from disagg_worker.config import add_disagg_args, add_engine_args, server_args_from_cli
+
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    add_disagg_args(p)
+    env = load_env({"DISAGG_AUTH_TOKEN": "s3cret"})
+    cfg = server_args_from_cli(p.parse_args(["--model", "m"]), Role.PREFILL, env).engine.disagg
+    assert cfg.auth_token == "s3cret"
+    assert "s3cret" not in repr(cfg) and "s3cret" not in repr(env)

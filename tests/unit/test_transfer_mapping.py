@@ -13,19 +13,30 @@ from disagg_worker.disagg import KVLayout
 from disagg_worker.disagg.bootstrap import RankRegistration
 from disagg_worker.disagg.bootstrap_client import Topology
 from disagg_worker.disagg.heartbeat import HeartbeatMonitor
-from disagg_worker.disagg.mooncake_decode import check_compatible
-from disagg_worker.disagg.peers import layer_buffer_map
+from disagg_worker.disagg.mapping import check_compatible, layer_buffer_map
 
 LAYOUT = KVLayout([1, 2, 3, 4], [1024] * 4, page_nbytes=256, page_size=16, kv_dtype="bfloat16", num_pages=4)
 
 
 def topo(tp=1, pp=1, page_size=16, kv_dtype="bfloat16"):
     ranks = [
-        RankRegistration(t, tp, p, pp, "10.0.0.9", 5000 + 10 * p + t, page_size, kv_dtype, "s", 2 * p, 2)
+        RankRegistration(
+            tp_rank=t,
+            tp_size=tp,
+            pp_rank=p,
+            pp_size=pp,
+            rank_ip="10.0.0.9",
+            rank_port=5000 + 10 * p + t,
+            page_size=page_size,
+            kv_dtype=kv_dtype,
+            session_id="s",
+            start_layer=2 * p,
+            num_layers=2,
+        )
         for p in range(pp)
         for t in range(tp)
     ]
-    return Topology("id", tp, pp, page_size, kv_dtype, ranks)
+    return Topology(instance_id="id", tp_size=tp, pp_size=pp, page_size=page_size, kv_dtype=kv_dtype, ranks=ranks)
 
 
 def cfg(tp=1, pp=1):

@@ -11,6 +11,8 @@ import argparse
 from dataclasses import dataclass, field
 from enum import Enum
 
+from disagg_worker.env import WorkerEnv, load_env
+
 
 class Role(str, Enum):
     MONOLITHIC = "monolithic"
@@ -69,6 +71,11 @@ class DisaggConfig:
     # per page run per layer's K and V) finish sooner over more lanes: 64 writes of 4 KiB took
     # 4.0 ms with Mooncake's default of 4 lanes and 2.3 ms with 16 on loopback here.
     tcp_lanes: int = 16
+    # From the environment at start-up (`disagg_worker.env`), not flags. The bootstrap server's
+    # bearer token ("" disables auth), kept out of repr so that it is never logged.
+    auth_token: str = field(default="", repr=False)
+    # MC_TCP_LANES_PER_PEER as the user set it (None: not set); it wins over tcp_lanes.
+    mc_tcp_lanes_per_peer: str | None = None
 
 
 @dataclass(frozen=True)
@@ -174,7 +181,12 @@ def add_disagg_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-def server_args_from_cli(ns: argparse.Namespace, role: Role = Role.MONOLITHIC) -> ServerArgs:
+def server_args_from_cli(
+    ns: argparse.Namespace, role: Role = Role.MONOLITHIC, env: WorkerEnv | None = None
+) -> ServerArgs:
+    """The config chain of one instance: `ns` from the CLI, `env` (default: `load_env()`) from
+    the environment."""
+    env = load_env() if env is None else env
     cache = CacheConfig(
         page_size=ns.page_size,
         num_pages=ns.num_pages,
@@ -205,6 +217,8 @@ def server_args_from_cli(ns: argparse.Namespace, role: Role = Role.MONOLITHIC) -
             heartbeat_max_misses=ns.heartbeat_max_misses,
             max_bootstrap_queue=ns.max_bootstrap_queue,
             tcp_lanes=ns.tcp_lanes,
+            auth_token=env.auth_token,
+            mc_tcp_lanes_per_peer=env.mc_tcp_lanes_per_peer,
         )
     engine = EngineConfig(
         model_path=ns.model,

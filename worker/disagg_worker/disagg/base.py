@@ -6,7 +6,7 @@ poll until Success or Failed. Decode: `mgr.create_receiver(room, bootstrap_addr)
 leaves Bootstrapping call `init(dest_pages, aux_slot)`; poll until Success, then read
 `aux_bytes()`. `abort()` on either side fails the other side's handle too.
 
-Backends implement `KVManager` and register in `registry`; handles never block.
+Backends implement `KVManager` and are listed in `backends.BACKENDS`; handles never block.
 """
 
 from __future__ import annotations
@@ -192,6 +192,7 @@ class KVManager(ABC):
 
     def confirm_instance_dead(self, bootstrap_addr: str) -> None:
         """Decode: the caller knows that prefill instance is gone; its pages are safe."""
+        return None  # a backend that never quarantines pages has nothing to release
 
     @abstractmethod
     def close(self) -> None:

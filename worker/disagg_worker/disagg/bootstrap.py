@@ -108,56 +108,66 @@ class _Registry:
         }
 
 
-def build_app(tp_size: int = 1, pp_size: int = 1, token: str = "") -> web.Application:
-    """The bootstrap app for an instance of `tp_size * pp_size` ranks."""
-    if tp_size < 1 or pp_size < 1:
-        raise ValueError("tp_size and pp_size must be >= 1")
-    reg = _Registry(tp_size, pp_size)
-    expected = f"Bearer {token}".encode()
+class _Routes:
+    """The handlers of one instance's app."""
 
-    def authorized(request: web.Request) -> bool:
-        if not token:
+    def __init__(self, reg: _Registry, token: str):
+        self._reg = reg
+        self._token = token
+        self._expected = f"Bearer {token}".encode()
+
+    def _authorized(self, request: web.Request) -> bool:
+        if not self._token:
             return True
-        return hmac.compare_digest(request.headers.get("Authorization", "").encode(), expected)
+        return hmac.compare_digest(request.headers.get("Authorization", "").encode(), self._expected)
 
-    async def put_route(request: web.Request) -> web.Response:
-        if not authorized(request):
+    async def put_route(self, request: web.Request) -> web.Response:
+        if not self._authorized(request):
             return _error(401, "missing or wrong bearer token")
         try:
             body = json.loads(await request.read())
             rank = RankRegistration.from_json(body)
         except (ValueError, UnicodeDecodeError) as e:
             return _error(400, f"bad registration: {e}")
+        reg = self._reg
         problem = reg.add(rank)
         if problem:
             return _error(409, problem)
-        return web.json_response({"ok": True, "registered": len(reg.ranks), "expected": tp_size * pp_size})
+        return web.json_response({"ok": True, "registered": len(reg.ranks), "expected": reg.tp_size * reg.pp_size})
 
-    async def get_route(request: web.Request) -> web.Response:
-        if not authorized(request):
+    async def get_route(self, request: web.Request) -> web.Response:
+        if not self._authorized(request):
             return _error(401, "missing or wrong bearer token")
         try:
             tp = int(request.query.get("tp_rank", "-1"))
             pp = int(request.query.get("pp_rank", "-1"))
         except ValueError:
             return _error(400, "tp_rank and pp_rank must be integers")
+        reg = self._reg
         if not reg.complete:
-            return _error(503, f"{len(reg.ranks)} of {tp_size * pp_size} ranks registered")
+            return _error(503, f"{len(reg.ranks)} of {reg.tp_size * reg.pp_size} ranks registered")
         if tp == -1 and pp == -1:
             return web.json_response(reg.topology())
         rank = reg.ranks.get((tp, pp))
         if rank is None:
-            return _error(404, f"no rank tp={tp} pp={pp} in tp={tp_size} pp={pp_size}")
+            return _error(404, f"no rank tp={tp} pp={pp} in tp={reg.tp_size} pp={reg.pp_size}")
         return web.json_response({"rank_ip": rank.rank_ip, "rank_port": rank.rank_port})
 
-    async def health(request: web.Request) -> web.Response:
-        body = {"instance_id": reg.instance_id, "registered": len(reg.ranks), "expected": tp_size * pp_size}
+    async def health(self, request: web.Request) -> web.Response:
+        reg = self._reg
+        body = {"instance_id": reg.instance_id, "registered": len(reg.ranks), "expected": reg.tp_size * reg.pp_size}
         return web.json_response(body, status=200 if reg.complete else 503)
 
+
+def build_app(tp_size: int = 1, pp_size: int = 1, token: str = "") -> web.Application:
+    """The bootstrap app for an instance of `tp_size * pp_size` ranks."""
+    if tp_size < 1 or pp_size < 1:
+        raise ValueError("tp_size and pp_size must be >= 1")
+    routes = _Routes(_Registry(tp_size, pp_size), token)
     app = web.Application(middlewares=[_json_errors], client_max_size=64 * 1024)
-    app.router.add_put("/route", put_route)
-    app.router.add_get("/route", get_route)
-    app.router.add_get("/health", health)
+    app.router.add_put("/route", routes.put_route)
+    app.router.add_get("/route", routes.get_route)
+    app.router.add_get("/health", routes.health)
     return app
 
 
@@ -200,7 +210,7 @@ class BootstrapServer:
         await self._runner.setup()
         site = web.TCPSite(self._runner, self._host, self.port)
         await site.start()
-        self.port = site._server.sockets[0].getsockname()[1]
+        self.port = self._runner.addresses[0][1]  # the port bound when `port` was 0
 
     def stop(self) -> None:
         if self._thread is None:

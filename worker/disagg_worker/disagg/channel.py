@@ -1,5 +1,8 @@
 """zmq control channel: one PULL socket to receive, one PUSH socket per peer endpoint.
 
+It carries the backend-neutral control messages (`messages`) and knows nothing of how the KV
+bytes move, so a backend other than Mooncake would reuse it as it is.
+
 `send` may be called from any thread (serialised by a lock); `recv` from one thread only.
 Sends never block: a peer that is gone or not reading just loses the message, and the
 timeouts on both sides turn that into a Failed room.
@@ -15,9 +18,6 @@ import zmq
 from disagg_worker.disagg.messages import CodecError, Message, decode, encode
 
 log = logging.getLogger(__name__)
-# The control threads of both managers wait at most this long for messages, and check their
-# rooms' timeouts at most this often (not on every message: a sweep visits every room).
-SWEEP_INTERVAL_MS = 20
 
 
 class ControlChannel:

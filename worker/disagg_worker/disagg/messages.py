@@ -29,7 +29,7 @@ class DecodeHello:
     page_nbytes: int
     start_layer: int
     aux_item_nbytes: int
-    staging_ptr: int = 0  # decode's registered staging area (mooncake_staging), 0: none
+    staging_ptr: int = 0  # decode's registered staging area (mooncake.staging), 0: none
     staging_nbytes: int = 0
 
 

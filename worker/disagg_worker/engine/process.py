@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import signal
 
 from disagg_worker.config import EngineConfig
@@ -14,8 +15,10 @@ def run_scheduler(cfg: EngineConfig, recv_addr: str, send_addr: str, log_level: 
     import torch
 
     from disagg_worker.engine.engine import Engine
+    from disagg_worker.disagg.mooncake.environ import mooncake_environ
     from disagg_worker.engine.loop import EngineLoop
 
+    os.environ.update(mooncake_environ(cfg.disagg))  # read by the transfer engine when it starts
     if cfg.resolved_torch_threads:
         torch.set_num_threads(cfg.resolved_torch_threads)
 

@@ -16,7 +16,6 @@ from aiohttp import web
 from disagg_worker.config import Role, ServerArgs
 from disagg_worker.disagg.bootstrap import BootstrapServer
 from disagg_worker.engine.process import run_scheduler
-from disagg_worker.env import load_env
 from disagg_worker.model.tokenizer import Tokenizer
 from disagg_worker.server.api import build_app
 from disagg_worker.server.frontend import Frontend
@@ -48,7 +47,7 @@ class EngineServer:
         self.frontend.start()
         if a.engine.disagg.role is Role.PREFILL:
             d = a.engine.disagg
-            self.bootstrap = BootstrapServer(d.bootstrap_port, d.tp_size, d.pp_size, load_env().auth_token).start()
+            self.bootstrap = BootstrapServer(d.bootstrap_port, d.tp_size, d.pp_size, d.auth_token).start()
         ctx = mp.get_context("spawn")
         proc = ctx.Process(
             target=run_scheduler,

@@ -6,8 +6,9 @@ the writes of its jobs and polls them with a doubling sleep, never spinning a co
 
 Jobs to one destination finish about in the order they were started, so a poll walks them
 oldest first and stops at the first one that is still waiting; a full pass every
-`FULL_POLL_INTERVAL_S` catches a job that finished out of order. With many rooms streaming
-to one decode instance that is one or two status reads per poll instead of one per room.
+`TUNING.transfer.full_poll_interval_s` catches a job that finished out of order. With many
+rooms streaming to one decode instance that is one or two status reads per poll instead of
+one per room.
 """
 
 from __future__ import annotations
@@ -21,15 +22,10 @@ from collections.abc import Callable
 from enum import Enum
 from typing import Generic, TypeVar
 
-J = TypeVar("J")
+from disagg_worker.tuning import TUNING
 
-# Sleep between status polls: starts short (small transfers finish in tens of microseconds)
-# and doubles while nothing completes, up to the cap. The cap bounds how late a finished
-# transfer is noticed (a sleep overshoots by ~80 us here); polling costs ~10 us of CPU.
-POLL_SLEEP_MIN_S = 0.00001
-POLL_SLEEP_MAX_S = 0.0002
-FULL_POLL_INTERVAL_S = 0.002
-_PR_SET_TIMERSLACK = 29
+J = TypeVar("J")
+_PR_SET_TIMERSLACK = 29  # prctl option (linux/prctl.h)
 
 
 class Progress(Enum):
@@ -41,11 +37,11 @@ class Progress(Enum):
 
 
 def _tight_sleeps() -> None:
-    """Let this thread's sleeps end within ~1 us of their deadline instead of the default
-    50 us timer slack (a 20 us sleep took ~120 us here, ~40 us with this)."""
+    """Let this thread's sleeps end close to their deadline (`TUNING.transfer.timer_slack_ns`)
+    instead of after the default 50 us timer slack."""
     if sys.platform.startswith("linux"):
         try:
-            ctypes.CDLL(None).prctl(_PR_SET_TIMERSLACK, 1000, 0, 0, 0)
+            ctypes.CDLL(None).prctl(_PR_SET_TIMERSLACK, TUNING.transfer.timer_slack_ns, 0, 0, 0)
         except (OSError, AttributeError):
             pass
 
@@ -80,24 +76,25 @@ class TransferWorkers(Generic[J]):
 
     def _run(self, jobs: queue.Queue[J]) -> None:
         _tight_sleeps()
+        t = TUNING.transfer
         active: list[J] = []
-        sleep, next_full = POLL_SLEEP_MIN_S, 0.0
+        sleep, next_full = t.poll_sleep_min_s, 0.0
         while not self._stop.is_set():
             try:
                 job = jobs.get(timeout=0.05) if not active else jobs.get_nowait()
                 self._start(job)
                 active.append(job)
-                sleep = POLL_SLEEP_MIN_S
+                sleep = t.poll_sleep_min_s
                 continue
             except queue.Empty:
                 pass
             now = time.monotonic()
             full = now >= next_full
-            next_full = now + FULL_POLL_INTERVAL_S if full else next_full
+            next_full = now + t.full_poll_interval_s if full else next_full
             before = len(active)
             active = poll_in_order(active, self._progress, full)
             if active:
-                sleep = POLL_SLEEP_MIN_S if len(active) < before else min(2 * sleep, POLL_SLEEP_MAX_S)
+                sleep = t.poll_sleep_min_s if len(active) < before else min(2 * sleep, t.poll_sleep_max_s)
                 time.sleep(sleep)
 
 

@@ -1,10 +1,16 @@
-"""What a prefill rank knows about a decode rank after its hello: where to write."""
+"""What a prefill rank knows about a decode rank after its hello: where to write.
+
+Mooncake writes to raw addresses in a peer's registered memory, named by its transfer session:
+a `DecodePeer` holds decode's buffer addresses, which local buffer feeds which of them, and the
+geometry of decode's staging area (`staging`).
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from disagg_worker.disagg.base import KVLayout
+from disagg_worker.disagg.mapping import layer_buffer_map
 from disagg_worker.disagg.messages import DecodeHello
 
 
@@ -35,9 +41,16 @@ class DecodePeer:
         except ValueError as e:
             mapping, error = [], error or str(e)
         return cls(
-            hello.session_id, hello.buffer_ptrs, hello.buffer_nbytes, hello.page_nbytes,
-            hello.aux_item_nbytes, mapping, error, hello.staging_ptr, hello.staging_nbytes,
-        )  # fmt: skip
+            session_id=hello.session_id,
+            buffer_ptrs=hello.buffer_ptrs,
+            buffer_nbytes=hello.buffer_nbytes,
+            page_nbytes=hello.page_nbytes,
+            aux_item_nbytes=hello.aux_item_nbytes,
+            buffer_map=mapping,
+            error=error,
+            staging_ptr=hello.staging_ptr,
+            staging_nbytes=hello.staging_nbytes,
+        )
 
     def check_dest(self, dest_pages: list[int], aux_slot: int, staging_offset: int = -1) -> str:
         """ "" if every destination page lies inside every decode buffer (and a staged room
@@ -48,24 +61,13 @@ class DecodePeer:
             return f"destination pages outside decode's pool of {limit} pages: {bad[:5]}"
         staged = len(dest_pages) * self.page_nbytes * len(self.buffer_ptrs)
         if staging_offset >= 0 and staging_offset + staged > self.staging_nbytes:
-            return f"staged room [{staging_offset}, +{staged}) outside decode's staging area of {self.staging_nbytes} bytes"
+            return (
+                f"staged room [{staging_offset}, +{staged}) outside decode's staging area "
+                f"of {self.staging_nbytes} bytes"
+            )
         return "" if aux_slot >= 0 else f"negative aux slot {aux_slot}"
 
     def staged_dst(self, staging_offset: int, n_dest: int, local_buffer: int, dest_index: int) -> int:
         """Address in decode's staging area of destination index `dest_index` of a local buffer."""
         b = self.buffer_map[local_buffer]
         return self.staging_ptr + staging_offset + (b * n_dest + dest_index) * self.page_nbytes
-
-
-def layer_buffer_map(src_start: int, src_layers: int, dst_start: int, dst_layers: int) -> list[int]:
-    """Map buffers `[K_0..K_{n-1}, V_0..V_{n-1}]` of a rank holding layers
-    `[src_start, src_start + src_layers)` onto the same layers of a rank holding
-    `[dst_start, dst_start + dst_layers)`. Raises ValueError if a layer has no destination."""
-    if src_start < dst_start or src_start + src_layers > dst_start + dst_layers:
-        raise ValueError(
-            f"prefill layers [{src_start}, {src_start + src_layers}) not held by decode layers "
-            f"[{dst_start}, {dst_start + dst_layers})"
-        )
-    offset = src_start - dst_start
-    keys = [offset + i for i in range(src_layers)]
-    return keys + [dst_layers + k for k in keys]

@@ -4,6 +4,9 @@ Per prefill instance (bootstrap address): resolve the topology once, check compa
 send a `DecodeHello` to each target rank, then watch it with heartbeats. Per room: send
 `RoomRequest` after `init()` and the handshake; apply `RoomUpdate`s from prefill. Threads:
 `control` (zmq updates, waiting timeouts), a resolver pool (blocking HTTP), heartbeat.
+
+A room whose destination is fragmented is staged (`staging`): prefill writes it into a range of
+this rank's registered staging area, and it is scattered into its pages before Success.
 """
 
 from __future__ import annotations
@@ -21,15 +24,16 @@ import torch
 from disagg_worker.config import DisaggConfig
 from disagg_worker.disagg.base import KVLayout, KVManager, KVReceiver, RankInfo, TransferFailure, check_pages
 from disagg_worker.disagg.bootstrap import RankRegistration
-from disagg_worker.disagg.bootstrap_client import BootstrapError, Topology, fetch_topology
-from disagg_worker.disagg.channel import SWEEP_INTERVAL_MS, ControlChannel
+from disagg_worker.disagg.bootstrap_client import BootstrapError, fetch_topology
+from disagg_worker.disagg.channel import ControlChannel
 from disagg_worker.disagg.heartbeat import HeartbeatMonitor
+from disagg_worker.disagg.mapping import check_compatible
 from disagg_worker.disagg.messages import DecodeHello, RoomAbort, RoomRequest, RoomUpdate
 from disagg_worker.disagg.metrics import TransferMetrics
-from disagg_worker.disagg.mooncake_staging import open_registered, scatter, worth_staging
+from disagg_worker.disagg.mooncake.staging import open_registered, scatter, worth_staging
 from disagg_worker.disagg.poll import KVPoll, StatusCell
 from disagg_worker.disagg.rooms import RoomTable
-from disagg_worker.env import load_env
+from disagg_worker.tuning import TUNING
 
 log = logging.getLogger(__name__)
 
@@ -53,9 +57,9 @@ class _Room:
     room: int
     addr: str
     cell: StatusCell = field(default_factory=StatusCell)
-    dest_pages: list[int] | None = None
+    dest_pages: list[int] = field(default_factory=list)
     aux_slot: int = -1
-    init_at: float = 0.0
+    init_at: float = 0.0  # when init() gave the destination; 0: not yet
     targets: list[tuple[int, int]] = field(default_factory=list)  # (tp, pp) of prefill ranks asked
     done: set[tuple[int, int]] = field(default_factory=set)
     quiesced: set[tuple[int, int]] = field(default_factory=set)
@@ -64,28 +68,9 @@ class _Room:
     staging_nbytes: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)  # Success (with its scatter) vs Failed
 
-
-def check_compatible(
-    topo: Topology, cfg: DisaggConfig, layout: KVLayout, tp_rank: int, pp_rank: int
-) -> tuple[list[RankRegistration], str]:
-    """The prefill ranks this decode rank pulls from, or ("", reason) naming both values."""
-    if topo.page_size != layout.page_size:
-        return [], f"page size mismatch: prefill page_size={topo.page_size}, decode page_size={layout.page_size}"
-    if topo.kv_dtype != layout.kv_dtype:
-        return [], f"KV dtype mismatch: prefill kv_dtype={topo.kv_dtype}, decode kv_dtype={layout.kv_dtype}"
-    if topo.tp_size != cfg.tp_size:
-        return (
-            [],
-            f"unsupported TP mapping: prefill tp_size={topo.tp_size}, decode tp_size={cfg.tp_size} (must be equal)",
-        )
-    if cfg.pp_size == topo.pp_size:
-        return [topo.rank(tp_rank, pp_rank)], ""
-    if cfg.pp_size == 1:
-        return [topo.rank(tp_rank, pp) for pp in range(topo.pp_size)], ""
-    return (
-        [],
-        f"unsupported PP mapping: prefill pp_size={topo.pp_size}, decode pp_size={cfg.pp_size} (must be equal or 1)",
-    )
+    @property
+    def inited(self) -> bool:
+        return self.init_at > 0
 
 
 class DecodeReceiver(KVReceiver):
@@ -98,15 +83,15 @@ class DecodeReceiver(KVReceiver):
         return self._state.cell.get()
 
     def init(self, dest_pages: list[int], aux_slot: int) -> None:
-        self._mgr._init(self._state, list(dest_pages), aux_slot)
+        self._mgr.init_room(self._state, list(dest_pages), aux_slot)
 
     def abort(self, reason: str = "aborted by decode") -> None:
-        self._mgr._fail(self._state, reason)
+        self._mgr.fail(self._state, reason)
 
     def failure(self) -> TransferFailure | None:
         if self._state.cell.get() is not KVPoll.Failed:
             return None
-        return TransferFailure(self._state.cell.reason, self._state.unsafe)
+        return TransferFailure(reason=self._state.cell.reason, pages_unsafe=self._state.unsafe)
 
     def aux_bytes(self) -> bytes:
         return self._mgr.read_aux(self._state.aux_slot)
@@ -115,7 +100,6 @@ class DecodeReceiver(KVReceiver):
 class MooncakeDecodeManager(KVManager):
     def __init__(self, cfg: DisaggConfig, layout: KVLayout, rank: RankInfo, metrics: TransferMetrics):
         super().__init__(cfg, layout, rank, metrics)
-        self._token = load_env().auth_token
         self.engine, self._buffers, self.staging = open_registered(cfg, layout)
         self.aux = torch.zeros(layout.aux_num_slots * layout.aux_item_nbytes, dtype=torch.uint8)
         self.decode_id = uuid.uuid4().hex
@@ -163,22 +147,24 @@ class MooncakeDecodeManager(KVManager):
     def close(self) -> None:
         self._stop.set()
         for _, state in self.rooms.snapshot():
-            self._fail(state, "decode transfer manager closed")
+            self.fail(state, "decode transfer manager closed")
         self.heartbeat.close()
         self._resolver.shutdown(wait=False, cancel_futures=True)
         self._control.join(timeout=5)
         self.channel.close()
 
-    def _init(self, state: _Room, dest: list[int], aux_slot: int) -> None:
+    def init_room(self, state: _Room, dest: list[int], aux_slot: int) -> None:
+        """`DecodeReceiver.init`: check the destination, reserve staging if it is fragmented, and
+        send it to prefill once the instance is resolved."""
         if state.cell.get() is KVPoll.Failed:
             return
         problem = check_pages(dest, self.layout.num_pages)
         if not 0 <= aux_slot < self.layout.aux_num_slots:
             problem = problem or f"aux slot {aux_slot} outside [0, {self.layout.aux_num_slots})"
-        if state.dest_pages is not None:
+        if state.inited:
             problem = problem or "init() called twice"
         if problem:
-            self._fail(state, problem)
+            self.fail(state, problem)
             return
         if worth_staging(dest):
             nbytes = len(dest) * self.layout.page_nbytes * len(self._buffers)
@@ -195,11 +181,14 @@ class MooncakeDecodeManager(KVManager):
         """Send the destination to every target rank (under the lock, once)."""
         state.targets = [(t.tp_rank, t.pp_rank) for t in inst.targets]
         for t in inst.targets:
-            msg = RoomRequest(self.decode_id, self.channel.endpoint, state.room, state.dest_pages, state.aux_slot,
-                              state.staging_offset)  # fmt: skip
+            msg = RoomRequest(
+                decode_id=self.decode_id, reply_endpoint=self.channel.endpoint, room=state.room,
+                dest_pages=state.dest_pages, aux_slot=state.aux_slot, staging_offset=state.staging_offset,
+            )  # fmt: skip
             self.channel.send(_endpoint(t), msg)
 
-    def _fail(self, state: _Room, reason: str, tell_prefill: bool = True) -> None:
+    def fail(self, state: _Room, reason: str, tell_prefill: bool = True) -> None:
+        """Fail a room (any thread): quarantine its pages while prefill may still write them."""
         with self._lock, state.lock:  # unsafe is known before anyone can see Failed
             if state.cell.get().terminal:
                 return
@@ -221,7 +210,7 @@ class MooncakeDecodeManager(KVManager):
             self.metrics.bootstrap_failed()
         if tell_prefill:
             for t in targets:
-                self.channel.send(_endpoint(t), RoomAbort(self.decode_id, state.room, reason))
+                self.channel.send(_endpoint(t), RoomAbort(decode_id=self.decode_id, room=state.room, reason=reason))
 
     # ---- instance handling -------------------------------------------------------------
     def _resolve(self, inst: _Instance) -> None:
@@ -229,7 +218,7 @@ class MooncakeDecodeManager(KVManager):
         error = f"prefill bootstrap server {inst.addr} not ready within {self.cfg.waiting_timeout_s:g}s"
         while not self._stop.is_set() and time.monotonic() < deadline:
             try:
-                topo = fetch_topology(inst.addr, self._token)
+                topo = fetch_topology(inst.addr, self.cfg.auth_token)
             except BootstrapError as e:
                 error = str(e)
                 break
@@ -241,14 +230,16 @@ class MooncakeDecodeManager(KVManager):
                     self._ready(inst, topo.instance_id, targets)
                     return
                 break
-            time.sleep(0.2)
+            time.sleep(TUNING.transfer.resolve_retry_s)
         self._fail_instance(inst.addr, f"prefill instance {inst.addr}: {error}", dead=False)
 
     def _ready(self, inst: _Instance, instance_id: str, targets: list[RankRegistration]) -> None:
+        lay = self.layout
         hello = DecodeHello(
-            self.decode_id, self.channel.endpoint, self.engine.session_id, self.layout.buffer_ptrs,
-            self.layout.buffer_nbytes, self.layout.page_nbytes, self.layout.start_layer, self.layout.aux_item_nbytes,
-            self.staging.ptr, self.staging.nbytes,
+            decode_id=self.decode_id, reply_endpoint=self.channel.endpoint, session_id=self.engine.session_id,
+            buffer_ptrs=lay.buffer_ptrs, buffer_nbytes=lay.buffer_nbytes, page_nbytes=lay.page_nbytes,
+            start_layer=lay.start_layer, aux_item_nbytes=lay.aux_item_nbytes,
+            staging_ptr=self.staging.ptr, staging_nbytes=self.staging.nbytes,
         )  # fmt: skip
         with self._lock:
             for t in targets:
@@ -259,7 +250,7 @@ class MooncakeDecodeManager(KVManager):
                 if state is None:
                     continue
                 state.cell.advance(KVPoll.WaitingForInput)
-                if state.dest_pages is not None:
+                if state.inited:
                     self._request(state, inst)
         self.heartbeat.watch(inst.addr, instance_id)
 
@@ -276,21 +267,22 @@ class MooncakeDecodeManager(KVManager):
         for room in list(inst.rooms):
             state = self.rooms.get(room)
             if state is not None:
-                self._fail(state, reason, tell_prefill=False)
+                self.fail(state, reason, tell_prefill=False)
         if dead:
             self.confirm_instance_dead(addr)
 
     # ---- control thread --------------------------------------------------------------
     def _control_loop(self) -> None:
+        interval_ms = TUNING.transfer.sweep_interval_ms
         next_sweep = 0.0
         while not self._stop.is_set():
-            for msg in self.channel.recv(timeout_ms=SWEEP_INTERVAL_MS):
+            for msg in self.channel.recv(timeout_ms=interval_ms):
                 if isinstance(msg, RoomUpdate):
                     self._on_update(msg)
             now = time.monotonic()
             if now >= next_sweep:
                 self._sweep(now)
-                next_sweep = now + SWEEP_INTERVAL_MS / 1000
+                next_sweep = now + interval_ms / 1000
 
     def _on_update(self, msg: RoomUpdate) -> None:
         key = (msg.tp_rank, msg.pp_rank)
@@ -311,7 +303,7 @@ class MooncakeDecodeManager(KVManager):
         except ValueError:
             status = KVPoll.Failed
         if status is KVPoll.Failed:
-            self._fail(state, f"prefill failed: {msg.reason}")
+            self.fail(state, f"prefill failed: {msg.reason}")
         elif status is KVPoll.Transferring:
             state.cell.advance(KVPoll.Transferring)
         elif status is KVPoll.Success:
@@ -364,7 +356,7 @@ class MooncakeDecodeManager(KVManager):
         limit = self.cfg.waiting_timeout_s
         for _, state in self.rooms.snapshot():
             if state.init_at and now - state.init_at > limit and not state.cell.get().terminal:
-                self._fail(state, f"no KV from prefill within {limit:g}s (waiting timeout)")
+                self.fail(state, f"no KV from prefill within {limit:g}s (waiting timeout)")
 
 
 def _endpoint(rank: RankRegistration) -> str:
