@@ -157,7 +157,7 @@ def test_the_scheduler_process_sets_the_engine_environment_before_it_builds_the_
             raise Built
 
     monkeypatch.setattr(process.signal, "signal", lambda *args: None)  # leave this process's handlers alone
-    monkeypatch.setattr(process, "engine_class", lambda role: RecordingEngine)
+    monkeypatch.setattr(process, "build_engine", RecordingEngine.from_config)
     monkeypatch.delenv("MC_TCP_LANES_PER_PEER", raising=False)
     disagg = _disagg_config(["--tcp-lanes", "8"], {})
     cfg = EngineConfig(model_path="m", torch_threads=torch.get_num_threads(), disagg=disagg)

@@ -6,7 +6,12 @@ import logging
 import os
 import signal
 
+from typing import TYPE_CHECKING
+
 from disagg_worker.config import EngineConfig
+
+if TYPE_CHECKING:
+    from disagg_worker.engine.engine import Engine
 
 
 def run_scheduler(cfg: EngineConfig, recv_addr: str, send_addr: str, log_level: str = "info") -> None:
@@ -14,7 +19,6 @@ def run_scheduler(cfg: EngineConfig, recv_addr: str, send_addr: str, log_level: 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when this process ends
     import torch
 
-    from disagg_worker.engine.engine import Engine
     from disagg_worker.disagg.mooncake.environ import mooncake_environ
     from disagg_worker.engine.loop import EngineLoop
 
@@ -22,7 +26,7 @@ def run_scheduler(cfg: EngineConfig, recv_addr: str, send_addr: str, log_level: 
     if cfg.resolved_torch_threads:
         torch.set_num_threads(cfg.resolved_torch_threads)
 
-    engine = Engine.from_config(cfg)
+    engine = build_engine(cfg)
     loop = EngineLoop(engine, recv_addr, send_addr, overlap=cfg.scheduler.enable_overlap)
     signal.signal(signal.SIGTERM, lambda *_: setattr(loop, "stopped", True))
     try:
@@ -30,3 +34,9 @@ def run_scheduler(cfg: EngineConfig, recv_addr: str, send_addr: str, log_level: 
     finally:
         loop.close()
         engine.close()
+
+
+def build_engine(cfg: EngineConfig) -> Engine:
+    from disagg_worker.engine.engine import Engine
+
+    return Engine.from_config(cfg)
