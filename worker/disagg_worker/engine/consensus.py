@@ -44,12 +44,14 @@ class Queue(str, Enum):
 class Round:
     """What one stage passes to the next (and the last stage back to stage 0), by room.
 
-    `released` comes from stage 0 only: rooms every stage agreed were transferred last round."""
+    `released` comes from stage 0 only: rooms every stage agreed were transferred last round.
+    `reasons` says why failed rooms failed, where a rank knew (its own handle's reason)."""
 
     ready: frozenset[int] = frozenset()
     transferred: frozenset[int] = frozenset()
     failed: frozenset[int] = frozenset()
     released: frozenset[int] = frozenset()
+    reasons: tuple[tuple[int, str], ...] = ()
 
 
 @dataclass
@@ -108,7 +110,7 @@ def follow(queues: StageQueues, polls: Mapping[int, KVPoll], prev: Round, drain_
                 queues.rooms[room] = Queue.INFLIGHT
         elif room in prev.transferred and state is KVPoll.Success:
             transferred.add(room)
-    return Round(frozenset(ready), frozenset(transferred), frozenset(failed), prev.released)
+    return Round(frozenset(ready), frozenset(transferred), frozenset(failed), prev.released, prev.reasons)
 
 
 def settle(queues: StageQueues, result: Round) -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import os
 import signal
-
 from typing import TYPE_CHECKING
 
 from disagg_worker.config import EngineConfig

@@ -8,6 +8,7 @@ from disagg_worker.engine.batch import ScheduledBatch, StepResult
 from disagg_worker.engine.request import Req
 from disagg_worker.engine.sampling import Sampler
 from disagg_worker.mem.kv_pool import KVPool
+from disagg_worker.model.batch import ForwardBatch
 
 
 class ModelRunner:
@@ -35,7 +36,18 @@ class ModelRunner:
         fwd = batch.forward
         for j, req in batch.future:
             fwd.input_ids[j] = self._last[id(req)]
-        logits = self._logits(batch)
+        return self.sample(batch, self.forward(fwd))
+
+    @torch.inference_mode()
+    def forward(self, fwd: ForwardBatch, hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """This rank's part of the forward: logits on the last stage, hidden states before it."""
+        if self.model is None:  # no-op forward: measures everything but the model
+            return torch.zeros(fwd.num_requests, self.vocab_size)
+        return self.model(fwd, self.kv_pool, hidden)
+
+    @torch.inference_mode()
+    def sample(self, batch: ScheduledBatch, logits: torch.Tensor) -> StepResult:
+        """Sample the requests of `batch` that take a token from their row of `logits`."""
         rows = [i for i, s in enumerate(batch.samples) if s]
         n = len(batch.reqs)
         tokens = [-1] * n
@@ -60,8 +72,3 @@ class ModelRunner:
         if len(known) < generated:
             known.append(self._last[id(req)])
         return known
-
-    def _logits(self, batch: ScheduledBatch) -> torch.Tensor:
-        if self.model is None:  # no-op forward: measures everything but the model
-            return torch.zeros(len(batch.reqs), self.vocab_size)
-        return self.model(batch.forward, self.kv_pool)
