@@ -112,9 +112,11 @@ FAST_FAILURE = ["--bootstrap-timeout", "5", "--waiting-timeout", "8", "--heartbe
 class PDStack:
     """A router in front of one prefill and one decode instance, each its own process."""
 
-    def __init__(self, model: str, *engine_flags: str):
+    def __init__(self, model: str, *engine_flags: str, prefill_flags: tuple = (), decode_flags: tuple = ()):
+        """`prefill_flags`/`decode_flags` go to one role only (e.g. its `--tp-size`)."""
         self.model = model
         self.flags = [*engine_flags, *FAST_FAILURE]
+        self.prefill_flags, self.decode_flags = list(prefill_flags), list(decode_flags)
         self.bootstrap_port = free_port()
         self.prefill = self.start_prefill()
         self.decode = self.start_decode()
@@ -150,13 +152,14 @@ class PDStack:
                 "--bootstrap-port",
                 str(self.bootstrap_port),
                 *self.flags,
+                *self.prefill_flags,
             ],
             port,
         )
 
     def start_decode(self, port: int | None = None) -> Proc:
         port = port or free_port()
-        return Proc(["decode", "--model", self.model, "--port", str(port), *self.flags], port)
+        return Proc(["decode", "--model", self.model, "--port", str(port), *self.flags, *self.decode_flags], port)
 
     def wait_healthy(self) -> PDStack:
         self.prefill.wait_healthy()

@@ -24,14 +24,6 @@ def cmd_role(role: Role):
     def run(ns: argparse.Namespace) -> int:
         from disagg_worker.server import launch
 
-        if ns.tp_size != 1 or ns.pp_size != 1:
-            # The transfer layer maps TP/PP ranks, but this engine runs one rank per instance.
-            print(
-                f"disagg {role.value}: --tp-size {ns.tp_size} --pp-size {ns.pp_size} is not supported: "
-                "an instance runs one rank (tensor and pipeline parallel size 1)",
-                file=sys.stderr,
-            )
-            return 2
         launch.run(server_args_from_cli(ns, role))
         return 0
 
@@ -48,7 +40,7 @@ def cmd_router(ns: argparse.Namespace) -> int:
 def cmd_make_tiny(ns: argparse.Namespace) -> int:
     from disagg_worker.model.tiny import make_tiny
 
-    make_tiny(ns.out, seed=ns.seed, arch=ns.arch)
+    make_tiny(ns.out, seed=ns.seed, arch=ns.arch, num_kv_heads=ns.num_kv_heads)
     print(f"wrote a tiny random-weight {ns.arch} model to {ns.out}")
     return 0
 
@@ -90,6 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--out", required=True)
     tiny.add_argument("--seed", type=int, default=0)
     tiny.add_argument("--arch", default="llama", choices=["llama", "qwen2", "qwen3"])
+    tiny.add_argument("--num-kv-heads", type=int, default=0, help="KV heads (default 2; 1: multi-query)")
     tiny.set_defaults(func=cmd_make_tiny)
 
     bench = sub.add_parser("bench", help="benchmarks")

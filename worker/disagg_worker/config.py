@@ -59,6 +59,7 @@ class DisaggConfig:
     bootstrap_port: int = 8998
     # Address other instances use to reach this one (pod IP on Kubernetes).
     advertise_host: str = "127.0.0.1"
+    # Ranks of the instance (every role, monolithic too): tensor ranks per stage, pipeline stages.
     tp_size: int = 1
     pp_size: int = 1
     bootstrap_timeout_s: float = 30.0
@@ -88,8 +89,8 @@ class EngineConfig:
     max_context_len: int = 0  # 0: the model's max_position_embeddings
     # "model" runs the real forward; "noop" skips it (scheduler-overhead benchmark only).
     forward: str = "model"
-    # Intra-op threads of the scheduler process; 0: half the cores on CPU (the HTTP process and
-    # the forward share the machine), torch's default on an accelerator.
+    # Intra-op threads of each scheduler process; 0: half the cores on CPU (the HTTP process and
+    # the forward share the machine) split over the ranks, torch's default on an accelerator.
     torch_threads: int = 0
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -103,7 +104,12 @@ class EngineConfig:
             return 0
         import os
 
-        return max(1, (os.cpu_count() or 2) // 2)
+        return max(1, (os.cpu_count() or 2) // 2 // self.world_size)
+
+    @property
+    def world_size(self) -> int:
+        """Scheduler processes of the instance: one per tensor rank per pipeline stage."""
+        return self.disagg.tp_size * self.disagg.pp_size
 
     @property
     def uses_prefix_cache(self) -> bool:
@@ -143,6 +149,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-batch-tokens", type=int, default=SchedulerConfig.max_batch_tokens)
     p.add_argument("--chunk-size", type=int, default=SchedulerConfig.chunk_size)
     p.add_argument("--disable-overlap", action="store_true")
+    p.add_argument("--tp-size", type=int, default=1, help="tensor parallel ranks (one scheduler process each)")
+    p.add_argument("--pp-size", type=int, default=1, help="pipeline parallel stages (one scheduler process each)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--log-level", default="info")
@@ -161,8 +169,6 @@ def add_disagg_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ib-device", default=d.ib_device)
     p.add_argument("--bootstrap-port", type=int, default=d.bootstrap_port)
     p.add_argument("--advertise-host", default=d.advertise_host)
-    p.add_argument("--tp-size", type=int, default=d.tp_size)
-    p.add_argument("--pp-size", type=int, default=d.pp_size)
     p.add_argument("--bootstrap-timeout", type=float, default=d.bootstrap_timeout_s)
     p.add_argument("--waiting-timeout", type=float, default=d.waiting_timeout_s)
     p.add_argument("--heartbeat-interval", type=float, default=d.heartbeat_interval_s)
@@ -200,7 +206,7 @@ def server_args_from_cli(
         chunk_size=ns.chunk_size,
         enable_overlap=not ns.disable_overlap,
     )
-    disagg = DisaggConfig(role=role)
+    disagg = DisaggConfig(role=role, tp_size=ns.tp_size, pp_size=ns.pp_size)
     if role is not Role.MONOLITHIC:
         disagg = DisaggConfig(
             role=role,

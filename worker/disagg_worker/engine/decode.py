@@ -20,11 +20,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from disagg_worker.config import EngineConfig
-from disagg_worker.disagg import KVManager, KVPoll, KVReceiver, unpack_first_token
+from disagg_worker.disagg import KVPoll, KVReceiver, unpack_first_token
 from disagg_worker.engine.outbox import Outbox
 from disagg_worker.engine.request import Req
 from disagg_worker.engine.scheduler import Scheduler, StepOutcome
-from disagg_worker.engine.stage import UNROUTED
+from disagg_worker.engine.stage import UNROUTED, Transfers
 from disagg_worker.mem.allocator import PageAllocator, pages_for
 from disagg_worker.messages import BootstrapInfo
 
@@ -46,7 +46,7 @@ class DecodeStage:
         scheduler: Scheduler,
         allocator: PageAllocator,
         outbox: Outbox,
-        kv: KVManager,
+        kv: Transfers,
         aux_slots: int,
     ):
         self.page_size = cfg.cache.page_size

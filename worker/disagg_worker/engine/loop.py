@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Protocol
@@ -28,6 +29,7 @@ import zmq
 from disagg_worker import messages as msg
 from disagg_worker.engine.batch import ScheduledBatch, StepResult
 from disagg_worker.engine.engine import Engine
+from disagg_worker.engine.ranks import Launched
 
 log = logging.getLogger(__name__)
 
@@ -103,10 +105,58 @@ class Stepper:
         self.pool.shutdown(wait=True)
 
 
+class RankStepper:
+    """Steps a multi-rank engine: each step runs on every rank (engine.ranks), up to `depth`
+    steps stay in flight (one per later pipeline stage), and a step without a batch still runs
+    a transfer round while requests wait on KV transfers."""
+
+    def __init__(self, engine: Engine, after_tick: Callable[[], None] = lambda: None):
+        self.engine = engine
+        self.after_tick = after_tick
+        self.inflight: deque[tuple[ScheduledBatch | None, Launched]] = deque()
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.inflight) or not self.engine.idle
+
+    @property
+    def computing(self) -> bool:
+        return bool(self.inflight) or self.engine.has_batch_work
+
+    def step(self) -> None:
+        engine = self.engine
+        engine.tick()
+        self.after_tick()
+        if self.inflight and engine.needs_sync():
+            self.drain()
+        batch = engine.schedule()
+        if batch is None and not engine.waiting_on_transfers:
+            self.drain()
+            return
+        self.inflight.append((batch, engine.launch(batch)))
+        while len(self.inflight) > engine.depth:
+            self._finish_oldest()
+
+    def _finish_oldest(self) -> None:
+        batch, launched = self.inflight.popleft()
+        self.engine.finish(batch, launched)
+
+    def drain(self) -> None:
+        while self.inflight:
+            self._finish_oldest()
+
+    def close(self) -> None:
+        self.drain()
+
+
 class EngineLoop:
     def __init__(self, engine: Engine, recv_addr: str, send_addr: str, overlap: bool):
         self.engine = engine
-        self.stepper = Stepper(engine, overlap, after_tick=self._send_outputs)
+        self.stepper: Stepper | RankStepper
+        if engine.multi_rank:  # every rank runs each step in turn: no forward thread
+            self.stepper = RankStepper(engine, after_tick=self._send_outputs)
+        else:
+            self.stepper = Stepper(engine, overlap, after_tick=self._send_outputs)
         self.ctx = zmq.Context()
         self.recv = self.ctx.socket(zmq.PULL)
         self.recv.bind(recv_addr)

@@ -19,11 +19,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from disagg_worker.config import DisaggConfig
-from disagg_worker.disagg import KVManager, KVPoll, KVSender, pack_first_token
+from disagg_worker.disagg import KVPoll, KVSender, pack_first_token
 from disagg_worker.engine.outbox import Outbox
 from disagg_worker.engine.request import Req
 from disagg_worker.engine.scheduler import Sampled, Scheduler, StepOutcome
-from disagg_worker.engine.stage import UNROUTED
+from disagg_worker.engine.stage import UNROUTED, Transfers
 from disagg_worker.mem.allocator import pages_for
 from disagg_worker.messages import BootstrapInfo
 
@@ -39,7 +39,7 @@ class PrefillReq:
 
 
 class PrefillStage:
-    def __init__(self, cfg: DisaggConfig, page_size: int, scheduler: Scheduler, outbox: Outbox, kv: KVManager):
+    def __init__(self, cfg: DisaggConfig, page_size: int, scheduler: Scheduler, outbox: Outbox, kv: Transfers):
         self.cfg = cfg
         self.page_size = page_size
         self.scheduler = scheduler

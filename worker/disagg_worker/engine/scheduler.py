@@ -65,9 +65,18 @@ class Plan:
 
 class Scheduler:
     def __init__(
-        self, cfg: SchedulerConfig, page_size: int, allocator: PageAllocator, radix: RadixCache, outbox: Outbox
+        self,
+        cfg: SchedulerConfig,
+        page_size: int,
+        allocator: PageAllocator,
+        radix: RadixCache,
+        outbox: Outbox,
+        future_inputs: bool = True,
     ):
+        """`future_inputs`: a request may be scheduled while its previous token is still being
+        sampled (the runner fills it in); False with pipeline stages, where it is not back yet."""
         self.cfg = cfg
+        self.future_inputs = future_inputs
         self.page_size = page_size
         self.allocator = allocator
         self.radix = radix
@@ -137,6 +146,8 @@ class Scheduler:
         for r in order:
             if r not in self.running or r.finished or r.remaining_new_tokens() == 0:
                 continue  # retracted by an earlier request of this loop, or nothing to compute
+            if r.pending and not self.future_inputs:
+                continue  # its token is still in the pipeline
             if budget <= 0 and plan.reqs:
                 break
             n = self._take(r.todo, budget)

@@ -12,15 +12,27 @@ from collections.abc import Callable
 from typing import Protocol
 
 from disagg_worker.config import EngineConfig, Role
-from disagg_worker.disagg import KVLayout, RankInfo, create_kv_manager
+from disagg_worker.disagg import KVLayout, KVManager, KVReceiver, KVSender, RankInfo, create_kv_manager
 from disagg_worker.engine.outbox import Outbox
 from disagg_worker.engine.request import Req
 from disagg_worker.engine.scheduler import Scheduler, StepOutcome
 from disagg_worker.mem.allocator import PageAllocator
 from disagg_worker.mem.kv_pool import KVPool
 from disagg_worker.messages import BootstrapInfo
+from disagg_worker.model.parallel import Shard
 
 UNROUTED = "a {role} instance serves requests routed with bootstrap_room; send requests through the router"
+
+
+class Transfers(Protocol):
+    """What a role stage needs of the KV transfer: this rank's `KVManager`, or in a multi-rank
+    instance the ranks' agreement (`engine.ranked_kv.RankedKV`)."""
+
+    on_change: Callable[[], None]
+
+    def create_sender(self, room: int) -> KVSender: ...
+    def create_receiver(self, room: int, bootstrap_addr: str) -> KVReceiver: ...
+    def close(self) -> None: ...
 
 
 class RoleStage(Protocol):
@@ -49,22 +61,36 @@ class RoleStage(Protocol):
         """Release what the stage holds outside this process (the transfer engine)."""
 
 
-def build_stage(
-    cfg: EngineConfig, kv_pool: KVPool, scheduler: Scheduler, allocator: PageAllocator, outbox: Outbox
-) -> RoleStage | None:
-    """The stage of `cfg`'s role with its KV transfer manager; None for a monolithic engine."""
+def aux_slots(cfg: EngineConfig) -> int:
+    """First-token slots of a decode instance's KV layout (the same on every rank)."""
+    return 2 * cfg.scheduler.max_running_requests
+
+
+def build_kv_manager(cfg: EngineConfig, kv_pool: KVPool, shard: Shard, start_layer: int) -> KVManager | None:
+    """This rank's KV transfer manager for its slice of the pool (its heads, its layers from
+    `start_layer` on); None for a monolithic engine."""
     d = cfg.disagg
     if d.role is Role.PREFILL:
+        layout = KVLayout.from_pool(kv_pool, cfg.cache.kv_dtype, start_layer=start_layer)
+        url = f"http://127.0.0.1:{d.bootstrap_port}"
+        return create_kv_manager(d, layout, RankInfo(tp_rank=shard.tp_rank, pp_rank=shard.pp_rank, bootstrap_url=url))
+    if d.role is Role.DECODE:
+        layout = KVLayout.from_pool(kv_pool, cfg.cache.kv_dtype, start_layer=start_layer, aux_num_slots=aux_slots(cfg))
+        return create_kv_manager(d, layout, RankInfo(tp_rank=shard.tp_rank, pp_rank=shard.pp_rank))
+    return None
+
+
+def build_stage(
+    cfg: EngineConfig, kv: Transfers | None, scheduler: Scheduler, allocator: PageAllocator, outbox: Outbox
+) -> RoleStage | None:
+    """The stage of `cfg`'s role over `kv` (this rank's manager, or every rank's agreement);
+    None for a monolithic engine."""
+    if kv is None:
+        return None
+    if cfg.disagg.role is Role.PREFILL:
         from disagg_worker.engine.prefill import PrefillStage
 
-        layout = KVLayout.from_pool(kv_pool, cfg.cache.kv_dtype)
-        kv = create_kv_manager(d, layout, RankInfo(bootstrap_url=f"http://127.0.0.1:{d.bootstrap_port}"))
-        return PrefillStage(d, cfg.cache.page_size, scheduler, outbox, kv)
-    if d.role is Role.DECODE:
-        from disagg_worker.engine.decode import DecodeStage
+        return PrefillStage(cfg.disagg, cfg.cache.page_size, scheduler, outbox, kv)
+    from disagg_worker.engine.decode import DecodeStage
 
-        slots = 2 * cfg.scheduler.max_running_requests
-        layout = KVLayout.from_pool(kv_pool, cfg.cache.kv_dtype, aux_num_slots=slots)
-        kv = create_kv_manager(d, layout, RankInfo())
-        return DecodeStage(cfg, scheduler, allocator, outbox, kv, slots)
-    return None
+    return DecodeStage(cfg, scheduler, allocator, outbox, kv, aux_slots(cfg))

@@ -276,6 +276,9 @@ async def stats(request: web.Request) -> web.Response:
         raise APIError(503, "the scheduler has not reported yet", type="server_error")
     report = asdict(st)
     report.pop("metrics_text", None)  # served on /metrics
+    report["rank_queues"] = [
+        {"tp_rank": tp, "pp_rank": pp, "queues": queues} for (tp, pp), queues in sorted(st.rank_queues.items())
+    ]
     return web.json_response(report)
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import multiprocessing as mp
 import os
 import shutil
 import signal
@@ -15,7 +14,7 @@ from aiohttp import web
 
 from disagg_worker.config import Role, ServerArgs
 from disagg_worker.disagg.bootstrap import BootstrapServer
-from disagg_worker.engine.process import run_scheduler
+from disagg_worker.engine.process import spawn_schedulers
 from disagg_worker.model.tokenizer import Tokenizer
 from disagg_worker.server.api import build_app
 from disagg_worker.server.frontend import Frontend
@@ -34,7 +33,7 @@ class EngineServer:
         self.ipc_dir = tempfile.mkdtemp(prefix="disagg-")
         self.to_engine = f"ipc://{self.ipc_dir}/to-engine"
         self.from_engine = f"ipc://{self.ipc_dir}/from-engine"
-        self.proc: BaseProcess | None = None
+        self.procs: list[BaseProcess] = []  # the scheduler processes, one per rank
         self.bootstrap: BootstrapServer | None = None
         self.runner: web.AppRunner | None = None
         self.frontend: Frontend | None = None
@@ -48,16 +47,8 @@ class EngineServer:
         if a.engine.disagg.role is Role.PREFILL:
             d = a.engine.disagg
             self.bootstrap = BootstrapServer(d.bootstrap_port, d.tp_size, d.pp_size, d.auth_token).start()
-        ctx = mp.get_context("spawn")
-        proc = ctx.Process(
-            target=run_scheduler,
-            args=(a.engine, self.to_engine, self.from_engine, a.log_level),
-            name="disagg-scheduler",
-            daemon=True,
-        )
-        self.proc = proc
-        proc.start()
-        await _wait_ready(self.frontend, proc)
+        self.procs = spawn_schedulers(a.engine, self.to_engine, self.from_engine, a.log_level)
+        await _wait_ready(self.frontend, self.procs)
         app = build_app(self.frontend, a.engine.model_name, a.health_timeout_s)
         self.runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
         await self.runner.setup()
@@ -66,11 +57,13 @@ class EngineServer:
     async def stop(self) -> None:
         if self.runner is not None:
             await self.runner.cleanup()
-        if self.proc is not None and self.proc.is_alive():
-            self.proc.terminate()
-            self.proc.join(10)
-            if self.proc.is_alive():
-                self.proc.kill()
+        for proc in self.procs:
+            if proc.is_alive():
+                proc.terminate()
+        for proc in self.procs:
+            proc.join(10)
+            if proc.is_alive():
+                proc.kill()
         if self.frontend is not None:
             await self.frontend.close()
         if self.bootstrap is not None:
@@ -78,12 +71,13 @@ class EngineServer:
         shutil.rmtree(self.ipc_dir, ignore_errors=True)
 
 
-async def _wait_ready(frontend: Frontend, proc: BaseProcess) -> None:
+async def _wait_ready(frontend: Frontend, procs: list[BaseProcess]) -> None:
     loop = asyncio.get_running_loop()
     deadline = loop.time() + STARTUP_TIMEOUT_S
     while not frontend.ready.is_set():
-        if not proc.is_alive():
-            raise RuntimeError(f"the scheduler process exited with code {proc.exitcode} during start-up")
+        dead = next((p for p in procs if not p.is_alive()), None)
+        if dead is not None:
+            raise RuntimeError(f"scheduler process {dead.name} exited with code {dead.exitcode} during start-up")
         if loop.time() > deadline:
             raise RuntimeError("the scheduler process did not become ready in time")
         await asyncio.sleep(0.1)

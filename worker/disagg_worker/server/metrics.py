@@ -26,7 +26,12 @@ class ServerMetrics:
         self.pages_used = gauge("disagg_kv_pages_used", "KV cache pages in use")
         self.pages_free = gauge("disagg_kv_pages_free", "KV cache pages free")
         self.hit_rate = gauge("disagg_prefix_cache_hit_rate", "Prefix cache hit tokens / queried tokens")
-        self.queue = Gauge("disagg_queue_size", "Requests per disaggregation queue", ["instance", "queue"], registry=r)
+        self.queue = Gauge(
+            "disagg_queue_size",
+            "Requests per disaggregation queue, per rank of the instance",
+            ["instance", "queue", "tp_rank", "pp_rank"],
+            registry=r,
+        )
 
         def histogram(name: str, doc: str) -> Histogram:
             return Histogram(name, doc, labels, buckets=LATENCY_BUCKETS, registry=r).labels(instance)
@@ -50,8 +55,10 @@ class ServerMetrics:
         self.pages_free.set(s.pages_total - s.pages_used)
         if s.cache_query_tokens:
             self.hit_rate.set(s.cache_hit_tokens / s.cache_query_tokens)
-        for name, size in s.queues.items():
-            self.queue.labels(self.instance, name).set(size)
+        ranks = s.rank_queues or {(0, 0): s.queues}
+        for (tp, pp), queues in ranks.items():
+            for name, size in queues.items():
+                self.queue.labels(self.instance, name, str(tp), str(pp)).set(size)
 
     def request_timer(self, prompt_tokens: int) -> RequestTimer:
         self.prompt_tokens.inc(prompt_tokens)
