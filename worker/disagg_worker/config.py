@@ -77,6 +77,8 @@ class DisaggConfig:
     auth_token: str = field(default="", repr=False)
     # MC_TCP_LANES_PER_PEER as the user set it (None: not set); it wins over tcp_lanes.
     mc_tcp_lanes_per_peer: str | None = None
+    # Tests only: prefill ranks of this pipeline stage fail every new sender locally (-1: off).
+    fault_fail_senders_on_stage: int = -1
 
 
 @dataclass(frozen=True)
@@ -225,6 +227,7 @@ def server_args_from_cli(
             tcp_lanes=ns.tcp_lanes,
             auth_token=env.auth_token,
             mc_tcp_lanes_per_peer=env.mc_tcp_lanes_per_peer,
+            fault_fail_senders_on_stage=env.fault_fail_senders_on_stage,
         )
     engine = EngineConfig(
         model_path=ns.model,

@@ -29,6 +29,9 @@ class WorkerEnv:
     auth_token: str = field(default="", repr=False)
     # MC_TCP_LANES_PER_PEER as the user set it, verbatim (None: not set).
     mc_tcp_lanes_per_peer: str | None = None
+    # Fault injection for tests (DISAGG_FAULT_FAIL_SENDERS_ON_STAGE): prefill ranks of this pipeline
+    # stage fail every new KV sender at once, locally, telling nobody. -1: off.
+    fault_fail_senders_on_stage: int = -1
 
 
 def load_env(environ: Mapping[str, str] | None = None) -> WorkerEnv:
@@ -36,4 +39,5 @@ def load_env(environ: Mapping[str, str] | None = None) -> WorkerEnv:
     return WorkerEnv(
         auth_token=env.get(f"{PREFIX}AUTH_TOKEN", "").strip(),
         mc_tcp_lanes_per_peer=env.get("MC_TCP_LANES_PER_PEER"),
+        fault_fail_senders_on_stage=int(env.get(f"{PREFIX}FAULT_FAIL_SENDERS_ON_STAGE", "-1")),
     )

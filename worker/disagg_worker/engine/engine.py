@@ -74,7 +74,8 @@ class Engine:
         kv: KVManager | RankedKV | None = manager
         self.ranks: RankGroup | None = None
         if comm is not None:
-            transfer = RankTransfer(manager) if manager is not None else None
+            faulty = cfg.disagg.fault_fail_senders_on_stage == shard.pp_rank
+            transfer = RankTransfer(manager, fail_new_senders=faulty) if manager is not None else None
             kv = RankedKV(transfer) if transfer is not None else None
             work = StageWork(comm, self.runner.forward, transfer, driver=True)
             self.ranks = RankGroup(comm, work, kv if isinstance(kv, RankedKV) else None)
@@ -176,7 +177,10 @@ class Engine:
 
     @property
     def waiting_on_transfers(self) -> bool:
-        """Requests wait on KV transfers (P/D roles); the loop polls them often."""
+        """Requests wait on KV transfers (P/D roles), or the other ranks have yet to hear how some
+        ended; the loop polls often."""
+        if self.ranks is not None and self.ranks.has_news:
+            return True
         return self.stage is not None and self.stage.waiting_on_transfers
 
     @property
@@ -228,8 +232,10 @@ class Engine:
         """Every rank's queue sizes (multi-rank P/D): this rank's stage queues, and for the others
         the last sizes they reported. The tensor ranks of a stage hold the same rooms, in the same
         queues (they apply the same commands to the same agreed states)."""
-        if self.ranks is None or self.stage is None:
+        if self.stage is None:
             return {}
+        if self.ranks is None:
+            return {(0, 0): self.queue_sizes()}
         names = RANK_QUEUE_NAMES[self.cfg.disagg.role]
         shard = self.ranks.comm.shard
         sizes = {

@@ -56,8 +56,11 @@ FAILED_ELSEWHERE = "failed on another rank of this instance"
 class RankTransfer:
     """One rank's handles, the queue each room is in, and what the rank passes on each round."""
 
-    def __init__(self, kv: KVManager):
+    def __init__(self, kv: KVManager, fail_new_senders: bool = False):
+        """`fail_new_senders` (fault injection for tests): every sender created here fails at
+        once, locally, telling nobody."""
         self.kv = kv
+        self.fail_new_senders = fail_new_senders
         self.handles: dict[int, KVSender | KVReceiver] = {}
         self.queues = StageQueues()
         # Failed rooms whose destination pages a transfer may still write (decode): reported
@@ -67,6 +70,8 @@ class RankTransfer:
     def apply(self, cmd: Command) -> None:
         if isinstance(cmd, CreateSender):
             self._add(cmd.room, self.kv.create_sender(cmd.room))
+            if self.fail_new_senders:
+                self.handles[cmd.room].abort("injected local failure")
         elif isinstance(cmd, CreateReceiver):
             self._add(cmd.room, self.kv.create_receiver(cmd.room, cmd.bootstrap_addr))
         elif (h := self.handles.get(cmd.room)) is None:

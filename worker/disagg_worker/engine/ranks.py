@@ -127,6 +127,12 @@ class RankGroup:
         self.last_root = (shard.pp_size - 1) * shard.tp_size
 
     @property
+    def has_news(self) -> bool:
+        """Released or failed rooms that the other stages have not heard of yet."""
+        q = self.kv.local.queues if self.kv is not None else None
+        return q is not None and bool(q.released or q.failed)
+
+    @property
     def depth(self) -> int:
         """Steps that may stay in flight after a step was started: one per later stage."""
         return self.comm.shard.pp_size - 1

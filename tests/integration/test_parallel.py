@@ -1,0 +1,115 @@
+"""Tensor- and pipeline-parallel instances as real processes (gloo on the CPU, Mooncake TCP):
+the same greedy tokens as a single-rank server, monolithic and through the router, and every
+rank's queues empty afterwards."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import time
+
+import pytest
+import requests
+
+from disagg_worker.model.tiny import make_tiny
+from tests.integration.procs import PDStack, Proc, free_port, serve, wait_until
+from tests.integration.test_pd import FLAGS, assert_clean
+from tests.integration.test_server import generate, varied_prompts
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def mqa_model(tmp_path_factory) -> str:
+    """One KV head: with two tensor ranks, both hold it (the replication path)."""
+    out = tmp_path_factory.mktemp("tiny-mqa")
+    make_tiny(out, num_kv_heads=1)
+    return str(out)
+
+
+def expected_tokens(model: str, prompts: list[list[int]]) -> list[list[int]]:
+    ref = serve(model, *FLAGS).wait_healthy()
+    try:
+        return [generate(ref.url, p) for p in prompts]
+    finally:
+        ref.stop()
+
+
+def concurrently(url: str, prompts: list[list[int]]) -> list[list[int]]:
+    with cf.ThreadPoolExecutor(8) as pool:
+        return list(pool.map(lambda p: generate(url, p), prompts))
+
+
+def rank_queues(url: str) -> list[dict]:
+    return requests.get(f"{url}/stats", timeout=5).json()["rank_queues"]
+
+
+@pytest.mark.parametrize("flags", [("--tp-size", "2"), ("--pp-size", "2")], ids=["tp2", "pp2"])
+def test_monolithic_ranks_equal_a_single_rank(mqa_model, flags):
+    prompts = varied_prompts(16)
+    assert sum(len(p) > 32 for p in prompts) >= 4  # several prompts take more than one chunk
+    expected = expected_tokens(mqa_model, prompts)
+    par = serve(mqa_model, *FLAGS, *flags).wait_healthy()
+    try:
+        assert concurrently(par.url, prompts) == expected
+        assert_clean(par.url)
+    finally:
+        par.stop()
+
+
+PD_MAPPINGS = {
+    "prefill-pp2-decode-pp1": (("--pp-size", "2"), ()),
+    "prefill-pp2-decode-pp2": (("--pp-size", "2"), ("--pp-size", "2")),
+}
+
+
+@pytest.mark.parametrize("mapping", list(PD_MAPPINGS))
+def test_pd_across_rank_mappings_equals_a_single_rank(mqa_model, mapping):
+    prefill_flags, decode_flags = PD_MAPPINGS[mapping]
+    prompts = varied_prompts(16)
+    expected = expected_tokens(mqa_model, prompts)
+    stack = PDStack(mqa_model, *FLAGS, prefill_flags=prefill_flags, decode_flags=decode_flags).wait_healthy()
+    try:
+        assert concurrently(stack.router.url, prompts) == expected
+        assert_clean(stack.prefill.url, stack.decode.url)
+        for url in (stack.prefill.url, stack.decode.url):
+            ranks = rank_queues(url)
+            assert {(r["tp_rank"], r["pp_rank"]) for r in ranks} >= {(0, 0)}
+            assert all(not any(r["queues"].values()) for r in ranks), ranks
+    finally:
+        stack.stop()
+
+
+def test_a_failure_on_a_later_stage_alone_is_drained_at_once(tiny_model):
+    """The orphan fix: stage 1 of a PP=2 prefill fails its sender locally while stage 0 still waits
+    for a decode that never comes. The request fails at once (not at the 60 s bootstrap timeout)
+    and no stage keeps it in its bootstrap queue."""
+    port, boot = free_port(), free_port()
+    prefill = Proc(
+        ["prefill", "--model", tiny_model, "--port", str(port), "--bootstrap-port", str(boot), "--pp-size", "2",
+         "--bootstrap-timeout", "60", *FLAGS],
+        port,
+        env={"DISAGG_FAULT_FAIL_SENDERS_ON_STAGE": "1"},
+    ).wait_healthy()  # fmt: skip
+    try:
+        body = {
+            "input_ids": [5, 6, 7, 8],
+            "sampling_params": {"max_new_tokens": 4},
+            "bootstrap_host": "127.0.0.1",
+            "bootstrap_port": boot,
+            "bootstrap_room": 12345,
+        }
+        start = time.monotonic()
+        r = requests.post(f"{prefill.url}/generate", json=body, timeout=60)
+        elapsed = time.monotonic() - start
+        assert r.status_code == 500, r.text
+        assert "injected local failure" in r.json()["error"]["message"]
+        assert elapsed < 5, f"the failure took {elapsed:.1f}s to reach the client"
+        wait_until(
+            lambda: all(r["queues"].get("prefill_bootstrap", 0) == 0 for r in rank_queues(prefill.url)),
+            timeout=5,
+            what="every stage's bootstrap queue empty",
+        )
+        assert {(r["tp_rank"], r["pp_rank"]) for r in rank_queues(prefill.url)} == {(0, 0), (0, 1)}
+        assert_clean(prefill.url)
+    finally:
+        prefill.stop()
