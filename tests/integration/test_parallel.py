@@ -113,3 +113,29 @@ def test_a_failure_on_a_later_stage_alone_is_drained_at_once(tiny_model):
         assert_clean(prefill.url)
     finally:
         prefill.stop()
+
+
+MISMATCHES = {
+    "page-size": ((), ("--page-size", "8"), ["page size mismatch", "prefill page_size=4", "decode page_size=8"]),
+    "decode-pp3-prefill-pp2": (
+        ("--pp-size", "2"),
+        ("--pp-size", "3"),
+        ["unsupported PP mapping", "prefill pp_size=2", "decode pp_size=3"],
+    ),
+}
+
+
+@pytest.mark.parametrize("mismatch", list(MISMATCHES))
+def test_a_mismatched_pair_fails_its_first_request_with_the_handshake_message(tiny_model, mismatch):
+    prefill_flags, decode_flags, words = MISMATCHES[mismatch]
+    stack = PDStack(tiny_model, *FLAGS, prefill_flags=prefill_flags, decode_flags=decode_flags).wait_healthy()
+    try:
+        start = time.monotonic()
+        r = requests.post(f"{stack.router.url}/generate", json={"input_ids": [5, 6, 7]}, timeout=60)
+        elapsed = time.monotonic() - start
+        assert r.status_code >= 500, r.text
+        message = r.json()["error"]["message"]
+        assert all(w in message for w in words), message
+        assert elapsed < 5, f"the refusal took {elapsed:.1f}s"
+    finally:
+        stack.stop()

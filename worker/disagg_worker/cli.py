@@ -11,9 +11,15 @@ from disagg_worker.config import Role, add_disagg_args, add_engine_args, server_
 def cmd_serve(ns: argparse.Namespace) -> int:
     args = server_args_from_cli(ns, Role.MONOLITHIC)
     if ns.local:
-        from disagg_worker.server.local import run_local
+        from disagg_worker.server.local import RoleRanks, run_local
 
-        return run_local(sys.argv[2:], args.host, args.port, args.engine.model_name)
+        ranks = RoleRanks(
+            prefill_tp=ns.prefill_tp_size or ns.tp_size,
+            prefill_pp=ns.prefill_pp_size or ns.pp_size,
+            decode_tp=ns.decode_tp_size or ns.tp_size,
+            decode_pp=ns.decode_pp_size or ns.pp_size,
+        )
+        return run_local(sys.argv[2:], args.host, args.port, args.engine.model_name, ranks)
     from disagg_worker.server import launch
 
     launch.run(args)
@@ -62,6 +68,11 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="run router + prefill + decode as separate local processes (Mooncake over TCP)",
     )
+    for role in ("prefill", "decode"):
+        for kind, what in (("tp", "tensor parallel ranks"), ("pp", "pipeline parallel stages")):
+            serve.add_argument(
+                f"--{role}-{kind}-size", type=int, default=0, help=f"--local: {what} of {role} (default --{kind}-size)"
+            )
     serve.set_defaults(func=cmd_serve)
 
     for role in (Role.PREFILL, Role.DECODE):

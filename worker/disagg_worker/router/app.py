@@ -25,6 +25,9 @@ log = logging.getLogger(__name__)
 
 ROUTER: web.AppKey[Router] = web.AppKey("router")
 STATUS_OF_TYPE = {"invalid_request_error": 400, "not_found_error": 404}
+# After decode failed a request, how long prefill may take to refuse it with a better reason (a
+# prefill refuses what it cannot take at once; one still waiting for a handshake is cancelled).
+EXPLAIN_WAIT_S = 0.5
 
 
 @dataclass
@@ -158,7 +161,7 @@ class Router:
     async def _explain(decode_error: Attempt, prefill: asyncio.Task) -> Attempt:
         """A prefill that refused the request explains a decode failure better than decode can."""
         try:
-            p = await asyncio.wait_for(asyncio.shield(prefill), timeout=5)
+            p = await asyncio.wait_for(asyncio.shield(prefill), timeout=EXPLAIN_WAIT_S)
         except asyncio.TimeoutError:
             prefill.cancel()
             return decode_error

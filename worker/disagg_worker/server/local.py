@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 
 import requests
 
@@ -24,6 +25,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# Flags this launcher sets per process (they take a value), instead of passing them to both roles.
+PER_PROCESS = ("--port", "--host", "--prefill-tp-size", "--prefill-pp-size", "--decode-tp-size", "--decode-pp-size")
+
+
 def engine_flags(argv: list[str]) -> list[str]:
     """The user's engine flags minus the ones this launcher sets per process."""
     out, skip = [], False
@@ -31,21 +36,33 @@ def engine_flags(argv: list[str]) -> list[str]:
         if skip:
             skip = False
             continue
-        if a in ("--port", "--host"):
+        if a in PER_PROCESS:
             skip = True
             continue
-        if a == "--local" or a.startswith("--port=") or a.startswith("--host="):
+        if a == "--local" or a.startswith(tuple(f"{f}=" for f in PER_PROCESS)):
             continue
         out.append(a)
     return out
 
 
-def plan(argv: list[str], port: int, model_name: str) -> dict[str, list[str]]:
+@dataclass(frozen=True)
+class RoleRanks:
+    """Tensor and pipeline parallel sizes of the local prefill and decode instances."""
+
+    prefill_tp: int = 1
+    prefill_pp: int = 1
+    decode_tp: int = 1
+    decode_pp: int = 1
+
+
+def plan(argv: list[str], port: int, model_name: str, ranks: RoleRanks = RoleRanks()) -> dict[str, list[str]]:
     flags = engine_flags(argv)
     p_port, d_port, boot = free_port(), free_port(), free_port()
+    p_ranks = ["--tp-size", str(ranks.prefill_tp), "--pp-size", str(ranks.prefill_pp)]
+    d_ranks = ["--tp-size", str(ranks.decode_tp), "--pp-size", str(ranks.decode_pp)]
     return {
-        "prefill": [*DISAGG, "prefill", *flags, "--port", str(p_port), "--bootstrap-port", str(boot)],
-        "decode": [*DISAGG, "decode", *flags, "--port", str(d_port)],
+        "prefill": [*DISAGG, "prefill", *flags, *p_ranks, "--port", str(p_port), "--bootstrap-port", str(boot)],
+        "decode": [*DISAGG, "decode", *flags, *d_ranks, "--port", str(d_port)],
         "router": [
             *DISAGG,
             "router",
@@ -90,8 +107,8 @@ def stop_all(procs: dict[str, subprocess.Popen]) -> None:
             p.wait()
 
 
-def run_local(argv: list[str], host: str, port: int, model_name: str) -> int:
-    cmds = plan(argv, port, model_name)
+def run_local(argv: list[str], host: str, port: int, model_name: str, ranks: RoleRanks = RoleRanks()) -> int:
+    cmds = plan(argv, port, model_name, ranks)
     env = {**os.environ, "MC_LOG_LEVEL": os.environ.get("MC_LOG_LEVEL", "WARNING")}
     procs: dict[str, subprocess.Popen] = {}
     stopping = False
