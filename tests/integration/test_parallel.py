@@ -4,9 +4,12 @@ rank's queues empty afterwards."""
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures as cf
+import random
 import time
 
+import aiohttp
 import pytest
 import requests
 
@@ -139,3 +142,50 @@ def test_a_mismatched_pair_fails_its_first_request_with_the_handshake_message(ti
         assert elapsed < 5, f"the refusal took {elapsed:.1f}s"
     finally:
         stack.stop()
+
+
+def test_a_thousand_aborts_at_random_stages_leave_every_rank_clean(tiny_model):
+    """Prefill PP=2, decode TP=2: clients give up at random moments (bootstrap, prefill forward,
+    KV transfer, decoding); afterwards every rank's queues are empty, every page is free, and
+    fresh requests still get the single-rank server's tokens."""
+    prompts = varied_prompts(8)
+    expected = expected_tokens(tiny_model, prompts)
+    stack = PDStack(
+        tiny_model, *FLAGS, prefill_flags=("--pp-size", "2"), decode_flags=("--pp-size", "2")
+    ).wait_healthy()
+    try:
+        outcomes = asyncio.run(abandon_requests(stack.router.url, n=1000, seed=3))
+        assert outcomes["aborted"] >= 300 and outcomes["completed"] >= 50, outcomes
+        assert_clean(stack.prefill.url, stack.decode.url)
+        for url in (stack.prefill.url, stack.decode.url):
+            ranks = rank_queues(url)
+            assert len(ranks) == 2 and all(not any(r["queues"].values()) for r in ranks), ranks
+        assert concurrently(stack.router.url, prompts) == expected
+    finally:
+        stack.stop()
+
+
+async def abandon_requests(url: str, n: int, seed: int) -> dict[str, int]:
+    """`n` requests through the router, each abandoned after a random time (some finish first)."""
+    rng = random.Random(seed)
+    counts = {"aborted": 0, "completed": 0, "refused": 0}
+    limit = asyncio.Semaphore(48)
+
+    async def one(session: aiohttp.ClientSession) -> None:
+        body = {
+            "input_ids": [rng.randrange(10, 2000) for _ in range(rng.choice([3, 30, 90]))],
+            "sampling_params": {"max_new_tokens": rng.choice([1, 8, 32]), "temperature": 0, "ignore_eos": True},
+        }
+        patience = 0.005 * 1000 ** rng.random()  # 5 ms to 5 s, log-uniform
+        async with limit:
+            try:
+                async with asyncio.timeout(patience):
+                    async with session.post(f"{url}/generate", json=body) as r:
+                        await r.read()
+                        counts["completed" if r.status == 200 else "refused"] += 1
+            except TimeoutError:
+                counts["aborted"] += 1
+
+    async with aiohttp.ClientSession() as session:
+        await asyncio.gather(*(one(session) for _ in range(n)))
+    return counts
