@@ -100,11 +100,11 @@ class DecodeProc:
 
 class Prefill:
     def __init__(self, pool_kw: dict, token: str = "", **cfg_kw):
-        self.server = BootstrapServer(0, host="127.0.0.1", token=token).start()
+        cfg = DisaggConfig(role=Role.PREFILL, auth_token=token, **cfg_kw)
+        self.server = BootstrapServer(0, host="127.0.0.1", token=cfg.bootstrap_token).start()
         self.pool = KVPool(**pool_kw, dtype=torch.float32)
         for buf in self.pool.buffers():
             buf.copy_(torch.randn_like(buf))
-        cfg = DisaggConfig(role=Role.PREFILL, auth_token=token, **cfg_kw)
         self.mgr = create_kv_manager(
             cfg, KVLayout.from_pool(self.pool, "float32"), RankInfo(bootstrap_url=self.server.url)
         )

@@ -103,7 +103,9 @@ class MooncakeDecodeManager(KVManager):
         self.engine, self._buffers, self.staging = open_registered(cfg, layout)
         self.aux = torch.zeros(layout.aux_num_slots * layout.aux_item_nbytes, dtype=torch.uint8)
         self.decode_id = uuid.uuid4().hex
-        self.channel = ControlChannel("0.0.0.0", cfg.advertise_host)
+        self.channel = ControlChannel(
+            cfg.advertise_host, cfg.control_port_of(cfg.rank_index(rank.tp_rank, rank.pp_rank))
+        )
         self.rooms: RoomTable[_Room] = RoomTable()
         self._quarantine: dict[int, _Room] = {}  # failed rooms whose pages prefill may still write
         self._instances: dict[str, _Instance] = {}
@@ -218,7 +220,7 @@ class MooncakeDecodeManager(KVManager):
         error = f"prefill bootstrap server {inst.addr} not ready within {self.cfg.waiting_timeout_s:g}s"
         while not self._stop.is_set() and time.monotonic() < deadline:
             try:
-                topo = fetch_topology(inst.addr, self.cfg.auth_token)
+                topo = fetch_topology(inst.addr, self.cfg.bootstrap_token)
             except BootstrapError as e:
                 error = str(e)
                 break

@@ -69,7 +69,9 @@ class MooncakePrefillManager(KVManager):
             self.engine, layout, buffers, staging,
             on_failed=self._write_failed, on_notice=self._still_transferring, on_settled=self._send_settled,
         )  # fmt: skip
-        self.channel = ControlChannel("0.0.0.0", cfg.advertise_host)
+        self.channel = ControlChannel(
+            cfg.advertise_host, cfg.control_port_of(cfg.rank_index(rank.tp_rank, rank.pp_rank))
+        )
         self.rooms: RoomTable[PrefillRoom] = RoomTable()
         self._peers: dict[str, DecodePeer] = {}  # by decode id, from hellos (control thread)
         self._early: dict[int, tuple[float, RoomRequest]] = {}  # requests that came before their sender
@@ -174,7 +176,7 @@ class MooncakePrefillManager(KVManager):
         """Register with the bootstrap server; seconds until the next attempt."""
         url = self.rank.bootstrap_url or f"http://127.0.0.1:{self.cfg.bootstrap_port}"
         try:
-            register_rank(url, self.registration(), self.cfg.auth_token)
+            register_rank(url, self.registration(), self.cfg.bootstrap_token)
         except BootstrapError as e:
             log.error("bootstrap registration refused: %s", e)
             return TUNING.transfer.register_refused_retry_s
