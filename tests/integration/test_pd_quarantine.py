@@ -17,7 +17,7 @@ import requests
 
 from tests.integration.procs import PDStack, idle_and_flushed, serve, wait_until
 from tests.integration.test_pd import FLAGS, assert_clean
-from tests.integration.test_pd_faults import load, outcomes, request, wait_router_healthy
+from tests.integration.test_pd_faults import decode_waiting_on_prefill, load, outcomes, request, wait_router_healthy
 from tests.integration.test_server import generate, varied_prompts
 
 pytestmark = pytest.mark.integration
@@ -32,8 +32,9 @@ def test_a_silent_prefills_pages_come_back_after_the_quarantine_timeout(tiny_mod
     stack = PDStack(tiny_model, *FLAGS, "--quarantine-timeout", str(QUARANTINE_S)).wait_healthy()
     pgid = stack.prefill.proc.pid
     try:
-        with cf.ThreadPoolExecutor(16) as pool:
-            futures = load(stack.router.url, 16, pool)
+        with cf.ThreadPoolExecutor(32) as pool:
+            # More prompt than decode holds at once: its transfer queue stays full while prefill computes.
+            futures = load(stack.router.url, 32, pool, prompt_len=800)
             wait_until(
                 lambda: queues(stack.decode.url).get("decode_transfer", 0) > 0,
                 timeout=30,
@@ -69,12 +70,12 @@ def test_after_decode_freezes_and_resumes_greedy_output_still_equals_monolithic(
     pgid = stack.decode.proc.pid
     try:
         with cf.ThreadPoolExecutor(16) as pool:
-            futures = load(stack.router.url, 16, pool, prompt_len=600)
+            futures = load(stack.router.url, 16, pool, prompt_len=600)  # more KV than decode holds at once
             wait_until(
-                lambda: queues(stack.prefill.url).get("prefill_inflight", 0) > 0,
+                lambda: decode_waiting_on_prefill(stack.decode.url),
                 timeout=30,
                 interval=0.01,
-                what="KV on the wire to decode",
+                what="decode waiting for KV from prefill",
             )
             os.killpg(pgid, signal.SIGSTOP)
             try:  # prefill's waiting timeout fails the rooms whose writes are stuck in the frozen decode
