@@ -1,4 +1,5 @@
-"""The DisaggregatedModel CustomResourceDefinition, built here and written to `crds/` by `python -m disagg_operator.crd`.
+"""The DisaggregatedModel CustomResourceDefinition, built here and written to `crds/` by
+`python -m disagg_operator.crd`.
 
 Validation that needs no pods lives in the schema: structural types and defaults, plus CEL rules whose messages say
 what to change. `RULES` is the list of (where, rule, message) that the API server enforces.
@@ -33,8 +34,12 @@ def _str(doc: str = "", max_length: int = 253, **extra: Any) -> dict:
     return s
 
 
-def _obj(props: dict, doc: str = "", default: dict | None = None, **extra: Any) -> dict:
+def _obj(
+    props: dict, doc: str = "", default: dict | None = None, *, validations: list[dict] | None = None, **extra: Any
+) -> dict:
     s: dict[str, Any] = {"type": "object", "properties": props, **extra}
+    if validations is not None:
+        s["x-kubernetes-validations"] = validations
     if default is not None:
         s["default"] = default
     if doc:
@@ -51,7 +56,7 @@ def _rule(rule: str, message: str) -> dict:
 
 
 def _engine_props(with_defaults: bool) -> dict:
-    d = DEFAULT_ENGINE if with_defaults else {}
+    d: dict[str, Any] = dict(DEFAULT_ENGINE) if with_defaults else {}
     return {
         "pageSize": _int(d.get("pageSize"), 1, "Tokens per KV page; prefill and decode must agree."),
         "kvDtype": _str(
@@ -218,7 +223,7 @@ def spec_schema() -> dict:
             "cachePvc": _str("PersistentVolumeClaim for the Hugging Face cache (an emptyDir when absent)."),
         },
         "Where the model weights come from.",
-        **{"x-kubernetes-validations": _rules_at("spec.model")},
+        validations=_rules_at("spec.model"),
     )
     transfer = _obj(
         {
@@ -228,7 +233,7 @@ def spec_schema() -> dict:
         },
         "How KV pages move from prefill to decode.",
         default={},
-        **{"x-kubernetes-validations": _rules_at("spec.transfer")},
+        validations=_rules_at("spec.transfer"),
     )
     return _obj(
         {
@@ -247,13 +252,22 @@ def spec_schema() -> dict:
             "router": _router(),
             "auth": _obj(
                 {"secretName": _str("Existing Secret with key `token`; generated when absent.")},
-                "Token the router and workers share.",
+                "The model's shared secret (a file in prefill, decode and router pods; never sent as it is).",
                 default={},
+            ),
+            "apiKeySecret": _obj(
+                {
+                    "name": _str("Secret in the model's namespace."),
+                    "key": _str("Key holding the API keys, one a line.", default=names.API_KEY_DEFAULT_KEY),
+                },
+                "API keys clients must send to the router (Authorization: Bearer); mounted into the router only. "
+                "Without it the router takes requests without a key.",
+                required=["name"],
             ),
         },
         "The desired state of a disaggregated deployment.",
         required=["model", "servedModelName", "image"],
-        **{"x-kubernetes-validations": _rules_at("spec")},
+        validations=_rules_at("spec"),
     )
 
 
@@ -311,7 +325,7 @@ def build_crd() -> dict:
     root = _obj(
         {"spec": spec_schema(), "status": status_schema()},
         required=["spec"],
-        **{"x-kubernetes-validations": _rules_at("")},
+        validations=_rules_at(""),
     )
     return {
         "apiVersion": "apiextensions.k8s.io/v1",

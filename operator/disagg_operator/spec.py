@@ -120,6 +120,14 @@ class TransferSpec:
 
 
 @dataclass(frozen=True)
+class SecretRef:
+    """A key of a Secret in the model's namespace."""
+
+    name: str
+    key: str
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     """Everything the builders need from one DisaggregatedModel."""
 
@@ -135,6 +143,8 @@ class ModelSpec:
     decode: WorkerRoleSpec
     router: RouterSpec
     auth_secret: str | None
+    # The clients' API keys (a file of keys, one a line), mounted into the router only; None: no API keys.
+    api_key_secret: SecretRef | None = None
 
     @property
     def auth_secret_name(self) -> str:
@@ -176,7 +186,14 @@ class ModelSpec:
                 int(router.get("replicas", 1)), router.get("policy", "round_robin"), Placement.from_dict(router)
             ),
             auth_secret=spec.get("auth", {}).get("secretName"),
+            api_key_secret=_secret_ref(spec.get("apiKeySecret")),
         )
+
+
+def _secret_ref(d: Mapping[str, Any] | None) -> SecretRef | None:
+    if not d:
+        return None
+    return SecretRef(d["name"], d.get("key", names.API_KEY_DEFAULT_KEY))
 
 
 def _worker_role(role: str, d: Mapping[str, Any], shared_engine: Mapping[str, Any]) -> WorkerRoleSpec:

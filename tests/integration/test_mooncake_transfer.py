@@ -18,6 +18,7 @@ from disagg_worker.config import DisaggConfig, Role  # noqa: E402
 from disagg_worker.disagg import KVLayout, KVPoll, RankInfo, create_kv_manager, pack_first_token, unpack_first_token  # noqa: E402
 from disagg_worker.disagg.bootstrap import BootstrapServer  # noqa: E402
 from disagg_worker.disagg.mooncake.environ import mooncake_environ  # noqa: E402
+from disagg_worker.disagg.mooncake.prefill import MooncakePrefillManager  # noqa: E402
 from disagg_worker.env import load_env  # noqa: E402
 from disagg_worker.mem.kv_pool import KVPool  # noqa: E402
 
@@ -37,8 +38,18 @@ def mooncake_settings():
         yield
 
 
-def _decode_child(conn, pool_kw: dict, cfg_kw: dict) -> None:
+def with_transfer_tuning(module, **values) -> None:
+    """Replace `module`'s view of the transfer tuning constants (in the process that calls it)."""
+    from dataclasses import replace
+
+    module.TUNING = replace(module.TUNING, transfer=replace(module.TUNING.transfer, **values))
+
+
+def _decode_child(conn, pool_kw: dict, cfg_kw: dict, tuning: dict) -> None:
     """Decode side, driven by (command, *args) tuples over `conn`."""
+    from disagg_worker.disagg.mooncake import decode as decode_module
+
+    with_transfer_tuning(decode_module, **tuning)
     pool = KVPool(**pool_kw, dtype=torch.float32)
     layout = KVLayout.from_pool(pool, "float32")
     mgr = create_kv_manager(DisaggConfig(role=Role.DECODE, **cfg_kw), layout)
@@ -76,10 +87,10 @@ def _decode_child(conn, pool_kw: dict, cfg_kw: dict) -> None:
 
 
 class DecodeProc:
-    def __init__(self, pool_kw: dict, **cfg_kw):
+    def __init__(self, pool_kw: dict, tuning: dict | None = None, **cfg_kw):
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_decode_child, args=(child, pool_kw, cfg_kw), daemon=True)
+        self.proc = ctx.Process(target=_decode_child, args=(child, pool_kw, cfg_kw, tuning or {}), daemon=True)
         self.proc.start()
         assert self.conn.poll(60) and self.conn.recv() == "ready"
 
@@ -87,6 +98,11 @@ class DecodeProc:
         self.conn.send(cmd)
         assert self.conn.poll(timeout), f"decode process did not answer {cmd[0]}"
         return self.conn.recv()
+
+    @property
+    def pid(self) -> int:
+        assert self.proc.pid is not None, "not started"
+        return self.proc.pid
 
     def close(self) -> None:
         if self.proc.is_alive():
@@ -100,14 +116,14 @@ class DecodeProc:
 
 class Prefill:
     def __init__(self, pool_kw: dict, token: str = "", **cfg_kw):
-        self.server = BootstrapServer(0, host="127.0.0.1", token=token).start()
+        cfg = DisaggConfig(role=Role.PREFILL, auth_token=token, **cfg_kw)
+        self.server = BootstrapServer(0, host="127.0.0.1", token=cfg.bootstrap_token).start()
         self.pool = KVPool(**pool_kw, dtype=torch.float32)
         for buf in self.pool.buffers():
             buf.copy_(torch.randn_like(buf))
-        cfg = DisaggConfig(role=Role.PREFILL, auth_token=token, **cfg_kw)
-        self.mgr = create_kv_manager(
-            cfg, KVLayout.from_pool(self.pool, "float32"), RankInfo(bootstrap_url=self.server.url)
-        )
+        mgr = create_kv_manager(cfg, KVLayout.from_pool(self.pool, "float32"), RankInfo(bootstrap_url=self.server.url))
+        assert isinstance(mgr, MooncakePrefillManager)
+        self.mgr = mgr
         assert self.mgr.registered.wait(10), "prefill rank did not register"
         self.addr = f"127.0.0.1:{self.server.port}"
 
@@ -315,10 +331,10 @@ def test_frozen_decode_times_out_and_pages_stay_quarantined_until_writes_settle(
         decode("recv", room, prefill.addr, list(range(511, -1, -1)), 0)
         wait_for(sender, KVPoll.WaitingForInput)
         sender.send(list(range(512)), last=True)
-        os.kill(decode.proc.pid, signal.SIGSTOP)
+        os.kill(decode.pid, signal.SIGSTOP)
         status, took = wait_status(sender, 15)
         assert status is KVPoll.Failed and "timed out" in sender.failure_reason() and took < 2.0 + 2.0
-        os.kill(decode.proc.pid, signal.SIGCONT)
+        os.kill(decode.pid, signal.SIGCONT)
         d_status, reason, _, _ = decode("wait", room, 20)
         assert d_status == KVPoll.Failed and "timed out" in reason
         deadline = time.monotonic() + 30
@@ -327,7 +343,7 @@ def test_frozen_decode_times_out_and_pages_stay_quarantined_until_writes_settle(
         assert decode("unsafe", room) is False, "prefill must confirm once its writes settled"
     finally:
         if decode.proc.is_alive():
-            os.kill(decode.proc.pid, signal.SIGCONT)
+            os.kill(decode.pid, signal.SIGCONT)
         decode.close()
         prefill.close()
 

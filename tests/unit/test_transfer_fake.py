@@ -16,7 +16,6 @@ from disagg_worker.disagg import (
     unpack_first_token,
 )
 from disagg_worker.disagg.fake import FakeKVManager
-from disagg_worker.env import load_env
 
 LAYOUT = KVLayout([0x1000, 0x9000], [4096, 4096], page_nbytes=512, page_size=4, kv_dtype="float32", num_pages=8)
 _rooms = itertools.count(1 << 40)
@@ -113,22 +112,3 @@ def test_close_fails_live_rooms():
     s = p.create_sender(next(_rooms))
     p.close()
     assert s.poll() is KVPoll.Failed and "closed" in s.failure_reason()
-
-
-def test_env_reads_the_auth_token_with_prefix():
-    assert load_env({"DISAGG_AUTH_TOKEN": " s3cret \n"}).auth_token == "s3cret"
-    assert load_env({"AUTH_TOKEN": "x"}).auth_token == ""
-
-
-def test_the_auth_token_reaches_the_config_at_start_up_and_is_never_printed():
-    import argparse
-
-    from disagg_worker.config import add_disagg_args, add_engine_args, server_args_from_cli
-
-    p = argparse.ArgumentParser()
-    add_engine_args(p)
-    add_disagg_args(p)
-    env = load_env({"DISAGG_AUTH_TOKEN": "s3cret"})
-    cfg = server_args_from_cli(p.parse_args(["--model", "m"]), Role.PREFILL, env).engine.disagg
-    assert cfg.auth_token == "s3cret"
-    assert "s3cret" not in repr(cfg) and "s3cret" not in repr(env)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from disagg_worker.config import Role, add_disagg_args, add_engine_args, server_args_from_cli
+from disagg_worker.config import ConfigError, Role, add_disagg_args, add_engine_args, server_args_from_cli
+from disagg_worker.keys import SecretError
 
 
 def cmd_serve(ns: argparse.Namespace) -> int:
@@ -108,7 +109,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
-    return ns.func(ns)
+    try:
+        return ns.func(ns)
+    except (ConfigError, SecretError) as e:  # a setting that cannot work: say which, start nothing
+        print(f"disagg {ns.command}: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -11,7 +11,12 @@ import argparse
 from dataclasses import dataclass, field
 from enum import Enum
 
+from disagg_worker import keys
 from disagg_worker.env import WorkerEnv, load_env
+
+
+class ConfigError(ValueError):
+    """A start-up setting that cannot work; the message says which flag to change."""
 
 
 class Role(str, Enum):
@@ -67,18 +72,98 @@ class DisaggConfig:
     heartbeat_interval_s: float = 2.0
     heartbeat_max_misses: int = 2
     max_bootstrap_queue: int = 256
+    # Listening ports (each must sit where the operator's NetworkPolicy opens it). Rank i of an
+    # instance (i = pp_rank * tp_size + tp_rank) listens for control messages on control_port + i
+    # (0: any free port, for local runs), and its Mooncake engine takes its two ports (RPC and
+    # TCP data) from the window transfer_port_base + i * transfer_ports_per_rank onwards (0: Mooncake's
+    # own range, MC_MIN_RPC_PORT..MC_MAX_RPC_PORT, 15000-17000 unless set). A window holds more
+    # than two ports because a killed engine's ports stay in TIME_WAIT for ~60 s and Mooncake cannot
+    # bind them again: a restarted rank takes two others.
+    control_port: int = 0
+    transfer_port_base: int = 0
+    transfer_ports_per_rank: int = 8
+    # Decode: pages of a failed room stay out of the free list while prefill may still write them
+    # (quarantine), but not longer than this: a prefill that stays silent is then declared dead and
+    # the pages come back. 0: four times the longest of the waiting timeout and the heartbeat window.
+    quarantine_timeout_s: float = 0.0
     # Mooncake TCP connections per peer (MC_TCP_LANES_PER_PEER; an explicit env var wins). Each
     # lane carries one write at a time with a round trip, so a request's many small writes (one
     # per page run per layer's K and V) finish sooner over more lanes: 64 writes of 4 KiB took
     # 4.0 ms with Mooncake's default of 4 lanes and 2.3 ms with 16 on loopback here.
     tcp_lanes: int = 16
-    # From the environment at start-up (`disagg_worker.env`), not flags. The bootstrap server's
-    # bearer token ("" disables auth), kept out of repr so that it is never logged.
+    # The model's shared secret, read from --auth-token-file at start-up ("": no authentication,
+    # local runs only), kept out of repr so that it is never logged. Each use has its own key
+    # derived from it (`keys`): the bootstrap server's bearer token, the token the router presents
+    # to worker HTTP ports, the key that signs the bootstrap targets decode may contact.
     auth_token: str = field(default="", repr=False)
+    # From the environment at start-up (`disagg_worker.env`), not flags.
     # MC_TCP_LANES_PER_PEER as the user set it (None: not set); it wins over tcp_lanes.
     mc_tcp_lanes_per_peer: str | None = None
     # Tests only: prefill ranks of this pipeline stage fail every new sender locally (-1: off).
     fault_fail_senders_on_stage: int = -1
+    # MC_MIN_RPC_PORT / MC_MAX_RPC_PORT as the user set them (None: not set); they may not be
+    # combined with transfer_port_base, which sets them per rank.
+    mc_rpc_port_range: tuple[str | None, str | None] = (None, None)
+
+    @property
+    def num_ranks(self) -> int:
+        return self.tp_size * self.pp_size
+
+    def rank_index(self, tp_rank: int, pp_rank: int) -> int:
+        """The position of a rank in its instance: what its ports are offset by."""
+        return pp_rank * self.tp_size + tp_rank
+
+    def control_port_of(self, rank: int) -> int:
+        """The control channel port of rank `rank` (0: any free port)."""
+        return self.control_port + rank if self.control_port else 0
+
+    def transfer_ports_of(self, rank: int) -> tuple[int, int] | None:
+        """The first and last port of rank `rank`'s Mooncake window (None: Mooncake's own range)."""
+        if not self.transfer_port_base:
+            return None
+        first = self.transfer_port_base + rank * self.transfer_ports_per_rank
+        return first, first + self.transfer_ports_per_rank - 1
+
+    @property
+    def quarantine_limit_s(self) -> float:
+        """How long pages may stay quarantined before their prefill instance is declared dead."""
+        if self.quarantine_timeout_s > 0:
+            return self.quarantine_timeout_s
+        return 4 * max(self.waiting_timeout_s, self.heartbeat_interval_s * self.heartbeat_max_misses)
+
+    @property
+    def bootstrap_token(self) -> str:
+        """Bearer token of the bootstrap server ("" without a shared secret)."""
+        return keys.derive(self.auth_token, keys.BOOTSTRAP) if self.auth_token else ""
+
+    @property
+    def worker_token(self) -> str:
+        """Bearer token the router presents to this instance's HTTP port ("" without a shared secret)."""
+        return keys.derive(self.auth_token, keys.WORKER) if self.auth_token else ""
+
+    @property
+    def target_key(self) -> str:
+        """Key of the router's signature over a request's bootstrap target ("": targets are not checked)."""
+        return keys.derive(self.auth_token, keys.TARGET) if self.auth_token else ""
+
+    def check(self) -> None:
+        """Raise ConfigError naming the first setting that cannot work."""
+        spans = [
+            ("--control-port", self.control_port, self.num_ranks),
+            ("--transfer-port-base", self.transfer_port_base, self.num_ranks * self.transfer_ports_per_rank),
+        ]
+        for flag, base, count in spans:
+            if base and not (1024 <= base and base + count - 1 <= 65535):
+                raise ConfigError(
+                    f"{flag} {base}: the {count} port(s) of {self.num_ranks} rank(s) must fit in 1024-65535"
+                )
+        if self.transfer_ports_per_rank < 2:
+            raise ConfigError("--transfer-ports-per-rank must be at least 2 (Mooncake listens on two ports)")
+        if self.transfer_port_base and self.mc_rpc_port_range != (None, None):
+            raise ConfigError(
+                "MC_MIN_RPC_PORT/MC_MAX_RPC_PORT are set and so is --transfer-port-base, which sets them per "
+                "rank: keep one of the two"
+            )
 
 
 @dataclass(frozen=True)
@@ -131,6 +216,9 @@ class ServerArgs:
     log_level: str = "info"
     # Seconds without a scheduler heartbeat after which /health fails.
     health_timeout_s: float = 20.0
+    # Bearer tokens clients must present (--api-key, --api-key-file; empty: no API keys). /health
+    # stays open. Kept out of repr so that they are never logged.
+    api_keys: tuple[str, ...] = field(default=(), repr=False)
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -162,6 +250,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         default=ServerArgs.health_timeout_s,
         help="seconds without a scheduler report after which /health fails",
     )
+    p.add_argument("--api-key", default=None, help="clients must send 'Authorization: Bearer KEY' (/health is open)")
+    p.add_argument("--api-key-file", default="", help="a file of API keys, one a line (a mounted Secret)")
 
 
 def add_disagg_args(p: argparse.ArgumentParser) -> None:
@@ -182,6 +272,32 @@ def add_disagg_args(p: argparse.ArgumentParser) -> None:
         help="prefill: requests waiting for decode's handshake beyond this are refused (503)",
     )
     p.add_argument(
+        "--control-port",
+        type=int,
+        default=d.control_port,
+        help="rank i listens for control messages on this port + i (0: any free port)",
+    )
+    p.add_argument(
+        "--transfer-port-base",
+        type=int,
+        default=d.transfer_port_base,
+        help="rank i's Mooncake engine listens in [BASE + i*N, BASE + (i+1)*N - 1], N = --transfer-ports-per-rank "
+        "(0: MC_MIN_RPC_PORT..MC_MAX_RPC_PORT)",
+    )
+    p.add_argument("--transfer-ports-per-rank", type=int, default=d.transfer_ports_per_rank)
+    p.add_argument(
+        "--quarantine-timeout",
+        type=float,
+        default=d.quarantine_timeout_s,
+        help="decode: longest wait for a silent prefill to confirm a failed room's writes stopped, before its "
+        "pages are reused (0: 4x the waiting timeout or heartbeat window)",
+    )
+    p.add_argument(
+        "--auth-token-file",
+        default="",
+        help="file holding the model's shared secret (bootstrap token, router-to-worker token, target signing)",
+    )
+    p.add_argument(
         "--tcp-lanes",
         type=int,
         default=d.tcp_lanes,
@@ -195,6 +311,7 @@ def server_args_from_cli(
     """The config chain of one instance: `ns` from the CLI, `env` (default: `load_env()`) from
     the environment."""
     env = load_env() if env is None else env
+    api_keys = keys.read_api_keys(ns.api_key, ns.api_key_file)
     cache = CacheConfig(
         page_size=ns.page_size,
         num_pages=ns.num_pages,
@@ -224,11 +341,17 @@ def server_args_from_cli(
             heartbeat_interval_s=ns.heartbeat_interval,
             heartbeat_max_misses=ns.heartbeat_max_misses,
             max_bootstrap_queue=ns.max_bootstrap_queue,
+            control_port=ns.control_port,
+            transfer_port_base=ns.transfer_port_base,
+            transfer_ports_per_rank=ns.transfer_ports_per_rank,
+            quarantine_timeout_s=ns.quarantine_timeout,
             tcp_lanes=ns.tcp_lanes,
-            auth_token=env.auth_token,
+            auth_token=keys.read_secret(ns.auth_token_file, "--auth-token-file") if ns.auth_token_file else "",
             mc_tcp_lanes_per_peer=env.mc_tcp_lanes_per_peer,
             fault_fail_senders_on_stage=env.fault_fail_senders_on_stage,
+            mc_rpc_port_range=env.mc_rpc_port_range,
         )
+        disagg.check()
     engine = EngineConfig(
         model_path=ns.model,
         served_model_name=ns.served_model_name,
@@ -243,5 +366,10 @@ def server_args_from_cli(
         disagg=disagg,
     )
     return ServerArgs(
-        engine=engine, host=ns.host, port=ns.port, log_level=ns.log_level, health_timeout_s=ns.health_timeout
+        engine=engine,
+        host=ns.host,
+        port=ns.port,
+        log_level=ns.log_level,
+        health_timeout_s=ns.health_timeout,
+        api_keys=api_keys,
     )

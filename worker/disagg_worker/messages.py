@@ -19,6 +19,7 @@ class BootstrapInfo:
     host: str
     port: int
     room: int
+    sig: str = ""  # the router's signature over (host, port, room) (`keys.sign_target`); "": unsigned
 
 
 @dataclass(frozen=True)

@@ -36,6 +36,14 @@ class TransferTuning:
     resolve_retry_s: float = 0.2
     # Longest wait for one heartbeat answer (`GET /health`); shorter heartbeat intervals wait less.
     heartbeat_timeout_s: float = 2.0
+    # Prefill forgets a decode peer (releases its transfer thread and control socket) once it has
+    # been silent this long with nothing in flight: a decode that is gone costs nothing after a
+    # minute. Decode greets a prefill rank again before a request when it sent that rank nothing
+    # for `hello_refresh_s`, well inside `peer_idle_s`, so a forgotten peer is known again before
+    # its request is read. Prefill looks for idle peers every `peer_check_interval_s`.
+    peer_idle_s: float = 60.0
+    hello_refresh_s: float = 15.0
+    peer_check_interval_s: float = 1.0
 
     # ---- writes (Mooncake) ---------------------------------------------------------------------
     # Per destination peer. Mooncake TCP queues at most ~1024 writes per peer; past that it rejects

@@ -5,6 +5,13 @@ for the topology (or a given rank for its `{rank_ip, rank_port}`) and heartbeats
 `GET /health`. Route queries answer 503 until all `tp_size * pp_size` ranks registered.
 With a token, `/route` needs `Authorization: Bearer <token>` (401 otherwise, fail closed).
 Every error is a 4xx/503 with a JSON body `{"error": ...}`.
+
+A registered rank keeps its slot: a registration of the same (tp, pp) under another identity
+(control endpoint, transfer session) is refused (409) unless the registered rank is gone. Gone
+means nothing listens on its control endpoint any more (the connection is refused), or the new
+registration names that same endpoint (only one process can listen on an address, so the old one
+released it). A slot that changes hands changes the instance id: decode's heartbeat sees a
+restarted instance, and resolves and greets it afresh.
 """
 
 from __future__ import annotations
@@ -71,6 +78,18 @@ async def _json_errors(request: web.Request, handler):
         return _error(e.status, e.reason or "error")
 
 
+async def _refuses_connections(host: str, port: int, timeout: float = 1.0) -> bool:
+    """Whether nothing listens on host:port (refused). A silent or slow endpoint is not known gone."""
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
+    except ConnectionRefusedError:
+        return True
+    except (OSError, asyncio.TimeoutError):
+        return False
+    writer.close()
+    return False
+
+
 class _Registry:
     def __init__(self, tp_size: int, pp_size: int):
         self.tp_size = tp_size
@@ -82,8 +101,8 @@ class _Registry:
     def complete(self) -> bool:
         return len(self.ranks) == self.tp_size * self.pp_size
 
-    def add(self, reg: RankRegistration) -> str:
-        """ "" if accepted, else why not."""
+    def check(self, reg: RankRegistration) -> str:
+        """ "" if `reg` fits this instance, else why not."""
         if (reg.tp_size, reg.pp_size) != (self.tp_size, self.pp_size):
             return f"instance is tp={self.tp_size} pp={self.pp_size}, rank says tp={reg.tp_size} pp={reg.pp_size}"
         if reg.tp_rank >= self.tp_size or reg.pp_rank >= self.pp_size:
@@ -93,8 +112,19 @@ class _Registry:
                 return (
                     f"page_size/kv_dtype {reg.page_size}/{reg.kv_dtype} differ from {other.page_size}/{other.kv_dtype}"
                 )
-        self.ranks[(reg.tp_rank, reg.pp_rank)] = reg
         return ""
+
+    def holder(self, reg: RankRegistration) -> RankRegistration | None:
+        """The rank that holds `reg`'s slot under another identity (None: free, or `reg` itself)."""
+        held = self.ranks.get((reg.tp_rank, reg.pp_rank))
+        return None if held is None or held == reg else held
+
+    def put(self, reg: RankRegistration) -> None:
+        """Take the slot (checked: `check` passed and its holder, if any, is gone)."""
+        held = self.ranks.get((reg.tp_rank, reg.pp_rank))
+        if held is not None and held != reg:
+            self.instance_id = uuid.uuid4().hex  # a rank restarted: decode must resolve it afresh
+        self.ranks[(reg.tp_rank, reg.pp_rank)] = reg
 
     def topology(self) -> dict:
         first = next(iter(self.ranks.values()))
@@ -106,6 +136,13 @@ class _Registry:
             "kv_dtype": first.kv_dtype,
             "ranks": [asdict(r) for _, r in sorted(self.ranks.items())],
         }
+
+
+async def _gone(held: RankRegistration, new: RankRegistration) -> bool:
+    """Whether the rank holding a slot is gone, so that `new` may take it (see the module docstring)."""
+    if (held.rank_ip, held.rank_port) == (new.rank_ip, new.rank_port):
+        return True
+    return await _refuses_connections(held.rank_ip, held.rank_port)
 
 
 class _Routes:
@@ -130,9 +167,18 @@ class _Routes:
         except (ValueError, UnicodeDecodeError) as e:
             return _error(400, f"bad registration: {e}")
         reg = self._reg
-        problem = reg.add(rank)
+        problem = reg.check(rank)
+        held = reg.holder(rank)
+        if not problem and held is not None and not await _gone(held, rank):
+            problem = (
+                f"rank tp={rank.tp_rank} pp={rank.pp_rank} is held by a live rank at {held.rank_ip}:{held.rank_port} "
+                f"(session {held.session_id})"
+            )
+        if not problem and reg.holder(rank) not in (None, held):  # taken by another while we probed
+            problem = f"rank tp={rank.tp_rank} pp={rank.pp_rank} was just registered by another rank"
         if problem:
             return _error(409, problem)
+        reg.put(rank)
         return web.json_response({"ok": True, "registered": len(reg.ranks), "expected": reg.tp_size * reg.pp_size})
 
     async def get_route(self, request: web.Request) -> web.Response:

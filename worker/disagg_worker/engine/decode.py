@@ -8,9 +8,12 @@ Life cycle of a request here:
 2. Transfer queue: the prefill instance writes the prompt's KV straight into those pages; the
    receiver is polled without blocking. Success: the first token is read from the aux slot.
 3. Running batch: the request joins the decode batch directly; its prompt is never recomputed.
-Failure at any point ends the request with a 500 naming the cause. Pages a failed transfer may
-still write (Mooncake does not cancel a submitted write) are quarantined until prefill confirms
-it stopped or is known dead; every other page is freed at once.
+With the model's shared secret, a request's bootstrap target (the prefill instance to contact)
+is taken only with the router's signature over it: any other is refused (403) before anything is
+contacted. Failure at any point ends the request with a 500 naming the cause. Pages a failed
+transfer may still write (Mooncake does not cancel a submitted write) are quarantined until
+prefill confirms it stopped or is known dead (or, at the latest, after the quarantine timeout);
+every other page is freed at once.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from disagg_worker.engine.outbox import Outbox
 from disagg_worker.engine.request import Req
 from disagg_worker.engine.scheduler import Scheduler, StepOutcome
 from disagg_worker.engine.stage import UNROUTED, Transfers
+from disagg_worker.keys import target_signed
 from disagg_worker.mem.allocator import PageAllocator, pages_for
 from disagg_worker.messages import BootstrapInfo
 
@@ -50,6 +54,7 @@ class DecodeStage:
         aux_slots: int,
     ):
         self.page_size = cfg.cache.page_size
+        self.target_key = cfg.disagg.target_key
         self.max_running = cfg.scheduler.max_running_requests
         self.scheduler = scheduler
         self.allocator = allocator
@@ -63,6 +68,11 @@ class DecodeStage:
     def arrive(self, req: Req, bootstrap: BootstrapInfo | None) -> None:
         if bootstrap is None:
             self.outbox.reject(req, 400, UNROUTED.format(role="decode"))
+            return
+        if self.target_key and not target_signed(
+            self.target_key, bootstrap.host, bootstrap.port, bootstrap.room, bootstrap.sig
+        ):
+            self.outbox.reject(req, 403, "bootstrap target not signed by this model's router: refused")
             return
         addr = f"{bootstrap.host}:{bootstrap.port}"
         self.prealloc[req.rid] = DecodeReq(req, self.kv.create_receiver(bootstrap.room, addr))

@@ -61,7 +61,7 @@ def run_rank(
     """One rank of a multi-rank instance: the driver serves the HTTP process, the others follow."""
     from disagg_worker.engine.dist import Comm
 
-    _start_process(cfg, log_level, f"rank tp{shard.tp_rank} pp{shard.pp_rank}")
+    _start_process(cfg, log_level, f"rank tp{shard.tp_rank} pp{shard.pp_rank}", shard.world_rank)
     comm = Comm(shard, address, cfg.device)
     try:
         if shard.world_rank == 0:
@@ -74,14 +74,14 @@ def run_rank(
         comm.close()
 
 
-def _start_process(cfg: EngineConfig, log_level: str, name: str) -> None:
+def _start_process(cfg: EngineConfig, log_level: str, name: str, rank: int = 0) -> None:
     logging.basicConfig(level=log_level.upper(), format=f"%(asctime)s {name} %(levelname)s %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when this process ends
     import torch
 
     from disagg_worker.disagg.mooncake.environ import mooncake_environ
 
-    os.environ.update(mooncake_environ(cfg.disagg))  # read by the transfer engine when it starts
+    os.environ.update(mooncake_environ(cfg.disagg, rank))  # read by the transfer engine when it starts
     if cfg.resolved_torch_threads:
         torch.set_num_threads(cfg.resolved_torch_threads)
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import aiohttp
 from aiohttp import web
 
+from disagg_worker.router.auth import RouterAuth
 from disagg_worker.router.workers import Worker, WorkerPool
 from disagg_worker.server.errors import APIError
 
@@ -40,10 +41,18 @@ class Attempt:
 
 
 class Router:
-    def __init__(self, pool: WorkerPool, model_name: str, retries: int = 2, request_timeout_s: float = 600.0):
+    def __init__(
+        self,
+        pool: WorkerPool,
+        model_name: str,
+        retries: int = 2,
+        request_timeout_s: float = 600.0,
+        auth: RouterAuth | None = None,
+    ):
         self.pool = pool
         self.model_name = model_name
         self.retries = retries
+        self.auth = auth or RouterAuth()
         self.timeout = aiohttp.ClientTimeout(total=request_timeout_s, sock_connect=5)
         self._session: aiohttp.ClientSession | None = None
 
@@ -54,7 +63,9 @@ class Router:
         return self._session
 
     async def start(self, health_interval_s: float = 2.0) -> None:
-        self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+        self._session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0), headers=self.auth.worker_headers()
+        )
         await self.pool.refresh_dns()
         await self.pool.check_health(self.session)
         self._watch = asyncio.create_task(self.pool.watch(self.session, health_interval_s))
@@ -89,12 +100,7 @@ class Router:
         )
 
     async def _try_pair(self, path: str, body: dict, p: Worker, d: Worker):
-        routed = {
-            **body,
-            "bootstrap_host": p.host,
-            "bootstrap_port": p.bootstrap_port,
-            "bootstrap_room": secrets.randbits(63),
-        }
+        routed = self.auth.routed(body, p.host, p.bootstrap_port, secrets.randbits(63))
         prefill = asyncio.create_task(self._prefill(p, path, {**routed, "stream": False}))
         d.inflight += 1
         try:

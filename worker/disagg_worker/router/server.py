@@ -12,8 +12,10 @@ import aiohttp
 from aiohttp import web
 
 from disagg_worker.router.app import ROUTER, Router
+from disagg_worker.router.auth import RouterAuth, add_auth_args
 from disagg_worker.router.workers import DnsSource, Policy, Worker, WorkerPool
 from disagg_worker.server.api import error_middleware
+from disagg_worker.server.auth import require_keys
 from disagg_worker.server.errors import APIError
 from disagg_worker.server.protocol import parse_json
 
@@ -223,12 +225,15 @@ def add_router_args(p) -> None:
     p.add_argument("--retries", type=int, default=2)
     p.add_argument("--health-interval", type=float, default=2.0)
     p.add_argument("--log-level", default="info")
+    add_auth_args(p)
 
 
-async def serve(ns, ready: asyncio.Event | None = None) -> None:
-    router = Router(build_pool(ns), ns.served_model_name, retries=ns.retries)
+async def serve(ns, auth: RouterAuth, ready: asyncio.Event | None = None) -> None:
+    router = Router(build_pool(ns), ns.served_model_name, retries=ns.retries, auth=auth)
     await router.start(ns.health_interval)
-    runner = web.AppRunner(build_router_app(router), handler_cancellation=True, access_log=None)
+    app = build_router_app(router)
+    require_keys(app, auth.api_keys)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
     await web.TCPSite(runner, ns.host, ns.port).start()
     stop = asyncio.Event()
@@ -245,4 +250,5 @@ async def serve(ns, ready: asyncio.Event | None = None) -> None:
 
 def run(ns) -> None:
     logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s router %(levelname)s %(message)s")
-    asyncio.run(serve(ns))
+    auth = RouterAuth.from_cli(ns)  # before anything starts: a key asked for but missing stops here
+    asyncio.run(serve(ns, auth))

@@ -70,6 +70,9 @@ def bootstrap_of(body) -> BootstrapInfo | None:
     if not isinstance(body, dict) or "bootstrap_room" not in body:
         return None
     host, port, room = body.get("bootstrap_host"), body.get("bootstrap_port"), body.get("bootstrap_room")
+    sig = body.get("bootstrap_sig", "")
+    if not isinstance(sig, str):
+        raise APIError(400, "bootstrap_sig must be a string", param="bootstrap_sig")
     if (
         not isinstance(host, str)
         or not isinstance(port, int)
@@ -83,7 +86,7 @@ def bootstrap_of(body) -> BootstrapInfo | None:
             "bootstrap_host (str), bootstrap_port (int) and bootstrap_room (0..2^63-1) are required together",
             param="bootstrap_room",
         )
-    return BootstrapInfo(host, port, room)
+    return BootstrapInfo(host, port, room, sig)
 
 
 def choice_params(params: SamplingParams, i: int) -> SamplingParams:

@@ -17,6 +17,7 @@ from disagg_worker.disagg.bootstrap import BootstrapServer
 from disagg_worker.engine.process import spawn_schedulers
 from disagg_worker.model.tokenizer import Tokenizer
 from disagg_worker.server.api import build_app
+from disagg_worker.server.auth import require_keys
 from disagg_worker.server.frontend import Frontend
 from disagg_worker.server.metrics import ServerMetrics
 
@@ -46,10 +47,11 @@ class EngineServer:
         self.frontend.start()
         if a.engine.disagg.role is Role.PREFILL:
             d = a.engine.disagg
-            self.bootstrap = BootstrapServer(d.bootstrap_port, d.tp_size, d.pp_size, d.auth_token).start()
+            self.bootstrap = BootstrapServer(d.bootstrap_port, d.tp_size, d.pp_size, d.bootstrap_token).start()
         self.procs = spawn_schedulers(a.engine, self.to_engine, self.from_engine, a.log_level)
         await _wait_ready(self.frontend, self.procs)
         app = build_app(self.frontend, a.engine.model_name, a.health_timeout_s)
+        require_keys(app, accepted_keys(a))
         self.runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
         await self.runner.setup()
         await web.TCPSite(self.runner, a.host, a.port).start()
@@ -69,6 +71,13 @@ class EngineServer:
         if self.bootstrap is not None:
             self.bootstrap.stop()
         shutil.rmtree(self.ipc_dir, ignore_errors=True)
+
+
+def accepted_keys(args: ServerArgs) -> tuple[str, ...]:
+    """Bearer tokens this instance's HTTP port accepts: the API keys, and the router's worker token
+    when the instance has the model's shared secret (prefill and decode in a deployment)."""
+    worker = args.engine.disagg.worker_token
+    return args.api_keys + ((worker,) if worker else ())
 
 
 async def _wait_ready(frontend: Frontend, procs: list[BaseProcess]) -> None:

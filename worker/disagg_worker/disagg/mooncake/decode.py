@@ -7,6 +7,11 @@ send a `DecodeHello` to each target rank, then watch it with heartbeats. Per roo
 
 A room whose destination is fragmented is staged (`staging`): prefill writes it into a range of
 this rank's registered staging area, and it is scattered into its pages before Success.
+
+A failed room's pages that prefill may still write are quarantined until prefill says it is quiet,
+its instance is known dead, or `cfg.quarantine_limit_s` passed (a silent prefill is declared dead).
+`decode_id` is new per process (prefill tells a restarted decode at the same address from the old
+one); a rank sent nothing for `hello_refresh_s` is greeted again before a request.
 """
 
 from __future__ import annotations
@@ -50,6 +55,7 @@ class _Instance:
     instance_id: str = ""
     targets: list[RankRegistration] = field(default_factory=list)
     rooms: set[int] = field(default_factory=set)
+    hello: DecodeHello | None = None
 
 
 @dataclass
@@ -64,6 +70,7 @@ class _Room:
     done: set[tuple[int, int]] = field(default_factory=set)
     quiesced: set[tuple[int, int]] = field(default_factory=set)
     unsafe: bool = False
+    failed_at: float = 0.0  # when it failed (its quarantine's age)
     staging_offset: int = -1  # prefill writes this room into the staging area at this offset
     staging_nbytes: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)  # Success (with its scatter) vs Failed
@@ -103,10 +110,13 @@ class MooncakeDecodeManager(KVManager):
         self.engine, self._buffers, self.staging = open_registered(cfg, layout)
         self.aux = torch.zeros(layout.aux_num_slots * layout.aux_item_nbytes, dtype=torch.uint8)
         self.decode_id = uuid.uuid4().hex
-        self.channel = ControlChannel("0.0.0.0", cfg.advertise_host)
+        self.channel = ControlChannel(
+            cfg.advertise_host, cfg.control_port_of(cfg.rank_index(rank.tp_rank, rank.pp_rank))
+        )
         self.rooms: RoomTable[_Room] = RoomTable()
         self._quarantine: dict[int, _Room] = {}  # failed rooms whose pages prefill may still write
         self._instances: dict[str, _Instance] = {}
+        self._last_sent: dict[str, float] = {}  # prefill rank endpoint -> last hello or request sent there
         self._lock = threading.RLock()
         self._stop = threading.Event()
         self._resolver = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kv-resolve")
@@ -181,11 +191,20 @@ class MooncakeDecodeManager(KVManager):
         """Send the destination to every target rank (under the lock, once)."""
         state.targets = [(t.tp_rank, t.pp_rank) for t in inst.targets]
         for t in inst.targets:
+            self._greet_if_stale(inst, _endpoint(t))
             msg = RoomRequest(
                 decode_id=self.decode_id, reply_endpoint=self.channel.endpoint, room=state.room,
                 dest_pages=state.dest_pages, aux_slot=state.aux_slot, staging_offset=state.staging_offset,
             )  # fmt: skip
             self.channel.send(_endpoint(t), msg)
+
+    def _greet_if_stale(self, inst: _Instance, endpoint: str) -> None:
+        """Greet again a prefill rank sent nothing for a while (it forgets silent peers); under the lock.
+        The hello travels on the request's socket, so it arrives first."""
+        now = time.monotonic()
+        if inst.hello is not None and now - self._last_sent.get(endpoint, now) > TUNING.transfer.hello_refresh_s:
+            self.channel.send(endpoint, inst.hello)
+        self._last_sent[endpoint] = now
 
     def fail(self, state: _Room, reason: str, tell_prefill: bool = True) -> None:
         """Fail a room (any thread): quarantine its pages while prefill may still write them."""
@@ -193,6 +212,7 @@ class MooncakeDecodeManager(KVManager):
             if state.cell.get().terminal:
                 return
             state.unsafe = bool(state.targets) and not set(state.targets) <= state.quiesced
+            state.failed_at = time.monotonic()
             state.cell.fail(reason)
             inst = self._instances.get(state.addr)
             if inst is not None:
@@ -218,7 +238,7 @@ class MooncakeDecodeManager(KVManager):
         error = f"prefill bootstrap server {inst.addr} not ready within {self.cfg.waiting_timeout_s:g}s"
         while not self._stop.is_set() and time.monotonic() < deadline:
             try:
-                topo = fetch_topology(inst.addr, self.cfg.auth_token)
+                topo = fetch_topology(inst.addr, self.cfg.bootstrap_token)
             except BootstrapError as e:
                 error = str(e)
                 break
@@ -244,7 +264,9 @@ class MooncakeDecodeManager(KVManager):
         with self._lock:
             for t in targets:
                 self.channel.send(_endpoint(t), hello)
+                self._last_sent[_endpoint(t)] = time.monotonic()
             inst.state, inst.instance_id, inst.targets = InstanceState.READY, instance_id, targets
+            inst.hello = hello
             for room in list(inst.rooms):
                 state = self.rooms.get(room)
                 if state is None:
@@ -357,6 +379,22 @@ class MooncakeDecodeManager(KVManager):
         for _, state in self.rooms.snapshot():
             if state.init_at and now - state.init_at > limit and not state.cell.get().terminal:
                 self.fail(state, f"no KV from prefill within {limit:g}s (waiting timeout)")
+        self._expire_quarantine(now)
+
+    def _expire_quarantine(self, now: float) -> None:
+        """Release pages whose prefill stayed silent past the quarantine limit (declared dead; the limit
+        outlasts the timeouts and liveness checks that end a frozen process)."""
+        limit = self.cfg.quarantine_limit_s
+        with self._lock:
+            expired = [state for state in self._quarantine.values() if now - state.failed_at > limit]
+            for state in expired:
+                self._unquarantine(state)
+        for state in expired:
+            log.warning(
+                "room %d: prefill %s silent for %.0fs: declared dead, pages reused", state.room, state.addr, limit
+            )
+        if expired:
+            self.on_change()
 
 
 def _endpoint(rank: RankRegistration) -> str:

@@ -15,6 +15,11 @@ Timeouts: a sender still Bootstrapping after `bootstrap_timeout_s` fails; a send
 have not all landed after `waiting_timeout_s` fails. Such writes are not cancelled, so decode
 is told `quiesced=False` and gets a second Failed update with `quiesced=True` once every
 write of the room has settled; only then may it reuse the pages.
+
+Peers (`peer_book`): a decode incarnation that says hello from the address of an earlier one
+(a restarted decode) replaces it, and the earlier one's rooms fail at once; a peer silent for
+`TUNING.transfer.peer_idle_s` with nothing in flight is forgotten, and its transfer thread and
+control socket are released.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ from disagg_worker.disagg.bootstrap_client import BootstrapError, register_rank
 from disagg_worker.disagg.channel import ControlChannel
 from disagg_worker.disagg.messages import DecodeHello, Message, RoomAbort, RoomRequest, RoomUpdate
 from disagg_worker.disagg.metrics import TransferMetrics
-from disagg_worker.disagg.mooncake.peers import DecodePeer
+from disagg_worker.disagg.mooncake.peer_book import KnownPeer, PeerBook
 from disagg_worker.disagg.mooncake.prefill_room import PrefillRoom, SendJob
 from disagg_worker.disagg.mooncake.prefill_writes import PrefillWrites
 from disagg_worker.disagg.mooncake.staging import open_registered
@@ -69,9 +74,11 @@ class MooncakePrefillManager(KVManager):
             self.engine, layout, buffers, staging,
             on_failed=self._write_failed, on_notice=self._still_transferring, on_settled=self._send_settled,
         )  # fmt: skip
-        self.channel = ControlChannel("0.0.0.0", cfg.advertise_host)
+        self.channel = ControlChannel(
+            cfg.advertise_host, cfg.control_port_of(cfg.rank_index(rank.tp_rank, rank.pp_rank))
+        )
         self.rooms: RoomTable[PrefillRoom] = RoomTable()
-        self._peers: dict[str, DecodePeer] = {}  # by decode id, from hellos (control thread)
+        self._peers = PeerBook()  # decode ranks by decode id, from hellos (control thread)
         self._early: dict[int, tuple[float, RoomRequest]] = {}  # requests that came before their sender
         self._early_lock = threading.Lock()
         self._stop = threading.Event()
@@ -139,6 +146,11 @@ class MooncakePrefillManager(KVManager):
         if state.request is not None:
             self._tell(state.request, KVPoll.Failed, reason, quiesced=state.quiet_on_failure())
 
+    @property
+    def known_peers(self) -> int:
+        """Decode ranks this rank holds state for (tests, diagnostics)."""
+        return len(self._peers)
+
     def close(self) -> None:
         self._stop.set()
         for _, state in self.rooms.snapshot():
@@ -158,7 +170,7 @@ class MooncakePrefillManager(KVManager):
     # ---- control thread --------------------------------------------------------------
     def _control_loop(self) -> None:
         interval_ms = TUNING.transfer.sweep_interval_ms
-        next_register = next_sweep = 0.0
+        next_register = next_sweep = next_idle = 0.0
         while not self._stop.is_set():
             now = time.monotonic()
             if not self.registered.is_set() and now >= next_register:
@@ -169,12 +181,15 @@ class MooncakePrefillManager(KVManager):
             if now >= next_sweep:
                 self._sweep(now)
                 next_sweep = now + interval_ms / 1000
+            if now >= next_idle:
+                self._forget_idle_peers(now)
+                next_idle = now + TUNING.transfer.peer_check_interval_s
 
     def _try_register(self) -> float:
         """Register with the bootstrap server; seconds until the next attempt."""
         url = self.rank.bootstrap_url or f"http://127.0.0.1:{self.cfg.bootstrap_port}"
         try:
-            register_rank(url, self.registration(), self.cfg.auth_token)
+            register_rank(url, self.registration(), self.cfg.bootstrap_token)
         except BootstrapError as e:
             log.error("bootstrap registration refused: %s", e)
             return TUNING.transfer.register_refused_retry_s
@@ -184,12 +199,43 @@ class MooncakePrefillManager(KVManager):
         return 0.0
 
     def _on_message(self, msg: Message) -> None:
+        now = time.monotonic()
         if isinstance(msg, DecodeHello):
-            self._peers[msg.decode_id] = DecodePeer.from_hello(msg, self.layout)
+            for old in self._peers.hello(msg, self.layout, now):
+                log.warning("decode %s restarted (instance %s replaces %s)", old.endpoint, msg.decode_id, old.decode_id)
+                self._forget(old, "decode restarted: a new instance said hello from its address")
         elif isinstance(msg, RoomRequest):
+            self._peers.seen(msg.decode_id, now)
             self._on_request(msg)
         elif isinstance(msg, RoomAbort):
+            self._peers.seen(msg.decode_id, now)
             self._on_abort(msg)
+
+    def _forget(self, old: KnownPeer, reason: str) -> None:
+        """Drop a decode incarnation: fail its rooms, release its socket and transfer thread unless
+        its successor uses them."""
+        for _, state in self.rooms.snapshot():
+            if state.request is not None and state.request.decode_id == old.decode_id:
+                self.fail(state, reason)
+        with self._early_lock:
+            for room in [r for r, (_, req) in self._early.items() if req.decode_id == old.decode_id]:
+                del self._early[room]
+        self._release(old)
+
+    def _release(self, old: KnownPeer) -> None:
+        if not self._peers.uses(endpoint=old.endpoint):
+            self.channel.forget(old.endpoint)
+        if not self._peers.uses(session_id=old.peer.session_id):
+            self.writes.forget(old.peer.session_id)
+
+    def _forget_idle_peers(self, now: float) -> None:
+        """Release peers silent for `peer_idle_s` with no live room, early request or write in flight."""
+        busy = {state.request.decode_id for _, state in self.rooms.snapshot() if state.request is not None}
+        with self._early_lock:
+            busy |= {req.decode_id for _, req in self._early.values()}
+        busy |= {k.decode_id for k in self._peers.known() if self.writes.busy(k.peer.session_id)}
+        for old in self._peers.idle(now, TUNING.transfer.peer_idle_s, busy):
+            self._release(old)
 
     def _on_abort(self, msg: RoomAbort) -> None:
         reason = f"aborted by decode: {msg.reason}"

@@ -72,6 +72,19 @@ class PrefillWrites:
         """Queue a job for the transfer thread of its peer (any thread)."""
         self._workers.put(job.peer.session_id, job)
 
+    def busy(self, session_id: str) -> bool:
+        """Whether sends to this decode session are queued or on the wire."""
+        return self._workers.busy(session_id)
+
+    def forget(self, session_id: str) -> None:
+        """The peer is gone: its transfer thread exits once what it holds has settled."""
+        self._workers.retire(session_id)
+
+    @property
+    def sessions(self) -> list[str]:
+        """Decode sessions with a live transfer thread."""
+        return self._workers.destinations
+
     def close(self) -> None:
         self._workers.close()
 

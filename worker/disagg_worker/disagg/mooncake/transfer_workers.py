@@ -9,6 +9,9 @@ oldest first and stops at the first one that is still waiting; a full pass every
 `TUNING.transfer.full_poll_interval_s` catches a job that finished out of order. With many
 rooms streaming to one decode instance that is one or two status reads per poll instead of
 one per room.
+
+A destination that is gone is `retire`d: its thread finishes the jobs it holds and exits; a later
+job for it starts a new one.
 """
 
 from __future__ import annotations
@@ -54,34 +57,67 @@ class TransferWorkers(Generic[J]):
         self._progress = progress
         self._stop = threading.Event()
         self._lock = threading.Lock()
-        self._queues: dict[str, queue.Queue[J]] = {}
-        self._threads: list[threading.Thread] = []
+        self._queues: dict[str, queue.Queue[J | None]] = {}  # None: retire once the jobs held settled
+        self._threads: dict[str, threading.Thread] = {}
+        self._pending: dict[str, int] = {}  # jobs put and not yet settled, per destination
 
     def put(self, destination: str, job: J) -> None:
         with self._lock:
             q = self._queues.get(destination)
             if q is None:
                 q = self._queues[destination] = queue.Queue()
-                t = threading.Thread(target=self._run, args=(q,), name=f"kv-transfer-{destination}", daemon=True)
-                self._threads.append(t)
+                t = threading.Thread(
+                    target=self._run, args=(destination, q), name=f"kv-transfer-{destination}", daemon=True
+                )
+                self._threads[destination] = t
                 t.start()
-        q.put(job)
+            self._pending[destination] = self._pending.get(destination, 0) + 1
+            q.put(job)  # under the lock: never behind the retirement mark of a queue retired meanwhile
+
+    def busy(self, destination: str) -> bool:
+        """Whether jobs for `destination` are queued or in flight."""
+        with self._lock:
+            return self._pending.get(destination, 0) > 0
+
+    def retire(self, destination: str) -> None:
+        """Release the thread of `destination` once the jobs it holds have settled (a peer that is gone)."""
+        with self._lock:
+            q = self._queues.pop(destination, None)
+            if q is not None:
+                q.put(None)
+
+    @property
+    def destinations(self) -> list[str]:
+        """Destinations with a live thread."""
+        with self._lock:
+            return [d for d, t in self._threads.items() if t.is_alive()]
 
     def close(self, timeout: float = 5.0) -> None:
         self._stop.set()
         with self._lock:
-            threads = list(self._threads)
+            threads = list(self._threads.values())
         for t in threads:
             t.join(timeout=timeout)
 
-    def _run(self, jobs: queue.Queue[J]) -> None:
+    def _settled(self, destination: str, n: int) -> None:
+        if n:
+            with self._lock:
+                self._pending[destination] -= n
+                if not self._pending[destination]:
+                    del self._pending[destination]
+
+    def _run(self, destination: str, jobs: queue.Queue[J | None]) -> None:
         _tight_sleeps()
         t = TUNING.transfer
         active: list[J] = []
         sleep, next_full = t.poll_sleep_min_s, 0.0
-        while not self._stop.is_set():
+        retiring = False
+        while not self._stop.is_set() and not (retiring and not active):
             try:
                 job = jobs.get(timeout=0.05) if not active else jobs.get_nowait()
+                if job is None:
+                    retiring = True
+                    continue
                 self._start(job)
                 active.append(job)
                 sleep = t.poll_sleep_min_s
@@ -93,9 +129,13 @@ class TransferWorkers(Generic[J]):
             next_full = now + t.full_poll_interval_s if full else next_full
             before = len(active)
             active = poll_in_order(active, self._progress, full)
+            self._settled(destination, before - len(active))
             if active:
                 sleep = t.poll_sleep_min_s if len(active) < before else min(2 * sleep, t.poll_sleep_max_s)
                 time.sleep(sleep)
+        with self._lock:
+            if self._threads.get(destination) is threading.current_thread():
+                del self._threads[destination]
 
 
 def poll_in_order(active: list[J], progress: Callable[[J], Progress], full: bool) -> list[J]:
