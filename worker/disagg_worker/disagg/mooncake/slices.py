@@ -85,7 +85,7 @@ class PageShape:
 
 
 def _views(pool: torch.Tensor, block: torch.Tensor, shape: PageShape, first: int, count: int):
-    """Heads `[first, first + count)` of a uint8 pool as `[pages, page_size, count, head]`, and a
+    """Heads `[first, first + count)` of a uint8 pool as `[pages, page_size, count * head]`, and a
     uint8 block of slice pages as the same shape (8-byte elements when both are aligned: row
     copies run several times faster)."""
     page = shape.page_size * shape.num_heads * shape.head_nbytes
@@ -93,22 +93,42 @@ def _views(pool: torch.Tensor, block: torch.Tensor, shape: PageShape, first: int
     head = shape.head_nbytes
     if head % 8 == 0 and pool.data_ptr() % 8 == 0 and block.data_ptr() % 8 == 0:
         pool, block, head = pool.view(torch.int64), block.view(torch.int64), head // 8
-    heads = pool.view(-1, shape.page_size, shape.num_heads, head)[:, :, first : first + count]
-    return heads, block.view(-1, shape.page_size, count, head)
+    heads = pool.view(-1, shape.page_size, shape.num_heads * head)[:, :, first * head : (first + count) * head]
+    return heads, block.view(-1, shape.page_size, count * head)
+
+
+def _few_runs(pages: list[int]) -> list[tuple[int, int, int]] | None:
+    """`pages` as (first page, index in the block, n) runs when there are few: one strided copy per
+    run beats a gather by index (1.1-1.8x here); many short runs go by index."""
+    runs = group_runs(pages, list(range(len(pages))))
+    return runs if len(runs) <= _MAX_RUN_COPIES else None
+
+
+_MAX_RUN_COPIES = 4
 
 
 def gather_heads(pool: torch.Tensor, shape: PageShape, first: int, count: int, pages: list[int], out: torch.Tensor):
     """Copy heads `[first, first + count)` of `pages` of `pool` (uint8) into `out` (uint8,
     `len(pages)` slice pages), in order."""
     src, dst = _views(pool, out, shape, first, count)
-    torch.index_select(src, 0, torch.tensor(pages, dtype=torch.int64), out=dst)
+    runs = _few_runs(pages)
+    if runs is None:
+        torch.index_select(src, 0, torch.tensor(pages, dtype=torch.int64), out=dst)
+        return
+    for p, k, n in runs:
+        dst[k : k + n].copy_(src[p : p + n])
 
 
 def scatter_heads(block: torch.Tensor, shape: PageShape, first: int, count: int, pool: torch.Tensor, pages: list[int]):
     """Copy slice page `k` of `block` (uint8) to heads `[first, first + count)` of page `pages[k]`
     of `pool` (uint8)."""
     dst, src = _views(pool, block, shape, first, count)
-    dst.index_copy_(0, torch.tensor(pages, dtype=torch.int64), src)
+    runs = _few_runs(pages)
+    if runs is None:
+        dst.index_copy_(0, torch.tensor(pages, dtype=torch.int64), src)
+        return
+    for p, k, n in runs:
+        dst[p : p + n].copy_(src[k : k + n])
 
 
 @dataclass(frozen=True)
