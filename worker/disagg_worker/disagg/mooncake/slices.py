@@ -7,13 +7,14 @@ prefill TP) the destination pieces are. Writing each piece on its own would be o
 per token per page per buffer: a 1024-token request of a 32-layer model would be 65536 writes of
 a few hundred bytes, and a Mooncake TCP write costs ~35 us whatever its size (over 2 s). Instead
 the slice travels as whole "slice pages" (`[page_size, count, head_bytes]`, contiguous):
-- a scattered source is gathered into prefill's registered staging area (a strided copy, 10-20
-  GB/s here) and written from there, one block per buffer;
+- a scattered source is gathered into prefill's registered staging area (a strided copy, about
+  as fast as a memcpy of the same bytes) and written from there, one block per buffer;
 - a scattered destination gets a range of decode's registered staging area, named in the
   `RoomRequest`; prefill writes slice pages there and decode scatters them into its pool before
   the room reports Success, as it does for fragmented rooms (`staging`).
 So a head-sliced send costs as many writes as a whole-page send of the same pages. Only when a
-staging area is full do the pieces travel one token at a time (correct, slow).
+staging area is full do the pieces travel one token at a time: correct, but 10-25x slower per byte
+(0.077 GB/s: a 128 MiB room, TP 2 -> 1, took 1.7 s; bench/README.md), so decode logs it.
 
 Staged layout of a sliced room with `n` destination pages: decode buffer `b`, destination index
 `j` at byte `(b * n + j) * slice_page_nbytes` of its range.
@@ -21,6 +22,8 @@ Staged layout of a sliced room with `n` destination pages: decode buffer `b`, de
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -31,7 +34,10 @@ from disagg_worker.disagg.mapping import Target
 from disagg_worker.disagg.mooncake.staging import scatter, worth_staging
 from disagg_worker.disagg.runs import group_runs
 
+log = logging.getLogger(__name__)
 Write = tuple[int, int, int]  # (src address, dst address, nbytes)
+_WARN_EVERY_S = 10.0
+_warned = [0.0]  # when decode last logged a slice written token by token
 
 
 @dataclass(frozen=True)
@@ -164,6 +170,12 @@ def reserve_staging(
             ranges[key] = alloc(nbytes)
             if ranges[key] >= 0:
                 staged.append(StagedRange(ranges[key], nbytes, key))
+            elif key is not None and time.monotonic() - _warned[0] > _WARN_EVERY_S:
+                _warned[0] = time.monotonic()
+                log.warning(
+                    "a head slice of %d MiB found no room in the staging area: written token by token (slow)",
+                    nbytes >> 20,
+                )
         offsets.append(ranges[key])
     return offsets, staged
 
