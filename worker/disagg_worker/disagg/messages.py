@@ -3,9 +3,9 @@
 Decode -> prefill: `DecodeHello` once per (decode rank, prefill rank) connection, carrying
 the decode KV buffer addresses, head geometry and transfer session; then per room `RoomRequest`
 (destination pages, aux slot, and which of the prefill rank's KV heads go where) and possibly
-`RoomAbort`. Prefill -> decode: `RoomUpdate` (Transferring,
-Success or Failed; `quiesced` says no write of that room is still in flight). The aux record
-travels inside the Success update, so it can never be seen before the pages it describes.
+`RoomAbort`. Prefill -> decode: `RoomUpdate` (Transferring, Success or Failed; `quiesced` says no
+write of that room is still in flight). The aux record travels inside the Success update, so it
+can never be seen before the pages it describes.
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ class PrefillRoom:
     # The accepted ones with their peers; WaitingForInput once all `decode_ranks` of them arrived.
     dests: list[tuple[DecodePeer, RoomRequest]] = field(default_factory=list)
     sent: int = 0  # destination pages consumed by send() so far
-    inflight: int = 0  # sends queued or on the wire and not yet settled
+    inflight: int = 0  # jobs (a send to one decode rank) queued or on the wire and not yet settled
     last_queued: bool = False
     nbytes: int = 0
     first_send: float = 0.0
