@@ -21,6 +21,7 @@ from disagg_worker.disagg.mooncake.environ import mooncake_environ  # noqa: E402
 from disagg_worker.disagg.mooncake.prefill import MooncakePrefillManager  # noqa: E402
 from disagg_worker.env import load_env  # noqa: E402
 from disagg_worker.mem.kv_pool import KVPool  # noqa: E402
+from tests.integration.kv_ranks import Geometry, Pair  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 SMALL = dict(num_layers=2, num_pages=64, page_size=4, num_kv_heads=2, head_dim=32)
@@ -379,3 +380,81 @@ def test_a_burst_of_writes_beyond_mooncakes_per_peer_queue_all_land():
     finally:
         decode.close()
         prefill.close()
+
+
+# ---- instances of several ranks (TP and PP), one process per rank ---------------------------------
+ROOMS = [
+    (list(range(8, 24)), list(range(30, 46)), [16]),  # contiguous: one run per buffer
+    ([3, 9, 4, 60, 61, 62, 0], [50, 2, 17, 5, 6, 7, 33], [7]),  # scattered, mixed runs
+    (list(range(10, 30)), random.Random(1).sample(range(64), 20), [5, 8, 7]),  # chunked prefill
+    (random.Random(2).sample(range(64), 40), random.Random(3).sample(range(64), 40), [40]),  # fragmented: staged
+]
+
+
+@pytest.mark.parametrize(
+    "prefill,decode,kv_heads",
+    [
+        ((2, 1), (1, 1), 2),  # decode takes one head from each prefill rank
+        ((1, 1), (2, 1), 2),  # each decode rank takes its head from the one prefill rank
+        ((2, 1), (1, 1), 1),  # the one KV head is replicated on both prefill ranks: written once
+        ((1, 1), (2, 1), 1),  # ... and on both decode ranks: each gets it
+        ((1, 2), (1, 1), 2),  # both prefill stages write into one decode rank
+        ((1, 2), (1, 2), 2),  # stage to stage
+    ],
+    ids=["tp2-tp1", "tp1-tp2", "tp2-tp1-replicated", "tp1-tp2-replicated", "pp2-pp1", "pp2-pp2"],
+)
+def test_ranks_of_both_instances_move_byte_identical_kv(prefill, decode, kv_heads):
+    pair = Pair(prefill, decode, Geometry(kv_heads=kv_heads))
+    try:
+        for slot, (src, dst, chunks) in enumerate(ROOMS):
+            room = next(_rooms)
+            for p in pair.prefill:
+                p("sender", room)
+            for d in pair.decode:
+                d("recv", room, pair.addr, dst, slot)
+            for p in pair.prefill:
+                status, reason = p("until", room, int(KVPoll.WaitingForInput), 20)
+                assert status == KVPoll.WaitingForInput, reason
+            sends, first = [], 0
+            for i, n in enumerate(chunks):
+                last = i == len(chunks) - 1
+                sends.append((src[first : first + n], last, pack_first_token(1234, -0.25) if last else None))
+                first += n
+            for p in pair.prefill:
+                p("send", room, sends)
+            for rank in pair.prefill + pair.decode:
+                status, reason, _ = rank("wait", room, 30)
+                assert status == KVPoll.Success, f"{rank.role} {rank.shard}: {reason}"
+            for d in pair.decode:
+                got, want = d("kv", dst), pair.expected(d, src)
+                assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True)), f"decode {d.shard}, room {slot}"
+                assert unpack_first_token(d("aux", room)) == (1234, -0.25)
+    finally:
+        pair.close()
+
+
+@pytest.mark.parametrize(
+    "prefill,decode,layers,decode_geo,needles",
+    [
+        ((2, 1), (1, 1), 4, {"page_size": 8, "num_pages": 32}, ["prefill page_size=4", "decode page_size=8"]),
+        ((1, 1), (1, 1), 4, {"kv_dtype": "float16"}, ["prefill kv_dtype=float32", "decode kv_dtype=float16"]),
+        ((1, 2), (1, 3), 6, {}, ["prefill pp_size=2", "decode pp_size=3", "must be equal or 1"]),
+    ],
+    ids=["page-size", "kv-dtype", "pp3-vs-pp2"],
+)
+def test_a_mismatched_pair_fails_its_first_request_with_both_values_within_5s(
+    prefill, decode, layers, decode_geo, needles
+):
+    pair = Pair(prefill, decode, Geometry(layers=layers), **decode_geo)
+    try:
+        room = next(_rooms)
+        for p in pair.prefill:
+            p("sender", room)
+        for d in pair.decode:
+            d("recv", room, pair.addr, [0, 1], 0)
+        for d in pair.decode:
+            status, reason, took = d("wait", room, 20)
+            assert status == KVPoll.Failed and all(n in reason for n in needles), reason
+            assert pair.addr in reason and took < 5, (reason, took)
+    finally:
+        pair.close()

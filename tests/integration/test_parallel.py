@@ -60,6 +60,8 @@ def test_monolithic_ranks_equal_a_single_rank(mqa_model, flags):
 
 
 PD_MAPPINGS = {
+    "prefill-tp2-decode-tp1": (("--tp-size", "2"), ()),
+    "prefill-tp1-decode-tp2": ((), ("--tp-size", "2")),
     "prefill-pp2-decode-pp1": (("--pp-size", "2"), ()),
     "prefill-pp2-decode-pp2": (("--pp-size", "2"), ("--pp-size", "2")),
 }
@@ -145,13 +147,13 @@ def test_a_mismatched_pair_fails_its_first_request_with_the_handshake_message(ti
 
 
 def test_a_thousand_aborts_at_random_stages_leave_every_rank_clean(tiny_model):
-    """Prefill PP=2, decode TP=2: clients give up at random moments (bootstrap, prefill forward,
-    KV transfer, decoding); afterwards every rank's queues are empty, every page is free, and
-    fresh requests still get the single-rank server's tokens."""
+    """Prefill PP=2, decode TP=2 (head slices across the mismatched sizes): clients give up at
+    random moments (bootstrap, prefill forward, KV transfer, decoding); afterwards every rank's
+    queues are empty, every page is free, and fresh requests still get the single-rank tokens."""
     prompts = varied_prompts(8)
     expected = expected_tokens(tiny_model, prompts)
     stack = PDStack(
-        tiny_model, *FLAGS, prefill_flags=("--pp-size", "2"), decode_flags=("--pp-size", "2")
+        tiny_model, *FLAGS, prefill_flags=("--pp-size", "2"), decode_flags=("--tp-size", "2")
     ).wait_healthy()
     try:
         outcomes = asyncio.run(abandon_requests(stack.router.url, n=1000, seed=3))

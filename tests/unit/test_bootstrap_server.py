@@ -27,6 +27,9 @@ REG = RankRegistration(
     session_id="10.0.0.1:15001",
     start_layer=0,
     num_layers=4,
+    kv_head_start=0,
+    num_kv_heads=1,
+    head_nbytes=256,
 )
 
 

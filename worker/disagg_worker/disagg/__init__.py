@@ -14,7 +14,8 @@ This level holds what any backend shares, the contract and the control plane:
 - `messages` and `channel`: the control messages between decode and prefill ranks, their one
   codec, and the zmq channel that carries them (nothing in either knows how the bytes move).
 - `bootstrap`, `bootstrap_client`: where a prefill instance's ranks are, over HTTP.
-- `mapping`: which prefill ranks feed a decode rank (TP, PP, page size, KV dtype), layer maps.
+- `mapping`: which prefill ranks feed a decode rank, with which KV heads and layers (TP, PP, page
+  size, KV dtype, head size), layer maps.
 - `heartbeat`: decode's liveness check of prefill instances.
 - `runs`: page lists grouped into contiguous runs (one write per run, whatever the backend).
 - `metrics`: transfer counters and Prometheus series.

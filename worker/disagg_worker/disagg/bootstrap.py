@@ -25,7 +25,10 @@ from dataclasses import asdict, dataclass, fields
 
 from aiohttp import web
 
-_INT_FIELDS = ("tp_rank", "tp_size", "pp_rank", "pp_size", "rank_port", "page_size", "start_layer", "num_layers")
+_INT_FIELDS = (
+    "tp_rank", "tp_size", "pp_rank", "pp_size", "rank_port", "page_size", "start_layer", "num_layers",
+    "kv_head_start", "num_kv_heads", "head_nbytes",
+)  # fmt: skip
 _STR_FIELDS = ("rank_ip", "kv_dtype", "session_id")
 
 
@@ -42,6 +45,19 @@ class RankRegistration:
     session_id: str  # transfer-engine session id of this rank
     start_layer: int
     num_layers: int
+    # The KV heads this rank holds, by global id: [kv_head_start, kv_head_start + num_kv_heads)
+    # (replicated heads are held by several ranks), and the bytes of one head of one token.
+    kv_head_start: int
+    num_kv_heads: int
+    head_nbytes: int
+
+    @property
+    def kv_heads(self) -> range:
+        return range(self.kv_head_start, self.kv_head_start + self.num_kv_heads)
+
+    @property
+    def layers(self) -> range:
+        return range(self.start_layer, self.start_layer + self.num_layers)
 
     @classmethod
     def from_json(cls, obj: object) -> RankRegistration:
@@ -61,6 +77,9 @@ class RankRegistration:
                 raise ValueError(f"{n} must be a non-empty string")
         if not 0 < obj["rank_port"] < 65536:
             raise ValueError("rank_port out of range")
+        for n in ("num_kv_heads", "head_nbytes"):
+            if obj[n] < 1:
+                raise ValueError(f"{n} must be at least 1")
         return cls(**{n: obj[n] for n in names})
 
 
@@ -112,6 +131,8 @@ class _Registry:
                 return (
                     f"page_size/kv_dtype {reg.page_size}/{reg.kv_dtype} differ from {other.page_size}/{other.kv_dtype}"
                 )
+            if other.head_nbytes != reg.head_nbytes:
+                return f"head_nbytes {reg.head_nbytes} differs from {other.head_nbytes}"
         return ""
 
     def holder(self, reg: RankRegistration) -> RankRegistration | None:

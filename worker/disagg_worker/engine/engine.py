@@ -69,8 +69,7 @@ class Engine:
             cfg.scheduler, cache.page_size, self.allocator, self.radix, self.outbox, future_inputs=future_inputs
         )
         self.runner = ModelRunner(model, self.kv_pool, model_cfg.vocab_size, cfg.device)
-        start_layer = shard.layer_range(model_cfg.num_layers).start
-        manager = build_kv_manager(cfg, self.kv_pool, shard, start_layer)
+        manager = build_kv_manager(cfg, self.kv_pool, shard, model_cfg)
         kv: KVManager | RankedKV | None = manager
         self.ranks: RankGroup | None = None
         if comm is not None:

@@ -30,7 +30,7 @@ def run_follower(cfg: EngineConfig, comm: Comm, drain_local_failures: bool = Tru
     model, model_cfg = load_model(cfg.model_path, DTYPES[cfg.dtype], cfg.device, shard, comm.all_reduce)
     kv_pool = build_kv_pool(cfg, model_cfg, shard)
     runner = ModelRunner(None if cfg.forward == "noop" else model, kv_pool, model_cfg.vocab_size, cfg.device)
-    manager = build_kv_manager(cfg, kv_pool, shard, shard.layer_range(model_cfg.num_layers).start)
+    manager = build_kv_manager(cfg, kv_pool, shard, model_cfg)
     faulty = cfg.disagg.fault_fail_senders_on_stage == shard.pp_rank
     transfer = RankTransfer(manager, fail_new_senders=faulty) if manager is not None else None
     work = StageWork(comm, runner.forward, transfer, driver=False, drain_local_failures=drain_local_failures)

@@ -19,6 +19,7 @@ from disagg_worker.engine.scheduler import Scheduler, StepOutcome
 from disagg_worker.mem.allocator import PageAllocator
 from disagg_worker.mem.kv_pool import KVPool
 from disagg_worker.messages import BootstrapInfo
+from disagg_worker.model.config import ModelConfig
 from disagg_worker.model.parallel import Shard
 
 UNROUTED = "a {role} instance serves requests routed with bootstrap_room; send requests through the router"
@@ -66,16 +67,20 @@ def aux_slots(cfg: EngineConfig) -> int:
     return 2 * cfg.scheduler.max_running_requests
 
 
-def build_kv_manager(cfg: EngineConfig, kv_pool: KVPool, shard: Shard, start_layer: int) -> KVManager | None:
-    """This rank's KV transfer manager for its slice of the pool (its heads, its layers from
-    `start_layer` on); None for a monolithic engine."""
+def build_kv_manager(cfg: EngineConfig, kv_pool: KVPool, shard: Shard, model_cfg: ModelConfig) -> KVManager | None:
+    """This rank's KV transfer manager for its slice of the pool (its KV heads, its stage's
+    layers); None for a monolithic engine."""
     d = cfg.disagg
+    start_layer = shard.layer_range(model_cfg.num_layers).start
+    heads = shard.kv_heads(model_cfg)
     if d.role is Role.PREFILL:
-        layout = KVLayout.from_pool(kv_pool, cfg.cache.kv_dtype, start_layer=start_layer)
+        layout = KVLayout.from_pool(kv_pool, cfg.cache.kv_dtype, start_layer=start_layer, kv_heads=heads)
         url = f"http://127.0.0.1:{d.bootstrap_port}"
         return create_kv_manager(d, layout, RankInfo(tp_rank=shard.tp_rank, pp_rank=shard.pp_rank, bootstrap_url=url))
     if d.role is Role.DECODE:
-        layout = KVLayout.from_pool(kv_pool, cfg.cache.kv_dtype, start_layer=start_layer, aux_num_slots=aux_slots(cfg))
+        layout = KVLayout.from_pool(
+            kv_pool, cfg.cache.kv_dtype, start_layer=start_layer, kv_heads=heads, aux_num_slots=aux_slots(cfg)
+        )
         return create_kv_manager(d, layout, RankInfo(tp_rank=shard.tp_rank, pp_rank=shard.pp_rank))
     return None
 

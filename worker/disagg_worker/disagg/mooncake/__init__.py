@@ -12,6 +12,8 @@ What lives here depends on how Mooncake moves bytes, so another backend would no
   built around Mooncake calls that may block for a frozen peer.
 - `peers`: a decode rank as prefill addresses it (raw remote addresses, a transfer session).
 - `staging`: registered staging areas that turn scattered pages into one write per buffer.
+- `slices`: head slices (decode and prefill ranks holding different KV heads) moved as whole
+  slice pages through the staging areas.
 - `decode`: the decode manager (resolve, hello, requests, updates, quarantine, staging).
 The contract, the control messages and their channel, the bootstrap server, the heartbeat and
 page-run grouping are backend-neutral and live one level up.

@@ -1,12 +1,16 @@
 """Decode side of the `mooncake` backend.
 
-Per prefill instance (bootstrap address): resolve the topology once, check compatibility,
-send a `DecodeHello` to each target rank, then watch it with heartbeats. Per room: send
-`RoomRequest` after `init()` and the handshake; apply `RoomUpdate`s from prefill. Threads:
-`control` (zmq updates, waiting timeouts), a resolver pool (blocking HTTP), heartbeat.
+Per prefill instance (bootstrap address): resolve the topology once, check compatibility and
+map it (`mapping`: which prefill ranks, heads and layers feed this rank; a mismatch fails the
+instance's rooms at once with its message), send a `DecodeHello` to each target rank, then watch
+it with heartbeats. Per room: send each target rank a `RoomRequest` (with the head slice wanted
+from it) after `init()` and the handshake; apply `RoomUpdate`s from prefill; Success once every
+target reported it. Threads: `control` (zmq updates, waiting timeouts), a resolver pool (blocking
+HTTP), heartbeat.
 
 A room whose destination is fragmented is staged (`staging`): prefill writes it into a range of
-this rank's registered staging area, and it is scattered into its pages before Success.
+this rank's registered staging area, and it is scattered into its pages before Success. So is a
+head slice that is only part of this rank's heads (`slices`): one range per slice.
 
 A failed room's pages that prefill may still write are quarantined until prefill says it is quiet,
 its instance is known dead, or `cfg.quarantine_limit_s` passed (a silent prefill is declared dead).
@@ -32,10 +36,11 @@ from disagg_worker.disagg.bootstrap import RankRegistration
 from disagg_worker.disagg.bootstrap_client import BootstrapError, fetch_topology
 from disagg_worker.disagg.channel import ControlChannel
 from disagg_worker.disagg.heartbeat import HeartbeatMonitor
-from disagg_worker.disagg.mapping import check_compatible
+from disagg_worker.disagg.mapping import Target, check_compatible
 from disagg_worker.disagg.messages import DecodeHello, RoomAbort, RoomRequest, RoomUpdate
 from disagg_worker.disagg.metrics import TransferMetrics
-from disagg_worker.disagg.mooncake.staging import open_registered, scatter, worth_staging
+from disagg_worker.disagg.mooncake.slices import StagedRange, reserve_staging, unstage
+from disagg_worker.disagg.mooncake.staging import open_registered
 from disagg_worker.disagg.poll import KVPoll, StatusCell
 from disagg_worker.disagg.rooms import RoomTable
 from disagg_worker.tuning import TUNING
@@ -53,7 +58,7 @@ class _Instance:
     addr: str
     state: InstanceState = InstanceState.RESOLVING
     instance_id: str = ""
-    targets: list[RankRegistration] = field(default_factory=list)
+    targets: list[Target] = field(default_factory=list)
     rooms: set[int] = field(default_factory=set)
     hello: DecodeHello | None = None
 
@@ -71,8 +76,7 @@ class _Room:
     quiesced: set[tuple[int, int]] = field(default_factory=set)
     unsafe: bool = False
     failed_at: float = 0.0  # when it failed (its quarantine's age)
-    staging_offset: int = -1  # prefill writes this room into the staging area at this offset
-    staging_nbytes: int = 0
+    staged: list[StagedRange] = field(default_factory=list)  # staging ranges prefill writes this room into
     lock: threading.Lock = field(default_factory=threading.Lock)  # Success (with its scatter) vs Failed
 
     @property
@@ -176,11 +180,6 @@ class MooncakeDecodeManager(KVManager):
         if problem:
             self.fail(state, problem)
             return
-        if worth_staging(dest):
-            nbytes = len(dest) * self.layout.page_nbytes * len(self._buffers)
-            offset = self.staging.alloc(nbytes)
-            if offset >= 0:
-                state.staging_offset, state.staging_nbytes = offset, nbytes
         with self._lock:
             state.dest_pages, state.aux_slot, state.init_at = dest, aux_slot, time.monotonic()
             inst = self._instances.get(state.addr)
@@ -190,13 +189,16 @@ class MooncakeDecodeManager(KVManager):
     def _request(self, state: _Room, inst: _Instance) -> None:
         """Send the destination to every target rank (under the lock, once)."""
         state.targets = [(t.tp_rank, t.pp_rank) for t in inst.targets]
-        for t in inst.targets:
-            self._greet_if_stale(inst, _endpoint(t))
+        offsets, state.staged = reserve_staging(inst.targets, self.layout, state.dest_pages, self.staging.alloc)
+        for t, offset in zip(inst.targets, offsets, strict=True):
+            self._greet_if_stale(inst, _endpoint(t.rank))
             msg = RoomRequest(
                 decode_id=self.decode_id, reply_endpoint=self.channel.endpoint, room=state.room,
-                dest_pages=state.dest_pages, aux_slot=state.aux_slot, staging_offset=state.staging_offset,
+                dest_pages=state.dest_pages, aux_slot=state.aux_slot, staging_offset=offset,
+                src_head=t.heads.src, dst_head=t.heads.dst, num_heads=-1 if t.whole else t.heads.count,
+                decode_ranks=t.decode_ranks,
             )  # fmt: skip
-            self.channel.send(_endpoint(t), msg)
+            self.channel.send(_endpoint(t.rank), msg)
 
     def _greet_if_stale(self, inst: _Instance, endpoint: str) -> None:
         """Greet again a prefill rank sent nothing for a while (it forgets silent peers); under the lock.
@@ -230,7 +232,9 @@ class MooncakeDecodeManager(KVManager):
             self.metrics.bootstrap_failed()
         if tell_prefill:
             for t in targets:
-                self.channel.send(_endpoint(t), RoomAbort(decode_id=self.decode_id, room=state.room, reason=reason))
+                self.channel.send(
+                    _endpoint(t.rank), RoomAbort(decode_id=self.decode_id, room=state.room, reason=reason)
+                )
 
     # ---- instance handling -------------------------------------------------------------
     def _resolve(self, inst: _Instance) -> None:
@@ -253,18 +257,19 @@ class MooncakeDecodeManager(KVManager):
             time.sleep(TUNING.transfer.resolve_retry_s)
         self._fail_instance(inst.addr, f"prefill instance {inst.addr}: {error}", dead=False)
 
-    def _ready(self, inst: _Instance, instance_id: str, targets: list[RankRegistration]) -> None:
+    def _ready(self, inst: _Instance, instance_id: str, targets: list[Target]) -> None:
         lay = self.layout
         hello = DecodeHello(
             decode_id=self.decode_id, reply_endpoint=self.channel.endpoint, session_id=self.engine.session_id,
             buffer_ptrs=lay.buffer_ptrs, buffer_nbytes=lay.buffer_nbytes, page_nbytes=lay.page_nbytes,
             start_layer=lay.start_layer, aux_item_nbytes=lay.aux_item_nbytes,
             staging_ptr=self.staging.ptr, staging_nbytes=self.staging.nbytes,
+            num_kv_heads=lay.num_kv_heads, head_nbytes=lay.head_nbytes,
         )  # fmt: skip
         with self._lock:
             for t in targets:
-                self.channel.send(_endpoint(t), hello)
-                self._last_sent[_endpoint(t)] = time.monotonic()
+                self.channel.send(_endpoint(t.rank), hello)
+                self._last_sent[_endpoint(t.rank)] = time.monotonic()
             inst.state, inst.instance_id, inst.targets = InstanceState.READY, instance_id, targets
             inst.hello = hello
             for room in list(inst.rooms):
@@ -343,7 +348,7 @@ class MooncakeDecodeManager(KVManager):
             state.done.add(key)
             if not set(state.targets) <= state.done:
                 return
-            if state.staging_offset >= 0:
+            if state.staged:
                 self._unstage(state)
             succeeded = state.cell.advance(KVPoll.Success)
         if succeeded:
@@ -356,11 +361,11 @@ class MooncakeDecodeManager(KVManager):
             self.metrics.transfer_done(nbytes, time.monotonic() - state.init_at)
 
     def _unstage(self, state: _Room) -> None:
-        """Scatter a staged room into its destination pages and free its staging range."""
-        pn, dest = self.layout.page_nbytes, state.dest_pages
-        block = len(dest) * pn
-        for b, buf in enumerate(self._buffers):
-            scatter(self.staging.view(state.staging_offset + b * block, block), pn, buf, dest)
+        """Scatter a staged room into its destination pages and free its staging ranges."""
+        for staged in state.staged:
+            unstage(
+                self.staging.view(staged.offset, staged.nbytes), staged, self.layout, self._buffers, state.dest_pages
+            )
         self._release_staging(state)
 
     def _unquarantine(self, state: _Room) -> None:
@@ -370,9 +375,9 @@ class MooncakeDecodeManager(KVManager):
         self._release_staging(state)
 
     def _release_staging(self, state: _Room) -> None:
-        if state.staging_offset >= 0:
-            self.staging.free(state.staging_offset, state.staging_nbytes)
-            state.staging_offset = -1
+        for staged in state.staged:
+            self.staging.free(staged.offset, staged.nbytes)
+        state.staged = []
 
     def _sweep(self, now: float) -> None:
         limit = self.cfg.waiting_timeout_s

@@ -6,10 +6,13 @@ planning, the per-peer budget, staging). The scheduler thread only calls non-blo
 methods.
 
 Protocol: a `DecodeHello` (once per decode rank) says where that rank's pool lives
-(`DecodePeer`); a `RoomRequest` names one room's destination pages, and may arrive before the
-scheduler created the room's sender (it then waits for it, up to the bootstrap timeout). Prefill
-answers with `RoomUpdate`s: Transferring (a notice for a first send still on the wire after a
-while), Success (carrying the aux record) or Failed.
+(`DecodePeer`); a `RoomRequest` names one room's destination pages and the KV heads that decode
+rank wants, and may arrive before the scheduler created the room's sender (it then waits for it,
+up to the bootstrap timeout). When decode has more TP ranks than prefill, several decode ranks
+ask for the same room (`decode_ranks`), each for its slice of this rank's heads: the room waits
+for all of them, and each send is written to each. Prefill answers every request with
+`RoomUpdate`s: Transferring (a notice for a first send still on the wire after a while), Success
+(carrying the aux record) or Failed.
 
 Timeouts: a sender still Bootstrapping after `bootstrap_timeout_s` fails; a send whose writes
 have not all landed after `waiting_timeout_s` fails. Such writes are not cancelled, so decode
@@ -79,7 +82,7 @@ class MooncakePrefillManager(KVManager):
         )
         self.rooms: RoomTable[PrefillRoom] = RoomTable()
         self._peers = PeerBook()  # decode ranks by decode id, from hellos (control thread)
-        self._early: dict[int, tuple[float, RoomRequest]] = {}  # requests that came before their sender
+        self._early: dict[int, tuple[float, list[RoomRequest]]] = {}  # requests that came before their sender
         self._early_lock = threading.Lock()
         self._stop = threading.Event()
         self.registered = threading.Event()
@@ -92,7 +95,8 @@ class MooncakePrefillManager(KVManager):
             tp_rank=self.rank.tp_rank, tp_size=cfg.tp_size, pp_rank=self.rank.pp_rank, pp_size=cfg.pp_size,
             rank_ip=cfg.advertise_host, rank_port=self.channel.port, page_size=lay.page_size,
             kv_dtype=lay.kv_dtype, session_id=self.engine.session_id, start_layer=lay.start_layer,
-            num_layers=lay.num_layers,
+            num_layers=lay.num_layers, kv_head_start=lay.kv_head_start, num_kv_heads=lay.num_kv_heads,
+            head_nbytes=lay.head_nbytes,
         )  # fmt: skip
 
     # ---- scheduler-facing ------------------------------------------------------------
@@ -104,8 +108,8 @@ class MooncakePrefillManager(KVManager):
             return PrefillSender(self, state)
         with self._early_lock:
             early = self._early.pop(room, None)
-        if early is not None:
-            self._attach(state, early[1])
+        for req in early[1] if early is not None else ():
+            self._attach(state, req)
         return PrefillSender(self, state)
 
     def send(self, state: PrefillRoom, pages: list[int], last: bool, aux: bytes) -> None:
@@ -113,26 +117,28 @@ class MooncakePrefillManager(KVManager):
         status = state.cell.get()
         if status is KVPoll.Failed:
             return
-        peer, req = state.peer, state.request
-        if status < KVPoll.WaitingForInput or peer is None or req is None or state.last_queued:
+        if status < KVPoll.WaitingForInput or not state.ready or state.last_queued:
             self.fail(state, f"send() in status {status.name}" + (" after the last chunk" if state.last_queued else ""))
             return
         problem = check_pages(pages, self.layout.num_pages)
-        if state.sent + len(pages) > len(req.dest_pages):
-            problem = f"{state.sent + len(pages)} pages sent but decode allocated {len(req.dest_pages)}"
-        if last and len(aux) > peer.aux_item_nbytes:
-            problem = f"aux record of {len(aux)} bytes exceeds decode's {peer.aux_item_nbytes}"
+        allocated = len(state.dests[0][1].dest_pages)
+        if state.sent + len(pages) > allocated:
+            problem = f"{state.sent + len(pages)} pages sent but decode allocated {allocated}"
+        aux_limit = min(peer.aux_item_nbytes for peer, _ in state.dests)
+        if last and len(aux) > aux_limit:
+            problem = f"aux record of {len(aux)} bytes exceeds decode's {aux_limit}"
         if problem:
             self.fail(state, problem)
             return
-        first_index = state.queue_send(len(pages), last, aux, self.cfg.waiting_timeout_s)
-        dst = req.dest_pages[first_index : first_index + len(pages)]
+        first_index = state.queue_send(len(pages), last, aux, self.cfg.waiting_timeout_s, jobs=len(state.dests))
         first = state.cell.advance(KVPoll.Transferring)
-        job = SendJob(
-            room=state, peer=peer, request=req, src_pages=pages, dst_pages=dst,
-            last=last, first=first, first_index=first_index,
-        )  # fmt: skip
-        self.writes.put(job)
+        for peer, req in state.dests:
+            dst = req.dest_pages[first_index : first_index + len(pages)]
+            job = SendJob(
+                room=state, peer=peer, request=req, src_pages=pages, dst_pages=dst,
+                last=last, first=first, first_index=first_index,
+            )  # fmt: skip
+            self.writes.put(job)
 
     def fail(self, state: PrefillRoom, reason: str) -> None:
         """Fail a room (any thread) and tell decode whether writes of it may still land."""
@@ -143,8 +149,8 @@ class MooncakePrefillManager(KVManager):
         else:
             self.metrics.bootstrap_failed()
         self.rooms.retire(state.room, f"failed: {reason}")
-        if state.request is not None:
-            self._tell(state.request, KVPoll.Failed, reason, quiesced=state.quiet_on_failure())
+        if state.requests:
+            self._tell_all(state, KVPoll.Failed, reason, quiesced=state.quiet_on_failure())
 
     @property
     def known_peers(self) -> int:
@@ -166,6 +172,11 @@ class MooncakePrefillManager(KVManager):
             status=int(status), reason=reason, quiesced=quiesced, aux=aux,
         )  # fmt: skip
         self.channel.send(req.reply_endpoint, update)
+
+    def _tell_all(self, state: PrefillRoom, status: KVPoll, reason: str, quiesced: bool, aux: bytes = b"") -> None:
+        """Send every decode rank that asked for the room a `RoomUpdate`."""
+        for req in list(state.requests):
+            self._tell(req, status, reason, quiesced, aux)
 
     # ---- control thread --------------------------------------------------------------
     def _control_loop(self) -> None:
@@ -215,10 +226,10 @@ class MooncakePrefillManager(KVManager):
         """Drop a decode incarnation: fail its rooms, release its socket and transfer thread unless
         its successor uses them."""
         for _, state in self.rooms.snapshot():
-            if state.request is not None and state.request.decode_id == old.decode_id:
+            if any(req.decode_id == old.decode_id for req in state.requests):
                 self.fail(state, reason)
         with self._early_lock:
-            for room in [r for r, (_, req) in self._early.items() if req.decode_id == old.decode_id]:
+            for room in [r for r, (_, reqs) in self._early.items() if any(q.decode_id == old.decode_id for q in reqs)]:
                 del self._early[room]
         self._release(old)
 
@@ -230,9 +241,9 @@ class MooncakePrefillManager(KVManager):
 
     def _forget_idle_peers(self, now: float) -> None:
         """Release peers silent for `peer_idle_s` with no live room, early request or write in flight."""
-        busy = {state.request.decode_id for _, state in self.rooms.snapshot() if state.request is not None}
+        busy = {req.decode_id for _, state in self.rooms.snapshot() for req in state.requests}
         with self._early_lock:
-            busy |= {req.decode_id for _, req in self._early.values()}
+            busy |= {q.decode_id for _, reqs in self._early.values() for q in reqs}
         busy |= {k.decode_id for k in self._peers.known() if self.writes.busy(k.peer.session_id)}
         for old in self._peers.idle(now, TUNING.transfer.peer_idle_s, busy):
             self._release(old)
@@ -246,8 +257,8 @@ class MooncakePrefillManager(KVManager):
             self.rooms.retire(msg.room, reason)
         with self._early_lock:
             early = self._early.pop(msg.room, None)
-        if early is not None:  # nothing was written for it: decode may reuse its pages at once
-            self._tell(early[1], KVPoll.Failed, "aborted by decode before prefill started it", quiesced=True)
+        for req in early[1] if early is not None else ():  # nothing was written: decode may reuse its pages
+            self._tell(req, KVPoll.Failed, "aborted by decode before prefill started it", quiesced=True)
 
     def _on_request(self, req: RoomRequest) -> None:
         state = self.rooms.get(req.room)
@@ -259,25 +270,26 @@ class MooncakePrefillManager(KVManager):
             self._tell(req, KVPoll.Failed, f"room already finished on prefill ({outcome})", quiesced=True)
             return
         with self._early_lock:
-            self._early[req.room] = (time.monotonic(), req)
+            self._early.setdefault(req.room, (time.monotonic(), []))[1].append(req)
 
     def _attach(self, state: PrefillRoom, req: RoomRequest) -> None:
         peer = self._peers.get(req.decode_id)
-        state.request = req
+        state.requests.append(req)
         if state.cell.get() is KVPoll.Failed:
-            # Failed (on another thread) before decode's request arrived: `fail` may not have seen
-            # the request, so tell decode here. Nothing was sent, so its pages are safe at once.
+            # Failed (on another thread) before this request arrived: `fail` may not have seen it,
+            # so tell decode here. Nothing was sent to it, so its pages are safe at once.
             self._tell(req, KVPoll.Failed, state.cell.reason, quiesced=True)
             return
         if peer is None:
             self.fail(state, f"no handshake from decode {req.decode_id}")
         elif peer.error:
             self.fail(state, peer.error)
-        elif bad := peer.check_dest(req.dest_pages, req.aux_slot, req.staging_offset):
+        elif bad := peer.check_dest(req, self.layout) or state.check_request(req):
             self.fail(state, bad)
         else:
-            state.peer = peer
-            state.cell.advance(KVPoll.WaitingForInput)
+            state.dests.append((peer, req))
+            if state.ready:
+                state.cell.advance(KVPoll.WaitingForInput)
 
     def _sweep(self, now: float) -> None:
         """Timeouts are enforced here, not in the transfer threads: a call into the engine
@@ -291,10 +303,9 @@ class MooncakePrefillManager(KVManager):
                 wait = self.cfg.waiting_timeout_s
                 self.fail(state, f"KV transfer timed out after {wait:g}s (writes not cancelled)")
         with self._early_lock:
-            stale = [req for t, req in self._early.values() if now - t > limit]
-            for req in stale:
-                del self._early[req.room]
-        for req in stale:
+            stale = [room for room, (t, _) in self._early.items() if now - t > limit]
+            requests = [req for room in stale for req in self._early.pop(room)[1]]
+        for req in requests:
             self._tell(req, KVPoll.Failed, "prefill never received this request", quiesced=True)
 
     # ---- reports from the transfer threads ---------------------------------------------
@@ -309,14 +320,14 @@ class MooncakePrefillManager(KVManager):
         state = job.room
         quiet, owed = state.settle_send(job.group.nbytes)
         if owed:  # the last write of a failed room settled: decode may reuse its pages now
-            self._tell(job.request, KVPoll.Failed, state.cell.reason, quiesced=True)
+            self._tell_all(state, KVPoll.Failed, state.cell.reason, quiesced=True)
         elif quiet and state.last_queued and state.cell.get() is KVPoll.Transferring:
-            self._finish(state, job.request)
+            self._finish(state)
 
-    def _finish(self, state: PrefillRoom, req: RoomRequest) -> None:
+    def _finish(self, state: PrefillRoom) -> None:
         # Decode's first token waits on this notice: send it before the move wakes this
         # instance's scheduler, which would take the GIL for its own bookkeeping first.
-        notify = functools.partial(self._tell, req, KVPoll.Success, "", True, state.aux)
+        notify = functools.partial(self._tell_all, state, KVPoll.Success, "", True, state.aux)
         if state.cell.advance(KVPoll.Success, then=notify):
             self.rooms.retire(state.room, "success")
             self.metrics.transfer_done(state.nbytes, time.monotonic() - state.first_send)

@@ -1,9 +1,11 @@
 """State of one room on a prefill rank, shared by its control side (`prefill`) and its writes
 (`prefill_writes`).
 
-A room's sends each become a `SendJob`. The room counts the jobs not yet settled, so that a
-failed room knows whether decode may reuse its pages at once or must wait for a second Failed
-update (`quiesced=True`) once the last write in flight has settled.
+A room is written to one decode rank, or to several when decode has more TP ranks than prefill
+(each takes its slice of this rank's KV heads); each send becomes one `SendJob` per decode rank.
+The room counts the jobs not yet settled, so that a failed room knows whether decode may reuse
+its pages at once or must wait for a second Failed update (`quiesced=True`) once the last write
+in flight has settled.
 """
 
 from __future__ import annotations
@@ -24,11 +26,12 @@ class PrefillRoom:
     room: int
     cell: StatusCell = field(default_factory=StatusCell)
     created: float = field(default_factory=time.monotonic)
-    # Both set once decode's RoomRequest for this room was accepted (then WaitingForInput).
-    peer: DecodePeer | None = None
-    request: RoomRequest | None = None
+    # Every decode request received for this room: each is told how the room ends.
+    requests: list[RoomRequest] = field(default_factory=list)
+    # The accepted ones with their peers; WaitingForInput once all `decode_ranks` of them arrived.
+    dests: list[tuple[DecodePeer, RoomRequest]] = field(default_factory=list)
     sent: int = 0  # destination pages consumed by send() so far
-    inflight: int = 0  # sends queued or on the wire and not yet settled
+    inflight: int = 0  # jobs (a send to one decode rank) queued or on the wire and not yet settled
     last_queued: bool = False
     nbytes: int = 0
     first_send: float = 0.0
@@ -37,12 +40,34 @@ class PrefillRoom:
     deadline: float = 0.0  # all queued writes must have landed by then (waiting timeout)
     lock: threading.Lock = field(default_factory=threading.Lock)  # inflight, last_queued, owes_quiesced
 
-    def queue_send(self, n_pages: int, last: bool, aux: bytes, timeout_s: float) -> int:
-        """Count one more send of `n_pages`; returns the destination index of its first page."""
+    @property
+    def ready(self) -> bool:
+        """Every decode rank that writes this room sent its request."""
+        return bool(self.dests) and len(self.dests) == self.dests[0][1].decode_ranks
+
+    def check_request(self, req: RoomRequest) -> str:
+        """ "" if `req` joins the requests accepted so far: one per decode rank, as many as they
+        all announce, with as many destination pages each."""
+        if not self.dests:
+            return ""
+        first = self.dests[0][1]
+        if any(r.decode_id == req.decode_id for _, r in self.dests):
+            return f"decode {req.decode_id} asked twice for room {req.room}"
+        if req.decode_ranks != first.decode_ranks:
+            return f"decode ranks announce {first.decode_ranks} and {req.decode_ranks} requests for room {req.room}"
+        if len(self.dests) >= first.decode_ranks:
+            return f"more requests for room {req.room} than the {first.decode_ranks} decode ranks announced"
+        if len(req.dest_pages) != len(first.dest_pages):
+            return f"decode ranks allocated {len(first.dest_pages)} and {len(req.dest_pages)} pages for one room"
+        return ""
+
+    def queue_send(self, n_pages: int, last: bool, aux: bytes, timeout_s: float, jobs: int = 1) -> int:
+        """Count one more send of `n_pages` (`jobs` jobs: one per decode rank); returns the
+        destination index of its first page."""
         first_index = self.sent
         with self.lock:
             self.sent += n_pages
-            self.inflight += 1
+            self.inflight += jobs
             self.last_queued = last
             self.aux = aux if last else self.aux
             self.first_send = self.first_send or time.monotonic()

@@ -4,7 +4,9 @@ Each send() becomes a `SendJob` for the transfer thread of its decode peer (`Tra
 which plans its writes when it starts it. Contiguous page runs go straight from the pool into
 decode's pool, one write per run per KV buffer. When decode named a staging range for the room
 (its destination is fragmented), each send is gathered into the local staging area and written
-as one block per KV buffer; decode scatters it before Success (`staging`). When nothing else is
+as one block per KV buffer; decode scatters it before Success (`staging`). When decode wants only
+some of this rank's KV heads, or holds more heads than this rank, the head slice moves as whole
+slice pages through the same staging areas (`slices`). When nothing else is
 in flight to the peer, large writes are split into pieces (`split_writes`), which Mooncake moves
 over several of its TCP lanes at once. At most `max_writes_in_flight` writes are outstanding per
 peer; the rest wait in their job.
@@ -23,7 +25,8 @@ import torch
 from disagg_worker.disagg.base import KVLayout
 from disagg_worker.disagg.mooncake.engine import MooncakeEngine, WriteGroup, WriteState
 from disagg_worker.disagg.mooncake.prefill_room import SendJob
-from disagg_worker.disagg.mooncake.staging import StagingArea, gather
+from disagg_worker.disagg.mooncake.slices import PageShape, SliceSide, gather_heads, slice_writes
+from disagg_worker.disagg.mooncake.staging import StagingArea, gather, worth_staging
 from disagg_worker.disagg.mooncake.transfer_workers import Progress, TransferWorkers
 from disagg_worker.disagg.poll import KVPoll
 from disagg_worker.disagg.runs import group_runs
@@ -113,6 +116,8 @@ class PrefillWrites:
         only add per-write cost."""
         idle = self._in_flight.get(job.peer.session_id, 0) == 0
         pieces = TUNING.transfer.write_pieces if idle else 1
+        if not job.peer.whole(job.request, self.layout):
+            return split_writes(self._sliced_writes(job), pieces)
         if job.request.staging_offset >= 0:
             return split_writes(self._staged_writes(job), pieces)
         return split_writes(self._direct_writes(job), pieces)
@@ -145,6 +150,36 @@ class PrefillWrites:
         return [(ptr + src * pn, peer.staged_dst(req.staging_offset, n_dest, i, j), n * pn)
                 for src, j, n in group_runs(job.src_pages, index)
                 for i, ptr in enumerate(self.layout.buffer_ptrs)]  # fmt: skip
+
+    def _sliced_writes(self, job: SendJob) -> list[Write]:
+        """Writes of a head slice (`slices`): a scattered or fragmented source is gathered into the
+        local staging area first; a scattered destination was given a range of decode's."""
+        lay, req, peer = self.layout, job.request, job.peer
+        count, m = req.num_heads, len(job.src_pages)
+        if count <= 0 or not m:
+            return []  # a replicated head another prefill rank writes: nothing from this one
+        shape = PageShape(lay.page_size, lay.num_kv_heads, lay.head_nbytes)
+        token, page = count * lay.head_nbytes, shape.slice_nbytes(count)
+        src = SliceSide(lay.buffer_ptrs, job.src_pages, lay.page_nbytes, lay.num_kv_heads * lay.head_nbytes,
+                        req.src_head * lay.head_nbytes)  # fmt: skip
+        if not src.contiguous(lay.page_size, token) or worth_staging(job.src_pages):
+            off = self.staging.alloc(m * page * len(self._buffers))
+            if off >= 0:
+                job.staged = (off, m * page * len(self._buffers))
+                blocks = [off + i * m * page for i in range(len(self._buffers))]
+                for buf, block in zip(self._buffers, blocks, strict=True):
+                    gather_heads(buf, shape, req.src_head, count, job.src_pages, self.staging.view(block, m * page))
+                src = SliceSide([self.staging.ptr + b for b in blocks], list(range(m)), page, token)
+        dst_buffers = [peer.buffer_map[i] for i in range(len(lay.buffer_ptrs))]
+        if req.staging_offset >= 0:
+            n_dest, base = len(req.dest_pages), peer.staging_ptr + req.staging_offset
+            index = list(range(job.first_index, job.first_index + m))
+            dst = SliceSide([base + b * n_dest * page for b in dst_buffers], index, page, token)
+        else:
+            bases = [peer.buffer_ptrs[b] for b in dst_buffers]
+            dst = SliceSide(bases, job.dst_pages, peer.page_nbytes, peer.num_kv_heads * lay.head_nbytes,
+                            req.dst_head * lay.head_nbytes)  # fmt: skip
+        return slice_writes(src, dst, lay.page_size, token)
 
     def _progress(self, job: SendJob) -> Progress:
         """Advance one job: poll its writes, submit more, report what the control side must know."""
