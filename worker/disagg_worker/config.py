@@ -64,6 +64,8 @@ class DisaggConfig:
     heartbeat_interval_s: float = 2.0
     heartbeat_max_misses: int = 2
     max_bootstrap_queue: int = 256
+    # Decode: requests waiting for their handshake and pages beyond this are refused (503).
+    max_prealloc_queue: int = 256
     # Mooncake TCP connections per peer (MC_TCP_LANES_PER_PEER; an explicit env var wins). Each
     # lane carries one write at a time with a round trip, so a request's many small writes (one
     # per page run per layer's K and V) finish sooner over more lanes: 64 writes of 4 KiB took
@@ -116,6 +118,27 @@ class ServerArgs:
     log_level: str = "info"
     # Seconds without a scheduler heartbeat after which /health fails.
     health_timeout_s: float = 20.0
+    # Generation requests the HTTP front end holds at once (more get 429); 0: `inflight_limit` derives it.
+    max_inflight_requests: int = 0
+    # On SIGTERM: seconds to finish admitted requests before cutting them short and exiting.
+    drain_timeout_s: float = 30.0
+
+    @property
+    def inflight_limit(self) -> int:
+        """The HTTP bound: what the engine can hold, so a request beyond it would only queue.
+
+        Prefill holds its running batch plus its bootstrap queue, decode its running batch (which
+        includes the transfer queue) plus its prealloc queue; a monolithic instance has an unbounded
+        waiting queue, so its bound is the running batch plus three batches of backlog.
+        """
+        if self.max_inflight_requests > 0:
+            return self.max_inflight_requests
+        running, d = self.engine.scheduler.max_running_requests, self.engine.disagg
+        if d.role is Role.PREFILL:
+            return running + d.max_bootstrap_queue
+        if d.role is Role.DECODE:
+            return running + d.max_prealloc_queue
+        return 4 * running
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -145,6 +168,19 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         default=ServerArgs.health_timeout_s,
         help="seconds without a scheduler report after which /health fails",
     )
+    p.add_argument(
+        "--max-inflight-requests",
+        type=int,
+        default=ServerArgs.max_inflight_requests,
+        help="generation requests held at once, more get 429 (0: what the engine can hold: running requests "
+        "plus the prefill bootstrap or decode prealloc queue; 4x --max-running-requests for serve)",
+    )
+    p.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=ServerArgs.drain_timeout_s,
+        help="on SIGTERM, seconds to finish admitted requests (new ones get 503) before cutting them short",
+    )
 
 
 def add_disagg_args(p: argparse.ArgumentParser) -> None:
@@ -165,6 +201,12 @@ def add_disagg_args(p: argparse.ArgumentParser) -> None:
         type=int,
         default=d.max_bootstrap_queue,
         help="prefill: requests waiting for decode's handshake beyond this are refused (503)",
+    )
+    p.add_argument(
+        "--max-prealloc-queue",
+        type=int,
+        default=d.max_prealloc_queue,
+        help="decode: requests waiting for their handshake and KV pages beyond this are refused (503)",
     )
     p.add_argument(
         "--tcp-lanes",
@@ -204,6 +246,7 @@ def server_args_from_cli(ns: argparse.Namespace, role: Role = Role.MONOLITHIC) -
             heartbeat_interval_s=ns.heartbeat_interval,
             heartbeat_max_misses=ns.heartbeat_max_misses,
             max_bootstrap_queue=ns.max_bootstrap_queue,
+            max_prealloc_queue=ns.max_prealloc_queue,
             tcp_lanes=ns.tcp_lanes,
         )
     engine = EngineConfig(
@@ -220,5 +263,11 @@ def server_args_from_cli(ns: argparse.Namespace, role: Role = Role.MONOLITHIC) -
         disagg=disagg,
     )
     return ServerArgs(
-        engine=engine, host=ns.host, port=ns.port, log_level=ns.log_level, health_timeout_s=ns.health_timeout
+        engine=engine,
+        host=ns.host,
+        port=ns.port,
+        log_level=ns.log_level,
+        health_timeout_s=ns.health_timeout,
+        max_inflight_requests=ns.max_inflight_requests,
+        drain_timeout_s=ns.drain_timeout,
     )

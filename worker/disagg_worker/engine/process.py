@@ -10,7 +10,10 @@ from disagg_worker.config import EngineConfig
 
 def run_scheduler(cfg: EngineConfig, recv_addr: str, send_addr: str, log_level: str = "info") -> None:
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s scheduler %(levelname)s %(message)s")
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when this process ends
+    # The parent decides when this process ends: a SIGTERM or SIGINT sent to the whole process group
+    # (systemd, a terminal) must not end it while the parent drains. The parent stops it with SIGUSR1.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     import torch
 
     from disagg_worker.engine.engine import Engine
@@ -21,7 +24,7 @@ def run_scheduler(cfg: EngineConfig, recv_addr: str, send_addr: str, log_level: 
 
     engine = Engine.from_config(cfg)
     loop = EngineLoop(engine, recv_addr, send_addr, overlap=cfg.scheduler.enable_overlap)
-    signal.signal(signal.SIGTERM, lambda *_: setattr(loop, "stopped", True))
+    signal.signal(signal.SIGUSR1, lambda *_: setattr(loop, "stopped", True))
     try:
         loop.serve_forever()
     finally:

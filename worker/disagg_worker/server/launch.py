@@ -1,4 +1,14 @@
-"""Start one engine instance: the scheduler process, then the HTTP server in this process."""
+"""Start one engine instance: the scheduler process, then the HTTP server in this process.
+
+Life cycle: `start` returns once the instance serves; from then on the scheduler process is
+watched (its exit fails every waiting request at once, `frontend.py`). On SIGTERM the instance
+drains (`drain.py`: readiness fails, admitted requests finish within --drain-timeout), then `stop`
+ends the scheduler process and the process exits 0.
+
+The scheduler process ignores SIGTERM and SIGINT (a signal to the whole process group, as systemd
+or a terminal sends, must not cut the drain short); it is stopped with SIGUSR1 by this process, and
+stops by itself when this process is gone.
+"""
 
 from __future__ import annotations
 
@@ -18,7 +28,9 @@ from disagg_worker.disagg.bootstrap import BootstrapServer
 from disagg_worker.engine.process import run_scheduler
 from disagg_worker.env import load_env
 from disagg_worker.model.tokenizer import Tokenizer
-from disagg_worker.server.api import build_app
+from disagg_worker.server.admission import Admission
+from disagg_worker.server.api import ADMISSION, build_app
+from disagg_worker.server.drain import CUT_GRACE_S, DrainReport, Signals, drain
 from disagg_worker.server.frontend import Frontend
 from disagg_worker.server.metrics import ServerMetrics
 
@@ -39,6 +51,7 @@ class EngineServer:
         self.bootstrap: BootstrapServer | None = None
         self.runner: web.AppRunner | None = None
         self.frontend: Frontend | None = None
+        self.admission: Admission | None = None
 
     async def start(self) -> None:
         a = self.args
@@ -59,16 +72,31 @@ class EngineServer:
         self.proc = proc
         proc.start()
         await _wait_ready(self.frontend, proc)
-        app = build_app(self.frontend, a.engine.model_name, a.health_timeout_s)
-        self.runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+        app = build_app(self.frontend, a.engine.model_name, a.health_timeout_s, a.inflight_limit)
+        self.admission = admission = app[ADMISSION]
+        self.frontend.watch(proc, on_exit=lambda reason: setattr(admission, "broken", reason))
+        self.runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=CUT_GRACE_S)
         await self.runner.setup()
         await web.TCPSite(self.runner, a.host, a.port).start()
 
+    async def drain(self, hurry: asyncio.Event | None = None) -> DrainReport | None:
+        """Finish what is admitted within the drain timeout (`drain.py`); None if the instance never served."""
+        if self.admission is None or self.frontend is None:
+            return None
+        frontend = self.frontend
+
+        async def cut(reason: str) -> None:
+            frontend.fail_all(reason)
+
+        return await drain(self.admission, self.args.drain_timeout_s, cut, hurry)
+
     async def stop(self) -> None:
+        if self.frontend is not None:
+            self.frontend.unwatch()
         if self.runner is not None:
             await self.runner.cleanup()
-        if self.proc is not None and self.proc.is_alive():
-            self.proc.terminate()
+        if self.proc is not None and self.proc.pid is not None and self.proc.is_alive():
+            os.kill(self.proc.pid, signal.SIGUSR1)
             self.proc.join(10)
             if self.proc.is_alive():
                 self.proc.kill()
@@ -91,15 +119,13 @@ async def _wait_ready(frontend: Frontend, proc: BaseProcess) -> None:
 
 
 async def serve_until_signalled(server: EngineServer, banner: str = "") -> None:
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    await server.start()
-    if banner:
-        print(banner, flush=True)
+    signals = Signals()
     try:
-        await stop.wait()
+        await server.start()
+        if banner:
+            print(banner, flush=True)
+        await signals.stop.wait()
+        await server.drain(signals.hurry)
     finally:
         await server.stop()
 
