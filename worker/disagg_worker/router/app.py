@@ -41,10 +41,11 @@ NO_PAIR = "No healthy prefill/decode pair is available; retry later."
 
 @dataclass
 class Attempt:
-    """What one pair answered before anything reached the client."""
+    """What one pair answered before anything reached the client; `worker` is the side that failed."""
 
     status: int
     body: dict
+    worker: Worker | None = None
 
     @property
     def retryable(self) -> bool:
@@ -129,13 +130,14 @@ class Router:
             pair = self.pool.pick_pair(exclude=tried)
             if pair is None or self.cut_reason:
                 break
-            tried.update(pair)
             opened = await self._try_pair(path, body, choice, *pair)
             if isinstance(opened, Opened):
                 return self._track(opened)
             last = opened
             if not opened.retryable:
                 break
+            # Retry without the side that failed: with one prefill, a dead decode is still replaced.
+            tried.update([opened.worker] if opened.worker is not None else pair)
         if self.cut_reason:
             raise unavailable(self.cut_reason)
         raise last.error()
@@ -163,7 +165,9 @@ class Router:
 
     async def _try_pair(self, path: str, body: SharedBody, choice: dict, p: Worker, d: Worker) -> Opened | Attempt:
         room = {"bootstrap_host": p.host, "bootstrap_port": p.bootstrap_port, "bootstrap_room": secrets.randbits(63)}
-        prefill = asyncio.create_task(self._prefill(p, path, body.payload(**choice, **room, stream=False)))
+        # Prefill answers with one token, never streamed (stream_options is only valid on a stream).
+        prefill_body = body.payload(**choice, **room, stream=False, stream_options=None)
+        prefill = asyncio.create_task(self._prefill(p, path, prefill_body))
         decode = asyncio.create_task(self._decode(d, path, body.payload(**choice, **room)))
         try:
             await asyncio.wait((prefill, decode), return_when=asyncio.FIRST_COMPLETED)
@@ -204,6 +208,7 @@ class Router:
         d.inflight -= 1
         if resp is not None:
             resp.release()
+        attempt.worker = d
         self._note(d, attempt)
         return attempt
 
@@ -218,6 +223,7 @@ class Router:
             attempt = Attempt(502, APIError(502, lost("prefill", e).message, type="server_error").body())
         finally:
             p.inflight -= 1
+        attempt.worker = p
         self._note(p, attempt)
         return attempt
 
@@ -260,7 +266,13 @@ class Router:
 
     @staticmethod
     async def _explain(decode_error: Attempt, prefill: asyncio.Task) -> Attempt:
-        """A prefill that refused the request explains a decode failure better than decode can."""
+        """A prefill that refused the request explains a decode failure better than decode can.
+
+        A decode that refused to start (429, 503) did no work prefill could explain: prefill's half
+        is cancelled at once."""
+        if decode_error.status in (429, 503):
+            prefill.cancel()
+            return decode_error
         try:
             p = await asyncio.wait_for(asyncio.shield(prefill), timeout=5)
         except asyncio.TimeoutError:

@@ -17,7 +17,7 @@ from aiohttp.abc import AbstractStreamWriter
 from aiohttp.payload import Payload
 
 # Fields the router sets per upstream request; never part of the shared bytes.
-PER_REQUEST = ("n", "seed", "stream", "bootstrap_host", "bootstrap_port", "bootstrap_room")
+PER_REQUEST = ("n", "seed", "stream", "stream_options", "bootstrap_host", "bootstrap_port", "bootstrap_room")
 # Writes of the shared bytes go out in slices, so the transport never buffers a whole copy at once.
 WRITE_SLICE = 256 * 1024
 

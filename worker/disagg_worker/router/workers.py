@@ -5,6 +5,7 @@ how loaded they are, and which prefill/decode pair serves the next request.
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import logging
 import socket
@@ -78,7 +79,9 @@ class WorkerPool:
     dns: list[DnsSource] = field(default_factory=list)
     policy: Policy = Policy.ROUND_ROBIN
     discovered: dict[DnsSource, dict[str, Worker]] = field(default_factory=dict)
-    _rr: itertools.count = field(default_factory=itertools.count)
+    # One round-robin counter per role: with a shared one, equal numbers of prefill and decode workers made
+    # every pick land on the same pair.
+    _rr: dict[str, itertools.count] = field(default_factory=lambda: collections.defaultdict(itertools.count))
 
     def workers(self, role: str | None = None) -> list[Worker]:
         found = [w for by_url in self.discovered.values() for w in by_url.values()]
@@ -90,7 +93,7 @@ class WorkerPool:
             return None
         if self.policy is Policy.LEAST_LOAD:
             return min(candidates, key=lambda w: (w.inflight, w.failures))
-        return candidates[next(self._rr) % len(candidates)]
+        return candidates[next(self._rr[role]) % len(candidates)]
 
     def pick_pair(self, exclude: frozenset[Worker] | set[Worker] = frozenset()) -> tuple[Worker, Worker] | None:
         p, d = self.pick("prefill", exclude), self.pick("decode", exclude)
