@@ -124,17 +124,21 @@ def test_drain_timeout_cuts_what_is_held_with_a_clear_error(tiny_model):
 
 @pytest.fixture()
 def stack(tiny_model):
-    # Decode runs 4 requests at a time: prefill holds the rest until decode takes them (for seconds).
-    s = PDStack(
-        tiny_model, *FLAGS, decode_flags=("--max-running-requests", "4"), prefill_flags=("--bootstrap-timeout", "60")
-    ).wait_healthy()
+    # Decode runs 2 requests at a time: prefill holds the rest in its bootstrap queue until decode
+    # takes them, 8 held requests are 4 rounds of PREFILL_TOKENS steps from done (seconds), and
+    # prefill's drain may take as long as decode needs.
+    slow = ("--bootstrap-timeout", "120", "--drain-timeout", "120")
+    s = PDStack(tiny_model, *FLAGS, decode_flags=("--max-running-requests", "2"), prefill_flags=slow).wait_healthy()
     yield s
     s.stop()
 
 
+PREFILL_TOKENS = 120
+
+
 def test_sigterm_to_prefill_finishes_every_handoff(stack):
     before = reference(stack.router.url)
-    held = streams(stack.router.url, STREAMS, 48)
+    held = streams(stack.router.url, STREAMS, PREFILL_TOKENS)
 
     def holding() -> bool:
         q = requests.get(f"{stack.prefill.url}/stats", timeout=5).json()["queues"]
@@ -145,8 +149,8 @@ def test_sigterm_to_prefill_finishes_every_handoff(stack):
     wait_until(lambda: draining(stack.prefill.url), timeout=5, interval=0.05, what="prefill /health draining")
     r = refused_during_drain(stack, stack.prefill)
     assert r.status_code == 503 and r.headers.get("Retry-After"), r.text
-    assert_all_finished(held, 48)
-    assert_drain_logged(stack.prefill, at_least=8)
+    assert_all_finished(held, PREFILL_TOKENS)
+    assert_drain_logged(stack.prefill, at_least=6)
     stack.prefill = stack.start_prefill(stack.prefill.port).wait_healthy()
     wait_until(lambda: health(stack.router.url)[0] == 200, what="router healthy again")
     assert reference(stack.router.url) == before
@@ -154,17 +158,18 @@ def test_sigterm_to_prefill_finishes_every_handoff(stack):
 
 
 def test_sigterm_to_decode_finishes_every_stream(tiny_model):
-    stack = PDStack(tiny_model, *FLAGS).wait_healthy()
+    # The drain may take as long as the streams need on a loaded machine.
+    stack = PDStack(tiny_model, *FLAGS, decode_flags=("--drain-timeout", "120")).wait_healthy()
     try:
         before = reference(stack.router.url)
-        held = streams(stack.router.url, STREAMS, 200)
+        held = streams(stack.router.url, STREAMS, 300)
         for s in held:
             assert s.started.wait(60), "a stream produced no token"
         stack.decode.signal(signal.SIGTERM)
         wait_until(lambda: draining(stack.decode.url), timeout=5, interval=0.05, what="decode /health draining")
         r = refused_during_drain(stack, stack.decode)
         assert r.status_code == 503 and r.headers.get("Retry-After"), r.text
-        assert_all_finished(held, 200)
+        assert_all_finished(held, 300)
         assert_drain_logged(stack.decode, at_least=STREAMS)
         stack.decode = stack.start_decode(stack.decode.port).wait_healthy()
         wait_until(lambda: health(stack.router.url)[0] == 200, what="router healthy again")
@@ -175,9 +180,9 @@ def test_sigterm_to_decode_finishes_every_stream(tiny_model):
 
 
 def test_sigterm_to_the_router_finishes_its_open_streams(tiny_model):
-    stack = PDStack(tiny_model, *FLAGS).wait_healthy()
+    stack = PDStack(tiny_model, *FLAGS, router_flags=("--drain-timeout", "120")).wait_healthy()
     try:
-        held = streams(stack.router.url, 4, 200)
+        held = streams(stack.router.url, 4, 600)
         for s in held:
             assert s.started.wait(60)
         stack.router.signal(signal.SIGTERM)
@@ -185,7 +190,7 @@ def test_sigterm_to_the_router_finishes_its_open_streams(tiny_model):
         r = requests.post(f"{stack.router.url}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=30)
         assert stack.router.proc.poll() is None, "the router exited before the new request"
         assert r.status_code == 503 and r.json()["error"]["code"] == "draining"
-        assert_all_finished(held, 200)
+        assert_all_finished(held, 600)
         assert_drain_logged(stack.router, at_least=4)
         assert_clean(stack.prefill.url, stack.decode.url)
     finally:

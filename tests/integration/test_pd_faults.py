@@ -27,8 +27,12 @@ from tests.integration.test_pd import FLAGS, assert_clean
 
 pytestmark = pytest.mark.integration
 CLIENT_TIMEOUT = 40.0
-# Decode runs 4 requests at a time; prefill lets the others wait for decode's handshake long enough.
-HOLD = {"decode_flags": ("--max-running-requests", "4"), "prefill_flags": ("--bootstrap-timeout", "30")}
+# Decode runs 2 requests at a time; prefill lets the others wait for decode's handshake long enough.
+# With TOKENS per request, 8 requests held in a stage are 4 rounds of TOKENS decode steps away from
+# leaving it: over a second even on a quiet machine, against /stats reports 0.5 s apart.
+HOLD = {"decode_flags": ("--max-running-requests", "2"), "prefill_flags": ("--bootstrap-timeout", "60")}
+TOKENS = 100
+HELD = 8
 
 
 @pytest.fixture()
@@ -46,7 +50,7 @@ def plain(tiny_model):
     s.stop()
 
 
-def request(url: str, seed: int, timeout: float = CLIENT_TIMEOUT, prompt_len: int = 300, max_tokens: int = 40):
+def request(url: str, seed: int, timeout: float = CLIENT_TIMEOUT, prompt_len: int = 300, max_tokens: int = TOKENS):
     """One client: ("ok", tokens), ("error", status, message), ("timeout", seconds) or ("dropped", what)."""
     rng = random.Random(seed)
     body = {
@@ -78,7 +82,7 @@ def outcomes(futures: list[cf.Future]) -> list[tuple]:
     assert not [r for r in results if r[0] == "dropped"], [r for r in results if r[0] == "dropped"][:3]
     for r in results:
         if r[0] == "ok":
-            assert r[1] == 40
+            assert r[1] == TOKENS
         else:
             assert r[1] >= 500 and r[2], f"not a clean server error: {r}"
     assert any(r[0] == "error" for r in results), "the fault interrupted nothing"
@@ -89,13 +93,13 @@ def queues(url: str) -> dict[str, int]:
     return requests.get(f"{url}/stats", timeout=5).json()["queues"]
 
 
-def prefill_holding(url: str, at_least: int = 4) -> bool:
+def prefill_holding(url: str, at_least: int = HELD) -> bool:
     """Prefill holds requests in its handoff stages (bootstrap, forward, inflight) (one /stats read)."""
     q = queues(url)
     return q.get("prefill_bootstrap", 0) + q.get("prefill_forward", 0) + q.get("prefill_inflight", 0) >= at_least
 
 
-def decode_waiting_on_prefill(url: str, at_least: int = 4) -> bool:
+def decode_waiting_on_prefill(url: str, at_least: int = HELD) -> bool:
     """Decode holds requests in its prealloc or transfer queue: they need the prefill side (one /stats read)."""
     q = queues(url)
     return q.get("decode_prealloc", 0) + q.get("decode_transfer", 0) >= at_least
