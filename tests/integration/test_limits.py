@@ -98,7 +98,10 @@ def test_health_answers_while_a_huge_prompt_is_tokenized(bounded):
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text[:300]
     assert took > 1.0, f"the prompt took {took:.2f} s: too quick to show a stalled loop"
     assert len(latencies) >= 10
-    assert max(latencies) < 0.5, f"/health waited {max(latencies):.2f} s while the prompt was tokenized"
+    # A stalled loop makes one probe wait about as long as the whole request; on a loaded machine
+    # any probe may wait a scheduling slice or two.
+    bound = min(1.0, took / 4)
+    assert max(latencies) < bound, f"/health waited {max(latencies):.2f} s of the prompt's {took:.2f} s"
 
 
 def test_a_stop_string_over_the_length_cap_is_400(bounded):

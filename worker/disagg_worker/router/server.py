@@ -29,6 +29,7 @@ from disagg_worker.server.protocol import parse_json
 
 log = logging.getLogger(__name__)
 MAX_N = 16
+INLINE_BODY_BYTES = 64 * 1024
 ADMISSION = web.AppKey("admission", Admission)
 
 
@@ -45,15 +46,21 @@ def build_router_app(router: Router, admission: Admission) -> web.Application:
     return app
 
 
+def parse_request(raw: bytes) -> tuple[SharedBody, Any]:
+    """The body serialised once for every upstream request, and its `n`."""
+    body = parse_json(raw)
+    if not isinstance(body, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    return SharedBody.of(body), body.get("n", 1)
+
+
 def make_handler(path: str):
     async def handler(request: web.Request) -> web.StreamResponse:
         router = request.app[ROUTER]
-        body = parse_json(await read_body(request, request.app[ADMISSION].body_limit()))
-        if not isinstance(body, dict):
-            raise APIError(400, "the request body must be a JSON object")
-        n = body.get("n", 1)
-        shared = SharedBody.of(body)
-        del body  # from here on, the one serialised copy is the request
+        raw = await read_body(request, request.app[ADMISSION].body_limit())
+        # A large body is parsed and serialised on a thread: the loop keeps serving the other streams.
+        shared, n = parse_request(raw) if len(raw) <= INLINE_BODY_BYTES else await asyncio.to_thread(parse_request, raw)
+        del raw  # from here on, the one serialised copy is the request
         if path != "/generate" and type(n) is int and 1 < n <= MAX_N:
             return await fan_out(request, router, path, shared, n)
         return await proxy_one(request, router, path, shared)

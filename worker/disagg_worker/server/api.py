@@ -85,7 +85,8 @@ def build_app(
 
 
 async def read_json(request: web.Request):
-    return parse_json(await read_body(request, request.app[ADMISSION].body_limit()))
+    raw = await read_body(request, request.app[ADMISSION].body_limit())
+    return await request.app[FRONTEND].parse(raw, parse_json)
 
 
 def bootstrap_of(body) -> BootstrapInfo | None:

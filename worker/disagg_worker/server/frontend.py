@@ -38,8 +38,8 @@ from disagg_worker.server.metrics import ServerMetrics
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-# Texts up to this many characters are tokenized inline (about a millisecond): a thread hop would
-# cost more than it saves. Longer ones go to the tokenizer thread.
+# Texts (and bodies) up to this many characters are handled inline (about a millisecond): a thread hop
+# would cost more than it saves. Longer ones go to the text thread.
 INLINE_TEXT_CHARS = 2048
 
 
@@ -151,15 +151,21 @@ class Frontend:
             await self.push.send(msg.encode(m))
 
     # ---- text -------------------------------------------------------------------------------
+    async def parse(self, raw: bytes, parse: Callable[[bytes], T]) -> T:
+        """A request body parsed by `parse`; a large one on the text thread (json.loads holds the GIL, but
+        the loop gets its turn every switch interval instead of waiting for the whole body)."""
+        return await self.off_loop(len(raw), parse, raw)
+
     async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return await self._off_loop(len(text), self.tokenizer.encode, text, add_special_tokens)
+        return await self.off_loop(len(text), self.tokenizer.encode, text, add_special_tokens)
 
     async def render_chat(self, messages: list[dict], add_generation_prompt: bool) -> str:
         chars = sum(len(m["content"]) for m in messages)
-        return await self._off_loop(chars, self.tokenizer.apply_chat_template, messages, add_generation_prompt)
+        return await self.off_loop(chars, self.tokenizer.apply_chat_template, messages, add_generation_prompt)
 
-    async def _off_loop(self, chars: int, fn: Callable[..., T], *args: Any) -> T:
-        if chars <= INLINE_TEXT_CHARS:
+    async def off_loop(self, size: int, fn: Callable[..., T], *args: Any) -> T:
+        """`fn(*args)` inline when `size` (characters or bytes) is small, else on the text thread."""
+        if size <= INLINE_TEXT_CHARS:
             return fn(*args)
         return await asyncio.get_running_loop().run_in_executor(self._text_pool, fn, *args)
 
