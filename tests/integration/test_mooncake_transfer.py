@@ -286,8 +286,10 @@ def test_killing_decode_mid_transfer_fails_sender_within_timeout():
         wait_for(sender, KVPoll.WaitingForInput)
         for start in range(0, 512, 32):
             sender.send(list(range(start, start + 32)), last=start == 480)
-        time.sleep(0.05)
-        assert sender.poll() is KVPoll.Transferring
+        deadline = time.monotonic() + 10  # wait for the state this test interrupts, then interrupt it
+        while sender.poll() < KVPoll.Transferring and time.monotonic() < deadline:
+            time.sleep(0.002)
+        assert sender.poll() is KVPoll.Transferring, "the transfer must be on the wire when decode dies"
         decode.proc.kill()
         status, took = wait_status(sender, 15)
         assert status is KVPoll.Failed, "transfer must not succeed into a dead process"

@@ -4,7 +4,6 @@ again before its next request."""
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 
@@ -12,6 +11,7 @@ import pytest
 
 from disagg_worker.disagg import KVPoll, pack_first_token
 from disagg_worker.disagg.mooncake import prefill as prefill_module
+from tests.integration.procs import free_port
 from tests.integration.test_mooncake_transfer import (
     SMALL,
     DecodeProc,
@@ -86,12 +86,6 @@ def test_a_forgotten_live_decode_greets_again_and_its_next_request_succeeds(forg
     finally:
         decode.close()
         prefill.close()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_a_decode_restarted_at_the_same_address_is_told_from_the_old_one():

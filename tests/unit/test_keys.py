@@ -6,12 +6,14 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import json
 
 import pytest
 
 from disagg_worker import cli, keys
 from disagg_worker.config import Role, add_disagg_args, add_engine_args, server_args_from_cli
 from disagg_worker.router.auth import RouterAuth, add_auth_args
+from disagg_worker.router.payload import SharedBody
 
 
 def parse(role: Role, *argv: str):
@@ -88,10 +90,10 @@ def test_the_router_replaces_what_a_client_says_about_targets_and_signs_its_own(
     add_auth_args(p)
     auth = RouterAuth.from_cli(p.parse_args(["--auth-token-file", str(secret)]))
     body = {"prompt": "x", "bootstrap_host": "evil", "bootstrap_port": 1, "bootstrap_sig": "forged"}
-    routed = auth.routed(body, "10.0.0.7", 8998, 5)
+    routed = json.loads(SharedBody.of(body).payload(**auth.target("10.0.0.7", 8998, 5)).decode())
     assert routed["prompt"] == "x" and (routed["bootstrap_host"], routed["bootstrap_port"]) == ("10.0.0.7", 8998)
     target_key = keys.derive("s3cret", keys.TARGET)
     assert keys.target_signed(target_key, "10.0.0.7", 8998, 5, routed["bootstrap_sig"])
     assert auth.worker_headers() == {"Authorization": f"Bearer {keys.derive('s3cret', keys.WORKER)}"}
-    unsigned = RouterAuth().routed(body, "10.0.0.7", 8998, 5)
+    unsigned = json.loads(SharedBody.of(body).payload(**RouterAuth().target("10.0.0.7", 8998, 5)).decode())
     assert "bootstrap_sig" not in unsigned and RouterAuth().worker_headers() == {}

@@ -4,6 +4,7 @@ accounting and error paths (real KV movement is covered by the integration tier)
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 
 import pytest
 
@@ -155,3 +156,23 @@ def test_aborts_on_either_side_free_everything(engines):
     assert outs["p4"][-1].finish_reason == "length"
     assert outs["d4"][-1].finish_reason == "abort" and len(tokens(outs["d4"])) < 8
     assert len(tokens(outs["d5"])) == 8
+
+
+@pytest.mark.parametrize("role,queue", [(Role.PREFILL, "prefill_bootstrap"), (Role.DECODE, "decode_prealloc")])
+def test_waiting_queues_are_bounded(tiny_model, role, queue):
+    """Requests waiting for a handshake beyond --max-bootstrap-queue / --max-prealloc-queue get a 503 at once."""
+    bounded = DisaggConfig(role=role, transfer_backend="fake", max_bootstrap_queue=2, max_prealloc_queue=2)
+    engine = Engine.from_config(replace(config(tiny_model, role), disagg=bounded))
+    try:
+        params = SamplingParams(max_new_tokens=2)
+        for i in range(3):  # no tick runs, so nothing leaves the queue
+            engine.handle(msg.GenerateReq(f"r{i}", [5, 6, 7], params, msg.BootstrapInfo("127.0.0.1", 1, next(ROOMS))))
+        refused = engine.take_outputs()
+        assert [(o.rid, o.error_status) for o in refused] == [("r2", 503)]
+        assert "queue is full" in refused[0].error
+        assert engine.queue_sizes()[queue] == 2
+        for i in range(2):
+            engine.handle(msg.AbortReq(f"r{i}"))
+        assert engine.queue_sizes()[queue] == 0
+    finally:
+        engine.close()

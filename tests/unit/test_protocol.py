@@ -232,6 +232,7 @@ BAD_COMPLETIONS = [
     ({"prompt": "x", "stop": ""}, "stop"),
     ({"prompt": "x", "stop": [1]}, "stop"),
     ({"prompt": "x", "stop": ["s"] * 17}, "stop"),
+    ({"prompt": "x", "stop": ["ok", "s" * 1025]}, "stop"),
     ({"prompt": "x", "stop_token_ids": [True]}, "stop_token_ids"),
     ({"prompt": "x", "ignore_eos": 1}, "ignore_eos"),
     ({"prompt": "x", "min_tokens": 17}, "min_tokens"),
@@ -252,6 +253,11 @@ def test_bad_completion_fields_name_the_param(body, param):
     e = error(completion, body)
     assert (e.status, e.type, e.param) == (400, "invalid_request_error", param)
     assert param.split(".")[-1] in e.message
+
+
+def test_stop_strings_up_to_the_length_cap_are_taken():
+    assert completion({"prompt": "x", "stop": ["s" * 1024]}).sampling.stop == ("s" * 1024,)
+    assert "at most 1024 characters" in error(completion, {"prompt": "x", "stop": "s" * 1025}).message
 
 
 def test_stop_token_ids_checked_against_vocab():

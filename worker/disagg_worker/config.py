@@ -86,6 +86,8 @@ class DisaggConfig:
     # (quarantine), but not longer than this: a prefill that stays silent is then declared dead and
     # the pages come back. 0: four times the longest of the waiting timeout and the heartbeat window.
     quarantine_timeout_s: float = 0.0
+    # Decode: requests waiting for their handshake and pages beyond this are refused (503).
+    max_prealloc_queue: int = 256
     # Mooncake TCP connections per peer (MC_TCP_LANES_PER_PEER; an explicit env var wins). Each
     # lane carries one write at a time with a round trip, so a request's many small writes (one
     # per page run per layer's K and V) finish sooner over more lanes: 64 writes of 4 KiB took
@@ -219,6 +221,27 @@ class ServerArgs:
     # Bearer tokens clients must present (--api-key, --api-key-file; empty: no API keys). /health
     # stays open. Kept out of repr so that they are never logged.
     api_keys: tuple[str, ...] = field(default=(), repr=False)
+    # Generation requests the HTTP front end holds at once (more get 429); 0: `inflight_limit` derives it.
+    max_inflight_requests: int = 0
+    # On SIGTERM: seconds to finish admitted requests before cutting them short and exiting.
+    drain_timeout_s: float = 30.0
+
+    @property
+    def inflight_limit(self) -> int:
+        """The HTTP bound: what the engine can hold, so a request beyond it would only queue.
+
+        Prefill holds its running batch plus its bootstrap queue, decode its running batch (which
+        includes the transfer queue) plus its prealloc queue; a monolithic instance has an unbounded
+        waiting queue, so its bound is the running batch plus three batches of backlog.
+        """
+        if self.max_inflight_requests > 0:
+            return self.max_inflight_requests
+        running, d = self.engine.scheduler.max_running_requests, self.engine.disagg
+        if d.role is Role.PREFILL:
+            return running + d.max_bootstrap_queue
+        if d.role is Role.DECODE:
+            return running + d.max_prealloc_queue
+        return 4 * running
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -252,6 +275,19 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--api-key", default=None, help="clients must send 'Authorization: Bearer KEY' (/health is open)")
     p.add_argument("--api-key-file", default="", help="a file of API keys, one a line (a mounted Secret)")
+    p.add_argument(
+        "--max-inflight-requests",
+        type=int,
+        default=ServerArgs.max_inflight_requests,
+        help="generation requests held at once, more get 429 (0: what the engine can hold: running requests "
+        "plus the prefill bootstrap or decode prealloc queue; 4x --max-running-requests for serve)",
+    )
+    p.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=ServerArgs.drain_timeout_s,
+        help="on SIGTERM, seconds to finish admitted requests (new ones get 503) before cutting them short",
+    )
 
 
 def add_disagg_args(p: argparse.ArgumentParser) -> None:
@@ -291,6 +327,12 @@ def add_disagg_args(p: argparse.ArgumentParser) -> None:
         default=d.quarantine_timeout_s,
         help="decode: longest wait for a silent prefill to confirm a failed room's writes stopped, before its "
         "pages are reused (0: 4x the waiting timeout or heartbeat window)",
+    )
+    p.add_argument(
+        "--max-prealloc-queue",
+        type=int,
+        default=d.max_prealloc_queue,
+        help="decode: requests waiting for their handshake and KV pages beyond this are refused (503)",
     )
     p.add_argument(
         "--auth-token-file",
@@ -345,6 +387,7 @@ def server_args_from_cli(
             transfer_port_base=ns.transfer_port_base,
             transfer_ports_per_rank=ns.transfer_ports_per_rank,
             quarantine_timeout_s=ns.quarantine_timeout,
+            max_prealloc_queue=ns.max_prealloc_queue,
             tcp_lanes=ns.tcp_lanes,
             auth_token=keys.read_secret(ns.auth_token_file, "--auth-token-file") if ns.auth_token_file else "",
             mc_tcp_lanes_per_peer=env.mc_tcp_lanes_per_peer,
@@ -372,4 +415,6 @@ def server_args_from_cli(
         log_level=ns.log_level,
         health_timeout_s=ns.health_timeout,
         api_keys=api_keys,
+        max_inflight_requests=ns.max_inflight_requests,
+        drain_timeout_s=ns.drain_timeout,
     )

@@ -5,6 +5,9 @@ the context length and the KV capacity. The HTTP process checks every request ag
 it reaches the scheduler, answering 400 with `param` naming the field; the engine checks only the
 rule that protects its own queues (a prompt it could never hold), with the same words.
 
+`body_limit_bytes` bounds a request body by the same context: the worker's HTTP front end and the
+router answer 413 beyond it before reading the body.
+
 Pure Python: the HTTP process, the router and the engine all import it.
 """
 
@@ -23,6 +26,20 @@ if TYPE_CHECKING:
 # Token ids are checked against the vocabulary when its size is known, else against this bound.
 MAX_TOKEN_ID = 2**31
 CONTEXT_EXCEEDED = "context_length_exceeded"
+# JSON bytes one context token may take in a request body. A token id in a list takes at most 12
+# ("2147483647, "); text averages 3-5 bytes per token, and the heaviest real text (CJK written as
+# \uXXXX escapes, indentation written as \t) takes 12-16: twice that leaves room for chat markup.
+BODY_BYTES_PER_TOKEN = 32
+# Everything besides the prompt: sampling fields, up to MAX_STOP_STRINGS escaped stop strings.
+BODY_OVERHEAD_BYTES = 1 << 20
+
+
+def body_limit_bytes(max_context_len: int) -> int:
+    """The largest request body worth reading for a model of `max_context_len` tokens.
+
+    A body beyond it holds a prompt that cannot fit the context, whatever its encoding.
+    """
+    return BODY_BYTES_PER_TOKEN * max(1, max_context_len) + BODY_OVERHEAD_BYTES
 
 
 @dataclass(frozen=True)

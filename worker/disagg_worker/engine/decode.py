@@ -4,7 +4,8 @@ Life cycle of a request here:
 1. Prealloc queue: a KVReceiver is created for its room and handshakes with the prefill instance
    (found through its bootstrap server). Once it is ready, pages for the whole prompt and an aux
    slot are preallocated, in arrival order, only while pages remain after reserving room for the
-   running requests' next tokens.
+   running requests' next tokens. A bounded queue, like prefill's bootstrap queue: when full, new
+   requests are refused at once (503).
 2. Transfer queue: the prefill instance writes the prompt's KV straight into those pages; the
    receiver is polled without blocking. Success: the first token is read from the aux slot.
 3. Running batch: the request joins the decode batch directly; its prompt is never recomputed.
@@ -56,6 +57,7 @@ class DecodeStage:
         self.page_size = cfg.cache.page_size
         self.target_key = cfg.disagg.target_key
         self.max_running = cfg.scheduler.max_running_requests
+        self.max_prealloc = cfg.disagg.max_prealloc_queue
         self.scheduler = scheduler
         self.allocator = allocator
         self.outbox = outbox
@@ -73,6 +75,9 @@ class DecodeStage:
             self.target_key, bootstrap.host, bootstrap.port, bootstrap.room, bootstrap.sig
         ):
             self.outbox.reject(req, 403, "bootstrap target not signed by this model's router: refused")
+            return
+        if len(self.prealloc) >= self.max_prealloc:
+            self.outbox.reject(req, 503, "the decode prealloc queue is full; retry later")
             return
         addr = f"{bootstrap.host}:{bootstrap.port}"
         self.prealloc[req.rid] = DecodeReq(req, self.kv.create_receiver(bootstrap.room, addr))

@@ -12,6 +12,8 @@ from typing import TypeGuard
 
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
+# Characters of one stop string: the detokenizer holds back up to this much text while it decides.
+MAX_STOP_STRING_CHARS = 1024
 # Temperatures below this are treated as greedy (dividing by them would overflow).
 GREEDY_EPS = 1e-5
 # Best tokens considered by top-k/top-p before falling back to sorting the whole vocabulary.
@@ -113,6 +115,9 @@ def _check_stop(v: object) -> str | None:
         return "must be a tuple of non-empty strings"
     if len(v) > MAX_STOP_STRINGS:
         return f"at most {MAX_STOP_STRINGS} stop strings, got {len(v)}"
+    longest = max((len(s) for s in v), default=0)
+    if longest > MAX_STOP_STRING_CHARS:
+        return f"each stop string must be at most {MAX_STOP_STRING_CHARS} characters, got one of {longest}"
     return None
 
 

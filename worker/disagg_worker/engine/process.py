@@ -58,7 +58,10 @@ def run_scheduler(cfg: EngineConfig, recv_addr: str, send_addr: str, log_level: 
 def run_rank(
     cfg: EngineConfig, shard: Shard, address: RankAddress, recv_addr: str, send_addr: str, log_level: str = "info"
 ) -> None:
-    """One rank of a multi-rank instance: the driver serves the HTTP process, the others follow."""
+    """One rank of a multi-rank instance: the driver serves the HTTP process, the others follow.
+
+    A follower keeps SIGUSR1's default action (it ends the process): the HTTP process stops every rank with it.
+    """
     from disagg_worker.engine.dist import Comm
 
     _start_process(cfg, log_level, f"rank tp{shard.tp_rank} pp{shard.pp_rank}", shard.world_rank)
@@ -76,7 +79,10 @@ def run_rank(
 
 def _start_process(cfg: EngineConfig, log_level: str, name: str, rank: int = 0) -> None:
     logging.basicConfig(level=log_level.upper(), format=f"%(asctime)s {name} %(levelname)s %(message)s")
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when this process ends
+    # The parent decides when this process ends: a SIGTERM or SIGINT sent to the whole process group
+    # (systemd, a terminal) must not end it while the parent drains. The parent stops it with SIGUSR1.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     import torch
 
     from disagg_worker.disagg.mooncake.environ import mooncake_environ
@@ -90,7 +96,7 @@ def _serve(engine: Engine, cfg: EngineConfig, recv_addr: str, send_addr: str) ->
     from disagg_worker.engine.loop import EngineLoop
 
     loop = EngineLoop(engine, recv_addr, send_addr, overlap=cfg.scheduler.enable_overlap)
-    signal.signal(signal.SIGTERM, lambda *_: setattr(loop, "stopped", True))
+    signal.signal(signal.SIGUSR1, lambda *_: setattr(loop, "stopped", True))
     try:
         loop.serve_forever()
     finally:

@@ -16,8 +16,6 @@ from dataclasses import dataclass, field
 
 from disagg_worker import keys
 
-BOOTSTRAP_FIELDS = ("bootstrap_host", "bootstrap_port", "bootstrap_room", "bootstrap_sig")
-
 
 @dataclass(frozen=True)
 class RouterAuth:
@@ -38,11 +36,9 @@ class RouterAuth:
     def worker_headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.worker_token}"} if self.worker_token else {}
 
-    def routed(self, body: dict, host: str, port: int, room: int) -> dict:
-        """`body` with this request's bootstrap target, signed; whatever bootstrap fields the
-        client sent are replaced."""
-        out = {k: v for k, v in body.items() if k not in BOOTSTRAP_FIELDS}
-        out.update(bootstrap_host=host, bootstrap_port=port, bootstrap_room=room)
+    def target(self, host: str, port: int, room: int) -> dict:
+        """The bootstrap fields of one routed request, signed when the model has a secret."""
+        out: dict = {"bootstrap_host": host, "bootstrap_port": port, "bootstrap_room": room}
         if self.target_key:
             out["bootstrap_sig"] = keys.sign_target(self.target_key, host, port, room)
         return out

@@ -1,4 +1,14 @@
-"""Start one engine instance: the scheduler process, then the HTTP server in this process."""
+"""Start one engine instance: the scheduler process, then the HTTP server in this process.
+
+Life cycle: `start` returns once the instance serves; from then on the scheduler process is
+watched (its exit fails every waiting request at once, `frontend.py`). On SIGTERM the instance
+drains (`drain.py`: readiness fails, admitted requests finish within --drain-timeout), then `stop`
+ends the scheduler process and the process exits 0.
+
+The scheduler process ignores SIGTERM and SIGINT (a signal to the whole process group, as systemd
+or a terminal sends, must not cut the drain short); it is stopped with SIGUSR1 by this process, and
+stops by itself when this process is gone.
+"""
 
 from __future__ import annotations
 
@@ -16,8 +26,10 @@ from disagg_worker.config import Role, ServerArgs
 from disagg_worker.disagg.bootstrap import BootstrapServer
 from disagg_worker.engine.process import spawn_schedulers
 from disagg_worker.model.tokenizer import Tokenizer
-from disagg_worker.server.api import build_app
+from disagg_worker.server.admission import Admission
+from disagg_worker.server.api import ADMISSION, build_app
 from disagg_worker.server.auth import require_keys
+from disagg_worker.server.drain import CUT_GRACE_S, DrainReport, Signals, drain
 from disagg_worker.server.frontend import Frontend
 from disagg_worker.server.metrics import ServerMetrics
 
@@ -38,6 +50,7 @@ class EngineServer:
         self.bootstrap: BootstrapServer | None = None
         self.runner: web.AppRunner | None = None
         self.frontend: Frontend | None = None
+        self.admission: Admission | None = None
 
     async def start(self) -> None:
         a = self.args
@@ -50,18 +63,33 @@ class EngineServer:
             self.bootstrap = BootstrapServer(d.bootstrap_port, d.tp_size, d.pp_size, d.bootstrap_token).start()
         self.procs = spawn_schedulers(a.engine, self.to_engine, self.from_engine, a.log_level)
         await _wait_ready(self.frontend, self.procs)
-        app = build_app(self.frontend, a.engine.model_name, a.health_timeout_s)
+        app = build_app(self.frontend, a.engine.model_name, a.health_timeout_s, a.inflight_limit)
         require_keys(app, accepted_keys(a))
-        self.runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+        self.admission = admission = app[ADMISSION]
+        self.frontend.watch(self.procs, on_exit=lambda reason: setattr(admission, "broken", reason))
+        self.runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=CUT_GRACE_S)
         await self.runner.setup()
         await web.TCPSite(self.runner, a.host, a.port).start()
 
+    async def drain(self, hurry: asyncio.Event | None = None) -> DrainReport | None:
+        """Finish what is admitted within the drain timeout (`drain.py`); None if the instance never served."""
+        if self.admission is None or self.frontend is None:
+            return None
+        frontend = self.frontend
+
+        async def cut(reason: str) -> None:
+            frontend.fail_all(reason)
+
+        return await drain(self.admission, self.args.drain_timeout_s, cut, hurry)
+
     async def stop(self) -> None:
+        if self.frontend is not None:
+            self.frontend.unwatch()
         if self.runner is not None:
             await self.runner.cleanup()
-        for proc in self.procs:
-            if proc.is_alive():
-                proc.terminate()
+        for proc in self.procs:  # the driver first: it stops stepping before its followers go
+            if proc.pid is not None and proc.is_alive():
+                os.kill(proc.pid, signal.SIGUSR1)
         for proc in self.procs:
             proc.join(10)
             if proc.is_alive():
@@ -93,15 +121,13 @@ async def _wait_ready(frontend: Frontend, procs: list[BaseProcess]) -> None:
 
 
 async def serve_until_signalled(server: EngineServer, banner: str = "") -> None:
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    await server.start()
-    if banner:
-        print(banner, flush=True)
+    signals = Signals()
     try:
-        await stop.wait()
+        await server.start()
+        if banner:
+            print(banner, flush=True)
+        await signals.stop.wait()
+        await server.drain(signals.hurry)
     finally:
         await server.stop()
 
