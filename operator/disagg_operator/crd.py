@@ -267,8 +267,17 @@ def spec_schema() -> dict:
             "router": _router(),
             "auth": obj(
                 {"secretName": string("Existing Secret with key `token`; generated when absent.")},
-                "Token the router and workers share.",
+                "The model's shared secret (a file in prefill, decode and router pods; never sent as it is).",
                 default={},
+            ),
+            "apiKeySecret": obj(
+                {
+                    "name": string("Secret in the model's namespace."),
+                    "key": string("Key holding the API keys, one a line.", default=names.API_KEY_DEFAULT_KEY),
+                },
+                "API keys clients must send to the router (Authorization: Bearer); mounted into the router only. "
+                "Without it the router takes requests without a key.",
+                required=["name"],
             ),
             "drain": _drain(),
             "rollout": _rollout(),

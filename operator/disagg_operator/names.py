@@ -41,15 +41,19 @@ ROUTER = "router"
 WORKER_ROLES = (PREFILL, DECODE)
 ROLES = (PREFILL, DECODE, ROUTER)
 
-# Ports (the worker's command-line contract).
+# Ports (the worker's command-line contract; `builders.ports` says which pod listens where and who may connect).
 HTTP_PORT = 8000
 BOOTSTRAP_PORT = 8998
-TRANSFER_PORT_MIN = 15000
-TRANSFER_PORT_MAX = 17000
+CONTROL_PORT = 9000  # rank i of a pod: CONTROL_PORT + i
+TRANSFER_PORT_BASE = 15000  # rank i's Mooncake ports: the window of TRANSFER_PORTS_PER_RANK from BASE + i * that
+TRANSFER_PORTS_PER_RANK = 8
 
-AUTH_TOKEN_KEY = "token"
-AUTH_TOKEN_ENV = "DISAGG_AUTH_TOKEN"
-# Read by the worker's env module (prefix DISAGG_): the pod's name and pairing revision, from the downward API.
+# Secrets reach pods as read-only files, only in the pods that use them.
+AUTH_TOKEN_KEY = "token"  # key of the model's shared secret in its Secret
+AUTH_MOUNT = "/var/run/disagg/auth"
+API_KEYS_MOUNT = "/var/run/disagg/api-keys"
+API_KEY_DEFAULT_KEY = "api-key"
+# Read by the worker's env module: the pod's name and pairing revision, from the downward API.
 POD_NAME_ENV = "DISAGG_POD_NAME"
 REVISION_ENV = "DISAGG_REVISION"
 
@@ -91,5 +95,6 @@ def bootstrap_service_name(cr_name: str) -> str:
     return child_name(cr_name, "bootstrap")
 
 
-def network_policy_name(cr_name: str) -> str:
-    return child_name(cr_name, "transfer")
+def network_policy_name(cr_name: str, role: str) -> str:
+    """The NetworkPolicy of one role's pods (`<cr>-prefill`, ...)."""
+    return child_name(cr_name, role)

@@ -115,6 +115,9 @@ class Runtime:
             self.partitions.pop(key, None)
 
     def ensure_auth_secret(self, spec: ModelSpec) -> None:
+        ref = spec.api_key_secret
+        if ref and self.kube.get("v1", "Secret", spec.namespace, ref.name) is None:
+            raise ReconcileError(f"API key Secret {ref.name} not found (it needs the key '{ref.key}')", permanent=False)
         if spec.auth_secret:
             if self.kube.get("v1", "Secret", spec.namespace, spec.auth_secret) is None:
                 raise ReconcileError(

@@ -160,6 +160,14 @@ def user_labels(labels: Mapping[str, str]) -> dict[str, str]:
 
 
 @dataclass(frozen=True)
+class SecretRef:
+    """A key of a Secret in the model's namespace."""
+
+    name: str
+    key: str
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     """Everything the builders need from one DisaggregatedModel."""
 
@@ -180,6 +188,8 @@ class ModelSpec:
     rollout: RolloutSpec = field(default_factory=RolloutSpec)
     # Prefill pods per decode pod; when set, prefill's replicas follow decode's (spec.prefill.replicas is ignored).
     prefill_per_decode: float | None = None
+    # The clients' API keys (a file of keys, one a line), mounted into the router only; None: no API keys.
+    api_key_secret: SecretRef | None = None
 
     @property
     def grace_period_s(self) -> int:
@@ -235,7 +245,14 @@ class ModelSpec:
             drain_timeout_s=int(spec.get("drain", {}).get("timeoutSeconds", DEFAULT_DRAIN_TIMEOUT)),
             rollout=RolloutSpec.from_dict(spec.get("rollout", {})),
             prefill_per_decode=float(ratio) if ratio is not None else None,
+            api_key_secret=_secret_ref(spec.get("apiKeySecret")),
         )
+
+
+def _secret_ref(d: Mapping[str, Any] | None) -> SecretRef | None:
+    if not d:
+        return None
+    return SecretRef(d["name"], d.get("key", names.API_KEY_DEFAULT_KEY))
 
 
 def _worker_role(role: str, d: Mapping[str, Any], shared_engine: Mapping[str, Any]) -> WorkerRoleSpec:

@@ -1,5 +1,8 @@
 """Status and conditions as a pure function of what the children report."""
 
+from dataclasses import dataclass, field
+from typing import Any
+
 import pytest
 
 from disagg_operator.builders import template_hash, worker_pod_template
@@ -19,7 +22,7 @@ from disagg_operator.status import (
     transitions,
 )
 
-CR = {
+CR: dict[str, Any] = {
     "apiVersion": "disagg.dev/v1alpha1",
     "kind": "DisaggregatedModel",
     "metadata": {"name": "m", "namespace": "ns", "uid": "u1", "generation": 3},
@@ -231,13 +234,19 @@ class FakeKube:
         self.patches.append((kind, name, "spec", body))
 
 
+@dataclass
+class RecordingRuntime(Runtime):
+    """A Runtime over a FakeKube that keeps the Events it posts."""
+
+    kube: Any
+    events: list = field(default_factory=list)
+
+
 @pytest.fixture
 def runtime():
     from disagg_operator.config import OperatorConfig
 
-    events = []
-    rt = Runtime(FakeKube(), OperatorConfig(), lambda cr, e: events.append(e))
-    rt.events = events
+    rt = RecordingRuntime(FakeKube(), OperatorConfig(), lambda cr, e: rt.events.append(e))
     return rt
 
 
@@ -269,7 +278,7 @@ def test_auth_secret_is_generated_once_and_children_applied(runtime):
     runtime.apply_children(CR)
     assert runtime.kube.created == ["Secret/m-auth"]
     assert runtime.kube.objects[("Secret", "m-auth")]["data"]["token"] == token
-    assert "StatefulSet/m-decode" in runtime.kube.applied and len(runtime.kube.applied) == 22
+    assert "StatefulSet/m-decode" in runtime.kube.applied and len(runtime.kube.applied) == 26  # 13 children, twice
 
 
 def test_missing_named_secret_degrades_with_a_message(runtime):
@@ -296,14 +305,15 @@ def test_a_replaced_pods_failure_stays_reported_until_its_role_is_whole_again(ru
 
 
 def test_a_failed_pod_being_deleted_still_counts_but_a_normal_shutdown_does_not():
-    pod = {
+    pod: dict[str, Any] = {
         "metadata": {"name": "m-decode-0", "labels": {"disagg.dev/role": "decode"}, "deletionTimestamp": "T"},
         "status": {
             "phase": "Failed",
             "containerStatuses": [{"name": "decode", "state": {"terminated": {"exitCode": 1, "reason": "Error"}}}],
         },
     }
-    assert pod_problem(pod).reason == "container decode: Error (exit code 1)"
+    problem = pod_problem(pod)
+    assert problem is not None and problem.reason == "container decode: Error (exit code 1)"
     pod["status"]["phase"] = "Running"
     pod["status"]["containerStatuses"][0]["state"]["terminated"]["exitCode"] = 143
     assert pod_problem(pod) is None
@@ -324,7 +334,8 @@ def test_a_terminating_namespace_is_remembered_until_a_reconcile_succeeds(runtim
 
     def terminating(obj):
         e = ApiException(status=403, reason="Forbidden")
-        e.body = b"unable to create new content in namespace ns because it is being terminated"
+        # The API client hands reconcile the raw response body (bytes), whatever its annotation says.
+        e.body = b"unable to create new content in namespace ns because it is being terminated"  # type: ignore[assignment]
         raise e
 
     runtime.kube.apply = terminating

@@ -6,7 +6,7 @@ from typing import Any
 from .. import names
 from ..config import OperatorConfig
 from ..spec import ModelSpec
-from .policy import build_bootstrap_service, build_network_policy, build_pdb
+from .policy import build_bootstrap_service, build_network_policies, build_pdb
 from .router import build_router_deployment, build_router_service, router_endpoint
 from .scaler import build_role_scaler, scaler_name
 from .secret import build_auth_secret, new_token
@@ -53,5 +53,5 @@ def build_children(
         children.append(build_worker_statefulset(spec, role, cfg, partitions.get(role, 0)))
     children.append(build_router_deployment(spec, cfg))
     children += [build_pdb(spec, role) for role in names.ROLES]
-    children.append(build_network_policy(spec))
+    children += build_network_policies(spec)
     return children

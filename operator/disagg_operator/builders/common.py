@@ -73,16 +73,12 @@ def container_security_context(ipc_lock: bool) -> dict[str, Any]:
 
 
 def base_env(spec: ModelSpec) -> list[dict[str, Any]]:
-    """Downward-API identity and the shared auth token, present in every pod."""
+    """Downward-API identity, present in every pod (secrets are files: `secret.auth_volume`)."""
     return [
         {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
         {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         {"name": names.POD_NAME_ENV, "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
-        {
-            "name": names.AUTH_TOKEN_ENV,
-            "valueFrom": {"secretKeyRef": {"name": spec.auth_secret_name, "key": names.AUTH_TOKEN_KEY}},
-        },
     ]
 
 

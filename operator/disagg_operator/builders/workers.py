@@ -20,6 +20,8 @@ from .common import (
     selector_labels,
     tmp_volume,
 )
+from .ports import port_flags
+from .secret import auth_token_file, auth_volume
 
 
 def worker_args(spec: ModelSpec, role: str) -> list[str]:
@@ -41,6 +43,7 @@ def worker_args(spec: ModelSpec, role: str) -> list[str]:
     ]
     if role == names.PREFILL:
         args += ["--bootstrap-port", str(names.BOOTSTRAP_PORT)]
+    args += port_flags(spec, role) + ["--auth-token-file", auth_token_file()]
     args += ["--transfer-backend", spec.transfer.backend, "--transfer-protocol", spec.transfer.protocol]
     if spec.transfer.ib_device:
         args += ["--ib-device", spec.transfer.ib_device]
@@ -87,11 +90,6 @@ def template_hash(template: Mapping[str, Any]) -> str:
 def worker_env(spec: ModelSpec, w: WorkerRoleSpec) -> list[dict[str, Any]]:
     revision = {"fieldRef": {"fieldPath": f"metadata.labels['{names.REVISION_LABEL}']"}}
     env = base_env(spec) + [{"name": names.REVISION_ENV, "valueFrom": revision}]
-    if spec.transfer.backend == "mooncake":
-        env += [
-            {"name": "MC_MIN_RPC_PORT", "value": str(names.TRANSFER_PORT_MIN)},
-            {"name": "MC_MAX_RPC_PORT", "value": str(names.TRANSFER_PORT_MAX)},
-        ]
     if spec.model.hugging_face_id:
         env.append({"name": "HF_HOME", "value": names.HF_CACHE_MOUNT})
     return env + [dict(v) for v in w.placement.env]
@@ -138,6 +136,7 @@ def worker_pod_template(spec: ModelSpec, role: str, cfg: OperatorConfig) -> dict
     w = spec.worker(role)
     vols, mounts = model_volumes(spec)
     tmp_vol, tmp_mount = tmp_volume()
+    auth_vol, auth_mount = auth_volume(spec)
     shm = {"name": "dshm", "emptyDir": {"medium": "Memory"}}
     container = {
         "name": role,
@@ -149,7 +148,7 @@ def worker_pod_template(spec: ModelSpec, role: str, cfg: OperatorConfig) -> dict
         "ports": worker_ports(role),
         "resources": worker_resources(spec, w, cfg),
         "securityContext": container_security_context(ipc_lock=spec.transfer.rdma),
-        "volumeMounts": mounts + [tmp_mount, {"name": "dshm", "mountPath": "/dev/shm"}],
+        "volumeMounts": mounts + [tmp_mount, {"name": "dshm", "mountPath": "/dev/shm"}, auth_mount],
         **probes(),
         **drain_on_stop(),
     }
@@ -157,7 +156,7 @@ def worker_pod_template(spec: ModelSpec, role: str, cfg: OperatorConfig) -> dict
         "metadata": {"labels": {**role_labels(spec, role), names.REVISION_LABEL: pairing_revision(spec)}},
         "spec": {
             "containers": [container],
-            "volumes": vols + [tmp_vol, shm],
+            "volumes": vols + [tmp_vol, shm, auth_vol],
             "securityContext": pod_security_context(),
             "automountServiceAccountToken": False,
             "enableServiceLinks": False,

@@ -51,7 +51,7 @@ class AttentionPlan:
             mask = torch.arange(index.shape[1], device=device)[None, :] < lens[:, None]
             return cls(batch.out_slots, index, mask[:, None, None, :], ())
         spans, start = [], 0
-        for n, seq_len, slots in zip(batch.extend_lens, batch.seq_lens, batch.kv_slots):
+        for n, seq_len, slots in zip(batch.extend_lens, batch.seq_lens, batch.kv_slots, strict=True):
             mask = None if n == seq_len else _offset_causal_mask(n, seq_len, device)
             spans.append(Span(start, n, slots, mask))
             start += n

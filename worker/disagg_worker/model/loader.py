@@ -2,6 +2,9 @@
 `model.safetensors.index.json`. Tensor names must match the model's exactly (a tied `lm_head` may be
 absent or present; rotary `inv_freq` buffers are ignored); anything missing or unexpected is an
 error that lists the names.
+
+Under tensor or pipeline parallelism (`shard`) each rank reads only its slice of each tensor
+(`model.parallel.shard_slice`, through safetensors' lazy slices), so no rank materialises the model.
 """
 
 from __future__ import annotations
@@ -14,7 +17,8 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from disagg_worker.model.config import ModelConfig
-from disagg_worker.model.llama import LlamaForCausalLM
+from disagg_worker.model.llama import AllReduce, LlamaForCausalLM
+from disagg_worker.model.parallel import Shard, check_parallel, shard_slice
 
 PROGRESS_MIN_BYTES = 200 * 1024 * 1024
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -25,21 +29,31 @@ class WeightMismatchError(ValueError):
 
 
 def load_model(
-    path: str | Path, dtype: torch.dtype | str, device: torch.device | str
+    path: str | Path,
+    dtype: torch.dtype | str,
+    device: torch.device | str,
+    shard: Shard | None = None,
+    all_reduce: AllReduce | None = None,
 ) -> tuple[LlamaForCausalLM, ModelConfig]:
-    """Build the model from `<path>/config.json` and fill it with the checkpoint's weights.
+    """Build the model (this rank's `shard` of it) from `<path>/config.json` and fill it with the
+    checkpoint's weights.
 
     Returns the model in eval mode, without gradients, on `device` in `dtype`.
     """
     path = Path(path)
     cfg = ModelConfig.from_hf_dir(path)
+    shard = shard or Shard()
+    problem = check_parallel(cfg, shard.tp_size, shard.pp_size)
+    if problem:
+        raise ValueError(f"cannot split {path.name} over the instance's ranks: {problem}")
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg)
-    expected = {name for name, _ in model.named_parameters()}
+        whole = {name for name, _ in LlamaForCausalLM(cfg).named_parameters()}
+        model = LlamaForCausalLM(cfg, shard, all_reduce)
     names_by_file = _tensor_names(path)
-    _check_names(expected, names_by_file, cfg)
-    state = _read(names_by_file, expected, dtype, torch.device(device))
+    _check_names(whole, names_by_file, cfg)
+    mine = {name for name, _ in model.named_parameters()}
+    state = _read(names_by_file, mine, cfg, shard, dtype, torch.device(device))
     model.load_state_dict(state, strict=False, assign=True)  # names were checked above; a tied head is re-tied
     model.tie_weights()
     return model.to(device).eval().requires_grad_(False), cfg
@@ -79,8 +93,14 @@ def _check_names(expected: set[str], names_by_file: dict[Path, list[str]], cfg: 
 
 
 def _read(
-    names_by_file: dict[Path, list[str]], expected: set[str], dtype: torch.dtype, device: torch.device
+    names_by_file: dict[Path, list[str]],
+    expected: set[str],
+    cfg: ModelConfig,
+    shard: Shard,
+    dtype: torch.dtype,
+    device: torch.device,
 ) -> dict[str, torch.Tensor]:
+    """The `expected` tensors, each sliced to what `shard` holds (a tied head reads the embedding)."""
     total_bytes = sum(f.stat().st_size for f in names_by_file)
     total = sum(len(n) for n in names_by_file.values())
     state: dict[str, torch.Tensor] = {}
@@ -89,6 +109,9 @@ def _read(
             with safe_open(file, framework="pt", device=str(device)) as f:
                 for name in names:
                     if name in expected:
-                        state[name] = f.get_tensor(name).to(dtype)
+                        part = f.get_slice(name)
+                        where = shard_slice(name, tuple(part.get_shape()), cfg, shard)
+                        if where is not None:
+                            state[name] = part[where].to(dtype)
                     bar.update(1)
     return state

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import aiohttp
 
+from disagg_worker.router.auth import RouterAuth
 from disagg_worker.router.handoff import HandoffMonitor
 from disagg_worker.router.workers import Worker, WorkerPool
 from disagg_worker.server.metrics import PROBE_HEADER
@@ -65,8 +66,10 @@ class PairVerifier:
         max_probes: int = 4,
         monitor: HandoffMonitor | None = None,
         clock: Callable[[], float] = time.monotonic,
+        auth: RouterAuth | None = None,
     ):
         self.pool = pool
+        self.auth = auth or RouterAuth()  # signs each probe's bootstrap target, as for client requests
         self.interval_s = interval_s
         self.timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=5)
         self.backoff_s = backoff_s
@@ -145,9 +148,7 @@ class PairVerifier:
             # One token: shorter than a page, so the prefix cache neither skips the work nor keeps anything.
             "input_ids": [PROBE_TOKEN],
             "sampling_params": {"max_new_tokens": 1, "temperature": 0},
-            "bootstrap_host": p.host,
-            "bootstrap_port": p.bootstrap_port,
-            "bootstrap_room": secrets.randbits(63),
+            **self.auth.target(p.host, p.bootstrap_port, secrets.randbits(63)),
             "stream": False,
         }
         results = await asyncio.gather(self._post(session, p, body), self._post(session, d, body))

@@ -34,6 +34,8 @@ class Worker:
     failures: int = 0
     # The latest /health body: pod name, pairing revision, handoff queues and counters (server/health.py).
     report: dict = field(default_factory=dict)
+    # The context the worker serves (its /v1/models `max_model_len`); 0 until it answered.
+    max_model_len: int = 0
 
     @property
     def host(self) -> str:
@@ -137,6 +139,8 @@ class WorkerPool:
             if ok != w.healthy:
                 log.info("%s worker %s is now %s", w.role, w.url, "healthy" if ok else "unhealthy")
             w.healthy = ok
+            if ok and not w.max_model_len:
+                w.max_model_len = await max_model_len(session, w.url)
 
         await asyncio.gather(*(probe(w) for w in self.workers()))
 
@@ -149,3 +153,13 @@ class WorkerPool:
             except Exception:  # one failed round must not stop the watching
                 log.exception("worker refresh failed")
             await asyncio.sleep(interval_s)
+
+
+async def max_model_len(session: aiohttp.ClientSession, url: str) -> int:
+    """The context a worker serves, from its /v1/models (as vLLM reports it); 0 if it does not say."""
+    try:
+        async with session.get(f"{url}/v1/models", timeout=aiohttp.ClientTimeout(total=3)) as r:
+            body = await r.json()
+        return int(body["data"][0]["max_model_len"])
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError, IndexError, TypeError):
+        return 0

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -29,13 +28,19 @@ class ServerMetrics:
         self.pages_used = gauge("disagg_kv_pages_used", "KV cache pages in use")
         self.pages_free = gauge("disagg_kv_pages_free", "KV cache pages free")
         self.hit_rate = gauge("disagg_prefix_cache_hit_rate", "Prefix cache hit tokens / queried tokens")
-        self.queue = Gauge("disagg_queue_size", "Requests per disaggregation queue", ["instance", "queue"], registry=r)
-        hist: dict[str, Any] = dict(labelnames=labels, buckets=LATENCY_BUCKETS, registry=r)
-        self.ttft = Histogram("disagg_time_to_first_token_seconds", "Time to first token", **hist).labels(instance)
-        self.itl = Histogram("disagg_inter_token_latency_seconds", "Time between output tokens", **hist).labels(
-            instance
+        self.queue = Gauge(
+            "disagg_queue_size",
+            "Requests per disaggregation queue, per rank of the instance",
+            ["instance", "queue", "tp_rank", "pp_rank"],
+            registry=r,
         )
-        self.e2e = Histogram("disagg_e2e_request_latency_seconds", "Request latency", **hist).labels(instance)
+
+        def histogram(name: str, doc: str) -> Histogram:
+            return Histogram(name, doc, labels, buckets=LATENCY_BUCKETS, registry=r).labels(instance)
+
+        self.ttft = histogram("disagg_time_to_first_token_seconds", "Time to first token")
+        self.itl = histogram("disagg_inter_token_latency_seconds", "Time between output tokens")
+        self.e2e = histogram("disagg_e2e_request_latency_seconds", "Request latency")
         self.prompt_tokens = Counter("disagg_prompt_tokens", "Prompt tokens processed", labels, registry=r).labels(
             instance
         )
@@ -55,8 +60,10 @@ class ServerMetrics:
         self.pages_free.set(s.pages_total - s.pages_used)
         if s.cache_query_tokens:
             self.hit_rate.set(s.cache_hit_tokens / s.cache_query_tokens)
-        for name, size in s.queues.items():
-            self.queue.labels(self.instance, name).set(size)
+        ranks = s.rank_queues or {(0, 0): s.queues}
+        for (tp, pp), queues in ranks.items():
+            for name, size in queues.items():
+                self.queue.labels(self.instance, name, str(tp), str(pp)).set(size)
 
     def request_timer(self, prompt_tokens: int, probe: bool = False) -> RequestTimer:
         """Times one request; a router's probe only counts as a probe."""
