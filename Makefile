@@ -70,7 +70,7 @@ test: venv
 	$(VENV)/bin/pytest $(PYTEST_ARGS) tests
 
 test-fast: venv
-	$(VENV)/bin/pytest $(PYTEST_ARGS) -m "not cluster and not integration" tests
+	$(VENV)/bin/pytest $(PYTEST_ARGS) tests/unit
 
 clean:
 	rm -rf $(VENV) .models .pytest_cache .hypothesis

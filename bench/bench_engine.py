@@ -248,7 +248,7 @@ def decode_steps_per_s(model: str, forward: str, overlap: bool, a: argparse.Name
     start = end = None
     while stepper.busy:
         stepper.step()
-        sched.take_outputs()
+        engine.take_outputs()
         if start is None:
             if len(sched.running) == a.batch and min(len(r.output_ids) for r in sched.running) >= 2:
                 start = (time.perf_counter(), sched.step_count)
@@ -298,19 +298,18 @@ def phase_breakdown(model: str, a: argparse.Namespace, steps: int = 150) -> dict
     """Synchronous noop decode steps: ms per step in schedule / run (zeros + sampler) / process."""
     engine = make_engine(model, "noop", False, a.batch * (a.input_len + a.micro_output_len + 64))
     add_requests(engine, a.batch, a.input_len, steps + 20)
-    sched, runner = engine.scheduler, engine.runner
     tot = {"schedule": 0.0, "run": 0.0, "process": 0.0}
     for i in range(steps + 5):
         t0 = time.perf_counter()
-        batch = sched.schedule()
+        batch = engine.schedule()
         t1 = time.perf_counter()
-        result = runner.run(batch)
+        result = engine.run(batch)
         t2 = time.perf_counter()
-        sched.process(batch, result)
-        sched.take_outputs()
+        engine.process(batch, result)
+        engine.take_outputs()
         t3 = time.perf_counter()
         if i >= 5:
-            for k, dt in zip(tot, (t1 - t0, t2 - t1, t3 - t2)):
+            for k, dt in zip(tot, (t1 - t0, t2 - t1, t3 - t2), strict=True):
                 tot[k] += dt
     phases = {k: round(v / steps * 1000, 3) for k, v in tot.items()}
     profile = profile_noop(model, a)
@@ -320,12 +319,11 @@ def phase_breakdown(model: str, a: argparse.Namespace, steps: int = 150) -> dict
 def profile_noop(model: str, a: argparse.Namespace, steps: int = 100) -> list[dict]:
     engine = make_engine(model, "noop", False, a.batch * (a.input_len + a.micro_output_len + 64))
     add_requests(engine, a.batch, a.input_len, steps + 20)
-    sched, runner = engine.scheduler, engine.runner
 
     def step() -> None:
-        batch = sched.schedule()
-        sched.process(batch, runner.run(batch))
-        sched.take_outputs()
+        batch = engine.schedule()
+        engine.process(batch, engine.run(batch))
+        engine.take_outputs()
 
     for _ in range(5):
         step()

@@ -31,9 +31,10 @@ from test_operator_support import OperatorUnderTest, install_chart, load_example
 
 from common import machine_info  # noqa: E402
 from conftest import KubeCluster  # noqa: E402
+from disagg_operator import names  # noqa: E402
 
-CHILDREN_PER_CR = 12  # 4 Services, 2 StatefulSets, 1 Deployment, 3 PDBs, 1 NetworkPolicy, 1 Secret
-KINDS = "statefulsets,deployments,services,poddisruptionbudgets,networkpolicies,secrets"
+CHILDREN_PER_CR = 13  # 4 Services, 2 StatefulSets, 1 Deployment, 3 PDBs, 1 NetworkPolicy, 1 Secret, 1 RoleScaler
+KINDS = "statefulsets,deployments,services,poddisruptionbudgets,networkpolicies,secrets,rolescalers"
 
 
 def cluster_from_repo(kubeconfig: Path) -> KubeCluster:
@@ -57,7 +58,7 @@ def progress(cluster: KubeCluster, ns: str, count: int) -> tuple[int, int, int]:
         1
         for cr in crs
         if cr.get("status", {}).get("observedGeneration") == cr["metadata"]["generation"]
-        and len(cr["status"].get("conditions", [])) == 3
+        and len(cr["status"].get("conditions", [])) == len(names.CONDITION_TYPES)
     )
     ready = sum(
         1
@@ -146,6 +147,7 @@ def direct_run(cluster: KubeCluster, items: list[dict], timeout: float) -> dict:
         objs = [
             builders.build_auth_secret(spec, builders.new_token()),
             *builders.build_children(spec, OperatorConfig()),
+            builders.build_role_scaler(spec, names.PREFILL),
         ]
         for obj in objs:
             obj["metadata"].pop("ownerReferences", None)  # no CR: an owner that does not exist would be collected

@@ -169,8 +169,9 @@ def main(argv: list[str] | None = None) -> int:
     for key in ("low", "short", "moderate"):
         if key in res:
             r = res[key]
+            mono, pd = r["median"]["mono"]["p50_ttft_ms"], r["median"]["pd"]["p50_ttft_ms"]
             print(
-                f"{key}: TTFT p50 mono {r['median']['mono']['p50_ttft_ms']:.1f} ms, pd {r['median']['pd']['p50_ttft_ms']:.1f} ms"
+                f"{key}: TTFT p50 mono {mono:.1f} ms, pd {pd:.1f} ms"
                 f" (x{r['ratio_pd_over_mono']['p50_ttft_ms']:.2f}); p90 x{r['ratio_pd_over_mono']['p90_ttft_ms']:.2f}"
             )
     return 0

@@ -4,9 +4,10 @@ Methods, interleaved per repetition, one receiver process on 127.0.0.1:
   socket                plain TCP socket (the loopback ceiling; gather/scatter by memcpy for pages)
   mooncake_sync         batch_transfer_sync_write (busy-waits the calling thread)
   mooncake_submit_poll  transfer_submit_write per run + sleep-poll (what the KV layer does)
-  mooncake_lanes        the same, each write first split over TCP lanes as the KV manager splits
-                        an idle peer's writes (`runs.split_for_lanes`); single pass only: the
-                        engine's own latency with the manager's tuning, before its control plane
+  mooncake_split        the same, each write first split into pieces as the KV manager splits an
+                        idle peer's writes (`split_writes`), which Mooncake moves over several TCP
+                        lanes at once; single pass only: the engine's own latency with the
+                        manager's tuning, before its control plane
   kv_manager            the `mooncake` KV manager end to end: prefill send() -> decode receiver
                         Success (scattered pages go through the managers' staging areas)
 for contiguous sizes 4 KiB .. 512 MiB and 1000 scattered 16 KiB pages, two ways:
@@ -37,10 +38,14 @@ import time
 from pathlib import Path
 
 os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
-from disagg_worker.config import DisaggConfig  # noqa: E402
+from disagg_worker.config import DisaggConfig, Role  # noqa: E402
+from disagg_worker.disagg.mooncake.environ import mooncake_environ  # noqa: E402
+from disagg_worker.env import load_env  # noqa: E402
 
-# The lanes the KV managers configure, for the raw engines too (both processes inherit it).
-os.environ.setdefault("MC_TCP_LANES_PER_PEER", str(DisaggConfig.tcp_lanes))
+# The transfer engine's environment as a scheduler process sets it (TCP lanes per peer), for the
+# raw engines too; the receiver process inherits it.
+_USER_LANES = load_env().mc_tcp_lanes_per_peer
+os.environ.update(mooncake_environ(DisaggConfig(role=Role.PREFILL, mc_tcp_lanes_per_peer=_USER_LANES)))
 
 import torch  # noqa: E402
 
@@ -113,7 +118,6 @@ def _socket_sink(srv, buf: torch.Tensor) -> None:
 
 
 def _manager_sink(conn, addrs: dict) -> None:
-    from disagg_worker.config import Role
     from disagg_worker.disagg import KVPoll, create_kv_manager
 
     mgrs, pools = {}, {}  # the pools must outlive the managers: they are registered memory
@@ -126,7 +130,7 @@ def _manager_sink(conn, addrs: dict) -> None:
     while (cmd := conn.recv()) is not None:
         rooms, name, dests = cmd
         receivers = [mgrs[name].create_receiver(room, addrs[name]) for room in rooms]
-        for slot, (r, dest) in enumerate(zip(receivers, dests)):
+        for slot, (r, dest) in enumerate(zip(receivers, dests, strict=True)):
             r.init(dest, slot)
         pending = receivers[::-1]  # rooms finish about in order: watch the oldest, then the next
         while pending:
@@ -160,7 +164,7 @@ def _time_mc(te, peer: str, writes: list[tuple[int, int, int]], mode: str) -> tu
     """(seconds, CPU seconds of the calling thread) for one group of writes."""
     t0, c0 = time.perf_counter(), time.thread_time()
     if mode == "sync":
-        s, d, n = zip(*writes)
+        s, d, n = zip(*writes, strict=True)
         rc = te.batch_transfer_sync_write(peer, list(s), list(d), list(n))
         assert rc == 0, rc
     else:
@@ -198,7 +202,6 @@ class Bench:
     def __init__(self):
         from mooncake.engine import TransferEngine
 
-        from disagg_worker.config import Role
         from disagg_worker.disagg import RankInfo, create_kv_manager
         from disagg_worker.disagg.bootstrap import BootstrapServer
 
@@ -236,7 +239,7 @@ class Bench:
             while sender.poll() is KVPoll.Bootstrapping:
                 time.sleep(0.0002)
         t0 = time.perf_counter()
-        for sender, (src, _) in zip(senders, transfers):
+        for sender, (src, _) in zip(senders, transfers, strict=True):
             sender.send(src, last=True)
         assert self.conn.recv()  # until decode reports Success, as the socket waits for the ack
         took = time.perf_counter() - t0
@@ -257,23 +260,23 @@ class Bench:
         if streamed:
             return
         srcp, dstp = scatter_pages(7)
-        writes = [(sptr + s * PAGE, dptr + d * PAGE, PAGE) for s, d in zip(srcp, dstp)]
+        writes = [(sptr + s * PAGE, dptr + d * PAGE, PAGE) for s, d in zip(srcp, dstp, strict=True)]
         half = POOL // 2 // PAGE  # manager: 500 scattered pages x (K, V) = 1000 x 16 KiB writes
         msrc = list(dict.fromkeys(s % half for s in srcp))[:500]
         mdst = list(dict.fromkeys(d % half for d in dstp))[:500]
         yield "scattered", N_SCATTER * PAGE, 1, writes, 7, ("page", [(msrc, mdst)])
 
     def run(self, sizes: list[int], streamed: bool) -> dict:
-        from disagg_worker.disagg.runs import split_for_lanes
+        from disagg_worker.disagg.mooncake.prefill_writes import split_writes
 
         methods = ("socket", "mooncake_sync", "mooncake_submit_poll", "kv_manager")
-        methods += () if streamed else ("mooncake_lanes",)
+        methods += () if streamed else ("mooncake_split",)
         out: dict = {m: {} for m in methods} | {"cpu_s": {}, "iqr": {m: {} for m in methods}, "count": {}}
         for name, nbytes, count, writes, seed, (pn, rooms) in self.workloads(sizes, streamed):
             _time_mc(self.te, self.peer, writes, "poll")  # warm connections
             self.manager_run(pn, rooms)
             t: dict = {m: [] for m in methods} | {"cpu_sync": [], "cpu_poll": []}
-            split = split_for_lanes(writes)
+            split = split_writes(writes)
             for _ in range(reps_for(nbytes * count)):
                 t["socket"].append(_time_socket(self.sock, self.src, nbytes, seed, count))
                 wall, cpu = _time_mc(self.te, self.peer, writes, "sync")
@@ -284,7 +287,7 @@ class Bench:
                 t["cpu_poll"].append(cpu / wall)
                 t["kv_manager"].append(self.manager_run(pn, rooms))
                 if not streamed:
-                    t["mooncake_lanes"].append(_time_mc(self.te, self.peer, split, "poll")[0])
+                    t["mooncake_split"].append(_time_mc(self.te, self.peer, split, "poll")[0])
             total = nbytes * count
             for m in methods:
                 out[m][name] = total / statistics.median(t[m]) / 1e9
@@ -343,7 +346,7 @@ def plot(result: dict, path: Path) -> None:
     fig, axes = plt.subplots(1, 3, figsize=(18, 4.8), gridspec_kw={"width_ratios": [3, 3, 2]})
     axes[1].sharey(axes[0])
     _plot_model(axes[2], result["model"])
-    for ax, mode in zip(axes, PASSES):
+    for ax, mode in zip(axes, PASSES, strict=False):  # the third axis holds the model pass
         r = result[mode]["gbps"]
         labels = [k for k in [*map(str, result["sizes"]), "scattered"] if k in r["socket"]]
         xs = range(len(labels))
@@ -353,8 +356,8 @@ def plot(result: dict, path: Path) -> None:
             "mooncake submit + sleep-poll": r["mooncake_submit_poll"],
             "KV manager (mooncake)": r["kv_manager"],
         }
-        if "mooncake_lanes" in r:
-            series["mooncake split over lanes + sleep-poll"] = r["mooncake_lanes"]
+        if "mooncake_split" in r:
+            series["mooncake, writes split into pieces + sleep-poll"] = r["mooncake_split"]
         for name, vals in series.items():
             ax.plot(xs, [vals[k] for k in labels], marker="o", label=name)
         ticks = [_human(k) + (f"\nx{r['count'][k]}" if mode == "streamed" else "") for k in labels]
@@ -413,8 +416,8 @@ def main() -> None:
                 "ratio_kv_manager_over_socket": _ratios(gbps, "kv_manager"),
                 "ratio_submit_poll_over_socket": _ratios(gbps, "mooncake_submit_poll"),
             }
-            if "mooncake_lanes" in gbps:
-                result[mode]["ratio_lanes_over_socket"] = _ratios(gbps, "mooncake_lanes")
+            if "mooncake_split" in gbps:
+                result[mode]["ratio_split_over_socket"] = _ratios(gbps, "mooncake_split")
         print("-- model (one room at a time, 64 KV buffers)", flush=True)
         m = bench.run_model(MODEL_TOKENS)
         result["model"] = {
@@ -437,10 +440,10 @@ def main() -> None:
     plot(result, RESULTS / "transfer.png")
     for mode in PASSES:
         for k, v in result[mode]["ratio_kv_manager_over_socket"].items():
-            lanes = result[mode].get("ratio_lanes_over_socket", {}).get(k)
+            split = result[mode].get("ratio_split_over_socket", {}).get(k)
             print(
                 f"{mode:>8} ratio kv_manager/socket {_human(k).replace(chr(10), ' '):>20}: {v:.2f}"
-                + (f"  (mooncake split over lanes: {lanes:.2f})" if lanes is not None else "")
+                + (f"  (mooncake, writes split: {split:.2f})" if split is not None else "")
             )
 
 

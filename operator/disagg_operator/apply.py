@@ -22,8 +22,9 @@ PLURALS = {
     "PodDisruptionBudget": "poddisruptionbudgets",
     "NetworkPolicy": "networkpolicies",
     names.KIND: names.PLURAL,
+    names.SCALER_KIND: names.SCALER_PLURAL,
 }
-WRITE_VERBS = ("apply", "create", "patch_status")
+WRITE_VERBS = ("apply", "create", "patch", "patch_status")
 
 
 def object_path(api_version: str, plural: str, namespace: str, name: str = "") -> str:
@@ -110,8 +111,14 @@ class Kube:
             raise
         return True
 
-    def patch_status(self, namespace: str, name: str, status: Mapping[str, Any]) -> Any:
-        path = object_path(names.API_VERSION, names.PLURAL, namespace, name) + "/status"
+    def patch_status(self, namespace: str, name: str, status: Mapping[str, Any], kind: str = names.KIND) -> Any:
+        """Merge-patch the status subresource (a field set to None is removed)."""
+        path = object_path(names.API_VERSION, PLURALS[kind], namespace, name) + "/status"
         return self._call(
             "patch_status", "PATCH", path, {"status": dict(status)}, content_type="application/merge-patch+json"
         )
+
+    def patch(self, kind: str, namespace: str, name: str, body: Mapping[str, Any]) -> Any:
+        """Merge-patch one of the operator's own kinds: fields it writes without owning them (replicas)."""
+        path = object_path(names.API_VERSION, PLURALS[kind], namespace, name)
+        return self._call("patch", "PATCH", path, dict(body), content_type="application/merge-patch+json")

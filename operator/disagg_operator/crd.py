@@ -1,100 +1,69 @@
-"""The DisaggregatedModel CustomResourceDefinition, built here and written to `crds/` by `python -m disagg_operator.crd`.
+"""The DisaggregatedModel CustomResourceDefinition, built here; `python -m disagg_operator.crd crds
+charts/disagg-operator/crds` writes it and the RoleScaler CRD (scaler_crd.py) into both directories.
 
 Validation that needs no pods lives in the schema: structural types and defaults, plus CEL rules whose messages say
 what to change. `RULES` is the list of (where, rule, message) that the API server enforces.
 """
 
 import sys
+from pathlib import Path
 from typing import Any
 
 import yaml
 
 from . import names
-from .spec import DEFAULT_ENGINE
+from .crd_status import status_schema
+from .schema import free_obj, integer, obj, rule, string
+from .spec import DEFAULT_DRAIN_TIMEOUT, DEFAULT_ENGINE, DEFAULT_PROGRESS_DEADLINE, ORDERS
 
 DTYPES = ["float32", "bfloat16", "float16"]
 
 
-def _int(default: int | None = None, minimum: int | None = None, doc: str = "") -> dict:
-    s: dict[str, Any] = {"type": "integer"}
-    if default is not None:
-        s["default"] = default
-    if minimum is not None:
-        s["minimum"] = minimum
-    if doc:
-        s["description"] = doc
-    return s
-
-
-def _str(doc: str = "", max_length: int = 253, **extra: Any) -> dict:
-    s: dict[str, Any] = {"type": "string", "maxLength": max_length, **extra}
-    if doc:
-        s["description"] = doc
-    return s
-
-
-def _obj(props: dict, doc: str = "", default: dict | None = None, **extra: Any) -> dict:
-    s: dict[str, Any] = {"type": "object", "properties": props, **extra}
-    if default is not None:
-        s["default"] = default
-    if doc:
-        s["description"] = doc
-    return s
-
-
-def _free_obj(doc: str) -> dict:
-    return {"type": "object", "x-kubernetes-preserve-unknown-fields": True, "description": doc}
-
-
-def _rule(rule: str, message: str) -> dict:
-    return {"rule": rule, "message": message}
-
-
 def _engine_props(with_defaults: bool) -> dict:
-    d = DEFAULT_ENGINE if with_defaults else {}
+    d: dict[str, Any] = DEFAULT_ENGINE if with_defaults else {}
     return {
-        "pageSize": _int(d.get("pageSize"), 1, "Tokens per KV page; prefill and decode must agree."),
-        "kvDtype": _str(
+        "pageSize": integer(d.get("pageSize"), 1, "Tokens per KV page; prefill and decode must agree."),
+        "kvDtype": string(
             "KV cache dtype; prefill and decode must agree.",
             16,
             enum=DTYPES,
             **({"default": d["kvDtype"]} if d else {}),
         ),
-        "dtype": _str("Model weights dtype.", 16, enum=DTYPES, **({"default": d["dtype"]} if d else {})),
-        "chunkSize": _int(d.get("chunkSize"), 1, "Chunked-prefill size in tokens."),
-        "maxTotalTokens": _int(d.get("maxTotalTokens"), 1, "KV cache capacity in tokens."),
-        "maxRunningRequests": _int(d.get("maxRunningRequests"), 1, "Requests running at once."),
+        "dtype": string("Model weights dtype.", 16, enum=DTYPES, **({"default": d["dtype"]} if d else {})),
+        "chunkSize": integer(d.get("chunkSize"), 1, "Chunked-prefill size in tokens."),
+        "maxTotalTokens": integer(d.get("maxTotalTokens"), 1, "KV cache capacity in tokens."),
+        "maxRunningRequests": integer(d.get("maxRunningRequests"), 1, "Requests running at once."),
     }
 
 
 def _placement_props() -> dict:
     quantities = {"type": "object", "additionalProperties": {"x-kubernetes-int-or-string": True}}
     return {
-        "resources": _obj(
+        "resources": obj(
             {
                 "requests": quantities,
                 "limits": quantities,
-                "gpus": _int(0, 0, "GPUs per pod (0 runs on CPU); must equal tpSize * ppSize when set."),
-                "rdma": _int(1, 0, "RDMA devices per pod, requested when transfer.protocol is rdma."),
+                "gpus": integer(0, 0, "GPUs per pod (0 runs on CPU); must equal tpSize * ppSize when set."),
+                "rdma": integer(1, 0, "RDMA devices per pod, requested when transfer.protocol is rdma."),
             },
             "Pod resources.",
             default={},
         ),
         "nodeSelector": {"type": "object", "additionalProperties": {"type": "string"}},
-        "tolerations": {"type": "array", "items": _free_obj("A core/v1 Toleration.")},
-        "affinity": _free_obj("A core/v1 Affinity."),
-        "env": {"type": "array", "items": {**_free_obj("A core/v1 EnvVar."), "required": ["name"]}},
+        "tolerations": {"type": "array", "items": free_obj("A core/v1 Toleration.")},
+        "affinity": free_obj("A core/v1 Affinity."),
+        "env": {"type": "array", "items": {**free_obj("A core/v1 EnvVar."), "required": ["name"]}},
         "args": {"type": "array", "items": {"type": "string"}, "description": "Extra command-line arguments."},
     }
 
 
 def _worker_role(role: str) -> dict:
-    return _obj(
+    return obj(
         {
-            "replicas": _int(1, doc=f"Number of {role} pods."),
-            "tpSize": _int(1, 1, "Tensor-parallel size."),
-            "ppSize": _int(1, 1, "Pipeline-parallel size."),
-            "engine": _obj(_engine_props(False), f"Engine settings for {role} only, over spec.engine.", default={}),
+            "replicas": integer(1, doc=f"Number of {role} pods."),
+            "tpSize": integer(1, 1, "Tensor-parallel size."),
+            "ppSize": integer(1, 1, "Pipeline-parallel size."),
+            "engine": obj(_engine_props(False), f"Engine settings for {role} only, over spec.engine.", default={}),
             **_placement_props(),
         },
         f"The {role} role.",
@@ -103,10 +72,10 @@ def _worker_role(role: str) -> dict:
 
 
 def _router() -> dict:
-    return _obj(
+    return obj(
         {
-            "replicas": _int(1, doc="Number of router pods."),
-            "policy": _str(
+            "replicas": integer(1, doc="Number of router pods."),
+            "policy": string(
                 "How the router picks workers.", 32, enum=["round_robin", "least_load"], default="round_robin"
             ),
             **_placement_props(),
@@ -180,13 +149,14 @@ SPEC_RULES = (
 )
 
 IMMUTABLE_RULES = [
-    ("spec.servedModelName", "self == oldSelf", "servedModelName is immutable: clients address the model by this name"),
     (
         "spec.transfer",
         "self == oldSelf",
         "transfer is immutable: prefill and decode would have to switch at the same moment",
     ),
 ]
+
+SERVED_NAME = "(has({0}.spec.servedModelName) ? {0}.spec.servedModelName : {0}.metadata.name)"
 
 ROOT_RULES = [
     (
@@ -199,100 +169,123 @@ ROOT_RULES = [
         "self.metadata.name.matches('^[a-z]([-a-z0-9]*[a-z0-9])?$')",
         "metadata.name must start with a letter and hold only lowercase letters, digits and '-' (it names Services)",
     ),
+    (
+        "",
+        f"{SERVED_NAME.format('self')} == {SERVED_NAME.format('oldSelf')}",
+        "servedModelName is immutable (it defaults to metadata.name): clients address the model by this name",
+    ),
 ]
 
 RULES = ROOT_RULES + SPEC_RULES + MODEL_RULES + IMMUTABLE_RULES
 
 
 def _rules_at(where: str) -> list[dict]:
-    return [_rule(rule, msg) for w, rule, msg in RULES if w == where]
+    return [rule(expression, msg) for w, expression, msg in RULES if w == where]
+
+
+def _drain() -> dict:
+    timeout = integer(
+        DEFAULT_DRAIN_TIMEOUT,
+        0,
+        "Seconds a stopping pod may spend finishing its requests (`--drain-timeout`); the pods' "
+        "terminationGracePeriodSeconds adds the preStop pause and an exit margin.",
+        3600,
+    )
+    return obj(
+        {"timeoutSeconds": timeout},
+        "Graceful shutdown of workers and routers (scale-down, rollout, eviction).",
+        default={},
+    )
+
+
+def _rollout() -> dict:
+    return obj(
+        {
+            "order": string(
+                "Which role a change touching both roles updates first.", 16, enum=list(ORDERS), default="DecodeFirst"
+            ),
+            "maxSkew": string(
+                "Largest difference between the updated fractions of prefill and decode, e.g. '50%'; "
+                "default (and lower bound): one pod's worth of the smaller role.",
+                4,
+                pattern="^(100|[1-9][0-9]?)%$",
+            ),
+            "progressDeadlineSeconds": integer(
+                DEFAULT_PROGRESS_DEADLINE, 1, "A rollout without progress for this long is reported as stalled."
+            ),
+            "minReadySeconds": integer(0, 0, "Seconds a new pod must stay Ready before the rollout moves on."),
+        },
+        "Coordinated rollout of prefill and decode.",
+        default={},
+    )
+
+
+def _scaling() -> dict:
+    ratio = {
+        "type": "number",
+        "minimum": 0,
+        "exclusiveMinimum": True,
+        "maximum": 64,
+        "description": "Prefill pods per decode pod: prefill follows decode's replicas (rounded up, at least one), "
+        "so one autoscaler on decode scales both; prefill.replicas is then ignored.",
+    }
+    return obj({"prefillPerDecode": ratio}, "Scaling of the roles relative to one another.", default={})
 
 
 def spec_schema() -> dict:
-    model = _obj(
+    model = obj(
         {
-            "path": _str("Directory of the model inside the volume (model.pvc or model.hostPath).", 1024),
-            "pvc": _str("PersistentVolumeClaim holding model.path, mounted read-only."),
-            "hostPath": _str("Node directory holding model.path, mounted read-only.", 1024),
-            "huggingFaceId": _str("A Hugging Face model id, downloaded into the cache volume at start-up.", 256),
-            "cachePvc": _str("PersistentVolumeClaim for the Hugging Face cache (an emptyDir when absent)."),
+            "path": string("Directory of the model inside the volume (model.pvc or model.hostPath).", 1024),
+            "pvc": string("PersistentVolumeClaim holding model.path, mounted read-only."),
+            "hostPath": string("Node directory holding model.path, mounted read-only.", 1024),
+            "huggingFaceId": string("A Hugging Face model id, downloaded into the cache volume at start-up.", 256),
+            "cachePvc": string("PersistentVolumeClaim for the Hugging Face cache (an emptyDir when absent)."),
         },
         "Where the model weights come from.",
-        **{"x-kubernetes-validations": _rules_at("spec.model")},
+        rules=_rules_at("spec.model"),
     )
-    transfer = _obj(
+    transfer = obj(
         {
-            "backend": _str("KV transfer backend.", 16, enum=["mooncake", "fake"], default="mooncake"),
-            "protocol": _str("Transport of the mooncake backend.", 8, enum=["tcp", "rdma"], default="tcp"),
-            "ibDevice": _str("InfiniBand device name(s) for rdma, e.g. mlx5_0.", 128),
+            "backend": string("KV transfer backend.", 16, enum=["mooncake", "fake"], default="mooncake"),
+            "protocol": string("Transport of the mooncake backend.", 8, enum=["tcp", "rdma"], default="tcp"),
+            "ibDevice": string("InfiniBand device name(s) for rdma, e.g. mlx5_0.", 128),
         },
         "How KV pages move from prefill to decode.",
         default={},
-        **{"x-kubernetes-validations": _rules_at("spec.transfer")},
+        rules=_rules_at("spec.transfer"),
     )
-    return _obj(
+    return obj(
         {
             "model": model,
-            "servedModelName": _str(
-                "The model name clients send in requests.",
-                256,
-                **{"x-kubernetes-validations": _rules_at("spec.servedModelName")},
-            ),
-            "image": _str("Worker image (entrypoint `disagg`).", 512),
-            "imagePullPolicy": _str("", 16, enum=["Always", "IfNotPresent", "Never"], default="IfNotPresent"),
-            "engine": _obj(_engine_props(True), "Engine settings shared by prefill and decode.", default={}),
+            "servedModelName": string("The model name clients send in requests (default: metadata.name).", 256),
+            "image": string("Worker image (entrypoint `disagg`).", 512),
+            "imagePullPolicy": string("", 16, enum=["Always", "IfNotPresent", "Never"], default="IfNotPresent"),
+            "engine": obj(_engine_props(True), "Engine settings shared by prefill and decode.", default={}),
             "transfer": transfer,
             "prefill": _worker_role(names.PREFILL),
             "decode": _worker_role(names.DECODE),
             "router": _router(),
-            "auth": _obj(
-                {"secretName": _str("Existing Secret with key `token`; generated when absent.")},
-                "Token the router and workers share.",
+            "auth": obj(
+                {"secretName": string("Existing Secret with key `token`; generated when absent.")},
+                "The model's shared secret (a file in prefill, decode and router pods; never sent as it is).",
                 default={},
             ),
+            "apiKeySecret": obj(
+                {
+                    "name": string("Secret in the model's namespace."),
+                    "key": string("Key holding the API keys, one a line.", default=names.API_KEY_DEFAULT_KEY),
+                },
+                "API keys clients must send to the router (Authorization: Bearer); mounted into the router only. "
+                "Without it the router takes requests without a key.",
+                required=["name"],
+            ),
+            "drain": _drain(),
+            "rollout": _rollout(),
+            "scaling": _scaling(),
         },
         "The desired state of a disaggregated deployment.",
-        required=["model", "servedModelName", "image"],
-        **{"x-kubernetes-validations": _rules_at("spec")},
-    )
-
-
-def _role_status() -> dict:
-    return _obj(
-        {
-            "replicas": _int(),
-            "readyReplicas": _int(),
-            "updatedReplicas": _int(),
-            "ready": {"type": "string", "description": "ready/desired, for printing."},
-            "selector": {"type": "string", "description": "Label selector of the role's pods (for an HPA)."},
-        }
-    )
-
-
-def status_schema() -> dict:
-    condition = _obj(
-        {
-            "type": {"type": "string"},
-            "status": {"type": "string", "enum": ["True", "False", "Unknown"]},
-            "reason": {"type": "string"},
-            "message": {"type": "string"},
-            "lastTransitionTime": {"type": "string", "format": "date-time"},
-            "observedGeneration": {"type": "integer"},
-        },
-        required=["type", "status"],
-    )
-    return _obj(
-        {
-            "observedGeneration": _int(),
-            "endpoint": {"type": "string", "description": "URL of the router Service inside the cluster."},
-            **{role: _role_status() for role in names.ROLES},
-            "conditions": {
-                "type": "array",
-                "items": condition,
-                "x-kubernetes-list-type": "map",
-                "x-kubernetes-list-map-keys": ["type"],
-            },
-        }
+        required=["model", "image"],
+        rules=_rules_at("spec"),
     )
 
 
@@ -308,11 +301,7 @@ PRINTER_COLUMNS = [
 
 def build_crd() -> dict:
     """The complete CRD manifest."""
-    root = _obj(
-        {"spec": spec_schema(), "status": status_schema()},
-        required=["spec"],
-        **{"x-kubernetes-validations": _rules_at("")},
-    )
+    root = obj({"spec": spec_schema(), "status": status_schema()}, required=["spec"], rules=_rules_at(""))
     return {
         "apiVersion": "apiextensions.k8s.io/v1",
         "kind": "CustomResourceDefinition",
@@ -348,10 +337,25 @@ def build_crd() -> dict:
     }
 
 
-def render() -> str:
+def render(crd: dict | None = None) -> str:
     header = "# Generated by `python -m disagg_operator.crd`; edit operator/disagg_operator/crd.py instead.\n"
-    return header + yaml.safe_dump(build_crd(), sort_keys=False, width=120)
+    return header + yaml.safe_dump(crd or build_crd(), sort_keys=False, width=120)
+
+
+def files() -> dict[str, str]:
+    """Every CRD this project ships, by file name (crds/ and the chart's crds/ hold identical copies)."""
+    from .scaler_crd import build_scaler_crd
+
+    return {
+        f"{names.GROUP}_{names.PLURAL}.yaml": render(),
+        f"{names.GROUP}_{names.SCALER_PLURAL}.yaml": render(build_scaler_crd()),
+    }
 
 
 if __name__ == "__main__":
-    sys.stdout.write(render())
+    if len(sys.argv) > 1:  # python -m disagg_operator.crd DIR...: write every CRD file into each DIR
+        for directory in sys.argv[1:]:
+            for name, text in files().items():
+                (Path(directory) / name).write_text(text)
+    else:
+        sys.stdout.write(render())

@@ -18,6 +18,11 @@ MANAGED_BY = "disagg-operator"
 # Labels. `MODEL_LABEL` and `ROLE_LABEL` select pods; the app.kubernetes.io set is for humans and tools.
 MODEL_LABEL = f"{GROUP}/model"
 ROLE_LABEL = f"{GROUP}/role"
+# A worker pod's pairing revision: a hash of what prefill and decode must agree on (image, model, transfer, page
+# size, KV dtype). The router pairs only pods of equal revision, so a rollout never mixes incompatible halves.
+REVISION_LABEL = f"{GROUP}/revision"
+# Set by the StatefulSet controller on every pod: which template revision the pod runs.
+CONTROLLER_REVISION_LABEL = "controller-revision-hash"
 LABEL_NAME = "app.kubernetes.io/name"
 LABEL_INSTANCE = "app.kubernetes.io/instance"
 LABEL_COMPONENT = "app.kubernetes.io/component"
@@ -27,6 +32,8 @@ APP_NAME = "disagg"
 
 # Annotations. The operator's own bookkeeping (kopf progress and diff base) lives under this prefix.
 ANNOTATION_PREFIX = GROUP
+# On a worker StatefulSet: the hash of the pod template last applied, so a changed template is seen as a new rollout.
+TEMPLATE_HASH_ANNOTATION = f"{GROUP}/template-hash"
 
 PREFILL = "prefill"
 DECODE = "decode"
@@ -34,14 +41,26 @@ ROUTER = "router"
 WORKER_ROLES = (PREFILL, DECODE)
 ROLES = (PREFILL, DECODE, ROUTER)
 
-# Ports (the worker's command-line contract).
+# Ports (the worker's command-line contract; `builders.ports` says which pod listens where and who may connect).
 HTTP_PORT = 8000
 BOOTSTRAP_PORT = 8998
-TRANSFER_PORT_MIN = 15000
-TRANSFER_PORT_MAX = 17000
+CONTROL_PORT = 9000  # rank i of a pod: CONTROL_PORT + i
+TRANSFER_PORT_BASE = 15000  # rank i's Mooncake ports: the window of TRANSFER_PORTS_PER_RANK from BASE + i * that
+TRANSFER_PORTS_PER_RANK = 8
 
-AUTH_TOKEN_KEY = "token"
-AUTH_TOKEN_ENV = "DISAGG_AUTH_TOKEN"
+# Secrets reach pods as read-only files, only in the pods that use them.
+AUTH_TOKEN_KEY = "token"  # key of the model's shared secret in its Secret
+AUTH_MOUNT = "/var/run/disagg/auth"
+API_KEYS_MOUNT = "/var/run/disagg/api-keys"
+API_KEY_DEFAULT_KEY = "api-key"
+# Read by the worker's env module: the pod's name and pairing revision, from the downward API.
+POD_NAME_ENV = "DISAGG_POD_NAME"
+REVISION_ENV = "DISAGG_REVISION"
+
+# Pod shutdown: the preStop hook sleeps while Services and the router drop the pod, then SIGTERM starts the drain
+# (`--drain-timeout`); the grace period covers both plus the time the process needs to exit.
+PRESTOP_SLEEP_SECONDS = 5
+EXIT_MARGIN_SECONDS = 5
 
 WORKER_UID = 1000
 MODEL_MOUNT = "/models"
@@ -51,7 +70,14 @@ HF_CACHE_MOUNT = "/cache/huggingface"
 READY = "Ready"
 PROGRESSING = "Progressing"
 DEGRADED = "Degraded"
-CONDITION_TYPES = (READY, PROGRESSING, DEGRADED)
+PAIRING_VERIFIED = "PairingVerified"
+HANDOFF_STALLED = "HandoffStalled"
+CONDITION_TYPES = (READY, PROGRESSING, DEGRADED, PAIRING_VERIFIED, HANDOFF_STALLED)
+
+# The per-role scaling object (a scale subresource an HPA can drive) for prefill.
+SCALER_KIND = "RoleScaler"
+SCALER_PLURAL = "rolescalers"
+SCALER_SINGULAR = "rolescaler"
 
 MAX_NAME_LENGTH = 40
 
@@ -69,5 +95,6 @@ def bootstrap_service_name(cr_name: str) -> str:
     return child_name(cr_name, "bootstrap")
 
 
-def network_policy_name(cr_name: str) -> str:
-    return child_name(cr_name, "transfer")
+def network_policy_name(cr_name: str, role: str) -> str:
+    """The NetworkPolicy of one role's pods (`<cr>-prefill`, ...)."""
+    return child_name(cr_name, role)

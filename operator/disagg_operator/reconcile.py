@@ -1,13 +1,17 @@
-"""What one reconcile does: apply the children, then write the status if (and only if) it changed.
+"""What one reconcile does: apply the children, step a rollout, keep the RoleScaler in step, and write the status
+if (and only if) it changed.
 
-Reconciling is level-triggered: the desired children are rebuilt from the CR every time and server-side applied.
-Status is recomputed from what the operator's watch indexes hold (StatefulSets, the router Deployment, failing
-pods), so refreshing it reads nothing from the API server and writes only on a change.
+Reconciling is level-triggered: the desired children are rebuilt from the CR every time and server-side applied,
+with the worker StatefulSets' partitions from the rollout planner (rollout.py), which reads only what the watch
+indexes hold. Status is recomputed from the indexes (StatefulSets, the router Deployment, pods) plus the latest
+router reports (prober.py), so refreshing it reads nothing from the API server and writes only on a change.
 """
 
+import contextvars
 import datetime
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,9 +21,14 @@ from kubernetes.client.exceptions import ApiException
 from . import builders, names
 from .apply import Kube
 from .config import OperatorConfig
+from .observe import PodInfo
+from .rollout import RolloutPlan, plan_rollout
+from .routerview import RouterView
+from .scaling import ScalerObservation, sync_scaler
 from .spec import ModelSpec
 from .status import (
     Event,
+    Findings,
     PodProblem,
     RoleObservation,
     compute_status,
@@ -32,6 +41,7 @@ from .status import (
 log = logging.getLogger(__name__)
 
 EventSink = Callable[[Mapping[str, Any], Event], None]
+Observed = Mapping[str, RoleObservation | None]
 
 
 class ReconcileError(Exception):
@@ -52,10 +62,21 @@ def describe_api_error(obj: Mapping[str, Any], e: ApiException) -> ReconcileErro
     return ReconcileError(f"applying {what} failed ({e.status} {e.reason})", permanent)
 
 
+@dataclass(frozen=True)
+class Inputs:
+    """The latest observation a CR's status was computed from, kept so a timer can recompute it."""
+
+    cr: Mapping[str, Any]
+    observed: Observed
+    problems: tuple[PodProblem, ...]
+    pods: tuple[PodInfo, ...]
+
+
 @dataclass
 class Runtime:
     """Process-wide operator state shared by all handlers: the client, the last status written per CR
-    (by uid, so a recreated CR starts fresh) and the errors of the latest reconcile per CR."""
+    (by uid, so a recreated CR starts fresh), the errors of the latest reconcile per CR, and the latest inputs
+    and router view per CR."""
 
     kube: Kube
     cfg: OperatorConfig
@@ -64,21 +85,39 @@ class Runtime:
     errors: dict[str, list[str]] = field(default_factory=dict)
     latched: dict[str, dict[str, PodProblem]] = field(default_factory=dict)
     terminating: set[str] = field(default_factory=set)
-    _locks: dict[str, threading.Lock] = field(default_factory=dict)
+    inputs: dict[str, Inputs] = field(default_factory=dict)
+    views: dict[str, RouterView | None] = field(default_factory=dict)
+    # (uid, role) -> (template hash, partition) last applied: within one template a partition only goes down,
+    # even when a handler plans from an index that has not yet seen the latest apply.
+    partitions: dict[tuple[str, str], tuple[str, int]] = field(default_factory=dict)
+    gone: set[str] = field(default_factory=set)  # uids of deleted CRs (a uid is never reused)
+    scaler_sent: dict[str, dict[str, Any]] = field(default_factory=dict)  # the RoleScaler writes made, per CR
+    # A copy of a kopf handler's context (it holds kopf's event queue), for the clock's ticks to run in.
+    handler_context: contextvars.Context | None = None
+    _hashes: dict[str, dict[str, str]] = field(default_factory=dict)
+    _locks: dict[str, threading.RLock] = field(default_factory=dict)
     _guard: threading.Lock = field(default_factory=threading.Lock)
 
-    def _lock(self, uid: str) -> threading.Lock:
+    def locked(self, uid: str) -> threading.RLock:
+        """The lock that serialises everything the operator does for one CR: hold it while reading the indexes
+        and acting on them, so that no handler acts on an older view after another acted on a newer one."""
         with self._guard:
-            return self._locks.setdefault(uid, threading.Lock())
+            return self._locks.setdefault(uid, threading.RLock())
 
     def forget(self, uid: str) -> None:
+        """The CR was deleted: drop what is kept for it, and ignore handlers still running for it."""
+        self.gone.add(uid)
         with self._guard:
             self._locks.pop(uid, None)
-        self.written.pop(uid, None)
-        self.errors.pop(uid, None)
-        self.latched.pop(uid, None)
+        for cache in (self.written, self.errors, self.latched, self.inputs, self.views, self.scaler_sent):
+            cache.pop(uid, None)
+        for key in [k for k in self.partitions if k[0] == uid]:
+            self.partitions.pop(key, None)
 
     def ensure_auth_secret(self, spec: ModelSpec) -> None:
+        ref = spec.api_key_secret
+        if ref and self.kube.get("v1", "Secret", spec.namespace, ref.name) is None:
+            raise ReconcileError(f"API key Secret {ref.name} not found (it needs the key '{ref.key}')", permanent=False)
         if spec.auth_secret:
             if self.kube.get("v1", "Secret", spec.namespace, spec.auth_secret) is None:
                 raise ReconcileError(
@@ -86,57 +125,211 @@ class Runtime:
                     permanent=False,
                 )
             return
-        self.kube.create_if_absent(builders.build_auth_secret(spec, builders.new_token()))
+        secret = builders.build_auth_secret(spec, builders.new_token())
+        try:
+            self.kube.create_if_absent(secret)
+        except ApiException as e:
+            raise self._failed(spec, secret, e) from e
 
-    def apply_children(self, cr: Mapping[str, Any]) -> None:
-        """Create or update every child of `cr`; records (and raises) the first failure."""
+    def hashes(self, spec: ModelSpec) -> dict[str, str]:
+        """The worker templates' hashes (remembered per spec: every event of a CR asks for them)."""
+        key = repr(spec)
+        if key not in self._hashes:
+            if len(self._hashes) > 4096:
+                self._hashes.clear()
+            self._hashes[key] = {
+                role: builders.template_hash(builders.worker_pod_template(spec, role, self.cfg))
+                for role in names.WORKER_ROLES
+            }
+        return self._hashes[key]
+
+    def plan(self, spec: ModelSpec, observed: Observed, pods: Iterable[PodInfo]) -> RolloutPlan:
+        return plan_rollout(spec, observed, pods, self.hashes(spec), time.time())
+
+    def _partitions(self, spec: ModelSpec, plan: RolloutPlan) -> dict[str, int]:
+        """The plan's partitions, never above one already applied for the same template; remembered."""
+        out = {}
+        for role, template in self.hashes(spec).items():
+            before = self.partitions.get((spec.uid, role))
+            partition = plan.partitions[role]
+            if before is not None and before[0] == template:
+                partition = min(partition, before[1])
+            self.partitions[(spec.uid, role)] = (template, partition)
+            out[role] = partition
+        return out
+
+    def _failed(self, spec: ModelSpec, obj: Mapping[str, Any], e: ApiException) -> ReconcileError:
+        if e.status == 403 and b"being terminated" in (e.body or b""):
+            self.terminating.add(spec.namespace)
+        return describe_api_error(obj, e)
+
+    def _apply(self, spec: ModelSpec, objs: Iterable[Mapping[str, Any]]) -> None:
+        for obj in objs:
+            try:
+                self.kube.apply(obj)
+            except ApiException as e:
+                raise self._failed(spec, obj, e) from e
+
+    def apply_children(
+        self,
+        cr: Mapping[str, Any],
+        observed: Observed | None = None,
+        pods: Iterable[PodInfo] = (),
+        workers: bool = True,
+        others: bool = True,
+    ) -> None:
+        """Create or update the children of `cr` (the worker StatefulSets, the `others`, or both); records (and
+        raises) the first failure. The others need no observation, so a caller may apply them without holding
+        the CR's lock. Without `observed` (no StatefulSet seen yet) the worker StatefulSets get partition 0."""
         spec = ModelSpec.from_cr(cr)
         try:
-            self.ensure_auth_secret(spec)
-            for obj in builders.build_children(spec, self.cfg):
-                try:
-                    self.kube.apply(obj)
-                except ApiException as e:
-                    if e.status == 403 and b"being terminated" in (e.body or b""):
-                        self.terminating.add(spec.namespace)
-                    raise describe_api_error(obj, e) from e
+            if others:
+                self.ensure_auth_secret(spec)
+            partitions = self._partitions(spec, self.plan(spec, observed or {}, pods)) if workers else {}
+            children = builders.build_children(spec, self.cfg, partitions)
+            worker_sets = {names.child_name(spec.name, r) for r in names.WORKER_ROLES}
+            self._apply(
+                spec,
+                [
+                    c
+                    for c in children
+                    if (workers if c["kind"] == "StatefulSet" and c["metadata"]["name"] in worker_sets else others)
+                ],
+            )
         except ReconcileError as e:
             self.errors[spec.uid] = [str(e)]
             raise
         self.errors.pop(spec.uid, None)
         self.terminating.discard(spec.namespace)
 
+    def step_rollout(self, cr: Mapping[str, Any], observed: Observed, pods: Iterable[PodInfo]) -> list[str]:
+        """Apply the worker StatefulSets whose partition the planner moved; returns the roles applied."""
+        spec = ModelSpec.from_cr(cr)
+        partitions = self._partitions(spec, self.plan(spec, observed, pods))
+        moved = [
+            role
+            for role in names.WORKER_ROLES
+            if (obs := observed.get(role)) is not None and partitions[role] != obs.partition
+        ]
+        self._apply(spec, [builders.build_worker_statefulset(spec, r, self.cfg, partitions[r]) for r in moved])
+        return moved
+
+    def sync_scaler(
+        self,
+        cr: Mapping[str, Any],
+        scaler: ScalerObservation | None,
+        current_replicas: int | None,
+        recreate: bool = False,
+    ) -> None:
+        """Create prefill's RoleScaler once (again after `recreate`: it was deleted), then keep it and the CR in
+        step (scaling.py). Each write is made once per scaler generation: the index may not show it yet."""
+        spec = ModelSpec.from_cr(cr)
+        if cr["metadata"].get("deletionTimestamp") or spec.namespace in self.terminating:
+            return
+        sent = self.scaler_sent.setdefault(spec.uid, {})
+        if recreate:
+            sent.clear()
+        name = builders.scaler_name(spec, names.PREFILL)
+        try:
+            if scaler is None:
+                if "created" not in sent:
+                    self.kube.create_if_absent(builders.build_role_scaler(spec, names.PREFILL))
+                    sent["created"] = True
+                return
+            sync = sync_scaler(spec, scaler, current_replicas)
+            writes: list[tuple[str, str, dict[str, Any]]] = []
+            if sync.model_replicas is not None:
+                writes.append((names.KIND, spec.name, {"spec": {"prefill": {"replicas": sync.model_replicas}}}))
+            if sync.scaler_replicas is not None:
+                writes.append((names.SCALER_KIND, name, {"spec": {"replicas": sync.scaler_replicas}}))
+            for kind, obj, body in writes:
+                if sent.get(kind) != (scaler.generation, body):
+                    self.kube.patch(kind, spec.namespace, obj, body)
+                    sent[kind] = (scaler.generation, body)
+            if sync.scaler_status is not None and sent.get("status") != sync.scaler_status:
+                self.kube.patch_status(spec.namespace, name, sync.scaler_status, kind=names.SCALER_KIND)
+                sent["status"] = sync.scaler_status
+        except ApiException as e:
+            if e.status == 404:  # the model or the scaler went away meanwhile; its deletion is handled elsewhere
+                return
+            raise ReconcileError(f"syncing RoleScaler {name} failed ({e.status} {e.reason})", permanent=False) from e
+
     def refresh_status(
-        self, cr: Mapping[str, Any], observed: Mapping[str, RoleObservation | None], problems: Iterable[PodProblem]
+        self,
+        cr: Mapping[str, Any],
+        observed: Observed,
+        problems: Iterable[PodProblem],
+        pods: Iterable[PodInfo] = (),
     ) -> bool:
         """Write the CR's status when it differs from the last one written; post an Event per transition."""
         spec = ModelSpec.from_cr(cr)
-        with self._lock(spec.uid):
-            latched = latch_problems(self.latched.get(spec.uid, {}), problems, settled_roles(spec, observed))
-            self.latched[spec.uid] = latched
-            previous = self.written.get(spec.uid) or cr.get("status") or {}
-            new = compute_status(
-                spec,
-                cr["metadata"].get("generation", 0),
-                observed,
-                sorted(latched.values(), key=lambda p: p.pod),
-                self.errors.get(spec.uid, []),
-                previous,
-                builders.router_endpoint(spec),
-                now(),
-            )
-            if not status_changed(previous, new):
+        inputs = Inputs(cr, observed, tuple(problems), tuple(pods))
+        with self.locked(spec.uid):
+            if spec.uid in self.gone:  # a handler that started before the CR's deletion: nothing to report
                 return False
-            try:
-                self.kube.patch_status(spec.namespace, spec.name, new)
-            except ApiException as e:
-                if e.status == 404:  # deleted meanwhile: nothing left to report on
-                    return False
-                raise
-            self.written[spec.uid] = new
+            self.inputs[spec.uid] = inputs
+            return self._refresh(spec, inputs)
+
+    def refresh_cached(self, uid: str) -> bool:
+        """Recompute a CR's status from its latest inputs (time passed, or the router view changed)."""
+        with self.locked(uid):
+            inputs = self.inputs.get(uid)
+            return self._refresh(ModelSpec.from_cr(inputs.cr), inputs) if inputs else False
+
+    def _refresh(self, spec: ModelSpec, inputs: Inputs) -> bool:
+        cr, observed = inputs.cr, inputs.observed
+        latched = latch_problems(self.latched.get(spec.uid, {}), inputs.problems, settled_roles(spec, observed))
+        self.latched[spec.uid] = latched
+        previous = self.written.get(spec.uid) or cr.get("status") or {}
+        findings = Findings(
+            self.plan(spec, observed, inputs.pods), builders.pairing_revision(spec), self.views.get(spec.uid)
+        )
+        new = compute_status(
+            spec,
+            cr["metadata"].get("generation", 0),
+            observed,
+            sorted(latched.values(), key=lambda p: p.pod),
+            self.errors.get(spec.uid, []),
+            previous,
+            builders.router_endpoint(spec),
+            now(),
+            findings,
+        )
+        if not status_changed(previous, new):
+            return False
+        try:
+            self.kube.patch_status(spec.namespace, spec.name, new)
+        except ApiException as e:
+            if e.status == 404:  # deleted meanwhile: nothing left to report on, nor to tick
+                self.gone.add(spec.uid)
+                self.inputs.pop(spec.uid, None)
+                return False
+            raise
+        self.written[spec.uid] = new
         for event in transitions(previous.get("conditions") or [], new["conditions"]):
             self.post_event(cr, event)
         return True
+
+    def tick(self, uid: str) -> None:
+        """Time passed (or the router view changed): step the rollout if it may move, recompute the status."""
+        with self.locked(uid):
+            inputs = self.inputs.get(uid)
+            if inputs is None:
+                return
+            try:
+                self.step_rollout(inputs.cr, inputs.observed, inputs.pods)
+            except ReconcileError as e:  # the next event or tick retries
+                log.warning("stepping the rollout of %s: %s", inputs.cr["metadata"]["name"], e)
+            self.refresh_cached(uid)
+
+    def router_pods(self) -> dict[str, dict[str, str]]:
+        """uid -> {router pod name: pod IP} for every CR with router pods that have an address."""
+        with self._guard:
+            inputs = dict(self.inputs)
+        return {
+            uid: {p.name: p.ip for p in i.pods if p.role == names.ROUTER and p.ip and not p.terminating}
+            for uid, i in inputs.items()
+        }
 
     def cr_is_live(self, namespace: str, name: str, uid: str) -> bool:
         """Whether the CR still exists and is not being deleted (read fresh, not from a cache)."""

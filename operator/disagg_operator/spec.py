@@ -4,8 +4,9 @@ The CRD's structural schema fills in defaults on the API server; `ModelSpec.from
 that builders see the same values for a CR read from the server and for a hand-written dict in a test.
 """
 
+import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from . import names
@@ -19,6 +20,13 @@ DEFAULT_ENGINE = {
     "maxRunningRequests": 64,
 }
 ENGINE_KEYS = tuple(DEFAULT_ENGINE)
+DEFAULT_DRAIN_TIMEOUT = 30
+DEFAULT_PROGRESS_DEADLINE = 600
+ORDERS = {"DecodeFirst": (names.DECODE, names.PREFILL), "PrefillFirst": (names.PREFILL, names.DECODE)}
+# Label keys the operator sets itself: a CR's own value for one of them is not copied to its children.
+OPERATOR_LABEL_KEYS = frozenset(
+    {names.LABEL_NAME, names.LABEL_INSTANCE, names.LABEL_COMPONENT, names.LABEL_PART_OF, names.LABEL_MANAGED_BY}
+)
 
 
 @dataclass(frozen=True)
@@ -120,6 +128,46 @@ class TransferSpec:
 
 
 @dataclass(frozen=True)
+class RolloutSpec:
+    """How a change that touches both worker roles is rolled out (see rollout.py)."""
+
+    order: tuple[str, str] = ORDERS["DecodeFirst"]
+    max_skew_percent: int | None = None  # None: one pod's worth
+    progress_deadline_s: int = DEFAULT_PROGRESS_DEADLINE
+    min_ready_s: int = 0
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "RolloutSpec":
+        skew = d.get("maxSkew")
+        return cls(
+            ORDERS[d.get("order", "DecodeFirst")],
+            int(str(skew).rstrip("%")) if skew is not None else None,
+            int(d.get("progressDeadlineSeconds", DEFAULT_PROGRESS_DEADLINE)),
+            int(d.get("minReadySeconds", 0)),
+        )
+
+
+def prefill_for_decode(decode_replicas: int, ratio: float) -> int:
+    """Prefill replicas that keep `ratio` prefill pods per decode pod: rounded up, at least one (none for none)."""
+    if decode_replicas <= 0:
+        return 0
+    return max(1, math.ceil(decode_replicas * ratio - 1e-9))
+
+
+def user_labels(labels: Mapping[str, str]) -> dict[str, str]:
+    """The CR's labels that its children and pods carry too: all but the operator's own keys."""
+    return {k: v for k, v in labels.items() if k not in OPERATOR_LABEL_KEYS and not k.startswith(f"{names.GROUP}/")}
+
+
+@dataclass(frozen=True)
+class SecretRef:
+    """A key of a Secret in the model's namespace."""
+
+    name: str
+    key: str
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     """Everything the builders need from one DisaggregatedModel."""
 
@@ -135,6 +183,18 @@ class ModelSpec:
     decode: WorkerRoleSpec
     router: RouterSpec
     auth_secret: str | None
+    labels: Mapping[str, str] = field(default_factory=dict)
+    drain_timeout_s: int = DEFAULT_DRAIN_TIMEOUT
+    rollout: RolloutSpec = field(default_factory=RolloutSpec)
+    # Prefill pods per decode pod; when set, prefill's replicas follow decode's (spec.prefill.replicas is ignored).
+    prefill_per_decode: float | None = None
+    # The clients' API keys (a file of keys, one a line), mounted into the router only; None: no API keys.
+    api_key_secret: SecretRef | None = None
+
+    @property
+    def grace_period_s(self) -> int:
+        """terminationGracePeriodSeconds: the preStop sleep, the drain, and the process's exit."""
+        return names.PRESTOP_SLEEP_SECONDS + self.drain_timeout_s + names.EXIT_MARGIN_SECONDS
 
     @property
     def auth_secret_name(self) -> str:
@@ -153,13 +213,18 @@ class ModelSpec:
         model = spec.get("model", {})
         transfer = spec.get("transfer", {})
         router = spec.get("router", {})
+        ratio = spec.get("scaling", {}).get("prefillPerDecode")
+        decode = _worker_role(names.DECODE, spec.get("decode", {}), engine)
+        prefill = _worker_role(names.PREFILL, spec.get("prefill", {}), engine)
+        if ratio is not None:
+            prefill = replace(prefill, replicas=prefill_for_decode(decode.replicas, float(ratio)))
         return cls(
             name=meta["name"],
             namespace=meta.get("namespace", "default"),
             uid=meta.get("uid", ""),
             image=spec["image"],
             image_pull_policy=spec.get("imagePullPolicy", "IfNotPresent"),
-            served_model_name=spec["servedModelName"],
+            served_model_name=spec.get("servedModelName") or meta["name"],
             model=ModelSource(
                 model.get("path"),
                 model.get("pvc"),
@@ -170,13 +235,24 @@ class ModelSpec:
             transfer=TransferSpec(
                 transfer.get("backend", "mooncake"), transfer.get("protocol", "tcp"), transfer.get("ibDevice")
             ),
-            prefill=_worker_role(names.PREFILL, spec.get("prefill", {}), engine),
-            decode=_worker_role(names.DECODE, spec.get("decode", {}), engine),
+            prefill=prefill,
+            decode=decode,
             router=RouterSpec(
                 int(router.get("replicas", 1)), router.get("policy", "round_robin"), Placement.from_dict(router)
             ),
             auth_secret=spec.get("auth", {}).get("secretName"),
+            labels=user_labels(meta.get("labels") or {}),
+            drain_timeout_s=int(spec.get("drain", {}).get("timeoutSeconds", DEFAULT_DRAIN_TIMEOUT)),
+            rollout=RolloutSpec.from_dict(spec.get("rollout", {})),
+            prefill_per_decode=float(ratio) if ratio is not None else None,
+            api_key_secret=_secret_ref(spec.get("apiKeySecret")),
         )
+
+
+def _secret_ref(d: Mapping[str, Any] | None) -> SecretRef | None:
+    if not d:
+        return None
+    return SecretRef(d["name"], d.get("key", names.API_KEY_DEFAULT_KEY))
 
 
 def _worker_role(role: str, d: Mapping[str, Any], shared_engine: Mapping[str, Any]) -> WorkerRoleSpec:

@@ -10,34 +10,25 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import names
+from .observe import PodProblem, RoleObservation, observe_workload, pod_problem
+from .rollout import RolloutPlan, progressing_condition, rollout_status
+from .routerview import RouterView, handoff_condition, pairing_condition, transfer_status
 from .spec import ModelSpec
 
-FAILING_WAIT_REASONS = {
-    "CrashLoopBackOff",
-    "ErrImagePull",
-    "ImagePullBackOff",
-    "CreateContainerConfigError",
-    "CreateContainerError",
-    "InvalidImageName",
-    "RunContainerError",
-}
+__all__ = ["PodProblem", "RoleObservation", "compute_status", "observe_workload", "pod_problem", "transitions"]
 
 
 @dataclass(frozen=True)
-class RoleObservation:
-    """What a role's workload reports. `current` is False until its controller saw the latest spec."""
+class Findings:
+    """What the rollout planner and the router pods add to the children's counts."""
 
-    replicas: int = 0
-    ready: int = 0
-    updated: int = 0
-    current: bool = True
+    rollout: RolloutPlan | None = None
+    revision: str = ""
+    router: RouterView | None = None
 
 
-@dataclass(frozen=True)
-class PodProblem:
-    pod: str
-    role: str
-    reason: str
+# The state of each condition a user should hear about through an Event (the others are news only on change).
+BAD = {names.PAIRING_VERIFIED: "False", names.HANDOFF_STALLED: "True"}
 
 
 @dataclass(frozen=True)
@@ -45,54 +36,6 @@ class Event:
     type: str
     reason: str
     message: str
-
-
-def observe_workload(obj: Mapping[str, Any]) -> RoleObservation:
-    """Counts from a StatefulSet's or Deployment's status."""
-    st = obj.get("status") or {}
-    generation = obj.get("metadata", {}).get("generation", 0)
-    return RoleObservation(
-        replicas=st.get("replicas", 0),
-        ready=st.get("readyReplicas", 0),
-        updated=st.get("updatedReplicas", 0),
-        current=st.get("observedGeneration", 0) >= generation,
-    )
-
-
-def pod_problem(pod: Mapping[str, Any]) -> PodProblem | None:
-    """Why a pod is failing, or None when it is fine or merely starting."""
-    meta, st = pod.get("metadata", {}), pod.get("status") or {}
-    role = meta.get("labels", {}).get(names.ROLE_LABEL, "")
-    if st.get("phase") == "Failed":
-        reason = st.get("reason") or _terminated_reason(st) or "pod failed"
-        return PodProblem(meta.get("name", ""), role, reason)
-    if meta.get("deletionTimestamp"):
-        return None  # a pod shutting down normally (scale-down, rollout) exits non-zero too
-    for cond in st.get("conditions") or []:
-        if cond.get("type") == "PodScheduled" and cond.get("reason") == "Unschedulable":
-            return PodProblem(meta.get("name", ""), role, f"unschedulable: {cond.get('message', '')}".strip())
-    for cs in st.get("containerStatuses") or []:
-        state = cs.get("state") or {}
-        waiting, terminated = state.get("waiting") or {}, state.get("terminated") or {}
-        if waiting.get("reason") in FAILING_WAIT_REASONS:
-            return PodProblem(meta.get("name", ""), role, f"container {cs.get('name')}: {waiting['reason']}")
-        if terminated and terminated.get("exitCode", 0) != 0:
-            reason = terminated.get("reason") or "Error"
-            return PodProblem(
-                meta.get("name", ""), role, f"container {cs.get('name')}: {reason} (exit code {terminated['exitCode']})"
-            )
-    return None
-
-
-def _terminated_reason(st: Mapping[str, Any]) -> str | None:
-    for cs in st.get("containerStatuses") or []:
-        terminated = (cs.get("state") or {}).get("terminated") or {}
-        if terminated.get("exitCode", 0) != 0:
-            return (
-                f"container {cs.get('name')}: {terminated.get('reason') or 'Error'} "
-                f"(exit code {terminated['exitCode']})"
-            )
-    return None
 
 
 def latch_problems(
@@ -138,14 +81,33 @@ def _counts(spec: ModelSpec, observed: Mapping[str, RoleObservation | None]) -> 
     return ", ".join(f"{r} {(observed.get(r) or RoleObservation()).ready}/{spec.replicas(r)}" for r in names.ROLES)
 
 
-def _condition(ctype: str, ok: bool, reason: str, message: str) -> dict[str, Any]:
-    return {"type": ctype, "status": "True" if ok else "False", "reason": reason, "message": message}
+def _condition(ctype: str, ok: bool | str, reason: str, message: str) -> dict[str, Any]:
+    status = ok if isinstance(ok, str) else ("True" if ok else "False")
+    return {"type": ctype, "status": status, "reason": reason, "message": message}
+
+
+def _progressing(
+    pending: list[str], counts: str, errors: list[str], rollout: tuple[bool, str, str] | None
+) -> dict[str, Any]:
+    if errors:
+        return _condition(names.PROGRESSING, False, "Blocked", "see Degraded")
+    if rollout:
+        return _condition(names.PROGRESSING, *rollout)
+    if pending:
+        return _condition(names.PROGRESSING, True, "RollingOut", f"waiting for {', '.join(pending)}: {counts}")
+    return _condition(names.PROGRESSING, False, "Complete", "every role has its desired replicas")
 
 
 def desired_conditions(
-    spec: ModelSpec, observed: Mapping[str, RoleObservation | None], problems: list[PodProblem], errors: list[str]
+    spec: ModelSpec,
+    observed: Mapping[str, RoleObservation | None],
+    problems: list[PodProblem],
+    errors: list[str],
+    pairing: tuple[str, str, str] = ("True", "", ""),
+    rollout: tuple[bool, str, str] | None = None,
 ) -> list[dict[str, Any]]:
-    """Ready, Progressing and Degraded, without timestamps. `errors` are spec or apply failures."""
+    """Ready, Progressing and Degraded, without timestamps. `errors` are spec or apply failures; `pairing` is
+    PairingVerified (Ready requires it) and `rollout` the Progressing of a rollout in progress."""
     counts = _counts(spec, observed)
     pending = [r for r in names.ROLES if not _settled(spec, r, observed.get(r))]
     zero = [r for r in names.ROLES if spec.replicas(r) == 0]
@@ -157,18 +119,11 @@ def desired_conditions(
         )
     elif pending:
         ready = _condition(names.READY, False, "ReplicasNotReady", f"ready: {counts}")
+    elif pairing[0] != "True":
+        ready = _condition(names.READY, False, "PairingNotVerified", f"{pairing[1]}: {pairing[2]}")
     else:
         ready = _condition(names.READY, True, "AllReplicasReady", f"ready: {counts}")
-    progressing = (
-        _condition(names.PROGRESSING, True, "RollingOut", f"waiting for {', '.join(pending)}: {counts}")
-        if pending and not errors
-        else _condition(
-            names.PROGRESSING,
-            False,
-            "Blocked" if errors else "Complete",
-            "see Degraded" if errors else "every role has its desired replicas",
-        )
-    )
+    progressing = _progressing(pending, counts, errors, rollout)
     if errors:
         degraded = _condition(names.DEGRADED, True, "ReconcileFailed", "; ".join(errors))
     elif problems:
@@ -187,14 +142,8 @@ def with_times(
     out = []
     for c in new:
         old = before.get(c["type"])
-        changed = old is None or old.get("status") != c["status"]
-        out.append(
-            {
-                **c,
-                "observedGeneration": generation,
-                "lastTransitionTime": now if changed else old.get("lastTransitionTime", now),
-            }
-        )
+        stamp = now if old is None or old.get("status") != c["status"] else old.get("lastTransitionTime", now)
+        out.append({**c, "observedGeneration": generation, "lastTransitionTime": stamp})
     return out
 
 
@@ -207,13 +156,24 @@ def compute_status(
     previous: Mapping[str, Any],
     endpoint: str,
     now: str,
+    findings: Findings = Findings(),
 ) -> dict[str, Any]:
-    """The full `.status` the CR should have."""
-    conds = desired_conditions(spec, observed, problems, errors)
+    """The full `.status` the CR should have. `rollout` and `transfer` are None (removed) when there is nothing
+    to say; the merge patch that writes the status deletes a field set to None."""
+    plan, view = findings.rollout, findings.router
+    rollout = rollout_status(plan, findings.revision, previous.get("rollout"), now) if plan else None
+    pairing = pairing_condition(spec, observed.get(names.ROUTER), view)
+    conds = desired_conditions(
+        spec, observed, problems, errors, pairing, progressing_condition(spec, plan, rollout, now) if plan else None
+    )
+    conds.append(_condition(names.PAIRING_VERIFIED, *pairing))
+    conds.append(_condition(names.HANDOFF_STALLED, *handoff_condition(view)))
     return {
         "observedGeneration": generation,
         "endpoint": endpoint,
         **{role: role_status(spec, role, observed.get(role)) for role in names.ROLES},
+        "rollout": rollout,
+        "transfer": transfer_status(view),
         "conditions": with_times(conds, list(previous.get("conditions") or []), generation, now),
     }
 
@@ -224,18 +184,21 @@ def status_changed(old: Mapping[str, Any], new: Mapping[str, Any]) -> bool:
 
 
 def transitions(previous: list[dict[str, Any]], current: list[dict[str, Any]]) -> list[Event]:
-    """One Event per condition whose status changed (a condition seen for the first time counts).
+    """One Event per condition whose status changed (a condition seen for the first time counts). PairingVerified
+    and HandoffStalled speak only when they enter or leave their bad state (False, True).
 
-    Becoming Degraded, or losing Ready, is a Warning; everything else is Normal.
+    Becoming Degraded or stalled, losing Ready or the verified path, is a Warning; everything else is Normal.
     """
     before = {c.get("type"): c.get("status") for c in previous}
     events = []
     for c in current:
         old = before.get(c["type"])
-        if old == c["status"]:
+        bad = BAD.get(c["type"])
+        if old == c["status"] or (bad and bad not in (old, c["status"])):
             continue
         degraded = c["type"] == names.DEGRADED and c["status"] == "True"
         lost_ready = c["type"] == names.READY and old == "True"
-        kind = "Warning" if degraded or lost_ready else "Normal"
+        stalled = c["reason"] == "ProgressDeadlineExceeded" or c["status"] == bad
+        kind = "Warning" if degraded or lost_ready or stalled else "Normal"
         events.append(Event(kind, c["reason"], f"{c['type']}={c['status']}: {c['message']}"))
     return events

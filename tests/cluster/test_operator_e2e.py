@@ -98,7 +98,7 @@ def test_example_becomes_ready_with_owned_children(kube_cluster, operator, names
         provide_models_volume(kube_cluster, namespace)
     kube_cluster.kubectl("-n", namespace, "apply", "-f", f"examples/{example}")
     kinds = wait_until(
-        lambda: (lambda c: c if len(c) >= 12 else None)(children(kube_cluster, namespace, name)), 60, what="children"
+        lambda: (lambda c: c if len(c) >= 14 else None)(children(kube_cluster, namespace, name)), 60, what="children"
     )
     uid = kube_cluster.get("-n", namespace, "dm", name)["metadata"]["uid"]
     for child in kinds:
@@ -117,13 +117,13 @@ def test_scaling_decode_with_kubectl_scale(kube_cluster, operator, namespace):
     for replicas in (3, 1):
         kube_cluster.kubectl("-n", namespace, "scale", "dm/tiny", f"--replicas={replicas}")
         wait_until(
-            lambda: kube_cluster.get("-n", namespace, "sts", "tiny-decode")["spec"]["replicas"] == replicas,
+            lambda r=replicas: kube_cluster.get("-n", namespace, "sts", "tiny-decode")["spec"]["replicas"] == r,
             30,
             what=f"StatefulSet at {replicas}",
         )
         wait_until(
-            lambda: (
-                kube_cluster.get("-n", namespace, "dm", "tiny")["status"]["decode"]["ready"] == f"{replicas}/{replicas}"
+            lambda r=replicas: (
+                kube_cluster.get("-n", namespace, "dm", "tiny")["status"]["decode"]["ready"] == f"{r}/{r}"
             ),
             60,
             what=f"status decode {replicas}/{replicas}",
@@ -158,7 +158,7 @@ def test_a_failing_pod_degrades_and_recovery_clears_it(kube_cluster, operator, n
 def test_a_child_deleted_by_hand_is_recreated(kube_cluster, operator, namespace):
     kube_cluster.kubectl("-n", namespace, "apply", "-f", "examples/dm-cpu-tcp.yaml")
     wait_ready(kube_cluster, namespace, "tiny")
-    targets = [("sts", "tiny-decode"), ("svc", "tiny-prefill"), ("networkpolicy", "tiny-transfer")]
+    targets = [("sts", "tiny-decode"), ("svc", "tiny-prefill"), ("networkpolicy", "tiny-prefill")]
 
     def uid(kind: str, name: str) -> str:
         return kube_cluster.kubectl(
@@ -237,6 +237,39 @@ def test_a_missing_auth_secret_is_reported_as_degraded(kube_cluster, operator, n
     assert degraded["reason"] == "ReconcileFailed" and "auth Secret not-there not found" in degraded["message"]
     kube_cluster.kubectl("-n", namespace, "create", "secret", "generic", "not-there", "--from-literal=token=t")
     wait_ready(kube_cluster, namespace, "tiny", timeout=120)
+
+
+def test_policies_and_secret_files_are_what_the_api_server_keeps(kube_cluster, operator, namespace):
+    """The per-role NetworkPolicies and the Secret volumes pass the API server's validation unchanged, and no
+    pod gets a secret through its environment."""
+    kube_cluster.kubectl("-n", namespace, "create", "secret", "generic", "client-keys", "--from-literal=api-key=k1")
+    cr = load_example("dm-cpu-tcp.yaml")
+    cr["spec"]["apiKeySecret"] = {"name": "client-keys"}
+    apply_cr(kube_cluster, namespace, cr)
+    wait_ready(kube_cluster, namespace, "tiny")
+    policies = {p["metadata"]["name"]: p["spec"] for p in kube_cluster.get("-n", namespace, "networkpolicies")["items"]}
+    assert set(policies) == {"tiny-prefill", "tiny-decode", "tiny-router"}
+
+    def pods(role: str) -> list[dict]:
+        return [{"podSelector": {"matchLabels": {"disagg.dev/model": "tiny", "disagg.dev/role": role}}}]
+
+    prefill = {
+        (r["ports"][0]["port"], r["ports"][0].get("endPort")): r["from"] for r in policies["tiny-prefill"]["ingress"]
+    }
+    assert prefill == {
+        (8000, None): pods("router"),
+        (8998, None): pods("decode"),
+        (9000, None): pods("decode"),
+        (15000, 15007): pods("decode"),
+    }
+    assert policies["tiny-router"]["ingress"] == [{"ports": [{"port": 8000, "protocol": "TCP"}]}]
+    for kind, name in [("sts", "tiny-prefill"), ("sts", "tiny-decode"), ("deploy", "tiny-router")]:
+        pod = kube_cluster.get("-n", namespace, kind, name)["spec"]["template"]["spec"]
+        env = pod["containers"][0].get("env", [])
+        assert not [e for e in env if "secretKeyRef" in e.get("valueFrom", {})], name
+        volumes = {v["name"]: v.get("secret", {}).get("secretName") for v in pod["volumes"]}
+        assert volumes["auth"] == "tiny-auth"
+        assert volumes.get("api-keys") == ("client-keys" if kind == "deploy" else None)
 
 
 def test_chart_can_watch_one_namespace_with_peering(kube_cluster):

@@ -128,9 +128,12 @@ class CountingProxy:
 
 
 def install_chart(cluster, *extra: str) -> None:
-    """`helm upgrade --install` the chart (idempotent across test modules and benchmark runs)."""
+    """`helm upgrade --install` the chart (idempotent across test modules and benchmark runs). Helm installs CRDs
+    only on first install: they are also applied, as the README says to after an upgrade, for a reused cluster."""
     cluster.helm("upgrade", "--install", RELEASE, str(CHART), "--namespace", OPERATOR_NS, "--create-namespace", *extra)
-    cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd/disaggregatedmodels.disagg.dev")
+    cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(REPO / "crds"))
+    for crd in ("disaggregatedmodels.disagg.dev", "rolescalers.disagg.dev"):
+        cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s", f"crd/{crd}")
 
 
 def service_account_kubeconfig(cluster, server: str, path: Path) -> Path:

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import os
+import random
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -16,10 +19,28 @@ import requests
 DISAGG = str(Path(sys.executable).with_name("disagg"))
 
 
+# Ports handed to servers come from below the kernel's ephemeral range (32768+, where every
+# outgoing connection, gloo and zmq take theirs) and above Mooncake's own (15000-17000): a port
+# the kernel lends an outgoing socket between our check and the server's bind would make that
+# server fail with "address already in use".
+PORT_RANGE = range(20000, 32000)
+_given: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port no server here was given yet and nothing listens on now."""
+    rng = random.Random()
+    while True:
+        port = rng.choice(PORT_RANGE)
+        if port in _given:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _given.add(port)
+        return port
 
 
 class Proc:
@@ -62,6 +83,13 @@ class Proc:
 
     def kill(self) -> None:
         self.stop(signal.SIGKILL)
+
+    def signal(self, sig: int) -> None:
+        """Signal the main process only, as Kubernetes does a container's PID 1."""
+        os.kill(self.proc.pid, sig)
+
+    def wait_exit(self, timeout: float) -> int:
+        return self.proc.wait(timeout)
 
 
 def serve(model: str, *extra: str, port: int | None = None) -> Proc:
@@ -110,33 +138,53 @@ FAST_FAILURE = ["--bootstrap-timeout", "5", "--waiting-timeout", "8", "--heartbe
 
 
 class PDStack:
-    """A router in front of one prefill and one decode instance, each its own process."""
+    """A router in front of one prefill and `decodes` decode instances, each its own process.
 
-    def __init__(self, model: str, *engine_flags: str):
+    `prefill_flags` / `decode_flags` come after the shared flags and win over them; `router_flags`
+    are added to the router's command line."""
+
+    def __init__(
+        self,
+        model: str,
+        *engine_flags: str,
+        prefill_flags: tuple[str, ...] = (),
+        decode_flags: tuple[str, ...] = (),
+        router_flags: tuple[str, ...] = (),
+        decodes: int = 1,
+    ):
         self.model = model
         self.flags = [*engine_flags, *FAST_FAILURE]
+        self.prefill_flags, self.decode_flags = list(prefill_flags), list(decode_flags)
         self.bootstrap_port = free_port()
         self.prefill = self.start_prefill()
-        self.decode = self.start_decode()
+        self.decodes = [self.start_decode() for _ in range(decodes)]
+        port = free_port()
+        decode_args = [a for d in self.decodes for a in ("--decode", d.url)]
         self.router = Proc(
             [
                 "router",
                 "--port",
-                str(free_port()),
+                str(port),
                 "--served-model-name",
                 "tiny",
                 "--prefill",
                 self.prefill.url,
                 str(self.bootstrap_port),
-                "--decode",
-                self.decode.url,
+                *decode_args,
                 "--health-interval",
                 "0.5",
+                *router_flags,
             ],
-            0,
+            port,
         )
-        self.router.port = int(self.router.proc.args[3])
-        self.router.url = f"http://127.0.0.1:{self.router.port}"
+
+    @property
+    def decode(self) -> Proc:
+        return self.decodes[0]
+
+    @decode.setter
+    def decode(self, proc: Proc) -> None:
+        self.decodes[0] = proc
 
     def start_prefill(self, port: int | None = None) -> Proc:
         port = port or free_port()
@@ -150,20 +198,98 @@ class PDStack:
                 "--bootstrap-port",
                 str(self.bootstrap_port),
                 *self.flags,
+                *self.prefill_flags,
             ],
             port,
         )
 
     def start_decode(self, port: int | None = None) -> Proc:
         port = port or free_port()
-        return Proc(["decode", "--model", self.model, "--port", str(port), *self.flags], port)
+        return Proc(["decode", "--model", self.model, "--port", str(port), *self.flags, *self.decode_flags], port)
 
     def wait_healthy(self) -> PDStack:
         self.prefill.wait_healthy()
-        self.decode.wait_healthy()
+        for d in self.decodes:
+            d.wait_healthy()
         self.router.wait_healthy()
         return self
 
     def stop(self) -> None:
-        for p in (self.router, self.decode, self.prefill):
+        for p in (self.router, *self.decodes, self.prefill):
             p.stop()
+
+
+def sse_stream(url: str, path: str, body: dict, timeout: float = 60.0):
+    """An open SSE response and an iterator over its `data:` payloads (decoded JSON, or "[DONE]")."""
+    r = requests.post(f"{url}{path}", json={**body, "stream": True}, stream=True, timeout=timeout)
+    r.encoding = "utf-8"  # text/event-stream names no charset
+
+    def events():
+        for line in r.iter_lines(decode_unicode=True):
+            if line.startswith("data: "):
+                data = line[6:]
+                yield data if data == "[DONE]" else json.loads(data)
+
+    return r, events()
+
+
+def greedy(url: str, ids: list[int], n: int = 12) -> list[int]:
+    """The greedy output ids of one fresh request (the reference a fault must not change)."""
+    r = requests.post(
+        f"{url}/generate",
+        json={"input_ids": ids, "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}},
+        timeout=120,
+    )
+    assert r.status_code == 200, r.text
+    return r.json()["output_ids"]
+
+
+REFERENCE_PROMPTS = [list(range(40 + 7 * i, 40 + 7 * i + 20 + 30 * i)) for i in range(4)]
+
+
+def reference(url: str) -> list[list[int]]:
+    """Greedy answers of a fixed set of fresh prompts; after a fault the same stack must give them again."""
+    return [greedy(url, p) for p in REFERENCE_PROMPTS]
+
+
+class Stream(threading.Thread):
+    """One streaming request read on its own thread: its events, whether it started, when it ended.
+
+    `error_events` are OpenAI error events; `done` is True when the stream ended with [DONE]; a
+    dropped connection is kept in `dropped` (never a clean end)."""
+
+    def __init__(self, url: str, path: str, body: dict, timeout: float = 120.0):
+        super().__init__(daemon=True)
+        self.url, self.path, self.body, self.timeout = url, path, body, timeout
+        self.status = 0
+        self.events: list = []
+        self.started = threading.Event()
+        self.ended_at = 0.0
+        self.dropped = ""
+        self.start()
+
+    def run(self) -> None:
+        try:
+            r, events = sse_stream(self.url, self.path, self.body, self.timeout)
+            self.status = r.status_code
+            for e in events:
+                self.events.append(e)
+                if isinstance(e, dict) and e.get("choices"):
+                    self.started.set()
+        except (requests.RequestException, ValueError) as e:
+            self.dropped = repr(e)
+        finally:
+            self.ended_at = time.monotonic()
+            self.started.set()
+
+    @property
+    def done(self) -> bool:
+        return bool(self.events) and self.events[-1] == "[DONE]"
+
+    @property
+    def error_events(self) -> list[dict]:
+        return [e for e in self.events if isinstance(e, dict) and "error" in e]
+
+    @property
+    def usage(self) -> dict:
+        return next((e["usage"] for e in reversed(self.events) if isinstance(e, dict) and e.get("usage")), {})

@@ -17,16 +17,40 @@ os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
 from disagg_worker.config import DisaggConfig, Role  # noqa: E402
 from disagg_worker.disagg import KVLayout, KVPoll, RankInfo, create_kv_manager, pack_first_token, unpack_first_token  # noqa: E402
 from disagg_worker.disagg.bootstrap import BootstrapServer  # noqa: E402
+from disagg_worker.disagg.mooncake.environ import mooncake_environ  # noqa: E402
+from disagg_worker.disagg.mooncake.prefill import MooncakePrefillManager  # noqa: E402
+from disagg_worker.env import load_env  # noqa: E402
 from disagg_worker.mem.kv_pool import KVPool  # noqa: E402
+from tests.integration.kv_ranks import Geometry, Pair  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 SMALL = dict(num_layers=2, num_pages=64, page_size=4, num_kv_heads=2, head_dim=32)
 _rooms = itertools.count(random.getrandbits(40) << 20)
 
 
-def _decode_child(conn, pool_kw: dict, cfg_kw: dict, env: dict) -> None:
+@pytest.fixture(scope="module", autouse=True)
+def mooncake_settings():
+    """The transfer engine's environment, set as the scheduler process sets it before it builds an
+    engine; the decode processes inherit it."""
+    user = load_env().mc_tcp_lanes_per_peer
+    with pytest.MonkeyPatch.context() as patch:
+        for name, value in mooncake_environ(DisaggConfig(role=Role.PREFILL, mc_tcp_lanes_per_peer=user)).items():
+            patch.setenv(name, value)
+        yield
+
+
+def with_transfer_tuning(module, **values) -> None:
+    """Replace `module`'s view of the transfer tuning constants (in the process that calls it)."""
+    from dataclasses import replace
+
+    module.TUNING = replace(module.TUNING, transfer=replace(module.TUNING.transfer, **values))
+
+
+def _decode_child(conn, pool_kw: dict, cfg_kw: dict, tuning: dict) -> None:
     """Decode side, driven by (command, *args) tuples over `conn`."""
-    os.environ.update(env)
+    from disagg_worker.disagg.mooncake import decode as decode_module
+
+    with_transfer_tuning(decode_module, **tuning)
     pool = KVPool(**pool_kw, dtype=torch.float32)
     layout = KVLayout.from_pool(pool, "float32")
     mgr = create_kv_manager(DisaggConfig(role=Role.DECODE, **cfg_kw), layout)
@@ -64,10 +88,10 @@ def _decode_child(conn, pool_kw: dict, cfg_kw: dict, env: dict) -> None:
 
 
 class DecodeProc:
-    def __init__(self, pool_kw: dict, env: dict | None = None, **cfg_kw):
+    def __init__(self, pool_kw: dict, tuning: dict | None = None, **cfg_kw):
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_decode_child, args=(child, pool_kw, cfg_kw, env or {}), daemon=True)
+        self.proc = ctx.Process(target=_decode_child, args=(child, pool_kw, cfg_kw, tuning or {}), daemon=True)
         self.proc.start()
         assert self.conn.poll(60) and self.conn.recv() == "ready"
 
@@ -75,6 +99,11 @@ class DecodeProc:
         self.conn.send(cmd)
         assert self.conn.poll(timeout), f"decode process did not answer {cmd[0]}"
         return self.conn.recv()
+
+    @property
+    def pid(self) -> int:
+        assert self.proc.pid is not None, "not started"
+        return self.proc.pid
 
     def close(self) -> None:
         if self.proc.is_alive():
@@ -88,14 +117,14 @@ class DecodeProc:
 
 class Prefill:
     def __init__(self, pool_kw: dict, token: str = "", **cfg_kw):
-        self.server = BootstrapServer(0, host="127.0.0.1", token=token).start()
+        cfg = DisaggConfig(role=Role.PREFILL, auth_token=token, **cfg_kw)
+        self.server = BootstrapServer(0, host="127.0.0.1", token=cfg.bootstrap_token).start()
         self.pool = KVPool(**pool_kw, dtype=torch.float32)
         for buf in self.pool.buffers():
             buf.copy_(torch.randn_like(buf))
-        cfg = DisaggConfig(role=Role.PREFILL, **cfg_kw)
-        self.mgr = create_kv_manager(
-            cfg, KVLayout.from_pool(self.pool, "float32"), RankInfo(bootstrap_url=self.server.url)
-        )
+        mgr = create_kv_manager(cfg, KVLayout.from_pool(self.pool, "float32"), RankInfo(bootstrap_url=self.server.url))
+        assert isinstance(mgr, MooncakePrefillManager)
+        self.mgr = mgr
         assert self.mgr.registered.wait(10), "prefill rank did not register"
         self.addr = f"127.0.0.1:{self.server.port}"
 
@@ -257,8 +286,10 @@ def test_killing_decode_mid_transfer_fails_sender_within_timeout():
         wait_for(sender, KVPoll.WaitingForInput)
         for start in range(0, 512, 32):
             sender.send(list(range(start, start + 32)), last=start == 480)
-        time.sleep(0.05)
-        assert sender.poll() is KVPoll.Transferring
+        deadline = time.monotonic() + 10  # wait for the state this test interrupts, then interrupt it
+        while sender.poll() < KVPoll.Transferring and time.monotonic() < deadline:
+            time.sleep(0.002)
+        assert sender.poll() is KVPoll.Transferring, "the transfer must be on the wire when decode dies"
         decode.proc.kill()
         status, took = wait_status(sender, 15)
         assert status is KVPoll.Failed, "transfer must not succeed into a dead process"
@@ -269,11 +300,10 @@ def test_killing_decode_mid_transfer_fails_sender_within_timeout():
         prefill.close()
 
 
-def test_bootstrap_token_is_required_end_to_end(monkeypatch):
-    monkeypatch.setenv("DISAGG_AUTH_TOKEN", "s3cret")  # read by the prefill manager at start
-    prefill = Prefill(SMALL, token="s3cret")
-    good = DecodeProc(SMALL, env={"DISAGG_AUTH_TOKEN": "s3cret"})
-    bad = DecodeProc(SMALL, env={"DISAGG_AUTH_TOKEN": "guess"})
+def test_bootstrap_token_is_required_end_to_end():
+    prefill = Prefill(SMALL, token="s3cret")  # its bootstrap server and its rank's registration
+    good = DecodeProc(SMALL, auth_token="s3cret")
+    bad = DecodeProc(SMALL, auth_token="guess")
     try:
         room = next(_rooms)
         bad("recv", room, prefill.addr, [0], 0)
@@ -304,10 +334,10 @@ def test_frozen_decode_times_out_and_pages_stay_quarantined_until_writes_settle(
         decode("recv", room, prefill.addr, list(range(511, -1, -1)), 0)
         wait_for(sender, KVPoll.WaitingForInput)
         sender.send(list(range(512)), last=True)
-        os.kill(decode.proc.pid, signal.SIGSTOP)
+        os.kill(decode.pid, signal.SIGSTOP)
         status, took = wait_status(sender, 15)
         assert status is KVPoll.Failed and "timed out" in sender.failure_reason() and took < 2.0 + 2.0
-        os.kill(decode.proc.pid, signal.SIGCONT)
+        os.kill(decode.pid, signal.SIGCONT)
         d_status, reason, _, _ = decode("wait", room, 20)
         assert d_status == KVPoll.Failed and "timed out" in reason
         deadline = time.monotonic() + 30
@@ -316,7 +346,7 @@ def test_frozen_decode_times_out_and_pages_stay_quarantined_until_writes_settle(
         assert decode("unsafe", room) is False, "prefill must confirm once its writes settled"
     finally:
         if decode.proc.is_alive():
-            os.kill(decode.proc.pid, signal.SIGCONT)
+            os.kill(decode.pid, signal.SIGCONT)
         decode.close()
         prefill.close()
 
@@ -341,7 +371,7 @@ def test_a_burst_of_writes_beyond_mooncakes_per_peer_queue_all_land():
             wait_for(sender, KVPoll.WaitingForInput)
         for _, sender, src, _ in rooms:
             sender.send(src, last=True)
-        for room, sender, src, dst in rooms:
+        for room, sender, _, _ in rooms:
             status, _ = wait_status(sender, 60)
             assert status is KVPoll.Success, sender.failure_reason()
             d_status, reason, _, _ = decode("wait", room, 30)
@@ -352,3 +382,81 @@ def test_a_burst_of_writes_beyond_mooncakes_per_peer_queue_all_land():
     finally:
         decode.close()
         prefill.close()
+
+
+# ---- instances of several ranks (TP and PP), one process per rank ---------------------------------
+ROOMS = [
+    (list(range(8, 24)), list(range(30, 46)), [16]),  # contiguous: one run per buffer
+    ([3, 9, 4, 60, 61, 62, 0], [50, 2, 17, 5, 6, 7, 33], [7]),  # scattered, mixed runs
+    (list(range(10, 30)), random.Random(1).sample(range(64), 20), [5, 8, 7]),  # chunked prefill
+    (random.Random(2).sample(range(64), 40), random.Random(3).sample(range(64), 40), [40]),  # fragmented: staged
+]
+
+
+@pytest.mark.parametrize(
+    "prefill,decode,kv_heads",
+    [
+        ((2, 1), (1, 1), 2),  # decode takes one head from each prefill rank
+        ((1, 1), (2, 1), 2),  # each decode rank takes its head from the one prefill rank
+        ((2, 1), (1, 1), 1),  # the one KV head is replicated on both prefill ranks: written once
+        ((1, 1), (2, 1), 1),  # ... and on both decode ranks: each gets it
+        ((1, 2), (1, 1), 2),  # both prefill stages write into one decode rank
+        ((1, 2), (1, 2), 2),  # stage to stage
+    ],
+    ids=["tp2-tp1", "tp1-tp2", "tp2-tp1-replicated", "tp1-tp2-replicated", "pp2-pp1", "pp2-pp2"],
+)
+def test_ranks_of_both_instances_move_byte_identical_kv(prefill, decode, kv_heads):
+    pair = Pair(prefill, decode, Geometry(kv_heads=kv_heads))
+    try:
+        for slot, (src, dst, chunks) in enumerate(ROOMS):
+            room = next(_rooms)
+            for p in pair.prefill:
+                p("sender", room)
+            for d in pair.decode:
+                d("recv", room, pair.addr, dst, slot)
+            for p in pair.prefill:
+                status, reason = p("until", room, int(KVPoll.WaitingForInput), 20)
+                assert status == KVPoll.WaitingForInput, reason
+            sends, first = [], 0
+            for i, n in enumerate(chunks):
+                last = i == len(chunks) - 1
+                sends.append((src[first : first + n], last, pack_first_token(1234, -0.25) if last else None))
+                first += n
+            for p in pair.prefill:
+                p("send", room, sends)
+            for rank in pair.prefill + pair.decode:
+                status, reason, _ = rank("wait", room, 30)
+                assert status == KVPoll.Success, f"{rank.role} {rank.shard}: {reason}"
+            for d in pair.decode:
+                got, want = d("kv", dst), pair.expected(d, src)
+                assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True)), f"decode {d.shard}, room {slot}"
+                assert unpack_first_token(d("aux", room)) == (1234, -0.25)
+    finally:
+        pair.close()
+
+
+@pytest.mark.parametrize(
+    "prefill,decode,layers,decode_geo,needles",
+    [
+        ((2, 1), (1, 1), 4, {"page_size": 8, "num_pages": 32}, ["prefill page_size=4", "decode page_size=8"]),
+        ((1, 1), (1, 1), 4, {"kv_dtype": "float16"}, ["prefill kv_dtype=float32", "decode kv_dtype=float16"]),
+        ((1, 2), (1, 3), 6, {}, ["prefill pp_size=2", "decode pp_size=3", "must be equal or 1"]),
+    ],
+    ids=["page-size", "kv-dtype", "pp3-vs-pp2"],
+)
+def test_a_mismatched_pair_fails_its_first_request_with_both_values_within_5s(
+    prefill, decode, layers, decode_geo, needles
+):
+    pair = Pair(prefill, decode, Geometry(layers=layers), **decode_geo)
+    try:
+        room = next(_rooms)
+        for p in pair.prefill:
+            p("sender", room)
+        for d in pair.decode:
+            d("recv", room, pair.addr, [0, 1], 0)
+        for d in pair.decode:
+            status, reason, took = d("wait", room, 20)
+            assert status == KVPoll.Failed and all(n in reason for n in needles), reason
+            assert pair.addr in reason and took < 5, (reason, took)
+    finally:
+        pair.close()

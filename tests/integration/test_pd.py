@@ -101,3 +101,18 @@ def test_router_health_lists_workers(stack):
     m = requests.get(f"{stack.decode.url}/metrics", timeout=5).text
     for name in ('queue="decode_prealloc"', 'queue="decode_transfer"'):
         assert name in m
+
+
+def test_a_stream_with_usage_through_the_router(stack, mono):
+    """stream_options travels to decode only: prefill answers one token, never streamed."""
+    body = {"prompt": "The sea", "max_tokens": 7, "temperature": 0, "ignore_eos": True}
+    opts = {"stream": True, "stream_options": {"include_usage": True}}
+    with requests.post(f"{stack.router.url}/v1/completions", json={**body, **opts}, stream=True, timeout=60) as r:
+        assert r.status_code == 200, r.text
+        r.encoding = "utf-8"
+        events = [line[6:] for line in r.iter_lines(decode_unicode=True) if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert chunks[-1]["usage"]["completion_tokens"] == 7
+    text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+    assert text == requests.post(f"{mono.url}/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]

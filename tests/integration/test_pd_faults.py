@@ -1,5 +1,15 @@
 """Faults in a P/D deployment: every client request ends (tokens or a clear error) within its
-timeout, and afterwards every queue is empty and every page free on both sides."""
+timeout, and afterwards every queue is empty and every page free on both sides.
+
+Each test waits until the stage it interrupts holds requests (the /stats queue gauges), injects
+the fault, and asserts that it interrupted them: some requests end with an HTTP error status and a
+message; a dropped connection is a failure, not a clean error. After every fault, fresh greedy
+requests get the same tokens the same stack gave before it.
+
+A decode instance that runs few requests at once (HOLD) keeps requests in the handoff stages for
+seconds: the rest wait in decode's prealloc queue and prefill's bootstrap queue until a slot frees.
+/stats reports every 0.5 s, so a state that lasts milliseconds could be over before a test sees it.
+"""
 
 from __future__ import annotations
 
@@ -12,22 +22,36 @@ import time
 import pytest
 import requests
 
-from tests.integration.procs import PDStack, wait_until
+from tests.integration.procs import PDStack, reference, wait_until
 from tests.integration.test_pd import FLAGS, assert_clean
 
 pytestmark = pytest.mark.integration
 CLIENT_TIMEOUT = 40.0
+# Decode runs 2 requests at a time; prefill lets the others wait for decode's handshake long enough.
+# With TOKENS per request, 8 requests held in a stage are 4 rounds of TOKENS decode steps away from
+# leaving it: over a second even on a quiet machine, against /stats reports 0.5 s apart.
+HOLD = {"decode_flags": ("--max-running-requests", "2"), "prefill_flags": ("--bootstrap-timeout", "60")}
+TOKENS = 100
+HELD = 8
 
 
 @pytest.fixture()
 def stack(tiny_model):
+    """A stack whose decode runs 4 requests at a time (HOLD)."""
+    s = PDStack(tiny_model, *FLAGS, **HOLD).wait_healthy()
+    yield s
+    s.stop()
+
+
+@pytest.fixture()
+def plain(tiny_model):
     s = PDStack(tiny_model, *FLAGS).wait_healthy()
     yield s
     s.stop()
 
 
-def request(url: str, seed: int, timeout: float = CLIENT_TIMEOUT, prompt_len: int = 300, max_tokens: int = 40):
-    """One client: returns ("ok", tokens) or ("error", status, message) or ("timeout",)."""
+def request(url: str, seed: int, timeout: float = CLIENT_TIMEOUT, prompt_len: int = 300, max_tokens: int = TOKENS):
+    """One client: ("ok", tokens), ("error", status, message), ("timeout", seconds) or ("dropped", what)."""
     rng = random.Random(seed)
     body = {
         "prompt": [rng.randrange(10, 2000) for _ in range(prompt_len)],
@@ -40,8 +64,8 @@ def request(url: str, seed: int, timeout: float = CLIENT_TIMEOUT, prompt_len: in
         r = requests.post(f"{url}/v1/completions", json=body, timeout=timeout)
     except requests.Timeout:
         return ("timeout", time.monotonic() - start)
-    except requests.ConnectionError as e:
-        return ("error", 0, str(e))
+    except requests.ConnectionError as e:  # not a clean failure: the server owes an answer
+        return ("dropped", str(e))
     if r.status_code == 200:
         return ("ok", r.json()["usage"]["completion_tokens"])
     return ("error", r.status_code, r.json()["error"]["message"])
@@ -52,20 +76,33 @@ def load(url: str, n: int, pool: cf.ThreadPoolExecutor, **kw) -> list[cf.Future]
 
 
 def outcomes(futures: list[cf.Future]) -> list[tuple]:
+    """Every request ended in time with its tokens or an HTTP error with a message; some ended in an error."""
     results = [f.result(timeout=CLIENT_TIMEOUT + 10) for f in futures]
     assert not [r for r in results if r[0] == "timeout"], "a client request hung past its timeout"
+    assert not [r for r in results if r[0] == "dropped"], [r for r in results if r[0] == "dropped"][:3]
     for r in results:
         if r[0] == "ok":
-            assert r[1] == 40
+            assert r[1] == TOKENS
         else:
-            assert r[2], "an error without a message"
+            assert r[1] >= 500 and r[2], f"not a clean server error: {r}"
+    assert any(r[0] == "error" for r in results), "the fault interrupted nothing"
     return results
 
 
-def prefill_busy(url: str) -> bool:
-    """Requests are being prefilled or are in the inflight queue (one /stats read)."""
-    st = requests.get(f"{url}/stats", timeout=5).json()
-    return st["queues"].get("prefill_inflight", 0) + st["running"] > 0
+def queues(url: str) -> dict[str, int]:
+    return requests.get(f"{url}/stats", timeout=5).json()["queues"]
+
+
+def prefill_holding(url: str, at_least: int = HELD) -> bool:
+    """Prefill holds requests in its handoff stages (bootstrap, forward, inflight) (one /stats read)."""
+    q = queues(url)
+    return q.get("prefill_bootstrap", 0) + q.get("prefill_forward", 0) + q.get("prefill_inflight", 0) >= at_least
+
+
+def decode_waiting_on_prefill(url: str, at_least: int = HELD) -> bool:
+    """Decode holds requests in its prealloc or transfer queue: they need the prefill side (one /stats read)."""
+    q = queues(url)
+    return q.get("decode_prealloc", 0) + q.get("decode_transfer", 0) >= at_least
 
 
 def wait_router_healthy(stack: PDStack) -> None:
@@ -77,26 +114,29 @@ def wait_router_healthy(stack: PDStack) -> None:
 
 
 def test_kill_decode_mid_transfer(stack):
+    before = reference(stack.router.url)
     with cf.ThreadPoolExecutor(24) as pool:
         futures = load(stack.router.url, 24, pool)
-        wait_until(lambda: prefill_busy(stack.prefill.url), timeout=30, interval=0.02, what="requests reaching prefill")
+        wait_until(lambda: prefill_holding(stack.prefill.url), timeout=30, interval=0.02, what="prefill handing off")
         stack.decode.kill()
-        results = outcomes(futures)
-    assert any(r[0] == "error" for r in results)
+        outcomes(futures)
     assert_clean(stack.prefill.url)
     stack.decode = stack.start_decode(stack.decode.port).wait_healthy()
     wait_router_healthy(stack)
     assert request(stack.router.url, 999)[0] == "ok"
+    assert reference(stack.router.url) == before
     assert_clean(stack.prefill.url, stack.decode.url)
 
 
 def test_kill_prefill_mid_bootstrap(stack):
+    before = reference(stack.router.url)
     with cf.ThreadPoolExecutor(24) as pool:
         futures = load(stack.router.url, 24, pool)
-        time.sleep(0.3)
+        wait_until(
+            lambda: decode_waiting_on_prefill(stack.decode.url), timeout=30, interval=0.02, what="decode waiting on KV"
+        )
         stack.prefill.kill()
-        results = outcomes(futures)
-    assert any(r[0] == "error" for r in results)
+        outcomes(futures)
     assert_clean(stack.decode.url)
     # Decode reconnects to a restarted prefill instance without being restarted itself.
     stack.prefill = stack.start_prefill(stack.prefill.port).wait_healthy()
@@ -107,20 +147,23 @@ def test_kill_prefill_mid_bootstrap(stack):
         interval=1,
         what="a request through the restarted prefill",
     )
+    assert reference(stack.router.url) == before
     assert_clean(stack.prefill.url, stack.decode.url)
 
 
 def test_bootstrap_server_stops_answering(stack):
     """The prefill instance (and its bootstrap server) freezes: decode's heartbeat fails its rooms."""
+    before = reference(stack.router.url)
     with cf.ThreadPoolExecutor(16) as pool:
         futures = load(stack.router.url, 16, pool)
-        time.sleep(0.3)
+        wait_until(
+            lambda: decode_waiting_on_prefill(stack.decode.url), timeout=30, interval=0.02, what="decode waiting on KV"
+        )
         os.killpg(stack.prefill.proc.pid, signal.SIGSTOP)
         try:
-            results = outcomes(futures)
+            outcomes(futures)
         finally:
             os.killpg(stack.prefill.proc.pid, signal.SIGCONT)
-    assert any(r[0] == "error" for r in results)
     assert_clean(stack.prefill.url, stack.decode.url)
     wait_until(
         lambda: request(stack.router.url, 2000)[0] == "ok",
@@ -128,9 +171,12 @@ def test_bootstrap_server_stops_answering(stack):
         interval=1,
         what="serving again after the bootstrap server came back",
     )
+    assert reference(stack.router.url) == before
 
 
-def test_abort_1000_requests_at_random_stages(stack):
+def test_abort_1000_requests_at_random_stages(plain):
+    stack = plain
+    before = reference(stack.router.url)
     rng = random.Random(0)
     timeouts = [rng.uniform(0.005, 0.6) for _ in range(1000)]
     with cf.ThreadPoolExecutor(48) as pool:
@@ -143,3 +189,4 @@ def test_abort_1000_requests_at_random_stages(stack):
     assert sum(r[0] == "timeout" for r in results) > 100  # most were cut off by the client
     assert_clean(stack.prefill.url, stack.decode.url)
     assert request(stack.router.url, 3000)[0] == "ok"
+    assert reference(stack.router.url) == before

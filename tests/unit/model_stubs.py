@@ -59,7 +59,7 @@ class PageAllocator:
 def make_batch(seqs: list[PagedSeq], new_ids: list[list[int]], page_size: int) -> ForwardBatch:
     """Append `new_ids[i]` to `seqs[i]` and describe that step as a ForwardBatch."""
     ids, positions, out_slots, extend_lens, seq_lens, kv_slots = [], [], [], [], [], []
-    for seq, new in zip(seqs, new_ids):
+    for seq, new in zip(seqs, new_ids, strict=True):
         start, end = len(seq.tokens), len(seq.tokens) + len(new)
         seq.tokens.extend(new)
         ids += new

@@ -12,10 +12,25 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from disagg_worker.disagg.bootstrap import BootstrapServer, RankRegistration
-from disagg_worker.disagg.bootstrap_client import BootstrapError, fetch_topology, register_rank
+from disagg_worker.disagg.bootstrap_client import BootstrapError, Topology, fetch_topology, register_rank
 
 TOKEN = "t0ken"
-REG = RankRegistration(0, 2, 0, 1, "10.0.0.1", 5555, 16, "bfloat16", "10.0.0.1:15001", 0, 4)
+REG = RankRegistration(
+    tp_rank=0,
+    tp_size=2,
+    pp_rank=0,
+    pp_size=1,
+    rank_ip="10.0.0.1",
+    rank_port=5555,
+    page_size=16,
+    kv_dtype="bfloat16",
+    session_id="10.0.0.1:15001",
+    start_layer=0,
+    num_layers=4,
+    kv_head_start=0,
+    num_kv_heads=1,
+    head_nbytes=256,
+)
 
 
 def request(port, method, path, body=None, headers=None):
@@ -27,6 +42,13 @@ def request(port, method, path, body=None, headers=None):
         return resp.status, resp.getheader("Content-Type", ""), raw
     finally:
         conn.close()
+
+
+def topology(url: str) -> Topology:
+    """The complete instance's topology (fails the test while it is incomplete)."""
+    topo = fetch_topology(url, TOKEN)
+    assert topo is not None, "the instance is incomplete"
+    return topo
 
 
 def auth(token=TOKEN):
@@ -55,7 +77,7 @@ def test_route_is_503_until_every_rank_registered(server):
     status, _, raw = request(server.port, "GET", "/route?tp_rank=0&pp_rank=0", headers=auth())
     assert status == 503 and "1 of 2" in json.loads(raw)["error"]
     register_rank(url, replace(REG, tp_rank=1, rank_port=5556), TOKEN)
-    topo = fetch_topology(url, TOKEN)
+    topo = topology(url)
     assert (topo.tp_size, topo.page_size, topo.kv_dtype) == (2, 16, "bfloat16")
     assert [r.rank_port for r in topo.ranks] == [5555, 5556]
     status, _, raw = request(server.port, "GET", "/route?tp_rank=1&pp_rank=0", headers=auth())
@@ -80,6 +102,38 @@ def test_conflicting_registrations_are_refused(open_server):
         register_rank(open_server.url, replace(REG, tp_size=1, tp_rank=3))
     with pytest.raises(BootstrapError, match="instance is tp=1"):
         register_rank(open_server.url, REG)
+
+
+def _instance_id(srv) -> str:
+    return json.loads(request(srv.port, "GET", "/health")[2])["instance_id"]
+
+
+def test_a_rank_slot_changes_hands_only_when_its_holder_is_gone():
+    """Re-registering (tp, pp) under another identity: refused while the holder's control endpoint
+    listens; accepted once nothing listens there, or for the same endpoint (the holder restarted)."""
+    import socket
+
+    srv = BootstrapServer(0, tp_size=1, pp_size=1, token=TOKEN, host="127.0.0.1").start()
+    live = socket.create_server(("127.0.0.1", 0))
+    try:
+        held = replace(REG, tp_size=1, rank_ip="127.0.0.1", rank_port=live.getsockname()[1])
+        register_rank(srv.url, held, TOKEN)
+        register_rank(srv.url, held, TOKEN)  # the same registration again (a retry) is fine
+        first = _instance_id(srv)
+        thief = replace(held, rank_port=held.rank_port + 1, session_id="10.9.9.9:15000")
+        with pytest.raises(BootstrapError, match="409.*held by a live rank"):
+            register_rank(srv.url, thief, TOKEN)
+        assert topology(srv.url).ranks == [held] and _instance_id(srv) == first
+        restarted = replace(held, session_id="127.0.0.1:15002")  # same endpoint, new transfer session
+        register_rank(srv.url, restarted, TOKEN)
+        second = _instance_id(srv)
+        assert topology(srv.url).ranks == [restarted] and second != first
+        live.close()  # the holder is gone: its endpoint refuses connections
+        register_rank(srv.url, thief, TOKEN)
+        assert topology(srv.url).ranks == [thief] and _instance_id(srv) not in (first, second)
+    finally:
+        live.close()
+        srv.stop()
 
 
 json_values = st.recursive(

@@ -47,13 +47,13 @@ def run_all(
         stepper.step()
         steps += 1
         assert steps < 10_000, "the engine did not finish"
-        for o in engine.scheduler.take_outputs():
+        for o in engine.take_outputs():
             outs.setdefault(o.rid, []).append(o)
         for rid, after in (abort_after or {}).items():
             if steps == after:
                 engine.handle(msg.AbortReq(rid))
     stepper.close()
-    for o in engine.scheduler.take_outputs():
+    for o in engine.take_outputs():
         outs.setdefault(o.rid, []).append(o)
     assert_idle_accounting(engine, flush)
     return outs
@@ -182,7 +182,7 @@ def test_max_running_requests_is_respected(tiny_model):
     while stepper.busy:
         stepper.step()
         peak = max(peak, len(engine.scheduler.running))
-        engine.scheduler.take_outputs()
+        engine.take_outputs()
     stepper.close()
     assert peak == 3
     assert_idle_accounting(engine)

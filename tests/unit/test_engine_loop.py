@@ -14,6 +14,8 @@ from disagg_worker.engine.loop import EngineLoop
 class _Engine:
     """What EngineLoop needs to start and wait: the wake-up hook, taken from the P/D engines."""
 
+    multi_rank = False
+
     def set_wakeup(self, wake):
         self.wake = wake
 
@@ -54,8 +56,6 @@ class _Stepping(_Engine):
 
     def __init__(self):
         self.log: list[str] = []
-        self.scheduler = self
-        self.runner = self
         self.pending: list[str] = []
 
     def tick(self):

@@ -19,6 +19,7 @@ from disagg_worker.cli import main as cli
 from disagg_worker.model.config import ModelConfig
 from disagg_worker.model.gguf_meta import UnsupportedGGUFError
 from disagg_worker.model.loader import WeightMismatchError, load_model
+from disagg_worker.model.parallel import Shard
 from disagg_worker.model.tiny import random_weights
 from disagg_worker.model.tokenizer import Tokenizer
 from tests.unit.gguf_stubs import gguf_name, llama_cpp_permute, random_quant_bytes, write_gguf
@@ -67,6 +68,17 @@ def test_f32_gguf_loads_the_weights_and_config_of_the_directory(ggufs, tiny_dirs
     assert_same_params(ours, ref)
     assert cfg.rms_norm_eps == pytest.approx(ref_cfg.rms_norm_eps)  # GGUF stores it as float32
     assert replace(cfg, rms_norm_eps=ref_cfg.rms_norm_eps) == ref_cfg
+
+
+@pytest.mark.parametrize(
+    "shard", [Shard(tp_rank=1, tp_size=2), Shard(pp_rank=1, pp_size=2)], ids=["tp-rank-1-of-2", "pp-stage-1-of-2"]
+)
+def test_a_rank_reads_the_same_slice_of_a_gguf_as_of_the_directory(ggufs, tiny_dirs, shard):
+    ours, _ = load_model(ggufs["llama"], "float32", "cpu", shard, all_reduce=lambda x: x)
+    ref, _ = load_model(tiny_dirs["llama"], "float32", "cpu", shard, all_reduce=lambda x: x)
+    assert_same_params(ours, ref)
+    whole, _ = load_model(ggufs["llama"], "float32", "cpu")
+    assert sum(p.numel() for p in ours.parameters()) < sum(p.numel() for p in whole.parameters())
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])  # transformers reads no head_dim for qwen3

@@ -30,7 +30,7 @@ def run_step(plan: list[tuple[int, int]], q_dtype: torch.dtype, kv_dtype: torch.
     alloc = PageAllocator(NUM_PAGES, seed=4)
     seqs = [alloc.new_seq(cached + new, PAGE_SIZE) for cached, new in plan]
     histories = []
-    for seq, (cached, _) in zip(seqs, plan):
+    for seq, (cached, _) in zip(seqs, plan, strict=True):
         k, v = torch.randn(cached, H_KV, D, generator=gen), torch.randn(cached, H_KV, D, generator=gen)
         write_kv(k_buf, v_buf, k, v, seq.slots(0, cached, PAGE_SIZE))
         histories.append((k, v))
@@ -41,7 +41,7 @@ def run_step(plan: list[tuple[int, int]], q_dtype: torch.dtype, kv_dtype: torch.
     write_kv(k_buf, v_buf, k_new.to(q_dtype), v_new.to(q_dtype), batch.out_slots)
     out = paged_attention(q, AttentionPlan.build(batch, q.device), k_buf, v_buf)
     expected, start = [], 0
-    for (k, v), (_, new) in zip(histories, plan):
+    for (k, v), (_, new) in zip(histories, plan, strict=True):
         sl = slice(start, start + new)
         expected.append(reference(q[sl], torch.cat([k, k_new[sl]]), torch.cat([v, v_new[sl]]), new))
         start += new
@@ -49,14 +49,14 @@ def run_step(plan: list[tuple[int, int]], q_dtype: torch.dtype, kv_dtype: torch.
 
 
 def batch_for(seqs: list[PagedSeq], plan: list[tuple[int, int]]) -> ForwardBatch:
-    slots = [seq.slots(cached, cached + new, PAGE_SIZE) for seq, (cached, new) in zip(seqs, plan)]
+    slots = [seq.slots(cached, cached + new, PAGE_SIZE) for seq, (cached, new) in zip(seqs, plan, strict=True)]
     return ForwardBatch(
         input_ids=torch.zeros(sum(new for _, new in plan), dtype=torch.long),
         positions=torch.cat([torch.arange(cached, cached + new) for cached, new in plan]),
         out_slots=torch.cat(slots),
         extend_lens=[new for _, new in plan],
         seq_lens=[cached + new for cached, new in plan],
-        kv_slots=[seq.slots(0, cached + new, PAGE_SIZE) for seq, (cached, new) in zip(seqs, plan)],
+        kv_slots=[seq.slots(0, cached + new, PAGE_SIZE) for seq, (cached, new) in zip(seqs, plan, strict=True)],
     )
 
 

@@ -11,7 +11,7 @@ def batch(extend_lens: list[int], seq_lens: list[int]) -> ForwardBatch:
     total = sum(extend_lens)
     return ForwardBatch(
         input_ids=torch.arange(total),
-        positions=torch.cat([torch.arange(s - n, s) for n, s in zip(extend_lens, seq_lens)]),
+        positions=torch.cat([torch.arange(s - n, s) for n, s in zip(extend_lens, seq_lens, strict=True)]),
         out_slots=torch.arange(total),
         extend_lens=extend_lens,
         seq_lens=seq_lens,
@@ -36,5 +36,5 @@ def test_to_keeps_contents():
     moved = b.to("cpu")
     assert moved.extend_lens == b.extend_lens and moved.seq_lens == b.seq_lens
     assert torch.equal(moved.positions, b.positions) and all(
-        torch.equal(x, y) for x, y in zip(moved.kv_slots, b.kv_slots)
+        torch.equal(x, y) for x, y in zip(moved.kv_slots, b.kv_slots, strict=True)
     )

@@ -54,7 +54,9 @@ def test_children_are_the_documented_set_with_owner_references(tiny):
         ("PodDisruptionBudget", "tiny-prefill"),
         ("PodDisruptionBudget", "tiny-decode"),
         ("PodDisruptionBudget", "tiny-router"),
-        ("NetworkPolicy", "tiny-transfer"),
+        ("NetworkPolicy", "tiny-prefill"),
+        ("NetworkPolicy", "tiny-decode"),
+        ("NetworkPolicy", "tiny-router"),
     }
     for obj in children.values():
         assert obj["metadata"]["namespace"] == "ns1"
@@ -89,6 +91,14 @@ def test_prefill_command_line_follows_the_worker_contract(tiny):
         "$(POD_IP)",
         "--bootstrap-port",
         "8998",
+        "--control-port",
+        "9000",
+        "--transfer-port-base",
+        "15000",
+        "--transfer-ports-per-rank",
+        "8",
+        "--auth-token-file",
+        "/var/run/disagg/auth/token",
         "--transfer-backend",
         "mooncake",
         "--transfer-protocol",
@@ -109,13 +119,15 @@ def test_prefill_command_line_follows_the_worker_contract(tiny):
         "8192",
         "--max-running-requests",
         "16",
+        "--drain-timeout",
+        "30",
     ]
 
 
 def test_decode_has_no_bootstrap_port_and_uses_its_own_engine_overrides(gpu):
     args = worker_args(ModelSpec.from_cr(gpu), names.DECODE)
     assert args[0] == "decode" and "--bootstrap-port" not in args
-    flags = dict(zip(args[1::2], args[2::2]))
+    flags = dict(zip(args[1::2], args[2::2], strict=False))
     assert flags["--tp-size"] == "2" and flags["--max-running-requests"] == "256"
     assert flags["--page-size"] == "64" and flags["--ib-device"] == "mlx5_0"
     assert flags["--transfer-protocol"] == "rdma"
@@ -129,13 +141,47 @@ def test_extra_args_and_env_come_last(tiny):
     assert c["env"][-1] == {"name": "FOO", "value": "bar"}
 
 
-def test_every_pod_gets_identity_and_token_from_the_api(tiny):
+def test_every_pod_gets_identity_from_the_api_and_the_shared_secret_as_a_file_never_as_env(tiny):
     children = children_by_kind_name(tiny)
     for kind, name in [("StatefulSet", "tiny-prefill"), ("StatefulSet", "tiny-decode"), ("Deployment", "tiny-router")]:
-        env = {e["name"]: e for e in container(children, kind, name)["env"]}
+        pod = children[(kind, name)]["spec"]["template"]["spec"]
+        c = pod["containers"][0]
+        env = {e["name"]: e for e in c["env"]}
         assert env["POD_IP"]["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
         assert env["POD_NAME"]["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.name"}}
-        assert env["DISAGG_AUTH_TOKEN"]["valueFrom"] == {"secretKeyRef": {"name": "tiny-auth", "key": "token"}}
+        assert not [e for e in c["env"] if "secretKeyRef" in e.get("valueFrom", {})], "a secret in the environment"
+        vols = {v["name"]: v for v in pod["volumes"]}
+        assert vols["auth"]["secret"] == {
+            "secretName": "tiny-auth",
+            "items": [{"key": "token", "path": "token"}],
+            "defaultMode": 0o440,
+        }
+        assert {"name": "auth", "mountPath": "/var/run/disagg/auth", "readOnly": True} in c["volumeMounts"]
+        assert c["args"][c["args"].index("--auth-token-file") + 1] == "/var/run/disagg/auth/token"
+        assert "api-keys" not in vols and "--api-key-file" not in c["args"]
+
+
+def test_the_api_key_secret_reaches_the_router_only_as_a_file(tiny):
+    tiny["spec"]["apiKeySecret"] = {"name": "client-keys", "key": "keys.txt"}
+    children = children_by_kind_name(tiny)
+    router = children[("Deployment", "tiny-router")]["spec"]["template"]["spec"]
+    vols = {v["name"]: v for v in router["volumes"]}
+    assert vols["api-keys"]["secret"] == {
+        "secretName": "client-keys",
+        "items": [{"key": "keys.txt", "path": "keys"}],
+        "defaultMode": 0o440,
+    }
+    c = router["containers"][0]
+    assert {"name": "api-keys", "mountPath": "/var/run/disagg/api-keys", "readOnly": True} in c["volumeMounts"]
+    assert c["args"][c["args"].index("--api-key-file") + 1] == "/var/run/disagg/api-keys/keys"
+    for role in ("prefill", "decode"):
+        pod = children[("StatefulSet", f"tiny-{role}")]["spec"]["template"]["spec"]
+        assert "api-keys" not in {v["name"] for v in pod["volumes"]}
+    tiny["spec"]["apiKeySecret"] = {"name": "client-keys"}
+    router = children_by_kind_name(tiny)[("Deployment", "tiny-router")]["spec"]["template"]["spec"]
+    assert {v["name"]: v for v in router["volumes"]}["api-keys"]["secret"]["items"] == [
+        {"key": "api-key", "path": "keys"}
+    ]
 
 
 def test_pods_are_non_root_with_read_only_root_and_health_probes(tiny):
@@ -147,7 +193,10 @@ def test_pods_are_non_root_with_read_only_root_and_health_probes(tiny):
         assert c["securityContext"]["readOnlyRootFilesystem"] is True
         assert c["securityContext"]["capabilities"] == {"drop": ["ALL"]}
         assert c["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
-        assert c["livenessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+        # The router is Ready only with a verified pair, but alive as long as it answers.
+        live = "/livez" if kind == "Deployment" else "/health"
+        assert c["livenessProbe"]["httpGet"] == {"path": live, "port": "http"}
+        assert c["startupProbe"]["httpGet"] == {"path": live, "port": "http"}
         assert {"name": "tmp", "mountPath": "/tmp"} in c["volumeMounts"]
 
 
@@ -204,6 +253,10 @@ def test_router_finds_workers_through_the_headless_services(tiny):
         "tiny-decode.ns1.svc.example.org:8000",
         "--bootstrap-port",
         "8998",
+        "--drain-timeout",
+        "30",
+        "--auth-token-file",
+        "/var/run/disagg/auth/token",
     ]
     children = children_by_kind_name(tiny)
     for role in ("prefill", "decode"):
@@ -219,18 +272,75 @@ def test_bootstrap_service_targets_prefill_bootstrap_port(tiny):
     assert svc["spec"]["ports"] == [{"name": "bootstrap", "port": 8998, "targetPort": "bootstrap", "protocol": "TCP"}]
 
 
-def test_network_policy_opens_bootstrap_and_transfer_only_to_the_crs_pods(tiny):
-    np = children_by_kind_name(tiny)[("NetworkPolicy", "tiny-transfer")]["spec"]
-    rules = {r["ports"][0]["port"]: r for r in np["ingress"]}
-    assert "from" not in rules[8000]
-    bootstrap_from = rules[8998]["from"][0]["podSelector"]
-    assert bootstrap_from["matchLabels"] == {"disagg.dev/model": "tiny"}
-    transfer = rules[15000]
-    assert transfer["ports"][0]["endPort"] == 17000
-    sel = transfer["from"][0]["podSelector"]
-    assert sel["matchLabels"] == {"disagg.dev/model": "tiny"}
-    assert sel["matchExpressions"] == [{"key": "disagg.dev/role", "operator": "In", "values": ["prefill", "decode"]}]
-    assert np["podSelector"] == sel
+def ingress(children: dict, policy: str) -> dict[tuple[int, int], list[str] | None]:
+    """(first port, last port) -> the roles allowed in (None: anyone), for one NetworkPolicy."""
+    out: dict[tuple[int, int], list[str] | None] = {}
+    for rule in children[("NetworkPolicy", policy)]["spec"]["ingress"]:
+        (port,) = rule["ports"]
+        assert port["protocol"] == "TCP"
+        froms = rule.get("from")
+        roles = None
+        if froms is not None:
+            roles = []
+            for f in froms:
+                assert set(f) == {"podSelector"}, "peers are pods of this model, in its namespace"
+                labels = f["podSelector"]["matchLabels"]
+                assert labels["disagg.dev/model"] == policy.rsplit("-", 1)[0]
+                roles.append(labels["disagg.dev/role"])
+        out[(port["port"], port.get("endPort", port["port"]))] = roles
+    return out
+
+
+def test_each_role_opens_exactly_its_ports_each_to_the_peers_that_connect(tiny):
+    children = children_by_kind_name(tiny)
+    for role in ("prefill", "decode", "router"):
+        np = children[("NetworkPolicy", f"tiny-{role}")]["spec"]
+        assert np["podSelector"] == {"matchLabels": {"disagg.dev/model": "tiny", "disagg.dev/role": role}}
+        assert np["policyTypes"] == ["Ingress"]
+    assert ingress(children, "tiny-prefill") == {
+        (8000, 8000): ["router"],
+        (8998, 8998): ["decode"],
+        (9000, 9000): ["decode"],
+        (15000, 15007): ["decode"],
+    }
+    assert ingress(children, "tiny-decode") == {
+        (8000, 8000): ["router"],
+        (9000, 9000): ["prefill"],
+        (15000, 15007): ["prefill"],
+    }
+    assert ingress(children, "tiny-router") == {(8000, 8000): None}
+
+
+def test_port_ranges_grow_with_the_ranks_of_a_pod_and_the_flags_say_the_same(gpu):
+    spec = ModelSpec.from_cr(gpu)
+    children = children_by_kind_name(gpu)
+    assert ingress(children, "llama-8b-prefill")[(9000, 9003)] == ["decode"]  # tp=4: four ranks
+    assert ingress(children, "llama-8b-prefill")[(15000, 15031)] == ["decode"]
+    assert ingress(children, "llama-8b-decode")[(9000, 9001)] == ["prefill"]  # tp=2
+    assert ingress(children, "llama-8b-decode")[(15000, 15015)] == ["prefill"]
+    for role, ranks in (("prefill", 4), ("decode", 2)):
+        flags = dict(zip(worker_args(spec, role)[1::2], worker_args(spec, role)[2::2], strict=False))
+        per_rank = int(flags["--transfer-ports-per-rank"])
+        first = int(flags["--transfer-port-base"])
+        control = int(flags["--control-port"])
+        assert (control, control + ranks - 1) in ingress(children, f"llama-8b-{role}")
+        assert (first, first + ranks * per_rank - 1) in ingress(children, f"llama-8b-{role}")
+
+
+def test_the_fake_backend_listens_on_no_transfer_ports_and_none_are_opened(tiny):
+    tiny["spec"]["transfer"] = {"backend": "fake"}
+    children = children_by_kind_name(tiny)
+    assert ingress(children, "tiny-prefill") == {(8000, 8000): ["router"], (8998, 8998): ["decode"]}
+    assert ingress(children, "tiny-decode") == {(8000, 8000): ["router"]}
+    for role in ("prefill", "decode"):
+        args = container(children, "StatefulSet", f"tiny-{role}")["args"]
+        assert "--control-port" not in args and "--transfer-port-base" not in args
+
+
+def test_no_worker_sets_mooncakes_port_range_in_its_environment(tiny):
+    for role in ("prefill", "decode"):
+        env = container(children_by_kind_name(tiny), "StatefulSet", f"tiny-{role}")["env"]
+        assert not {e["name"] for e in env} & {"MC_MIN_RPC_PORT", "MC_MAX_RPC_PORT"}
 
 
 def test_replicas_follow_the_spec_per_role(gpu):
@@ -254,7 +364,7 @@ def test_defaults_match_when_the_api_server_filled_nothing():
         "spec": {"model": {"hostPath": "/m", "path": "x"}, "servedModelName": "m", "image": "img"},
     }
     args = worker_args(ModelSpec.from_cr(cr), names.PREFILL)
-    flags = dict(zip(args[1::2], args[2::2]))
+    flags = dict(zip(args[1::2], args[2::2], strict=False))
     assert flags["--transfer-backend"] == "mooncake" and flags["--transfer-protocol"] == "tcp"
     assert flags["--page-size"] == "16" and flags["--kv-dtype"] == "bfloat16"
 
@@ -268,6 +378,97 @@ def test_generated_auth_secret_holds_the_token(tiny):
 
 def test_named_auth_secret_is_used_instead(tiny):
     tiny["spec"]["auth"] = {"secretName": "mine"}
-    c = container(children_by_kind_name(tiny), "Deployment", "tiny-router")
-    env = {e["name"]: e for e in c["env"]}
-    assert env["DISAGG_AUTH_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "mine", "key": "token"}
+    children = children_by_kind_name(tiny)
+    for kind, name in [("StatefulSet", "tiny-prefill"), ("StatefulSet", "tiny-decode"), ("Deployment", "tiny-router")]:
+        vols = {v["name"]: v for v in children[(kind, name)]["spec"]["template"]["spec"]["volumes"]}
+        assert vols["auth"]["secret"]["secretName"] == "mine"
+
+
+def _pod(children: dict, kind: str, name: str) -> dict:
+    return children[(kind, name)]["spec"]["template"]["spec"]
+
+
+@pytest.mark.parametrize("timeout", [None, 120])
+def test_pods_drain_before_the_kubelet_kills_them(tiny, timeout):
+    if timeout is not None:
+        tiny["spec"]["drain"] = {"timeoutSeconds": timeout}
+    drain = timeout or 30
+    children = children_by_kind_name(tiny)
+    for kind, name in [("StatefulSet", "tiny-prefill"), ("StatefulSet", "tiny-decode"), ("Deployment", "tiny-router")]:
+        pod = _pod(children, kind, name)
+        c = pod["containers"][0]
+        assert c["args"][c["args"].index("--drain-timeout") + 1] == str(drain)
+        # preStop keeps serving while Services and the router drop the pod; SIGTERM then starts the drain.
+        assert c["lifecycle"] == {"preStop": {"sleep": {"seconds": names.PRESTOP_SLEEP_SECONDS}}}
+        grace = pod["terminationGracePeriodSeconds"]
+        assert grace == names.PRESTOP_SLEEP_SECONDS + drain + names.EXIT_MARGIN_SECONDS
+        assert grace > names.PRESTOP_SLEEP_SECONDS + drain
+
+
+def test_both_roles_carry_one_pairing_revision_that_follows_what_they_must_agree_on(tiny):
+    def revisions(cr: dict) -> dict[str, str]:
+        children = children_by_kind_name(cr)
+        out = {}
+        for role in ("prefill", "decode"):
+            template = children[("StatefulSet", f"tiny-{role}")]["spec"]["template"]
+            env = {e["name"]: e for e in template["spec"]["containers"][0]["env"]}
+            assert env["DISAGG_REVISION"]["valueFrom"] == {
+                "fieldRef": {"fieldPath": "metadata.labels['disagg.dev/revision']"}
+            }
+            assert env["DISAGG_POD_NAME"]["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.name"}}
+            out[role] = template["metadata"]["labels"]["disagg.dev/revision"]
+        return out
+
+    before = revisions(tiny)
+    assert before["prefill"] == before["decode"]
+    tiny["spec"]["decode"]["engine"] = {"maxRunningRequests": 8}  # decode only, compatible: same revision
+    assert revisions(tiny) == before
+    tiny["spec"]["image"] = "ghcr.io/disagg/worker:0.2.0"
+    after = revisions(tiny)
+    assert after["prefill"] == after["decode"] != before["prefill"]
+
+
+def test_template_hash_and_partition_are_what_the_rollout_planner_reads_and_sets(tiny):
+    spec = ModelSpec.from_cr(tiny)
+    objs = {o["metadata"]["name"]: o for o in build_children(spec, CFG, {"decode": 1}) if o["kind"] == "StatefulSet"}
+    assert objs["tiny-decode"]["spec"]["updateStrategy"] == {"type": "RollingUpdate", "rollingUpdate": {"partition": 1}}
+    assert objs["tiny-prefill"]["spec"]["updateStrategy"]["rollingUpdate"] == {"partition": 0}
+    hashes = {n: o["metadata"]["annotations"]["disagg.dev/template-hash"] for n, o in objs.items()}
+    tiny["spec"]["decode"]["engine"] = {"maxRunningRequests": 8}
+    changed = {
+        o["metadata"]["name"]: o["metadata"]["annotations"]["disagg.dev/template-hash"]
+        for o in build_children(ModelSpec.from_cr(tiny), CFG)
+        if o["kind"] == "StatefulSet"
+    }
+    assert changed["tiny-prefill"] == hashes["tiny-prefill"] and changed["tiny-decode"] != hashes["tiny-decode"]
+    tiny["spec"]["rollout"] = {"minReadySeconds": 20}
+    sts = children_by_kind_name(tiny)[("StatefulSet", "tiny-decode")]
+    assert sts["spec"]["minReadySeconds"] == 20
+
+
+def test_the_crs_own_labels_reach_every_child_and_pod_but_not_its_internal_ones(tiny):
+    tiny["metadata"]["labels"] = {
+        "team": "search",
+        "app.kubernetes.io/version": "1.2",
+        "app.kubernetes.io/managed-by": "argocd",  # the operator's own key: not copied
+        "disagg.dev/role": "x",  # internal: not copied
+    }
+    children = children_by_kind_name(tiny)
+    for (kind, name), obj in children.items():
+        labels = obj["metadata"]["labels"]
+        assert labels["team"] == "search" and labels["app.kubernetes.io/version"] == "1.2", name
+        assert labels["app.kubernetes.io/managed-by"] == "disagg-operator"
+        if kind in ("StatefulSet", "Deployment"):
+            pod_labels = obj["spec"]["template"]["metadata"]["labels"]
+            assert pod_labels["team"] == "search"
+            assert pod_labels["disagg.dev/role"] == obj["metadata"]["labels"]["app.kubernetes.io/component"]
+            assert "team" not in obj["spec"]["selector"]["matchLabels"]
+
+
+def test_served_model_name_defaults_to_the_crs_name(tiny):
+    del tiny["spec"]["servedModelName"]
+    spec = ModelSpec.from_cr(tiny)
+    assert spec.served_model_name == "tiny"
+    args = worker_args(spec, names.DECODE)
+    assert args[args.index("--served-model-name") + 1] == "tiny"
+    assert router_args(spec, CFG)[router_args(spec, CFG).index("--served-model-name") + 1] == "tiny"

@@ -119,3 +119,37 @@ def test_chart_values_follow_the_chart_schema():
     for key, node in vschema["properties"].items():
         if node.get("additionalProperties") is False:
             assert set(values.get(key, {})) <= set(node["properties"]), key
+
+
+def test_every_shipped_crd_is_generated_and_the_chart_has_identical_copies():
+    from disagg_operator import scaler_crd
+
+    files = crd.files()
+    assert set(files) == {"disagg.dev_disaggregatedmodels.yaml", "disagg.dev_rolescalers.yaml"}
+    for name, text in files.items():
+        assert (REPO / "crds" / name).read_text() == text, f"run: python -m disagg_operator.crd crds {CHART}/crds"
+        assert (CHART / "crds" / name).read_text() == text
+    sub = scaler_crd.build_scaler_crd()["spec"]["versions"][0]["subresources"]
+    assert sub["scale"] == {
+        "specReplicasPath": ".spec.replicas",
+        "statusReplicasPath": ".status.replicas",
+        "labelSelectorPath": ".status.selector",
+    }
+
+
+def test_day_two_blocks_default_so_their_defaults_apply():
+    spec = schema()["properties"]["spec"]
+    props = spec["properties"]
+    assert "servedModelName" not in spec["required"]
+    for block in ("drain", "rollout", "scaling"):
+        assert props[block]["default"] == {}, block
+    assert props["drain"]["properties"]["timeoutSeconds"]["default"] == 30
+    rollout = props["rollout"]["properties"]
+    assert rollout["order"]["default"] == "DecodeFirst" and rollout["order"]["enum"] == ["DecodeFirst", "PrefillFirst"]
+    assert rollout["progressDeadlineSeconds"]["default"] == 600 and "default" not in rollout["maxSkew"]
+    assert props["scaling"]["properties"]["prefillPerDecode"]["exclusiveMinimum"] is True
+
+
+def test_served_model_name_stays_immutable_when_it_defaults_to_the_name():
+    rule = next(r for w, r, _ in crd.RULES if "servedModelName" in r)
+    assert "oldSelf.metadata.name" in rule and "self.metadata.name" in rule

@@ -1,10 +1,18 @@
 """Status and conditions as a pure function of what the children report."""
 
+from dataclasses import dataclass, field
+from typing import Any
+
 import pytest
 
+from disagg_operator.builders import template_hash, worker_pod_template
+from disagg_operator.config import OperatorConfig
 from disagg_operator.reconcile import Runtime
+from disagg_operator.routerview import merge_reports
+from disagg_operator.scaling import ScalerObservation
 from disagg_operator.spec import ModelSpec
 from disagg_operator.status import (
+    Findings,
     PodProblem,
     RoleObservation,
     compute_status,
@@ -14,7 +22,7 @@ from disagg_operator.status import (
     transitions,
 )
 
-CR = {
+CR: dict[str, Any] = {
     "apiVersion": "disagg.dev/v1alpha1",
     "kind": "DisaggregatedModel",
     "metadata": {"name": "m", "namespace": "ns", "uid": "u1", "generation": 3},
@@ -28,9 +36,11 @@ CR = {
     },
 }
 SPEC = ModelSpec.from_cr(CR)
+# The template hash the operator records on a StatefulSet it applied: with it, no rollout is pending.
+APPLIED = {r: template_hash(worker_pod_template(SPEC, r, OperatorConfig())) for r in ("prefill", "decode")}
 ALL_READY = {
-    "prefill": RoleObservation(1, 1, 1),
-    "decode": RoleObservation(2, 2, 2),
+    "prefill": RoleObservation(1, 1, 1, template_hash=APPLIED["prefill"]),
+    "decode": RoleObservation(2, 2, 2, template_hash=APPLIED["decode"]),
     "router": RoleObservation(1, 1, 1),
 }
 
@@ -39,8 +49,9 @@ def conds(status: dict) -> dict[str, dict]:
     return {c["type"]: c for c in status["conditions"]}
 
 
-def status(observed, problems=(), errors=(), previous=None, now="T1") -> dict:
-    return compute_status(SPEC, 3, observed, list(problems), list(errors), previous or {}, "http://e", now)
+def status(observed, problems=(), errors=(), previous=None, now="T1", findings=None) -> dict:
+    found = findings or Findings()
+    return compute_status(SPEC, 3, observed, list(problems), list(errors), previous or {}, "http://e", now, found)
 
 
 def test_all_roles_ready_means_ready_and_not_progressing():
@@ -196,12 +207,14 @@ class FakeKube:
         self.status_writes: list[dict] = []
         self.applied: list[str] = []
         self.created: list[str] = []
+        self.patches: list[tuple] = []
 
     def get(self, api_version, kind, namespace, name):
         return self.objects.get((kind, name))
 
     def apply(self, obj):
         self.applied.append(f"{obj['kind']}/{obj['metadata']['name']}")
+        self.last_applied = obj
 
     def create_if_absent(self, obj):
         key = (obj["kind"], obj["metadata"]["name"])
@@ -211,17 +224,29 @@ class FakeKube:
         self.created.append(f"{obj['kind']}/{obj['metadata']['name']}")
         return True
 
-    def patch_status(self, namespace, name, status):
-        self.status_writes.append(status)
+    def patch_status(self, namespace, name, status, kind="DisaggregatedModel"):
+        if kind == "DisaggregatedModel":
+            self.status_writes.append(status)
+        else:
+            self.patches.append((kind, name, "status", status))
+
+    def patch(self, kind, namespace, name, body):
+        self.patches.append((kind, name, "spec", body))
+
+
+@dataclass
+class RecordingRuntime(Runtime):
+    """A Runtime over a FakeKube that keeps the Events it posts."""
+
+    kube: Any
+    events: list = field(default_factory=list)
 
 
 @pytest.fixture
 def runtime():
     from disagg_operator.config import OperatorConfig
 
-    events = []
-    rt = Runtime(FakeKube(), OperatorConfig(), lambda cr, e: events.append(e))
-    rt.events = events
+    rt = RecordingRuntime(FakeKube(), OperatorConfig(), lambda cr, e: rt.events.append(e))
     return rt
 
 
@@ -253,7 +278,7 @@ def test_auth_secret_is_generated_once_and_children_applied(runtime):
     runtime.apply_children(CR)
     assert runtime.kube.created == ["Secret/m-auth"]
     assert runtime.kube.objects[("Secret", "m-auth")]["data"]["token"] == token
-    assert "StatefulSet/m-decode" in runtime.kube.applied and len(runtime.kube.applied) == 22
+    assert "StatefulSet/m-decode" in runtime.kube.applied and len(runtime.kube.applied) == 26  # 13 children, twice
 
 
 def test_missing_named_secret_degrades_with_a_message(runtime):
@@ -270,7 +295,7 @@ def test_missing_named_secret_degrades_with_a_message(runtime):
 
 def test_a_replaced_pods_failure_stays_reported_until_its_role_is_whole_again(runtime):
     failed = PodProblem("m-decode-0", "decode", "container decode: Error (exit code 1)")
-    replacing = dict(ALL_READY, decode=RoleObservation(2, 1, 2))
+    replacing = dict(ALL_READY, decode=RoleObservation(2, 1, 2, template_hash=APPLIED["decode"]))
     runtime.refresh_status(CR, replacing, [failed])
     runtime.refresh_status(CR, replacing, [])  # the failed pod is gone, its replacement is not ready yet
     assert conds(runtime.kube.status_writes[-1])["Degraded"]["status"] == "True"
@@ -280,14 +305,15 @@ def test_a_replaced_pods_failure_stays_reported_until_its_role_is_whole_again(ru
 
 
 def test_a_failed_pod_being_deleted_still_counts_but_a_normal_shutdown_does_not():
-    pod = {
+    pod: dict[str, Any] = {
         "metadata": {"name": "m-decode-0", "labels": {"disagg.dev/role": "decode"}, "deletionTimestamp": "T"},
         "status": {
             "phase": "Failed",
             "containerStatuses": [{"name": "decode", "state": {"terminated": {"exitCode": 1, "reason": "Error"}}}],
         },
     }
-    assert pod_problem(pod).reason == "container decode: Error (exit code 1)"
+    problem = pod_problem(pod)
+    assert problem is not None and problem.reason == "container decode: Error (exit code 1)"
     pod["status"]["phase"] = "Running"
     pod["status"]["containerStatuses"][0]["state"]["terminated"]["exitCode"] = 143
     assert pod_problem(pod) is None
@@ -308,7 +334,8 @@ def test_a_terminating_namespace_is_remembered_until_a_reconcile_succeeds(runtim
 
     def terminating(obj):
         e = ApiException(status=403, reason="Forbidden")
-        e.body = b"unable to create new content in namespace ns because it is being terminated"
+        # The API client hands reconcile the raw response body (bytes), whatever its annotation says.
+        e.body = b"unable to create new content in namespace ns because it is being terminated"  # type: ignore[assignment]
         raise e
 
     runtime.kube.apply = terminating
@@ -318,3 +345,130 @@ def test_a_terminating_namespace_is_remembered_until_a_reconcile_succeeds(runtim
     runtime.kube.apply = lambda obj: None
     runtime.apply_children(CR)
     assert runtime.terminating == set()
+
+
+def test_ready_needs_a_verified_pair_and_failing_pairs_are_named():
+    view = merge_reports(
+        {"m-router-0": {"pairs": [{"prefill": "p0", "decode": "d0", "verified": False, "error": "x"}]}}
+    )
+    c = conds(status(ALL_READY, findings=Findings(router=view)))
+    assert c["PairingVerified"]["status"] == "False" and "p0 -> d0: x" in c["PairingVerified"]["message"]
+    assert c["Ready"]["status"] == "False" and c["Ready"]["reason"] == "PairingNotVerified"
+    assert c["HandoffStalled"]["status"] == "False"
+    fine = conds(status(ALL_READY))
+    assert fine["Ready"]["status"] == "True" and fine["PairingVerified"]["reason"] == "RouterReady"
+    assert fine["HandoffStalled"]["status"] == "Unknown"
+
+
+def test_pairing_and_stalls_speak_through_events_only_when_they_go_bad_or_recover():
+    first = status({})
+    ready = status(ALL_READY, previous=first)
+    assert "PairingVerified" not in [
+        e.message.split("=")[0] for e in transitions(first["conditions"], ready["conditions"])
+    ]
+    bad = merge_reports(
+        {
+            "m-router-0": {
+                "pairs": [{"prefill": "p0", "decode": "d0", "verified": False, "error": "x"}],
+                "handoff": {
+                    "stall_after_s": 60,
+                    "workers": [{"pod": "d0", "role": "decode", "stalled_queues": ["decode_transfer"]}],
+                },
+            }
+        }
+    )
+    broken = status(ALL_READY, previous=ready, findings=Findings(router=bad))
+    events = {e.reason: e.type for e in transitions(ready["conditions"], broken["conditions"])}
+    assert events == {"PairingNotVerified": "Warning", "NoVerifiedPair": "Warning", "QueueStalled": "Warning"}
+    good = merge_reports(
+        {"m-router-0": {"pairs": [{"prefill": "p0", "decode": "d0", "verified": True}], "handoff": {}}}
+    )
+    healed = status(ALL_READY, previous=broken, findings=Findings(router=good))
+    events = {e.reason: e.type for e in transitions(broken["conditions"], healed["conditions"])}
+    assert events == {"AllReplicasReady": "Normal", "PairsVerified": "Normal", "Flowing": "Normal"}
+
+
+def test_a_template_change_steps_decode_first_and_applies_only_what_moved(runtime):
+    changed = {**CR, "spec": {**CR["spec"], "image": "img:2"}}
+    applied = []
+    runtime.kube.apply = applied.append
+    runtime.step_rollout(changed, ALL_READY, [])
+    partitions = {o["metadata"]["name"]: o["spec"]["updateStrategy"]["rollingUpdate"]["partition"] for o in applied}
+    assert partitions == {"m-prefill": 1, "m-decode": 1}  # prefill held whole, decode's last pod released
+    assert {o["spec"]["template"]["spec"]["containers"][0]["image"] for o in applied} == {"img:2"}
+    applied.clear()
+    runtime.step_rollout(CR, ALL_READY, [])
+    assert applied == []
+    runtime.refresh_status(changed, ALL_READY, [])
+    written = runtime.kube.status_writes[-1]
+    assert written["rollout"]["decode"] == {"released": 1, "updatedReady": 0}
+    assert conds(written)["Progressing"]["reason"] == "RollingOut"
+
+
+def test_the_role_scaler_is_created_once_then_kept_in_step(runtime):
+    runtime.sync_scaler(CR, None, 1)
+    assert runtime.kube.created == ["RoleScaler/m-prefill"]
+    scaled = ScalerObservation(3, 2, {"replicas": 1, "selector": "s", "observedGeneration": 1})
+    runtime.sync_scaler(CR, scaled, 1)
+    assert runtime.kube.patches == [
+        ("DisaggregatedModel", "m", "spec", {"spec": {"prefill": {"replicas": 3}}}),
+        (
+            "RoleScaler",
+            "m-prefill",
+            "status",
+            {"replicas": 1, "selector": "disagg.dev/model=m,disagg.dev/role=prefill", "observedGeneration": 2},
+        ),
+    ]
+    deleting = {**CR, "metadata": {**CR["metadata"], "deletionTimestamp": "T"}}
+    runtime.kube.objects.clear()
+    runtime.sync_scaler(deleting, None, 1)
+    assert runtime.kube.created == ["RoleScaler/m-prefill"]
+
+
+def test_a_deleted_cr_is_neither_written_nor_ticked_again(runtime):
+    from kubernetes.client.exceptions import ApiException
+
+    def gone(namespace, name, status, kind="DisaggregatedModel"):
+        raise ApiException(status=404, reason="Not Found")
+
+    runtime.kube.patch_status = gone
+    assert not runtime.refresh_status(CR, ALL_READY, [])
+    assert runtime.inputs == {} and runtime.router_pods() == {}
+    calls = []
+    runtime.kube.patch_status = lambda *a, **k: calls.append(a)
+    runtime.tick("u1")  # the clock finds nothing to do for it
+    assert not runtime.refresh_status(CR, ALL_READY, [])  # a handler that began before the deletion
+    other = {**CR, "metadata": {**CR["metadata"], "uid": "u2"}}
+    runtime.refresh_status(other, ALL_READY, [])
+    runtime.forget("u2")
+    assert not runtime.refresh_status(other, ALL_READY, []) and len(calls) == 1
+
+
+def test_role_scaler_writes_are_made_once_while_the_index_lags(runtime):
+    runtime.sync_scaler(CR, None, 1)
+    runtime.sync_scaler(CR, None, 1)  # the index has not seen the new RoleScaler yet
+    assert runtime.kube.created == ["RoleScaler/m-prefill"]
+    scaled = ScalerObservation(3, 2, {"replicas": 1, "selector": "s", "observedGeneration": 1})
+    for _ in range(3):  # our writes are not in the index yet: each event sees the same scaler
+        runtime.sync_scaler(CR, scaled, 1)
+    assert [p[2] for p in runtime.kube.patches] == ["spec", "status"]
+    again = ScalerObservation(5, 3, {"replicas": 1, "selector": "s", "observedGeneration": 2})
+    runtime.sync_scaler(CR, again, 1)  # scaled once more: a new generation is handed on
+    assert runtime.kube.patches[-2][3] == {"spec": {"prefill": {"replicas": 5}}}
+    runtime.kube.objects.clear()
+    runtime.sync_scaler(CR, None, 1, recreate=True)  # deleted by hand
+    assert runtime.kube.created == ["RoleScaler/m-prefill", "RoleScaler/m-prefill"]
+
+
+def test_a_reconcile_that_fails_before_the_workers_still_reports_it(runtime):
+    from disagg_operator.handlers import Seen, Work, converge
+    from disagg_operator.reconcile import ReconcileError
+
+    cr = {**CR, "spec": {**CR["spec"], "auth": {"secretName": "absent"}}}
+    applied = []
+    runtime.kube.apply = applied.append
+    with pytest.raises(ReconcileError):
+        converge(runtime, cr, lambda: Seen(dict(ALL_READY), [], [], None), Work(apply_all=True))
+    assert applied == []  # nothing applied without the Secret
+    degraded = conds(runtime.kube.status_writes[-1])["Degraded"]
+    assert degraded["reason"] == "ReconcileFailed" and "auth Secret absent not found" in degraded["message"]

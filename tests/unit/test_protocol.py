@@ -9,11 +9,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from disagg_worker.engine.sampling import SamplingParams
+from disagg_worker.limits import RequestLimits
 from disagg_worker.server.errors import APIError
 from disagg_worker.server.protocol import (
     ChatRequest,
     CompletionRequest,
-    fit_to_context,
     parse_chat,
     parse_completion,
     parse_generate,
@@ -24,15 +24,19 @@ MODEL, CTX, VOCAB = "tiny-llama", 2048, 32000
 
 
 def completion(body, vocab=None):
-    return parse_completion(body, MODEL, CTX, vocab)
+    return parse_completion(body, MODEL, RequestLimits(CTX, vocab))
 
 
 def chat(body):
-    return parse_chat(body, MODEL, CTX)
+    return parse_chat(body, MODEL, RequestLimits(CTX))
 
 
 def generate(body):
-    return parse_generate(body, CTX, VOCAB)
+    return parse_generate(body, RequestLimits(CTX, VOCAB))
+
+
+def fit_to_context(sampling, prompt_len, max_context, explicit):
+    return RequestLimits(max_context).fit(sampling, prompt_len, explicit)
 
 
 def error(fn, body) -> APIError:
@@ -105,7 +109,7 @@ def test_completion_accepts_single_prompt_shapes(prompt, expected):
 
 
 def test_token_prompt_shrinks_default_and_rejects_explicit_overflow():
-    req = parse_completion({"prompt": [1] * 2040}, MODEL, CTX)
+    req = parse_completion({"prompt": [1] * 2040}, MODEL, RequestLimits(CTX))
     assert req.sampling.max_new_tokens == 8
     e = error(completion, {"prompt": [1] * 2040, "max_tokens": 9})
     assert (e.status, e.param) == (400, "max_tokens") and "2048" in e.message
@@ -228,6 +232,7 @@ BAD_COMPLETIONS = [
     ({"prompt": "x", "stop": ""}, "stop"),
     ({"prompt": "x", "stop": [1]}, "stop"),
     ({"prompt": "x", "stop": ["s"] * 17}, "stop"),
+    ({"prompt": "x", "stop": ["ok", "s" * 1025]}, "stop"),
     ({"prompt": "x", "stop_token_ids": [True]}, "stop_token_ids"),
     ({"prompt": "x", "ignore_eos": 1}, "ignore_eos"),
     ({"prompt": "x", "min_tokens": 17}, "min_tokens"),
@@ -248,6 +253,11 @@ def test_bad_completion_fields_name_the_param(body, param):
     e = error(completion, body)
     assert (e.status, e.type, e.param) == (400, "invalid_request_error", param)
     assert param.split(".")[-1] in e.message
+
+
+def test_stop_strings_up_to_the_length_cap_are_taken():
+    assert completion({"prompt": "x", "stop": ["s" * 1024]}).sampling.stop == ("s" * 1024,)
+    assert "at most 1024 characters" in error(completion, {"prompt": "x", "stop": "s" * 1025}).message
 
 
 def test_stop_token_ids_checked_against_vocab():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from itertools import pairwise
 
 import pytest
 import torch
@@ -105,7 +106,7 @@ def test_seeded_sampling_does_not_depend_on_batch_mates():
         batch = [*mates[:1], me, *mates[1:]]
         for step in range(steps):
             out = sampler.sample(logits(len(batch), seed=step).index_copy(0, torch.tensor([1]), x), batch)
-            for r, t in zip(batch, out.token_ids):
+            for r, t in zip(batch, out.token_ids, strict=True):
                 r.output_ids.append(t)
         return me.output_ids
 
@@ -184,7 +185,7 @@ def test_logprobs_are_raw_sorted_and_consistent_with_softmax():
     ref = torch.log_softmax(x, -1)
     top = out.top_logprobs[0]
     assert [t for t, _ in top] == ref[0].topk(5).indices.tolist()
-    assert all(a[1] >= b[1] for a, b in zip(top, top[1:]))
+    assert all(a[1] >= b[1] for a, b in pairwise(top))
     assert all(math.isclose(lp, ref[0, t].item(), abs_tol=1e-5) for t, lp in top)
     for i in range(3):
         assert math.isclose(out.logprobs[i], ref[i, out.token_ids[i]].item(), abs_tol=1e-5)

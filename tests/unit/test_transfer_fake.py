@@ -1,4 +1,4 @@
-"""The fake backend through the public registry: what a scheduler unit test relies on."""
+"""The fake backend through the public backend table: what a scheduler unit test relies on."""
 
 from __future__ import annotations
 
@@ -11,12 +11,11 @@ from disagg_worker.disagg import (
     KVLayout,
     KVPoll,
     create_kv_manager,
-    get_backend,
+    manager_class,
     pack_first_token,
     unpack_first_token,
 )
 from disagg_worker.disagg.fake import FakeKVManager
-from disagg_worker.env import load_env
 
 LAYOUT = KVLayout([0x1000, 0x9000], [4096, 4096], page_nbytes=512, page_size=4, kv_dtype="float32", num_pages=8)
 _rooms = itertools.count(1 << 40)
@@ -28,12 +27,14 @@ def managers():
     return p, d
 
 
-def test_registry_names_backends_and_rejects_unknown():
-    assert get_backend("fake", Role.PREFILL) is FakeKVManager
+def test_backends_are_found_by_name_and_unknown_names_rejected():
+    assert manager_class("fake", Role.PREFILL) is FakeKVManager
     with pytest.raises(ValueError, match="unknown transfer backend 'nope'"):
-        get_backend("nope", Role.DECODE)
+        manager_class("nope", Role.DECODE)
     with pytest.raises(ValueError):
-        get_backend("fake", Role.MONOLITHIC)
+        manager_class("fake", Role.MONOLITHIC)
+    with pytest.raises(ValueError, match="unknown transfer backend 'nope'"):
+        create_kv_manager(DisaggConfig(role=Role.PREFILL, transfer_backend="nope"), LAYOUT)
 
 
 def test_fake_round_trip_delivers_aux_and_success():
@@ -111,8 +112,3 @@ def test_close_fails_live_rooms():
     s = p.create_sender(next(_rooms))
     p.close()
     assert s.poll() is KVPoll.Failed and "closed" in s.failure_reason()
-
-
-def test_env_reads_the_auth_token_with_prefix():
-    assert load_env({"DISAGG_AUTH_TOKEN": " s3cret \n"}).auth_token == "s3cret"
-    assert load_env({"AUTH_TOKEN": "x"}).auth_token == ""

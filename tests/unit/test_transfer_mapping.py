@@ -13,19 +13,39 @@ from disagg_worker.disagg import KVLayout
 from disagg_worker.disagg.bootstrap import RankRegistration
 from disagg_worker.disagg.bootstrap_client import Topology
 from disagg_worker.disagg.heartbeat import HeartbeatMonitor
-from disagg_worker.disagg.mooncake_decode import check_compatible
-from disagg_worker.disagg.peers import layer_buffer_map
+from disagg_worker.disagg.mapping import check_compatible, layer_buffer_map
 
 LAYOUT = KVLayout([1, 2, 3, 4], [1024] * 4, page_nbytes=256, page_size=16, kv_dtype="bfloat16", num_pages=4)
 
 
+def layout(layers: int = 2, start_layer: int = 0) -> KVLayout:
+    """LAYOUT (one KV head of 16 bytes) holding `layers` layers from `start_layer`."""
+    n = 2 * layers
+    return KVLayout([1] * n, [1024] * n, 256, 16, "bfloat16", 4, start_layer=start_layer)
+
+
 def topo(tp=1, pp=1, page_size=16, kv_dtype="bfloat16"):
     ranks = [
-        RankRegistration(t, tp, p, pp, "10.0.0.9", 5000 + 10 * p + t, page_size, kv_dtype, "s", 2 * p, 2)
+        RankRegistration(
+            tp_rank=t,
+            tp_size=tp,
+            pp_rank=p,
+            pp_size=pp,
+            rank_ip="10.0.0.9",
+            rank_port=5000 + 10 * p + t,
+            page_size=page_size,
+            kv_dtype=kv_dtype,
+            session_id="s",
+            start_layer=2 * p,
+            num_layers=2,
+            kv_head_start=0,
+            num_kv_heads=1,
+            head_nbytes=16,
+        )
         for p in range(pp)
         for t in range(tp)
     ]
-    return Topology("id", tp, pp, page_size, kv_dtype, ranks)
+    return Topology(instance_id="id", tp_size=tp, pp_size=pp, page_size=page_size, kv_dtype=kv_dtype, ranks=ranks)
 
 
 def cfg(tp=1, pp=1):
@@ -35,9 +55,9 @@ def cfg(tp=1, pp=1):
 def test_equal_tp_maps_rank_to_rank_and_pp1_decode_pulls_every_stage():
     targets, err = check_compatible(topo(tp=2), cfg(tp=2), LAYOUT, tp_rank=1, pp_rank=0)
     assert not err and [(r.tp_rank, r.pp_rank) for r in targets] == [(1, 0)]
-    targets, err = check_compatible(topo(tp=2, pp=3), cfg(tp=2, pp=1), LAYOUT, tp_rank=0, pp_rank=0)
+    targets, err = check_compatible(topo(tp=2, pp=3), cfg(tp=2, pp=1), layout(6), tp_rank=0, pp_rank=0)
     assert not err and [(r.tp_rank, r.pp_rank) for r in targets] == [(0, 0), (0, 1), (0, 2)]
-    targets, err = check_compatible(topo(pp=2), cfg(pp=2), LAYOUT, tp_rank=0, pp_rank=1)
+    targets, err = check_compatible(topo(pp=2), cfg(pp=2), layout(2, start_layer=2), tp_rank=0, pp_rank=1)
     assert [(r.tp_rank, r.pp_rank) for r in targets] == [(0, 1)]
 
 
@@ -46,7 +66,7 @@ def test_equal_tp_maps_rank_to_rank_and_pp1_decode_pulls_every_stage():
     [
         (topo(page_size=32), cfg(), ["prefill page_size=32", "decode page_size=16"]),
         (topo(kv_dtype="float32"), cfg(), ["prefill kv_dtype=float32", "decode kv_dtype=bfloat16"]),
-        (topo(tp=2), cfg(tp=1), ["prefill tp_size=2", "decode tp_size=1"]),
+        (topo(tp=2), cfg(tp=3), ["prefill tp_size=2", "decode tp_size=3"]),
         (topo(pp=2), cfg(pp=3), ["prefill pp_size=2", "decode pp_size=3"]),
     ],
 )

@@ -26,9 +26,12 @@ ORDER = [KVPoll.Bootstrapping, KVPoll.WaitingForInput, KVPoll.Transferring, KVPo
 def test_status_only_moves_forward_or_to_failed(moves):
     calls, thens = [], []
     cell = StatusCell(on_change=lambda: calls.append(cell.get()))
+
+    def then() -> None:
+        thens.append((cell.get(), len(calls)))
+
     for new in moves:
         before, n_calls, n_thens = cell.get(), len(calls), len(thens)
-        then = lambda: thens.append((cell.get(), len(calls)))
         changed = cell.fail("boom") if new is KVPoll.Failed else cell.advance(new, then=then)
         after = cell.get()
         assert len(calls) == n_calls + changed, "on_change runs once per move, never for a refused one"
@@ -78,9 +81,9 @@ def test_group_runs_covers_the_pairing_with_maximal_runs(data):
     dst = data.draw(st.lists(st.integers(0, 60), min_size=len(src), max_size=len(src)))
     runs = group_runs(src, dst)
     expanded = [(s + k, d + k) for s, d, n in runs for k in range(n)]
-    assert expanded == list(zip(src, dst))
+    assert expanded == list(zip(src, dst, strict=True))
     assert all(n >= 1 for _, _, n in runs)
-    for (s1, d1, n1), (s2, d2, _) in zip(runs, runs[1:]):
+    for (s1, d1, n1), (s2, d2, _) in zip(runs, runs[1:], strict=False):
         assert not (s2 == s1 + n1 and d2 == d1 + n1), "adjacent runs that could merge"
 
 
@@ -95,8 +98,8 @@ def test_group_runs_on_long_page_lists_covers_the_pairing_with_maximal_runs(segs
     src = [s + k for s, _, n in segs for k in range(n)]
     dst = [d + k for _, d, n in segs for k in range(n)]
     runs = group_runs(src, dst)
-    assert [(s + k, d + k) for s, d, n in runs for k in range(n)] == list(zip(src, dst))
-    for (s1, d1, n1), (s2, d2, _) in zip(runs, runs[1:]):
+    assert [(s + k, d + k) for s, d, n in runs for k in range(n)] == list(zip(src, dst, strict=True))
+    for (s1, d1, n1), (s2, d2, _) in zip(runs, runs[1:], strict=False):
         assert not (s2 == s1 + n1 and d2 == d1 + n1), "adjacent runs that could merge"
     assert group_runs(list(range(300)), list(range(50, 350))) == [(0, 50, 300)]
 
@@ -112,11 +115,28 @@ def test_group_runs_examples():
 ints = st.integers(0, 2**63 - 1)
 text = st.text(max_size=20)
 messages = st.one_of(
-    st.builds(DecodeHello, text, text, text, st.lists(ints), st.lists(ints), ints, ints, ints),
-    st.builds(RoomRequest, text, text, ints, st.lists(ints), ints),
-    st.builds(RoomAbort, text, ints, text),
     st.builds(
-        RoomUpdate, ints, ints, ints, st.sampled_from([int(p) for p in KVPoll]), text, st.booleans(), st.binary()
+        DecodeHello,
+        decode_id=text,
+        reply_endpoint=text,
+        session_id=text,
+        buffer_ptrs=st.lists(ints),
+        buffer_nbytes=st.lists(ints),
+        page_nbytes=ints,
+        start_layer=ints,
+        aux_item_nbytes=ints,
+    ),
+    st.builds(RoomRequest, decode_id=text, reply_endpoint=text, room=ints, dest_pages=st.lists(ints), aux_slot=ints),
+    st.builds(RoomAbort, decode_id=text, room=ints, reason=text),
+    st.builds(
+        RoomUpdate,
+        room=ints,
+        tp_rank=ints,
+        pp_rank=ints,
+        status=st.sampled_from([int(p) for p in KVPoll]),
+        reason=text,
+        quiesced=st.booleans(),
+        aux=st.binary(),
     ),
 )
 
@@ -141,8 +161,8 @@ def test_codec_rejects_garbage_with_codec_error(frame):
 
 
 def test_codec_rejects_wrong_types_and_fields():
-    good = encode(RoomAbort("d", 7, "why"))
-    assert decode(good) == RoomAbort("d", 7, "why")
+    good = encode(RoomAbort(decode_id="d", room=7, reason="why"))
+    assert decode(good) == RoomAbort(decode_id="d", room=7, reason="why")
     for bad in (
         b'{"type":"RoomAbort","decode_id":"d","room":"7","reason":"x"}',
         b'{"type":"RoomAbort","decode_id":"d","room":true,"reason":"x"}',
@@ -186,14 +206,14 @@ def test_group_runs_vectorised_path_matches_the_definition(steps):
         src.append(s)
         dst.append(d)
     runs = group_runs(src, dst)
-    assert [(rs + k, rd + k) for rs, rd, n in runs for k in range(n)] == list(zip(src, dst))
-    assert all(not (a[0] + a[2] == b[0] and a[1] + a[2] == b[1]) for a, b in zip(runs, runs[1:]))
+    assert [(rs + k, rd + k) for rs, rd, n in runs for k in range(n)] == list(zip(src, dst, strict=True))
+    assert all(not (a[0] + a[2] == b[0] and a[1] + a[2] == b[1]) for a, b in zip(runs, runs[1:], strict=False))
 
 
 def test_staging_area_reuses_freed_ranges_and_pages_round_trip():
     import torch
 
-    from disagg_worker.disagg.mooncake_staging import StagingArea, gather, scatter, worth_staging
+    from disagg_worker.disagg.mooncake.staging import StagingArea, gather, scatter, worth_staging
 
     area = StagingArea(64 << 10)
     a, b = area.alloc(10_000), area.alloc(20_000)

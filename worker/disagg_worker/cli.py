@@ -5,15 +5,22 @@ from __future__ import annotations
 import argparse
 import sys
 
-from disagg_worker.config import Role, add_disagg_args, add_engine_args, server_args_from_cli
+from disagg_worker.config import ConfigError, Role, add_disagg_args, add_engine_args, server_args_from_cli
+from disagg_worker.keys import SecretError
 
 
 def cmd_serve(ns: argparse.Namespace) -> int:
     args = server_args_from_cli(ns, Role.MONOLITHIC)
     if ns.local:
-        from disagg_worker.server.local import run_local
+        from disagg_worker.server.local import RoleRanks, run_local
 
-        return run_local(sys.argv[2:], args.host, args.port, args.engine.model_name)
+        ranks = RoleRanks(
+            prefill_tp=ns.prefill_tp_size or ns.tp_size,
+            prefill_pp=ns.prefill_pp_size or ns.pp_size,
+            decode_tp=ns.decode_tp_size or ns.tp_size,
+            decode_pp=ns.decode_pp_size or ns.pp_size,
+        )
+        return run_local(sys.argv[2:], args.host, args.port, args.engine.model_name, ranks)
     from disagg_worker.server import launch
 
     launch.run(args)
@@ -24,14 +31,6 @@ def cmd_role(role: Role):
     def run(ns: argparse.Namespace) -> int:
         from disagg_worker.server import launch
 
-        if ns.tp_size != 1 or ns.pp_size != 1:
-            # The transfer layer maps TP/PP ranks, but this engine runs one rank per instance.
-            print(
-                f"disagg {role.value}: --tp-size {ns.tp_size} --pp-size {ns.pp_size} is not supported: "
-                "an instance runs one rank (tensor and pipeline parallel size 1)",
-                file=sys.stderr,
-            )
-            return 2
         launch.run(server_args_from_cli(ns, role))
         return 0
 
@@ -48,7 +47,7 @@ def cmd_router(ns: argparse.Namespace) -> int:
 def cmd_make_tiny(ns: argparse.Namespace) -> int:
     from disagg_worker.model.tiny import make_tiny
 
-    make_tiny(ns.out, seed=ns.seed, arch=ns.arch)
+    make_tiny(ns.out, seed=ns.seed, arch=ns.arch, num_kv_heads=ns.num_kv_heads)
     print(f"wrote a tiny random-weight {ns.arch} model to {ns.out}")
     return 0
 
@@ -82,6 +81,11 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="run router + prefill + decode as separate local processes (Mooncake over TCP)",
     )
+    for role in ("prefill", "decode"):
+        for kind, what in (("tp", "tensor parallel ranks"), ("pp", "pipeline parallel stages")):
+            serve.add_argument(
+                f"--{role}-{kind}-size", type=int, default=0, help=f"--local: {what} of {role} (default --{kind}-size)"
+            )
     serve.set_defaults(func=cmd_serve)
 
     for role in (Role.PREFILL, Role.DECODE):
@@ -102,6 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--out", required=True)
     tiny.add_argument("--seed", type=int, default=0)
     tiny.add_argument("--arch", default="llama", choices=["llama", "qwen2", "qwen3"])
+    tiny.add_argument("--num-kv-heads", type=int, default=0, help="KV heads (default 2; 1: multi-query)")
     tiny.set_defaults(func=cmd_make_tiny)
     convert = msub.add_parser(
         "convert-gguf",
@@ -129,7 +134,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
-    return ns.func(ns)
+    try:
+        return ns.func(ns)
+    except (ConfigError, SecretError) as e:  # a setting that cannot work: say which, start nothing
+        print(f"disagg {ns.command}: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

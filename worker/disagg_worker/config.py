@@ -8,10 +8,16 @@ maps 1:1 onto a field; environment variables are read only in `disagg_worker.env
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from enum import Enum
 
+from disagg_worker import keys
+from disagg_worker.env import WorkerEnv, load_env
 from disagg_worker.model.source import served_name
+
+
+class ConfigError(ValueError):
+    """A start-up setting that cannot work; the message says which flag to change."""
 
 
 class Role(str, Enum):
@@ -59,6 +65,7 @@ class DisaggConfig:
     bootstrap_port: int = 8998
     # Address other instances use to reach this one (pod IP on Kubernetes).
     advertise_host: str = "127.0.0.1"
+    # Ranks of the instance (every role, monolithic too): tensor ranks per stage, pipeline stages.
     tp_size: int = 1
     pp_size: int = 1
     bootstrap_timeout_s: float = 30.0
@@ -66,11 +73,100 @@ class DisaggConfig:
     heartbeat_interval_s: float = 2.0
     heartbeat_max_misses: int = 2
     max_bootstrap_queue: int = 256
+    # Listening ports (each must sit where the operator's NetworkPolicy opens it). Rank i of an
+    # instance (i = pp_rank * tp_size + tp_rank) listens for control messages on control_port + i
+    # (0: any free port, for local runs), and its Mooncake engine takes its two ports (RPC and
+    # TCP data) from the window transfer_port_base + i * transfer_ports_per_rank onwards (0: Mooncake's
+    # own range, MC_MIN_RPC_PORT..MC_MAX_RPC_PORT, 15000-17000 unless set). A window holds more
+    # than two ports because a killed engine's ports stay in TIME_WAIT for ~60 s and Mooncake cannot
+    # bind them again: a restarted rank takes two others.
+    control_port: int = 0
+    transfer_port_base: int = 0
+    transfer_ports_per_rank: int = 8
+    # Decode: pages of a failed room stay out of the free list while prefill may still write them
+    # (quarantine), but not longer than this: a prefill that stays silent is then declared dead and
+    # the pages come back. 0: four times the longest of the waiting timeout and the heartbeat window.
+    quarantine_timeout_s: float = 0.0
+    # Decode: requests waiting for their handshake and pages beyond this are refused (503).
+    max_prealloc_queue: int = 256
     # Mooncake TCP connections per peer (MC_TCP_LANES_PER_PEER; an explicit env var wins). Each
     # lane carries one write at a time with a round trip, so a request's many small writes (one
     # per page run per layer's K and V) finish sooner over more lanes: 64 writes of 4 KiB took
     # 4.0 ms with Mooncake's default of 4 lanes and 2.3 ms with 16 on loopback here.
     tcp_lanes: int = 16
+    # The model's shared secret, read from --auth-token-file at start-up ("": no authentication,
+    # local runs only), kept out of repr so that it is never logged. Each use has its own key
+    # derived from it (`keys`): the bootstrap server's bearer token, the token the router presents
+    # to worker HTTP ports, the key that signs the bootstrap targets decode may contact.
+    auth_token: str = field(default="", repr=False)
+    # From the environment at start-up (`disagg_worker.env`), not flags.
+    # MC_TCP_LANES_PER_PEER as the user set it (None: not set); it wins over tcp_lanes.
+    mc_tcp_lanes_per_peer: str | None = None
+    # Tests only: prefill ranks of this pipeline stage fail every new sender locally (-1: off).
+    fault_fail_senders_on_stage: int = -1
+    # MC_MIN_RPC_PORT / MC_MAX_RPC_PORT as the user set them (None: not set); they may not be
+    # combined with transfer_port_base, which sets them per rank.
+    mc_rpc_port_range: tuple[str | None, str | None] = (None, None)
+
+    @property
+    def num_ranks(self) -> int:
+        return self.tp_size * self.pp_size
+
+    def rank_index(self, tp_rank: int, pp_rank: int) -> int:
+        """The position of a rank in its instance: what its ports are offset by."""
+        return pp_rank * self.tp_size + tp_rank
+
+    def control_port_of(self, rank: int) -> int:
+        """The control channel port of rank `rank` (0: any free port)."""
+        return self.control_port + rank if self.control_port else 0
+
+    def transfer_ports_of(self, rank: int) -> tuple[int, int] | None:
+        """The first and last port of rank `rank`'s Mooncake window (None: Mooncake's own range)."""
+        if not self.transfer_port_base:
+            return None
+        first = self.transfer_port_base + rank * self.transfer_ports_per_rank
+        return first, first + self.transfer_ports_per_rank - 1
+
+    @property
+    def quarantine_limit_s(self) -> float:
+        """How long pages may stay quarantined before their prefill instance is declared dead."""
+        if self.quarantine_timeout_s > 0:
+            return self.quarantine_timeout_s
+        return 4 * max(self.waiting_timeout_s, self.heartbeat_interval_s * self.heartbeat_max_misses)
+
+    @property
+    def bootstrap_token(self) -> str:
+        """Bearer token of the bootstrap server ("" without a shared secret)."""
+        return keys.derive(self.auth_token, keys.BOOTSTRAP) if self.auth_token else ""
+
+    @property
+    def worker_token(self) -> str:
+        """Bearer token the router presents to this instance's HTTP port ("" without a shared secret)."""
+        return keys.derive(self.auth_token, keys.WORKER) if self.auth_token else ""
+
+    @property
+    def target_key(self) -> str:
+        """Key of the router's signature over a request's bootstrap target ("": targets are not checked)."""
+        return keys.derive(self.auth_token, keys.TARGET) if self.auth_token else ""
+
+    def check(self) -> None:
+        """Raise ConfigError naming the first setting that cannot work."""
+        spans = [
+            ("--control-port", self.control_port, self.num_ranks),
+            ("--transfer-port-base", self.transfer_port_base, self.num_ranks * self.transfer_ports_per_rank),
+        ]
+        for flag, base, count in spans:
+            if base and not (1024 <= base and base + count - 1 <= 65535):
+                raise ConfigError(
+                    f"{flag} {base}: the {count} port(s) of {self.num_ranks} rank(s) must fit in 1024-65535"
+                )
+        if self.transfer_ports_per_rank < 2:
+            raise ConfigError("--transfer-ports-per-rank must be at least 2 (Mooncake listens on two ports)")
+        if self.transfer_port_base and self.mc_rpc_port_range != (None, None):
+            raise ConfigError(
+                "MC_MIN_RPC_PORT/MC_MAX_RPC_PORT are set and so is --transfer-port-base, which sets them per "
+                "rank: keep one of the two"
+            )
 
 
 @dataclass(frozen=True)
@@ -83,8 +179,8 @@ class EngineConfig:
     max_context_len: int = 0  # 0: the model's max_position_embeddings
     # "model" runs the real forward; "noop" skips it (scheduler-overhead benchmark only).
     forward: str = "model"
-    # Intra-op threads of the scheduler process; 0: half the cores on CPU (the HTTP process and
-    # the forward share the machine), torch's default on an accelerator.
+    # Intra-op threads of each scheduler process; 0: half the cores on CPU (the HTTP process and
+    # the forward share the machine) split over the ranks, torch's default on an accelerator.
     torch_threads: int = 0
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -98,7 +194,17 @@ class EngineConfig:
             return 0
         import os
 
-        return max(1, (os.cpu_count() or 2) // 2)
+        return max(1, (os.cpu_count() or 2) // 2 // self.world_size)
+
+    @property
+    def world_size(self) -> int:
+        """Scheduler processes of the instance: one per tensor rank per pipeline stage."""
+        return self.disagg.tp_size * self.disagg.pp_size
+
+    @property
+    def uses_prefix_cache(self) -> bool:
+        """Decode never matches prompts (they arrive as KV), so its prefix cache is off."""
+        return self.cache.enable_prefix_cache and self.disagg.role is not Role.DECODE
 
     @property
     def model_name(self) -> str:
@@ -113,6 +219,30 @@ class ServerArgs:
     log_level: str = "info"
     # Seconds without a scheduler heartbeat after which /health fails.
     health_timeout_s: float = 20.0
+    # Bearer tokens clients must present (--api-key, --api-key-file; empty: no API keys). /health
+    # stays open. Kept out of repr so that they are never logged.
+    api_keys: tuple[str, ...] = field(default=(), repr=False)
+    # Generation requests the HTTP front end holds at once (more get 429); 0: `inflight_limit` derives it.
+    max_inflight_requests: int = 0
+    # On SIGTERM: seconds to finish admitted requests before cutting them short and exiting.
+    drain_timeout_s: float = 30.0
+
+    @property
+    def inflight_limit(self) -> int:
+        """The HTTP bound: what the engine can hold, so a request beyond it would only queue.
+
+        Prefill holds its running batch plus its bootstrap queue, decode its running batch (which
+        includes the transfer queue) plus its prealloc queue; a monolithic instance has an unbounded
+        waiting queue, so its bound is the running batch plus three batches of backlog.
+        """
+        if self.max_inflight_requests > 0:
+            return self.max_inflight_requests
+        running, d = self.engine.scheduler.max_running_requests, self.engine.disagg
+        if d.role is Role.PREFILL:
+            return running + d.max_bootstrap_queue
+        if d.role is Role.DECODE:
+            return running + d.max_prealloc_queue
+        return 4 * running
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -135,6 +265,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-batch-tokens", type=int, default=SchedulerConfig.max_batch_tokens)
     p.add_argument("--chunk-size", type=int, default=SchedulerConfig.chunk_size)
     p.add_argument("--disable-overlap", action="store_true")
+    p.add_argument("--tp-size", type=int, default=1, help="tensor parallel ranks (one scheduler process each)")
+    p.add_argument("--pp-size", type=int, default=1, help="pipeline parallel stages (one scheduler process each)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--log-level", default="info")
@@ -143,6 +275,22 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         type=float,
         default=ServerArgs.health_timeout_s,
         help="seconds without a scheduler report after which /health fails",
+    )
+    p.add_argument("--api-key", default=None, help="clients must send 'Authorization: Bearer KEY' (/health is open)")
+    p.add_argument("--api-key-file", default="", help="a file of API keys, one a line (a mounted Secret)")
+    p.add_argument(
+        "--max-inflight-requests",
+        type=int,
+        default=ServerArgs.max_inflight_requests,
+        help="generation requests held at once, more get 429 (0: what the engine can hold: running requests "
+        "plus the prefill bootstrap or decode prealloc queue; 4x --max-running-requests for serve)",
+    )
+    p.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=ServerArgs.drain_timeout_s,
+        help="on SIGTERM, seconds to finish admitted requests (new ones get 503) before cutting them short "
+        "(the operator sets the pod's termination grace period from it)",
     )
 
 
@@ -153,8 +301,6 @@ def add_disagg_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ib-device", default=d.ib_device)
     p.add_argument("--bootstrap-port", type=int, default=d.bootstrap_port)
     p.add_argument("--advertise-host", default=d.advertise_host)
-    p.add_argument("--tp-size", type=int, default=d.tp_size)
-    p.add_argument("--pp-size", type=int, default=d.pp_size)
     p.add_argument("--bootstrap-timeout", type=float, default=d.bootstrap_timeout_s)
     p.add_argument("--waiting-timeout", type=float, default=d.waiting_timeout_s)
     p.add_argument("--heartbeat-interval", type=float, default=d.heartbeat_interval_s)
@@ -166,6 +312,38 @@ def add_disagg_args(p: argparse.ArgumentParser) -> None:
         help="prefill: requests waiting for decode's handshake beyond this are refused (503)",
     )
     p.add_argument(
+        "--control-port",
+        type=int,
+        default=d.control_port,
+        help="rank i listens for control messages on this port + i (0: any free port)",
+    )
+    p.add_argument(
+        "--transfer-port-base",
+        type=int,
+        default=d.transfer_port_base,
+        help="rank i's Mooncake engine listens in [BASE + i*N, BASE + (i+1)*N - 1], N = --transfer-ports-per-rank "
+        "(0: MC_MIN_RPC_PORT..MC_MAX_RPC_PORT)",
+    )
+    p.add_argument("--transfer-ports-per-rank", type=int, default=d.transfer_ports_per_rank)
+    p.add_argument(
+        "--quarantine-timeout",
+        type=float,
+        default=d.quarantine_timeout_s,
+        help="decode: longest wait for a silent prefill to confirm a failed room's writes stopped, before its "
+        "pages are reused (0: 4x the waiting timeout or heartbeat window)",
+    )
+    p.add_argument(
+        "--max-prealloc-queue",
+        type=int,
+        default=d.max_prealloc_queue,
+        help="decode: requests waiting for their handshake and KV pages beyond this are refused (503)",
+    )
+    p.add_argument(
+        "--auth-token-file",
+        default="",
+        help="file holding the model's shared secret (bootstrap token, router-to-worker token, target signing)",
+    )
+    p.add_argument(
         "--tcp-lanes",
         type=int,
         default=d.tcp_lanes,
@@ -173,7 +351,13 @@ def add_disagg_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-def server_args_from_cli(ns: argparse.Namespace, role: Role = Role.MONOLITHIC) -> ServerArgs:
+def server_args_from_cli(
+    ns: argparse.Namespace, role: Role = Role.MONOLITHIC, env: WorkerEnv | None = None
+) -> ServerArgs:
+    """The config chain of one instance: `ns` from the CLI, `env` (default: `load_env()`) from
+    the environment."""
+    env = load_env() if env is None else env
+    api_keys = keys.read_api_keys(ns.api_key, ns.api_key_file)
     cache = CacheConfig(
         page_size=ns.page_size,
         num_pages=ns.num_pages,
@@ -187,7 +371,7 @@ def server_args_from_cli(ns: argparse.Namespace, role: Role = Role.MONOLITHIC) -
         chunk_size=ns.chunk_size,
         enable_overlap=not ns.disable_overlap,
     )
-    disagg = DisaggConfig(role=role)
+    disagg = DisaggConfig(role=role, tp_size=ns.tp_size, pp_size=ns.pp_size)
     if role is not Role.MONOLITHIC:
         disagg = DisaggConfig(
             role=role,
@@ -203,8 +387,18 @@ def server_args_from_cli(ns: argparse.Namespace, role: Role = Role.MONOLITHIC) -
             heartbeat_interval_s=ns.heartbeat_interval,
             heartbeat_max_misses=ns.heartbeat_max_misses,
             max_bootstrap_queue=ns.max_bootstrap_queue,
+            control_port=ns.control_port,
+            transfer_port_base=ns.transfer_port_base,
+            transfer_ports_per_rank=ns.transfer_ports_per_rank,
+            quarantine_timeout_s=ns.quarantine_timeout,
+            max_prealloc_queue=ns.max_prealloc_queue,
             tcp_lanes=ns.tcp_lanes,
+            auth_token=keys.read_secret(ns.auth_token_file, "--auth-token-file") if ns.auth_token_file else "",
+            mc_tcp_lanes_per_peer=env.mc_tcp_lanes_per_peer,
+            fault_fail_senders_on_stage=env.fault_fail_senders_on_stage,
+            mc_rpc_port_range=env.mc_rpc_port_range,
         )
+        disagg.check()
     engine = EngineConfig(
         model_path=ns.model,
         served_model_name=ns.served_model_name,
@@ -219,24 +413,12 @@ def server_args_from_cli(ns: argparse.Namespace, role: Role = Role.MONOLITHIC) -
         disagg=disagg,
     )
     return ServerArgs(
-        engine=engine, host=ns.host, port=ns.port, log_level=ns.log_level, health_timeout_s=ns.health_timeout
+        engine=engine,
+        host=ns.host,
+        port=ns.port,
+        log_level=ns.log_level,
+        health_timeout_s=ns.health_timeout,
+        api_keys=api_keys,
+        max_inflight_requests=ns.max_inflight_requests,
+        drain_timeout_s=ns.drain_timeout,
     )
-
-
-def replace_nested(cfg, **changes):
-    """dataclasses.replace for the chain: `replace_nested(engine, cache__page_size=4)`."""
-    from dataclasses import replace
-
-    direct = {k: v for k, v in changes.items() if "__" not in k}
-    nested: dict[str, dict] = {}
-    for k, v in changes.items():
-        if "__" in k:
-            head, rest = k.split("__", 1)
-            nested.setdefault(head, {})[rest] = v
-    for head, sub in nested.items():
-        direct[head] = replace_nested(getattr(cfg, head), **sub)
-    names = {f.name for f in fields(cfg)}
-    unknown = set(direct) - names
-    if unknown:
-        raise TypeError(f"unknown config fields: {sorted(unknown)}")
-    return replace(cfg, **direct)

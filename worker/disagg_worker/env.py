@@ -1,7 +1,22 @@
-"""Every environment variable the worker reads, in one typed place (prefix `DISAGG_`).
+"""Every environment variable the worker reads, in one typed place.
 
-Read once at start-up with `load_env()`; pass the values down instead of reading
-`os.environ` elsewhere.
+Read once at start-up with `load_env()` (`config.server_args_from_cli` puts the values into the
+config chain); pass the values down instead of reading `os.environ` elsewhere.
+
+Secrets never come from the environment (an environment is inherited by every child process and
+shows in process listings): the model's shared secret and API keys are files (`--auth-token-file`,
+`--api-key-file`). Mooncake's transfer engine reads its own `MC_*` variables itself; the worker
+reads only those it also sets, so that the user's values are known:
+- `MC_TCP_LANES_PER_PEER`: TCP connections per peer. The worker sets it from `--tcp-lanes`
+  unless the user set it (`disagg.mooncake.environ`).
+- `MC_MIN_RPC_PORT` / `MC_MAX_RPC_PORT`: the engine's port range. The worker sets them per rank
+  from `--transfer-port-base` (what the operator's NetworkPolicy opens); setting both is an error.
+The worker's own variables: `DISAGG_POD_NAME` and `DISAGG_REVISION` (set by the operator from the
+pod's name and its `disagg.dev/revision` label; reported on /health), and a test hook,
+`DISAGG_FAULT_FAIL_SENDERS_ON_STAGE=N`, which makes the prefill ranks of pipeline stage N fail every
+new KV sender locally (the fault tests of parallel ranks).
+Others reach Mooncake untouched: `MC_LOG_LEVEL` (`serve --local` and the worker image default it to
+WARNING) and the engine's timeouts (`MC_TRANSFER_TIMEOUT`, `MC_TCP_PROGRESS_TIMEOUT_SEC`).
 """
 
 from __future__ import annotations
@@ -10,15 +25,29 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-PREFIX = "DISAGG_"
-
 
 @dataclass(frozen=True)
 class WorkerEnv:
-    # Bearer token for the bootstrap server ("" disables auth). Both ends must agree.
-    auth_token: str = ""
+    # The pod's name (Kubernetes downward API); reported on /health so routers and the operator can name it.
+    pod_name: str = ""
+    # Pairing revision of this instance (the pod's `disagg.dev/revision` label): the router pairs a prefill
+    # only with a decode of the same revision, so a rollout never mixes incompatible halves. "" outside Kubernetes.
+    revision: str = ""
+    # MC_TCP_LANES_PER_PEER as the user set it, verbatim (None: not set).
+    mc_tcp_lanes_per_peer: str | None = None
+    # Fault injection for tests (DISAGG_FAULT_FAIL_SENDERS_ON_STAGE): prefill ranks of this pipeline
+    # stage fail every new KV sender at once, locally, telling nobody. -1: off.
+    fault_fail_senders_on_stage: int = -1
+    # MC_MIN_RPC_PORT and MC_MAX_RPC_PORT as the user set them (None: not set).
+    mc_rpc_port_range: tuple[str | None, str | None] = (None, None)
 
 
 def load_env(environ: Mapping[str, str] | None = None) -> WorkerEnv:
     env = os.environ if environ is None else environ
-    return WorkerEnv(auth_token=env.get(f"{PREFIX}AUTH_TOKEN", "").strip())
+    return WorkerEnv(
+        pod_name=env.get("DISAGG_POD_NAME", "").strip(),
+        revision=env.get("DISAGG_REVISION", "").strip(),
+        mc_tcp_lanes_per_peer=env.get("MC_TCP_LANES_PER_PEER"),
+        fault_fail_senders_on_stage=int(env.get("DISAGG_FAULT_FAIL_SENDERS_ON_STAGE", "-1")),
+        mc_rpc_port_range=(env.get("MC_MIN_RPC_PORT"), env.get("MC_MAX_RPC_PORT")),
+    )

@@ -19,6 +19,7 @@ class BootstrapInfo:
     host: str
     port: int
     room: int
+    sig: str = ""  # the router's signature over (host, port, room) (`keys.sign_target`); "": unsigned
 
 
 @dataclass(frozen=True)
@@ -90,6 +91,8 @@ class SchedulerStats:
     # Prometheus exposition of the scheduler process's own series (KV transfer metrics).
     metrics_text: str = ""
     queues: dict[str, int] = field(default_factory=dict)
+    # Every rank's P/D queue sizes in a multi-rank instance, by (tp_rank, pp_rank).
+    rank_queues: dict[tuple[int, int], dict[str, int]] = field(default_factory=dict)
 
 
 Message = GenerateReq | AbortReq | FlushCacheReq | BatchOut | EngineInfo | SchedulerStats

@@ -43,6 +43,13 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 - apiGroups: ["disagg.dev"]
   resources: ["disaggregatedmodels/finalizers"]
   verbs: ["update"]
+# Prefill's scaling adapter: created once per model, its replicas handed on to the model, its status kept current.
+- apiGroups: ["disagg.dev"]
+  resources: ["rolescalers"]
+  verbs: ["get", "list", "watch", "create", "patch"]
+- apiGroups: ["disagg.dev"]
+  resources: ["rolescalers/status"]
+  verbs: ["patch"]
 - apiGroups: ["apps"]
   resources: ["statefulsets", "deployments"]
   verbs: ["get", "list", "watch", "create", "patch"]

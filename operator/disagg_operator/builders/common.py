@@ -12,7 +12,9 @@ def selector_labels(spec: ModelSpec, role: str) -> dict[str, str]:
 
 
 def labels(spec: ModelSpec, component: str) -> dict[str, str]:
+    """The CR's own labels, then the operator's (which win on a clash)."""
     return {
+        **spec.labels,
         names.LABEL_NAME: names.APP_NAME,
         names.LABEL_INSTANCE: spec.name,
         names.LABEL_COMPONENT: component,
@@ -71,15 +73,12 @@ def container_security_context(ipc_lock: bool) -> dict[str, Any]:
 
 
 def base_env(spec: ModelSpec) -> list[dict[str, Any]]:
-    """Downward-API identity and the shared auth token, present in every pod."""
+    """Downward-API identity, present in every pod (secrets are files: `secret.auth_volume`)."""
     return [
         {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
         {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        {"name": names.POD_NAME_ENV, "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
-        {
-            "name": names.AUTH_TOKEN_ENV,
-            "valueFrom": {"secretKeyRef": {"name": spec.auth_secret_name, "key": names.AUTH_TOKEN_KEY}},
-        },
     ]
 
 
@@ -92,13 +91,19 @@ def http_probe(path: str, period: int, failures: int) -> dict[str, Any]:
     }
 
 
-def probes() -> dict[str, Any]:
-    """Readiness and liveness on `/health`; a startup probe gives model loading up to ten minutes."""
+def probes(live_path: str = "/health") -> dict[str, Any]:
+    """Readiness on `/health`, liveness on `live_path`; a startup probe gives model loading up to ten minutes."""
     return {
         "readinessProbe": http_probe("/health", 5, 3),
-        "livenessProbe": http_probe("/health", 10, 6),
-        "startupProbe": http_probe("/health", 10, 60),
+        "livenessProbe": http_probe(live_path, 10, 6),
+        "startupProbe": http_probe(live_path, 10, 60),
     }
+
+
+def drain_on_stop() -> dict[str, Any]:
+    """The container's preStop hook: keep serving while Services and the router drop the pod; SIGTERM follows
+    and starts the process's own drain (`--drain-timeout`), which the pod's grace period leaves time for."""
+    return {"lifecycle": {"preStop": {"sleep": {"seconds": names.PRESTOP_SLEEP_SECONDS}}}}
 
 
 def scheduling(placement: Placement) -> dict[str, Any]:

@@ -1,10 +1,11 @@
-"""Objects that protect the pods: the bootstrap Service, PodDisruptionBudgets and the transfer NetworkPolicy."""
+"""Objects that protect the pods: the bootstrap Service, PodDisruptionBudgets and one NetworkPolicy per role."""
 
 from typing import Any
 
 from .. import names
 from ..spec import ModelSpec
 from .common import metadata, selector_labels
+from .ports import Listener, role_listeners
 
 
 def build_bootstrap_service(spec: ModelSpec) -> dict[str, Any]:
@@ -33,34 +34,31 @@ def build_pdb(spec: ModelSpec, role: str) -> dict[str, Any]:
     }
 
 
-def _model_pods(spec: ModelSpec, roles: tuple[str, ...]) -> dict[str, Any]:
-    return {
-        "podSelector": {
-            "matchLabels": {names.MODEL_LABEL: spec.name},
-            "matchExpressions": [{"key": names.ROLE_LABEL, "operator": "In", "values": list(roles)}],
-        }
-    }
+def _ingress_rule(spec: ModelSpec, listener: Listener) -> dict[str, Any]:
+    port: dict[str, Any] = {"protocol": "TCP", "port": listener.first}
+    if listener.last > listener.first:
+        port["endPort"] = listener.last
+    rule: dict[str, Any] = {"ports": [port]}
+    if listener.peers is not None:
+        rule["from"] = [{"podSelector": {"matchLabels": selector_labels(spec, peer)}} for peer in listener.peers]
+    return rule
 
 
-def build_network_policy(spec: ModelSpec) -> dict[str, Any]:
-    """Workers accept HTTP from anywhere, but bootstrap only from this CR's pods and the transfer port range
-    only from this CR's prefill and decode pods: the transfer engine has no authentication of its own."""
-    workers = _model_pods(spec, names.WORKER_ROLES)
-    everyone_of_cr = _model_pods(spec, names.ROLES)
+def build_network_policy(spec: ModelSpec, role: str) -> dict[str, Any]:
+    """Ingress to one role's pods: exactly the ports they listen on (`ports.role_listeners`), each from exactly
+    the pods that connect to it; everything else is refused. The transfer engine has no authentication of its
+    own: only this model's peer role reaches its ports."""
     return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
-        "metadata": metadata(spec, names.network_policy_name(spec.name), "transfer"),
+        "metadata": metadata(spec, names.network_policy_name(spec.name, role), role, role),
         "spec": {
-            "podSelector": workers["podSelector"],
+            "podSelector": {"matchLabels": selector_labels(spec, role)},
             "policyTypes": ["Ingress"],
-            "ingress": [
-                {"ports": [{"protocol": "TCP", "port": names.HTTP_PORT}]},
-                {"from": [everyone_of_cr], "ports": [{"protocol": "TCP", "port": names.BOOTSTRAP_PORT}]},
-                {
-                    "from": [workers],
-                    "ports": [{"protocol": "TCP", "port": names.TRANSFER_PORT_MIN, "endPort": names.TRANSFER_PORT_MAX}],
-                },
-            ],
+            "ingress": [_ingress_rule(spec, listener) for listener in role_listeners(spec, role)],
         },
     }
+
+
+def build_network_policies(spec: ModelSpec) -> list[dict[str, Any]]:
+    return [build_network_policy(spec, role) for role in names.ROLES]

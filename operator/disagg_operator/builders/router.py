@@ -8,6 +8,7 @@ from ..spec import ModelSpec
 from .common import (
     base_env,
     container_security_context,
+    drain_on_stop,
     metadata,
     pod_security_context,
     probes,
@@ -16,6 +17,7 @@ from .common import (
     selector_labels,
     tmp_volume,
 )
+from .secret import api_keys_file, api_keys_volume, auth_token_file, auth_volume
 
 
 def service_fqdn(spec: ModelSpec, service: str, cfg: OperatorConfig) -> str:
@@ -42,6 +44,11 @@ def router_args(spec: ModelSpec, cfg: OperatorConfig) -> list[str]:
         f"{decode}:{names.HTTP_PORT}",
         "--bootstrap-port",
         str(names.BOOTSTRAP_PORT),
+        "--drain-timeout",
+        str(spec.drain_timeout_s),
+        "--auth-token-file",
+        auth_token_file(),
+        *(["--api-key-file", api_keys_file()] if spec.api_key_secret else []),
     ] + list(spec.router.placement.args)
 
 
@@ -52,6 +59,7 @@ def router_endpoint(spec: ModelSpec) -> str:
 def build_router_deployment(spec: ModelSpec, cfg: OperatorConfig) -> dict[str, Any]:
     r = spec.router
     tmp_vol, tmp_mount = tmp_volume()
+    secrets = [auth_volume(spec)] + ([api_keys_volume(spec.api_key_secret)] if spec.api_key_secret else [])
     res = r.placement.resources
     resources = {k: dict(v) for k, v in (("requests", res.requests), ("limits", res.limits)) if v}
     container = {
@@ -64,8 +72,10 @@ def build_router_deployment(spec: ModelSpec, cfg: OperatorConfig) -> dict[str, A
         "ports": [{"name": "http", "containerPort": names.HTTP_PORT, "protocol": "TCP"}],
         "resources": resources,
         "securityContext": container_security_context(ipc_lock=False),
-        "volumeMounts": [tmp_mount],
-        **probes(),
+        "volumeMounts": [tmp_mount] + [mount for _, mount in secrets],
+        # Ready only while it has a verified prefill->decode pair (/health); alive as long as it answers (/livez).
+        **probes(live_path="/livez"),
+        **drain_on_stop(),
     }
     return {
         "apiVersion": "apps/v1",
@@ -78,10 +88,11 @@ def build_router_deployment(spec: ModelSpec, cfg: OperatorConfig) -> dict[str, A
                 "metadata": {"labels": role_labels(spec, names.ROUTER)},
                 "spec": {
                     "containers": [container],
-                    "volumes": [tmp_vol],
+                    "volumes": [tmp_vol] + [volume for volume, _ in secrets],
                     "securityContext": pod_security_context(),
                     "automountServiceAccountToken": False,
                     "enableServiceLinks": False,
+                    "terminationGracePeriodSeconds": spec.grace_period_s,
                     **scheduling(r.placement),
                 },
             },

@@ -1,5 +1,8 @@
 """Prefill and decode: command lines, pod templates, StatefulSets and their headless Services."""
 
+import hashlib
+import json
+from collections.abc import Mapping
 from typing import Any
 
 from .. import names
@@ -8,6 +11,7 @@ from ..spec import ModelSpec, WorkerRoleSpec
 from .common import (
     base_env,
     container_security_context,
+    drain_on_stop,
     metadata,
     pod_security_context,
     probes,
@@ -16,6 +20,8 @@ from .common import (
     selector_labels,
     tmp_volume,
 )
+from .ports import port_flags
+from .secret import auth_token_file, auth_volume
 
 
 def worker_args(spec: ModelSpec, role: str) -> list[str]:
@@ -37,6 +43,7 @@ def worker_args(spec: ModelSpec, role: str) -> list[str]:
     ]
     if role == names.PREFILL:
         args += ["--bootstrap-port", str(names.BOOTSTRAP_PORT)]
+    args += port_flags(spec, role) + ["--auth-token-file", auth_token_file()]
     args += ["--transfer-backend", spec.transfer.backend, "--transfer-protocol", spec.transfer.protocol]
     if spec.transfer.ib_device:
         args += ["--ib-device", spec.transfer.ib_device]
@@ -57,17 +64,32 @@ def worker_args(spec: ModelSpec, role: str) -> list[str]:
         str(e.max_total_tokens),
         "--max-running-requests",
         str(e.max_running_requests),
+        "--drain-timeout",
+        str(spec.drain_timeout_s),
     ]
     return args + list(w.placement.args)
 
 
+def _digest(obj: Any, length: int) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:length]
+
+
+def pairing_revision(spec: ModelSpec) -> str:
+    """What prefill and decode must agree on to exchange KV pages, hashed: the image (its code and wire format),
+    the model, the transfer, the page size and the KV dtype. Both roles' pods carry the same value."""
+    e = spec.prefill.engine
+    return _digest(
+        [spec.image, spec.model.model_arg, spec.transfer.backend, spec.transfer.protocol, e.page_size, e.kv_dtype], 10
+    )
+
+
+def template_hash(template: Mapping[str, Any]) -> str:
+    return _digest(template, 16)
+
+
 def worker_env(spec: ModelSpec, w: WorkerRoleSpec) -> list[dict[str, Any]]:
-    env = base_env(spec)
-    if spec.transfer.backend == "mooncake":
-        env += [
-            {"name": "MC_MIN_RPC_PORT", "value": str(names.TRANSFER_PORT_MIN)},
-            {"name": "MC_MAX_RPC_PORT", "value": str(names.TRANSFER_PORT_MAX)},
-        ]
+    revision = {"fieldRef": {"fieldPath": f"metadata.labels['{names.REVISION_LABEL}']"}}
+    env = base_env(spec) + [{"name": names.REVISION_ENV, "valueFrom": revision}]
     if spec.model.hugging_face_id:
         env.append({"name": "HF_HOME", "value": names.HF_CACHE_MOUNT})
     return env + [dict(v) for v in w.placement.env]
@@ -92,6 +114,7 @@ def worker_resources(spec: ModelSpec, w: WorkerRoleSpec, cfg: OperatorConfig) ->
 def model_volumes(spec: ModelSpec) -> tuple[list[dict], list[dict]]:
     """Volumes and mounts holding the weights: the PVC or hostPath read-only, or a Hugging Face cache."""
     m = spec.model
+    source: dict[str, Any]
     if m.hugging_face_id:
         source = {"persistentVolumeClaim": {"claimName": m.cache_pvc}} if m.cache_pvc else {"emptyDir": {}}
         return [{"name": "hf-cache", **source}], [{"name": "hf-cache", "mountPath": names.HF_CACHE_MOUNT}]
@@ -113,6 +136,7 @@ def worker_pod_template(spec: ModelSpec, role: str, cfg: OperatorConfig) -> dict
     w = spec.worker(role)
     vols, mounts = model_volumes(spec)
     tmp_vol, tmp_mount = tmp_volume()
+    auth_vol, auth_mount = auth_volume(spec)
     shm = {"name": "dshm", "emptyDir": {"medium": "Memory"}}
     container = {
         "name": role,
@@ -124,37 +148,46 @@ def worker_pod_template(spec: ModelSpec, role: str, cfg: OperatorConfig) -> dict
         "ports": worker_ports(role),
         "resources": worker_resources(spec, w, cfg),
         "securityContext": container_security_context(ipc_lock=spec.transfer.rdma),
-        "volumeMounts": mounts + [tmp_mount, {"name": "dshm", "mountPath": "/dev/shm"}],
+        "volumeMounts": mounts + [tmp_mount, {"name": "dshm", "mountPath": "/dev/shm"}, auth_mount],
         **probes(),
+        **drain_on_stop(),
     }
     return {
-        "metadata": {"labels": role_labels(spec, role)},
+        "metadata": {"labels": {**role_labels(spec, role), names.REVISION_LABEL: pairing_revision(spec)}},
         "spec": {
             "containers": [container],
-            "volumes": vols + [tmp_vol, shm],
+            "volumes": vols + [tmp_vol, shm, auth_vol],
             "securityContext": pod_security_context(),
             "automountServiceAccountToken": False,
             "enableServiceLinks": False,
-            "terminationGracePeriodSeconds": 30,
+            "terminationGracePeriodSeconds": spec.grace_period_s,
             **scheduling(w.placement),
         },
     }
 
 
-def build_worker_statefulset(spec: ModelSpec, role: str, cfg: OperatorConfig) -> dict[str, Any]:
-    """The StatefulSet of one worker role; pods start in parallel and are found through the headless Service."""
+def build_worker_statefulset(spec: ModelSpec, role: str, cfg: OperatorConfig, partition: int = 0) -> dict[str, Any]:
+    """The StatefulSet of one worker role; pods start in parallel and are found through the headless Service.
+
+    Pods with an ordinal at or above `partition` run the current template; the rollout planner lowers it step by
+    step. The template's hash is recorded so that a changed template is recognised as a new rollout.
+    """
     name = names.child_name(spec.name, role)
+    template = worker_pod_template(spec, role, cfg)
+    meta = metadata(spec, name, role, role)
+    meta["annotations"] = {names.TEMPLATE_HASH_ANNOTATION: template_hash(template)}
     return {
         "apiVersion": "apps/v1",
         "kind": "StatefulSet",
-        "metadata": metadata(spec, name, role, role),
+        "metadata": meta,
         "spec": {
             "replicas": spec.worker(role).replicas,
             "serviceName": name,
             "podManagementPolicy": "Parallel",
             "selector": {"matchLabels": selector_labels(spec, role)},
-            "updateStrategy": {"type": "RollingUpdate"},
-            "template": worker_pod_template(spec, role, cfg),
+            "updateStrategy": {"type": "RollingUpdate", "rollingUpdate": {"partition": partition}},
+            "minReadySeconds": spec.rollout.min_ready_s,
+            "template": template,
         },
     }
 

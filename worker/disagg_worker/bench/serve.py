@@ -128,7 +128,7 @@ def pct(values: list[float], q: float) -> float:
 def summarize(results: list[RequestResult], duration: float) -> dict:
     ok = [r for r in results if r.ok]
     itls = [x for r in ok for x in r.itls]
-    report = {
+    report: dict[str, object] = {
         "completed": len(ok),
         "failed": len(results) - len(ok),
         "duration_s": duration,

@@ -5,8 +5,25 @@ a KVReceiver, asks the prefill instance's bootstrap server where the rank lives,
 the destination pages over zmq -> prefill writes its pages straight into the decode KV pool
 through the transfer engine after each prefill chunk -> prefill reports Success (with the aux
 record) -> decode polls Success and starts decoding.
+
+This level holds what any backend shares, the contract and the control plane:
+- `poll`: the poll states of a room and the one place they move (`StatusCell`).
+- `base`: the sender / receiver / manager interface the schedulers see, and `KVLayout`.
+- `backends`: backends by config name (`BACKENDS`) and `create_kv_manager`.
+- `rooms`: the table of live rooms, with tombstones so that a room is never reused.
+- `messages` and `channel`: the control messages between decode and prefill ranks, their one
+  codec, and the zmq channel that carries them (nothing in either knows how the bytes move).
+- `bootstrap`, `bootstrap_client`: where a prefill instance's ranks are, over HTTP.
+- `mapping`: which prefill ranks feed a decode rank, with which KV heads and layers (TP, PP, page
+  size, KV dtype, head size), layer maps.
+- `heartbeat`: decode's liveness check of prefill instances.
+- `runs`: page lists grouped into contiguous runs (one write per run, whatever the backend).
+- `metrics`: transfer counters and Prometheus series.
+- `fake`: a backend that moves nothing (unit tests, scheduler benchmarks).
+`mooncake/` is the Mooncake backend: everything that depends on how Mooncake moves bytes.
 """
 
+from disagg_worker.disagg.backends import BACKENDS, create_kv_manager, manager_class
 from disagg_worker.disagg.base import (
     KVLayout,
     KVManager,
@@ -19,10 +36,10 @@ from disagg_worker.disagg.base import (
 )
 from disagg_worker.disagg.metrics import TransferMetrics
 from disagg_worker.disagg.poll import KVPoll
-from disagg_worker.disagg.registry import create_kv_manager, get_backend, register_backend
 from disagg_worker.disagg.runs import group_runs
 
 __all__ = [
+    "BACKENDS",
     "KVLayout",
     "KVManager",
     "KVPoll",
@@ -32,9 +49,8 @@ __all__ = [
     "TransferFailure",
     "TransferMetrics",
     "create_kv_manager",
-    "get_backend",
     "group_runs",
+    "manager_class",
     "pack_first_token",
-    "register_backend",
     "unpack_first_token",
 ]

@@ -6,7 +6,7 @@ poll until Success or Failed. Decode: `mgr.create_receiver(room, bootstrap_addr)
 leaves Bootstrapping call `init(dest_pages, aux_slot)`; poll until Success, then read
 `aux_bytes()`. `abort()` on either side fails the other side's handle too.
 
-Backends implement `KVManager` and register in `registry`; handles never block.
+Backends implement `KVManager` and are listed in `backends.BACKENDS`; handles never block.
 """
 
 from __future__ import annotations
@@ -26,8 +26,11 @@ from disagg_worker.disagg.poll import KVPoll, StatusCell
 class KVLayout:
     """Where a KV pool lives. Buffer order is KVPool.buffers(): K of each layer, then V.
 
-    Page `p` of buffer `b` is the byte range `[buffer_ptrs[b] + p * page_nbytes, +page_nbytes)`.
-    `start_layer` is the first model layer this rank holds (pipeline parallelism).
+    Page `p` of buffer `b` is the byte range `[buffer_ptrs[b] + p * page_nbytes, +page_nbytes)`,
+    laid out `[page_size, num_kv_heads, head_nbytes]`: token by token, each token's heads side by side.
+    `start_layer` is the first model layer this rank holds (pipeline parallelism); `kv_head_start`
+    the global id of its first KV head (tensor parallelism: this rank holds KV heads
+    `[kv_head_start, kv_head_start + num_kv_heads)`; replicated heads are held by several ranks).
     The aux region has `aux_num_slots` slots of `aux_item_nbytes` bytes (decode side).
     """
 
@@ -40,20 +43,41 @@ class KVLayout:
     start_layer: int = 0
     aux_num_slots: int = 256
     aux_item_nbytes: int = 16
+    kv_head_start: int = 0
+    num_kv_heads: int = 1
 
     def __post_init__(self) -> None:
         if len(self.buffer_ptrs) != len(self.buffer_nbytes) or len(self.buffer_ptrs) % 2:
             raise ValueError("need one K and one V buffer per layer, with a size each")
         if any(n < self.num_pages * self.page_nbytes for n in self.buffer_nbytes):
             raise ValueError("a buffer is smaller than num_pages * page_nbytes")
+        if self.kv_head_start < 0 or self.num_kv_heads < 1 or self.page_nbytes % (self.page_size * self.num_kv_heads):
+            raise ValueError(
+                f"KV heads [{self.kv_head_start}, +{self.num_kv_heads}) do not split a page of "
+                f"{self.page_nbytes} bytes into {self.page_size} tokens"
+            )
 
     @property
     def num_layers(self) -> int:
         return len(self.buffer_ptrs) // 2
 
+    @property
+    def head_nbytes(self) -> int:
+        """Bytes of one KV head of one token (head_dim x element size)."""
+        return self.page_nbytes // (self.page_size * self.num_kv_heads)
+
+    @property
+    def kv_heads(self) -> range:
+        """The global ids of the KV heads this rank holds."""
+        return range(self.kv_head_start, self.kv_head_start + self.num_kv_heads)
+
     @classmethod
-    def from_pool(cls, pool, kv_dtype: str, start_layer: int = 0, **aux) -> KVLayout:
-        """Describe a `disagg_worker.mem.kv_pool.KVPool` (any object with `buffers()`)."""
+    def from_pool(cls, pool, kv_dtype: str, start_layer: int = 0, kv_heads: range | None = None, **aux) -> KVLayout:
+        """Describe a `disagg_worker.mem.kv_pool.KVPool` (any object with `buffers()`). `kv_heads`: the
+        global ids of the pool's KV heads (`Shard.kv_heads`); default all of them, from 0."""
+        kv_heads = range(pool.num_kv_heads) if kv_heads is None else kv_heads
+        if len(kv_heads) != pool.num_kv_heads or kv_heads.step != 1:
+            raise ValueError(f"KV heads {kv_heads} are not the pool's {pool.num_kv_heads} heads")
         bufs = pool.buffers()
         return cls(
             buffer_ptrs=[b.data_ptr() for b in bufs],
@@ -63,6 +87,8 @@ class KVLayout:
             kv_dtype=kv_dtype,
             num_pages=pool.num_pages,
             start_layer=start_layer,
+            kv_head_start=kv_heads.start,
+            num_kv_heads=pool.num_kv_heads,
             **aux,
         )
 
@@ -192,6 +218,7 @@ class KVManager(ABC):
 
     def confirm_instance_dead(self, bootstrap_addr: str) -> None:
         """Decode: the caller knows that prefill instance is gone; its pages are safe."""
+        return None  # a backend that never quarantines pages has nothing to release
 
     @abstractmethod
     def close(self) -> None:

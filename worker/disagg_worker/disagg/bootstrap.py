@@ -5,6 +5,13 @@ for the topology (or a given rank for its `{rank_ip, rank_port}`) and heartbeats
 `GET /health`. Route queries answer 503 until all `tp_size * pp_size` ranks registered.
 With a token, `/route` needs `Authorization: Bearer <token>` (401 otherwise, fail closed).
 Every error is a 4xx/503 with a JSON body `{"error": ...}`.
+
+A registered rank keeps its slot: a registration of the same (tp, pp) under another identity
+(control endpoint, transfer session) is refused (409) unless the registered rank is gone. Gone
+means nothing listens on its control endpoint any more (the connection is refused), or the new
+registration names that same endpoint (only one process can listen on an address, so the old one
+released it). A slot that changes hands changes the instance id: decode's heartbeat sees a
+restarted instance, and resolves and greets it afresh.
 """
 
 from __future__ import annotations
@@ -18,7 +25,10 @@ from dataclasses import asdict, dataclass, fields
 
 from aiohttp import web
 
-_INT_FIELDS = ("tp_rank", "tp_size", "pp_rank", "pp_size", "rank_port", "page_size", "start_layer", "num_layers")
+_INT_FIELDS = (
+    "tp_rank", "tp_size", "pp_rank", "pp_size", "rank_port", "page_size", "start_layer", "num_layers",
+    "kv_head_start", "num_kv_heads", "head_nbytes",
+)  # fmt: skip
 _STR_FIELDS = ("rank_ip", "kv_dtype", "session_id")
 
 
@@ -35,6 +45,19 @@ class RankRegistration:
     session_id: str  # transfer-engine session id of this rank
     start_layer: int
     num_layers: int
+    # The KV heads this rank holds, by global id: [kv_head_start, kv_head_start + num_kv_heads)
+    # (replicated heads are held by several ranks), and the bytes of one head of one token.
+    kv_head_start: int
+    num_kv_heads: int
+    head_nbytes: int
+
+    @property
+    def kv_heads(self) -> range:
+        return range(self.kv_head_start, self.kv_head_start + self.num_kv_heads)
+
+    @property
+    def layers(self) -> range:
+        return range(self.start_layer, self.start_layer + self.num_layers)
 
     @classmethod
     def from_json(cls, obj: object) -> RankRegistration:
@@ -54,6 +77,9 @@ class RankRegistration:
                 raise ValueError(f"{n} must be a non-empty string")
         if not 0 < obj["rank_port"] < 65536:
             raise ValueError("rank_port out of range")
+        for n in ("num_kv_heads", "head_nbytes"):
+            if obj[n] < 1:
+                raise ValueError(f"{n} must be at least 1")
         return cls(**{n: obj[n] for n in names})
 
 
@@ -71,6 +97,18 @@ async def _json_errors(request: web.Request, handler):
         return _error(e.status, e.reason or "error")
 
 
+async def _refuses_connections(host: str, port: int, timeout: float = 1.0) -> bool:
+    """Whether nothing listens on host:port (refused). A silent or slow endpoint is not known gone."""
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
+    except ConnectionRefusedError:
+        return True
+    except (OSError, asyncio.TimeoutError):
+        return False
+    writer.close()
+    return False
+
+
 class _Registry:
     def __init__(self, tp_size: int, pp_size: int):
         self.tp_size = tp_size
@@ -82,8 +120,8 @@ class _Registry:
     def complete(self) -> bool:
         return len(self.ranks) == self.tp_size * self.pp_size
 
-    def add(self, reg: RankRegistration) -> str:
-        """ "" if accepted, else why not."""
+    def check(self, reg: RankRegistration) -> str:
+        """ "" if `reg` fits this instance, else why not."""
         if (reg.tp_size, reg.pp_size) != (self.tp_size, self.pp_size):
             return f"instance is tp={self.tp_size} pp={self.pp_size}, rank says tp={reg.tp_size} pp={reg.pp_size}"
         if reg.tp_rank >= self.tp_size or reg.pp_rank >= self.pp_size:
@@ -93,8 +131,21 @@ class _Registry:
                 return (
                     f"page_size/kv_dtype {reg.page_size}/{reg.kv_dtype} differ from {other.page_size}/{other.kv_dtype}"
                 )
-        self.ranks[(reg.tp_rank, reg.pp_rank)] = reg
+            if other.head_nbytes != reg.head_nbytes:
+                return f"head_nbytes {reg.head_nbytes} differs from {other.head_nbytes}"
         return ""
+
+    def holder(self, reg: RankRegistration) -> RankRegistration | None:
+        """The rank that holds `reg`'s slot under another identity (None: free, or `reg` itself)."""
+        held = self.ranks.get((reg.tp_rank, reg.pp_rank))
+        return None if held is None or held == reg else held
+
+    def put(self, reg: RankRegistration) -> None:
+        """Take the slot (checked: `check` passed and its holder, if any, is gone)."""
+        held = self.ranks.get((reg.tp_rank, reg.pp_rank))
+        if held is not None and held != reg:
+            self.instance_id = uuid.uuid4().hex  # a rank restarted: decode must resolve it afresh
+        self.ranks[(reg.tp_rank, reg.pp_rank)] = reg
 
     def topology(self) -> dict:
         first = next(iter(self.ranks.values()))
@@ -108,56 +159,82 @@ class _Registry:
         }
 
 
-def build_app(tp_size: int = 1, pp_size: int = 1, token: str = "") -> web.Application:
-    """The bootstrap app for an instance of `tp_size * pp_size` ranks."""
-    if tp_size < 1 or pp_size < 1:
-        raise ValueError("tp_size and pp_size must be >= 1")
-    reg = _Registry(tp_size, pp_size)
-    expected = f"Bearer {token}".encode()
+async def _gone(held: RankRegistration, new: RankRegistration) -> bool:
+    """Whether the rank holding a slot is gone, so that `new` may take it (see the module docstring)."""
+    if (held.rank_ip, held.rank_port) == (new.rank_ip, new.rank_port):
+        return True
+    return await _refuses_connections(held.rank_ip, held.rank_port)
 
-    def authorized(request: web.Request) -> bool:
-        if not token:
+
+class _Routes:
+    """The handlers of one instance's app."""
+
+    def __init__(self, reg: _Registry, token: str):
+        self._reg = reg
+        self._token = token
+        self._expected = f"Bearer {token}".encode()
+
+    def _authorized(self, request: web.Request) -> bool:
+        if not self._token:
             return True
-        return hmac.compare_digest(request.headers.get("Authorization", "").encode(), expected)
+        return hmac.compare_digest(request.headers.get("Authorization", "").encode(), self._expected)
 
-    async def put_route(request: web.Request) -> web.Response:
-        if not authorized(request):
+    async def put_route(self, request: web.Request) -> web.Response:
+        if not self._authorized(request):
             return _error(401, "missing or wrong bearer token")
         try:
             body = json.loads(await request.read())
             rank = RankRegistration.from_json(body)
         except (ValueError, UnicodeDecodeError) as e:
             return _error(400, f"bad registration: {e}")
-        problem = reg.add(rank)
+        reg = self._reg
+        problem = reg.check(rank)
+        held = reg.holder(rank)
+        if not problem and held is not None and not await _gone(held, rank):
+            problem = (
+                f"rank tp={rank.tp_rank} pp={rank.pp_rank} is held by a live rank at {held.rank_ip}:{held.rank_port} "
+                f"(session {held.session_id})"
+            )
+        if not problem and reg.holder(rank) not in (None, held):  # taken by another while we probed
+            problem = f"rank tp={rank.tp_rank} pp={rank.pp_rank} was just registered by another rank"
         if problem:
             return _error(409, problem)
-        return web.json_response({"ok": True, "registered": len(reg.ranks), "expected": tp_size * pp_size})
+        reg.put(rank)
+        return web.json_response({"ok": True, "registered": len(reg.ranks), "expected": reg.tp_size * reg.pp_size})
 
-    async def get_route(request: web.Request) -> web.Response:
-        if not authorized(request):
+    async def get_route(self, request: web.Request) -> web.Response:
+        if not self._authorized(request):
             return _error(401, "missing or wrong bearer token")
         try:
             tp = int(request.query.get("tp_rank", "-1"))
             pp = int(request.query.get("pp_rank", "-1"))
         except ValueError:
             return _error(400, "tp_rank and pp_rank must be integers")
+        reg = self._reg
         if not reg.complete:
-            return _error(503, f"{len(reg.ranks)} of {tp_size * pp_size} ranks registered")
+            return _error(503, f"{len(reg.ranks)} of {reg.tp_size * reg.pp_size} ranks registered")
         if tp == -1 and pp == -1:
             return web.json_response(reg.topology())
         rank = reg.ranks.get((tp, pp))
         if rank is None:
-            return _error(404, f"no rank tp={tp} pp={pp} in tp={tp_size} pp={pp_size}")
+            return _error(404, f"no rank tp={tp} pp={pp} in tp={reg.tp_size} pp={reg.pp_size}")
         return web.json_response({"rank_ip": rank.rank_ip, "rank_port": rank.rank_port})
 
-    async def health(request: web.Request) -> web.Response:
-        body = {"instance_id": reg.instance_id, "registered": len(reg.ranks), "expected": tp_size * pp_size}
+    async def health(self, request: web.Request) -> web.Response:
+        reg = self._reg
+        body = {"instance_id": reg.instance_id, "registered": len(reg.ranks), "expected": reg.tp_size * reg.pp_size}
         return web.json_response(body, status=200 if reg.complete else 503)
 
+
+def build_app(tp_size: int = 1, pp_size: int = 1, token: str = "") -> web.Application:
+    """The bootstrap app for an instance of `tp_size * pp_size` ranks."""
+    if tp_size < 1 or pp_size < 1:
+        raise ValueError("tp_size and pp_size must be >= 1")
+    routes = _Routes(_Registry(tp_size, pp_size), token)
     app = web.Application(middlewares=[_json_errors], client_max_size=64 * 1024)
-    app.router.add_put("/route", put_route)
-    app.router.add_get("/route", get_route)
-    app.router.add_get("/health", health)
+    app.router.add_put("/route", routes.put_route)
+    app.router.add_get("/route", routes.get_route)
+    app.router.add_get("/health", routes.health)
     return app
 
 
@@ -200,7 +277,7 @@ class BootstrapServer:
         await self._runner.setup()
         site = web.TCPSite(self._runner, self._host, self.port)
         await site.start()
-        self.port = site._server.sockets[0].getsockname()[1]
+        self.port = self._runner.addresses[0][1]  # the port bound when `port` was 0
 
     def stop(self) -> None:
         if self._thread is None:

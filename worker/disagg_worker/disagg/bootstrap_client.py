@@ -62,8 +62,14 @@ def fetch_topology(url: str, token: str = "", timeout: float = 2.0) -> Topology 
         return None
     if status != 200:
         raise BootstrapError(f"topology query refused ({status}): {body.get('error', body)}")
-    ranks = [RankRegistration.from_json(r) for r in body["ranks"]]
-    return Topology(body["instance_id"], body["tp_size"], body["pp_size"], body["page_size"], body["kv_dtype"], ranks)
+    try:  # the instance is complete: a topology this process cannot read will not get better by waiting
+        ranks = [RankRegistration.from_json(r) for r in body["ranks"]]
+        return Topology(
+            instance_id=body["instance_id"], tp_size=body["tp_size"], pp_size=body["pp_size"],
+            page_size=body["page_size"], kv_dtype=body["kv_dtype"], ranks=ranks,
+        )  # fmt: skip
+    except (KeyError, TypeError, ValueError) as e:
+        raise BootstrapError(f"malformed topology from {url}: {e!r}") from None
 
 
 # check_health's answer when nothing listens on the bootstrap port: the instance is gone, not slow.

@@ -1,12 +1,21 @@
 """zmq control channel: one PULL socket to receive, one PUSH socket per peer endpoint.
 
+It carries the backend-neutral control messages (`messages`) and knows nothing of how the KV
+bytes move, so a backend other than Mooncake would reuse it as it is.
+
 `send` may be called from any thread (serialised by a lock); `recv` from one thread only.
 Sends never block: a peer that is gone or not reading just loses the message, and the
-timeouts on both sides turn that into a Failed room.
+timeouts on both sides turn that into a Failed room. `forget(endpoint)` closes the socket to a
+peer that is gone (a later send opens a new one).
+
+The PULL socket listens on a configured port (`DisaggConfig.control_port_of`, what the
+operator's NetworkPolicy opens) or, with port 0, on any free port (local runs). It binds the
+advertised address when that is an IP address, else every interface.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import threading
 
@@ -15,17 +24,32 @@ import zmq
 from disagg_worker.disagg.messages import CodecError, Message, decode, encode
 
 log = logging.getLogger(__name__)
-# The control threads of both managers wait at most this long for messages, and check their
-# rooms' timeouts at most this often (not on every message: a sweep visits every room).
-SWEEP_INTERVAL_MS = 20
+
+
+def bind_host(advertise_host: str) -> str:
+    """The address to listen on: the advertised one when it is an IP address, else all of them."""
+    try:
+        ipaddress.ip_address(advertise_host)
+    except ValueError:
+        return "0.0.0.0"
+    return advertise_host
 
 
 class ControlChannel:
-    def __init__(self, bind_host: str, advertise_host: str):
+    def __init__(self, advertise_host: str, port: int = 0):
         self._ctx = zmq.Context()
         self._pull = self._ctx.socket(zmq.PULL)
         self._pull.setsockopt(zmq.LINGER, 0)
-        port = self._pull.bind_to_random_port(f"tcp://{bind_host}")
+        host = bind_host(advertise_host)
+        if port:
+            try:
+                self._pull.bind(f"tcp://{host}:{port}")
+            except zmq.ZMQError as e:
+                self._pull.close(0)
+                self._ctx.term()
+                raise RuntimeError(f"control channel cannot listen on {host}:{port}: {e}") from None
+        else:
+            port = self._pull.bind_to_random_port(f"tcp://{host}")
         self.endpoint = f"tcp://{advertise_host}:{port}"
         self.port = port
         self._poller = zmq.Poller()
@@ -50,6 +74,19 @@ class ControlChannel:
             except zmq.Again:
                 log.warning("control message to %s dropped: peer not reading", endpoint)
                 return False
+
+    def forget(self, endpoint: str) -> None:
+        """Close the socket to `endpoint` (a peer that is gone); queued messages are dropped."""
+        with self._lock:
+            sock = self._push.pop(endpoint, None)
+        if sock is not None:
+            sock.close(0)
+
+    @property
+    def peers(self) -> int:
+        """Endpoints with an open socket."""
+        with self._lock:
+            return len(self._push)
 
     def recv(self, timeout_ms: int) -> list[Message]:
         """Messages that arrive within `timeout_ms` (all queued ones); malformed frames are

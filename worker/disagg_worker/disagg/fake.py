@@ -2,9 +2,10 @@
 
 A sender is WaitingForInput as soon as it exists and Success on its `last` send; a receiver
 is WaitingForInput at once and Success once it is `init()`ed and its sender (if one exists in
-this process) has sent its last chunk, so the aux record is there when decode reads it. Handles of one room created in the same
-process (any fake managers) are paired through a process-wide fabric: an abort on one side
-fails the other, and a receiver reads the aux record its sender sent (zeros if none did).
+this process) has sent its last chunk, so the aux record is there when decode reads it.
+Handles of one room created in the same process (any fake managers) are paired through a
+process-wide fabric: an abort on one side fails the other, and a receiver reads the aux record
+its sender sent (zeros if none did).
 """
 
 from __future__ import annotations
@@ -123,7 +124,7 @@ class FakeReceiver(_FakeHandle, KVReceiver):
             self._cell.advance(KVPoll.Transferring)
 
     def failure(self) -> TransferFailure | None:
-        return TransferFailure(self._cell.reason) if self.poll() is KVPoll.Failed else None
+        return TransferFailure(reason=self._cell.reason) if self.poll() is KVPoll.Failed else None
 
     def aux_bytes(self) -> bytes:
         aux = FABRIC.aux(self.room) or b""
@@ -152,5 +153,5 @@ class FakeKVManager(KVManager):
         return self._new(FakeReceiver, room)
 
     def close(self) -> None:
-        for room, handle in self.rooms.snapshot():
+        for _, handle in self.rooms.snapshot():
             handle._fail("transfer manager closed")

@@ -15,6 +15,7 @@ import threading
 from collections.abc import Callable
 
 from disagg_worker.disagg.bootstrap_client import REFUSED, check_health
+from disagg_worker.tuning import TUNING
 
 OnLost = Callable[[str, str, bool], None]
 
@@ -53,17 +54,18 @@ class HeartbeatMonitor:
             with self._lock:
                 targets = list(self._watched.items())
                 silent = list(self._silent.items())
+            timeout = min(self._interval, TUNING.transfer.heartbeat_timeout_s)
             for addr, (instance_id, _) in targets:
-                self._beat(addr, instance_id, self._check(addr, min(self._interval, 2.0)))
+                self._beat(addr, instance_id, self._check(addr, timeout))
             for addr, instance_id in silent:
-                self._probe(addr, instance_id, self._check(addr, min(self._interval, 2.0)))
+                self._probe(addr, instance_id, self._check(addr, timeout))
 
     def _probe(self, addr: str, instance_id: str, seen: str | None) -> None:
         if seen is None:
             return
         with self._lock:
             self._silent.pop(addr, None)
-        if seen == REFUSED or seen != instance_id:
+        if self._on_dead is not None and (seen == REFUSED or seen != instance_id):
             self._on_dead(addr)
 
     def _beat(self, addr: str, instance_id: str, seen: str | None) -> None:

@@ -1,10 +1,11 @@
 """Control-plane messages between decode and prefill ranks, and their one codec (JSON).
 
 Decode -> prefill: `DecodeHello` once per (decode rank, prefill rank) connection, carrying
-the decode KV buffer addresses and transfer session; then per room `RoomRequest` (destination
-pages and aux slot) and possibly `RoomAbort`. Prefill -> decode: `RoomUpdate` (Transferring,
-Success or Failed; `quiesced` says no write of that room is still in flight). The aux record
-travels inside the Success update, so it can never be seen before the pages it describes.
+the decode KV buffer addresses, head geometry and transfer session; then per room `RoomRequest`
+(destination pages, aux slot, and which of the prefill rank's KV heads go where) and possibly
+`RoomAbort`. Prefill -> decode: `RoomUpdate` (Transferring, Success or Failed; `quiesced` says no
+write of that room is still in flight). The aux record travels inside the Success update, so it
+can never be seen before the pages it describes.
 """
 
 from __future__ import annotations
@@ -29,8 +30,12 @@ class DecodeHello:
     page_nbytes: int
     start_layer: int
     aux_item_nbytes: int
-    staging_ptr: int = 0  # decode's registered staging area (mooncake_staging), 0: none
+    staging_ptr: int = 0  # decode's registered staging area (mooncake.staging), 0: none
     staging_nbytes: int = 0
+    # Decode's pages hold `num_kv_heads` heads of `head_nbytes` bytes per token; 0: not stated,
+    # only whole pages may be written.
+    num_kv_heads: int = 0
+    head_nbytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -41,6 +46,13 @@ class RoomRequest:
     dest_pages: list[int]
     aux_slot: int
     staging_offset: int = -1  # write this room's pages staged at this offset of decode's staging area; -1: in place
+    # The KV heads wanted (`mapping.HeadSlice`): `num_heads` heads from head `src_head` of the
+    # prefill rank's pages to head `dst_head` of decode's. -1: whole pages; 0: nothing to write.
+    src_head: int = 0
+    dst_head: int = 0
+    num_heads: int = -1
+    # Decode ranks that send this prefill rank a request for the room; it starts once all have.
+    decode_ranks: int = 1
 
 
 @dataclass(frozen=True)

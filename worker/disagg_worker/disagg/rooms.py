@@ -12,13 +12,13 @@ from collections import OrderedDict
 from collections.abc import Iterator
 from typing import Generic, TypeVar
 
-S = TypeVar("S")
+from disagg_worker.tuning import TUNING
 
-MAX_TOMBSTONES = 200_000
+S = TypeVar("S")
 
 
 class RoomTable(Generic[S]):
-    def __init__(self, max_tombstones: int = MAX_TOMBSTONES):
+    def __init__(self, max_tombstones: int = TUNING.transfer.max_tombstones):
         self._lock = threading.Lock()
         self._live: dict[int, S] = {}
         self._tombstones: OrderedDict[int, str] = OrderedDict()

@@ -1,10 +1,13 @@
-"""Coalescing of page lists into contiguous runs, so one run moves as one write."""
+"""Coalescing of page lists into contiguous runs, so one run moves as one write.
+
+Backend-neutral: any transfer that copies pages costs less per run than per page.
+"""
 
 from __future__ import annotations
 
 import numpy as np
 
-_VECTORISE_FROM = 256  # pages; below this the plain loop is faster than building arrays
+from disagg_worker.tuning import TUNING
 
 
 def group_runs(src_pages: list[int], dst_pages: list[int]) -> list[tuple[int, int, int]]:
@@ -18,10 +21,10 @@ def group_runs(src_pages: list[int], dst_pages: list[int]) -> list[tuple[int, in
         raise ValueError(f"page lists differ in length: {len(src_pages)} != {len(dst_pages)}")
     if _is_one_run(src_pages) and _is_one_run(dst_pages):  # a fresh request's pages, usually
         return [(src_pages[0], dst_pages[0], len(src_pages))] if src_pages else []
-    if len(src_pages) >= _VECTORISE_FROM:
+    if len(src_pages) >= TUNING.transfer.vectorise_from_pages:
         return _group_runs_np(list(src_pages), list(dst_pages))
     runs: list[tuple[int, int, int]] = []
-    for s, d in zip(src_pages, dst_pages):
+    for s, d in zip(src_pages, dst_pages, strict=True):
         if runs:
             rs, rd, n = runs[-1]
             if s == rs + n and d == rd + n:
@@ -45,26 +48,4 @@ def _group_runs_np(src_pages: list[int], dst_pages: list[int]) -> list[tuple[int
     breaks = np.flatnonzero((step[0] != 1) | (step[1] != 1)) + 1
     starts = np.concatenate(([0], breaks))
     lengths = np.diff(np.append(starts, n))
-    return list(zip(both[0, starts].tolist(), both[1, starts].tolist(), lengths.tolist()))
-
-
-# Mooncake TCP moves several writes to one peer concurrently: a large write split into about
-# LANES pieces lands sooner than in one piece (measured on loopback: 1 MiB ~1.6x, 16 MiB ~1.1x).
-LANES = 4
-MIN_PIECE_NBYTES = 256 << 10
-
-
-def split_for_lanes(
-    writes: list[tuple[int, int, int]], lanes: int = 0, min_piece: int = 0
-) -> list[tuple[int, int, int]]:
-    """Split `(src, dst, nbytes)` writes so that large ones travel as about `lanes` pieces
-    (default LANES) of at least `min_piece` bytes (default MIN_PIECE_NBYTES); the pieces
-    cover the same bytes, in order."""
-    lanes, min_piece = lanes or LANES, min_piece or MIN_PIECE_NBYTES
-    total = sum(n for _, _, n in writes)
-    piece = max(min_piece, -(-total // lanes))
-    out: list[tuple[int, int, int]] = []
-    for src, dst, n in writes:
-        for off in range(0, n, piece):
-            out.append((src + off, dst + off, min(piece, n - off)))
-    return out
+    return list(zip(both[0, starts].tolist(), both[1, starts].tolist(), lengths.tolist(), strict=True))

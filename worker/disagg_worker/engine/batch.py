@@ -16,12 +16,14 @@ class ScheduledBatch:
 
     In overlap mode a decode request's input token may not be known yet when the batch is built:
     `(j, req)` in `future` says input position j takes the token the previous step sampled for
-    `req`; the runner fills it in just before the forward.
+    `req`; the runner fills it in just before the forward. `generated[i]` counts the output
+    tokens request i has before this step's sample, the one in flight included.
     """
 
     reqs: list[Req]
     forward: ForwardBatch
     samples: list[bool]
+    generated: list[int]
     future: list[tuple[int, Req]]
 
     @property
@@ -46,9 +48,9 @@ def build_forward(reqs: list[Req], extend: list[int], page_size: int) -> Forward
     vectorised ops (this runs every step).
     """
     starts = [r.num_computed for r in reqs]
-    ends = [s + n for s, n in zip(starts, extend)]
+    ends = [s + n for s, n in zip(starts, extend, strict=True)]
     ids: list[int] = []
-    for r, s, e in zip(reqs, starts, ends):
+    for r, s, e in zip(reqs, starts, ends, strict=True):
         chunk = r.tokens(s, e)
         ids.extend(chunk)
         ids.extend([0] * (e - s - len(chunk)))

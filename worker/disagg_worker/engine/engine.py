@@ -1,4 +1,14 @@
-"""Assembles the engine of one instance from its config: model, KV pool, cache, scheduler, runner."""
+"""The engine of one instance: model runner, KV pool, prefix cache, scheduler, and its role stage.
+
+Every role runs the same engine; a prefill or decode instance adds a role stage (`engine.stage`)
+that owns the KV transfer queues. The loop (`engine.loop`) drives it through `handle` (requests
+and aborts) and the step methods (`tick`, `schedule`, `run`/`launch`, `process`); the engine
+routes each to the part that owns it.
+
+In a multi-rank instance this engine is the driver (tensor rank 0 of pipeline stage 0): it holds
+its slice of the model and KV, schedules for every rank, and runs each step on all of them through
+`engine.ranks`; the other ranks run `engine.follower`.
+"""
 
 from __future__ import annotations
 
@@ -11,71 +21,77 @@ import torch
 from prometheus_client import REGISTRY, generate_latest
 
 from disagg_worker import messages as msg
-from disagg_worker.config import EngineConfig
+from disagg_worker.config import EngineConfig, Role
+from disagg_worker.disagg import KVManager
+from disagg_worker.engine.batch import ScheduledBatch, StepResult
+from disagg_worker.engine.dist import Comm
+from disagg_worker.engine.outbox import Outbox
+from disagg_worker.engine.ranked_kv import RankedKV, RankTransfer
+from disagg_worker.engine.ranks import Launched, RankGroup, StageWork
 from disagg_worker.engine.request import Req
 from disagg_worker.engine.runner import ModelRunner
 from disagg_worker.engine.scheduler import Scheduler
+from disagg_worker.engine.stage import build_kv_manager, build_stage
+from disagg_worker.limits import RequestLimits
 from disagg_worker.mem.allocator import PageAllocator
 from disagg_worker.mem.kv_pool import KVPool
 from disagg_worker.mem.radix import RadixCache
 from disagg_worker.model.config import ModelConfig
 from disagg_worker.model.loader import load_model
+from disagg_worker.model.parallel import Shard
 
 log = logging.getLogger(__name__)
 
+# A rank's consensus queues under the names its role's stage uses for them.
+RANK_QUEUE_NAMES = {
+    Role.PREFILL: {"bootstrap": "prefill_bootstrap", "inflight": "prefill_inflight"},
+    Role.DECODE: {"bootstrap": "decode_prealloc", "inflight": "decode_transfer"},
+}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class Engine:
-    def __init__(self, cfg: EngineConfig, model: torch.nn.Module | None, model_cfg: ModelConfig):
+    def __init__(
+        self, cfg: EngineConfig, model: torch.nn.Module | None, model_cfg: ModelConfig, comm: Comm | None = None
+    ):
         self.cfg = cfg
         self.model_cfg = model_cfg
         cache = cfg.cache
+        shard = comm.shard if comm is not None else Shard()
         self.max_context_len = cfg.max_context_len or model_cfg.max_position_embeddings
-        self.kv_pool = KVPool(
-            num_layers=model_cfg.num_layers,
-            num_pages=cache.total_pages,
-            page_size=cache.page_size,
-            num_kv_heads=model_cfg.num_kv_heads,
-            head_dim=model_cfg.head_dim,
-            dtype=DTYPES[cache.kv_dtype],
-            device=cfg.device,
-        )
+        self.kv_pool = build_kv_pool(cfg, model_cfg, shard)
         self.allocator = PageAllocator(cache.total_pages)
-        self.radix = RadixCache(cache.page_size, self.allocator, enabled=cache.enable_prefix_cache)
-        self.scheduler = Scheduler(cfg, self.allocator, self.radix)
+        self.radix = RadixCache(cache.page_size, self.allocator, enabled=cfg.uses_prefix_cache)
+        self.outbox = Outbox()
+        # With several stages a request's next step waits for its token to come back.
+        future_inputs = shard.pp_size == 1
+        self.scheduler = Scheduler(
+            cfg.scheduler, cache.page_size, self.allocator, self.radix, self.outbox, future_inputs=future_inputs
+        )
         self.runner = ModelRunner(model, self.kv_pool, model_cfg.vocab_size, cfg.device)
+        manager = build_kv_manager(cfg, self.kv_pool, shard, model_cfg)
+        kv: KVManager | RankedKV | None = manager
+        self.ranks: RankGroup | None = None
+        if comm is not None:
+            faulty = cfg.disagg.fault_fail_senders_on_stage == shard.pp_rank
+            transfer = RankTransfer(manager, fail_new_senders=faulty) if manager is not None else None
+            kv = RankedKV(transfer) if transfer is not None else None
+            work = StageWork(comm, self.runner.forward, transfer, driver=True)
+            self.ranks = RankGroup(comm, work, kv if isinstance(kv, RankedKV) else None)
+        self.manager = manager
+        self.stage = build_stage(cfg, kv, self.scheduler, self.allocator, self.outbox)
+        self.limits = RequestLimits(self.max_context_len, model_cfg.vocab_size, cache.capacity_tokens)
         self.eos_ids = frozenset(model_cfg.eos_token_ids)
 
     @classmethod
-    def from_config(cls, cfg: EngineConfig) -> Engine:
+    def from_config(cls, cfg: EngineConfig, comm: Comm | None = None) -> Engine:
         torch.manual_seed(cfg.seed)
-        model, model_cfg = load_model(cfg.model_path, DTYPES[cfg.dtype], cfg.device)
-        if cfg.forward == "noop":
-            model = None
-        return cls(cfg, model, model_cfg)
+        shard = comm.shard if comm is not None else Shard()
+        reduce = comm.all_reduce if comm is not None else None
+        model, model_cfg = load_model(cfg.model_path, DTYPES[cfg.dtype], cfg.device, shard, reduce)
+        return cls(cfg, None if cfg.forward == "noop" else model, model_cfg, comm)
 
-    @property
-    def idle(self) -> bool:
-        """Nothing to do until a message arrives."""
-        return self.scheduler.idle and not self.waiting_on_transfers
-
-    @property
-    def waiting_on_transfers(self) -> bool:
-        """Requests wait on KV transfers (P/D roles); the loop polls them often."""
-        return False
-
-    @property
-    def tick_ready(self) -> bool:
-        """`tick()` has work now, without waiting for any transfer (the last step's results)."""
-        return False
-
-    def set_wakeup(self, wake: Callable[[], None]) -> None:
-        """`wake` is called, from any thread, when a KV transfer this engine waits on moves."""
-
-    def tick(self) -> None:
-        """Advance whatever does not need the model (P/D queues); called before each schedule."""
-
+    # ---- messages from the HTTP process -------------------------------------------------------
     def handle(self, m: msg.Message) -> None:
         if isinstance(m, msg.GenerateReq):
             self.arrive(m)
@@ -87,37 +103,96 @@ class Engine:
             log.warning("ignoring unexpected message %s", type(m).__name__)
 
     def arrive(self, m: msg.GenerateReq) -> None:
-        self.scheduler.add(self.make_req(m))
-
-    def abort(self, rid: str) -> None:
-        self.scheduler.abort(rid)
-
-    def reject(self, req: Req, status: int, message: str) -> None:
-        """End a request that never reached the scheduler with an error."""
-        req.fail(status, message)
-        self.scheduler.emit(req, [])
-
-    def routing_problem(self, req: Req, m: msg.GenerateReq) -> str:
-        """Why a P/D instance cannot take a request ("" if it can); the answer is a 400."""
-        if m.bootstrap is None:
-            return (
-                f"a {self.cfg.disagg.role.value} instance serves requests routed with bootstrap_room; "
-                "send requests through the router"
-            )
-        capacity = self.cfg.cache.capacity_tokens
-        if req.seq_len + 1 > capacity:
-            return f"prompt of {req.seq_len} tokens does not fit the KV cache ({capacity} tokens)"
-        return ""
-
-    def make_req(self, m: msg.GenerateReq) -> Req:
-        return Req(
+        req = Req(
             rid=m.rid,
             prompt_ids=list(m.input_ids),
             params=m.params,
             eos_ids=self.eos_ids,
             max_context_len=self.max_context_len,
         )
+        problem = self.limits.kv_problem(len(req.prompt_ids))  # it would wait for pages forever
+        if problem:
+            self.outbox.reject(req, 400, problem)
+        elif self.stage is not None:
+            self.stage.arrive(req, m.bootstrap)
+        else:
+            self.scheduler.add(req)
 
+    def abort(self, rid: str) -> None:
+        if self.stage is None or not self.stage.abort(rid):
+            self.scheduler.abort(rid)
+
+    # ---- stepping (engine.loop) ---------------------------------------------------------------
+    def tick(self) -> None:
+        """Advance whatever does not need the model (P/D queues); called before each schedule."""
+        if self.stage is not None:
+            self.stage.tick()
+
+    def schedule(self) -> ScheduledBatch | None:
+        return self.scheduler.schedule()
+
+    def needs_sync(self) -> bool:
+        return self.scheduler.needs_sync()
+
+    def run(self, batch: ScheduledBatch) -> StepResult:
+        """The forward and sampling of one batch (on the runner thread with overlap)."""
+        return self.runner.run(batch)
+
+    @property
+    def multi_rank(self) -> bool:
+        return self.ranks is not None
+
+    @property
+    def depth(self) -> int:
+        """Steps that may stay in flight after one is launched (multi-rank: one per later stage)."""
+        return self.ranks.depth if self.ranks is not None else 0
+
+    def launch(self, batch: ScheduledBatch | None) -> Launched:
+        """Start a step on every rank: `batch`'s forward (if any) and a transfer round."""
+        if self.ranks is None:
+            raise RuntimeError("launch() is for multi-rank engines; use run()")
+        return self.ranks.launch(batch.forward if batch is not None else None)
+
+    def finish(self, batch: ScheduledBatch | None, launched: Launched) -> None:
+        """Wait for a launched step's logits, sample, and process the result."""
+        if self.ranks is None:
+            raise RuntimeError("finish() is for multi-rank engines")
+        logits = self.ranks.collect(launched)
+        if batch is not None and logits is not None:
+            self.process(batch, self.runner.sample(batch, logits))
+
+    def process(self, batch: ScheduledBatch, result: StepResult) -> None:
+        outcome = self.scheduler.process(batch, result)
+        if self.stage is not None:
+            self.stage.on_step(outcome)
+
+    def take_outputs(self) -> list[msg.TokenOut]:
+        return self.outbox.take()
+
+    @property
+    def has_batch_work(self) -> bool:
+        """A forward could be scheduled now."""
+        return not self.scheduler.idle
+
+    @property
+    def waiting_on_transfers(self) -> bool:
+        """Requests wait on KV transfers (P/D roles), or the other ranks have yet to hear how some
+        ended; the loop polls often."""
+        if self.ranks is not None and self.ranks.has_news:
+            return True
+        return self.stage is not None and self.stage.waiting_on_transfers
+
+    @property
+    def idle(self) -> bool:
+        """Nothing to do until a message arrives."""
+        return self.scheduler.idle and not self.waiting_on_transfers
+
+    def set_wakeup(self, wake: Callable[[], None]) -> None:
+        """`wake` is called, from any thread, when a KV transfer this engine waits on moves."""
+        if self.stage is not None:
+            self.stage.set_wakeup(wake)
+
+    # ---- reports -------------------------------------------------------------------------------
     def info(self) -> msg.EngineInfo:
         return msg.EngineInfo(
             model_name=self.cfg.model_name,
@@ -144,15 +219,38 @@ class Engine:
             cache_refs=self.radix.total_refs(),
             pid=os.getpid(),
             queues=self.queue_sizes(),
+            rank_queues=self.rank_queue_sizes(),
             metrics_text=own_metrics(),
         )
 
     def queue_sizes(self) -> dict[str, int]:
         """Sizes of the P/D queues (none for a monolithic instance)."""
-        return {}
+        return self.stage.queue_sizes() if self.stage is not None else {}
+
+    def rank_queue_sizes(self) -> dict[tuple[int, int], dict[str, int]]:
+        """Every rank's queue sizes (multi-rank P/D): this rank's stage queues, and for the others
+        the last sizes they reported. The tensor ranks of a stage hold the same rooms, in the same
+        queues (they apply the same commands to the same agreed states)."""
+        if self.stage is None:
+            return {}
+        if self.ranks is None:
+            return {(0, 0): self.queue_sizes()}
+        names = RANK_QUEUE_NAMES[self.cfg.disagg.role]
+        shard = self.ranks.comm.shard
+        sizes = {
+            (tp, pp): {names[q]: n for q, n in stage.items()}
+            for pp, stage in self.ranks.queues.items()
+            for tp in range(shard.tp_size)
+        }
+        sizes[(0, 0)] = self.queue_sizes()
+        return sizes
 
     def close(self) -> None:
-        """Release what the engine holds outside this process (transfer engines)."""
+        """Stop the other ranks and release what the engine holds outside this process."""
+        if self.ranks is not None:
+            self.ranks.stop()
+        if self.stage is not None:
+            self.stage.close()
 
     def pages_accounted(self) -> bool:
         """At idle, every page is free or held unlocked by the prefix cache."""
@@ -160,6 +258,20 @@ class Engine:
             self.allocator.num_free + self.radix.total_pages == self.allocator.num_total
             and self.radix.total_refs() == 0
         )
+
+
+def build_kv_pool(cfg: EngineConfig, model_cfg: ModelConfig, shard: Shard) -> KVPool:
+    """This rank's KV pool: its stage's layers, its KV heads, every page."""
+    cache = cfg.cache
+    return KVPool(
+        num_layers=len(shard.layer_range(model_cfg.num_layers)),
+        num_pages=cache.total_pages,
+        page_size=cache.page_size,
+        num_kv_heads=len(shard.kv_heads(model_cfg)),
+        head_dim=model_cfg.head_dim,
+        dtype=DTYPES[cache.kv_dtype],
+        device=cfg.device,
+    )
 
 
 def own_metrics() -> str:

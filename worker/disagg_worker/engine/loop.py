@@ -19,14 +19,17 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Protocol
 
 import zmq
 
 from disagg_worker import messages as msg
-from disagg_worker.engine.batch import ScheduledBatch
+from disagg_worker.engine.batch import ScheduledBatch, StepResult
 from disagg_worker.engine.engine import Engine
+from disagg_worker.engine.ranks import Launched
 
 log = logging.getLogger(__name__)
 
@@ -34,10 +37,26 @@ STATS_INTERVAL_S = 0.5
 TRANSFER_POLL_MS = 1
 
 
+class Steppable(Protocol):
+    """What the stepper drives (the engine): the step's parts, in the order it calls them."""
+
+    def tick(self) -> None: ...
+    def needs_sync(self) -> bool: ...
+    def schedule(self) -> ScheduledBatch | None: ...
+    def run(self, batch: ScheduledBatch) -> StepResult: ...
+    def process(self, batch: ScheduledBatch, result: StepResult) -> None: ...
+
+    @property
+    def has_batch_work(self) -> bool: ...
+
+    @property
+    def idle(self) -> bool: ...
+
+
 class Stepper:
     """Steps the engine with or without overlap; the scheduling logic lives in the Scheduler."""
 
-    def __init__(self, engine: Engine, overlap: bool, after_tick: Callable[[], None] = lambda: None):
+    def __init__(self, engine: Steppable, overlap: bool, after_tick: Callable[[], None] = lambda: None):
         """`after_tick` runs between the engine's tick and the next forward: tokens the tick
         produced (decode's first token, landed by a KV transfer) go out without waiting a step."""
         self.engine = engine
@@ -53,23 +72,23 @@ class Stepper:
     @property
     def computing(self) -> bool:
         """A forward is running or could be scheduled now."""
-        return self.inflight is not None or not self.engine.scheduler.idle
+        return self.inflight is not None or self.engine.has_batch_work
 
     def step(self) -> None:
         """One turn: schedule the next batch, start it, and finish the one before it."""
-        self.engine.tick()
+        engine = self.engine
+        engine.tick()
         self.after_tick()
-        sched = self.engine.scheduler
-        if self.inflight is not None and (not self.overlap or sched.needs_sync()):
+        if self.inflight is not None and (not self.overlap or engine.needs_sync()):
             self.drain()
-        batch = sched.schedule()
+        batch = engine.schedule()
         if batch is None:
             self.drain()
         elif not self.overlap or not batch.forward.is_decode:  # inline: a hand-off costs more than it saves
             self.drain()
-            sched.process(batch, self.engine.runner.run(batch))
+            engine.process(batch, engine.run(batch))
         else:
-            started = self.pool.submit(self.engine.runner.run, batch)
+            started = self.pool.submit(engine.run, batch)
             self.drain()
             self.inflight = (batch, started)
 
@@ -79,17 +98,65 @@ class Stepper:
             return
         batch, fut = self.inflight
         self.inflight = None
-        self.engine.scheduler.process(batch, fut.result())
+        self.engine.process(batch, fut.result())
 
     def close(self) -> None:
         self.drain()
         self.pool.shutdown(wait=True)
 
 
+class RankStepper:
+    """Steps a multi-rank engine: each step runs on every rank (engine.ranks), up to `depth`
+    steps stay in flight (one per later pipeline stage), and a step without a batch still runs
+    a transfer round while requests wait on KV transfers."""
+
+    def __init__(self, engine: Engine, after_tick: Callable[[], None] = lambda: None):
+        self.engine = engine
+        self.after_tick = after_tick
+        self.inflight: deque[tuple[ScheduledBatch | None, Launched]] = deque()
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.inflight) or not self.engine.idle
+
+    @property
+    def computing(self) -> bool:
+        return bool(self.inflight) or self.engine.has_batch_work
+
+    def step(self) -> None:
+        engine = self.engine
+        engine.tick()
+        self.after_tick()
+        if self.inflight and engine.needs_sync():
+            self.drain()
+        batch = engine.schedule()
+        if batch is None and not engine.waiting_on_transfers:
+            self.drain()
+            return
+        self.inflight.append((batch, engine.launch(batch)))
+        while len(self.inflight) > engine.depth:
+            self._finish_oldest()
+
+    def _finish_oldest(self) -> None:
+        batch, launched = self.inflight.popleft()
+        self.engine.finish(batch, launched)
+
+    def drain(self) -> None:
+        while self.inflight:
+            self._finish_oldest()
+
+    def close(self) -> None:
+        self.drain()
+
+
 class EngineLoop:
     def __init__(self, engine: Engine, recv_addr: str, send_addr: str, overlap: bool):
         self.engine = engine
-        self.stepper = Stepper(engine, overlap, after_tick=self._send_outputs)
+        self.stepper: Stepper | RankStepper
+        if engine.multi_rank:  # every rank runs each step in turn: no forward thread
+            self.stepper = RankStepper(engine, after_tick=self._send_outputs)
+        else:
+            self.stepper = Stepper(engine, overlap, after_tick=self._send_outputs)
         self.ctx = zmq.Context()
         self.recv = self.ctx.socket(zmq.PULL)
         self.recv.bind(recv_addr)
@@ -115,7 +182,7 @@ class EngineLoop:
             self._flush()
 
     def _wait_ms(self) -> int:
-        if self.stepper.computing or self.engine.tick_ready:
+        if self.stepper.computing:
             return 0
         if self.engine.waiting_on_transfers:
             return TRANSFER_POLL_MS
@@ -140,7 +207,7 @@ class EngineLoop:
             timeout = 0
 
     def _send_outputs(self) -> None:
-        outs = self.engine.scheduler.take_outputs()
+        outs = self.engine.take_outputs()
         if outs:
             self.publish(msg.BatchOut(outs))
 

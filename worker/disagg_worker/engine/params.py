@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields
+from typing import TypeGuard
 
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
+# Characters of one stop string: the detokenizer holds back up to this much text while it decides.
+MAX_STOP_STRING_CHARS = 1024
 # Temperatures below this are treated as greedy (dividing by them would overflow).
 GREEDY_EPS = 1e-5
 # Best tokens considered by top-k/top-p before falling back to sorting the whole vocabulary.
@@ -18,11 +21,11 @@ TOP_P_CANDIDATES = 1024
 _SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1
 
 
-def _is_int(v: object) -> bool:
+def _is_int(v: object) -> TypeGuard[int]:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _is_real(v: object) -> bool:
+def _is_real(v: object) -> TypeGuard[int | float]:
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         return False
     try:
@@ -112,6 +115,9 @@ def _check_stop(v: object) -> str | None:
         return "must be a tuple of non-empty strings"
     if len(v) > MAX_STOP_STRINGS:
         return f"at most {MAX_STOP_STRINGS} stop strings, got {len(v)}"
+    longest = max((len(s) for s in v), default=0)
+    if longest > MAX_STOP_STRING_CHARS:
+        return f"each stop string must be at most {MAX_STOP_STRING_CHARS} characters, got one of {longest}"
     return None
 
 

@@ -1,26 +1,102 @@
-"""Entry point of the scheduler process (started by the HTTP server with multiprocessing spawn)."""
+"""Entry points of the scheduler processes (started by the HTTP server with multiprocessing spawn).
+
+A single-rank instance runs one: `run_scheduler`. A multi-rank instance runs one per rank
+(`run_rank`): rank 0 is the driver, which talks to the HTTP process and schedules for every rank;
+the others follow it (engine/follower.py).
+"""
 
 from __future__ import annotations
 
 import logging
+import multiprocessing as mp
+import os
 import signal
+import socket
+from multiprocessing.process import BaseProcess
+from typing import TYPE_CHECKING
 
-from disagg_worker.config import EngineConfig, Role
+from disagg_worker.config import EngineConfig
+from disagg_worker.model.parallel import Shard
+
+if TYPE_CHECKING:
+    from disagg_worker.engine.dist import Comm, RankAddress
+    from disagg_worker.engine.engine import Engine
+
+
+def spawn_schedulers(cfg: EngineConfig, recv_addr: str, send_addr: str, log_level: str) -> list[BaseProcess]:
+    """Start the instance's scheduler processes (one per rank); the first is the driver."""
+    ctx = mp.get_context("spawn")
+    procs: list[BaseProcess] = []
+    if cfg.world_size == 1:
+        one = (cfg, recv_addr, send_addr, log_level)
+        procs.append(ctx.Process(target=run_scheduler, args=one, name="disagg-scheduler", daemon=True))
+    else:
+        from disagg_worker.engine.dist import RankAddress
+
+        address = RankAddress("127.0.0.1", _free_port())
+        tp, pp = cfg.disagg.tp_size, cfg.disagg.pp_size
+        for r in range(tp * pp):
+            args = (cfg, Shard(r % tp, tp, r // tp, pp), address, recv_addr, send_addr, log_level)
+            procs.append(ctx.Process(target=run_rank, args=args, name=f"disagg-rank-{r}", daemon=True))
+    for proc in procs:
+        proc.start()
+    return procs
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def run_scheduler(cfg: EngineConfig, recv_addr: str, send_addr: str, log_level: str = "info") -> None:
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s scheduler %(levelname)s %(message)s")
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when this process ends
+    """The one scheduler process of a single-rank instance."""
+    _start_process(cfg, log_level, "scheduler")
+    _serve(build_engine(cfg), cfg, recv_addr, send_addr)
+
+
+def run_rank(
+    cfg: EngineConfig, shard: Shard, address: RankAddress, recv_addr: str, send_addr: str, log_level: str = "info"
+) -> None:
+    """One rank of a multi-rank instance: the driver serves the HTTP process, the others follow.
+
+    A follower keeps SIGUSR1's default action (it ends the process): the HTTP process stops every rank with it.
+    """
+    from disagg_worker.engine.dist import Comm
+
+    _start_process(cfg, log_level, f"rank tp{shard.tp_rank} pp{shard.pp_rank}", shard.world_rank)
+    comm = Comm(shard, address, cfg.device)
+    try:
+        if shard.world_rank == 0:
+            _serve(build_engine(cfg, comm), cfg, recv_addr, send_addr)
+        else:
+            from disagg_worker.engine.follower import run_follower
+
+            run_follower(cfg, comm)
+    finally:
+        comm.close()
+
+
+def _start_process(cfg: EngineConfig, log_level: str, name: str, rank: int = 0) -> None:
+    logging.basicConfig(level=log_level.upper(), format=f"%(asctime)s {name} %(levelname)s %(message)s")
+    # The parent decides when this process ends: a SIGTERM or SIGINT sent to the whole process group
+    # (systemd, a terminal) must not end it while the parent drains. The parent stops it with SIGUSR1.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     import torch
 
-    from disagg_worker.engine.loop import EngineLoop
+    from disagg_worker.disagg.mooncake.environ import mooncake_environ
 
+    os.environ.update(mooncake_environ(cfg.disagg, rank))  # read by the transfer engine when it starts
     if cfg.resolved_torch_threads:
         torch.set_num_threads(cfg.resolved_torch_threads)
 
-    engine = engine_class(cfg.disagg.role).from_config(cfg)
+
+def _serve(engine: Engine, cfg: EngineConfig, recv_addr: str, send_addr: str) -> None:
+    from disagg_worker.engine.loop import EngineLoop
+
     loop = EngineLoop(engine, recv_addr, send_addr, overlap=cfg.scheduler.enable_overlap)
-    signal.signal(signal.SIGTERM, lambda *_: setattr(loop, "stopped", True))
+    signal.signal(signal.SIGUSR1, lambda *_: setattr(loop, "stopped", True))
     try:
         loop.serve_forever()
     finally:
@@ -28,15 +104,7 @@ def run_scheduler(cfg: EngineConfig, recv_addr: str, send_addr: str, log_level: 
         engine.close()
 
 
-def engine_class(role: Role):
-    if role is Role.PREFILL:
-        from disagg_worker.engine.prefill import PrefillEngine
-
-        return PrefillEngine
-    if role is Role.DECODE:
-        from disagg_worker.engine.decode import DecodeEngine
-
-        return DecodeEngine
+def build_engine(cfg: EngineConfig, comm: Comm | None = None) -> Engine:
     from disagg_worker.engine.engine import Engine
 
-    return Engine
+    return Engine.from_config(cfg, comm)

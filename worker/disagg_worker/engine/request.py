@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from disagg_worker.engine.sampling import SamplingParams, SamplingState
+from disagg_worker.mem.radix import Node
 
 
 class FinishReason(str, Enum):
@@ -25,6 +26,7 @@ class Req:
     max_context_len: int = 1 << 30
     arrival: float = field(default_factory=time.monotonic)
 
+    # The output tokens, in one list: `append_token` is the only writer (the sampler reads it too).
     output_ids: list[int] = field(default_factory=list)
     # Tokens sampled by a forward still in flight (overlap mode): known to the runner, not yet here.
     pending: int = 0
@@ -34,16 +36,18 @@ class Req:
     pages: list[int] = field(default_factory=list)
     # Pages borrowed from the prefix cache (the first len(prefix_pages) entries of `pages`), locked.
     prefix_pages: int = 0
-    prefix_node: object = None
+    prefix_node: Node | None = None
     cached_tokens: int = 0
     finish_reason: FinishReason | None = None
     error: str = ""
     error_status: int = 0
-    sampling: SamplingState | None = None
+    sampling: SamplingState = field(init=False, repr=False)
+    # Prefill in a P/D deployment: when the last token is sampled, the scheduler hands the request
+    # with its pages to the caller (which sends the KV) instead of releasing it.
+    handoff: bool = False
 
     def __post_init__(self) -> None:
-        if self.sampling is None:
-            self.sampling = SamplingState.create(self.params, self.prompt_ids)
+        self.sampling = SamplingState.create(self.params, self.prompt_ids, self.output_ids)
 
     @property
     def fill_ids(self) -> list[int]:
@@ -81,7 +85,12 @@ class Req:
         by_ctx = self.max_context_len - self.seq_len
         return max(0, min(by_len, by_ctx))
 
-    def check_finished(self, token: int) -> None:
+    def append_token(self, token: int) -> None:
+        """Record a new output token and decide whether it ends the request."""
+        self.output_ids.append(token)
+        self._check_finished(token)
+
+    def _check_finished(self, token: int) -> None:
         """Decide whether `token`, just appended to output_ids, ends the request."""
         n = len(self.output_ids)
         if n >= self.params.min_new_tokens:

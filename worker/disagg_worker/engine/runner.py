@@ -5,8 +5,10 @@ from __future__ import annotations
 import torch
 
 from disagg_worker.engine.batch import ScheduledBatch, StepResult
+from disagg_worker.engine.request import Req
 from disagg_worker.engine.sampling import Sampler
 from disagg_worker.mem.kv_pool import KVPool
+from disagg_worker.model.batch import ForwardBatch
 
 
 class ModelRunner:
@@ -15,6 +17,10 @@ class ModelRunner:
     Steps run strictly in submission order, so a step may take its input tokens from the step
     before it (`ScheduledBatch.future`) and page reuse is ordered: a page freed while a step is in
     flight is only written by a later step.
+
+    The runner never writes a request's output list: the scheduler appends a token when it
+    processes the step. With overlap, that may not have happened yet when the next step samples,
+    so the runner completes the list with the token it sampled itself (at most one step behind).
     """
 
     def __init__(self, model: torch.nn.Module | None, kv_pool: KVPool, vocab_size: int, device: str = "cpu"):
@@ -30,28 +36,39 @@ class ModelRunner:
         fwd = batch.forward
         for j, req in batch.future:
             fwd.input_ids[j] = self._last[id(req)]
-        logits = self._logits(batch)
+        return self.sample(batch, self.forward(fwd))
+
+    @torch.inference_mode()
+    def forward(self, fwd: ForwardBatch, hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """This rank's part of the forward: logits on the last stage, hidden states before it."""
+        if self.model is None:  # no-op forward: measures everything but the model
+            return torch.zeros(fwd.num_requests, self.vocab_size)
+        return self.model(fwd, self.kv_pool, hidden)
+
+    @torch.inference_mode()
+    def sample(self, batch: ScheduledBatch, logits: torch.Tensor) -> StepResult:
+        """Sample the requests of `batch` that take a token from their row of `logits`."""
         rows = [i for i, s in enumerate(batch.samples) if s]
         n = len(batch.reqs)
         tokens = [-1] * n
         logprobs: list[float | None] = [None] * n
         tops: list[list[tuple[int, float]] | None] = [None] * n
+        outputs = [self._outputs_so_far(batch.reqs[i], batch.generated[i]) for i in rows]
         self._last = {}
         if rows:
-            states = [batch.reqs[i].sampling for i in rows]
-            out = self.sampler.sample(logits[rows], states)
+            out = self.sampler.sample(logits[rows], [batch.reqs[i].sampling for i in rows], outputs)
             for k, i in enumerate(rows):
-                tok = out.token_ids[k]
-                tokens[i] = tok
-                states[k].output_ids.append(tok)
-                self._last[id(batch.reqs[i])] = tok
+                tokens[i] = out.token_ids[k]
+                self._last[id(batch.reqs[i])] = out.token_ids[k]
                 if out.logprobs is not None:
                     logprobs[i] = out.logprobs[k]
                 if out.top_logprobs is not None:
                     tops[i] = out.top_logprobs[k]
         return StepResult(tokens=tokens, logprobs=logprobs, top_logprobs=tops)
 
-    def _logits(self, batch: ScheduledBatch) -> torch.Tensor:
-        if self.model is None:  # no-op forward: measures everything but the model
-            return torch.zeros(len(batch.reqs), self.vocab_size)
-        return self.model(batch.forward, self.kv_pool)
+    def _outputs_so_far(self, req: Req, generated: int) -> list[int]:
+        """The `generated` output tokens of `req` before this step's sample."""
+        known = req.output_ids[:generated]  # one atomic copy: the scheduler may append meanwhile
+        if len(known) < generated:
+            known.append(self._last[id(req)])
+        return known

@@ -1,8 +1,8 @@
-"""Turning a batch of next-token logits into tokens, and cutting text at stop strings.
+"""Turning a batch of next-token logits into tokens.
 
-The scheduler owns one `SamplingState` per request (params, prompt, tokens so far, the seeded
-generator) and calls `Sampler.sample(logits, states)` once per forward with one logits row per
-request. Per row, in this order:
+Each request owns one `SamplingState` (params, prompt, its output list, the seeded generator);
+the model runner calls `Sampler.sample(logits, states, outputs)` once per forward with one logits
+row per request that samples. Per row, in this order:
 
 1. penalties: repetition (HF/vLLM style, over prompt + output tokens), then frequency and
    presence (OpenAI style, over output tokens only);
@@ -13,8 +13,8 @@ request. Per row, in this order:
 
 Every step works row by row, so a request with a seed sees the same tokens whatever else is in
 the batch: its noise comes from its own `torch.Generator`; unseeded rows share the sampler's
-default generator. EOS handling and stop checks are the scheduler's and detokenizer's job;
-`StopChecker` below is the text-side helper for stop strings.
+default generator. EOS and stop token ids are the request's concern (`Req.append_token`); stop
+strings are cut on the text side (`params.StopChecker`).
 """
 
 from __future__ import annotations
@@ -39,8 +39,9 @@ from disagg_worker.engine.params import (  # noqa: F401 - re-exported for the en
 class SamplingState:
     """Per-request sampling state, owned by the request.
 
-    The sampler reads `output_ids`; the scheduler appends to it after each step. `create` makes
-    the generator from `params.seed`, on `device` (the sampler moves its draws where needed).
+    `output_ids` is the request's own output list (shared, not copied; the scheduler appends to
+    it). `create` makes the generator from `params.seed`, on `device` (the sampler moves its draws
+    where needed).
     """
 
     params: SamplingParams
@@ -51,12 +52,19 @@ class SamplingState:
     _prompt_tensor: torch.Tensor | None = field(default=None, init=False, repr=False)
 
     @classmethod
-    def create(cls, params: SamplingParams, prompt_ids: list[int], device: str | torch.device = "cpu") -> SamplingState:
+    def create(
+        cls,
+        params: SamplingParams,
+        prompt_ids: list[int],
+        output_ids: list[int] | None = None,
+        device: str | torch.device = "cpu",
+    ) -> SamplingState:
         gen = None
         if params.seed is not None:
             gen = torch.Generator(device=device)
             gen.manual_seed(params.seed % 2**64)
-        return cls(params=params, prompt_ids=list(prompt_ids), output_ids=[], generator=gen)
+        outputs = [] if output_ids is None else output_ids
+        return cls(params=params, prompt_ids=list(prompt_ids), output_ids=outputs, generator=gen)
 
     def prompt_tensor(self, device: torch.device) -> torch.Tensor:
         if self._prompt_tensor is None or self._prompt_tensor.device != device:
@@ -94,10 +102,13 @@ def _flat_ids(rows: list[torch.Tensor], vocab: int) -> torch.Tensor:
     return torch.cat(parts)
 
 
-def apply_penalties(logits: torch.Tensor, reqs: Sequence[SamplingState]) -> torch.Tensor:
+def apply_penalties(
+    logits: torch.Tensor, reqs: Sequence[SamplingState], outputs: Sequence[Sequence[int]] | None = None
+) -> torch.Tensor:
     """Repetition penalty over prompt + output tokens, then frequency/presence over output tokens.
 
-    Only the entries of tokens that occurred are touched; `logits` itself is not modified.
+    `outputs[i]` are row i's output tokens so far (default: `reqs[i].output_ids`). Only the
+    entries of tokens that occurred are touched; `logits` itself is not modified.
     """
     rep = any(r.params.repetition_penalty != 1.0 for r in reqs)
     freq = any(r.params.frequency_penalty or r.params.presence_penalty for r in reqs)
@@ -105,15 +116,16 @@ def apply_penalties(logits: torch.Tensor, reqs: Sequence[SamplingState]) -> torc
         return logits
     vocab, dev = logits.shape[1], logits.device
     flat = logits.clone().view(-1)
-    outputs = [torch.tensor(r.output_ids, dtype=torch.long, device=dev) for r in reqs]
+    so_far = [r.output_ids for r in reqs] if outputs is None else outputs
+    out_ids = [torch.tensor(list(o), dtype=torch.long, device=dev) for o in so_far]
     if rep:
-        seen = [torch.cat([r.prompt_tensor(dev), out]) for r, out in zip(reqs, outputs)]
+        seen = [torch.cat([r.prompt_tensor(dev), out]) for r, out in zip(reqs, out_ids, strict=True)]
         idx = torch.unique(_flat_ids(seen, vocab))
         pen = _column(reqs, "repetition_penalty", dev).squeeze(1)[idx // vocab]
         vals = flat[idx]
         flat[idx] = torch.where(vals > 0, vals / pen, vals * pen)
     if freq:
-        idx, counts = torch.unique(_flat_ids(outputs, vocab), return_counts=True)
+        idx, counts = torch.unique(_flat_ids(out_ids, vocab), return_counts=True)
         rows = idx // vocab
         freq_pen = _column(reqs, "frequency_penalty", dev).squeeze(1)[rows]
         pres_pen = _column(reqs, "presence_penalty", dev).squeeze(1)[rows]
@@ -190,12 +202,18 @@ class Sampler:
         self._default = torch.Generator(device=self.device)
         self._default.manual_seed(seed)
 
-    def sample(self, logits: torch.Tensor, reqs: Sequence[SamplingState]) -> SampleOutput:
-        """Pick one token per row of `logits` [B, >= vocab_size]; row i belongs to `reqs[i]`."""
+    def sample(
+        self,
+        logits: torch.Tensor,
+        reqs: Sequence[SamplingState],
+        outputs: Sequence[Sequence[int]] | None = None,
+    ) -> SampleOutput:
+        """Pick one token per row of `logits` [B, >= vocab_size]; row i belongs to `reqs[i]`,
+        whose output tokens so far are `outputs[i]` (default: `reqs[i].output_ids`)."""
         if logits.shape[0] != len(reqs):
             raise ValueError(f"{logits.shape[0]} logits rows for {len(reqs)} requests")
         raw = logits[:, : self.vocab_size].float()
-        processed = apply_penalties(raw, reqs)
+        processed = apply_penalties(raw, reqs, outputs)
         tokens = processed.argmax(dim=-1)
         rows = [i for i, r in enumerate(reqs) if not r.params.is_greedy]
         if rows:
@@ -235,8 +253,8 @@ class Sampler:
         n_top = min(max(w or 0 for w in wanted), raw.shape[1])
         top: list[list[tuple[int, float]]] = [[] for _ in reqs]
         if n_top > 0:
-            vals, ids = lsm.topk(n_top, dim=-1)
-            vals, ids = vals.tolist(), ids.tolist()
+            best = lsm.topk(n_top, dim=-1)
+            vals, ids = best.values.tolist(), best.indices.tolist()
             for i, w in enumerate(wanted):
-                top[i] = list(zip(ids[i][: w or 0], vals[i][: w or 0]))
+                top[i] = list(zip(ids[i][: w or 0], vals[i][: w or 0], strict=True))
         return chosen, top

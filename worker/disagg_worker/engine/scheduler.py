@@ -4,7 +4,11 @@ Life of a request here: `add` puts it in the waiting queue -> `schedule` admits 
 prompt fits (prefix pages come from the radix cache, the rest from the allocator) -> it is prefilled
 in chunks of at most `chunk_size` tokens, mixed in the same forward with the decode steps of the
 running requests -> after its last chunk each step samples one token (`process`) -> on finish its
-full pages go into the radix cache and the rest back to the allocator.
+full pages go into the radix cache and the rest back to the allocator. A request marked `handoff`
+(prefill in a P/D deployment) is instead handed back with its pages after its last token.
+
+`process` returns what a step did (`StepOutcome`), so a role stage acts on it without hooking
+into the scheduler.
 
 Page accounting invariant: a page is either free in the allocator, held by the radix cache, or in
 exactly one request's private page table; `release` is the only way out of a request.
@@ -14,20 +18,43 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from disagg_worker.config import EngineConfig
+from disagg_worker.config import SchedulerConfig
 from disagg_worker.engine.batch import ScheduledBatch, StepResult, build_forward
+from disagg_worker.engine.outbox import Outbox, TopLogprobs
 from disagg_worker.engine.request import FinishReason, Req
-from disagg_worker.mem.allocator import PageAllocator
+from disagg_worker.mem.allocator import PageAllocator, pages_for
 from disagg_worker.mem.radix import RadixCache
-from disagg_worker.messages import TokenOut
 
 log = logging.getLogger(__name__)
 
 
-def pages_for(tokens: int, page_size: int) -> int:
-    return (tokens + page_size - 1) // page_size
+def decode_reserve_pages(running: list[Req], reserve_tokens: int, page_size: int) -> int:
+    """Pages kept free for the next decode steps of `running` before new prompts are admitted."""
+    return sum(pages_for(min(r.remaining_new_tokens(), reserve_tokens), page_size) for r in running)
+
+
+@dataclass(frozen=True)
+class Sampled:
+    req: Req
+    token: int
+    logprob: float | None
+    top: TopLogprobs | None
+
+
+@dataclass
+class StepOutcome:
+    """What one processed step did.
+
+    `chunks`: prompt chunks that completed without sampling, as (request, tokens whose KV is now
+    computed); `num_computed` may already count a later step still in flight. `handed_off`: the
+    last token of `handoff` requests, which now belong to the caller with their pages.
+    """
+
+    sampled: list[Sampled] = field(default_factory=list)
+    chunks: list[tuple[Req, int]] = field(default_factory=list)
+    handed_off: list[Sampled] = field(default_factory=list)
 
 
 @dataclass
@@ -37,41 +64,62 @@ class Plan:
 
 
 class Scheduler:
-    def __init__(self, cfg: EngineConfig, allocator: PageAllocator, radix: RadixCache):
+    def __init__(
+        self,
+        cfg: SchedulerConfig,
+        page_size: int,
+        allocator: PageAllocator,
+        radix: RadixCache,
+        outbox: Outbox,
+        future_inputs: bool = True,
+    ):
+        """`future_inputs`: a request may be scheduled while its previous token is still being
+        sampled (the runner fills it in); False with pipeline stages, where it is not back yet."""
         self.cfg = cfg
-        self.page_size = cfg.cache.page_size
+        self.future_inputs = future_inputs
+        self.page_size = page_size
         self.allocator = allocator
         self.radix = radix
+        self.outbox = outbox
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
         self.by_rid: dict[str, Req] = {}
-        self.outbox: list[TokenOut] = []
         self.step_count = 0
 
     # ---- queue changes -------------------------------------------------------------------
     def add(self, req: Req) -> None:
-        if req.rid in self.by_rid:
-            req.fail(400, f"request id {req.rid!r} is already in use")
-            self.emit(req, [])
-            return
-        capacity = self.cfg.cache.capacity_tokens
-        if req.seq_len + 1 > capacity:
-            req.fail(400, f"prompt of {req.seq_len} tokens does not fit the KV cache ({capacity} tokens)")
-            self.emit(req, [])
+        if req.rid in self.by_rid:  # two requests under one id would share a page table
+            self.outbox.reject(req, 400, f"request id {req.rid!r} is already in use")
             return
         self.by_rid[req.rid] = req
         self.waiting.append(req)
 
-    def abort(self, rid: str) -> None:
+    def add_running(self, req: Req, pages: list[int], first_token: int, logprob: float | None) -> None:
+        """Start decoding a request whose prompt KV is already in `pages` (decode after a transfer)."""
+        req.pages, req.num_computed = pages, len(req.prompt_ids)
+        self.by_rid[req.rid] = req
+        self.running.append(req)
+        self._accept(Sampled(req, first_token, logprob, None))
+
+    def abort(self, rid: str) -> bool:
+        """End the request `rid` if it is here; False if it is not."""
         req = self.by_rid.get(rid)
         if req is None:
-            return
+            return False
         req.finish_reason = FinishReason.ABORT
         self._finish(req)
+        return True
 
     @property
     def idle(self) -> bool:
         return not self.waiting and not self.running
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def reserved_pages(self) -> int:
+        return decode_reserve_pages(self.running, self.cfg.decode_reserve_tokens, self.page_size)
 
     # ---- scheduling ---------------------------------------------------------------------
     def needs_sync(self) -> bool:
@@ -85,7 +133,7 @@ class Scheduler:
 
     def schedule(self) -> ScheduledBatch | None:
         plan = Plan([], [])
-        budget = self.cfg.scheduler.max_batch_tokens
+        budget = self.cfg.max_batch_tokens
         budget = self._plan_running(plan, budget)
         self._plan_admissions(plan, budget)
         if not plan.reqs:
@@ -98,6 +146,8 @@ class Scheduler:
         for r in order:
             if r not in self.running or r.finished or r.remaining_new_tokens() == 0:
                 continue  # retracted by an earlier request of this loop, or nothing to compute
+            if r.pending and not self.future_inputs:
+                continue  # its token is still in the pipeline
             if budget <= 0 and plan.reqs:
                 break
             n = self._take(r.todo, budget)
@@ -112,8 +162,7 @@ class Scheduler:
         return budget
 
     def _plan_admissions(self, plan: Plan, budget: int) -> None:
-        limit = self.cfg.scheduler.max_running_requests
-        while self.waiting and len(self.running) < limit:
+        while self.waiting and len(self.running) < self.cfg.max_running_requests:
             if budget <= 0 and plan.reqs:
                 return
             req = self.waiting[0]
@@ -128,7 +177,7 @@ class Scheduler:
 
     def _take(self, todo: int, budget: int) -> int:
         """Tokens of a request to compute in this step: the whole rest, or a chunk of it."""
-        chunk = self.cfg.scheduler.chunk_size
+        chunk = self.cfg.chunk_size
         if chunk <= 0:
             return todo
         return max(1, min(todo, chunk, budget))
@@ -138,11 +187,7 @@ class Scheduler:
         match = self.radix.match_prefix(req.fill_ids[: req.seq_len - 1])
         self.radix.lock(match.node)
         need = pages_for(req.seq_len, self.page_size) - len(match.pages)
-        reserve = sum(
-            pages_for(min(r.remaining_new_tokens(), self.cfg.scheduler.decode_reserve_tokens), self.page_size)
-            for r in self.running
-        )
-        if need + reserve > self.allocator.num_free + self.radix.evictable_pages:
+        if need + self.reserved_pages() > self.allocator.num_free + self.radix.evictable_pages:
             self.radix.unlock(match.node)
             return False
         pages = self._alloc(need)
@@ -189,7 +234,7 @@ class Scheduler:
             return False
         victim = candidates[-1]
         self.running.remove(victim)
-        self._release(victim)
+        self.release(victim)
         victim.num_computed = 0
         self.waiting.appendleft(victim)
         log.info("retracted %s (%d tokens) to free pages", victim.rid, victim.seq_len)
@@ -197,71 +242,67 @@ class Scheduler:
 
     def _build(self, plan: Plan) -> ScheduledBatch:
         forward = build_forward(plan.reqs, plan.extend, self.page_size)
-        samples, future = [], []
+        samples, generated, future = [], [], []
         pos = 0
-        for r, n in zip(plan.reqs, plan.extend):
+        for r, n in zip(plan.reqs, plan.extend, strict=True):
             pos += n
             if r.pending:
                 future.append((pos - 1, r))
             r.num_computed += n
             sample = r.num_computed == r.seq_len
             samples.append(sample)
+            generated.append(r.num_generated)
             if sample:
                 r.pending += 1
-        return ScheduledBatch(reqs=plan.reqs, forward=forward, samples=samples, future=future)
+        return ScheduledBatch(reqs=plan.reqs, forward=forward, samples=samples, generated=generated, future=future)
 
     # ---- results ------------------------------------------------------------------------
-    def process(self, batch: ScheduledBatch, result: StepResult) -> None:
+    def process(self, batch: ScheduledBatch, result: StepResult) -> StepOutcome:
+        """Take a finished step's tokens; return what the step did."""
         self.step_count += 1
+        outcome = StepOutcome()
         for i, r in enumerate(batch.reqs):
             if not batch.samples[i]:
+                if not r.finished:
+                    outcome.chunks.append((r, batch.forward.seq_lens[i]))
                 continue
             r.pending -= 1
             if r.finished:
                 continue  # aborted or finished while this step was in flight: its token is dropped
-            tok = result.tokens[i]
-            r.output_ids.append(tok)
-            r.check_finished(tok)
-            self._on_token(r, tok, result.logprobs[i], result.top_logprobs[i])
+            s = Sampled(r, result.tokens[i], result.logprobs[i], result.top_logprobs[i])
+            (outcome.handed_off if self._accept(s) else outcome.sampled).append(s)
+        return outcome
 
-    def _on_token(self, req: Req, token: int, logprob: float | None, top) -> None:
-        """A request got a token: stream it, and end the request if that was its last."""
-        self.emit(req, [token], logprob, top)
+    def _accept(self, s: Sampled) -> bool:
+        """Append a sampled token: stream it and end the request if it was its last.
+
+        True when the request was handed off instead (its token and pages are the caller's)."""
+        req = s.req
+        req.append_token(s.token)
+        if req.finished and req.handoff:
+            self.running.remove(req)
+            self.by_rid.pop(req.rid, None)
+            return True
+        self.outbox.emit(req, [s.token], s.logprob, s.top)
         if req.finished:
             self._finish(req, emit=False)
-
-    def add_running(self, req: Req) -> None:
-        """Admit a request whose prompt KV is already in its pages (decode after a transfer)."""
-        self.by_rid[req.rid] = req
-        self.running.append(req)
-
-    def detach(self, req: Req) -> None:
-        """Take a request out of the queues without touching its pages (the caller owns them now)."""
-        if req in self.running:
-            self.running.remove(req)
-        self.by_rid.pop(req.rid, None)
-
-    def release(self, req: Req) -> None:
-        """Return the pages of a detached request (whole computed pages go to the prefix cache)."""
-        self._release(req)
-
-    def take_outputs(self) -> list[TokenOut]:
-        out, self.outbox = self.outbox, []
-        return out
+        return False
 
     # ---- endings ------------------------------------------------------------------------
     def _finish(self, req: Req, emit: bool = True) -> None:
         if req in self.running:
             self.running.remove(req)
-            self._release(req)
+            self.release(req)
         elif req in self.waiting:
             self.waiting.remove(req)
         self.by_rid.pop(req.rid, None)
         if emit:
-            self.emit(req, [])
+            self.outbox.emit(req, [])
 
-    def _release(self, req: Req) -> None:
-        """Return the request's pages: whole computed pages to the radix cache, the rest freed."""
+    def release(self, req: Req) -> None:
+        """Return a request's pages: whole computed pages to the radix cache, the rest freed.
+
+        For a request out of the queues (retracted, finished, or handed off)."""
         computed = min(req.num_computed, len(req.fill_ids))
         full = computed // self.page_size
         tokens = req.fill_ids[: full * self.page_size]
@@ -272,18 +313,3 @@ class Scheduler:
         req.prefix_node = None
         req.pages = []
         req.prefix_pages = 0
-
-    def emit(self, req: Req, tokens: list[int], lp=None, top=None) -> None:
-        self.outbox.append(
-            TokenOut(
-                rid=req.rid,
-                token_ids=tokens,
-                logprobs=[lp] if lp is not None else None,
-                top_logprobs=[top] if top is not None else None,
-                finish_reason=req.finish_reason.value if req.finished else None,
-                prompt_tokens=len(req.prompt_ids),
-                cached_tokens=req.cached_tokens,
-                error=req.error,
-                error_status=req.error_status,
-            )
-        )

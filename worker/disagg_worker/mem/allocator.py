@@ -16,8 +16,9 @@ import bisect
 from collections.abc import Iterable
 
 
-class OutOfPages(Exception):
-    """Raised by callers that treat a failed allocation as fatal; `alloc` itself returns None."""
+def pages_for(tokens: int, page_size: int) -> int:
+    """Pages that hold `tokens` tokens (the last one possibly partial)."""
+    return (tokens + page_size - 1) // page_size
 
 
 class PageAllocator:

@@ -33,6 +33,13 @@ class Node:
         self.lock_ref = 0
         self.last_access = 0
 
+    @property
+    def up(self) -> Node:
+        """The parent of an attached non-root node."""
+        if self.parent is None:
+            raise ValueError("the root (or a detached node) has no parent")
+        return self.parent
+
 
 @dataclass(frozen=True)
 class MatchResult:
@@ -104,7 +111,7 @@ class RadixCache:
                 self._evictable -= len(node.pages)
                 self._protected += len(node.pages)
             node.lock_ref += 1
-            node = node.parent
+            node = node.up
 
     def unlock(self, node: Node) -> None:
         """Drop one reference taken by `lock`; ValueError if `node` holds none."""
@@ -115,7 +122,7 @@ class RadixCache:
             if node.lock_ref == 0:
                 self._protected -= len(node.pages)
                 self._evictable += len(node.pages)
-            node = node.parent
+            node = node.up
 
     def insert(self, tokens: Sequence[int], pages: Sequence[int]) -> list[int]:
         """Cache `pages` as holding `tokens`; return the caller's pages that are now redundant.
@@ -131,7 +138,7 @@ class RadixCache:
         if not self.enabled:
             return list(pages)
         node, cached = self._walk(tokens)
-        redundant = [mine for mine, tree in zip(pages, cached) if mine != tree]
+        redundant = [mine for mine, tree in zip(pages, cached, strict=False) if mine != tree]
         if len(cached) < len(pages):
             self._add_leaf(node, tokens[len(cached) * self.page_size :], pages[len(cached) :])
         return redundant
@@ -145,7 +152,7 @@ class RadixCache:
         freed = 0
         while freed < num_pages and heap:
             _, _, leaf = heapq.heappop(heap)
-            parent = leaf.parent
+            parent = leaf.up
             freed += self._remove_leaf(leaf)
             if self._is_evictable_leaf(parent):
                 heapq.heappush(heap, (parent.last_access, id(parent), parent))
@@ -205,10 +212,10 @@ class RadixCache:
         the new parent inherits its lock count, since every lock on `node` passes through it.
         """
         ps = self.page_size
-        upper = Node(node.key[: n * ps], node.pages[:n], node.parent)
+        upper = Node(node.key[: n * ps], node.pages[:n], node.up)
         upper.lock_ref = node.lock_ref
         upper.last_access = node.last_access
-        node.parent.children[upper.key[:ps]] = upper
+        node.up.children[upper.key[:ps]] = upper
         node.key, node.pages, node.parent = node.key[n * ps :], node.pages[n:], upper
         upper.children[node.key[:ps]] = node
         return upper
@@ -220,7 +227,7 @@ class RadixCache:
         self._evictable += len(leaf.pages)
 
     def _remove_leaf(self, leaf: Node) -> int:
-        del leaf.parent.children[leaf.key[: self.page_size]]
+        del leaf.up.children[leaf.key[: self.page_size]]
         leaf.parent = None
         self.allocator.free(leaf.pages)
         self._evictable -= len(leaf.pages)

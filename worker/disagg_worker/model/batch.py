@@ -16,12 +16,12 @@ import torch
 
 @dataclass
 class ForwardBatch:
-    input_ids: torch.LongTensor  # [T] new tokens of all requests, request after request
-    positions: torch.LongTensor  # [T] absolute position of each new token
-    out_slots: torch.LongTensor  # [T] KV slot where each new token's K/V is written
+    input_ids: torch.Tensor  # [T] new tokens of all requests, request after request
+    positions: torch.Tensor  # [T] absolute position of each new token
+    out_slots: torch.Tensor  # [T] KV slot where each new token's K/V is written
     extend_lens: list[int]  # per request: number of new tokens in this forward (sum == T)
     seq_lens: list[int]  # per request: total tokens incl. the new ones (prefix + new)
-    kv_slots: list[torch.LongTensor]  # per request: slots of its whole sequence, len == seq_lens[i]
+    kv_slots: list[torch.Tensor]  # per request: slots of its whole sequence, len == seq_lens[i]
 
     @property
     def is_decode(self) -> bool:
@@ -37,7 +37,7 @@ class ForwardBatch:
         return int(self.input_ids.shape[0])
 
     @property
-    def logits_indices(self) -> torch.LongTensor:
+    def logits_indices(self) -> torch.Tensor:
         """Index into the T new tokens of each request's last new token."""
         lens = torch.tensor(self.extend_lens, dtype=torch.long, device=self.input_ids.device)
         return torch.cumsum(lens, 0) - 1

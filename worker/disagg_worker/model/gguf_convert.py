@@ -20,7 +20,7 @@ from safetensors.torch import save_file
 from disagg_worker.model import gguf_model
 from disagg_worker.model.gguf_meta import open_gguf
 from disagg_worker.model.gguf_tokenizer import tokenizer_from_gguf
-from disagg_worker.model.loader import read_gguf
+from disagg_worker.model.loader import gguf_config, read_gguf
 from disagg_worker.model.source import find_gguf
 
 
@@ -33,7 +33,7 @@ def convert_gguf(src: str | Path, out: str | Path, dtype: torch.dtype = torch.fl
     if gguf_file is None:
         raise FileNotFoundError(f"no GGUF file at {src}")
     reader = open_gguf(gguf_file)
-    _, state = read_gguf(reader, gguf_file, dtype, torch.device("cpu"))
+    state = read_gguf(reader, gguf_file, gguf_config(reader), dtype, torch.device("cpu"))
     tok, tokenizer_config = tokenizer_from_gguf(reader)
     config = {**gguf_model.hf_config(reader), "torch_dtype": str(dtype).removeprefix("torch.")}
     dest = Path(out)

@@ -27,6 +27,7 @@ order, so the engine's rotary embedding applies unchanged. Qwen2 and Qwen3 files
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -134,19 +135,31 @@ def tensor_names(reader: GGUFReader) -> dict[str, str]:
 
 
 def read_weights(
-    reader: GGUFReader, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, progress: bool = True
+    reader: GGUFReader,
+    cfg: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    where: Callable[[str, tuple[int, ...]], tuple[slice, ...] | None] | None = None,
+    progress: bool = True,
 ) -> dict[str, torch.Tensor]:
-    """Every tensor dequantised to `dtype` on `device`, under its Hugging Face name."""
+    """Tensors dequantised to `dtype` on `device`, under their Hugging Face names. `where(name, shape)`
+    picks the part of each tensor to keep (None: skip it, without dequantising); default: all, whole."""
     names = tensor_names(reader)
     state: dict[str, torch.Tensor] = {}
     with tqdm(reader.tensors, desc="dequantising GGUF weights", unit="tensor", disable=not progress) as bar:
         for t in bar:
+            name = names[t.name]
+            part = where(name, tuple(int(n) for n in reversed(t.shape))) if where else None
+            if where is not None and part is None:
+                continue
             w = _dequantized(t)
             if cfg.arch == "llama" and ".attn_q." in t.name:
                 w = unpermute_rows(w, cfg.num_heads)
             elif cfg.arch == "llama" and ".attn_k." in t.name:
                 w = unpermute_rows(w, cfg.num_kv_heads)
-            state[names[t.name]] = w.to(dtype=dtype, device=device)
+            if part is not None:
+                w = w[part]
+            state[name] = w.to(dtype=dtype, device=device)
     return state
 
 

@@ -3,6 +3,10 @@ sharded `model.safetensors.index.json`) or a GGUF file (`gguf_model.py`; a direc
 `.gguf` and no `config.json` counts as the file). Tensor names must match the model's exactly (a
 tied `lm_head` may be absent or present; rotary `inv_freq` buffers are ignored); anything missing or
 unexpected is an error that lists the names.
+
+Under tensor or pipeline parallelism (`shard`) each rank reads only its slice of each tensor
+(`model.parallel.shard_slice`): from safetensors through its lazy slices, so no rank materialises the
+model; from a GGUF file a rank dequantises only the tensors it holds part of, then slices them.
 """
 
 from __future__ import annotations
@@ -18,7 +22,8 @@ from tqdm import tqdm
 from disagg_worker.model import gguf_model
 from disagg_worker.model.config import ModelConfig
 from disagg_worker.model.gguf_meta import open_gguf
-from disagg_worker.model.llama import LlamaForCausalLM
+from disagg_worker.model.llama import AllReduce, LlamaForCausalLM
+from disagg_worker.model.parallel import Shard, check_parallel, shard_slice
 from disagg_worker.model.source import find_gguf
 
 PROGRESS_MIN_BYTES = 200 * 1024 * 1024
@@ -30,19 +35,32 @@ class WeightMismatchError(ValueError):
 
 
 def load_model(
-    path: str | Path, dtype: torch.dtype | str, device: torch.device | str
+    path: str | Path,
+    dtype: torch.dtype | str,
+    device: torch.device | str,
+    shard: Shard | None = None,
+    all_reduce: AllReduce | None = None,
 ) -> tuple[LlamaForCausalLM, ModelConfig]:
-    """Build the model from the checkpoint's config and fill it with its weights.
+    """Build the model (this rank's `shard` of it) from the checkpoint's config and fill it with its
+    weights.
 
     Returns the model in eval mode, without gradients, on `device` in `dtype`.
     """
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    shard = shard or Shard()
     gguf_file = find_gguf(path)
-    if gguf_file is not None:
-        cfg, state = read_gguf(open_gguf(gguf_file), gguf_file, dtype, torch.device(device))
+    reader = open_gguf(gguf_file) if gguf_file is not None else None
+    cfg = gguf_config(reader) if reader is not None else ModelConfig.from_hf_dir(Path(path))
+    problem = check_parallel(cfg, shard.tp_size, shard.pp_size)
+    if problem:
+        raise ValueError(f"cannot split {Path(path).name} over the instance's ranks: {problem}")
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg, shard, all_reduce)
+    mine = {name for name, _ in model.named_parameters()}
+    if reader is not None and gguf_file is not None:
+        state = read_gguf(reader, gguf_file, cfg, dtype, torch.device(device), shard, mine)
     else:
-        cfg, state = _read_hf_dir(Path(path), dtype, torch.device(device))
-    model = _empty_model(cfg)
+        state = _read_hf_dir(Path(path), cfg, mine, shard, dtype, torch.device(device))
     model.load_state_dict(state, strict=False, assign=True)  # names were checked; a tied head is re-tied
     model.tie_weights()
     return model.to(device).eval().requires_grad_(False), cfg
@@ -61,33 +79,47 @@ def weight_files(path: Path) -> list[Path]:
     raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {path}")
 
 
-def _empty_model(cfg: ModelConfig) -> LlamaForCausalLM:
-    with torch.device("meta"):
-        return LlamaForCausalLM(cfg)
-
-
 def _expected_names(cfg: ModelConfig) -> set[str]:
-    return {name for name, _ in _empty_model(cfg).named_parameters()}
+    """Every parameter of the whole model (all ranks together)."""
+    with torch.device("meta"):
+        return {name for name, _ in LlamaForCausalLM(cfg).named_parameters()}
 
 
-def _read_hf_dir(path: Path, dtype: torch.dtype, device: torch.device) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    cfg = ModelConfig.from_hf_dir(path)
+def _read_hf_dir(
+    path: Path, cfg: ModelConfig, mine: set[str], shard: Shard, dtype: torch.dtype, device: torch.device
+) -> dict[str, torch.Tensor]:
     names_by_file = _tensor_names(path)
-    expected = _expected_names(cfg)
-    _check_names(expected, {n for names in names_by_file.values() for n in names}, cfg)
-    return cfg, _read(names_by_file, expected, dtype, device)
+    _check_names(_expected_names(cfg), {n for names in names_by_file.values() for n in names}, cfg)
+    return _read(names_by_file, mine, cfg, shard, dtype, device)
+
+
+def gguf_config(reader: GGUFReader) -> ModelConfig:
+    """The model config of an open GGUF file."""
+    return ModelConfig.from_hf_dict(gguf_model.hf_config(reader))
 
 
 def read_gguf(
-    reader: GGUFReader, path: Path, dtype: torch.dtype, device: torch.device
-) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """The config and dequantised weights of an open GGUF file; the architecture, quantisation types and
-    tensor names are all checked before anything is dequantised."""
-    cfg = ModelConfig.from_hf_dict(gguf_model.hf_config(reader))
+    reader: GGUFReader,
+    path: Path,
+    cfg: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    shard: Shard | None = None,
+    mine: set[str] | None = None,
+) -> dict[str, torch.Tensor]:
+    """The dequantised weights of an open GGUF file (the parameters in `mine`, each sliced to what `shard`
+    holds; default: all of them, whole); quantisation types and tensor names are checked before anything
+    is dequantised."""
     gguf_model.check_tensor_types(reader, path)
-    _check_names(_expected_names(cfg), set(gguf_model.tensor_names(reader).values()), cfg)
+    expected = _expected_names(cfg)
+    _check_names(expected, set(gguf_model.tensor_names(reader).values()), cfg)
+    shard, mine = shard or Shard(), expected if mine is None else mine
+
+    def where(name: str, shape: tuple[int, ...]) -> tuple[slice, ...] | None:
+        return shard_slice(name, shape, cfg, shard) if name in mine else None
+
     progress = gguf_model.dequantized_nbytes(reader) >= PROGRESS_MIN_BYTES
-    return cfg, gguf_model.read_weights(reader, cfg, dtype, device, progress=progress)
+    return gguf_model.read_weights(reader, cfg, dtype, device, where, progress=progress)
 
 
 def _tensor_names(path: Path) -> dict[Path, list[str]]:
@@ -110,8 +142,14 @@ def _check_names(expected: set[str], found: set[str], cfg: ModelConfig) -> None:
 
 
 def _read(
-    names_by_file: dict[Path, list[str]], expected: set[str], dtype: torch.dtype, device: torch.device
+    names_by_file: dict[Path, list[str]],
+    expected: set[str],
+    cfg: ModelConfig,
+    shard: Shard,
+    dtype: torch.dtype,
+    device: torch.device,
 ) -> dict[str, torch.Tensor]:
+    """The `expected` tensors, each sliced to what `shard` holds (a tied head reads the embedding)."""
     total_bytes = sum(f.stat().st_size for f in names_by_file)
     total = sum(len(n) for n in names_by_file.values())
     state: dict[str, torch.Tensor] = {}
@@ -120,6 +158,9 @@ def _read(
             with safe_open(file, framework="pt", device=str(device)) as f:
                 for name in names:
                     if name in expected:  # a tied head stored anyway is skipped
-                        state[name] = f.get_tensor(name).to(dtype)
+                        part = f.get_slice(name)
+                        where = shard_slice(name, tuple(part.get_shape()), cfg, shard)
+                        if where is not None:
+                            state[name] = part[where].to(dtype)
                     bar.update(1)
     return state

@@ -81,13 +81,16 @@ _ARCH_CONFIGS: dict[str, dict[str, Any]] = {
 }
 
 
-def make_tiny(out_dir: str | Path, seed: int = 0, arch: str = "llama") -> Path:
-    """Write the tiny model to `out_dir` (created if needed) and return its path."""
+def make_tiny(out_dir: str | Path, seed: int = 0, arch: str = "llama", num_kv_heads: int = 0) -> Path:
+    """Write the tiny model to `out_dir` (created if needed) and return its path. `num_kv_heads`
+    (0: the default, 2) changes the KV head count, e.g. 1 for multi-query attention."""
     if arch not in _ARCH_CONFIGS:
         raise ValueError(f"unknown tiny arch {arch!r}; choose from {', '.join(_ARCH_CONFIGS)}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     hf_config = {**_COMMON, **_ARCH_CONFIGS[arch]}
+    if num_kv_heads:
+        hf_config["num_key_value_heads"] = num_kv_heads
     _write_json(out / "config.json", hf_config)
     _write_json(out / "generation_config.json", {"bos_token_id": BOS_ID, "eos_token_id": [EOS_ID, IM_END_ID]})
     _write_json(out / "tokenizer_config.json", _tokenizer_config(hf_config))

@@ -87,7 +87,9 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`; with special tokens, BOS is prepended if the config asks and the
         tokenizer's own post-processor did not already add it."""
-        ids = self.tok.encode(text, add_special_tokens=add_special_tokens).ids
+        # encode_batch releases the GIL while it encodes (encode does not): a long text tokenized on a
+        # thread leaves the HTTP process's event loop free.
+        ids = self.tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         bos = self.bos_token_id
         if add_special_tokens and self.add_bos_token and bos is not None and ids[:1] != [bos]:
             ids.insert(0, bos)

@@ -1,10 +1,15 @@
 """The router: one OpenAI-compatible endpoint in front of prefill and decode instances.
 
-Path of a request: parse the JSON -> split `n > 1` into n single-choice requests -> for each, pick a
-healthy (prefill, decode) pair and a fresh random 63-bit bootstrap room -> send the request with
-the bootstrap fields to both at once -> stream decode's answer. Until the first event has been
-passed on to the client, a failed pair is retried on another pair with a new room; afterwards an
-error ends the stream with an error event. A prefill 4xx (a prompt it cannot take) is the answer.
+Path of a request: admission (in-flight bound, body limit: `server.py`) -> parse the JSON ->
+serialise it once (`payload.py`) -> split `n > 1` into n single-choice requests -> for each, pick
+a healthy (prefill, decode) pair and a fresh random 63-bit bootstrap room -> send the request with
+the bootstrap fields to both at once -> stream decode's answer (`stream.py`).
+
+Until the first event has been passed on to the client, a failed pair is retried on another pair
+with a new room: a decode that fails, or a prefill that refuses first (5xx, 429, or 503 while it
+drains; decode's half is then cancelled at once instead of waiting for KV that never comes). A
+worker that answers "draining" is not picked again until its /health is 200. A prefill 4xx (a
+prompt it cannot take) is the answer. Afterwards a failure ends the stream with an error event.
 """
 
 from __future__ import annotations
@@ -14,110 +19,243 @@ import json
 import logging
 import secrets
 from dataclasses import dataclass
+from typing import Any
 
 import aiohttp
 from aiohttp import web
 
+from disagg_worker.limits import body_limit_bytes
+from disagg_worker.router.auth import RouterAuth
+from disagg_worker.router.payload import JoinedPayload, SharedBody
+from disagg_worker.router.stream import lost
+from disagg_worker.router.verify import PairVerifier
 from disagg_worker.router.workers import Worker, WorkerPool
-from disagg_worker.server.errors import APIError
+from disagg_worker.server.admission import DRAINING, RETRY_AFTER_S
+from disagg_worker.server.errors import APIError, unavailable
 
 log = logging.getLogger(__name__)
 
-ROUTER = web.AppKey("router", "Router")
 STATUS_OF_TYPE = {"invalid_request_error": 400, "not_found_error": 404}
+# After decode failed a request, how long prefill may take to refuse it with a better reason (a
+# prefill refuses what it cannot take at once; one still waiting for a handshake is cancelled).
+EXPLAIN_WAIT_S = 0.5
+# The body limit before any worker has said its context (`--max-body-bytes` 0): a 128k-token model.
+FALLBACK_CONTEXT = 131072
+NO_PAIR = "No healthy prefill/decode pair is available; retry later."
 
 
 @dataclass
 class Attempt:
-    """What one pair answered before anything reached the client."""
+    """What one pair answered before anything reached the client; `worker` is the side that failed."""
 
     status: int
     body: dict
-    retryable: bool
+    worker: Worker | None = None
+
+    @property
+    def retryable(self) -> bool:
+        return self.status >= 500 or self.status == 429
+
+    @property
+    def code(self) -> str | None:
+        return self.body.get("error", {}).get("code")
+
+    def error(self) -> APIError:
+        e = self.body.get("error", {})
+        retry_after = RETRY_AFTER_S if self.status in (429, 503) else None
+        return APIError(
+            self.status,
+            e.get("message", "request failed"),
+            type=e.get("type", "server_error"),
+            param=e.get("param"),
+            code=e.get("code"),
+            retry_after=retry_after,
+        )
+
+
+@dataclass(eq=False)
+class Opened:
+    """A decode stream that started answering, and the prefill request beside it."""
+
+    resp: aiohttp.ClientResponse
+    first: bytes
+    prefill: asyncio.Task
+    decode: Worker
 
 
 class Router:
-    def __init__(self, pool: WorkerPool, model_name: str, retries: int = 2, request_timeout_s: float = 600.0):
+    def __init__(
+        self,
+        pool: WorkerPool,
+        model_name: str,
+        retries: int = 2,
+        request_timeout_s: float = 600.0,
+        verifier: PairVerifier | None = None,
+        auth: RouterAuth | None = None,
+        max_body_bytes: int = 0,
+    ):
         self.pool = pool
         self.model_name = model_name
         self.retries = retries
+        self.auth = auth or RouterAuth()
+        self.request_timeout_s = request_timeout_s
         self.timeout = aiohttp.ClientTimeout(total=request_timeout_s, sock_connect=5)
-        self.session: aiohttp.ClientSession | None = None
+        self.max_body_bytes = max_body_bytes
+        # Decode streams open now; a drain that times out closes them (`cut`).
+        self.opened: set[Opened] = set()
+        self.cut_reason = ""
+        self._session: aiohttp.ClientSession | None = None
+        # With a verifier, requests go only to verified same-revision pairs (router/verify.py).
+        self.verifier = verifier
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            raise RuntimeError("the router is not started")
+        return self._session
 
     async def start(self, health_interval_s: float = 2.0) -> None:
-        self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+        self._session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0), headers=self.auth.worker_headers()
+        )
         await self.pool.refresh_dns()
         await self.pool.check_health(self.session)
         self._watch = asyncio.create_task(self.pool.watch(self.session, health_interval_s))
+        if self.verifier is not None:
+            self._verify = asyncio.create_task(self.verifier.run(self.session))
 
     async def stop(self) -> None:
         self._watch.cancel()
+        if self.verifier is not None:
+            self._verify.cancel()
         await self.session.close()
 
+    def pick_pair(self, exclude: set[Worker]) -> tuple[Worker, Worker] | None:
+        if self.verifier is not None:
+            return self.verifier.pick_pair(exclude)
+        return self.pool.pick_pair(exclude=exclude)
+
+    def body_limit(self) -> int:
+        """--max-body-bytes, else the limit of the largest context a worker reported (`limits.py`)."""
+        if self.max_body_bytes > 0:
+            return self.max_body_bytes
+        known = [w.max_model_len for w in self.pool.workers() if w.max_model_len]
+        return body_limit_bytes(max(known) if known else FALLBACK_CONTEXT)
+
     # ---- one choice -----------------------------------------------------------------------
-    async def open(self, path: str, body: dict) -> tuple[aiohttp.ClientResponse, asyncio.Task, bytes, list[Worker]]:
-        """Find a pair that starts answering; return decode's response and its first bytes."""
+    async def open(self, path: str, body: SharedBody, choice: dict[str, Any]) -> Opened:
+        """Find a pair that starts answering choice `choice` (its n and seed) of `body`."""
         tried: set[Worker] = set()
-        last = Attempt(503, APIError(503, "no healthy prefill/decode pair", type="server_error").body(), True)
+        last = Attempt(503, unavailable(NO_PAIR).body())
         for _ in range(self.retries + 1):
-            pair = self.pool.pick_pair(exclude=tried)
-            if pair is None:
+            pair = self.pick_pair(tried)
+            if pair is None or self.cut_reason:
                 break
-            tried.update(pair)
-            opened = await self._try_pair(path, body, *pair)
-            if isinstance(opened, Attempt):
-                last = opened
-                if not opened.retryable:
-                    break
-                continue
-            return opened
-        raise APIError(
-            last.status,
-            last.body.get("error", {}).get("message", "request failed"),
-            type=last.body.get("error", {}).get("type", "server_error"),
-            param=last.body.get("error", {}).get("param"),
-            code=last.body.get("error", {}).get("code"),
-        )
+            opened = await self._try_pair(path, body, choice, *pair)
+            if isinstance(opened, Opened):
+                return self._track(opened)
+            last = opened
+            if not opened.retryable:
+                break
+            # Retry without the side that failed: with one prefill, a dead decode is still replaced.
+            tried.update([opened.worker] if opened.worker is not None else pair)
+        if self.cut_reason:
+            raise unavailable(self.cut_reason)
+        raise last.error()
 
-    async def _try_pair(self, path: str, body: dict, p: Worker, d: Worker):
-        routed = {
-            **body,
-            "bootstrap_host": p.host,
-            "bootstrap_port": p.bootstrap_port,
-            "bootstrap_room": secrets.randbits(63),
-        }
-        prefill = asyncio.create_task(self._prefill(p, path, {**routed, "stream": False}))
-        d.inflight += 1
+    def _track(self, o: Opened) -> Opened:
+        if self.cut_reason:  # the drain ended while this pair opened
+            self.close(o)
+            raise unavailable(self.cut_reason)
+        self.opened.add(o)
+        return o
+
+    def close(self, o: Opened) -> None:
+        """The client's answer is complete or abandoned: give decode's response back."""
+        o.resp.release()
+        self.opened.discard(o)
+        o.decode.inflight -= 1
+
+    def cut(self, reason: str) -> int:
+        """End every open stream now (their clients get an error event naming `reason`); returns how many."""
+        self.cut_reason = reason
+        for o in list(self.opened):
+            o.resp.close()
+            o.prefill.cancel()
+        return len(self.opened)
+
+    async def _try_pair(self, path: str, body: SharedBody, choice: dict, p: Worker, d: Worker) -> Opened | Attempt:
+        room = self.auth.target(p.host, p.bootstrap_port, secrets.randbits(63))
+        # Prefill answers with one token, never streamed (stream_options is only valid on a stream).
+        prefill_body = body.payload(**choice, **room, stream=False, stream_options=None)
+        prefill = asyncio.create_task(self._prefill(p, path, prefill_body))
+        decode = asyncio.create_task(self._decode(d, path, body.payload(**choice, **room)))
         try:
-            resp = await self.session.post(f"{d.url}{path}", json=routed, timeout=self.timeout)
-            first = await self._first_event(resp) if resp.status == 200 else await resp.read()
-        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-            d.inflight -= 1
-            d.failures += 1
+            await asyncio.wait((prefill, decode), return_when=asyncio.FIRST_COMPLETED)
+            if not decode.done() and prefill.result().status != 200:
+                decode.cancel()  # prefill refused: decode would wait for KV that never comes
+                await asyncio.gather(decode, return_exceptions=True)
+                return prefill.result()
+            opened = await decode
+        except BaseException:  # the client left: abort both sides
             prefill.cancel()
-            return Attempt(502, APIError(502, f"decode {d.url} failed: {e!r}", type="server_error").body(), True)
-        except BaseException:  # the client left: abort the prefill side too
-            d.inflight -= 1
-            prefill.cancel()
+            decode.cancel()
             raise
-        error = self._error_in(resp.status, first)
-        if error is None:
-            return resp, prefill, first, [d]
-        resp.release()
-        d.inflight -= 1
-        return await self._explain(error, prefill)
+        if isinstance(opened, Attempt):
+            return await self._explain(opened, prefill)
+        if self.verifier is not None:
+            self.verifier.passed(p, d)
+        return Opened(opened[0], opened[1], prefill, d)
 
-    async def _prefill(self, p: Worker, path: str, body: dict) -> Attempt:
+    async def _decode(
+        self, d: Worker, path: str, payload: JoinedPayload
+    ) -> tuple[aiohttp.ClientResponse, bytes] | Attempt:
+        """Decode's response and its first event; or what went wrong (decode's in-flight count then restored)."""
+        d.inflight += 1
+        resp: aiohttp.ClientResponse | None = None
+        try:
+            resp = await self.session.post(f"{d.url}{path}", data=payload, timeout=self.timeout)
+            first = await self._first_event(resp) if resp.status == 200 else await resp.read()
+            attempt = self._error_in(resp.status, first)
+            if attempt is None:
+                return resp, first
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            log.warning("decode %s failed before answering: %r", d.url, e)
+            d.failures += 1
+            attempt = Attempt(502, APIError(502, lost("decode", e).message, type="server_error").body())
+        except BaseException:
+            d.inflight -= 1
+            if resp is not None:
+                resp.close()
+            raise
+        d.inflight -= 1
+        if resp is not None:
+            resp.release()
+        attempt.worker = d
+        self._note(d, attempt)
+        return attempt
+
+    async def _prefill(self, p: Worker, path: str, payload: JoinedPayload) -> Attempt:
         p.inflight += 1
         try:
-            async with self.session.post(f"{p.url}{path}", json=body, timeout=self.timeout) as r:
-                data = await r.read()
-                return Attempt(r.status, _json_or_error(r.status, data), r.status >= 500)
+            async with self.session.post(f"{p.url}{path}", data=payload, timeout=self.timeout) as r:
+                attempt = Attempt(r.status, _json_or_error(r.status, await r.read()))
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            log.warning("prefill %s failed: %r", p.url, e)
             p.failures += 1
-            return Attempt(502, APIError(502, f"prefill {p.url} unreachable: {e}", type="server_error").body(), True)
+            attempt = Attempt(502, APIError(502, lost("prefill", e).message, type="server_error").body())
         finally:
             p.inflight -= 1
+        attempt.worker = p
+        self._note(p, attempt)
+        return attempt
+
+    @staticmethod
+    def _note(w: Worker, attempt: Attempt) -> None:
+        """A worker that says it drains is not picked again until its /health is 200."""
+        if attempt.status == 503 and attempt.code == DRAINING and w.healthy:
+            log.info("%s worker %s is draining: not picked until its /health is 200", w.role, w.url)
+            w.healthy = False
 
     @staticmethod
     async def _first_event(resp: aiohttp.ClientResponse) -> bytes:
@@ -135,8 +273,10 @@ class Router:
     @staticmethod
     def _error_in(status: int, first: bytes) -> Attempt | None:
         if status != 200:
-            return Attempt(status, _json_or_error(status, first), status >= 500)
+            return Attempt(status, _json_or_error(status, first))
         text = first.decode(errors="replace").strip()
+        if not text:
+            return Attempt(502, APIError(502, lost("decode", None).message, type="server_error").body())
         if text.startswith("data: "):
             try:
                 event = json.loads(text[6:].split("\n\n")[0])
@@ -144,21 +284,29 @@ class Router:
                 return None
             if isinstance(event, dict) and "error" in event:
                 kind = event["error"].get("type", "server_error")
-                status = STATUS_OF_TYPE.get(kind, 500)
-                return Attempt(status, event, status >= 500)
+                return Attempt(STATUS_OF_TYPE.get(kind, 500), event)
         return None
 
     @staticmethod
     async def _explain(decode_error: Attempt, prefill: asyncio.Task) -> Attempt:
-        """A prefill that refused the request explains a decode failure better than decode can."""
+        """A prefill that refused the request explains a decode failure better than decode can.
+
+        A decode that refused to start (429, 503) did no work prefill could explain: prefill's half
+        is cancelled at once."""
+        if decode_error.status in (429, 503):
+            prefill.cancel()
+            return decode_error
         try:
-            p = await asyncio.wait_for(asyncio.shield(prefill), timeout=5)
+            p = await asyncio.wait_for(asyncio.shield(prefill), timeout=EXPLAIN_WAIT_S)
         except asyncio.TimeoutError:
             prefill.cancel()
             return decode_error
         if 400 <= p.status < 500:
             return p
         return decode_error
+
+
+ROUTER = web.AppKey("router", Router)
 
 
 def _json_or_error(status: int, data: bytes) -> dict:

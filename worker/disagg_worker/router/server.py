@@ -1,183 +1,161 @@
-"""HTTP handlers of the router, and its entry point."""
+"""HTTP handlers of the router, and its entry point.
+
+Generation requests pass the same admission gate as a worker's (`server/admission.py`: 503 while
+the router drains, 429 beyond --max-inflight, 413 beyond the body limit, checked before the body
+is read). On SIGTERM the router drains (`server/drain.py`): /health fails, new requests get 503,
+open streams finish within --drain-timeout, then it exits.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import logging
-import signal
-from collections.abc import AsyncIterator
+from typing import Any
 
-import aiohttp
 from aiohttp import web
 
-from disagg_worker.router.app import ROUTER, Router
+from disagg_worker.router.app import ROUTER, Opened, Router
+from disagg_worker.router.auth import RouterAuth, add_auth_args
+from disagg_worker.router.fanout import merge_bodies, stream_merged
+from disagg_worker.router.handoff import HandoffMonitor
+from disagg_worker.router.payload import SharedBody
+from disagg_worker.router.stream import DONE, UpstreamLost, error_event, relay
+from disagg_worker.router.verify import PairVerifier
 from disagg_worker.router.workers import DnsSource, Policy, Worker, WorkerPool
+from disagg_worker.server.admission import DRAINING, Admission, admission_middleware
 from disagg_worker.server.api import error_middleware
+from disagg_worker.server.auth import require_keys
+from disagg_worker.server.body import read_body
+from disagg_worker.server.drain import CUT_GRACE_S, Signals, drain
 from disagg_worker.server.errors import APIError
 from disagg_worker.server.protocol import parse_json
 
 log = logging.getLogger(__name__)
 MAX_N = 16
+INLINE_BODY_BYTES = 64 * 1024
+ADMISSION = web.AppKey("admission", Admission)
 
 
-def build_router_app(router: Router) -> web.Application:
-    app = web.Application(middlewares=[error_middleware], client_max_size=64 * 1024 * 1024)
+def build_router_app(router: Router, admission: Admission) -> web.Application:
+    app = web.Application(
+        middlewares=[error_middleware, admission_middleware(admission)], client_max_size=64 * 1024 * 1024
+    )
     app[ROUTER] = router
+    app[ADMISSION] = admission
     for path in ("/v1/completions", "/v1/chat/completions", "/generate"):
         app.router.add_post(path, make_handler(path))
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
+    app.router.add_get("/livez", livez)
     return app
+
+
+def parse_request(raw: bytes) -> tuple[SharedBody, Any]:
+    """The body serialised once for every upstream request, and its `n`."""
+    body = parse_json(raw)
+    if not isinstance(body, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    return SharedBody.of(body), body.get("n", 1)
 
 
 def make_handler(path: str):
     async def handler(request: web.Request) -> web.StreamResponse:
         router = request.app[ROUTER]
-        body = parse_json(await request.read())
-        if not isinstance(body, dict):
-            raise APIError(400, "the request body must be a JSON object")
-        n = body.get("n", 1)
+        raw = await read_body(request, request.app[ADMISSION].body_limit())
+        # A large body is parsed and serialised on a thread: the loop keeps serving the other streams.
+        shared, n = parse_request(raw) if len(raw) <= INLINE_BODY_BYTES else await asyncio.to_thread(parse_request, raw)
+        del raw  # from here on, the one serialised copy is the request
         if path != "/generate" and type(n) is int and 1 < n <= MAX_N:
-            return await fan_out(request, router, path, body, n)
-        return await proxy_one(request, router, path, body)
+            return await fan_out(request, router, path, shared, n)
+        return await proxy_one(request, router, path, shared)
 
     return handler
 
 
-async def proxy_one(request: web.Request, router: Router, path: str, body: dict) -> web.StreamResponse:
-    resp, prefill, first, held = await router.open(path, body)
+async def proxy_one(request: web.Request, router: Router, path: str, body: SharedBody) -> web.StreamResponse:
+    o = await router.open(path, body, {})
     try:
-        if not resp.headers.get("Content-Type", "").startswith("text/event-stream"):
-            return web.Response(body=first, status=resp.status, content_type="application/json")
-        out = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        await out.prepare(request)
-        await out.write(first)
-        async for chunk in resp.content.iter_any():
-            await out.write(chunk)
+        if not o.resp.headers.get("Content-Type", "").startswith("text/event-stream"):
+            return web.Response(body=o.first, status=o.resp.status, content_type="application/json")
+        out = await sse_response(request)
+        try:
+            await relay(out, o.first, o.resp)
+        except UpstreamLost as e:
+            log.warning("decode %s: %s", o.decode.url, e.message)
+            await out.write(error_event(router.cut_reason or e.message))
+            await out.write(DONE)
         return out
     except asyncio.CancelledError:
-        prefill.cancel()  # the client left: abort the prefill side too
+        o.prefill.cancel()  # the client left: abort the prefill side too
         raise
     finally:
-        resp.release()
-        for w in held:
-            w.inflight -= 1
+        router.close(o)
 
 
-def sub_request(body: dict, i: int) -> dict:
-    sub = {**body, "n": 1}
-    seed = body.get("seed")
-    if type(seed) is int:
-        sub["seed"] = seed + i
-    return sub
-
-
-async def fan_out(request: web.Request, router: Router, path: str, body: dict, n: int) -> web.StreamResponse:
-    """n choices = n single-choice requests, each on its own pair and bootstrap room."""
-    opened = await asyncio.gather(*(router.open(path, sub_request(body, i)) for i in range(n)), return_exceptions=True)
-    try:
-        failed = next((o for o in opened if isinstance(o, BaseException)), None)
-        if failed is not None:
-            raise failed
-        if body.get("stream") is not True:
-            return web.json_response(merge_bodies([json.loads(o[2]) for o in opened]))
-        return await stream_merged(request, opened, body)
-    finally:
-        for o in opened:
-            if not isinstance(o, BaseException):
-                o[0].release()
-                for w in o[3]:
-                    w.inflight -= 1
-
-
-def merge_bodies(bodies: list[dict]) -> dict:
-    merged = dict(bodies[0])
-    merged["choices"] = []
-    for i, b in enumerate(bodies):
-        for c in b.get("choices", []):
-            merged["choices"].append({**c, "index": i})
-    usage = dict(bodies[0].get("usage") or {})
-    usage["completion_tokens"] = sum((b.get("usage") or {}).get("completion_tokens", 0) for b in bodies)
-    usage["total_tokens"] = usage.get("prompt_tokens", 0) + usage["completion_tokens"]
-    merged["usage"] = usage
-    return merged
-
-
-async def sse_events(first: bytes, resp: aiohttp.ClientResponse) -> AsyncIterator[str]:
-    buf = first
-    while True:
-        while b"\n\n" in buf:
-            event, buf = buf.split(b"\n\n", 1)
-            line = event.decode(errors="replace").strip()
-            if line.startswith("data: "):
-                yield line[6:]
-        chunk = await resp.content.readany()
-        if not chunk:
-            return
-        buf += chunk
-
-
-async def stream_merged(request: web.Request, opened: list, body: dict) -> web.StreamResponse:
+async def sse_response(request: web.Request) -> web.StreamResponse:
     out = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await out.prepare(request)
-    queue: asyncio.Queue = asyncio.Queue()
-    usage: dict = {}
-    ids: list[str] = []  # one response id for all choices: the first one seen
-
-    async def pump(i: int, first: bytes, resp: aiohttp.ClientResponse) -> None:
-        async for data in sse_events(first, resp):
-            if data == "[DONE]":
-                break
-            event = json.loads(data)
-            if "usage" in event and not event.get("choices"):
-                usage.setdefault("prompt_tokens", event["usage"].get("prompt_tokens", 0))
-                usage["completion_tokens"] = usage.get("completion_tokens", 0) + event["usage"]["completion_tokens"]
-                usage["last"] = event
-                continue
-            for c in event.get("choices", []):
-                c["index"] = i
-            if "id" in event:
-                ids[:] = ids or [event["id"]]
-                event["id"] = ids[0]
-            await queue.put(event)
-        await queue.put(None)
-
-    tasks = [asyncio.create_task(pump(i, o[2], o[0])) for i, o in enumerate(opened)]
-    try:
-        remaining = len(tasks)
-        while remaining:
-            event = await queue.get()
-            if event is None:
-                remaining -= 1
-                continue
-            await out.write(f"data: {json.dumps(event)}\n\n".encode())
-        if "last" in usage:
-            last = usage.pop("last")
-            usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
-            last["usage"] = {**last["usage"], **usage}
-            last["id"] = ids[0] if ids else last.get("id")
-            await out.write(f"data: {json.dumps(last)}\n\n".encode())
-        await out.write(b"data: [DONE]\n\n")
-    finally:
-        for t in tasks:
-            t.cancel()
     return out
 
 
-async def models(request: web.Request) -> web.Response:
-    name = request.app[ROUTER].model_name
-    return web.json_response(
-        {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "disagg"}]}
+def choice_fields(body: SharedBody, i: int) -> dict[str, Any]:
+    """Choice i of n: one choice, and a seeded request's seed + i."""
+    seed = body.fields.get("seed")
+    return {"n": 1, "seed": seed + i} if type(seed) is int else {"n": 1}
+
+
+async def fan_out(request: web.Request, router: Router, path: str, body: SharedBody, n: int) -> web.StreamResponse:
+    """n choices = n single-choice requests, each on its own pair and bootstrap room."""
+    opened = await asyncio.gather(
+        *(router.open(path, body, choice_fields(body, i)) for i in range(n)), return_exceptions=True
     )
+    try:
+        ok = [o for o in opened if isinstance(o, Opened)]
+        failed = next((o for o in opened if isinstance(o, BaseException)), None)
+        if failed is not None:
+            raise failed
+        if body.fields.get("stream") is not True:
+            return web.json_response(merge_bodies([json.loads(o.first) for o in ok]))
+        out = await sse_response(request)
+        await stream_merged(out, ok, lambda: router.cut_reason)
+        return out
+    finally:
+        for o in opened:
+            if isinstance(o, Opened):
+                router.close(o)
+
+
+async def models(request: web.Request) -> web.Response:
+    router = request.app[ROUTER]
+    model: dict[str, Any] = {"id": router.model_name, "object": "model", "created": 0, "owned_by": "disagg"}
+    known = [w.max_model_len for w in router.pool.workers() if w.max_model_len]
+    if known:
+        model["max_model_len"] = max(known)
+    return web.json_response({"object": "list", "data": [model]})
 
 
 async def health(request: web.Request) -> web.Response:
-    """Healthy while at least one prefill and one decode instance are; lists every worker."""
-    pool = request.app[ROUTER].pool
-    workers = [w.describe() for w in pool.workers()]
-    ok = pool.pick("prefill") is not None and pool.pick("decode") is not None
-    return web.json_response({"status": "ok" if ok else "unhealthy", "workers": workers}, status=200 if ok else 503)
+    """Ready while a prefill->decode pair is verified (without verification: while a prefill and a decode
+    instance are healthy) and the router does not drain. Lists every worker, and every pair with its last
+    result and its age."""
+    router = request.app[ROUTER]
+    pool, verifier = router.pool, router.verifier
+    body: dict = {"workers": [w.describe() for w in pool.workers()]}
+    if verifier is not None:
+        body.update(pairs=verifier.describe(), handoff=verifier.monitor.describe())
+    if request.app[ADMISSION].draining:
+        return web.json_response({"status": DRAINING, **body}, status=503)
+    if verifier is None:
+        ok = pool.pick("prefill") is not None and pool.pick("decode") is not None
+    else:
+        ok = verifier.ready()
+    return web.json_response({"status": "ok" if ok else "unhealthy", **body}, status=200 if ok else 503)
+
+
+async def livez(request: web.Request) -> web.Response:
+    """Alive as long as it answers: a router without a verified pair is not ready, but it needs no restart."""
+    return web.json_response({"status": "alive"})
 
 
 def parse_static(specs: list[list[str]], role: str) -> list[Worker]:
@@ -222,21 +200,85 @@ def add_router_args(p) -> None:
     p.add_argument("--retries", type=int, default=2)
     p.add_argument("--health-interval", type=float, default=2.0)
     p.add_argument("--log-level", default="info")
+    add_auth_args(p)
+    p.add_argument(
+        "--verify-interval",
+        type=float,
+        default=10.0,
+        help="seconds between synthetic one-token requests that re-verify an idle prefill->decode pair; 0 turns "
+        "verification off (then the router is ready while any prefill and decode are healthy)",
+    )
+    p.add_argument("--verify-timeout", type=float, default=60.0, help="seconds a pair verification may take")
+    p.add_argument("--handoff-window", type=float, default=300.0, help="seconds of KV handoff failures /health counts")
+    p.add_argument(
+        "--stall-after",
+        type=float,
+        default=60.0,
+        help="seconds a worker's handoff queue may hold requests without progress before /health calls it stalled",
+    )
+    p.add_argument(
+        "--max-inflight",
+        type=int,
+        default=1024,
+        help="client requests held at once; more get 429 with Retry-After",
+    )
+    p.add_argument(
+        "--request-timeout",
+        type=float,
+        default=600.0,
+        help="seconds one upstream request may take, its whole stream included; a choice that takes longer "
+        "ends with an error event",
+    )
+    p.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=30.0,
+        help="on SIGTERM, seconds to finish open requests (new ones get 503) before cutting them short "
+        "(the operator sets the pod's termination grace period from it)",
+    )
+    p.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=0,
+        help="request bodies beyond this get 413 (0: derived from the largest max_model_len the workers report "
+        "on /v1/models, as the workers derive their own)",
+    )
 
 
-async def serve(ns, ready: asyncio.Event | None = None) -> None:
-    router = Router(build_pool(ns), ns.served_model_name, retries=ns.retries)
+def build_verifier(ns, pool: WorkerPool, auth: RouterAuth) -> PairVerifier | None:
+    if ns.verify_interval <= 0:
+        return None
+    monitor = HandoffMonitor(ns.handoff_window, ns.stall_after)
+    return PairVerifier(pool, ns.verify_interval, ns.verify_timeout, monitor=monitor, auth=auth)
+
+
+async def serve(ns, auth: RouterAuth, ready: asyncio.Event | None = None) -> None:
+    signals = Signals()
+    pool = build_pool(ns)
+    router = Router(
+        pool,
+        ns.served_model_name,
+        retries=ns.retries,
+        request_timeout_s=ns.request_timeout,
+        verifier=build_verifier(ns, pool, auth),
+        auth=auth,
+        max_body_bytes=ns.max_body_bytes,
+    )
     await router.start(ns.health_interval)
-    runner = web.AppRunner(build_router_app(router), handler_cancellation=True, access_log=None)
+    admission = Admission(ns.max_inflight, router.body_limit)
+    app = build_router_app(router, admission)
+    require_keys(app, auth.api_keys)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=CUT_GRACE_S)
     await runner.setup()
     await web.TCPSite(runner, ns.host, ns.port).start()
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
     print(f"disagg router on http://{ns.host}:{ns.port}", flush=True)
+
+    async def cut(reason: str) -> None:
+        router.cut(reason)
+
     try:
-        await stop.wait()
+        await signals.stop.wait()
+        await drain(admission, ns.drain_timeout, cut, signals.hurry)
     finally:
         await runner.cleanup()
         await router.stop()
@@ -244,4 +286,5 @@ async def serve(ns, ready: asyncio.Event | None = None) -> None:
 
 def run(ns) -> None:
     logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s router %(levelname)s %(message)s")
-    asyncio.run(serve(ns))
+    auth = RouterAuth.from_cli(ns)  # before anything starts: a key asked for but missing stops here
+    asyncio.run(serve(ns, auth))

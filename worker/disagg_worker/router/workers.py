@@ -5,7 +5,9 @@ how loaded they are, and which prefill/decode pair serves the next request.
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
+import json
 import logging
 import socket
 from dataclasses import dataclass, field
@@ -30,15 +32,39 @@ class Worker:
     healthy: bool = False
     inflight: int = 0
     failures: int = 0
+    # The latest /health body: pod name, pairing revision, handoff queues and counters (server/health.py).
+    report: dict = field(default_factory=dict)
+    # The context the worker serves (its /v1/models `max_model_len`); 0 until it answered.
+    max_model_len: int = 0
 
     @property
     def host(self) -> str:
         return urlsplit(self.url).hostname or ""
 
+    @property
+    def name(self) -> str:
+        """The pod name the worker reports, or its URL."""
+        return str(self.report.get("pod") or self.url)
+
+    @property
+    def revision(self) -> str:
+        """Pairing revision: only a prefill and a decode of the same revision are paired."""
+        return str(self.report.get("revision") or "")
+
+    def take_report(self, body: bytes) -> None:
+        try:
+            report = json.loads(body)
+        except ValueError:
+            return
+        if isinstance(report, dict):
+            self.report = report
+
     def describe(self) -> dict:
         d = {"url": self.url, "role": self.role, "healthy": self.healthy, "inflight": self.inflight}
         if self.role == "prefill":
             d["bootstrap_port"] = self.bootstrap_port
+        if self.report.get("pod") or self.revision:
+            d.update(pod=self.name, revision=self.revision)
         return d
 
 
@@ -76,7 +102,9 @@ class WorkerPool:
     dns: list[DnsSource] = field(default_factory=list)
     policy: Policy = Policy.ROUND_ROBIN
     discovered: dict[DnsSource, dict[str, Worker]] = field(default_factory=dict)
-    _rr: itertools.count = field(default_factory=itertools.count)
+    # One round-robin counter per role: with a shared one, equal numbers of prefill and decode workers made
+    # every pick land on the same pair.
+    _rr: dict[str, itertools.count] = field(default_factory=lambda: collections.defaultdict(itertools.count))
 
     def workers(self, role: str | None = None) -> list[Worker]:
         found = [w for by_url in self.discovered.values() for w in by_url.values()]
@@ -88,7 +116,7 @@ class WorkerPool:
             return None
         if self.policy is Policy.LEAST_LOAD:
             return min(candidates, key=lambda w: (w.inflight, w.failures))
-        return candidates[next(self._rr) % len(candidates)]
+        return candidates[next(self._rr[role]) % len(candidates)]
 
     def pick_pair(self, exclude: frozenset[Worker] | set[Worker] = frozenset()) -> tuple[Worker, Worker] | None:
         p, d = self.pick("prefill", exclude), self.pick("decode", exclude)
@@ -105,11 +133,14 @@ class WorkerPool:
             try:
                 async with session.get(f"{w.url}/health", timeout=aiohttp.ClientTimeout(total=3)) as r:
                     ok = r.status == 200
+                    w.take_report(await r.read())
             except (aiohttp.ClientError, asyncio.TimeoutError):
                 ok = False
             if ok != w.healthy:
                 log.info("%s worker %s is now %s", w.role, w.url, "healthy" if ok else "unhealthy")
             w.healthy = ok
+            if ok and not w.max_model_len:
+                w.max_model_len = await max_model_len(session, w.url)
 
         await asyncio.gather(*(probe(w) for w in self.workers()))
 
@@ -122,3 +153,13 @@ class WorkerPool:
             except Exception:  # one failed round must not stop the watching
                 log.exception("worker refresh failed")
             await asyncio.sleep(interval_s)
+
+
+async def max_model_len(session: aiohttp.ClientSession, url: str) -> int:
+    """The context a worker serves, from its /v1/models (as vLLM reports it); 0 if it does not say."""
+    try:
+        async with session.get(f"{url}/v1/models", timeout=aiohttp.ClientTimeout(total=3)) as r:
+            body = await r.json()
+        return int(body["data"][0]["max_model_len"])
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError, IndexError, TypeError):
+        return 0

@@ -1,7 +1,9 @@
 """OpenAI-compatible HTTP API of one engine instance (aiohttp).
 
 Every client error is an `APIError` with an OpenAI-style body and a 4xx status; the middleware turns
-anything else into a logged 500 so a bug never kills the server.
+anything else into a 500 whose message points at the log entry (an id), never at the exception, so
+a bug never kills the server. Generation requests pass the admission gate first (`admission.py`:
+503 when draining or broken, 429 over the in-flight bound, 413 over the body limit).
 """
 
 from __future__ import annotations
@@ -9,22 +11,42 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import uuid
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import asdict, replace
 
 from aiohttp import web
 
 from disagg_worker.engine.params import SamplingParams
+from disagg_worker.env import WorkerEnv, load_env
+from disagg_worker.limits import body_limit_bytes
 from disagg_worker.messages import BootstrapInfo, FlushCacheReq
 from disagg_worker.server import openai_format as fmt
-from disagg_worker.server.errors import APIError
+from disagg_worker.server.admission import DRAINING, Admission, admission_middleware
+from disagg_worker.server.body import read_body
+from disagg_worker.server.errors import APIError, internal_error
 from disagg_worker.server.frontend import Delta, Frontend
+from disagg_worker.server.health import health_report
+from disagg_worker.server.metrics import PROBE_HEADER
 from disagg_worker.server.protocol import parse_chat, parse_completion, parse_generate, parse_json
 
 log = logging.getLogger(__name__)
 
 FRONTEND = web.AppKey("frontend", Frontend)
+ADMISSION = web.AppKey("admission", Admission)
 SETTINGS = web.AppKey("settings", dict)
+
+
+def error_response(e: APIError) -> web.Response:
+    return web.json_response(e.body(), status=e.status, headers=e.headers())
+
+
+def logged_internal_error(request: web.Request) -> APIError:
+    """Log the exception being handled under a fresh id; the client's message names the id only."""
+    ref = uuid.uuid4().hex[:12]
+    log.exception("internal error %s on %s %s", ref, request.method, request.path)
+    return internal_error(ref)
 
 
 @web.middleware
@@ -32,24 +54,33 @@ async def error_middleware(request: web.Request, handler):
     try:
         return await handler(request)
     except APIError as e:
-        return web.json_response(e.body(), status=e.status)
+        return error_response(e)
     except web.HTTPException as e:
         if e.status >= 400:
-            err = APIError(e.status, e.reason or "error", type="invalid_request_error")
-            return web.json_response(err.body(), status=e.status)
+            return error_response(APIError(e.status, e.reason or "error", type="invalid_request_error"))
         raise
     except (asyncio.CancelledError, ConnectionResetError):
         raise
-    except Exception as e:  # a bug: answer 500 with the reason, keep serving
-        log.exception("internal error on %s", request.path)
-        err = APIError(500, f"internal error: {type(e).__name__}: {e}", type="server_error")
-        return web.json_response(err.body(), status=500)
+    except Exception:  # a bug: a 500 that points at the log, and keep serving
+        return error_response(logged_internal_error(request))
 
 
-def build_app(frontend: Frontend, model_name: str, health_timeout_s: float = 20.0) -> web.Application:
-    app = web.Application(middlewares=[error_middleware], client_max_size=64 * 1024 * 1024)
+def build_app(
+    frontend: Frontend,
+    model_name: str,
+    health_timeout_s: float = 20.0,
+    max_inflight: int = 256,
+    identity: WorkerEnv | None = None,
+) -> web.Application:
+    admission = Admission(max_inflight, lambda: body_limit_bytes(frontend.limits.max_context_len))
+    # aiohttp's own cap stays as a backstop; read_body enforces the real limit first.
+    app = web.Application(
+        middlewares=[error_middleware, admission_middleware(admission)], client_max_size=64 * 1024 * 1024
+    )
     app[FRONTEND] = frontend
-    app[SETTINGS] = {"model": model_name, "health_timeout_s": health_timeout_s}
+    app[ADMISSION] = admission
+    identity = identity if identity is not None else load_env()  # built once, at start-up
+    app[SETTINGS] = {"model": model_name, "health_timeout_s": health_timeout_s, "identity": identity}
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/generate", generate)
@@ -62,7 +93,8 @@ def build_app(frontend: Frontend, model_name: str, health_timeout_s: float = 20.
 
 
 async def read_json(request: web.Request):
-    return parse_json(await request.read())
+    raw = await read_body(request, request.app[ADMISSION].body_limit())
+    return await request.app[FRONTEND].parse(raw, parse_json)
 
 
 def bootstrap_of(body) -> BootstrapInfo | None:
@@ -70,6 +102,9 @@ def bootstrap_of(body) -> BootstrapInfo | None:
     if not isinstance(body, dict) or "bootstrap_room" not in body:
         return None
     host, port, room = body.get("bootstrap_host"), body.get("bootstrap_port"), body.get("bootstrap_room")
+    sig = body.get("bootstrap_sig", "")
+    if not isinstance(sig, str):
+        raise APIError(400, "bootstrap_sig must be a string", param="bootstrap_sig")
     if (
         not isinstance(host, str)
         or not isinstance(port, int)
@@ -83,44 +118,7 @@ def bootstrap_of(body) -> BootstrapInfo | None:
             "bootstrap_host (str), bootstrap_port (int) and bootstrap_room (0..2^63-1) are required together",
             param="bootstrap_room",
         )
-    return BootstrapInfo(host, port, room)
-
-
-def check_ids(frontend: Frontend, ids: list[int], params: SamplingParams, explicit_max: bool) -> SamplingParams:
-    """Reject prompts the engine cannot serve; fit an implicit max_tokens into the context."""
-    info = frontend.info
-    if not ids:
-        raise APIError(400, "the prompt is empty", param="prompt")
-    bad = [i for i in ids if not 0 <= i < info.vocab_size]
-    if bad:
-        raise APIError(400, f"token id {bad[0]} is outside the vocabulary (size {info.vocab_size})", param="prompt")
-    if len(ids) + 1 > info.capacity_tokens:
-        raise APIError(
-            400,
-            f"the prompt has {len(ids)} tokens but the KV cache holds {info.capacity_tokens}",
-            param="prompt",
-            code="context_length_exceeded",
-        )
-    room = info.max_context_len - len(ids)
-    if room < 1:
-        raise APIError(
-            400,
-            f"This model's maximum context length is {info.max_context_len} tokens; the prompt has {len(ids)} tokens.",
-            param="prompt",
-            code="context_length_exceeded",
-        )
-    if params.max_new_tokens > room:
-        if explicit_max:
-            raise APIError(
-                400,
-                f"This model's maximum context length is {info.max_context_len} tokens. However, "
-                f"you requested {len(ids) + params.max_new_tokens} tokens ({len(ids)} in the prompt, "
-                f"{params.max_new_tokens} for the completion).",
-                param="max_tokens",
-                code="context_length_exceeded",
-            )
-        params = replace(params, max_new_tokens=room)
-    return params
+    return BootstrapInfo(host, port, room, sig)
 
 
 def choice_params(params: SamplingParams, i: int) -> SamplingParams:
@@ -178,12 +176,29 @@ async def send_event(resp: web.StreamResponse, data) -> None:
     await resp.write(f"data: {payload}\n\n".encode())
 
 
+@asynccontextmanager
+async def ends_stream(request: web.Request, resp: web.StreamResponse) -> AsyncIterator[None]:
+    """A stream always ends with [DONE]; a failure inside it comes first, as an OpenAI error event."""
+    try:
+        yield
+    except APIError as e:
+        await send_event(resp, e.body())
+    except (asyncio.CancelledError, ConnectionError):
+        raise  # the client left: nobody reads the rest
+    except Exception:
+        await send_event(resp, logged_internal_error(request).body())
+    await send_event(resp, "[DONE]")
+
+
 async def completions(request: web.Request) -> web.StreamResponse:
     fe, s = request.app[FRONTEND], request.app[SETTINGS]
     body = await read_json(request)
-    req = parse_completion(body, s["model"], fe.info.max_context_len)
-    ids = req.prompt if isinstance(req.prompt, list) else fe.tokenizer.encode(req.prompt)
-    params = check_ids(fe, ids, req.sampling, "max_tokens" in body)
+    req = parse_completion(body, s["model"], fe.limits)
+    if isinstance(req.prompt, list):  # admitted while parsing
+        ids, params = req.prompt, req.sampling
+    else:
+        ids = await fe.encode(req.prompt)
+        params = fe.limits.admit(ids, req.sampling, req.max_tokens_set)
     return await respond(
         request, ids, params, req.n, bootstrap_of(body), req.stream, req.stream_options_include_usage, chat=False
     )
@@ -192,14 +207,14 @@ async def completions(request: web.Request) -> web.StreamResponse:
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     fe, s = request.app[FRONTEND], request.app[SETTINGS]
     body = await read_json(request)
-    req = parse_chat(body, s["model"], fe.info.max_context_len)
+    req = parse_chat(body, s["model"], fe.limits)
     try:
-        text = fe.tokenizer.apply_chat_template(req.messages, add_generation_prompt=req.add_generation_prompt)
+        text = await fe.render_chat(req.messages, req.add_generation_prompt)
     except ValueError as e:
         raise APIError(400, f"cannot render the chat template: {e}", param="messages") from e
-    ids = fe.tokenizer.encode(text, add_special_tokens=False)
-    explicit = "max_tokens" in body or "max_completion_tokens" in body
-    params = check_ids(fe, ids, req.sampling, explicit)
+    ids = await fe.encode(text, add_special_tokens=False)
+    key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    params = fe.limits.admit(ids, req.sampling, req.max_tokens_set, key, "messages")
     return await respond(
         request, ids, params, req.n, bootstrap_of(body), req.stream, req.stream_options_include_usage, chat=True
     )
@@ -225,7 +240,7 @@ async def respond(
     resp = await sse_response(request)
     choices = [fmt.Choice(i) for i in range(n)]
     started: set[int] = set()
-    try:
+    async with ends_stream(request, resp):
         async for i, d in merged([fe.complete(ids, choice_params(params, i), bootstrap) for i in range(n)]):
             if chat:  # the role comes with the first token: a stream's first event is output or an error
                 chunk = fmt.chat_chunk(rid, model, i, d, tok, first=i not in started)
@@ -237,35 +252,31 @@ async def respond(
         if include_usage:
             obj = "chat.completion.chunk" if chat else "text_completion"
             await send_event(resp, fmt.usage_chunk(rid, model, obj, choices, len(ids)))
-    except APIError as e:
-        await send_event(resp, e.body())
-    await send_event(resp, "[DONE]")
     return resp
 
 
 async def generate(request: web.Request) -> web.StreamResponse:
-    """Native endpoint: token ids (or text) in, token ids and text out."""
+    """Native endpoint: token ids (or text) in, token ids and text out. A router's pair probe (PROBE_HEADER)
+    is served like any request but left out of the user-facing request metrics."""
     fe = request.app[FRONTEND]
     body = await read_json(request)
-    req = parse_generate(body, fe.info.max_context_len, fe.info.vocab_size)
-    ids = req.input_ids if req.input_ids is not None else fe.tokenizer.encode(req.text)
-    sp = body.get("sampling_params") if isinstance(body, dict) else None
-    explicit = isinstance(sp, dict) and "max_new_tokens" in sp
-    params = check_ids(fe, ids, req.sampling, explicit)
+    req = parse_generate(body, fe.limits)
+    if req.input_ids is not None:  # admitted while parsing
+        ids, params = req.input_ids, req.sampling
+    else:
+        ids = await fe.encode(req.text or "")
+        params = fe.limits.admit(ids, req.sampling, req.max_tokens_set, "sampling_params.max_new_tokens", "text")
     bootstrap = bootstrap_of(body)
     choice = fmt.Choice(0)
     if not req.stream:
-        async for d in fe.complete(ids, params, bootstrap):
+        async for d in fe.complete(ids, params, bootstrap, probe=PROBE_HEADER in request.headers):
             choice.add(d)
         return web.json_response(generate_body(choice, len(ids)))
     resp = await sse_response(request)
-    try:
+    async with ends_stream(request, resp):
         async for d in fe.complete(ids, params, bootstrap):
             choice.add(d)
             await send_event(resp, generate_body(choice, len(ids)))
-    except APIError as e:
-        await send_event(resp, e.body())
-    await send_event(resp, "[DONE]")
     return resp
 
 
@@ -284,17 +295,26 @@ def generate_body(c: fmt.Choice, prompt_tokens: int) -> dict:
 
 
 async def models(request: web.Request) -> web.Response:
-    name = request.app[SETTINGS]["model"]
-    return web.json_response(
-        {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "disagg"}]}
-    )
+    """The served model, with its context as vLLM reports it (`max_model_len`); the router's body limit follows it."""
+    name, context = request.app[SETTINGS]["model"], request.app[FRONTEND].limits.max_context_len
+    model = {"id": name, "object": "model", "created": 0, "owned_by": "disagg", "max_model_len": context}
+    return web.json_response({"object": "list", "data": [model]})
 
 
 async def health(request: web.Request) -> web.Response:
-    fe, s = request.app[FRONTEND], request.app[SETTINGS]
+    """200 while the instance serves; 503 with a reason when it drains, lost its scheduler or stalls.
+    Either way the body names the pod, its pairing revision, its queues and transfer counters."""
+    fe, s, admission = request.app[FRONTEND], request.app[SETTINGS], request.app[ADMISSION]
+    report = health_report(fe.stats, s["identity"])
+    if admission.draining:
+        reason = "the instance is shutting down: it finishes the requests it holds and takes no new ones"
+        return web.json_response({"status": DRAINING, "reason": reason, **report}, status=503)
+    if fe.failed:
+        return web.json_response({"status": "unhealthy", "reason": fe.failed, **report}, status=503)
     if fe.healthy(s["health_timeout_s"]):
-        return web.json_response({"status": "ok"})
-    return web.json_response({"status": "unhealthy", "reason": "the scheduler has not reported recently"}, status=503)
+        return web.json_response({"status": "ok", **report})
+    reason = "the scheduler has not reported recently"
+    return web.json_response({"status": "unhealthy", "reason": reason, **report}, status=503)
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -309,6 +329,9 @@ async def stats(request: web.Request) -> web.Response:
         raise APIError(503, "the scheduler has not reported yet", type="server_error")
     report = asdict(st)
     report.pop("metrics_text", None)  # served on /metrics
+    report["rank_queues"] = [
+        {"tp_rank": tp, "pp_rank": pp, "queues": queues} for (tp, pp), queues in sorted(st.rank_queues.items())
+    ]
     return web.json_response(report)
 
 

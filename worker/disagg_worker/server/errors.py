@@ -1,7 +1,8 @@
 """Errors the HTTP API returns, in OpenAI's shape.
 
 Anything raised while parsing or validating a request is an `APIError`; the server turns it into
-a response with `status` and `body()` and never needs to know which check failed.
+a response with `status`, `headers()` and `body()` and never needs to know which check failed.
+A refusal the client should retry later (429, 503) carries `retry_after` seconds.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ class APIError(Exception):
         type: str = "invalid_request_error",
         param: str | None = None,
         code: str | None = None,
+        retry_after: int | None = None,
     ):
         super().__init__(message)
         self.status = status
@@ -24,6 +26,10 @@ class APIError(Exception):
         self.type = type
         self.param = param
         self.code = code
+        self.retry_after = retry_after
+
+    def headers(self) -> dict[str, str]:
+        return {} if self.retry_after is None else {"Retry-After": str(self.retry_after)}
 
     def body(self) -> dict:
         return {
@@ -53,5 +59,25 @@ def server_error(message: str) -> APIError:
     return APIError(500, message, "server_error")
 
 
-def unavailable(message: str) -> APIError:
-    return APIError(503, message, "server_error", code="service_unavailable")
+def unavailable(message: str, retry_after: int | None = None, code: str = "service_unavailable") -> APIError:
+    return APIError(503, message, "server_error", code=code, retry_after=retry_after)
+
+
+def too_many_requests(limit: int, retry_after: int = 1) -> APIError:
+    # OpenAI answers a rate limit with 429, type "requests", code "rate_limit_exceeded".
+    message = f"This server is at its limit of {limit} requests in flight; retry in {retry_after} s."
+    return APIError(429, message, "requests", code="rate_limit_exceeded", retry_after=retry_after)
+
+
+def too_large(limit: int) -> APIError:
+    message = (
+        f"The request body is larger than this server accepts ({limit} bytes, from the model's maximum context); "
+        "send a shorter prompt."
+    )
+    return APIError(413, message, "invalid_request_error", code="request_too_large")
+
+
+def internal_error(ref: str) -> APIError:
+    """A bug: the message names where the details are, never the exception itself."""
+    message = f"Internal error while handling the request; the server log has the details under id {ref}."
+    return APIError(500, message, "server_error", code="internal_error")

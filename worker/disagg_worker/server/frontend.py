@@ -4,6 +4,12 @@ Path of a request: api.py parses and validates it -> `Frontend.complete` tokeniz
 GenerateReq over zmq to the scheduler process -> TokenOut messages come back on one PULL socket and
 are routed to the request's queue -> detokenized incrementally, cut at stop strings -> streamed.
 Tokenizing here keeps the scheduler process free of HTTP and text work: it only ever sees ids.
+Long texts are tokenized (and chat templates rendered) on a thread, off the event loop, so a
+multi-megabyte prompt cannot stall /health or other streams.
+
+The scheduler process is watched: when it exits, every waiting request fails at once with a 503
+and the instance refuses new ones (`failed` says why); `fail_all` is also how a drain that timed
+out ends the requests it still holds.
 """
 
 from __future__ import annotations
@@ -12,19 +18,29 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from multiprocessing.process import BaseProcess
+from typing import Any, TypeVar
 
 import zmq
 import zmq.asyncio
 
 from disagg_worker import messages as msg
 from disagg_worker.engine.params import SamplingParams, StopChecker
+from disagg_worker.limits import RequestLimits
 from disagg_worker.model.tokenizer import IncrementalDetokenizer, Tokenizer
-from disagg_worker.server.errors import APIError
+from disagg_worker.server.admission import RETRY_AFTER_S
+from disagg_worker.server.errors import APIError, unavailable
 from disagg_worker.server.metrics import ServerMetrics
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+# Texts (and bodies) up to this many characters are handled inline (about a millisecond): a thread hop
+# would cost more than it saves. Longer ones go to the text thread.
+INLINE_TEXT_CHARS = 2048
 
 
 @dataclass
@@ -52,20 +68,69 @@ class Frontend:
         self.pull.bind(from_engine)
         self.queues: dict[str, asyncio.Queue] = {}
         self.info: msg.EngineInfo | None = None
+        # What every request is checked against: built from the scheduler's start-up report.
+        self.limits = RequestLimits(max_context_len=1)
         self.stats: msg.SchedulerStats | None = None
         self.last_heartbeat = 0.0
         self.ready = asyncio.Event()
+        # Why requests can no longer be served ("" while they can): the scheduler died, or a drain cut them.
+        self.failed = ""
         self._task: asyncio.Task | None = None
+        self._watched: list[BaseProcess] = []
+        # HF `tokenizers` releases the GIL while it encodes, so this thread runs beside the loop.
+        self._text_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._recv_loop())
 
     async def close(self) -> None:
+        self.unwatch()
         if self._task:
             self._task.cancel()
+        self._text_pool.shutdown(wait=False, cancel_futures=True)
         self.push.close(0)
         self.pull.close(0)
         self.ctx.term()
+
+    # ---- the scheduler process --------------------------------------------------------------
+    def watch(self, procs: list[BaseProcess], on_exit: Callable[[str], None] = lambda reason: None) -> None:
+        """Fail everything at once when any of `procs` (the instance's scheduler processes, one per
+        rank) exits (its sentinel becomes readable); `on_exit` hears why. A rank alone cannot serve:
+        its peers would wait for it in their next collective."""
+        self._watched = list(procs)
+
+        def exited(proc: BaseProcess) -> None:
+            self.unwatch()
+            proc.join(0)
+            which = "scheduler process" if len(procs) == 1 else f"scheduler process {proc.name}"
+            reason = (
+                f"The {which} exited unexpectedly (exit code {proc.exitcode}); "
+                "this instance cannot serve until it is restarted."
+            )
+            log.error("%s", reason)
+            self.fail_all(reason)
+            on_exit(reason)
+
+        loop = asyncio.get_running_loop()
+        for proc in procs:
+            loop.add_reader(proc.sentinel, exited, proc)
+
+    def unwatch(self) -> None:
+        """The processes are about to be stopped on purpose: their exit is no failure."""
+        loop = asyncio.get_running_loop()
+        for proc in self._watched:
+            loop.remove_reader(proc.sentinel)
+        self._watched = []
+
+    def fail_all(self, reason: str) -> int:
+        """End every waiting request with a 503 naming `reason` and refuse new ones; returns how many.
+
+        Each stream then aborts its request in the scheduler, if that is still alive (`token_stream`).
+        """
+        self.failed = reason
+        for rid, q in list(self.queues.items()):
+            q.put_nowait(msg.TokenOut(rid, [], error=reason, error_status=503))
+        return len(self.queues)
 
     async def _recv_loop(self) -> None:
         while True:
@@ -81,19 +146,42 @@ class Frontend:
                 self.metrics.observe_stats(m)
             elif isinstance(m, msg.EngineInfo):
                 self.info = m
+                self.limits = RequestLimits.from_info(m)
                 self.ready.set()
 
     def healthy(self, timeout_s: float) -> bool:
-        return self.ready.is_set() and time.monotonic() - self.last_heartbeat < timeout_s
+        return not self.failed and self.ready.is_set() and time.monotonic() - self.last_heartbeat < timeout_s
 
     async def send(self, m: msg.Message) -> None:
-        await self.push.send(msg.encode(m))
+        if self._watched or not self.failed:  # nobody reads a dead scheduler's socket
+            await self.push.send(msg.encode(m))
+
+    # ---- text -------------------------------------------------------------------------------
+    async def parse(self, raw: bytes, parse: Callable[[bytes], T]) -> T:
+        """A request body parsed by `parse`; a large one on the text thread (json.loads holds the GIL, but
+        the loop gets its turn every switch interval instead of waiting for the whole body)."""
+        return await self.off_loop(len(raw), parse, raw)
+
+    async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return await self.off_loop(len(text), self.tokenizer.encode, text, add_special_tokens)
+
+    async def render_chat(self, messages: list[dict], add_generation_prompt: bool) -> str:
+        chars = sum(len(m["content"]) for m in messages)
+        return await self.off_loop(chars, self.tokenizer.apply_chat_template, messages, add_generation_prompt)
+
+    async def off_loop(self, size: int, fn: Callable[..., T], *args: Any) -> T:
+        """`fn(*args)` inline when `size` (characters or bytes) is small, else on the text thread."""
+        if size <= INLINE_TEXT_CHARS:
+            return fn(*args)
+        return await asyncio.get_running_loop().run_in_executor(self._text_pool, fn, *args)
 
     # ---- token streams --------------------------------------------------------------------
     async def token_stream(
         self, input_ids: list[int], params: SamplingParams, bootstrap: msg.BootstrapInfo | None = None
-    ) -> AsyncIterator[msg.TokenOut]:
+    ) -> AsyncGenerator[msg.TokenOut, None]:
         """Yield the engine's TokenOut messages for one request; aborts it if the consumer leaves."""
+        if self.failed:
+            raise unavailable(self.failed)
         rid = uuid.uuid4().hex
         q: asyncio.Queue = asyncio.Queue()
         self.queues[rid] = q
@@ -108,6 +196,7 @@ class Frontend:
                         out.error_status or 500,
                         out.error,
                         type="invalid_request_error" if out.error_status < 500 else "server_error",
+                        retry_after=RETRY_AFTER_S if out.error_status == 503 else None,
                     )
                 yield out
         finally:
@@ -116,12 +205,16 @@ class Frontend:
                 await self.send(msg.AbortReq(rid))
 
     async def complete(
-        self, input_ids: list[int], params: SamplingParams, bootstrap: msg.BootstrapInfo | None = None
+        self,
+        input_ids: list[int],
+        params: SamplingParams,
+        bootstrap: msg.BootstrapInfo | None = None,
+        probe: bool = False,
     ) -> AsyncIterator[Delta]:
-        """Text deltas of one choice, with stop strings applied and metrics observed."""
+        """Text deltas of one choice, with stop strings applied and metrics observed (a router's probe apart)."""
         detok = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=params.skip_special_tokens)
         stopper = StopChecker(params.stop)
-        timer = self.metrics.request_timer(len(input_ids))
+        timer = self.metrics.request_timer(len(input_ids), probe)
         completion = 0
         stream = self.token_stream(input_ids, params, bootstrap)
         try:

@@ -1,29 +1,37 @@
-"""Start one engine instance: the scheduler process, then the HTTP server in this process."""
+"""Start one engine instance: the scheduler process, then the HTTP server in this process.
+
+Life cycle: `start` returns once the instance serves; from then on the scheduler process is
+watched (its exit fails every waiting request at once, `frontend.py`). On SIGTERM the instance
+drains (`drain.py`: readiness fails, admitted requests finish within --drain-timeout), then `stop`
+ends the scheduler process and the process exits 0.
+
+The scheduler process ignores SIGTERM and SIGINT (a signal to the whole process group, as systemd
+or a terminal sends, must not cut the drain short); it is stopped with SIGUSR1 by this process, and
+stops by itself when this process is gone.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import multiprocessing as mp
 import os
 import shutil
 import signal
 import tempfile
 from multiprocessing.process import BaseProcess
-from typing import TYPE_CHECKING
 
 from aiohttp import web
 
 from disagg_worker.config import Role, ServerArgs
-from disagg_worker.engine.process import run_scheduler
-from disagg_worker.env import load_env
+from disagg_worker.disagg.bootstrap import BootstrapServer
+from disagg_worker.engine.process import spawn_schedulers
 from disagg_worker.model.tokenizer import Tokenizer
-from disagg_worker.server.api import build_app
+from disagg_worker.server.admission import Admission
+from disagg_worker.server.api import ADMISSION, build_app
+from disagg_worker.server.auth import require_keys
+from disagg_worker.server.drain import CUT_GRACE_S, DrainReport, Signals, drain
 from disagg_worker.server.frontend import Frontend
 from disagg_worker.server.metrics import ServerMetrics
-
-if TYPE_CHECKING:
-    from disagg_worker.disagg.bootstrap import BootstrapServer
 
 log = logging.getLogger(__name__)
 
@@ -38,46 +46,56 @@ class EngineServer:
         self.ipc_dir = tempfile.mkdtemp(prefix="disagg-")
         self.to_engine = f"ipc://{self.ipc_dir}/to-engine"
         self.from_engine = f"ipc://{self.ipc_dir}/from-engine"
-        self.proc: BaseProcess | None = None
+        self.procs: list[BaseProcess] = []  # the scheduler processes, one per rank
         self.bootstrap: BootstrapServer | None = None
         self.runner: web.AppRunner | None = None
         self.frontend: Frontend | None = None
+        self.admission: Admission | None = None
 
     async def start(self) -> None:
         a = self.args
         if a.engine.disagg.role is Role.PREFILL:
-            from disagg_worker.disagg.bootstrap import BootstrapServer
-
             d = a.engine.disagg
-            self.bootstrap = BootstrapServer(d.bootstrap_port, d.tp_size, d.pp_size, load_env().auth_token).start()
-        ctx = mp.get_context("spawn")
-        self.proc = proc = ctx.Process(
-            target=run_scheduler,
-            args=(a.engine, self.to_engine, self.from_engine, a.log_level),
-            name="disagg-scheduler",
-            daemon=True,
-        )
-        proc.start()
-        # The tokenizer loads while the scheduler process loads the model: from a GGUF file each takes
-        # seconds. zmq queues the scheduler's messages until the frontend binds its socket.
+            self.bootstrap = BootstrapServer(d.bootstrap_port, d.tp_size, d.pp_size, d.bootstrap_token).start()
+        self.procs = spawn_schedulers(a.engine, self.to_engine, self.from_engine, a.log_level)
+        # The tokenizer loads while the scheduler processes load the model: from a GGUF file each takes
+        # seconds. zmq queues the schedulers' messages until the frontend binds its socket.
         tokenizer = await asyncio.to_thread(Tokenizer.from_path, a.engine.model_path)
         metrics = ServerMetrics(instance=f"{a.host}:{a.port}")
         self.frontend = frontend = Frontend(tokenizer, self.to_engine, self.from_engine, metrics)
         frontend.start()
-        await _wait_ready(frontend, proc)
-        app = build_app(frontend, a.engine.model_name, a.health_timeout_s)
-        self.runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+        await _wait_ready(frontend, self.procs)
+        app = build_app(frontend, a.engine.model_name, a.health_timeout_s, a.inflight_limit)
+        require_keys(app, accepted_keys(a))
+        self.admission = admission = app[ADMISSION]
+        frontend.watch(self.procs, on_exit=lambda reason: setattr(admission, "broken", reason))
+        self.runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=CUT_GRACE_S)
         await self.runner.setup()
         await web.TCPSite(self.runner, a.host, a.port).start()
 
+    async def drain(self, hurry: asyncio.Event | None = None) -> DrainReport | None:
+        """Finish what is admitted within the drain timeout (`drain.py`); None if the instance never served."""
+        if self.admission is None or self.frontend is None:
+            return None
+        frontend = self.frontend
+
+        async def cut(reason: str) -> None:
+            frontend.fail_all(reason)
+
+        return await drain(self.admission, self.args.drain_timeout_s, cut, hurry)
+
     async def stop(self) -> None:
+        if self.frontend is not None:
+            self.frontend.unwatch()
         if self.runner is not None:
             await self.runner.cleanup()
-        if self.proc is not None and self.proc.is_alive():
-            self.proc.terminate()
-            self.proc.join(10)
-            if self.proc.is_alive():
-                self.proc.kill()
+        for proc in self.procs:  # the driver first: it stops stepping before its followers go
+            if proc.pid is not None and proc.is_alive():
+                os.kill(proc.pid, signal.SIGUSR1)
+        for proc in self.procs:
+            proc.join(10)
+            if proc.is_alive():
+                proc.kill()
         if self.frontend is not None:
             await self.frontend.close()
         if self.bootstrap is not None:
@@ -85,27 +103,33 @@ class EngineServer:
         shutil.rmtree(self.ipc_dir, ignore_errors=True)
 
 
-async def _wait_ready(frontend: Frontend, proc: BaseProcess) -> None:
+def accepted_keys(args: ServerArgs) -> tuple[str, ...]:
+    """Bearer tokens this instance's HTTP port accepts: the API keys, and the router's worker token
+    when the instance has the model's shared secret (prefill and decode in a deployment)."""
+    worker = args.engine.disagg.worker_token
+    return args.api_keys + ((worker,) if worker else ())
+
+
+async def _wait_ready(frontend: Frontend, procs: list[BaseProcess]) -> None:
     loop = asyncio.get_running_loop()
     deadline = loop.time() + STARTUP_TIMEOUT_S
     while not frontend.ready.is_set():
-        if not proc.is_alive():
-            raise RuntimeError(f"the scheduler process exited with code {proc.exitcode} during start-up")
+        dead = next((p for p in procs if not p.is_alive()), None)
+        if dead is not None:
+            raise RuntimeError(f"scheduler process {dead.name} exited with code {dead.exitcode} during start-up")
         if loop.time() > deadline:
             raise RuntimeError("the scheduler process did not become ready in time")
         await asyncio.sleep(0.1)
 
 
 async def serve_until_signalled(server: EngineServer, banner: str = "") -> None:
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    await server.start()
-    if banner:
-        print(banner, flush=True)
+    signals = Signals()
     try:
-        await stop.wait()
+        await server.start()
+        if banner:
+            print(banner, flush=True)
+        await signals.stop.wait()
+        await server.drain(signals.hurry)
     finally:
         await server.stop()
 

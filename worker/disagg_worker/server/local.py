@@ -1,17 +1,23 @@
 """`disagg serve --local`: router + one prefill + one decode instance as separate local processes.
 
-The same command lines a cluster runs, on 127.0.0.1 with Mooncake over TCP. Ctrl-C (or SIGTERM)
-stops every process; if any of them dies, the others are stopped too.
+The same command lines a cluster runs, on 127.0.0.1 with Mooncake over TCP, with a shared secret
+made for this run (a private file, removed at the end) as the operator makes one per model: the
+router authenticates itself to the workers and signs the bootstrap targets it names. API keys
+given to `serve --local` go to the router, the one endpoint clients see. Ctrl-C (or SIGTERM) stops
+every process; if any of them dies, the others are stopped too.
 """
 
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
+from dataclasses import dataclass
 
 import requests
 
@@ -24,28 +30,51 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def engine_flags(argv: list[str]) -> list[str]:
-    """The user's engine flags minus the ones this launcher sets per process."""
-    out, skip = [], False
-    for a in argv:
-        if skip:
-            skip = False
-            continue
-        if a in ("--port", "--host"):
-            skip = True
-            continue
-        if a == "--local" or a.startswith("--port=") or a.startswith("--host="):
-            continue
-        out.append(a)
-    return out
+# Flags that belong to the router, with a value.
+ROUTER_ONLY = ("--api-key", "--api-key-file")
+# Flags this launcher sets per process (with a value): the ports, and each role's ranks.
+LAUNCHER = ("--port", "--host", "--prefill-tp-size", "--prefill-pp-size", "--decode-tp-size", "--decode-pp-size")
 
 
-def plan(argv: list[str], port: int, model_name: str) -> dict[str, list[str]]:
-    flags = engine_flags(argv)
+def split_flags(argv: list[str]) -> tuple[list[str], list[str]]:
+    """The user's flags as (engine flags, router flags), minus the ones this launcher sets."""
+    engine: list[str] = []
+    router: list[str] = []
+    it = iter(argv)
+    for a in it:
+        name = a.split("=", 1)[0]
+        if a == "--local":
+            continue
+        if name in LAUNCHER or name in ROUTER_ONLY:
+            value = [] if "=" in a else [next(it, "")]
+            if name in ROUTER_ONLY:
+                router += [a, *value]
+            continue
+        engine.append(a)
+    return engine, router
+
+
+@dataclass(frozen=True)
+class RoleRanks:
+    """Tensor and pipeline parallel sizes of the local prefill and decode instances."""
+
+    prefill_tp: int = 1
+    prefill_pp: int = 1
+    decode_tp: int = 1
+    decode_pp: int = 1
+
+
+def plan(
+    argv: list[str], port: int, model_name: str, ranks: RoleRanks = RoleRanks(), secret_file: str = ""
+) -> dict[str, list[str]]:
+    flags, router_flags = split_flags(argv)
+    auth = ["--auth-token-file", secret_file] if secret_file else []
     p_port, d_port, boot = free_port(), free_port(), free_port()
+    p_ranks = ["--tp-size", str(ranks.prefill_tp), "--pp-size", str(ranks.prefill_pp)]
+    d_ranks = ["--tp-size", str(ranks.decode_tp), "--pp-size", str(ranks.decode_pp)]
     return {
-        "prefill": [*DISAGG, "prefill", *flags, "--port", str(p_port), "--bootstrap-port", str(boot)],
-        "decode": [*DISAGG, "decode", *flags, "--port", str(d_port)],
+        "prefill": [*DISAGG, "prefill", *flags, *p_ranks, *auth, "--port", str(p_port), "--bootstrap-port", str(boot)],
+        "decode": [*DISAGG, "decode", *flags, *d_ranks, *auth, "--port", str(d_port)],
         "router": [
             *DISAGG,
             "router",
@@ -58,8 +87,19 @@ def plan(argv: list[str], port: int, model_name: str) -> dict[str, list[str]]:
             str(boot),
             "--decode",
             f"http://127.0.0.1:{d_port}",
+            *auth,
+            *router_flags,
         ],
     }
+
+
+def write_secret(directory: str) -> str:
+    """A fresh shared secret in a file only this user can read; returns its path."""
+    path = os.path.join(directory, "auth-token")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_urlsafe(32))
+    return path
 
 
 def wait_healthy(url: str, procs: dict[str, subprocess.Popen], timeout: float = 600.0) -> None:
@@ -90,8 +130,12 @@ def stop_all(procs: dict[str, subprocess.Popen]) -> None:
             p.wait()
 
 
-def run_local(argv: list[str], host: str, port: int, model_name: str) -> int:
-    cmds = plan(argv, port, model_name)
+def run_local(argv: list[str], host: str, port: int, model_name: str, ranks: RoleRanks = RoleRanks()) -> int:
+    with tempfile.TemporaryDirectory(prefix="disagg-local-") as private:
+        return _run(plan(argv, port, model_name, ranks, write_secret(private)), port, model_name)
+
+
+def _run(cmds: dict[str, list[str]], port: int, model_name: str) -> int:
     env = {**os.environ, "MC_LOG_LEVEL": os.environ.get("MC_LOG_LEVEL", "WARNING")}
     procs: dict[str, subprocess.Popen] = {}
     stopping = False

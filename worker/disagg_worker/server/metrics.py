@@ -9,6 +9,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from disagg_worker import messages as msg
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+# Set by the router on its synthetic pair-verification requests: served normally, counted apart from users'.
+PROBE_HEADER = "X-Disagg-Probe"
 
 
 class ServerMetrics:
@@ -26,13 +28,19 @@ class ServerMetrics:
         self.pages_used = gauge("disagg_kv_pages_used", "KV cache pages in use")
         self.pages_free = gauge("disagg_kv_pages_free", "KV cache pages free")
         self.hit_rate = gauge("disagg_prefix_cache_hit_rate", "Prefix cache hit tokens / queried tokens")
-        self.queue = Gauge("disagg_queue_size", "Requests per disaggregation queue", ["instance", "queue"], registry=r)
-        hist = dict(labelnames=labels, buckets=LATENCY_BUCKETS, registry=r)
-        self.ttft = Histogram("disagg_time_to_first_token_seconds", "Time to first token", **hist).labels(instance)
-        self.itl = Histogram("disagg_inter_token_latency_seconds", "Time between output tokens", **hist).labels(
-            instance
+        self.queue = Gauge(
+            "disagg_queue_size",
+            "Requests per disaggregation queue, per rank of the instance",
+            ["instance", "queue", "tp_rank", "pp_rank"],
+            registry=r,
         )
-        self.e2e = Histogram("disagg_e2e_request_latency_seconds", "Request latency", **hist).labels(instance)
+
+        def histogram(name: str, doc: str) -> Histogram:
+            return Histogram(name, doc, labels, buckets=LATENCY_BUCKETS, registry=r).labels(instance)
+
+        self.ttft = histogram("disagg_time_to_first_token_seconds", "Time to first token")
+        self.itl = histogram("disagg_inter_token_latency_seconds", "Time between output tokens")
+        self.e2e = histogram("disagg_e2e_request_latency_seconds", "Request latency")
         self.prompt_tokens = Counter("disagg_prompt_tokens", "Prompt tokens processed", labels, registry=r).labels(
             instance
         )
@@ -40,6 +48,9 @@ class ServerMetrics:
             instance
         )
         self.requests = Counter("disagg_requests", "Requests finished", labels, registry=r).labels(instance)
+        self.probes = Counter(
+            "disagg_probe_requests", "Router pair probes served (not in the request metrics)", labels, registry=r
+        ).labels(instance)
 
     def observe_stats(self, s: msg.SchedulerStats) -> None:
         self.scheduler_text = s.metrics_text
@@ -49,10 +60,16 @@ class ServerMetrics:
         self.pages_free.set(s.pages_total - s.pages_used)
         if s.cache_query_tokens:
             self.hit_rate.set(s.cache_hit_tokens / s.cache_query_tokens)
-        for name, size in s.queues.items():
-            self.queue.labels(self.instance, name).set(size)
+        ranks = s.rank_queues or {(0, 0): s.queues}
+        for (tp, pp), queues in ranks.items():
+            for name, size in queues.items():
+                self.queue.labels(self.instance, name, str(tp), str(pp)).set(size)
 
-    def request_timer(self, prompt_tokens: int) -> RequestTimer:
+    def request_timer(self, prompt_tokens: int, probe: bool = False) -> RequestTimer:
+        """Times one request; a router's probe only counts as a probe."""
+        if probe:
+            self.probes.inc()
+            return UncountedTimer(self)
         self.prompt_tokens.inc(prompt_tokens)
         return RequestTimer(self)
 
@@ -78,3 +95,13 @@ class RequestTimer:
     def finish(self) -> None:
         self.m.e2e.observe(time.monotonic() - self.start)
         self.m.requests.inc()
+
+
+class UncountedTimer(RequestTimer):
+    """A timer that records nothing: for requests that are not user traffic."""
+
+    def tokens(self, n: int) -> None:
+        pass
+
+    def finish(self) -> None:
+        pass

@@ -77,7 +77,7 @@ def chat_logprobs(tok: Tokenizer, ids: list[int], lps: list[float], tops: list) 
         return {"token": s, "logprob": lp, "bytes": list(s.encode())}
 
     content = []
-    for k, (i, lp) in enumerate(zip(ids, lps)):
+    for k, (i, lp) in enumerate(zip(ids, lps, strict=True)):
         e = entry(i, lp)
         e["top_logprobs"] = [entry(t, tlp) for t, tlp in tops[k]] if tops and k < len(tops) else []
         content.append(e)

@@ -7,7 +7,8 @@ fields are ignored, as OpenAI does. A missing or null `model` means the served m
 
 Default `max_new_tokens`: 16 for completions and /generate (OpenAI's completions default); for
 chat, up to DEFAULT_CHAT_MAX_TOKENS. A default is shrunk to the room left in the context once
-the prompt length is known (`fit_to_context`); an explicit value that does not fit is a 400.
+the prompt length is known (`RequestLimits.fit`); an explicit value that does not fit is a 400.
+Every rule that depends on the model (vocabulary, context, KV capacity) is `RequestLimits`'s.
 """
 
 from __future__ import annotations
@@ -15,18 +16,17 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from disagg_worker.engine.params import SamplingParams
+from disagg_worker.limits import MAX_TOKEN_ID, RequestLimits
 from disagg_worker.server.errors import bad_request, model_not_found
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 DEFAULT_CHAT_MAX_TOKENS = 1024
 MAX_N = 16
 CHAT_ROLES = ("system", "user", "assistant", "tool")
-# Token ids are checked against the vocabulary when its size is given, else against this bound.
-_MAX_TOKEN_ID = 2**31
 
 
 @dataclass(frozen=True)
@@ -39,7 +39,7 @@ class CompletionRequest:
     echo: bool = False
     n: int = 1
     user: str | None = None
-    # False when max_new_tokens is the default, which `fit_to_context` may shrink.
+    # False when max_new_tokens is the default, which `RequestLimits.fit` may shrink.
     max_tokens_set: bool = False
 
 
@@ -123,11 +123,19 @@ def _stop(v: Any, param: str) -> tuple[str, ...]:
     return tuple(_text(s, param) for s in items)
 
 
-def _token_ids(v: Any, param: str, vocab_size: int | None) -> tuple[int, ...]:
-    limit = vocab_size or _MAX_TOKEN_ID
-    if not isinstance(v, list) or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < limit for t in v):
-        raise bad_request(f"{param}: must be a list of token ids in [0, {limit})", param)
-    return tuple(v)
+def _token_list(v: Any, param: str, limits: RequestLimits) -> list[int]:
+    """A list of token ids; whether they are in the vocabulary is `limits`' to say."""
+    if not isinstance(v, list) or not all(
+        isinstance(t, int) and not isinstance(t, bool) and 0 <= t < MAX_TOKEN_ID for t in v
+    ):
+        raise bad_request(f"{param}: must be a list of token ids in [0, {limits.token_id_bound})", param)
+    return v
+
+
+def _token_ids(v: Any, param: str, limits: RequestLimits) -> tuple[int, ...]:
+    ids = _token_list(v, param, limits)
+    limits.check_token_ids(ids, param)
+    return tuple(ids)
 
 
 def _show(v: Any) -> str:
@@ -160,7 +168,7 @@ _SAMPLING_FIELDS: dict[str, tuple[str, Callable[[Any, str], Any]]] = {
 
 
 def _sampling(
-    body: dict, extra: dict, names: dict[str, str], vocab_size: int | None, prefix: str = ""
+    body: dict, extra: dict, names: dict[str, str], limits: RequestLimits, prefix: str = ""
 ) -> SamplingParams:
     """SamplingParams from `body`; `extra` holds fields already read, `names` their JSON names."""
     values = dict(extra)
@@ -171,7 +179,7 @@ def _sampling(
             values[fld] = read(v, prefix + key)
     ids = body.get("stop_token_ids")
     if ids is not None:
-        values["stop_token_ids"] = _token_ids(ids, prefix + "stop_token_ids", vocab_size)
+        values["stop_token_ids"] = _token_ids(ids, prefix + "stop_token_ids", limits)
     params = SamplingParams(**values)
     try:
         params.validate()
@@ -182,53 +190,17 @@ def _sampling(
     return params
 
 
-def _max_tokens(body: dict, key: str, default: int, max_context: int, prefix: str = "") -> tuple[int, bool]:
+def _max_tokens(body: dict, key: str, default: int, limits: RequestLimits, prefix: str = "") -> tuple[int, bool]:
     """(max_new_tokens, whether the client set it); a default is capped at the context."""
     v = body.get(key)
     if v is None:
-        return min(default, max_context), False
+        return min(default, limits.max_context_len), False
     param = prefix + key
     n = _int(v, param)
     if n < 1:
         raise bad_request(f"{param}: must be at least 1, got {_show(n)}", param)
-    if n > max_context:
-        raise bad_request(
-            f"{param}: must be at most this model's maximum context length of {max_context} tokens, got {_show(n)}",
-            param,
-        )
+    limits.check_max_tokens(n, param)
     return n, True
-
-
-def fit_to_context(
-    sampling: SamplingParams,
-    prompt_len: int,
-    max_context: int,
-    max_tokens_set: bool,
-    param: str = "max_tokens",
-    prompt_param: str = "prompt",
-) -> SamplingParams:
-    """Make prompt + output fit the context.
-
-    A default max_new_tokens shrinks to the room left; an explicit one that does not fit, or a
-    prompt that leaves no room at all, is a 400. Call it once the prompt length is known.
-    """
-    room = max_context - prompt_len
-    if room < 1:
-        raise bad_request(
-            f"This model's maximum context length is {max_context} tokens, but the prompt has "
-            f"{prompt_len} tokens, which leaves no room for output.",
-            prompt_param,
-        )
-    if sampling.max_new_tokens <= room:
-        return sampling
-    if max_tokens_set:
-        raise bad_request(
-            f"This model's maximum context length is {max_context} tokens. However, you requested "
-            f"{prompt_len + sampling.max_new_tokens} tokens ({prompt_len} in the prompt, "
-            f"{sampling.max_new_tokens} for the output).",
-            param,
-        )
-    return replace(sampling, max_new_tokens=room, min_new_tokens=min(sampling.min_new_tokens, room))
 
 
 def _object(body: Any) -> dict:
@@ -264,7 +236,7 @@ def _n(body: dict) -> int:
     return n
 
 
-def _prompt(v: Any, vocab_size: int | None) -> str | list[int]:
+def _prompt(v: Any, limits: RequestLimits) -> str | list[int]:
     """One prompt: a string, a token list, or a list holding exactly one of those."""
     if isinstance(v, list) and len(v) == 1 and isinstance(v[0], (str, list)):
         v = v[0]
@@ -279,28 +251,26 @@ def _prompt(v: Any, vocab_size: int | None) -> str | list[int]:
         return _text(v, "prompt")
     if not isinstance(v, list) or not v:
         raise bad_request("prompt: must be a non-empty string or list of token ids", "prompt")
-    return list(_token_ids(v, "prompt", vocab_size))
+    return list(_token_list(v, "prompt", limits))
 
 
-def parse_completion(
-    body: Any, served_model: str, max_context: int, vocab_size: int | None = None
-) -> CompletionRequest:
-    """POST /v1/completions. Token prompts are checked against the context here."""
+def parse_completion(body: Any, served_model: str, limits: RequestLimits) -> CompletionRequest:
+    """POST /v1/completions. Token prompts are checked against the limits here, text ones once tokenised."""
     body = _object(body)
     model = _model(body, served_model)
     if "prompt" not in body or body["prompt"] is None:
         raise bad_request("prompt: is required", "prompt")
-    prompt = _prompt(body["prompt"], vocab_size)
+    prompt = _prompt(body["prompt"], limits)
     if _opt(body, "echo", _bool, False):
         raise bad_request("echo: is not supported", "echo")
     stream, usage = _stream(body)
     n = _n(body)
     user = _opt(body, "user", _text, None)
-    max_new, explicit = _max_tokens(body, "max_tokens", DEFAULT_COMPLETION_MAX_TOKENS, max_context)
+    max_new, explicit = _max_tokens(body, "max_tokens", DEFAULT_COMPLETION_MAX_TOKENS, limits)
     extra = {"max_new_tokens": max_new, "logprobs": _opt(body, "logprobs", _int, None)}
-    sampling = _sampling(body, extra, {"max_new_tokens": "max_tokens"}, vocab_size)
+    sampling = _sampling(body, extra, {"max_new_tokens": "max_tokens"}, limits)
     if isinstance(prompt, list):
-        sampling = fit_to_context(sampling, len(prompt), max_context, explicit)
+        sampling = limits.admit(prompt, sampling, explicit)
     return CompletionRequest(model, prompt, sampling, stream, usage, False, n, user, explicit)
 
 
@@ -346,7 +316,7 @@ def _chat_logprobs(body: dict) -> int | None:
     return (top or 0) if want else None
 
 
-def parse_chat(body: Any, served_model: str, max_context: int, vocab_size: int | None = None) -> ChatRequest:
+def parse_chat(body: Any, served_model: str, limits: RequestLimits) -> ChatRequest:
     """POST /v1/chat/completions. max_completion_tokens wins over the older max_tokens."""
     body = _object(body)
     model = _model(body, served_model)
@@ -354,16 +324,16 @@ def parse_chat(body: Any, served_model: str, max_context: int, vocab_size: int |
     stream, usage = _stream(body)
     n = _n(body)
     key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    max_new, explicit = _max_tokens(body, key, DEFAULT_CHAT_MAX_TOKENS, max_context)
+    max_new, explicit = _max_tokens(body, key, DEFAULT_CHAT_MAX_TOKENS, limits)
     extra = {"max_new_tokens": max_new, "logprobs": _chat_logprobs(body)}
     names = {"max_new_tokens": key, "logprobs": "top_logprobs"}
-    sampling = _sampling(body, extra, names, vocab_size)
+    sampling = _sampling(body, extra, names, limits)
     add_gen = _opt(body, "add_generation_prompt", _bool, True)
     user = _opt(body, "user", _text, None)
     return ChatRequest(model, messages, sampling, stream, usage, n, add_gen, user, explicit)
 
 
-def parse_generate(body: Any, max_context: int, vocab_size: int) -> GenerateRequest:
+def parse_generate(body: Any, limits: RequestLimits) -> GenerateRequest:
     """POST /generate: {"input_ids": [...]} or {"text": "..."}, "sampling_params", "stream"."""
     body = _object(body)
     ids, text = body.get("input_ids"), body.get("text")
@@ -371,7 +341,7 @@ def parse_generate(body: Any, max_context: int, vocab_size: int) -> GenerateRequ
         raise bad_request("Exactly one of input_ids and text must be given.", "input_ids")
     if ids is not None and not ids:
         raise bad_request("input_ids: must not be empty", "input_ids")
-    input_ids = None if ids is None else list(_token_ids(ids, "input_ids", vocab_size))
+    input_ids = None if ids is None else list(_token_list(ids, "input_ids", limits))
     if text is not None and not _text(text, "text"):
         raise bad_request("text: must not be empty", "text")
     raw = body.get("sampling_params")
@@ -380,12 +350,10 @@ def parse_generate(body: Any, max_context: int, vocab_size: int) -> GenerateRequ
     if not isinstance(raw, dict):
         raise bad_request("sampling_params: must be an object", "sampling_params")
     prefix = "sampling_params."
-    max_new, explicit = _max_tokens(raw, "max_new_tokens", DEFAULT_COMPLETION_MAX_TOKENS, max_context, prefix)
+    max_new, explicit = _max_tokens(raw, "max_new_tokens", DEFAULT_COMPLETION_MAX_TOKENS, limits, prefix)
     extra = {"max_new_tokens": max_new, "logprobs": _opt(raw, "logprobs", _int, None, prefix)}
     names = {f: f for f in _SAMPLING_FIELDS}
-    sampling = _sampling(raw, extra, names, vocab_size, prefix)
+    sampling = _sampling(raw, extra, names, limits, prefix)
     if input_ids is not None:
-        sampling = fit_to_context(
-            sampling, len(input_ids), max_context, explicit, prefix + "max_new_tokens", "input_ids"
-        )
+        sampling = limits.admit(input_ids, sampling, explicit, prefix + "max_new_tokens", "input_ids")
     return GenerateRequest(input_ids, text, sampling, _opt(body, "stream", _bool, False), explicit)

@@ -1,9 +1,21 @@
 """Decode side of the `mooncake` backend.
 
-Per prefill instance (bootstrap address): resolve the topology once, check compatibility,
-send a `DecodeHello` to each target rank, then watch it with heartbeats. Per room: send
-`RoomRequest` after `init()` and the handshake; apply `RoomUpdate`s from prefill. Threads:
-`control` (zmq updates, waiting timeouts), a resolver pool (blocking HTTP), heartbeat.
+Per prefill instance (bootstrap address): resolve the topology once, check compatibility and
+map it (`mapping`: which prefill ranks, heads and layers feed this rank; a mismatch fails the
+instance's rooms at once with its message), send a `DecodeHello` to each target rank, then watch
+it with heartbeats. Per room: send each target rank a `RoomRequest` (with the head slice wanted
+from it) after `init()` and the handshake; apply `RoomUpdate`s from prefill; Success once every
+target reported it. Threads: `control` (zmq updates, waiting timeouts), a resolver pool (blocking
+HTTP), heartbeat.
+
+A room whose destination is fragmented is staged (`staging`): prefill writes it into a range of
+this rank's registered staging area, and it is scattered into its pages before Success. So is a
+head slice that is only part of this rank's heads (`slices`): one range per slice.
+
+A failed room's pages that prefill may still write are quarantined until prefill says it is quiet,
+its instance is known dead, or `cfg.quarantine_limit_s` passed (a silent prefill is declared dead).
+`decode_id` is new per process (prefill tells a restarted decode at the same address from the old
+one); a rank sent nothing for `hello_refresh_s` is greeted again before a request.
 """
 
 from __future__ import annotations
@@ -21,15 +33,17 @@ import torch
 from disagg_worker.config import DisaggConfig
 from disagg_worker.disagg.base import KVLayout, KVManager, KVReceiver, RankInfo, TransferFailure, check_pages
 from disagg_worker.disagg.bootstrap import RankRegistration
-from disagg_worker.disagg.bootstrap_client import BootstrapError, Topology, fetch_topology
-from disagg_worker.disagg.channel import SWEEP_INTERVAL_MS, ControlChannel
+from disagg_worker.disagg.bootstrap_client import BootstrapError, fetch_topology
+from disagg_worker.disagg.channel import ControlChannel
 from disagg_worker.disagg.heartbeat import HeartbeatMonitor
+from disagg_worker.disagg.mapping import Target, check_compatible
 from disagg_worker.disagg.messages import DecodeHello, RoomAbort, RoomRequest, RoomUpdate
 from disagg_worker.disagg.metrics import TransferMetrics
-from disagg_worker.disagg.mooncake_staging import open_registered, scatter, worth_staging
+from disagg_worker.disagg.mooncake.slices import StagedRange, reserve_staging, unstage
+from disagg_worker.disagg.mooncake.staging import open_registered
 from disagg_worker.disagg.poll import KVPoll, StatusCell
 from disagg_worker.disagg.rooms import RoomTable
-from disagg_worker.env import load_env
+from disagg_worker.tuning import TUNING
 
 log = logging.getLogger(__name__)
 
@@ -44,8 +58,9 @@ class _Instance:
     addr: str
     state: InstanceState = InstanceState.RESOLVING
     instance_id: str = ""
-    targets: list[RankRegistration] = field(default_factory=list)
+    targets: list[Target] = field(default_factory=list)
     rooms: set[int] = field(default_factory=set)
+    hello: DecodeHello | None = None
 
 
 @dataclass
@@ -53,39 +68,20 @@ class _Room:
     room: int
     addr: str
     cell: StatusCell = field(default_factory=StatusCell)
-    dest_pages: list[int] | None = None
+    dest_pages: list[int] = field(default_factory=list)
     aux_slot: int = -1
-    init_at: float = 0.0
+    init_at: float = 0.0  # when init() gave the destination; 0: not yet
     targets: list[tuple[int, int]] = field(default_factory=list)  # (tp, pp) of prefill ranks asked
     done: set[tuple[int, int]] = field(default_factory=set)
     quiesced: set[tuple[int, int]] = field(default_factory=set)
     unsafe: bool = False
-    staging_offset: int = -1  # prefill writes this room into the staging area at this offset
-    staging_nbytes: int = 0
+    failed_at: float = 0.0  # when it failed (its quarantine's age)
+    staged: list[StagedRange] = field(default_factory=list)  # staging ranges prefill writes this room into
     lock: threading.Lock = field(default_factory=threading.Lock)  # Success (with its scatter) vs Failed
 
-
-def check_compatible(
-    topo: Topology, cfg: DisaggConfig, layout: KVLayout, tp_rank: int, pp_rank: int
-) -> tuple[list[RankRegistration], str]:
-    """The prefill ranks this decode rank pulls from, or ("", reason) naming both values."""
-    if topo.page_size != layout.page_size:
-        return [], f"page size mismatch: prefill page_size={topo.page_size}, decode page_size={layout.page_size}"
-    if topo.kv_dtype != layout.kv_dtype:
-        return [], f"KV dtype mismatch: prefill kv_dtype={topo.kv_dtype}, decode kv_dtype={layout.kv_dtype}"
-    if topo.tp_size != cfg.tp_size:
-        return (
-            [],
-            f"unsupported TP mapping: prefill tp_size={topo.tp_size}, decode tp_size={cfg.tp_size} (must be equal)",
-        )
-    if cfg.pp_size == topo.pp_size:
-        return [topo.rank(tp_rank, pp_rank)], ""
-    if cfg.pp_size == 1:
-        return [topo.rank(tp_rank, pp) for pp in range(topo.pp_size)], ""
-    return (
-        [],
-        f"unsupported PP mapping: prefill pp_size={topo.pp_size}, decode pp_size={cfg.pp_size} (must be equal or 1)",
-    )
+    @property
+    def inited(self) -> bool:
+        return self.init_at > 0
 
 
 class DecodeReceiver(KVReceiver):
@@ -98,15 +94,15 @@ class DecodeReceiver(KVReceiver):
         return self._state.cell.get()
 
     def init(self, dest_pages: list[int], aux_slot: int) -> None:
-        self._mgr._init(self._state, list(dest_pages), aux_slot)
+        self._mgr.init_room(self._state, list(dest_pages), aux_slot)
 
     def abort(self, reason: str = "aborted by decode") -> None:
-        self._mgr._fail(self._state, reason)
+        self._mgr.fail(self._state, reason)
 
     def failure(self) -> TransferFailure | None:
         if self._state.cell.get() is not KVPoll.Failed:
             return None
-        return TransferFailure(self._state.cell.reason, self._state.unsafe)
+        return TransferFailure(reason=self._state.cell.reason, pages_unsafe=self._state.unsafe)
 
     def aux_bytes(self) -> bytes:
         return self._mgr.read_aux(self._state.aux_slot)
@@ -115,14 +111,16 @@ class DecodeReceiver(KVReceiver):
 class MooncakeDecodeManager(KVManager):
     def __init__(self, cfg: DisaggConfig, layout: KVLayout, rank: RankInfo, metrics: TransferMetrics):
         super().__init__(cfg, layout, rank, metrics)
-        self._token = load_env().auth_token
         self.engine, self._buffers, self.staging = open_registered(cfg, layout)
         self.aux = torch.zeros(layout.aux_num_slots * layout.aux_item_nbytes, dtype=torch.uint8)
         self.decode_id = uuid.uuid4().hex
-        self.channel = ControlChannel("0.0.0.0", cfg.advertise_host)
+        self.channel = ControlChannel(
+            cfg.advertise_host, cfg.control_port_of(cfg.rank_index(rank.tp_rank, rank.pp_rank))
+        )
         self.rooms: RoomTable[_Room] = RoomTable()
         self._quarantine: dict[int, _Room] = {}  # failed rooms whose pages prefill may still write
         self._instances: dict[str, _Instance] = {}
+        self._last_sent: dict[str, float] = {}  # prefill rank endpoint -> last hello or request sent there
         self._lock = threading.RLock()
         self._stop = threading.Event()
         self._resolver = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kv-resolve")
@@ -163,28 +161,25 @@ class MooncakeDecodeManager(KVManager):
     def close(self) -> None:
         self._stop.set()
         for _, state in self.rooms.snapshot():
-            self._fail(state, "decode transfer manager closed")
+            self.fail(state, "decode transfer manager closed")
         self.heartbeat.close()
         self._resolver.shutdown(wait=False, cancel_futures=True)
         self._control.join(timeout=5)
         self.channel.close()
 
-    def _init(self, state: _Room, dest: list[int], aux_slot: int) -> None:
+    def init_room(self, state: _Room, dest: list[int], aux_slot: int) -> None:
+        """`DecodeReceiver.init`: check the destination, reserve staging if it is fragmented, and
+        send it to prefill once the instance is resolved."""
         if state.cell.get() is KVPoll.Failed:
             return
         problem = check_pages(dest, self.layout.num_pages)
         if not 0 <= aux_slot < self.layout.aux_num_slots:
             problem = problem or f"aux slot {aux_slot} outside [0, {self.layout.aux_num_slots})"
-        if state.dest_pages is not None:
+        if state.inited:
             problem = problem or "init() called twice"
         if problem:
-            self._fail(state, problem)
+            self.fail(state, problem)
             return
-        if worth_staging(dest):
-            nbytes = len(dest) * self.layout.page_nbytes * len(self._buffers)
-            offset = self.staging.alloc(nbytes)
-            if offset >= 0:
-                state.staging_offset, state.staging_nbytes = offset, nbytes
         with self._lock:
             state.dest_pages, state.aux_slot, state.init_at = dest, aux_slot, time.monotonic()
             inst = self._instances.get(state.addr)
@@ -194,16 +189,32 @@ class MooncakeDecodeManager(KVManager):
     def _request(self, state: _Room, inst: _Instance) -> None:
         """Send the destination to every target rank (under the lock, once)."""
         state.targets = [(t.tp_rank, t.pp_rank) for t in inst.targets]
-        for t in inst.targets:
-            msg = RoomRequest(self.decode_id, self.channel.endpoint, state.room, state.dest_pages, state.aux_slot,
-                              state.staging_offset)  # fmt: skip
-            self.channel.send(_endpoint(t), msg)
+        offsets, state.staged = reserve_staging(inst.targets, self.layout, state.dest_pages, self.staging.alloc)
+        for t, offset in zip(inst.targets, offsets, strict=True):
+            self._greet_if_stale(inst, _endpoint(t.rank))
+            msg = RoomRequest(
+                decode_id=self.decode_id, reply_endpoint=self.channel.endpoint, room=state.room,
+                dest_pages=state.dest_pages, aux_slot=state.aux_slot, staging_offset=offset,
+                src_head=t.heads.src, dst_head=t.heads.dst, num_heads=-1 if t.whole else t.heads.count,
+                decode_ranks=t.decode_ranks,
+            )  # fmt: skip
+            self.channel.send(_endpoint(t.rank), msg)
 
-    def _fail(self, state: _Room, reason: str, tell_prefill: bool = True) -> None:
+    def _greet_if_stale(self, inst: _Instance, endpoint: str) -> None:
+        """Greet again a prefill rank sent nothing for a while (it forgets silent peers); under the lock.
+        The hello travels on the request's socket, so it arrives first."""
+        now = time.monotonic()
+        if inst.hello is not None and now - self._last_sent.get(endpoint, now) > TUNING.transfer.hello_refresh_s:
+            self.channel.send(endpoint, inst.hello)
+        self._last_sent[endpoint] = now
+
+    def fail(self, state: _Room, reason: str, tell_prefill: bool = True) -> None:
+        """Fail a room (any thread): quarantine its pages while prefill may still write them."""
         with self._lock, state.lock:  # unsafe is known before anyone can see Failed
             if state.cell.get().terminal:
                 return
             state.unsafe = bool(state.targets) and not set(state.targets) <= state.quiesced
+            state.failed_at = time.monotonic()
             state.cell.fail(reason)
             inst = self._instances.get(state.addr)
             if inst is not None:
@@ -221,7 +232,9 @@ class MooncakeDecodeManager(KVManager):
             self.metrics.bootstrap_failed()
         if tell_prefill:
             for t in targets:
-                self.channel.send(_endpoint(t), RoomAbort(self.decode_id, state.room, reason))
+                self.channel.send(
+                    _endpoint(t.rank), RoomAbort(decode_id=self.decode_id, room=state.room, reason=reason)
+                )
 
     # ---- instance handling -------------------------------------------------------------
     def _resolve(self, inst: _Instance) -> None:
@@ -229,7 +242,7 @@ class MooncakeDecodeManager(KVManager):
         error = f"prefill bootstrap server {inst.addr} not ready within {self.cfg.waiting_timeout_s:g}s"
         while not self._stop.is_set() and time.monotonic() < deadline:
             try:
-                topo = fetch_topology(inst.addr, self._token)
+                topo = fetch_topology(inst.addr, self.cfg.bootstrap_token)
             except BootstrapError as e:
                 error = str(e)
                 break
@@ -241,25 +254,30 @@ class MooncakeDecodeManager(KVManager):
                     self._ready(inst, topo.instance_id, targets)
                     return
                 break
-            time.sleep(0.2)
+            time.sleep(TUNING.transfer.resolve_retry_s)
         self._fail_instance(inst.addr, f"prefill instance {inst.addr}: {error}", dead=False)
 
-    def _ready(self, inst: _Instance, instance_id: str, targets: list[RankRegistration]) -> None:
+    def _ready(self, inst: _Instance, instance_id: str, targets: list[Target]) -> None:
+        lay = self.layout
         hello = DecodeHello(
-            self.decode_id, self.channel.endpoint, self.engine.session_id, self.layout.buffer_ptrs,
-            self.layout.buffer_nbytes, self.layout.page_nbytes, self.layout.start_layer, self.layout.aux_item_nbytes,
-            self.staging.ptr, self.staging.nbytes,
+            decode_id=self.decode_id, reply_endpoint=self.channel.endpoint, session_id=self.engine.session_id,
+            buffer_ptrs=lay.buffer_ptrs, buffer_nbytes=lay.buffer_nbytes, page_nbytes=lay.page_nbytes,
+            start_layer=lay.start_layer, aux_item_nbytes=lay.aux_item_nbytes,
+            staging_ptr=self.staging.ptr, staging_nbytes=self.staging.nbytes,
+            num_kv_heads=lay.num_kv_heads, head_nbytes=lay.head_nbytes,
         )  # fmt: skip
         with self._lock:
             for t in targets:
-                self.channel.send(_endpoint(t), hello)
+                self.channel.send(_endpoint(t.rank), hello)
+                self._last_sent[_endpoint(t.rank)] = time.monotonic()
             inst.state, inst.instance_id, inst.targets = InstanceState.READY, instance_id, targets
+            inst.hello = hello
             for room in list(inst.rooms):
                 state = self.rooms.get(room)
                 if state is None:
                     continue
                 state.cell.advance(KVPoll.WaitingForInput)
-                if state.dest_pages is not None:
+                if state.inited:
                     self._request(state, inst)
         self.heartbeat.watch(inst.addr, instance_id)
 
@@ -276,21 +294,22 @@ class MooncakeDecodeManager(KVManager):
         for room in list(inst.rooms):
             state = self.rooms.get(room)
             if state is not None:
-                self._fail(state, reason, tell_prefill=False)
+                self.fail(state, reason, tell_prefill=False)
         if dead:
             self.confirm_instance_dead(addr)
 
     # ---- control thread --------------------------------------------------------------
     def _control_loop(self) -> None:
+        interval_ms = TUNING.transfer.sweep_interval_ms
         next_sweep = 0.0
         while not self._stop.is_set():
-            for msg in self.channel.recv(timeout_ms=SWEEP_INTERVAL_MS):
+            for msg in self.channel.recv(timeout_ms=interval_ms):
                 if isinstance(msg, RoomUpdate):
                     self._on_update(msg)
             now = time.monotonic()
             if now >= next_sweep:
                 self._sweep(now)
-                next_sweep = now + SWEEP_INTERVAL_MS / 1000
+                next_sweep = now + interval_ms / 1000
 
     def _on_update(self, msg: RoomUpdate) -> None:
         key = (msg.tp_rank, msg.pp_rank)
@@ -311,7 +330,7 @@ class MooncakeDecodeManager(KVManager):
         except ValueError:
             status = KVPoll.Failed
         if status is KVPoll.Failed:
-            self._fail(state, f"prefill failed: {msg.reason}")
+            self.fail(state, f"prefill failed: {msg.reason}")
         elif status is KVPoll.Transferring:
             state.cell.advance(KVPoll.Transferring)
         elif status is KVPoll.Success:
@@ -329,7 +348,7 @@ class MooncakeDecodeManager(KVManager):
             state.done.add(key)
             if not set(state.targets) <= state.done:
                 return
-            if state.staging_offset >= 0:
+            if state.staged:
                 self._unstage(state)
             succeeded = state.cell.advance(KVPoll.Success)
         if succeeded:
@@ -342,11 +361,11 @@ class MooncakeDecodeManager(KVManager):
             self.metrics.transfer_done(nbytes, time.monotonic() - state.init_at)
 
     def _unstage(self, state: _Room) -> None:
-        """Scatter a staged room into its destination pages and free its staging range."""
-        pn, dest = self.layout.page_nbytes, state.dest_pages
-        block = len(dest) * pn
-        for b, buf in enumerate(self._buffers):
-            scatter(self.staging.view(state.staging_offset + b * block, block), pn, buf, dest)
+        """Scatter a staged room into its destination pages and free its staging ranges."""
+        for staged in state.staged:
+            unstage(
+                self.staging.view(staged.offset, staged.nbytes), staged, self.layout, self._buffers, state.dest_pages
+            )
         self._release_staging(state)
 
     def _unquarantine(self, state: _Room) -> None:
@@ -356,15 +375,31 @@ class MooncakeDecodeManager(KVManager):
         self._release_staging(state)
 
     def _release_staging(self, state: _Room) -> None:
-        if state.staging_offset >= 0:
-            self.staging.free(state.staging_offset, state.staging_nbytes)
-            state.staging_offset = -1
+        for staged in state.staged:
+            self.staging.free(staged.offset, staged.nbytes)
+        state.staged = []
 
     def _sweep(self, now: float) -> None:
         limit = self.cfg.waiting_timeout_s
         for _, state in self.rooms.snapshot():
             if state.init_at and now - state.init_at > limit and not state.cell.get().terminal:
-                self._fail(state, f"no KV from prefill within {limit:g}s (waiting timeout)")
+                self.fail(state, f"no KV from prefill within {limit:g}s (waiting timeout)")
+        self._expire_quarantine(now)
+
+    def _expire_quarantine(self, now: float) -> None:
+        """Release pages whose prefill stayed silent past the quarantine limit (declared dead; the limit
+        outlasts the timeouts and liveness checks that end a frozen process)."""
+        limit = self.cfg.quarantine_limit_s
+        with self._lock:
+            expired = [state for state in self._quarantine.values() if now - state.failed_at > limit]
+            for state in expired:
+                self._unquarantine(state)
+        for state in expired:
+            log.warning(
+                "room %d: prefill %s silent for %.0fs: declared dead, pages reused", state.room, state.addr, limit
+            )
+        if expired:
+            self.on_change()
 
 
 def _endpoint(rank: RankRegistration) -> str:

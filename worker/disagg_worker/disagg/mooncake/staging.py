@@ -18,10 +18,10 @@ import torch
 
 from disagg_worker.config import DisaggConfig
 from disagg_worker.disagg.base import KVLayout
-from disagg_worker.disagg.mooncake import MooncakeEngine
+from disagg_worker.disagg.mooncake.engine import MooncakeEngine
 from disagg_worker.disagg.runs import group_runs
+from disagg_worker.tuning import TUNING
 
-STAGING_NBYTES = 64 << 20  # per manager; rooms that do not fit are written page run by page run
 _ALIGN = 4096
 
 
@@ -31,9 +31,10 @@ def raw_bytes(ptr: int, nbytes: int) -> torch.Tensor:
 
 
 def worth_staging(dest_pages: list[int]) -> bool:
-    """Stage when the destination is fragmented: many runs averaging under 4 pages."""
+    """Stage when the destination is fragmented: many runs, short on average."""
+    t = TUNING.transfer
     runs = len(group_runs(dest_pages, dest_pages))
-    return runs >= 8 and runs * 4 > len(dest_pages)
+    return runs >= t.staging_min_runs and runs * t.staging_max_avg_run_pages > len(dest_pages)
 
 
 def _as_pages(pool: torch.Tensor, block: torch.Tensor, page_nbytes: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -60,7 +61,7 @@ class StagingArea:
     """A byte region (registered with the transfer engine by its owner) handed out in
     aligned ranges, first fit. Thread-safe."""
 
-    def __init__(self, nbytes: int = STAGING_NBYTES):
+    def __init__(self, nbytes: int = TUNING.transfer.staging_nbytes):
         self.tensor = torch.empty(nbytes, dtype=torch.uint8)
         self.nbytes = nbytes
         self._free: list[tuple[int, int]] = [(0, nbytes)]  # (offset, nbytes), sorted by offset
@@ -100,10 +101,10 @@ class StagingArea:
 def open_registered(cfg: DisaggConfig, layout: KVLayout) -> tuple[MooncakeEngine, list[torch.Tensor], StagingArea]:
     """A transfer engine with the KV buffers and a fresh staging area registered once, plus byte
     views of the KV buffers (for gathering and scattering staged rooms). Both managers start so."""
-    engine = MooncakeEngine(cfg.advertise_host, cfg.transfer_protocol, cfg.ib_device, cfg.tcp_lanes)
-    for ptr, n in zip(layout.buffer_ptrs, layout.buffer_nbytes):
+    engine = MooncakeEngine(cfg.advertise_host, cfg.transfer_protocol, cfg.ib_device)
+    buffers = list(zip(layout.buffer_ptrs, layout.buffer_nbytes, strict=True))
+    for ptr, n in buffers:
         engine.register(ptr, n)
     staging = StagingArea()
     engine.register(staging.ptr, staging.nbytes)
-    buffers = [raw_bytes(ptr, n) for ptr, n in zip(layout.buffer_ptrs, layout.buffer_nbytes)]
-    return engine, buffers, staging
+    return engine, [raw_bytes(ptr, n) for ptr, n in buffers], staging

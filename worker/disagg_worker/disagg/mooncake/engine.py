@@ -7,19 +7,19 @@ read as finished, so a finished handle is never polled again. The sync calls bus
 and are not used. A submitted write cannot be cancelled: a timed-out write may still land later.
 
 Mooncake's TCP transport queues at most about a thousand writes per peer; past that it rejects
-writes, and after such a burst some of the queued ones never finish (measured: 3000 writes of
-4 KiB submitted at once left 1024 pending for good). Callers therefore keep at most
-`MAX_WRITES_IN_FLIGHT` writes outstanding per peer.
+writes, and after such a burst some of the queued ones never finish. Callers therefore keep at
+most `TUNING.transfer.max_writes_in_flight` writes outstanding per peer.
+
+The engine reads its settings (TCP lanes per peer and others) from the environment when it
+starts; `mooncake.environ.mooncake_environ` says which, and the scheduler process sets them.
 """
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass, field
 from enum import Enum
-
-MAX_WRITES_IN_FLIGHT = 256  # per destination peer; Mooncake TCP's own per-peer queue holds 1024
+from typing import Any, Protocol
 
 
 class WriteState(Enum):
@@ -28,7 +28,7 @@ class WriteState(Enum):
     FAILED = "failed"
 
 
-def _import_engine():
+def _import_engine() -> Any:
     try:
         from mooncake.engine import TransferEngine
     except ImportError as e:  # the wheel links libibverbs but does not ship it
@@ -40,9 +40,7 @@ def _import_engine():
 
 
 class MooncakeEngine:
-    def __init__(self, host: str, protocol: str = "tcp", device: str = "", tcp_lanes: int = 0):
-        if protocol == "tcp" and tcp_lanes > 0:  # read when the TCP transport starts; the user's value wins
-            os.environ.setdefault("MC_TCP_LANES_PER_PEER", str(tcp_lanes))
+    def __init__(self, host: str, protocol: str = "tcp", device: str = ""):
         self._te = _import_engine()()
         rc = self._te.initialize(host, "P2PHANDSHAKE", protocol, device)
         if rc != 0:
@@ -68,6 +66,14 @@ class MooncakeEngine:
         return WriteState.DONE if rc == 1 else WriteState.FAILED
 
 
+class WriteEngine(Protocol):
+    """What a `WriteGroup` needs of an engine (`MooncakeEngine`, or a scripted one in tests)."""
+
+    def submit(self, peer: str, src: int, dst: int, nbytes: int) -> int: ...
+
+    def check(self, handle: int) -> WriteState: ...
+
+
 @dataclass
 class WriteGroup:
     """The writes of one send call, submitted a few at a time (`submit`) and polled oldest first (they
@@ -80,7 +86,7 @@ class WriteGroup:
     _next: int = 0  # handles[:_next] are settled
     failed: bool = False
 
-    def submit(self, engine: MooncakeEngine, peer: str, limit: int) -> int:
+    def submit(self, engine: WriteEngine, peer: str, limit: int) -> int:
         """Submit up to `limit` more writes; returns how many were submitted."""
         todo = self.writes[len(self.handles) : len(self.handles) + max(0, limit)]
         self.handles += [engine.submit(peer, s, d, n) for s, d, n in todo]
@@ -90,7 +96,7 @@ class WriteGroup:
         """Submit nothing more (the room failed): the group settles once the submitted writes have."""
         self.writes = self.writes[: len(self.handles)]
 
-    def poll(self, engine: MooncakeEngine) -> WriteState:
+    def poll(self, engine: WriteEngine) -> WriteState:
         """DONE when every write landed; FAILED as soon as one failed (others may still be
         running: keep polling until `settled` to know the group is quiet)."""
         while self._next < len(self.handles):

@@ -97,9 +97,9 @@ def greedy(model, cfg, prompts: list[list[int]], max_new: int) -> list[list[int]
     while active:
         logits = model(make_batch([seqs[i] for i in active], new, PAGE_SIZE), kv)
         nxt = logits.argmax(-1).tolist()
-        for i, tok in zip(active, nxt):
+        for i, tok in zip(active, nxt, strict=True):
             outputs[i].append(tok)
-        active = [i for i, tok in zip(active, nxt) if tok not in eos and len(outputs[i]) < max_new]
+        active = [i for i, tok in zip(active, nxt, strict=True) if tok not in eos and len(outputs[i]) < max_new]
         new = [[outputs[i][-1]] for i in active]
     return outputs
 
@@ -108,7 +108,7 @@ def greedy(model, cfg, prompts: list[list[int]], max_new: int) -> list[list[int]
 def test_greedy_generation_is_token_identical_to_transformers(models, arch):
     ours, cfg, ref = models[arch]
     got = greedy(ours, cfg, PROMPTS, max_new=16)
-    for prompt, tokens in zip(PROMPTS, got):
+    for prompt, tokens in zip(PROMPTS, got, strict=True):
         with torch.no_grad():
             out = ref.generate(
                 torch.tensor([prompt]), max_new_tokens=16, do_sample=False, eos_token_id=list(cfg.eos_token_ids)

@@ -1,0 +1,68 @@
+"""The status schema of the DisaggregatedModel CRD: per-role counts, the rollout in progress, KV handoff health
+and the conditions."""
+
+from . import names
+from .schema import conditions, integer, obj
+
+
+def _role_status() -> dict:
+    return obj(
+        {
+            "replicas": integer(),
+            "readyReplicas": integer(),
+            "updatedReplicas": integer(),
+            "ready": {"type": "string", "description": "ready/desired, for printing."},
+            "selector": {"type": "string", "description": "Label selector of the role's pods (for an HPA)."},
+        }
+    )
+
+
+def _rollout_status() -> dict:
+    progress = obj(
+        {
+            "released": integer(doc="Pods the partition lets onto the new template."),
+            "updatedReady": integer(doc="Pods on the new template and available."),
+        }
+    )
+    return obj(
+        {
+            "revision": {"type": "string", "description": "Pairing revision the worker pods are moving to."},
+            "step": integer(doc="Pods released so far, both roles together."),
+            "steps": integer(doc="Pods to update, both roles together."),
+            names.PREFILL: progress,
+            names.DECODE: progress,
+            "lastProgressTime": {"type": "string", "format": "date-time"},
+        },
+        "Present while the worker pods move to a new template.",
+    )
+
+
+def _transfer_status() -> dict:
+    counts = obj(
+        {
+            "bootstrapFailures": integer(doc="Requests that failed before their KV transfer started."),
+            "transferFailures": integer(doc="KV transfers that failed."),
+        }
+    )
+    return obj(
+        {
+            "windowSeconds": integer(doc="The counts cover this many recent seconds."),
+            names.PREFILL: counts,
+            names.DECODE: counts,
+            "failingPods": {"type": "array", "items": {"type": "string"}},
+        },
+        "KV handoff health as the router sees it (absent when the operator cannot reach the router pods).",
+    )
+
+
+def status_schema() -> dict:
+    return obj(
+        {
+            "observedGeneration": integer(),
+            "endpoint": {"type": "string", "description": "URL of the router Service inside the cluster."},
+            **{role: _role_status() for role in names.ROLES},
+            "rollout": _rollout_status(),
+            "transfer": _transfer_status(),
+            "conditions": conditions(),
+        }
+    )

@@ -1,0 +1,81 @@
+"""The operator's clock: every few seconds, read `/health` of every router pod and recompute each CR's status.
+
+Router pods are reached at their pod IPs (not through the router Service, which lists only Ready pods: a router
+with no verified pair is exactly the one whose report matters). This needs the operator inside the cluster
+network; from outside, every probe fails fast and routerview.py reports what readiness alone says. The same tick
+re-evaluates rollout deadlines, so a stalled rollout is reported even when nothing else changes. Probing reads no
+API object and status is written only on a change: an idle operator makes no API writes.
+"""
+
+import asyncio
+import json
+import logging
+from collections.abc import Mapping
+
+import aiohttp
+
+from . import names
+from .reconcile import Runtime
+from .routerview import RouterView, merge_reports
+
+log = logging.getLogger(__name__)
+MISSES_BEFORE_FORGETTING = 3
+
+
+async def fetch_health(session: aiohttp.ClientSession, ip: str) -> dict | None:
+    """A router pod's /health report (it answers 503 with the same body when it has no verified pair)."""
+    host = f"[{ip}]" if ":" in ip else ip
+    try:
+        async with session.get(f"http://{host}:{names.HTTP_PORT}/health") as r:
+            body = json.loads(await r.read())
+    except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError):
+        return None
+    return body if isinstance(body, dict) else None
+
+
+async def read_routers(targets: Mapping[str, Mapping[str, str]], timeout_s: float) -> dict[str, dict]:
+    """uid -> {router pod: report or None}, every pod probed at once."""
+    timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=timeout_s)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        keys = [(uid, pod) for uid, pods in targets.items() for pod in pods]
+        answers = await asyncio.gather(*(fetch_health(session, targets[uid][pod]) for uid, pod in keys))
+    out: dict[str, dict] = {uid: {} for uid in targets}
+    for (uid, pod), answer in zip(keys, answers, strict=True):
+        out[uid][pod] = answer
+    return out
+
+
+def keep_or_replace(old: RouterView | None, new: RouterView, misses: dict[str, int], uid: str) -> RouterView | None:
+    """The view to report: the new one, unless no router answered and one did shortly before (a router busy for a
+    moment must not flip the status between detailed and readiness-only, which would cost a write each time)."""
+    if new.reached:
+        misses.pop(uid, None)
+        return new
+    misses[uid] = misses.get(uid, 0) + 1
+    if old is not None and old.reached and misses[uid] < MISSES_BEFORE_FORGETTING:
+        return old
+    return None if not new.probed else new
+
+
+async def run(runtime: Runtime) -> None:
+    """Until cancelled: probe the routers (when enabled), then tick every known CR in a worker thread."""
+    cfg = runtime.cfg
+    misses: dict[str, int] = {}
+    while True:
+        await asyncio.sleep(cfg.tick_s)
+        try:
+            if cfg.router_probe:
+                targets = runtime.router_pods()
+                reports = await read_routers(targets, cfg.router_probe_timeout_s)
+                for uid, by_pod in reports.items():
+                    runtime.views[uid] = keep_or_replace(runtime.views.get(uid), merge_reports(by_pod), misses, uid)
+        except Exception:  # one failed round must not stop the clock
+            log.exception("reading the router pods failed")
+        context = runtime.handler_context
+        if context is None:  # no handler has run yet: no CR is known either
+            continue
+        for uid in list(runtime.inputs):
+            try:
+                await asyncio.to_thread(context.copy().run, runtime.tick, uid)
+            except Exception:  # one CR's failure must not hold up the others
+                log.exception("periodic status refresh of %s failed", uid)

@@ -1,0 +1,170 @@
+"""What the router pods say about the prefill->decode path, merged, and the conditions it yields.
+
+Each router continuously verifies the pairs it may use (a synthetic one-token request through bootstrap and a real
+KV transfer) and watches the workers' handoff queues and failure counters; its `/health` lists both. The operator
+reads `/health` of every router pod (prober.py) and turns the answers into PairingVerified, HandoffStalled and
+`status.transfer`. When no router pod answers (the operator runs outside the cluster network, or probing is off),
+PairingVerified falls back to the router pods' readiness, which the kubelet grants only while the router has a
+verified pair, and HandoffStalled is Unknown.
+
+Messages hold no ages or timestamps, so a status changes only when what it says changes.
+"""
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from .observe import RoleObservation
+from .spec import ModelSpec
+
+MAX_NAMED = 5
+NO_DETAILS = "pair details unavailable: the operator cannot read the router pods' /health"
+
+
+@dataclass(frozen=True)
+class PairResult:
+    prefill: str
+    decode: str
+    verified: bool
+    error: str = ""
+
+
+@dataclass(frozen=True)
+class WorkerHandoff:
+    pod: str
+    role: str
+    bootstrap_failures: int = 0
+    transfer_failures: int = 0
+    stalled: str = ""  # which queues hold requests without progress, or ""
+
+
+@dataclass(frozen=True)
+class RouterView:
+    """The merged reports of the router pods that answered (`reached` of `probed`)."""
+
+    probed: int
+    reached: int
+    without_pair: tuple[str, ...] = ()  # router pods with no verified pair
+    pairs: tuple[PairResult, ...] = ()
+    workers: tuple[WorkerHandoff, ...] = ()
+    window_s: int = 0
+
+
+def _pair(p: Mapping[str, Any]) -> PairResult:
+    return PairResult(
+        str(p.get("prefill", "?")), str(p.get("decode", "?")), bool(p.get("verified")), str(p.get("error") or "")
+    )
+
+
+def _worker(w: Mapping[str, Any], stall_after: int) -> WorkerHandoff:
+    stalled = w.get("stalled_queues") or []
+    return WorkerHandoff(
+        str(w.get("pod", "?")),
+        str(w.get("role", "?")),
+        int(w.get("bootstrap_failures", 0)),
+        int(w.get("transfer_failures", 0)),
+        f"{', '.join(stalled)} hold requests without handoff progress for over {stall_after} s" if stalled else "",
+    )
+
+
+def merge_reports(reports: Mapping[str, Mapping[str, Any] | None]) -> RouterView:
+    """`reports`: router pod name -> its parsed /health (None when it did not answer). Pairs keep the worst
+    result any router saw; worker counters keep the largest any router saw (they read the same workers)."""
+    answered = {pod: r for pod, r in reports.items() if r}
+    pairs: dict[tuple[str, str], PairResult] = {}
+    workers: dict[str, WorkerHandoff] = {}
+    window = 0
+    for report in answered.values():
+        for p in map(_pair, report.get("pairs") or []):
+            old = pairs.get((p.prefill, p.decode))
+            pairs[(p.prefill, p.decode)] = p if old is None or old.verified else old
+        handoff = report.get("handoff") or {}
+        window = max(window, int(handoff.get("window_s", 0)))
+        for w in (_worker(x, int(handoff.get("stall_after_s", 0))) for x in handoff.get("workers") or []):
+            old_w = workers.get(w.pod)
+            if old_w is None or (w.bootstrap_failures + w.transfer_failures, w.stalled) > (
+                old_w.bootstrap_failures + old_w.transfer_failures,
+                old_w.stalled,
+            ):
+                workers[w.pod] = w
+    return RouterView(
+        probed=len(reports),
+        reached=len(answered),
+        without_pair=tuple(
+            sorted(pod for pod, r in answered.items() if not any(p.get("verified") for p in r.get("pairs") or []))
+        ),
+        pairs=tuple(pairs[k] for k in sorted(pairs)),
+        workers=tuple(workers[k] for k in sorted(workers)),
+        window_s=window,
+    )
+
+
+def _named(items: list[str]) -> str:
+    more = f" and {len(items) - MAX_NAMED} more" if len(items) > MAX_NAMED else ""
+    return "; ".join(items[:MAX_NAMED]) + more
+
+
+def pairing_condition(spec: ModelSpec, router: RoleObservation | None, view: RouterView | None) -> tuple[str, str, str]:
+    """(status, reason, message) of PairingVerified."""
+    desired = spec.router.replicas
+    if desired == 0:
+        return "False", "NoRouter", "router.replicas is 0: no router verifies pairs or serves requests"
+    if view is None or not view.reached:
+        obs = router or RoleObservation()
+        if obs.current and obs.ready >= desired:
+            return (
+                "True",
+                "RouterReady",
+                f"every router pod is Ready, which a router is only with a verified pair ({NO_DETAILS})",
+            )
+        return (
+            "Unknown",
+            "RouterNotReady",
+            f"router pods ready {obs.ready}/{desired}; a router is Ready once it has verified a pair ({NO_DETAILS})",
+        )
+    failing = [f"{p.prefill} -> {p.decode}: {p.error or 'failed'}" for p in view.pairs if not p.verified]
+    if not view.pairs:
+        return "Unknown", "WaitingForWorkers", "the router sees no healthy prefill and decode pod to pair yet"
+    if view.without_pair:
+        return (
+            "False",
+            "NoVerifiedPair",
+            f"router {', '.join(view.without_pair)} has no verified pair; failing: {_named(failing)}",
+        )
+    ok = len(view.pairs) - len(failing)
+    if failing:
+        return (
+            "True",
+            "SomePairsFailing",
+            f"{ok} of {len(view.pairs)} pairs verified; out of rotation: {_named(failing)}",
+        )
+    return "True", "PairsVerified", f"all {ok} prefill->decode pairs verified"
+
+
+def handoff_condition(view: RouterView | None) -> tuple[str, str, str]:
+    """(status, reason, message) of HandoffStalled."""
+    if view is None or not view.reached:
+        return (
+            "Unknown",
+            "NotObserved",
+            "handoff queues are unobserved: the operator cannot read the router pods' /health",
+        )
+    stalled = [f"{w.role} pod {w.pod}: {w.stalled}" for w in view.workers if w.stalled]
+    if stalled:
+        return "True", "QueueStalled", _named(stalled)
+    return "False", "Flowing", "no prefill or decode queue holds requests without progress"
+
+
+def transfer_status(view: RouterView | None) -> dict | None:
+    """`status.transfer`: failure counts per role over the routers' window (None clears it)."""
+    if view is None or not view.reached:
+        return None
+    out: dict[str, Any] = {"windowSeconds": view.window_s}
+    for role in ("prefill", "decode"):
+        mine = [w for w in view.workers if w.role == role]
+        out[role] = {
+            "bootstrapFailures": sum(w.bootstrap_failures for w in mine),
+            "transferFailures": sum(w.transfer_failures for w in mine),
+        }
+    out["failingPods"] = sorted(w.pod for w in view.workers if w.bootstrap_failures or w.transfer_failures)
+    return out

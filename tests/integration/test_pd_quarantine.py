@@ -1,0 +1,101 @@
+"""Pages a failed KV transfer may still write, in a running P/D deployment.
+
+A prefill that stays silent (frozen: it neither refuses connections nor answers) gets its pages back on
+decode after the quarantine timeout, while it is still frozen. A decode that freezes mid-transfer and
+resumes keeps the pages prefill's late writes land in out of use until prefill says it is quiet: the
+greedy output of every later request is still the monolithic server's."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import os
+import signal
+import time
+
+import pytest
+import requests
+
+from tests.integration.procs import PDStack, idle_and_flushed, serve, wait_until
+from tests.integration.test_pd import FLAGS, assert_clean
+from tests.integration.test_pd_faults import decode_waiting_on_prefill, load, outcomes, request, wait_router_healthy
+from tests.integration.test_server import generate, varied_prompts
+
+pytestmark = pytest.mark.integration
+QUARANTINE_S = 6.0
+
+
+def queues(url: str) -> dict[str, int]:
+    return requests.get(f"{url}/stats", timeout=5).json()["queues"]
+
+
+def test_a_silent_prefills_pages_come_back_after_the_quarantine_timeout(tiny_model):
+    stack = PDStack(tiny_model, *FLAGS, "--quarantine-timeout", str(QUARANTINE_S)).wait_healthy()
+    pgid = stack.prefill.proc.pid
+    try:
+        with cf.ThreadPoolExecutor(32) as pool:
+            # More prompt than decode holds at once: its transfer queue stays full while prefill computes.
+            futures = load(stack.router.url, 32, pool, prompt_len=800)
+            wait_until(
+                lambda: queues(stack.decode.url).get("decode_transfer", 0) > 0,
+                timeout=30,
+                interval=0.02,
+                what="decode waiting for KV it asked prefill for",
+            )
+            os.killpg(pgid, signal.SIGSTOP)
+            stopped = time.monotonic()
+            quarantined = wait_until(
+                lambda: queues(stack.decode.url).get("decode_quarantine", 0),
+                timeout=10,
+                interval=0.05,
+                what="pages quarantined after the heartbeat lost the frozen prefill",
+            )
+            outcomes(futures)
+        st = idle_and_flushed(stack.decode.url, timeout=QUARANTINE_S + 20)  # prefill is still frozen here
+        took = time.monotonic() - stopped
+        assert st["pages_used"] == 0 and not any(st["queues"].values()), st
+        assert quarantined > 0 and took >= QUARANTINE_S * 0.9, f"pages came back after {took:.1f}s"
+    finally:
+        os.killpg(pgid, signal.SIGCONT)
+    try:
+        wait_router_healthy(stack)
+        wait_until(lambda: request(stack.router.url, 5000)[0] == "ok", timeout=60, interval=1, what="serving again")
+        assert_clean(stack.prefill.url, stack.decode.url)
+    finally:
+        stack.stop()
+
+
+def test_after_decode_freezes_and_resumes_greedy_output_still_equals_monolithic(tiny_model):
+    stack = PDStack(tiny_model, *FLAGS).wait_healthy()
+    mono = serve(tiny_model, *FLAGS).wait_healthy()
+    pgid = stack.decode.proc.pid
+    try:
+        with cf.ThreadPoolExecutor(16) as pool:
+            futures = load(stack.router.url, 16, pool, prompt_len=600)  # more KV than decode holds at once
+            wait_until(
+                lambda: decode_waiting_on_prefill(stack.decode.url),
+                timeout=30,
+                interval=0.01,
+                what="decode waiting for KV from prefill",
+            )
+            os.killpg(pgid, signal.SIGSTOP)
+            try:  # prefill's waiting timeout fails the rooms whose writes are stuck in the frozen decode
+                wait_until(
+                    lambda: not any(queues(stack.prefill.url).values()),
+                    timeout=40,
+                    interval=0.2,
+                    what="prefill giving up on the frozen decode",
+                )
+            finally:
+                os.killpg(pgid, signal.SIGCONT)
+            outcomes(futures)
+        wait_router_healthy(stack)
+        assert_clean(stack.prefill.url, stack.decode.url)
+        prompts = varied_prompts(24)
+        expected = [generate(mono.url, p) for p in prompts]
+        with cf.ThreadPoolExecutor(12) as pool:
+            got = list(pool.map(lambda p: generate(stack.router.url, p), prompts))
+        assert got == expected
+        assert_clean(stack.prefill.url, stack.decode.url)
+    finally:
+        mono.stop()
+        stack.stop()

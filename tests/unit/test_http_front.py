@@ -1,0 +1,189 @@
+"""The HTTP front end's gate, over real sockets in one process: body limits (413 before the body is
+read), the in-flight bound (429), draining (503 with Retry-After), the drain's cut, 500 bodies."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+
+from disagg_worker.config import DisaggConfig, EngineConfig, Role, SchedulerConfig, ServerArgs
+from disagg_worker.limits import BODY_OVERHEAD_BYTES, body_limit_bytes
+from disagg_worker.server.admission import Admission, admission_middleware
+from disagg_worker.server.api import error_middleware
+from disagg_worker.server.body import read_body
+from disagg_worker.server.drain import drain
+
+LIMIT = 1000
+
+
+def app_with(admission: Admission, release: asyncio.Event | None = None) -> web.Application:
+    """/generate echoes the length of the body it read; with `release`, it holds the request until set."""
+
+    async def generate(request: web.Request) -> web.Response:
+        body = await read_body(request, admission.body_limit())
+        if release is not None:
+            await release.wait()
+        return web.json_response({"read": len(body)})
+
+    async def boom(request: web.Request) -> web.Response:
+        raise RuntimeError("secret internals: /etc/passwd")
+
+    app = web.Application(middlewares=[error_middleware, admission_middleware(admission)])
+    app.router.add_post("/generate", generate)
+    app.router.add_get("/boom", boom)
+    return app
+
+
+async def raw_exchange(port: int, head: bytes, body_parts: list[bytes] = ()) -> tuple[int, dict, bytes]:
+    """Send `head` then `body_parts` (stopping if the server answers first); return status, headers, body."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(head)
+    for part in body_parts:
+        writer.write(part)
+        try:
+            await writer.drain()
+        except ConnectionError:
+            break
+    raw = await asyncio.wait_for(reader.read(65536), 5)
+    writer.close()
+    status_line, _, rest = raw.partition(b"\r\n")
+    header_block, _, payload = rest.partition(b"\r\n\r\n")
+    headers = dict(line.decode().split(": ", 1) for line in header_block.split(b"\r\n") if b": " in line)
+    return int(status_line.split()[1]), headers, payload
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_an_announced_oversize_body_is_refused_before_it_is_sent():
+    async def go():
+        async with TestServer(app_with(Admission(4, lambda: LIMIT))) as srv:
+            head = b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Length: 50000000\r\n\r\n"
+            status, _, body = await raw_exchange(srv.port, head)  # not one byte of the body is sent
+            return status, json.loads(body)
+
+    status, body = run(go())
+    assert status == 413
+    assert body["error"]["code"] == "request_too_large" and str(LIMIT) in body["error"]["message"]
+
+
+def test_a_chunked_body_is_cut_off_at_the_limit():
+    async def go():
+        async with TestServer(app_with(Admission(4, lambda: LIMIT))) as srv:
+            head = b"POST /generate HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+            chunk = b"200\r\n" + b"x" * 0x200 + b"\r\n"
+            over = await raw_exchange(srv.port, head, [chunk] * 3)  # 1536 bytes, and the stream stays open
+            under = await raw_exchange(srv.port, head, [chunk, b"0\r\n\r\n"])
+            return over, under
+
+    over, under = run(go())
+    assert over[0] == 413
+    assert under[0] == 200 and b'"read": 512' in under[2]
+
+
+def test_requests_beyond_the_inflight_bound_get_429_then_are_admitted_again():
+    async def go():
+        release = asyncio.Event()
+        admission = Admission(2, lambda: LIMIT)
+        async with TestServer(app_with(admission, release)) as srv:
+            head = b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}"
+            held = [asyncio.create_task(raw_exchange(srv.port, head)) for _ in range(2)]
+            while admission.inflight < 2:
+                await asyncio.sleep(0.01)
+            refused = await raw_exchange(srv.port, head)
+            release.set()
+            done = await asyncio.gather(*held)
+            again = await raw_exchange(srv.port, head)
+            return refused, done, again
+
+    refused, done, again = run(go())
+    assert refused[0] == 429 and refused[1]["Retry-After"] == "1"
+    assert json.loads(refused[2])["error"]["code"] == "rate_limit_exceeded"
+    assert [d[0] for d in done] == [200, 200] and again[0] == 200
+
+
+def test_drain_refuses_new_requests_and_waits_for_held_ones():
+    async def go():
+        release = asyncio.Event()
+        admission = Admission(8, lambda: LIMIT)
+        async with TestServer(app_with(admission, release)) as srv:
+            head = b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}"
+            held = asyncio.create_task(raw_exchange(srv.port, head))
+            while admission.inflight < 1:
+                await asyncio.sleep(0.01)
+            cuts: list[str] = []
+
+            async def cut(reason: str) -> None:
+                cuts.append(reason)
+
+            draining = asyncio.create_task(drain(admission, 10.0, cut))
+            await asyncio.sleep(0.05)
+            refused = await raw_exchange(srv.port, head)
+            assert not draining.done(), "the drain ended while a request was held"
+            release.set()
+            report = await draining
+            return refused, await held, report, cuts
+
+    refused, held, report, cuts = run(go())
+    assert refused[0] == 503 and refused[1]["Retry-After"] == "1"
+    assert json.loads(refused[2])["error"]["code"] == "draining"
+    assert held[0] == 200
+    assert (report.held, report.cut, cuts) == (1, 0, [])
+
+
+def test_drain_timeout_cuts_what_is_left():
+    async def go():
+        admission = Admission(8, lambda: LIMIT)
+        cuts: list[str] = []
+        with admission.admitted():
+
+            async def cut(reason: str) -> None:
+                cuts.append(reason)
+
+            task = asyncio.create_task(drain(admission, 0.2, cut))
+            await asyncio.sleep(0.4)
+        return await task, cuts
+
+    report, cuts = run(go())
+    assert (report.held, report.cut) == (1, 1)
+    assert len(cuts) == 1 and "drain timeout of 0.2 s expired" in cuts[0]
+
+
+def test_a_500_names_a_log_id_not_the_exception(caplog):
+    async def go():
+        async with TestServer(app_with(Admission(4, lambda: LIMIT))) as srv:
+            return await raw_exchange(srv.port, b"GET /boom HTTP/1.1\r\nHost: x\r\n\r\n")
+
+    with caplog.at_level(logging.ERROR):
+        status, _, body = run(go())
+    message = json.loads(body)["error"]["message"]
+    assert status == 500 and "secret" not in message and "RuntimeError" not in message
+    ref = message.split("under id ")[1].rstrip(".")
+    assert any(ref in r.getMessage() and r.exc_info for r in caplog.records), "the log holds the id and the traceback"
+
+
+@pytest.mark.parametrize("context", [2048, 4096, 131072])
+def test_the_body_limit_holds_any_prompt_that_fits_the_context(context):
+    ids = {"prompt": [151935] * context, "max_tokens": 1, "stop": ["\u4e00" * 1024] * 16}
+    escaped_cjk = {"prompt": "\u4e00\u4e8c" * context, "stop": ["\t" * 1024] * 16}  # ~2 tokens per pair
+    for body in (ids, escaped_cjk):
+        assert len(json.dumps(body).encode()) < body_limit_bytes(context)
+    assert body_limit_bytes(context) < 40 * context + BODY_OVERHEAD_BYTES
+
+
+def test_the_inflight_bound_follows_the_scheduler_limits():
+    def args(role: Role, **kw) -> ServerArgs:
+        cfg = EngineConfig("m", scheduler=SchedulerConfig(max_running_requests=8), disagg=DisaggConfig(role=role, **kw))
+        return ServerArgs(cfg)
+
+    assert args(Role.MONOLITHIC).inflight_limit == 32
+    assert args(Role.PREFILL, max_bootstrap_queue=100).inflight_limit == 108
+    assert args(Role.DECODE, max_prealloc_queue=50).inflight_limit == 58
+    explicit = ServerArgs(EngineConfig("m"), max_inflight_requests=5)
+    assert explicit.inflight_limit == 5

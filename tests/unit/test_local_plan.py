@@ -1,0 +1,23 @@
+"""`disagg serve --local`: the command lines of router, prefill and decode, ranks per role."""
+
+from __future__ import annotations
+
+from disagg_worker.server.local import RoleRanks, plan
+
+
+def flag(cmd: list[str], name: str) -> str:
+    """The last value given to `name` (argparse keeps the last)."""
+    return [cmd[i + 1] for i, a in enumerate(cmd) if a == name][-1]
+
+
+def test_each_role_gets_its_own_ranks_and_the_shared_engine_flags():
+    argv = ["--model", "m", "--local", "--port", "9000", "--page-size", "4", "--tp-size", "2", "--decode-tp-size=1"]
+    cmds = plan(argv, 9000, "m", RoleRanks(prefill_tp=2, prefill_pp=2, decode_tp=1, decode_pp=1))
+    prefill, decode, router = cmds["prefill"], cmds["decode"], cmds["router"]
+    assert (flag(prefill, "--tp-size"), flag(prefill, "--pp-size")) == ("2", "2")
+    assert (flag(decode, "--tp-size"), flag(decode, "--pp-size")) == ("1", "1")
+    for cmd in (prefill, decode):
+        assert flag(cmd, "--page-size") == "4" and flag(cmd, "--model") == "m"
+        assert "--local" not in cmd and "--decode-tp-size=1" not in cmd and flag(cmd, "--port") != "9000"
+    assert flag(router, "--port") == "9000"
+    assert flag(router, "--prefill") == f"http://127.0.0.1:{flag(prefill, '--port')}"

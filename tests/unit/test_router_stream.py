@@ -1,0 +1,139 @@
+"""The router's body sharing and stream relaying, in one process (real sockets for the upstream)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import aiohttp
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+
+from disagg_worker.router.fanout import Merger
+from disagg_worker.router.payload import WRITE_SLICE, SharedBody
+from disagg_worker.router.stream import DONE, UpstreamLost, choice_events, relay
+
+
+class Sink:
+    """Collects what a payload or a relay writes."""
+
+    def __init__(self) -> None:
+        self.parts: list[bytes] = []
+
+    async def write(self, data) -> None:
+        self.parts.append(bytes(data))
+
+    @property
+    def data(self) -> bytes:
+        return b"".join(self.parts)
+
+
+def written(payload) -> bytes:
+    sink = Sink()
+    asyncio.run(payload.write(sink))
+    assert len(sink.data) == payload.size
+    return sink.data
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"prompt": "x" * 600_000, "n": 4, "seed": 7, "stream": True, "temperature": 1.0},
+        {"messages": [{"role": "user", "content": "\u4e00 hi"}], "max_tokens": 3},
+        {},
+        {"prompt": "\ud800 lone surrogate"},
+    ],
+)
+def test_every_choice_gets_the_body_with_its_own_fields(body):
+    shared = SharedBody.of(body)
+    payloads = [shared.payload(n=1, seed=i, bootstrap_room=100 + i) for i in range(4)]
+    for i, p in enumerate(payloads):
+        got = json.loads(written(p))
+        assert got == {**body, "n": 1, "seed": i, "bootstrap_room": 100 + i}
+    assert all(p.shared is payloads[0].shared for p in payloads), "the choices share one serialised copy"
+
+
+def test_a_large_body_is_written_in_slices_of_the_shared_buffer():
+    p = SharedBody.of({"prompt": "y" * (3 * WRITE_SLICE)}).payload(stream=False)
+    sink = Sink()
+    asyncio.run(p.write(sink))
+    assert max(len(part) for part in sink.parts) <= WRITE_SLICE
+    assert json.loads(sink.data)["stream"] is False
+
+
+def upstream_app(events: list[bytes], then: str) -> web.Application:
+    """Streams `events`, then ends: "done" sends [DONE], "eof" ends cleanly without it, "drop" cuts the socket."""
+
+    async def stream(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for e in events:
+            await resp.write(e)
+        if then == "done":
+            await resp.write(DONE)
+        elif then == "drop":
+            await asyncio.sleep(0.05)
+            assert request.transport is not None
+            request.transport.abort()
+        return resp
+
+    app = web.Application()
+    app.router.add_get("/", stream)
+    return app
+
+
+EVENTS = [b'data: {"choices": [{"index": 0, "text": "a"}]}\n\n', b'data: {"choices": [{"index": 0, "text": "b"}]}\n\n']
+
+
+async def relay_from(then: str) -> tuple[bytes, str]:
+    async with TestServer(upstream_app(EVENTS, then)) as srv, aiohttp.ClientSession() as session:
+        async with session.get(f"http://127.0.0.1:{srv.port}/") as resp:
+            sink = Sink()
+            try:
+                await relay(sink, b"", resp)
+            except UpstreamLost as e:
+                return sink.data, e.message
+            return sink.data, ""
+
+
+@pytest.mark.parametrize("then", ["eof", "drop"])
+def test_a_stream_that_ends_without_done_is_lost(then):
+    data, lost = asyncio.run(relay_from(then))
+    assert data == b"".join(EVENTS), "every complete event was passed on"
+    assert "incomplete" in lost
+
+
+def test_a_complete_stream_is_passed_on_whole():
+    data, lost = asyncio.run(relay_from("done"))
+    assert data == b"".join(EVENTS) + DONE and lost == ""
+
+
+def test_choice_events_stop_at_done_and_fail_without_it():
+    async def events(then: str):
+        async with TestServer(upstream_app(EVENTS, then)) as srv, aiohttp.ClientSession() as session:
+            async with session.get(f"http://127.0.0.1:{srv.port}/") as resp:
+                got = []
+                try:
+                    async for e in choice_events(b"", resp):
+                        got.append(e["choices"][0]["text"])
+                except UpstreamLost:
+                    return got, True
+                return got, False
+
+    assert asyncio.run(events("done")) == (["a", "b"], False)
+    assert asyncio.run(events("drop")) == (["a", "b"], True)
+
+
+def test_merger_relabels_choices_and_sums_usage():
+    m = Merger()
+    a = m.relabel(2, {"id": "cmpl-a", "choices": [{"index": 0, "text": "x"}]})
+    b = m.relabel(3, {"id": "cmpl-b", "choices": [{"index": 0, "text": "y"}]})
+    assert a is not None and b is not None
+    assert (a["choices"][0]["index"], b["choices"][0]["index"], b["id"]) == (2, 3, "cmpl-a")
+    for n in (4, 5):
+        assert m.relabel(0, {"id": "u", "choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": n}}) is None
+    usage = m.usage_event()
+    assert usage is not None and usage["usage"] == {"prompt_tokens": 3, "completion_tokens": 9, "total_tokens": 12}
+    err = m.relabel(1, {"error": {"message": "KV transfer failed", "type": "server_error"}})
+    assert err is not None and err["error"]["message"] == "Choice 1: KV transfer failed"

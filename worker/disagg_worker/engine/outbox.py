@@ -1,0 +1,42 @@
+"""What the scheduler process sends back to the HTTP process: each request's new tokens.
+
+The scheduler and a P/D role stage both end requests; they share one `Outbox`, and the loop
+takes what accumulated after each step and sends it as one `BatchOut`.
+"""
+
+from __future__ import annotations
+
+from disagg_worker.engine.request import Req
+from disagg_worker.messages import TokenOut
+
+TopLogprobs = list[tuple[int, float]]
+
+
+class Outbox:
+    def __init__(self) -> None:
+        self._outs: list[TokenOut] = []
+
+    def emit(self, req: Req, tokens: list[int], logprob: float | None = None, top: TopLogprobs | None = None) -> None:
+        """Queue `tokens` (new since the last emit) of `req`; its last emit carries the finish reason."""
+        self._outs.append(
+            TokenOut(
+                rid=req.rid,
+                token_ids=tokens,
+                logprobs=[logprob] if logprob is not None else None,
+                top_logprobs=[top] if top is not None else None,
+                finish_reason=req.finish_reason.value if req.finish_reason is not None else None,
+                prompt_tokens=len(req.prompt_ids),
+                cached_tokens=req.cached_tokens,
+                error=req.error,
+                error_status=req.error_status,
+            )
+        )
+
+    def reject(self, req: Req, status: int, message: str) -> None:
+        """End `req` with an error (it holds no pages)."""
+        req.fail(status, message)
+        self.emit(req, [])
+
+    def take(self) -> list[TokenOut]:
+        outs, self._outs = self._outs, []
+        return outs

@@ -1,0 +1,73 @@
+"""Secrets read at start-up, and the keys derived from a model's shared secret.
+
+API keys (`--api-key`, `--api-key-file`) are what clients present to a router or a monolithic
+server. The model's shared secret (`--auth-token-file`, a Secret the operator generates and mounts
+as a file into the prefill, decode and router pods) is never sent anywhere as it is: each use gets
+its own key, HMAC-SHA256(secret, purpose), so that a key one party sees is worth nothing for
+another purpose:
+- `BOOTSTRAP`: the bootstrap server's bearer token (prefill ranks register, decode asks where a
+  rank is); decode sends it only to prefill instances the router vouched for.
+- `WORKER`: the bearer token the router presents to worker HTTP ports.
+- `TARGET`: the key of the router's signature over a request's bootstrap target (host, port,
+  room); decode contacts no prefill instance without a valid one.
+
+A secret or key that is asked for but empty is an error at start-up, never "no authentication".
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from pathlib import Path
+
+BOOTSTRAP = "bootstrap"
+WORKER = "worker-http"
+TARGET = "bootstrap-target"
+
+
+class SecretError(ValueError):
+    """A secret was asked for but cannot be read, or is empty."""
+
+
+def read_secret(path: str, flag: str) -> str:
+    """The stripped content of the file `path` names (given with `flag`)."""
+    try:
+        text = Path(path).read_text()
+    except OSError as e:
+        raise SecretError(f"{flag} {path}: cannot read it ({e.strerror})") from None
+    secret = text.strip()
+    if not secret:
+        raise SecretError(f"{flag} {path} is empty: authentication was asked for, so start-up stops here")
+    return secret
+
+
+def read_api_keys(key: str | None, key_file: str) -> tuple[str, ...]:
+    """The API keys of `--api-key` and `--api-key-file` (one a line, blank lines skipped); () when
+    neither flag was given."""
+    out: list[str] = []
+    if key is not None:
+        if not key.strip():
+            raise SecretError("--api-key is empty: authentication was asked for, so start-up stops here")
+        out.append(key.strip())
+    if key_file:
+        out += [line.strip() for line in read_secret(key_file, "--api-key-file").splitlines() if line.strip()]
+    return tuple(out)
+
+
+def derive(secret: str, purpose: str) -> str:
+    """The key for `purpose` (hex), derived from the model's shared secret."""
+    return hmac.new(secret.encode(), purpose.encode(), hashlib.sha256).hexdigest()
+
+
+def _target(host: str, port: int, room: int) -> bytes:
+    return f"{host}\n{port}\n{room}".encode()
+
+
+def sign_target(key: str, host: str, port: int, room: int) -> str:
+    """The router's signature over a bootstrap target (hex)."""
+    return hmac.new(key.encode(), _target(host, port, room), hashlib.sha256).hexdigest()
+
+
+def target_signed(key: str, host: str, port: int, room: int, signature: str) -> bool:
+    """Whether `signature` is the router's over this target (constant time)."""
+    return hmac.compare_digest(sign_target(key, host, port, room), signature)

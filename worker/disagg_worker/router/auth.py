@@ -1,0 +1,54 @@
+"""What the router holds to authenticate its clients, itself to the workers, and the targets it names.
+
+- Clients present one of the API keys (`--api-key`, `--api-key-file`; `server.auth`).
+- Every call to a worker carries the worker token derived from the model's shared secret
+  (`--auth-token-file`, `keys.WORKER`).
+- Every request it routes names a bootstrap target (the prefill instance that holds the KV) with
+  its signature (`keys.TARGET`): decode contacts no host without one, so a caller who reaches a
+  worker cannot make it hand anything to a host of its choosing.
+Without a shared secret (local runs) workers take unsigned targets and no worker token.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field
+
+from disagg_worker import keys
+
+
+@dataclass(frozen=True)
+class RouterAuth:
+    api_keys: tuple[str, ...] = field(default=(), repr=False)
+    worker_token: str = field(default="", repr=False)
+    target_key: str = field(default="", repr=False)
+
+    @classmethod
+    def from_cli(cls, ns: argparse.Namespace) -> RouterAuth:
+        """Read the keys at start-up; a key asked for but empty raises `keys.SecretError`."""
+        secret = keys.read_secret(ns.auth_token_file, "--auth-token-file") if ns.auth_token_file else ""
+        return cls(
+            api_keys=keys.read_api_keys(ns.api_key, ns.api_key_file),
+            worker_token=keys.derive(secret, keys.WORKER) if secret else "",
+            target_key=keys.derive(secret, keys.TARGET) if secret else "",
+        )
+
+    def worker_headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.worker_token}"} if self.worker_token else {}
+
+    def target(self, host: str, port: int, room: int) -> dict:
+        """The bootstrap fields of one routed request, signed when the model has a secret."""
+        out: dict = {"bootstrap_host": host, "bootstrap_port": port, "bootstrap_room": room}
+        if self.target_key:
+            out["bootstrap_sig"] = keys.sign_target(self.target_key, host, port, room)
+        return out
+
+
+def add_auth_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--api-key", default=None, help="clients must send 'Authorization: Bearer KEY' (/health is open)")
+    p.add_argument("--api-key-file", default="", help="a file of API keys, one a line (a mounted Secret)")
+    p.add_argument(
+        "--auth-token-file",
+        default="",
+        help="file holding the model's shared secret (authenticates the router to workers, signs bootstrap targets)",
+    )

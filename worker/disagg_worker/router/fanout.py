@@ -1,0 +1,111 @@
+"""The n choices of an `n > 1` request, each answered by its own pair, merged into one answer.
+
+Whole answers are merged into one body (choices re-indexed, usage summed). Streams are merged as
+their events come; every choice carries its own index and all share the first response id. A
+choice whose upstream drops, times out or ends early ends with an error event naming it; the
+others go on, and the merged stream always ends with the usage (when asked for) and [DONE].
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Callable
+
+from aiohttp import web
+
+from disagg_worker.router.app import Opened
+from disagg_worker.router.stream import DONE, UPSTREAM_ERROR, UpstreamLost, choice_events
+from disagg_worker.server.errors import APIError
+
+
+def merge_bodies(bodies: list[dict]) -> dict:
+    merged = dict(bodies[0])
+    merged["choices"] = []
+    for i, b in enumerate(bodies):
+        for c in b.get("choices", []):
+            merged["choices"].append({**c, "index": i})
+    usage = dict(bodies[0].get("usage") or {})
+    usage["completion_tokens"] = sum((b.get("usage") or {}).get("completion_tokens", 0) for b in bodies)
+    usage["total_tokens"] = usage.get("prompt_tokens", 0) + usage["completion_tokens"]
+    merged["usage"] = usage
+    return merged
+
+
+def choice_error(i: int, message: str) -> dict:
+    return APIError(502, f"Choice {i}: {message}", "server_error", code=UPSTREAM_ERROR).body()
+
+
+class Merger:
+    """Re-labels the events of each choice and sums the usage they report."""
+
+    def __init__(self) -> None:
+        self.id: str | None = None  # one response id for all choices: the first one seen
+        self.usage: dict = {}
+        self.last_usage: dict | None = None
+
+    def relabel(self, i: int, event: dict) -> dict | None:
+        """The event as choice i of the merged stream; None for a usage event (summed, sent at the end)."""
+        if "error" in event and not event.get("choices"):
+            return choice_error(i, str(event["error"].get("message", "failed")))
+        if "usage" in event and not event.get("choices"):
+            self.usage.setdefault("prompt_tokens", event["usage"].get("prompt_tokens", 0))
+            self.usage["completion_tokens"] = self.usage.get("completion_tokens", 0) + event["usage"].get(
+                "completion_tokens", 0
+            )
+            self.last_usage = event
+            return None
+        for c in event.get("choices", []):
+            c["index"] = i
+        if "id" in event:
+            self.id = self.id or event["id"]
+            event["id"] = self.id
+        return event
+
+    def usage_event(self) -> dict | None:
+        if self.last_usage is None:
+            return None
+        usage = {**self.usage, "total_tokens": self.usage["prompt_tokens"] + self.usage["completion_tokens"]}
+        return {
+            **self.last_usage,
+            "id": self.id or self.last_usage.get("id"),
+            "usage": {**self.last_usage["usage"], **usage},
+        }
+
+
+async def stream_merged(
+    out: web.StreamResponse, opened: list[Opened], cut_reason: Callable[[], str] = lambda: ""
+) -> None:
+    """Write the merged stream of `opened` to `out`, ending with [DONE] whatever each choice does.
+
+    `cut_reason()` names why the router closed the upstreams, if it did (a drain that timed out)."""
+    queue: asyncio.Queue[dict | None] = asyncio.Queue()
+    merger = Merger()
+
+    async def pump(i: int, o: Opened) -> None:
+        try:
+            async for event in choice_events(o.first, o.resp):
+                relabelled = merger.relabel(i, event)
+                if relabelled is not None:
+                    queue.put_nowait(relabelled)
+        except UpstreamLost as e:
+            queue.put_nowait(choice_error(i, cut_reason() or e.message))
+        finally:
+            queue.put_nowait(None)
+
+    tasks = [asyncio.create_task(pump(i, o)) for i, o in enumerate(opened)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            event = await queue.get()
+            if event is None:
+                remaining -= 1
+                continue
+            await out.write(f"data: {json.dumps(event)}\n\n".encode())
+        usage = merger.usage_event()
+        if usage is not None:
+            await out.write(f"data: {json.dumps(usage)}\n\n".encode())
+        await out.write(DONE)
+    finally:
+        for t in tasks:
+            t.cancel()

@@ -1,0 +1,89 @@
+"""Relaying decode's SSE streams to the client, so that a stream never ends silently.
+
+An upstream stream is complete only when its `data: [DONE]` event arrived. If the upstream drops,
+times out, or ends without it, the client's stream ends with an OpenAI-style error event and then
+`data: [DONE]`: a client can always tell a truncated answer from a finished one.
+
+`relay` passes one stream on chunk by chunk (complete events only); `choice_events` yields the
+events of one choice of an `n > 1` request, for the router to merge them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+
+import aiohttp
+from aiohttp import web
+
+from disagg_worker.server.errors import APIError
+
+DONE = b"data: [DONE]\n\n"
+UPSTREAM_ERROR = "upstream_error"
+
+
+class UpstreamLost(Exception):
+    """The upstream stream ended before its [DONE]; the message says how, in words for the client."""
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.message = message
+
+
+def lost(role: str, e: BaseException | None) -> UpstreamLost:
+    """Name the way an upstream failed without echoing the exception itself."""
+    if isinstance(e, asyncio.TimeoutError):
+        how = "did not finish within the router's request timeout"
+    elif e is None:
+        how = "ended its stream before it was complete"
+    else:
+        how = "closed the connection in the middle of the answer"
+    return UpstreamLost(f"The {role} instance {how}; the answer is incomplete, retry the request.")
+
+
+def error_event(message: str, code: str = UPSTREAM_ERROR) -> bytes:
+    body = APIError(502, message, "server_error", code=code).body()
+    return f"data: {json.dumps(body)}\n\n".encode()
+
+
+async def read_chunk(resp: aiohttp.ClientResponse) -> bytes:
+    try:
+        chunk = await resp.content.readany()
+    except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+        raise lost("decode", e) from e
+    if not chunk:
+        raise lost("decode", None)
+    return chunk
+
+
+async def relay(out: web.StreamResponse, first: bytes, resp: aiohttp.ClientResponse) -> None:
+    """Pass `resp`'s events on as they come, up to its [DONE]; raises UpstreamLost if that never comes."""
+    buf = first
+    while True:
+        end = buf.rfind(b"\n\n") + 2
+        if end >= 2:
+            complete, buf = buf[:end], buf[end:]
+            await out.write(complete)
+            if complete.endswith(DONE):
+                return
+        buf += await read_chunk(resp)
+
+
+async def choice_events(first: bytes, resp: aiohttp.ClientResponse) -> AsyncIterator[dict]:
+    """The JSON events of one upstream stream, up to its [DONE]; raises UpstreamLost if that never comes."""
+    buf = first
+    while True:
+        while b"\n\n" in buf:
+            event, buf = buf.split(b"\n\n", 1)
+            line = event.decode(errors="replace").strip()
+            if not line.startswith("data: "):
+                continue
+            if line == "data: [DONE]":
+                return
+            try:
+                data = json.loads(line[6:])
+            except ValueError:
+                raise UpstreamLost("The decode instance sent an event that is not JSON; retry the request.") from None
+            yield data
+        buf += await read_chunk(resp)

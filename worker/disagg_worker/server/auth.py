@@ -1,0 +1,61 @@
+"""Bearer-token authentication of an HTTP app (router, monolithic server, prefill and decode workers).
+
+OpenAI style: a request must carry `Authorization: Bearer <key>` with one of the accepted keys,
+else it is answered 401 with OpenAI's error body (`invalid_api_key`). `/health` stays open (the
+kubelet's probes and the router's health checks carry no key); every other path, `/metrics` and
+the admin routes (`/stats`, `/flush_cache`) included, is protected. Unknown paths are refused the
+same way, so an unauthenticated caller learns nothing about which routes exist.
+
+Accepted keys: the API keys clients hold (`--api-key`, `--api-key-file`) and, on prefill and
+decode, the router's worker token derived from the model's shared secret (`keys.WORKER`).
+"""
+
+from __future__ import annotations
+
+import hmac
+
+from aiohttp import web
+
+from disagg_worker.server.errors import APIError
+
+OPEN_PATHS = frozenset({"/health"})
+
+
+def unauthorized(message: str) -> web.Response:
+    err = APIError(401, message, type="invalid_request_error", code="invalid_api_key")
+    return web.json_response(err.body(), status=401, headers={"WWW-Authenticate": "Bearer"})
+
+
+def authorized(header: str, accepted: tuple[bytes, ...]) -> bool:
+    """Whether an Authorization header carries one of the accepted keys (each compared in constant time)."""
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "bearer" or not token:
+        return False
+    presented = token.strip().encode()
+    return any([hmac.compare_digest(presented, key) for key in accepted])  # noqa: C419 - compare every key
+
+
+def auth_middleware(keys: tuple[str, ...]):
+    """A middleware that lets through requests carrying one of `keys`; `keys` must not be empty."""
+    if not keys or not all(keys):
+        raise ValueError("auth_middleware needs at least one non-empty key")
+    accepted = tuple(k.encode() for k in keys)
+
+    @web.middleware
+    async def middleware(request: web.Request, handler):
+        if request.path in OPEN_PATHS:
+            return await handler(request)
+        header = request.headers.get("Authorization", "")
+        if not header:
+            return unauthorized("You didn't provide an API key: send it as 'Authorization: Bearer KEY'.")
+        if not authorized(header, accepted):
+            return unauthorized("Incorrect API key provided.")
+        return await handler(request)
+
+    return middleware
+
+
+def require_keys(app: web.Application, keys: tuple[str, ...]) -> None:
+    """Put authentication in front of every route of `app` (before it starts); no keys: nothing changes."""
+    if keys:
+        app.middlewares.insert(0, auth_middleware(keys))

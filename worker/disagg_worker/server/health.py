@@ -1,0 +1,37 @@
+"""What a worker's `/health` says beyond "ok": who it is (pod name, pairing revision) and how its KV handoff goes
+(P/D queue sizes and the transfer counters of its scheduler process). The router reads it to pair only workers of
+the same revision and to notice handoffs that fail or stall (router/handoff.py)."""
+
+from __future__ import annotations
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from disagg_worker import messages as msg
+from disagg_worker.env import WorkerEnv
+
+# Samples of the scheduler's own series, summed over instances, by the name /health reports them under.
+COUNTERS = {
+    "disagg_bootstrap_failures_total": "bootstrap_failures",
+    "disagg_kv_transfer_failures_total": "transfer_failures",
+    "disagg_kv_transfer_seconds_count": "transfers",
+}
+
+
+def transfer_counts(metrics_text: str) -> dict[str, int]:
+    """Bootstrap failures, transfer failures and finished transfers so far, from the scheduler's exposition."""
+    out = dict.fromkeys(COUNTERS.values(), 0)
+    for family in text_string_to_metric_families(metrics_text):
+        for sample in family.samples:
+            key = COUNTERS.get(sample.name)
+            if key:
+                out[key] += int(sample.value)
+    return out
+
+
+def health_report(stats: msg.SchedulerStats | None, identity: WorkerEnv) -> dict:
+    """The fields /health adds to its status: identity always, queues and counters once the scheduler reported."""
+    report: dict = {"pod": identity.pod_name, "revision": identity.revision}
+    if stats is not None:
+        report["queues"] = dict(stats.queues)
+        report["transfer"] = transfer_counts(stats.metrics_text)
+    return report

@@ -1,0 +1,92 @@
+"""Tuning constants: values chosen by measurement or for a stated reason, not configuration.
+
+They are not CLI flags: a user has no reason to change them, and each one carries the reason it
+has its value (measured on the project's CI machine, 2 cores, loopback TCP, unless a comment
+says otherwise). `TUNING` is the one instance the code reads. `Tuning` has one part per
+subsystem: `transfer` for KV transfer (`disagg_worker.disagg`); the engine loop's constants
+belong in a part of their own beside it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class TransferTuning:
+    """KV transfer between prefill and decode (`disagg_worker.disagg`)."""
+
+    # ---- control plane -------------------------------------------------------------------------
+    # The control threads of both managers wait at most this long for messages, and check their
+    # rooms' timeouts at most this often: not on every message, since a sweep visits every room.
+    sweep_interval_ms: int = 20
+    # Decode hears "Transferring" only for sends still in flight after this long. The notice is
+    # informational and costs a control message on both sides (~0.2 ms of CPU): long enough a wait
+    # keeps it under 1% of the transfer it describes. With 5 ms, rooms streaming behind each other
+    # each sent one, and streamed 1 MiB rooms moved ~5% slower.
+    transferring_notice_s: float = 0.05
+    # Ids of finished rooms remembered so that a late message for one is dropped, not attached to
+    # a new request with the same id; the bound keeps their memory finite on a long-lived instance.
+    max_tombstones: int = 200_000
+    # Prefill registering with its bootstrap server: retry soon while the server is not up yet,
+    # slowly when it refused the registration (a mismatch that waiting rarely fixes).
+    register_retry_s: float = 0.2
+    register_refused_retry_s: float = 5.0
+    # Decode resolving a prefill instance whose bootstrap server is not complete yet.
+    resolve_retry_s: float = 0.2
+    # Longest wait for one heartbeat answer (`GET /health`); shorter heartbeat intervals wait less.
+    heartbeat_timeout_s: float = 2.0
+    # Prefill forgets a decode peer (releases its transfer thread and control socket) once it has
+    # been silent this long with nothing in flight: a decode that is gone costs nothing after a
+    # minute. Decode greets a prefill rank again before a request when it sent that rank nothing
+    # for `hello_refresh_s`, well inside `peer_idle_s`, so a forgotten peer is known again before
+    # its request is read. Prefill looks for idle peers every `peer_check_interval_s`.
+    peer_idle_s: float = 60.0
+    hello_refresh_s: float = 15.0
+    peer_check_interval_s: float = 1.0
+
+    # ---- writes (Mooncake) ---------------------------------------------------------------------
+    # Per destination peer. Mooncake TCP queues at most ~1024 writes per peer; past that it rejects
+    # writes, and after such a burst some queued ones never finish (3000 writes of 4 KiB submitted
+    # at once left 1024 pending for good).
+    max_writes_in_flight: int = 256
+    # Mooncake TCP moves several writes to one peer at once (over its TCP lanes): a large write
+    # split into about this many pieces lands sooner than in one piece (loopback: 1 MiB ~1.6x,
+    # 16 MiB ~1.1x; 8 or 16 pieces for a 512 MiB room were inside the noise). Only done when
+    # nothing else is in flight to the peer: with other writes queued the lanes are busy already
+    # (32 x 1 MiB streamed: 1.94 GB/s as 32 writes vs 1.69 as 128).
+    write_pieces: int = 4
+    min_piece_nbytes: int = 256 << 10
+    # Page lists this long or longer are grouped into runs with numpy; below, the plain loop wins.
+    vectorise_from_pages: int = 256
+
+    # ---- staging of fragmented destinations (Mooncake) -----------------------------------------
+    # Mooncake TCP costs ~35 us per write: 1000 scattered 16 KiB pages move at a third of the speed
+    # of one contiguous write. A destination is staged when it is fragmented: at least
+    # `staging_min_runs` runs averaging under `staging_max_avg_run_pages` pages.
+    staging_min_runs: int = 8
+    staging_max_avg_run_pages: int = 4
+    # Registered staging area per manager; rooms that do not fit are written page run by page run.
+    staging_nbytes: int = 64 << 20
+
+    # ---- transfer threads (Mooncake) -----------------------------------------------------------
+    # Sleep between status polls: starts short (small transfers finish in tens of microseconds)
+    # and doubles while nothing completes, up to the cap. The cap bounds how late a finished
+    # transfer is noticed (a sleep overshoots by ~80 us here); a poll costs ~10 us of CPU.
+    poll_sleep_min_s: float = 0.00001
+    poll_sleep_max_s: float = 0.0002
+    # Jobs to one peer are polled oldest first up to the first one still waiting; a full pass this
+    # often finds one that finished out of order (streamed 32 x 1 MiB: 5.6 status polls per room
+    # instead of 18.9).
+    full_poll_interval_s: float = 0.002
+    # Timer slack of a transfer thread: its sleeps end within ~1 us of their deadline instead of
+    # the default 50 us (a 20 us sleep took ~120 us, ~40 us with this).
+    timer_slack_ns: int = 1000
+
+
+@dataclass(frozen=True)
+class Tuning:
+    transfer: TransferTuning = field(default_factory=TransferTuning)
+
+
+TUNING = Tuning()
