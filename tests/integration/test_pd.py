@@ -63,6 +63,24 @@ def test_pd_openai_endpoints_match_monolithic(stack, mono):
     assert text == mono_text
 
 
+def sampled(url: str, ids: list[int], seed: int) -> list[int]:
+    params = {"max_new_tokens": 16, "temperature": 1.5, "top_k": 0, "seed": seed, "ignore_eos": True}
+    r = requests.post(f"{url}/generate", json={"input_ids": ids, "sampling_params": params}, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()["output_ids"]
+
+
+def test_pd_seeded_sampling_equals_monolithic(stack, mono):
+    """Prefill samples the first token with the request's seed; decode goes on past that draw."""
+    prompts = varied_prompts(6)
+    expected = [sampled(mono.url, p, seed) for seed, p in enumerate(prompts)]
+    got = [sampled(stack.router.url, p, seed) for seed, p in enumerate(prompts)]
+    assert got == expected
+    assert len({tuple(ids) for ids in expected}) == len(prompts)  # sampled, not one fixed answer
+    again = [sampled(mono.url, p, seed + 100) for seed, p in enumerate(prompts)]
+    assert again != expected  # the seed decides the tokens
+
+
 def test_n_greater_than_one_uses_distinct_rooms(stack):
     body = {"prompt": "The sea", "max_tokens": 4, "n": 4, "temperature": 1.0, "seed": 5}
     r = requests.post(f"{stack.router.url}/v1/completions", json=body, timeout=60)

@@ -115,6 +115,23 @@ def test_seeded_sampling_does_not_depend_on_batch_mates():
     assert len(set(first)) > 1  # really sampled, not a constant
 
 
+def test_a_seeded_request_resumed_on_another_instance_draws_what_it_would_have():
+    """Prefill samples token 0; decode starts a fresh generator from the same seed and skips that draw."""
+    x = logits(1, seed=4, scale=0.3)
+
+    def tokens(s: SamplingState, steps: int) -> list[int]:
+        sampler = Sampler(VOCAB)
+        for _ in range(steps):
+            s.output_ids.append(sampler.sample(x, [s]).token_ids[0])
+        return s.output_ids
+
+    one_instance = tokens(state(seed=11, temperature=1.0), 6)
+    resumed = state(seed=11, temperature=1.0)
+    resumed.draws_elsewhere = 1
+    assert tokens(resumed, 5) == one_instance[1:]
+    assert tokens(state(seed=11, temperature=1.0), 5) != one_instance[1:]  # what decode drew before
+
+
 def test_different_seeds_give_different_samples():
     x = logits(1, scale=0.1).expand(2, VOCAB)
     a, b = state(seed=1), state(seed=2)

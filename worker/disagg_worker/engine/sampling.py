@@ -48,6 +48,10 @@ class SamplingState:
     prompt_ids: list[int]
     output_ids: list[int]
     generator: torch.Generator | None
+    # Draws from `generator` made by another instance for this request (decode goes on with a request
+    # whose first token prefill sampled): the sampler makes and discards as many before its next draw,
+    # so a seeded request samples the same tokens through prefill + decode as on one instance.
+    draws_elsewhere: int = 0
     # Prompt ids as a tensor, built on first use by the repetition penalty (prompts never change).
     _prompt_tensor: torch.Tensor | None = field(default=None, init=False, repr=False)
 
@@ -227,6 +231,8 @@ class Sampler:
     def _draw(self, scaled: torch.Tensor, reqs: Sequence[SamplingState]) -> torch.Tensor:
         scaled = scaled.masked_fill(filter_mask(scaled, reqs), -math.inf)
         probs = torch.softmax(scaled, dim=-1)
+        for r in reqs:
+            _catch_up(r, probs.shape[1])
         noise = self._noise(probs.shape, [r.generator for r in reqs], probs.device)
         return (probs / noise).argmax(dim=-1)
 
@@ -258,3 +264,12 @@ class Sampler:
             for i, w in enumerate(wanted):
                 top[i] = list(zip(ids[i][: w or 0], vals[i][: w or 0], strict=True))
         return chosen, top
+
+
+def _catch_up(state: SamplingState, width: int) -> None:
+    """Advance a seeded generator past the draws another instance made (`draws_elsewhere`), each
+    as `Sampler._noise` makes it: `width` exponential samples."""
+    gen = state.generator
+    while state.draws_elsewhere > 0 and gen is not None:
+        torch.empty(width, device=gen.device).exponential_(generator=gen)
+        state.draws_elsewhere -= 1
