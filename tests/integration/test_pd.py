@@ -81,6 +81,19 @@ def test_pd_seeded_sampling_equals_monolithic(stack, mono):
     assert again != expected  # the seed decides the tokens
 
 
+def test_tools_and_response_format_are_a_400_through_the_router(stack):
+    tool = {"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}
+    chat = {"messages": [{"role": "user", "content": "Weather in Paris?"}], "max_tokens": 4}
+    for extra, param in (
+        ({"tools": [tool]}, "tools"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+    ):
+        r = requests.post(f"{stack.router.url}/v1/chat/completions", json={**chat, **extra}, timeout=60)
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == param
+        assert "not supported" in r.json()["error"]["message"]
+
+
 def test_n_greater_than_one_uses_distinct_rooms(stack):
     body = {"prompt": "The sea", "max_tokens": 4, "n": 4, "temperature": 1.0, "seed": 5}
     r = requests.post(f"{stack.router.url}/v1/completions", json=body, timeout=60)

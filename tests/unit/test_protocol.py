@@ -290,6 +290,38 @@ def test_bad_chat_fields_name_the_param(body, param):
     assert (e.status, e.param) == (400, param)
 
 
+TOOL = {"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}
+TOOL_CALL = {"id": "c1", "type": "function", "function": {"name": "weather", "arguments": "{}"}}
+UNSUPPORTED_CHATS = [
+    ({"messages": USER, "tools": [TOOL]}, "tools", "tool calling is not supported"),
+    ({"messages": USER, "tools": [TOOL], "tool_choice": "none"}, "tools", "tool calling is not supported"),
+    ({"messages": USER, "functions": [TOOL["function"]]}, "functions", "tool calling is not supported"),
+    ({"messages": USER, "tool_choice": "required"}, "tool_choice", 'only "none"'),
+    ({"messages": USER, "tool_choice": {"type": "function"}}, "tool_choice", 'only "none"'),
+    (
+        {"messages": [*USER, {"role": "assistant", "content": None, "tool_calls": [TOOL_CALL]}]},
+        "messages[1].tool_calls",
+        "tool calling is not supported",
+    ),
+    ({"messages": USER, "response_format": {"type": "json_object"}}, "response_format", 'type "json_object"'),
+    ({"messages": USER, "response_format": {"type": "json_schema"}}, "response_format", 'type "json_schema"'),
+    ({"messages": USER, "response_format": "json"}, "response_format", "not supported"),
+]
+
+
+@pytest.mark.parametrize("body, param, says", UNSUPPORTED_CHATS)
+def test_tools_and_structured_output_are_refused_not_ignored(body, param, says):
+    e = error(chat, body)
+    assert (e.status, e.param) == (400, param)
+    assert says in e.message
+
+
+def test_chat_without_tools_or_with_text_format_is_accepted():
+    for extra in ({"tools": []}, {"tools": None, "tool_choice": "none"}, {"tool_choice": "auto"}):
+        assert chat({"messages": USER, **extra}).messages == USER
+    assert chat({"messages": USER, "response_format": {"type": "text"}}).messages == USER
+
+
 BAD_GENERATES = [
     ({}, "input_ids"),
     ({"input_ids": [1], "text": "x"}, "input_ids"),

@@ -316,10 +316,39 @@ def _chat_logprobs(body: dict) -> int | None:
     return (top or 0) if want else None
 
 
+def _no_tool_calling(body: dict) -> None:
+    """Tools are not parsed or offered to the model: a request that relies on them is a 400, never an
+    answer that silently ignored them. No tools (absent, null or []) with tool_choice "none" or "auto" is fine."""
+    for key in ("tools", "functions"):
+        if body.get(key) not in (None, []):
+            raise bad_request(
+                f"{key}: tool calling is not supported by this server; send the request without {key}", key
+            )
+    for key in ("tool_choice", "function_call"):
+        if body.get(key) not in (None, "none", "auto"):
+            raise bad_request(f'{key}: tool calling is not supported by this server; only "none" is accepted', key)
+    for i, m in enumerate(body.get("messages") or []):
+        if isinstance(m, dict) and m.get("tool_calls") not in (None, []):
+            param = f"messages[{i}].tool_calls"
+            raise bad_request(f"{param}: tool calling is not supported by this server", param)
+
+
+def _no_response_format(body: dict) -> None:
+    """Structured output is not enforced: a response_format other than text is a 400, not ignored."""
+    fmt = body.get("response_format")
+    if fmt is None or (isinstance(fmt, dict) and fmt.get("type") == "text"):
+        return
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    what = f"type {_show(kind)}" if kind is not None else 'a value other than {"type": "text"}'
+    raise bad_request(f"response_format: {what} is not supported by this server; only text", "response_format")
+
+
 def parse_chat(body: Any, served_model: str, limits: RequestLimits) -> ChatRequest:
     """POST /v1/chat/completions. max_completion_tokens wins over the older max_tokens."""
     body = _object(body)
     model = _model(body, served_model)
+    _no_tool_calling(body)
+    _no_response_format(body)
     messages = _messages(body.get("messages"))
     stream, usage = _stream(body)
     n = _n(body)
