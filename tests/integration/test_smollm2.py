@@ -1,12 +1,15 @@
-"""SmolLM2-135M-Instruct, the demo model, served from its GGUF file: the tokenizer and the greedy answers
-equal transformers' (its own GGUF loader, dequantised to float32), monolithic and through router +
-prefill + decode over Mooncake TCP; and the README's first example answers as the README says.
+"""SmolLM2-135M-Instruct, the demo model: the tokenizer and the greedy answers to eight chat prompts
+equal transformers' (its own GGUF loader, dequantised to float32), monolithic (served from the GGUF file)
+and through router + prefill + decode over Mooncake TCP (what `make serve` runs: the GGUF converted
+once, `disagg serve --local` on the directory); and the README's first example answers as shown.
 
-Slow (real weights on a CPU): marked `real_model`.
+Real weights on a CPU: marked `real_model`. The servers start before transformers loads its copy, so
+the loads overlap, and each server gets the eight prompts at once; about a minute on 2 cores.
 """
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import json
 import re
 import subprocess
@@ -19,11 +22,11 @@ import transformers
 
 from disagg_worker.model.demo import SERVED_NAME, demo_gguf
 from disagg_worker.model.tokenizer import Tokenizer
-from tests.integration.procs import DISAGG, PDStack, Proc, free_port, serve
+from tests.integration.procs import DISAGG, Proc, free_port, serve
 
 pytestmark = [pytest.mark.integration, pytest.mark.real_model]
 ROOT = Path(__file__).resolve().parents[2]
-MAX_NEW = 40
+MAX_NEW = 24
 CHATS = [
     [{"role": "user", "content": "What is the capital of France?"}],
     [{"role": "user", "content": "Name three primary colors."}],
@@ -51,10 +54,37 @@ def gguf() -> Path:
 
 
 @pytest.fixture(scope="module")
-def reference(gguf):
+def started(gguf, tmp_path_factory):
+    """(monolithic on the GGUF file, `make serve`'s P/D stack), started but not yet waited for."""
+    mono = serve(str(gguf), "--max-total-tokens", "4096")
+    model_dir = tmp_path_factory.mktemp("models") / SERVED_NAME
+    procs = [mono]
+    try:
+        subprocess.run([DISAGG, "model", "convert-gguf", "--out", str(model_dir)], check=True, timeout=300)
+        port = free_port()
+        procs.append(Proc(["serve", "--local", "--model", str(model_dir), "--port", str(port)], port))
+        yield mono, procs[1]
+    finally:
+        for p in procs:
+            p.stop()
+
+
+@pytest.fixture(scope="module")
+def reference(gguf, started):
+    """transformers' tokenizer and model; `started` first, so the servers load meanwhile."""
     tok = transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     model = transformers.AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     return tok, model.eval()
+
+
+@pytest.fixture(scope="module")
+def mono(started) -> Proc:
+    return started[0].wait_healthy(timeout=300)
+
+
+@pytest.fixture(scope="module")
+def make_serve(started) -> Proc:
+    return started[1].wait_healthy(timeout=300)
 
 
 @pytest.fixture(scope="module")
@@ -86,6 +116,12 @@ def greedy(url: str, ids: list[int]) -> list[int]:
     return r.json()["output_ids"]
 
 
+def greedy_all(url: str, prompts: list[list[int]]) -> list[list[int]]:
+    """All prompts at once, so the server batches them."""
+    with cf.ThreadPoolExecutor(len(prompts)) as pool:
+        return list(pool.map(lambda ids: greedy(url, ids), prompts))
+
+
 def without_eos(ids: list[int], eos: tuple[int, ...]) -> list[int]:
     return ids[:-1] if ids and ids[-1] in eos else ids
 
@@ -108,41 +144,32 @@ def test_tokenizer_matches_transformers(ours, reference):
 
 
 @pytest.fixture(scope="module")
-def mono(gguf):
-    p = serve(str(gguf), "--max-total-tokens", "4096").wait_healthy(timeout=300)
-    yield p
-    p.stop()
+def expected(ours, reference) -> list[list[int]]:
+    """transformers' greedy answer to each chat prompt, one prompt at a time, without the final EOS."""
+    eos = ours.eos_token_ids
+    return [without_eos(reference_greedy(reference[1], prompt_ids(ours, chat), eos), eos) for chat in CHATS]
 
 
-@pytest.fixture(scope="module")
-def stack(gguf):
-    s = PDStack(str(gguf), "--max-total-tokens", "4096")
-    for p in (s.prefill, s.decode, s.router):
-        p.wait_healthy(timeout=300)
-    yield s
-    s.stop()
-
-
-def test_greedy_answers_equal_transformers_monolithic_and_pd(ours, reference, mono, stack):
-    hf_tok, model = reference
+def test_greedy_answers_equal_transformers_monolithic_and_pd(ours, reference, expected, mono, make_serve):
     eos = ours.eos_token_ids
     prompts = [prompt_ids(ours, chat) for chat in CHATS]
-    expected = [without_eos(reference_greedy(model, ids, eos), eos) for ids in prompts]
-    for name, url in (("monolithic", mono.url), ("P/D", stack.router.url)):
-        got = [without_eos(greedy(url, ids), eos) for ids in prompts]
-        assert got == expected, name
-    first = hf_tok.decode(expected[0], skip_special_tokens=True)
+    for name, url in (("monolithic", mono.url), ("P/D", make_serve.url)):
+        assert [without_eos(ids, eos) for ids in greedy_all(url, prompts)] == expected, name
+    first = reference[0].decode(expected[0], skip_special_tokens=True)
     assert "Paris" in first, first
 
 
-def test_chat_text_through_the_router_equals_transformers(ours, reference, stack):
-    hf_tok, model = reference
-    for chat in CHATS[:3]:
-        body = {"messages": chat, "max_tokens": MAX_NEW, "temperature": 0}
-        r = requests.post(f"{stack.router.url}/v1/chat/completions", json=body, timeout=300)
-        assert r.status_code == 200, r.text
-        expected = reference_greedy(model, prompt_ids(ours, chat), ours.eos_token_ids)
-        assert r.json()["choices"][0]["message"]["content"] == hf_tok.decode(expected, skip_special_tokens=True)
+def chat_text(url: str, chat: list[dict]) -> str:
+    body = {"messages": chat, "max_tokens": MAX_NEW, "temperature": 0}
+    r = requests.post(f"{url}/v1/chat/completions", json=body, timeout=300)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["message"]["content"]
+
+
+def test_chat_text_through_the_router_equals_transformers(reference, expected, make_serve):
+    with cf.ThreadPoolExecutor(len(CHATS)) as pool:
+        texts = list(pool.map(lambda chat: chat_text(make_serve.url, chat), CHATS))
+    assert texts == [reference[0].decode(ids, skip_special_tokens=True) for ids in expected]
 
 
 def readme_first_example() -> tuple[str, dict]:
@@ -151,17 +178,6 @@ def readme_first_example() -> tuple[str, dict]:
     match = re.search(r"```bash\n(curl .*?)```.*?```json\n(.*?)```", text, re.S)
     assert match, "the README shows no curl example followed by its response"
     return match.group(1), json.loads(match.group(2))
-
-
-@pytest.fixture(scope="module")
-def make_serve(gguf, tmp_path_factory):
-    """What `make serve` runs: convert the demo GGUF once, then router + prefill + decode on the directory."""
-    model_dir = tmp_path_factory.mktemp("models") / SERVED_NAME
-    subprocess.run([DISAGG, "model", "convert-gguf", "--out", str(model_dir)], check=True, timeout=300)
-    port = free_port()
-    p = Proc(["serve", "--local", "--model", str(model_dir), "--port", str(port)], port).wait_healthy(timeout=300)
-    yield p
-    p.stop()
 
 
 def test_readme_first_example_answers_as_shown(make_serve):
