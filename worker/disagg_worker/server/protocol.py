@@ -327,7 +327,8 @@ def _no_tool_calling(body: dict) -> None:
     for key in ("tool_choice", "function_call"):
         if body.get(key) not in (None, "none", "auto"):
             raise bad_request(f'{key}: tool calling is not supported by this server; only "none" is accepted', key)
-    for i, m in enumerate(body.get("messages") or []):
+    messages = body.get("messages")
+    for i, m in enumerate(messages if isinstance(messages, list) else []):
         if isinstance(m, dict) and m.get("tool_calls") not in (None, []):
             param = f"messages[{i}].tool_calls"
             raise bad_request(f"{param}: tool calling is not supported by this server", param)
