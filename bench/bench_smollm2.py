@@ -16,7 +16,7 @@ prompts, weights and torch thread count, in one run on one machine.
 The figure is output tokens per second over the whole load (prefill included) and the ratio of ours to
 each baseline. Rounds alternate between the three (`--rounds`, default 2; medians; the latency
 percentiles are those of our median round). `--dtype bfloat16` runs all in bfloat16. Run:
-`.venv/bin/python bench/bench_smollm2.py` (about 5 minutes on a 2-core machine). Writes
+`.venv/bin/python bench/bench_smollm2.py` (about 4 minutes on a 2-core machine). Writes
 `bench/results/smollm2.json` and `bench/results/smollm2.png`.
 """
 
