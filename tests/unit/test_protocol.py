@@ -303,14 +303,18 @@ UNSUPPORTED_CHATS = [
         "messages[1].tool_calls",
         "tool calling is not supported",
     ),
-    ({"messages": USER, "response_format": {"type": "json_object"}}, "response_format", 'type "json_object"'),
-    ({"messages": USER, "response_format": {"type": "json_schema"}}, "response_format", 'type "json_schema"'),
+    ({"messages": USER, "response_format": {"type": "yaml"}}, "response_format", 'type "yaml" is not supported'),
     ({"messages": USER, "response_format": "json"}, "response_format", "not supported"),
+    (
+        {"messages": USER, "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+        "response_format.json_schema.schema",
+        "must be a JSON schema",
+    ),
 ]
 
 
 @pytest.mark.parametrize("body, param, says", UNSUPPORTED_CHATS)
-def test_tools_and_structured_output_are_refused_not_ignored(body, param, says):
+def test_tools_and_unknown_response_formats_are_refused_not_ignored(body, param, says):
     e = error(chat, body)
     assert (e.status, e.param) == (400, param)
     assert says in e.message
@@ -319,7 +323,16 @@ def test_tools_and_structured_output_are_refused_not_ignored(body, param, says):
 def test_chat_without_tools_or_with_text_format_is_accepted():
     for extra in ({"tools": []}, {"tools": None, "tool_choice": "none"}, {"tool_choice": "auto"}):
         assert chat({"messages": USER, **extra}).messages == USER
-    assert chat({"messages": USER, "response_format": {"type": "text"}}).messages == USER
+    assert chat({"messages": USER, "response_format": {"type": "text"}}).sampling.response_format is None
+
+
+def test_response_format_becomes_a_canonical_sampling_param():
+    schema = {"type": "object", "required": ["a"], "properties": {"a": {"type": "integer"}}}
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}
+    got = chat({"messages": USER, "response_format": fmt}).sampling.response_format
+    assert json.loads(got) == {"type": "json_schema", "schema": schema}
+    got = chat({"messages": USER, "response_format": {"type": "json_object"}}).sampling.response_format
+    assert json.loads(got) == {"type": "json_object"}
 
 
 BAD_GENERATES = [

@@ -25,6 +25,7 @@ from disagg_worker.config import EngineConfig, Role
 from disagg_worker.disagg import KVManager
 from disagg_worker.engine.batch import ScheduledBatch, StepResult
 from disagg_worker.engine.dist import Comm
+from disagg_worker.engine.grammar import Grammars
 from disagg_worker.engine.outbox import Outbox
 from disagg_worker.engine.ranked_kv import RankedKV, RankTransfer
 from disagg_worker.engine.ranks import Launched, RankGroup, StageWork
@@ -82,6 +83,7 @@ class Engine:
         self.stage = build_stage(cfg, kv, self.scheduler, self.allocator, self.outbox)
         self.limits = RequestLimits(self.max_context_len, model_cfg.vocab_size, cache.capacity_tokens)
         self.eos_ids = frozenset(model_cfg.eos_token_ids)
+        self.grammars = Grammars(cfg.model_path, model_cfg.vocab_size, sorted(self.eos_ids))
 
     @classmethod
     def from_config(cls, cfg: EngineConfig, comm: Comm | None = None) -> Engine:
@@ -103,14 +105,21 @@ class Engine:
             log.warning("ignoring unexpected message %s", type(m).__name__)
 
     def arrive(self, m: msg.GenerateReq) -> None:
+        problem = self.limits.kv_problem(len(m.input_ids))  # it would wait for pages forever
+        matcher = None
+        if not problem and m.params.response_format is not None:
+            try:
+                matcher = self.grammars.matcher(m.params.response_format)
+            except ValueError as e:
+                problem = str(e)
         req = Req(
             rid=m.rid,
             prompt_ids=list(m.input_ids),
             params=m.params,
             eos_ids=self.eos_ids,
             max_context_len=self.max_context_len,
+            matcher=matcher,
         )
-        problem = self.limits.kv_problem(len(req.prompt_ids))  # it would wait for pages forever
         if problem:
             self.outbox.reject(req, 400, problem)
         elif self.stage is not None:

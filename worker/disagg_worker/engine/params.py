@@ -53,6 +53,9 @@ class SamplingParams:
     # None: no logprobs; 0: the chosen token's; N: plus the top-N alternatives.
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    # Structured output (`engine/grammar.py`): {"type": "json_object"} or {"type": "json_schema",
+    # "schema": {...}} as a JSON string; None: free text.
+    response_format: str | None = None
 
     @property
     def is_greedy(self) -> bool:
@@ -121,6 +124,10 @@ def _check_stop(v: object) -> str | None:
     return None
 
 
+def _check_response_format(v: object) -> str | None:
+    return None if v is None or isinstance(v, str) else f"must be a JSON string or None, got {_fmt(v)}"
+
+
 def _check_stop_ids(v: object) -> str | None:
     if not isinstance(v, tuple) or not all(_is_int(t) and 0 <= t < 2**31 for t in v):
         return "must be a tuple of non-negative token ids"
@@ -149,6 +156,7 @@ _CHECKS = {
     "min_new_tokens": _int_range(0, None),
     "logprobs": _int_range(0, MAX_LOGPROBS, optional=True),
     "skip_special_tokens": _check_bool,
+    "response_format": _check_response_format,
 }
 
 

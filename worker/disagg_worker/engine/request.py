@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Any
 
 from disagg_worker.engine.sampling import SamplingParams, SamplingState
 from disagg_worker.mem.radix import Node
@@ -25,6 +26,8 @@ class Req:
     eos_ids: frozenset[int] = frozenset()
     max_context_len: int = 1 << 30
     arrival: float = field(default_factory=time.monotonic)
+    # The grammar of a request with a response_format (`engine/grammar.py`); the sampling state uses it.
+    matcher: Any = field(default=None, repr=False)
 
     # The output tokens, in one list: `append_token` is the only writer (the sampler reads it too).
     output_ids: list[int] = field(default_factory=list)
@@ -48,6 +51,7 @@ class Req:
 
     def __post_init__(self) -> None:
         self.sampling = SamplingState.create(self.params, self.prompt_ids, self.output_ids)
+        self.sampling.matcher = self.matcher
 
     @property
     def fill_ids(self) -> list[int]:

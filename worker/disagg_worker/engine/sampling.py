@@ -22,9 +22,11 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
+from disagg_worker.engine.grammar import accept_rows, mask_rows
 from disagg_worker.engine.params import (  # noqa: F401 - re-exported for the engine
     GREEDY_EPS,
     MAX_LOGPROBS,
@@ -52,6 +54,8 @@ class SamplingState:
     # whose first token prefill sampled): the sampler makes and discards as many before its next draw,
     # so a seeded request samples the same tokens through prefill + decode as on one instance.
     draws_elsewhere: int = 0
+    # The request's grammar (an xgrammar GrammarMatcher) when it asked for structured output.
+    matcher: Any = None
     # Prompt ids as a tensor, built on first use by the repetition penalty (prompts never change).
     _prompt_tensor: torch.Tensor | None = field(default=None, init=False, repr=False)
 
@@ -69,6 +73,13 @@ class SamplingState:
             gen.manual_seed(params.seed % 2**64)
         outputs = [] if output_ids is None else output_ids
         return cls(params=params, prompt_ids=list(prompt_ids), output_ids=outputs, generator=gen)
+
+    def resume_after(self, first_token: int) -> None:
+        """Go on with a request whose first token another instance sampled (decode after prefill): skip
+        that instance's draw, and move the grammar past the token."""
+        self.draws_elsewhere = 1
+        if self.matcher is not None:
+            accept_rows([self.matcher], [first_token])
 
     def prompt_tensor(self, device: torch.device) -> torch.Tensor:
         if self._prompt_tensor is None or self._prompt_tensor.device != device:
@@ -217,7 +228,8 @@ class Sampler:
         if logits.shape[0] != len(reqs):
             raise ValueError(f"{logits.shape[0]} logits rows for {len(reqs)} requests")
         raw = logits[:, : self.vocab_size].float()
-        processed = apply_penalties(raw, reqs, outputs)
+        matchers = [r.matcher for r in reqs]
+        processed = mask_rows(apply_penalties(raw, reqs, outputs), matchers)
         tokens = processed.argmax(dim=-1)
         rows = [i for i, r in enumerate(reqs) if not r.params.is_greedy]
         if rows:
@@ -225,6 +237,7 @@ class Sampler:
             idx = torch.tensor(rows, device=raw.device)
             tokens[idx] = self._draw(processed[idx] / _column(sub, "temperature", raw.device), sub)
         token_ids = tokens.tolist()
+        accept_rows(matchers, token_ids)
         logprobs, top = self._logprobs(raw, tokens, reqs)
         return SampleOutput(token_ids=token_ids, logprobs=logprobs, top_logprobs=top)
 

@@ -97,7 +97,7 @@ class Scheduler:
     def add_running(self, req: Req, pages: list[int], first_token: int, logprob: float | None) -> None:
         """Start decoding a request whose prompt KV is already in `pages` (decode after a transfer)."""
         req.pages, req.num_computed = pages, len(req.prompt_ids)
-        req.sampling.draws_elsewhere = 1  # prefill drew the first token (if the request samples)
+        req.sampling.resume_after(first_token)  # prefill sampled it (its draw, its grammar step)
         self.by_rid[req.rid] = req
         self.running.append(req)
         self._accept(Sampled(req, first_token, logprob, None))

@@ -334,14 +334,28 @@ def _no_tool_calling(body: dict) -> None:
             raise bad_request(f"{param}: tool calling is not supported by this server", param)
 
 
-def _no_response_format(body: dict) -> None:
-    """Structured output is not enforced: a response_format other than text is a 400, not ignored."""
+def _response_format(body: dict) -> str | None:
+    """OpenAI's response_format as `SamplingParams.response_format` (`engine/grammar.py`): None for text,
+    else a canonical JSON string; the schema itself is compiled (and refused) by the scheduler."""
     fmt = body.get("response_format")
-    if fmt is None or (isinstance(fmt, dict) and fmt.get("type") == "text"):
-        return
+    if fmt is None:
+        return None
     kind = fmt.get("type") if isinstance(fmt, dict) else None
-    what = f"type {_show(kind)}" if kind is not None else 'a value other than {"type": "text"}'
-    raise bad_request(f"response_format: {what} is not supported by this server; only text", "response_format")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return json.dumps({"type": "json_object"})
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            param = "response_format.json_schema.schema"
+            raise bad_request(f"{param}: must be a JSON schema (an object)", param)
+        return json.dumps({"type": "json_schema", "schema": schema}, sort_keys=True)
+    what = f"type {_show(kind)}" if kind is not None else "a value without a type"
+    raise bad_request(
+        f"response_format: {what} is not supported; use text, json_object or json_schema", "response_format"
+    )
 
 
 def parse_chat(body: Any, served_model: str, limits: RequestLimits) -> ChatRequest:
@@ -349,13 +363,13 @@ def parse_chat(body: Any, served_model: str, limits: RequestLimits) -> ChatReque
     body = _object(body)
     model = _model(body, served_model)
     _no_tool_calling(body)
-    _no_response_format(body)
+    response_format = _response_format(body)
     messages = _messages(body.get("messages"))
     stream, usage = _stream(body)
     n = _n(body)
     key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     max_new, explicit = _max_tokens(body, key, DEFAULT_CHAT_MAX_TOKENS, limits)
-    extra = {"max_new_tokens": max_new, "logprobs": _chat_logprobs(body)}
+    extra = {"max_new_tokens": max_new, "logprobs": _chat_logprobs(body), "response_format": response_format}
     names = {"max_new_tokens": key, "logprobs": "top_logprobs"}
     sampling = _sampling(body, extra, names, limits)
     add_gen = _opt(body, "add_generation_prompt", _bool, True)

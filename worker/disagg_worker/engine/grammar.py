@@ -1,0 +1,112 @@
+"""Structured output: a chat request's `response_format` (any JSON object, or JSON that follows a
+schema) enforced token by token with xgrammar.
+
+The HTTP process turns `response_format` into `SamplingParams.response_format`, a canonical JSON
+string (`{"type": "json_object"}` or `{"type": "json_schema", "schema": {...}}`). In the scheduler
+process `Grammars.matcher` compiles it (once per distinct string; JSON without optional whitespace,
+so a small model cannot loop on blanks) into a matcher the request's `SamplingState` owns. Each step
+the sampler masks the logits of rows with a matcher to the tokens the grammar allows (`mask_rows`)
+and feeds it the chosen token (`accept_rows`); the grammar allows end-of-sequence only where the JSON
+is complete, so the request stops there. Under P/D prefill samples the first token under the mask and
+decode's matcher accepts that token (`SamplingState.resume_after`) before its own steps.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from functools import cache
+from typing import Any
+
+import torch
+
+
+class Grammars:
+    """Compiles response formats for one model's tokenizer; the tokenizer is read on first use."""
+
+    def __init__(self, model_path: str, vocab_size: int, stop_ids: Sequence[int]):
+        self.model_path, self.vocab_size, self.stop_ids = model_path, vocab_size, list(stop_ids)
+        self._compiled: dict[str, Any] = {}
+        self._compiler: Any = None
+
+    def matcher(self, response_format: str) -> Any:
+        """A fresh `xgrammar.GrammarMatcher` for `response_format`; ValueError if its schema does not compile."""
+        import xgrammar as xgr
+
+        grammar = self._compiled.get(response_format)
+        if grammar is None:
+            fmt = json.loads(response_format)
+            try:
+                schema = fmt["schema"] if fmt["type"] == "json_schema" else {"type": "object"}
+                grammar = self.compiler().compile_json_schema(json.dumps(schema), any_whitespace=False)
+            except (RuntimeError, ValueError) as e:
+                raise ValueError(f"response_format: the JSON schema cannot be used: {str(e)[:300]}") from None
+            self._compiled[response_format] = grammar
+        return xgr.GrammarMatcher(grammar)
+
+    def compiler(self) -> Any:
+        if self._compiler is None:
+            import xgrammar as xgr
+
+            from disagg_worker.model.tokenizer import Tokenizer
+
+            tok = Tokenizer.from_path(self.model_path).tok
+            vocab = [""] * self.vocab_size  # ids past the tokenizer's (padding rows) are never allowed
+            for piece, i in tok.get_vocab(with_added_tokens=True).items():
+                if i < self.vocab_size:
+                    vocab[i] = piece
+            kind, prefix_space = vocab_type(json.loads(tok.to_str()))
+            info = xgr.TokenizerInfo(
+                vocab,
+                getattr(xgr.VocabType, kind),
+                vocab_size=self.vocab_size,
+                stop_token_ids=self.stop_ids,
+                add_prefix_space=prefix_space,
+            )
+            self._compiler = xgr.GrammarCompiler(info)
+        return self._compiler
+
+
+def vocab_type(tokenizer_json: dict) -> tuple[str, bool]:
+    """How a `tokenizers` vocabulary spells bytes, as xgrammar's VocabType name, and whether encoding
+    adds a leading space: byte-level BPE (GPT-2 style), SentencePiece with byte fallback, or raw."""
+    decoder = tokenizer_json.get("decoder") or {}
+    kinds = {d.get("type") for d in decoder.get("decoders") or [decoder]}
+    if "ByteLevel" in kinds:
+        return "BYTE_LEVEL", False
+    if "ByteFallback" in kinds:
+        return "BYTE_FALLBACK", True
+    return "RAW", False
+
+
+def mask_rows(logits: torch.Tensor, matchers: Sequence[Any]) -> torch.Tensor:
+    """`logits` [B, vocab] with every token the row's matcher forbids at -inf (a copy; rows without a
+    matcher, or whose grammar already ended, are unchanged)."""
+    rows = [i for i, m in enumerate(matchers) if m is not None and not m.is_terminated()]
+    if not rows:
+        return logits
+    import xgrammar as xgr
+
+    out = logits.float().contiguous().clone()
+    bitmask = _bitmask(len(matchers), out.shape[1])
+    for i in rows:
+        matchers[i].fill_next_token_bitmask(bitmask, i)
+    xgr.apply_token_bitmask_inplace(out, bitmask, indices=rows)
+    return out
+
+
+def accept_rows(matchers: Sequence[Any], tokens: Sequence[int]) -> None:
+    for m, t in zip(matchers, tokens, strict=True):
+        if m is not None and not m.is_terminated():
+            m.accept_token(t)
+
+
+@cache
+def _bitmask_template(batch: int, vocab: int) -> torch.Tensor:
+    import xgrammar as xgr
+
+    return xgr.allocate_token_bitmask(batch, vocab)
+
+
+def _bitmask(batch: int, vocab: int) -> torch.Tensor:
+    return _bitmask_template(batch, vocab).fill_(-1)  # all allowed until a matcher fills its row
