@@ -172,6 +172,21 @@ def test_chat_text_through_the_router_equals_transformers(reference, expected, m
     assert texts == [reference[0].decode(ids, skip_special_tokens=True) for ids in expected]
 
 
+def test_a_json_schema_answer_through_the_router(make_serve):
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    body = {
+        "messages": [{"role": "user", "content": "What is the capital of France? Answer in JSON with a key city."}],
+        "max_tokens": MAX_NEW,
+        "temperature": 0,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}},
+    }
+    r = requests.post(f"{make_serve.url}/v1/chat/completions", json=body, timeout=300)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "stop"
+    assert json.loads(choice["message"]["content"]) == {"city": "Paris"}
+
+
 def readme_first_example() -> tuple[str, dict]:
     """The README's first curl command and the response it shows (the JSON block right after it)."""
     text = (ROOT / "README.md").read_text()

@@ -3,7 +3,7 @@ schema) enforced token by token with xgrammar.
 
 The HTTP process turns `response_format` into `SamplingParams.response_format`, a canonical JSON
 string (`{"type": "json_object"}` or `{"type": "json_schema", "schema": {...}}`). In the scheduler
-process `Grammars.matcher` compiles it (once per distinct string; JSON without optional whitespace,
+process `Grammars.matcher` compiles it (once per distinct string; JSON with fixed separators, no free whitespace,
 so a small model cannot loop on blanks) into a matcher the request's `SamplingState` owns. Each step
 the sampler masks the logits of rows with a matcher to the tokens the grammar allows (`mask_rows`)
 and feeds it the chosen token (`accept_rows`); the grammar allows end-of-sequence only where the JSON
