@@ -21,6 +21,7 @@ from typing import Any
 
 from disagg_worker.engine.params import SamplingParams
 from disagg_worker.limits import MAX_TOKEN_ID, RequestLimits
+from disagg_worker.server.chat_fields import no_tool_calling, parse_response_format
 from disagg_worker.server.errors import bad_request, model_not_found
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16
@@ -316,54 +317,12 @@ def _chat_logprobs(body: dict) -> int | None:
     return (top or 0) if want else None
 
 
-def _no_tool_calling(body: dict) -> None:
-    """Tools are not parsed or offered to the model: a request that relies on them is a 400, never an
-    answer that silently ignored them. No tools (absent, null or []) with tool_choice "none" or "auto" is fine."""
-    for key in ("tools", "functions"):
-        if body.get(key) not in (None, []):
-            raise bad_request(
-                f"{key}: tool calling is not supported by this server; send the request without {key}", key
-            )
-    for key in ("tool_choice", "function_call"):
-        if body.get(key) not in (None, "none", "auto"):
-            raise bad_request(f'{key}: tool calling is not supported by this server; only "none" is accepted', key)
-    messages = body.get("messages")
-    for i, m in enumerate(messages if isinstance(messages, list) else []):
-        if isinstance(m, dict) and m.get("tool_calls") not in (None, []):
-            param = f"messages[{i}].tool_calls"
-            raise bad_request(f"{param}: tool calling is not supported by this server", param)
-
-
-def _response_format(body: dict) -> str | None:
-    """OpenAI's response_format as `SamplingParams.response_format` (`engine/grammar.py`): None for text,
-    else a canonical JSON string; the schema itself is compiled (and refused) by the scheduler."""
-    fmt = body.get("response_format")
-    if fmt is None:
-        return None
-    kind = fmt.get("type") if isinstance(fmt, dict) else None
-    if kind == "text":
-        return None
-    if kind == "json_object":
-        return json.dumps({"type": "json_object"})
-    if kind == "json_schema":
-        spec = fmt.get("json_schema")
-        schema = spec.get("schema") if isinstance(spec, dict) else None
-        if not isinstance(schema, dict):
-            param = "response_format.json_schema.schema"
-            raise bad_request(f"{param}: must be a JSON schema (an object)", param)
-        return json.dumps({"type": "json_schema", "schema": schema}, sort_keys=True)
-    what = f"type {_show(kind)}" if kind is not None else "a value without a type"
-    raise bad_request(
-        f"response_format: {what} is not supported; use text, json_object or json_schema", "response_format"
-    )
-
-
 def parse_chat(body: Any, served_model: str, limits: RequestLimits) -> ChatRequest:
     """POST /v1/chat/completions. max_completion_tokens wins over the older max_tokens."""
     body = _object(body)
     model = _model(body, served_model)
-    _no_tool_calling(body)
-    response_format = _response_format(body)
+    no_tool_calling(body)
+    response_format = parse_response_format(body)
     messages = _messages(body.get("messages"))
     stream, usage = _stream(body)
     n = _n(body)
