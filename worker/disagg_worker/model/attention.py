@@ -52,8 +52,8 @@ class AttentionPlan:
             return cls(batch.out_slots, index, mask[:, None, None, :], ())
         spans, start = [], 0
         for n, seq_len, slots in zip(batch.extend_lens, batch.seq_lens, batch.kv_slots, strict=True):
-            mask = None if n == seq_len else _offset_causal_mask(n, seq_len, device)
-            spans.append(Span(start, n, slots, mask))
+            causal = None if n == seq_len else _offset_causal_mask(n, seq_len, device)
+            spans.append(Span(start, n, slots, causal))
             start += n
         return cls(batch.out_slots, None, None, tuple(spans))
 

@@ -39,8 +39,9 @@ class Tokenizer:
         tcfg = _read_json(path / "tokenizer_config.json")
         bos, eos = _token_text(tcfg.get("bos_token")), _token_text(tcfg.get("eos_token"))
         eos_ids = [i for name in ("config.json", "generation_config.json") for i in _eos_ids(path / name)]
-        if eos is not None and tok.token_to_id(eos) is not None:
-            eos_ids.append(tok.token_to_id(eos))
+        eos_id = tok.token_to_id(eos) if eos is not None else None
+        if eos_id is not None:
+            eos_ids.append(eos_id)
         template = _template_source(path, tcfg)
         return cls(
             tok=tok,
