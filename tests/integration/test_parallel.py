@@ -147,9 +147,9 @@ def test_a_mismatched_pair_is_never_served_and_the_router_says_why(tiny_model, m
             message = r.json()["error"]["message"]
             return message if all(w in message for w in words) else None
 
-        start = time.monotonic()
         message = wait_until(refusal, timeout=30, interval=0.2, what="the router naming the mismatch")
-        assert time.monotonic() - start < 15, f"the refusal took {time.monotonic() - healthy_at:.1f}s: {message}"
+        elapsed = time.monotonic() - healthy_at
+        assert elapsed < 5, f"the refusal came {elapsed:.1f}s after both sides were healthy: {message}"
         health = requests.get(f"{stack.router.url}/health", timeout=5)
         assert health.status_code == 503 and not health.json()["pairs"][0]["verified"], health.text
         assert all(w in health.json()["pairs"][0]["error"] for w in words), health.text

@@ -163,8 +163,15 @@ class PairVerifier:
             **self.auth.target(p.host, p.bootstrap_port, secrets.randbits(63)),
             "stream": False,
         }
-        results = await asyncio.gather(self._post(session, p, body), self._post(session, d, body))
-        (p_status, p_answer), (d_status, d_answer) = results
+        to_p = asyncio.create_task(self._post(session, p, body))
+        to_d = asyncio.create_task(self._post(session, d, body))
+        await asyncio.wait((to_p, to_d), return_when=asyncio.FIRST_COMPLETED)
+        if to_d.done() and to_d.result()[0] != 200 and not to_p.done():
+            # Decode refused (a handshake mismatch, say): prefill would only wait out its bootstrap timeout.
+            to_p.cancel()
+            await asyncio.gather(to_p, return_exceptions=True)
+            return stable(f"decode {to_d.result()[1]}")
+        (p_status, p_answer), (d_status, d_answer) = await asyncio.gather(to_p, to_d)
         # Decode meets a handshake refusal first-hand; prefill's failure is then its consequence (a
         # bootstrap timeout), unless prefill refused the request itself.
         if 400 <= p_status < 500:
@@ -173,7 +180,7 @@ class PairVerifier:
             return stable(f"decode {d_answer}")
         if p_status != 200:
             return stable(f"prefill {p_answer}")
-        if not results[1][1]:
+        if not d_answer:
             return "decode answered without a token"
         return ""
 
