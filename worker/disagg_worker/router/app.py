@@ -162,7 +162,7 @@ class Router:
         if self.cut_reason:
             raise unavailable(self.cut_reason)
         if last is None:
-            raise unavailable(self.no_pair())
+            raise unavailable(self.no_pair(), retry_after=RETRY_AFTER_S)
         raise last.error()
 
     def no_pair(self) -> str:

@@ -51,6 +51,15 @@ def stable(text: str, limit: int = 300) -> str:
     return re.sub(r"\d{5,}", "N", " ".join(text.split()))[:limit]
 
 
+def _why(p: Worker, d: Worker, state: PairState) -> str:
+    """Why a pair does not carry requests: a side that is down or draining, else its last verification."""
+    for w in (p, d):
+        if not w.healthy:
+            status = w.report.get("status")
+            return f"{w.role} {w.name} is {'draining' if status == 'draining' else 'not healthy'}"
+    return state.error
+
+
 def _urls(item: tuple[Worker, Worker, PairState]) -> tuple[str, str]:
     return item[0].url, item[1].url
 
@@ -102,7 +111,7 @@ class PairVerifier:
         failing = sorted(((p, d, s) for (p, d), s in self.states.items() if not self.usable(p, d)), key=_urls)
         if not failing:
             return "no prefill and decode instance of one revision has been seen healthy"
-        named = [f"{p.name} -> {d.name}: {s.error or 'a side is not healthy'}" for p, d, s in failing[:3]]
+        named = [f"{p.name} -> {d.name}: {_why(p, d, s)}" for p, d, s in failing[:3]]
         return "; ".join(named) + (f"; and {len(failing) - 3} more" if len(failing) > 3 else "")
 
     def pick_pair(self, exclude: frozenset[Worker] | set[Worker] = frozenset()) -> Pair | None:
