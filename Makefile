@@ -66,7 +66,8 @@ lint: venv
 	$(VENV)/bin/ruff format --check worker operator tests bench
 	$(VENV)/bin/mypy
 
-test: venv
+# Lint first: a tree that does not pass it is not tested.
+test: lint
 	$(VENV)/bin/pytest $(PYTEST_ARGS) tests
 
 test-fast: venv

@@ -17,6 +17,8 @@ from .schema import free_obj, integer, obj, rule, string
 from .spec import DEFAULT_DRAIN_TIMEOUT, DEFAULT_ENGINE, DEFAULT_PROGRESS_DEADLINE, ORDERS
 
 DTYPES = ["float32", "bfloat16", "float16"]
+# The ranks of one instance are processes of one pod, so they share a node; a node has at most this many GPUs.
+MAX_RANKS_PER_INSTANCE = 8
 
 
 def _engine_props(with_defaults: bool) -> dict:
@@ -43,7 +45,12 @@ def _placement_props() -> dict:
             {
                 "requests": quantities,
                 "limits": quantities,
-                "gpus": integer(0, 0, "GPUs per pod (0 runs on CPU); must equal tpSize * ppSize when set."),
+                "gpus": integer(
+                    0,
+                    0,
+                    "GPUs per pod: 0 runs the ranks on the CPU; otherwise tpSize * ppSize, one per rank, "
+                    "and the ranks run on CUDA (`--device cuda`).",
+                ),
                 "rdma": integer(1, 0, "RDMA devices per pod, requested when transfer.protocol is rdma."),
             },
             "Pod resources.",
@@ -61,8 +68,8 @@ def _worker_role(role: str) -> dict:
     return obj(
         {
             "replicas": integer(1, doc=f"Number of {role} pods."),
-            "tpSize": integer(1, 1, "Tensor-parallel size."),
-            "ppSize": integer(1, 1, "Pipeline-parallel size."),
+            "tpSize": integer(1, 1, "Tensor-parallel size: ranks per pipeline stage, one process (and GPU) each."),
+            "ppSize": integer(1, 1, "Pipeline-parallel size: stages; tpSize * ppSize ranks fit one node (<= 8)."),
             "engine": obj(_engine_props(False), f"Engine settings for {role} only, over spec.engine.", default={}),
             **_placement_props(),
         },
@@ -131,6 +138,15 @@ SPEC_RULES = (
             "spec",
             f"self.{r}.resources.gpus == 0 || self.{r}.resources.gpus == self.{r}.tpSize * self.{r}.ppSize",
             f"{r}.resources.gpus must be 0 (CPU) or {r}.tpSize * {r}.ppSize (one GPU per rank)",
+        )
+        for r in names.WORKER_ROLES
+    ]
+    + [
+        (
+            "spec",
+            f"self.{r}.tpSize * self.{r}.ppSize <= {MAX_RANKS_PER_INSTANCE}",
+            f"{r}.tpSize * {r}.ppSize must be at most {MAX_RANKS_PER_INSTANCE}: the ranks of a {r} instance run "
+            "in one pod, so they must fit one node (instances span one node until multi-node instances exist)",
         )
         for r in names.WORKER_ROLES
     ]

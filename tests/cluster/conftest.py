@@ -152,6 +152,14 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 
 
 @pytest.fixture(scope="session")
+def k8s_bin_dir() -> Path:
+    """The directory of the binaries built for this tier (kubectl, helm, ...), for tests that need no cluster."""
+    if _BUILD_ERRORS:
+        pytest.fail(_BUILD_ERRORS[0], pytrace=False)
+    return Path(_script("build.sh", env=dict(os.environ)))
+
+
+@pytest.fixture(scope="session")
 def kube_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KubeCluster]:
     if _BUILD_ERRORS:
         pytest.fail(_BUILD_ERRORS[0], pytrace=False)

@@ -43,6 +43,12 @@ VIOLATIONS = [
     ("kv dtype", tiny(prefill__engine={"kvDtype": "bfloat16"}), "engine.kvDtype"),
     ("prefill gpus", tiny(prefill__tpSize=2, prefill__resources={"gpus": 3}), "self.prefill.resources.gpus"),
     ("decode gpus", tiny(decode__resources={"gpus": 2}), "self.decode.resources.gpus"),
+    (
+        "prefill ranks beyond one node",
+        tiny(prefill__tpSize=4, prefill__ppSize=4, decode__ppSize=4, decode__tpSize=2),
+        "self.prefill.tpSize * self.prefill.ppSize <=",
+    ),
+    ("decode ranks beyond one node", tiny(decode__tpSize=16), "self.decode.tpSize * self.decode.ppSize <="),
     ("rdma needs mooncake", tiny(transfer={"backend": "fake", "protocol": "rdma"}), "protocol != 'rdma'"),
     (
         "ib device needs rdma",
@@ -107,6 +113,18 @@ def test_immutable_fields_cannot_change(kube_cluster, crd_installed, namespace, 
     changed["spec"][field] = value
     proc = apply_cr(kube_cluster, namespace, changed, check=False)
     assert proc.returncode != 0 and fragment in proc.stderr
+
+
+def test_eight_ranks_on_eight_gpus_fit_one_node_and_sixteen_do_not(kube_cluster, crd_installed, namespace):
+    def ranks(tp: int, pp: int) -> dict:
+        return {"tpSize": tp, "ppSize": pp, "resources": {"gpus": tp * pp}}
+
+    too_many = tiny(prefill=ranks(4, 2), decode=ranks(8, 2))
+    proc = apply_cr(kube_cluster, namespace, too_many, check=False)
+    assert proc.returncode != 0
+    assert message_of("self.decode.tpSize * self.decode.ppSize <=") in proc.stderr
+    assert message_of("self.prefill.tpSize * self.prefill.ppSize <=") not in proc.stderr
+    apply_cr(kube_cluster, namespace, tiny(prefill=ranks(4, 2), decode=ranks(8, 1)))
 
 
 @pytest.mark.parametrize("example", ["dm-cpu-tcp.yaml", "dm-rdma-gpu.yaml"])

@@ -173,9 +173,15 @@ def test_a_child_deleted_by_hand_is_recreated(kube_cluster, operator, namespace)
 
 
 def test_killed_mid_reconcile_the_operator_converges_after_restart(kube_cluster, operator, namespace):
+    """The API server takes three of the children, then the operator dies with the next one's write in flight."""
+    kinds = frozenset(CHILD_KINDS.split(","))
+    operator.proxy.hold_writes(kinds, after=3)
     kube_cluster.kubectl("-n", namespace, "apply", "-f", "examples/dm-cpu-tcp.yaml")
-    time.sleep(0.3)
+    wait_until(lambda: operator.proxy.held() > 3, 60, what="a child's write held")
     operator.kill()
+    operator.proxy.drop_held()
+    made = children(kube_cluster, namespace, "tiny")
+    assert 1 <= len(made) <= 3, [c["metadata"]["name"] for c in made]  # the reconcile was cut short
     kube_cluster.kubectl(
         "-n", namespace, "patch", "dm", "tiny", "--type=merge", "-p", '{"spec":{"prefill":{"replicas":2}}}'
     )

@@ -68,6 +68,11 @@ class CountingProxy:
         self._lock = threading.Lock()
         self._loop = asyncio.new_event_loop()
         self._ready = threading.Event()
+        # Writes to these resources beyond the first `_hold_after` wait (`hold_child_writes`).
+        self._hold_kinds: frozenset[str] = frozenset()
+        self._hold_after = 0
+        self._held = 0
+        self._release: asyncio.Event | None = None
         threading.Thread(target=self._serve, daemon=True).start()
         self._ready.wait(10)
 
@@ -78,6 +83,24 @@ class CountingProxy:
     def writes(self) -> int:
         with self._lock:
             return sum(n for (method, _), n in self.calls.items() if method in WRITE_METHODS)
+
+    def hold_writes(self, kinds: frozenset[str], after: int) -> None:
+        """From now on, let `after` writes to `kinds` through, then hold the rest: they wait, unanswered."""
+        with self._lock:
+            self._hold_kinds, self._hold_after, self._held = kinds, after, 0
+        self._release = asyncio.Event()
+
+    def held(self) -> int:
+        """Writes to the held kinds seen since `hold_writes` (let through or waiting)."""
+        with self._lock:
+            return self._held
+
+    def drop_held(self) -> None:
+        """Answer every held write 503 without passing it on, and hold nothing more."""
+        with self._lock:
+            self._hold_kinds = frozenset()
+        if self._release is not None:
+            self._loop.call_soon_threadsafe(self._release.set)
 
     def snapshot(self) -> collections.Counter:
         with self._lock:
@@ -90,6 +113,12 @@ class CountingProxy:
             kind = resource_of(request.path) if request.method in WRITE_METHODS else "read"
             with self._lock:
                 self.calls[(request.method, kind)] += 1
+                hold = kind in self._hold_kinds and self._held >= self._hold_after
+                if kind in self._hold_kinds:
+                    self._held += 1
+            if hold and self._release is not None:
+                await self._release.wait()
+                return web.Response(status=503, text="held by the test proxy")
             headers = {k: v for k, v in request.headers.items() if k.lower() not in ("host", "content-length")}
             body = await request.read() if request.can_read_body else None
             async with self._session.request(

@@ -46,7 +46,10 @@ def free_port() -> int:
 class Proc:
     """A `disagg` subcommand running in its own process group; logs go to a temp file."""
 
+    started: list[Proc] = []  # every one, so that none outlives its test module (conftest.py)
+
     def __init__(self, args: list[str], port: int, env: dict | None = None):
+        Proc.started.append(self)
         self.port = port
         self.url = f"http://127.0.0.1:{port}"
         self.log = tempfile.NamedTemporaryFile(prefix="disagg-", suffix=".log", delete=False)
@@ -66,7 +69,9 @@ class Proc:
             except requests.RequestException:
                 pass
             time.sleep(0.3)
-        raise TimeoutError(f"{self.url} not healthy after {timeout}s:\n{self.logs()}")
+        logs = self.logs()
+        self.stop()  # a test that fails here must not leave the process (and its ranks) running
+        raise TimeoutError(f"{self.url} not healthy after {timeout}s:\n{logs}")
 
     def logs(self) -> str:
         return Path(self.log.name).read_text(errors="replace")[-5000:]
@@ -208,10 +213,15 @@ class PDStack:
         return Proc(["decode", "--model", self.model, "--port", str(port), *self.flags, *self.decode_flags], port)
 
     def wait_healthy(self) -> PDStack:
-        self.prefill.wait_healthy()
-        for d in self.decodes:
-            d.wait_healthy()
-        self.router.wait_healthy()
+        """Every process serves; if one does not, all are stopped (a failed start leaves nothing running)."""
+        try:
+            self.prefill.wait_healthy()
+            for d in self.decodes:
+                d.wait_healthy()
+            self.router.wait_healthy()
+        except BaseException:
+            self.stop()
+            raise
         return self
 
     def stop(self) -> None:

@@ -131,17 +131,28 @@ MISMATCHES = {
 
 
 @pytest.mark.parametrize("mismatch", list(MISMATCHES))
-def test_a_mismatched_pair_fails_its_first_request_with_the_handshake_message(tiny_model, mismatch):
+def test_a_mismatched_pair_is_never_served_and_the_router_says_why(tiny_model, mismatch):
+    """The router's verification request meets the handshake's refusal: the pair never becomes ready, and a
+    client's request is refused at once with the handshake's message."""
     prefill_flags, decode_flags, words = MISMATCHES[mismatch]
-    stack = PDStack(tiny_model, *FLAGS, prefill_flags=prefill_flags, decode_flags=decode_flags).wait_healthy()
+    stack = PDStack(tiny_model, *FLAGS, prefill_flags=prefill_flags, decode_flags=decode_flags)
     try:
-        start = time.monotonic()
-        r = requests.post(f"{stack.router.url}/generate", json={"input_ids": [5, 6, 7]}, timeout=60)
-        elapsed = time.monotonic() - start
-        assert r.status_code >= 500, r.text
-        message = r.json()["error"]["message"]
-        assert all(w in message for w in words), message
-        assert elapsed < 5, f"the refusal took {elapsed:.1f}s"
+        stack.prefill.wait_healthy()
+        stack.decode.wait_healthy()
+        healthy_at = time.monotonic()
+
+        def refusal() -> str | None:
+            r = requests.post(f"{stack.router.url}/generate", json={"input_ids": [5, 6, 7]}, timeout=60)
+            assert r.status_code == 503, r.text
+            message = r.json()["error"]["message"]
+            return message if all(w in message for w in words) else None
+
+        message = wait_until(refusal, timeout=30, interval=0.2, what="the router naming the mismatch")
+        elapsed = time.monotonic() - healthy_at
+        assert elapsed < 5, f"the refusal came {elapsed:.1f}s after both sides were healthy: {message}"
+        health = requests.get(f"{stack.router.url}/health", timeout=5)
+        assert health.status_code == 503 and not health.json()["pairs"][0]["verified"], health.text
+        assert all(w in health.json()["pairs"][0]["error"] for w in words), health.text
     finally:
         stack.stop()
 

@@ -37,7 +37,7 @@ HELD = 8
 
 @pytest.fixture()
 def stack(tiny_model):
-    """A stack whose decode runs 4 requests at a time (HOLD)."""
+    """A stack whose decode runs 2 requests at a time (HOLD)."""
     s = PDStack(tiny_model, *FLAGS, **HOLD).wait_healthy()
     yield s
     s.stop()

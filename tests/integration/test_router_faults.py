@@ -38,9 +38,22 @@ def stack(tiny_model):
         decodes=2,
         router_flags=("--max-inflight", str(MAX_INFLIGHT), "--request-timeout", str(REQUEST_TIMEOUT)),
     ).wait_healthy()
+    every_pair_verified(s)
     s.before = reference(s.router.url)
     yield s
     s.stop()
+
+
+def every_pair_verified(stack: PDStack) -> None:
+    """The router sees every worker healthy and has verified both prefill->decode pairs (it sends requests only
+    through verified pairs, so a test that needs both decodes busy waits for this)."""
+
+    def verified() -> bool:
+        health = requests.get(f"{stack.router.url}/health", timeout=5).json()
+        pairs = health.get("pairs", [])
+        return all(w["healthy"] for w in health["workers"]) and len(pairs) == 2 and all(p["verified"] for p in pairs)
+
+    wait_until(verified, what="the router has verified both pairs")
 
 
 def revive_b(stack: PDStack) -> None:
@@ -49,10 +62,7 @@ def revive_b(stack: PDStack) -> None:
     if b.proc.poll() is not None:
         stack.decodes[1] = b = stack.start_decode(b.port)
     b.wait_healthy()
-    wait_until(
-        lambda: all(w["healthy"] for w in requests.get(f"{stack.router.url}/health", timeout=5).json()["workers"]),
-        what="the router sees every worker healthy",
-    )
+    every_pair_verified(stack)
     assert reference(stack.router.url) == stack.before
 
 

@@ -11,7 +11,8 @@ import json
 import pytest
 
 from disagg_worker import cli, keys
-from disagg_worker.config import Role, add_disagg_args, add_engine_args, server_args_from_cli
+from disagg_worker.cli_args import add_disagg_args, add_engine_args, server_args_from_cli
+from disagg_worker.config import Role
 from disagg_worker.router.auth import RouterAuth, add_auth_args
 from disagg_worker.router.payload import SharedBody
 

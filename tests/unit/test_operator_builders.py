@@ -103,6 +103,8 @@ def test_prefill_command_line_follows_the_worker_contract(tiny):
         "mooncake",
         "--transfer-protocol",
         "tcp",
+        "--device",
+        "cpu",
         "--tp-size",
         "1",
         "--pp-size",
@@ -208,6 +210,49 @@ def test_rdma_adds_ipc_lock_gpus_and_the_rdma_device(gpu):
     pod = children[("StatefulSet", "llama-8b-prefill")]["spec"]["template"]["spec"]
     assert pod["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}
     assert pod["tolerations"][0]["key"] == "nvidia.com/gpu"
+
+
+def test_gpu_example_pods_get_one_gpu_per_rank_and_run_their_ranks_on_cuda(gpu):
+    children = children_by_kind_name(gpu)
+    for role, tp, pp in (("prefill", 4, 1), ("decode", 2, 1)):
+        c = container(children, "StatefulSet", f"llama-8b-{role}")
+        assert c["resources"]["limits"]["nvidia.com/gpu"] == tp * pp == gpu["spec"][role]["resources"]["gpus"]
+        flags = dict(zip(c["args"][1::2], c["args"][2::2], strict=False))
+        assert (flags["--device"], flags["--tp-size"], flags["--pp-size"]) == ("cuda", str(tp), str(pp))
+        assert c["args"].count("--device") == 1
+
+
+def test_a_role_without_gpus_runs_on_the_cpu_and_asks_for_none(gpu):
+    gpu["spec"]["decode"]["resources"]["gpus"] = 0
+    gpu["spec"]["prefill"].update(tpSize=2, ppSize=2)
+    gpu["spec"]["prefill"]["resources"]["gpus"] = 4
+    children = children_by_kind_name(gpu)
+    decode = container(children, "StatefulSet", "llama-8b-decode")
+    assert "nvidia.com/gpu" not in decode["resources"]["limits"]
+    assert decode["args"][decode["args"].index("--device") + 1] == "cpu"
+    prefill = container(children, "StatefulSet", "llama-8b-prefill")
+    flags = dict(zip(prefill["args"][1::2], prefill["args"][2::2], strict=False))
+    assert (flags["--device"], flags["--tp-size"], flags["--pp-size"]) == ("cuda", "2", "2")
+    assert prefill["resources"]["limits"]["nvidia.com/gpu"] == 4
+
+
+@pytest.mark.parametrize("example,device", [("dm-cpu-tcp.yaml", "cpu"), ("dm-rdma-gpu.yaml", "cuda")])
+def test_the_worker_parses_the_generated_command_line(example, device):
+    from disagg_worker.cli import build_parser
+
+    spec = ModelSpec.from_cr(load_example(example))
+    for role in names.WORKER_ROLES:
+        ns = build_parser().parse_args(worker_args(spec, role))
+        w = spec.worker(role)
+        assert (ns.command, ns.device, ns.tp_size, ns.pp_size) == (role, device, w.tp_size, w.pp_size)
+
+
+def test_the_gpu_resource_name_comes_from_the_operator_config(gpu):
+    cfg = OperatorConfig(gpu_resource="amd.com/gpu")
+    sts = [c for c in build_children(ModelSpec.from_cr(gpu), cfg) if c["kind"] == "StatefulSet"]
+    for s in sts:
+        limits = s["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]
+        assert "nvidia.com/gpu" not in limits and limits["amd.com/gpu"] in (4, 2)
 
 
 def test_tcp_asks_for_no_rdma_device_nor_ipc_lock(tiny):

@@ -88,10 +88,19 @@ def test_every_rule_has_a_message_and_sits_where_it_can_see_its_fields():
         ("pageSize", "pageSize"),
         ("kvDtype", "kvDtype"),
         ("immutable", "oldSelf"),
+        ("prefill ranks fit a node", "self.prefill.tpSize * self.prefill.ppSize <= 8"),
+        ("decode ranks fit a node", "self.decode.tpSize * self.decode.ppSize <= 8"),
     ],
 )
 def test_the_documented_checks_exist(field, needle):
     assert any(needle in rule for _, rule, _ in crd.RULES), field
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_the_one_node_limit_names_the_role_and_why(role):
+    [message] = [m for _, r, m in crd.RULES if r == f"self.{role}.tpSize * self.{role}.ppSize <= 8"]
+    assert message.startswith(f"{role}.tpSize * {role}.ppSize must be at most 8")
+    assert "one node until multi-node instances exist" in message
 
 
 def _unknown_fields(obj, node, path=""):

@@ -106,7 +106,8 @@ def _disagg_config(argv: list[str], environ: dict[str, str]):
     """The DisaggConfig a prefill instance started with `argv` in `environ` gets."""
     import argparse
 
-    from disagg_worker.config import Role, add_disagg_args, add_engine_args, server_args_from_cli
+    from disagg_worker.cli_args import add_disagg_args, add_engine_args, server_args_from_cli
+    from disagg_worker.config import Role
     from disagg_worker.env import load_env
 
     p = argparse.ArgumentParser()

@@ -8,7 +8,8 @@ import socket
 
 import pytest
 
-from disagg_worker.config import ConfigError, DisaggConfig, Role, add_disagg_args, add_engine_args, server_args_from_cli
+from disagg_worker.cli_args import add_disagg_args, add_engine_args, server_args_from_cli
+from disagg_worker.config import ConfigError, DisaggConfig, Role
 from disagg_worker.disagg.channel import ControlChannel
 from disagg_worker.disagg.messages import RoomAbort
 from disagg_worker.disagg.mooncake.environ import mooncake_environ

@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from disagg_worker.config import ConfigError, Role, add_disagg_args, add_engine_args, server_args_from_cli
+from disagg_worker.cli_args import add_disagg_args, add_engine_args, server_args_from_cli
+from disagg_worker.config import ConfigError, Role
 from disagg_worker.keys import SecretError
 
 

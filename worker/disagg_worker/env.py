@@ -1,6 +1,6 @@
 """Every environment variable the worker reads, in one typed place.
 
-Read once at start-up with `load_env()` (`config.server_args_from_cli` puts the values into the
+Read once at start-up with `load_env()` (`cli_args.server_args_from_cli` puts the values into the
 config chain); pass the values down instead of reading `os.environ` elsewhere.
 
 Secrets never come from the environment (an environment is inherited by every child process and

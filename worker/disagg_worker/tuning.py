@@ -3,13 +3,27 @@
 They are not CLI flags: a user has no reason to change them, and each one carries the reason it
 has its value (measured on the project's CI machine, 2 cores, loopback TCP, unless a comment
 says otherwise). `TUNING` is the one instance the code reads. `Tuning` has one part per
-subsystem: `transfer` for KV transfer (`disagg_worker.disagg`); the engine loop's constants
-belong in a part of their own beside it.
+subsystem: `engine` for the scheduler process's loop (`engine/loop.py`), `transfer` for KV
+transfer (`disagg_worker.disagg`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class EngineTuning:
+    """The scheduler process's loop (`engine/loop.py`)."""
+
+    # How often the loop reports its queues, pages and metrics to the HTTP process (/stats,
+    # /metrics, /health's heartbeat), and the longest it sleeps on its inbox when idle: twice a
+    # second keeps the gauges fresh for a 1 s scrape and far inside the 20 s after which the HTTP
+    # process declares a silent scheduler stalled.
+    stats_interval_s: float = 0.5
+    # While requests wait on KV transfers, the loop also wakes this often for what no transfer
+    # status move announces (pages freed by finished requests); status moves wake it at once.
+    transfer_poll_ms: int = 1
 
 
 @dataclass(frozen=True)
@@ -86,6 +100,7 @@ class TransferTuning:
 
 @dataclass(frozen=True)
 class Tuning:
+    engine: EngineTuning = field(default_factory=EngineTuning)
     transfer: TransferTuning = field(default_factory=TransferTuning)
 
 

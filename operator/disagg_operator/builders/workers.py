@@ -25,7 +25,10 @@ from .secret import auth_token_file, auth_volume
 
 
 def worker_args(spec: ModelSpec, role: str) -> list[str]:
-    """`disagg prefill|decode ...` arguments (after the `disagg` entrypoint), the CR's extra args last."""
+    """`disagg prefill|decode ...` arguments (after the `disagg` entrypoint), the CR's extra args last.
+
+    A role with GPUs runs its ranks on CUDA (the worker then joins them with NCCL), one without on the CPU (gloo).
+    """
     w = spec.worker(role)
     e = w.engine
     args = [
@@ -48,6 +51,8 @@ def worker_args(spec: ModelSpec, role: str) -> list[str]:
     if spec.transfer.ib_device:
         args += ["--ib-device", spec.transfer.ib_device]
     args += [
+        "--device",
+        "cuda" if w.placement.resources.gpus else "cpu",
         "--tp-size",
         str(w.tp_size),
         "--pp-size",

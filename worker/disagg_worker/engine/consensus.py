@@ -14,7 +14,9 @@ pipeline-parallel prefill loop applies, carried along the pipeline with each ste
   on (a failure anywhere fails everywhere);
 - the last stage's result goes back to stage 0, which admits the ready rooms, releases the
   transferred ones and fails the failed ones, and announces the released and failed rooms down the
-  pipeline with its next proposal, so every stage drops them too.
+  pipeline with its next proposal, once, so every stage drops them too. An announcement is not a
+  new failure: it travels apart from `failed` (in `dropped`), or it would come back with the result
+  and be announced again every round, and the ranks would never stop exchanging rounds.
 
 The orphan fix (SGLang PR for issue #26912): a room whose own poll on a later stage is Failed is
 dropped there and reported failed even when it is in none of the sets passed to it; otherwise a
@@ -44,13 +46,16 @@ class Queue(str, Enum):
 class Round:
     """What one stage passes to the next (and the last stage back to stage 0), by room.
 
-    `released` comes from stage 0 only: rooms every stage agreed were transferred last round.
-    `reasons` says why failed rooms failed, where a rank knew (its own handle's reason)."""
+    `released` and `dropped` come from stage 0 only: rooms every stage agreed were transferred, and
+    rooms that failed, in an earlier round (announcements: every stage drops them).
+    `failed` holds failures new in this round. `reasons` says why they failed, where a rank knew
+    (its own handle's reason)."""
 
     ready: frozenset[int] = frozenset()
     transferred: frozenset[int] = frozenset()
     failed: frozenset[int] = frozenset()
     released: frozenset[int] = frozenset()
+    dropped: frozenset[int] = frozenset()
     reasons: tuple[tuple[int, str], ...] = ()
 
 
@@ -68,8 +73,8 @@ class StageQueues:
 
 def propose(queues: StageQueues, polls: Mapping[int, KVPoll]) -> tuple[Round, set[int]]:
     """Stage 0: the round to start from its own states, and the rooms it drops (failed here)."""
-    ready, transferred, failed = set(), set(), set(queues.failed)
-    released = set(queues.released)
+    ready, transferred, failed = set(), set(), set()
+    released, announced = frozenset(queues.released), frozenset(queues.failed)
     queues.failed.clear()
     queues.released.clear()
     for room, queue in queues.rooms.items():
@@ -80,10 +85,9 @@ def propose(queues: StageQueues, polls: Mapping[int, KVPoll]) -> tuple[Round, se
             ready.add(room)
         elif queue is Queue.INFLIGHT and state is KVPoll.Success:
             transferred.add(room)
-    dropped = {room for room in failed if room in queues.rooms}
-    for room in dropped:
+    for room in failed:
         del queues.rooms[room]
-    return Round(frozenset(ready), frozenset(transferred), frozenset(failed), frozenset(released)), dropped
+    return Round(frozenset(ready), frozenset(transferred), frozenset(failed), released, announced), failed
 
 
 def follow(queues: StageQueues, polls: Mapping[int, KVPoll], prev: Round, drain_local_failures: bool = True) -> Round:
@@ -94,7 +98,7 @@ def follow(queues: StageQueues, polls: Mapping[int, KVPoll], prev: Round, drain_
     without the orphan fix.
     """
     failed = set(prev.failed)
-    for room in prev.failed | prev.released:
+    for room in prev.failed | prev.released | prev.dropped:
         queues.rooms.pop(room, None)
     ready, transferred = set(), set()
     for room, queue in list(queues.rooms.items()):
@@ -110,7 +114,7 @@ def follow(queues: StageQueues, polls: Mapping[int, KVPoll], prev: Round, drain_
                 queues.rooms[room] = Queue.INFLIGHT
         elif room in prev.transferred and state is KVPoll.Success:
             transferred.add(room)
-    return Round(frozenset(ready), frozenset(transferred), frozenset(failed), prev.released, prev.reasons)
+    return Round(frozenset(ready), frozenset(transferred), frozenset(failed), prev.released, prev.dropped, prev.reasons)
 
 
 def settle(queues: StageQueues, result: Round) -> None:

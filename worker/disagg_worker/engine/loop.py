@@ -11,7 +11,7 @@ page faults per 1k-token prefill on the runner thread vs ~70 inline).
 
 While requests wait on KV transfers (P/D roles) the loop sleeps on its inbox and an eventfd that
 the transfer layer signals on every status move, so it reacts at once; it still polls every
-TRANSFER_POLL_MS for what no status move announces (pages freed by finished requests).
+`transfer_poll_ms` (tuning.py) for what no status move announces (pages freed by finished requests).
 """
 
 from __future__ import annotations
@@ -30,11 +30,11 @@ from disagg_worker import messages as msg
 from disagg_worker.engine.batch import ScheduledBatch, StepResult
 from disagg_worker.engine.engine import Engine
 from disagg_worker.engine.ranks import Launched
+from disagg_worker.tuning import TUNING
 
 log = logging.getLogger(__name__)
 
-STATS_INTERVAL_S = 0.5
-TRANSFER_POLL_MS = 1
+LOOP = TUNING.engine
 
 
 class Steppable(Protocol):
@@ -185,8 +185,8 @@ class EngineLoop:
         if self.stepper.computing:
             return 0
         if self.engine.waiting_on_transfers:
-            return TRANSFER_POLL_MS
-        return int(STATS_INTERVAL_S * 1000)
+            return LOOP.transfer_poll_ms
+        return int(LOOP.stats_interval_s * 1000)
 
     def _wake(self) -> None:
         """Any thread: a transfer moved; end the current wait."""
@@ -214,7 +214,7 @@ class EngineLoop:
     def _flush(self) -> None:
         self._send_outputs()
         now = time.monotonic()
-        if now - self.last_stats >= STATS_INTERVAL_S:
+        if now - self.last_stats >= LOOP.stats_interval_s:
             self.last_stats = now
             self.publish(self.engine.stats())
             if os.getppid() != self.parent:  # the HTTP process is gone: nobody can use our output

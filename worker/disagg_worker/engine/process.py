@@ -7,6 +7,7 @@ the others follow it (engine/follower.py).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import multiprocessing as mp
 import os
@@ -64,7 +65,12 @@ def run_rank(
     """
     from disagg_worker.engine.dist import Comm
 
+    cfg = rank_config(cfg, shard)
     _start_process(cfg, log_level, f"rank tp{shard.tp_rank} pp{shard.pp_rank}", shard.world_rank)
+    if cfg.device.startswith("cuda"):
+        import torch
+
+        torch.cuda.set_device(cfg.device)  # NCCL's communicators use the current device
     comm = Comm(shard, address, cfg.device)
     try:
         if shard.world_rank == 0:
@@ -75,6 +81,16 @@ def run_rank(
             run_follower(cfg, comm)
     finally:
         comm.close()
+
+
+def rank_config(cfg: EngineConfig, shard: Shard) -> EngineConfig:
+    """One rank's config: `--device cuda` puts rank i of the instance on GPU i (a pod holds one GPU per rank).
+
+    Any other device, an explicit `cuda:N` included, is every rank's as given.
+    """
+    if cfg.device != "cuda":
+        return cfg
+    return dataclasses.replace(cfg, device=f"cuda:{shard.world_rank}")
 
 
 def _start_process(cfg: EngineConfig, log_level: str, name: str, rank: int = 0) -> None:

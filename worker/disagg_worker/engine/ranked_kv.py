@@ -113,7 +113,7 @@ class RankTransfer:
             h = self.handles.get(room)
             if room not in known and h is not None and h.poll() is KVPoll.Failed:
                 known[room] = _reason(h)
-        self._forget(rnd.failed | rnd.released)
+        self._forget(rnd.failed | rnd.released | rnd.dropped)
         return replace(rnd, reasons=tuple(sorted(known.items())))
 
     def settle(self, result: Round) -> None:

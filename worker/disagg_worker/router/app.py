@@ -146,7 +146,7 @@ class Router:
     async def open(self, path: str, body: SharedBody, choice: dict[str, Any]) -> Opened:
         """Find a pair that starts answering choice `choice` (its n and seed) of `body`."""
         tried: set[Worker] = set()
-        last = Attempt(503, unavailable(NO_PAIR).body())
+        last: Attempt | None = None
         for _ in range(self.retries + 1):
             pair = self.pick_pair(tried)
             if pair is None or self.cut_reason:
@@ -161,7 +161,13 @@ class Router:
             tried.update([opened.worker] if opened.worker is not None else pair)
         if self.cut_reason:
             raise unavailable(self.cut_reason)
+        if last is None:
+            raise unavailable(self.no_pair(), retry_after=RETRY_AFTER_S)
         raise last.error()
+
+    def no_pair(self) -> str:
+        """The 503 message when no pair can take a request; with verification, why none is verified."""
+        return NO_PAIR if self.verifier is None else f"{NO_PAIR} ({self.verifier.unready_reason()})"
 
     def _track(self, o: Opened) -> Opened:
         if self.cut_reason:  # the drain ended while this pair opened

@@ -45,10 +45,23 @@ class PairState:
     probing: bool = False
 
 
-def stable(text: str, limit: int = 160) -> str:
+def stable(text: str, limit: int = 300) -> str:
     """An error message without the numbers that differ per request (room ids, ports), so that it reads the same
     from one failed probe to the next."""
     return re.sub(r"\d{5,}", "N", " ".join(text.split()))[:limit]
+
+
+def _why(p: Worker, d: Worker, state: PairState) -> str:
+    """Why a pair does not carry requests: a side that is down or draining, else its last verification."""
+    for w in (p, d):
+        if not w.healthy:
+            status = w.report.get("status")
+            return f"{w.role} {w.name} is {'draining' if status == 'draining' else 'not healthy'}"
+    return state.error
+
+
+def _urls(item: tuple[Worker, Worker, PairState]) -> tuple[str, str]:
+    return item[0].url, item[1].url
 
 
 def same_revision(p: Worker, d: Worker) -> bool:
@@ -92,6 +105,14 @@ class PairVerifier:
 
     def ready(self) -> bool:
         return any(self.usable(p, d) for p, d in self.states)
+
+    def unready_reason(self) -> str:
+        """Why no pair carries requests: the last result of each pair that is not usable (a few)."""
+        failing = sorted(((p, d, s) for (p, d), s in self.states.items() if not self.usable(p, d)), key=_urls)
+        if not failing:
+            return "no prefill and decode instance of one revision has been seen healthy"
+        named = [f"{p.name} -> {d.name}: {_why(p, d, s)}" for p, d, s in failing[:3]]
+        return "; ".join(named) + (f"; and {len(failing) - 3} more" if len(failing) > 3 else "")
 
     def pick_pair(self, exclude: frozenset[Worker] | set[Worker] = frozenset()) -> Pair | None:
         """A verified pair, each side chosen by the pool's policy among the verified partners of the other."""
@@ -151,11 +172,24 @@ class PairVerifier:
             **self.auth.target(p.host, p.bootstrap_port, secrets.randbits(63)),
             "stream": False,
         }
-        results = await asyncio.gather(self._post(session, p, body), self._post(session, d, body))
-        for worker, (status, answer) in zip((p, d), results, strict=True):
-            if status != 200:
-                return stable(f"{worker.role} {answer}")
-        if not results[1][1]:
+        to_p = asyncio.create_task(self._post(session, p, body))
+        to_d = asyncio.create_task(self._post(session, d, body))
+        await asyncio.wait((to_p, to_d), return_when=asyncio.FIRST_COMPLETED)
+        if to_d.done() and to_d.result()[0] != 200 and not to_p.done():
+            # Decode refused (a handshake mismatch, say): prefill would only wait out its bootstrap timeout.
+            to_p.cancel()
+            await asyncio.gather(to_p, return_exceptions=True)
+            return stable(f"decode {to_d.result()[1]}")
+        (p_status, p_answer), (d_status, d_answer) = await asyncio.gather(to_p, to_d)
+        # Decode meets a handshake refusal first-hand; prefill's failure is then its consequence (a
+        # bootstrap timeout), unless prefill refused the request itself.
+        if 400 <= p_status < 500:
+            return stable(f"prefill {p_answer}")
+        if d_status != 200:
+            return stable(f"decode {d_answer}")
+        if p_status != 200:
+            return stable(f"prefill {p_answer}")
+        if not d_answer:
             return "decode answered without a token"
         return ""
 

@@ -25,8 +25,6 @@ import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from enum import Enum
 
 import torch
 
@@ -39,53 +37,18 @@ from disagg_worker.disagg.heartbeat import HeartbeatMonitor
 from disagg_worker.disagg.mapping import Target, check_compatible
 from disagg_worker.disagg.messages import DecodeHello, RoomAbort, RoomRequest, RoomUpdate
 from disagg_worker.disagg.metrics import TransferMetrics
-from disagg_worker.disagg.mooncake.slices import StagedRange, reserve_staging, unstage
+from disagg_worker.disagg.mooncake.decode_state import DecodeInstance, DecodeRoom, InstanceState
+from disagg_worker.disagg.mooncake.slices import reserve_staging, unstage
 from disagg_worker.disagg.mooncake.staging import open_registered
-from disagg_worker.disagg.poll import KVPoll, StatusCell
+from disagg_worker.disagg.poll import KVPoll
 from disagg_worker.disagg.rooms import RoomTable
 from disagg_worker.tuning import TUNING
 
 log = logging.getLogger(__name__)
 
 
-class InstanceState(Enum):
-    RESOLVING = "resolving"
-    READY = "ready"
-
-
-@dataclass
-class _Instance:
-    addr: str
-    state: InstanceState = InstanceState.RESOLVING
-    instance_id: str = ""
-    targets: list[Target] = field(default_factory=list)
-    rooms: set[int] = field(default_factory=set)
-    hello: DecodeHello | None = None
-
-
-@dataclass
-class _Room:
-    room: int
-    addr: str
-    cell: StatusCell = field(default_factory=StatusCell)
-    dest_pages: list[int] = field(default_factory=list)
-    aux_slot: int = -1
-    init_at: float = 0.0  # when init() gave the destination; 0: not yet
-    targets: list[tuple[int, int]] = field(default_factory=list)  # (tp, pp) of prefill ranks asked
-    done: set[tuple[int, int]] = field(default_factory=set)
-    quiesced: set[tuple[int, int]] = field(default_factory=set)
-    unsafe: bool = False
-    failed_at: float = 0.0  # when it failed (its quarantine's age)
-    staged: list[StagedRange] = field(default_factory=list)  # staging ranges prefill writes this room into
-    lock: threading.Lock = field(default_factory=threading.Lock)  # Success (with its scatter) vs Failed
-
-    @property
-    def inited(self) -> bool:
-        return self.init_at > 0
-
-
 class DecodeReceiver(KVReceiver):
-    def __init__(self, mgr: MooncakeDecodeManager, state: _Room):
+    def __init__(self, mgr: MooncakeDecodeManager, state: DecodeRoom):
         self.room = state.room
         self._mgr = mgr
         self._state = state
@@ -117,9 +80,9 @@ class MooncakeDecodeManager(KVManager):
         self.channel = ControlChannel(
             cfg.advertise_host, cfg.control_port_of(cfg.rank_index(rank.tp_rank, rank.pp_rank))
         )
-        self.rooms: RoomTable[_Room] = RoomTable()
-        self._quarantine: dict[int, _Room] = {}  # failed rooms whose pages prefill may still write
-        self._instances: dict[str, _Instance] = {}
+        self.rooms: RoomTable[DecodeRoom] = RoomTable()
+        self._quarantine: dict[int, DecodeRoom] = {}  # failed rooms whose pages prefill may still write
+        self._instances: dict[str, DecodeInstance] = {}
         self._last_sent: dict[str, float] = {}  # prefill rank endpoint -> last hello or request sent there
         self._lock = threading.RLock()
         self._stop = threading.Event()
@@ -132,14 +95,14 @@ class MooncakeDecodeManager(KVManager):
 
     # ---- scheduler-facing ------------------------------------------------------------
     def create_receiver(self, room: int, bootstrap_addr: str) -> KVReceiver:
-        state = _Room(room, bootstrap_addr, self.new_cell())
+        state = DecodeRoom(room, bootstrap_addr, self.new_cell())
         if not self.rooms.add(room, state):
             state.cell.fail(f"room {room} was already used on this instance")
             return DecodeReceiver(self, state)
         with self._lock:
             inst = self._instances.get(bootstrap_addr)
             if inst is None:
-                inst = self._instances[bootstrap_addr] = _Instance(bootstrap_addr)
+                inst = self._instances[bootstrap_addr] = DecodeInstance(bootstrap_addr)
                 self._resolver.submit(self._resolve, inst)
             inst.rooms.add(room)
             if inst.state is InstanceState.READY:
@@ -167,7 +130,7 @@ class MooncakeDecodeManager(KVManager):
         self._control.join(timeout=5)
         self.channel.close()
 
-    def init_room(self, state: _Room, dest: list[int], aux_slot: int) -> None:
+    def init_room(self, state: DecodeRoom, dest: list[int], aux_slot: int) -> None:
         """`DecodeReceiver.init`: check the destination, reserve staging if it is fragmented, and
         send it to prefill once the instance is resolved."""
         if state.cell.get() is KVPoll.Failed:
@@ -186,7 +149,7 @@ class MooncakeDecodeManager(KVManager):
             if inst is not None and inst.state is InstanceState.READY:
                 self._request(state, inst)
 
-    def _request(self, state: _Room, inst: _Instance) -> None:
+    def _request(self, state: DecodeRoom, inst: DecodeInstance) -> None:
         """Send the destination to every target rank (under the lock, once)."""
         state.targets = [(t.tp_rank, t.pp_rank) for t in inst.targets]
         offsets, state.staged = reserve_staging(inst.targets, self.layout, state.dest_pages, self.staging.alloc)
@@ -200,7 +163,7 @@ class MooncakeDecodeManager(KVManager):
             )  # fmt: skip
             self.channel.send(_endpoint(t.rank), msg)
 
-    def _greet_if_stale(self, inst: _Instance, endpoint: str) -> None:
+    def _greet_if_stale(self, inst: DecodeInstance, endpoint: str) -> None:
         """Greet again a prefill rank sent nothing for a while (it forgets silent peers); under the lock.
         The hello travels on the request's socket, so it arrives first."""
         now = time.monotonic()
@@ -208,7 +171,7 @@ class MooncakeDecodeManager(KVManager):
             self.channel.send(endpoint, inst.hello)
         self._last_sent[endpoint] = now
 
-    def fail(self, state: _Room, reason: str, tell_prefill: bool = True) -> None:
+    def fail(self, state: DecodeRoom, reason: str, tell_prefill: bool = True) -> None:
         """Fail a room (any thread): quarantine its pages while prefill may still write them."""
         with self._lock, state.lock:  # unsafe is known before anyone can see Failed
             if state.cell.get().terminal:
@@ -237,7 +200,7 @@ class MooncakeDecodeManager(KVManager):
                 )
 
     # ---- instance handling -------------------------------------------------------------
-    def _resolve(self, inst: _Instance) -> None:
+    def _resolve(self, inst: DecodeInstance) -> None:
         deadline = time.monotonic() + self.cfg.waiting_timeout_s
         error = f"prefill bootstrap server {inst.addr} not ready within {self.cfg.waiting_timeout_s:g}s"
         while not self._stop.is_set() and time.monotonic() < deadline:
@@ -257,7 +220,7 @@ class MooncakeDecodeManager(KVManager):
             time.sleep(TUNING.transfer.resolve_retry_s)
         self._fail_instance(inst.addr, f"prefill instance {inst.addr}: {error}", dead=False)
 
-    def _ready(self, inst: _Instance, instance_id: str, targets: list[Target]) -> None:
+    def _ready(self, inst: DecodeInstance, instance_id: str, targets: list[Target]) -> None:
         lay = self.layout
         hello = DecodeHello(
             decode_id=self.decode_id, reply_endpoint=self.channel.endpoint, session_id=self.engine.session_id,
@@ -336,7 +299,7 @@ class MooncakeDecodeManager(KVManager):
         elif status is KVPoll.Success:
             self._on_success(state, key, msg.aux)
 
-    def _on_success(self, state: _Room, key: tuple[int, int], aux: bytes) -> None:
+    def _on_success(self, state: DecodeRoom, key: tuple[int, int], aux: bytes) -> None:
         with state.lock:  # a failed room's pages and aux slot may already belong to another request
             if state.cell.get().terminal:
                 return
@@ -360,7 +323,7 @@ class MooncakeDecodeManager(KVManager):
             nbytes = len(state.dest_pages) * self.layout.page_nbytes * len(self.layout.buffer_ptrs)
             self.metrics.transfer_done(nbytes, time.monotonic() - state.init_at)
 
-    def _unstage(self, state: _Room) -> None:
+    def _unstage(self, state: DecodeRoom) -> None:
         """Scatter a staged room into its destination pages and free its staging ranges."""
         for staged in state.staged:
             unstage(
@@ -368,13 +331,13 @@ class MooncakeDecodeManager(KVManager):
             )
         self._release_staging(state)
 
-    def _unquarantine(self, state: _Room) -> None:
+    def _unquarantine(self, state: DecodeRoom) -> None:
         """Prefill can no longer write the room's pages (under the lock): they are safe to reuse."""
         state.unsafe = False
         self._quarantine.pop(state.room, None)
         self._release_staging(state)
 
-    def _release_staging(self, state: _Room) -> None:
+    def _release_staging(self, state: DecodeRoom) -> None:
         for staged in state.staged:
             self.staging.free(staged.offset, staged.nbytes)
         state.staged = []

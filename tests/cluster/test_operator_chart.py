@@ -1,0 +1,169 @@
+"""The Helm chart as a cluster would receive it: `helm template` rendered, parsed, and its objects checked.
+
+No RBAC wildcards, no delete, Secrets only read and created; every object carries the standard labels; the
+operator Deployment's flags and settings are ones the operator understands. This tier is where helm is built
+(hack/k8s/build.sh), so rendering never needs a skip; no cluster is started.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import yaml
+
+from disagg_operator.config import OperatorConfig
+from disagg_operator.main import parse_args
+
+REPO = Path(__file__).resolve().parents[2]
+CHART = REPO / "charts" / "disagg-operator"
+APP_VERSION = yaml.safe_load((CHART / "Chart.yaml").read_text())["appVersion"]
+RELEASE, RELEASE_NS, FULLNAME = "rel", "ops", "rel-disagg-operator"
+
+VARIANTS = {
+    "cluster-wide": [],
+    "cluster-wide-ha": ["--set", "replicas=2"],
+    "one-namespace": ["--set", "watchNamespace=team-a"],
+    "one-namespace-ha": ["--set", "watchNamespace=team-a", "--set", "replicas=2"],
+}
+
+Render = Callable[..., list[dict]]
+
+
+@pytest.fixture(scope="module")
+def render(k8s_bin_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Render:
+    home = tmp_path_factory.mktemp("helm")
+    env = {**os.environ, **{f"HELM_{d}_HOME": str(home / d.lower()) for d in ("CACHE", "CONFIG", "DATA")}}
+
+    def _render(*values: str) -> list[dict]:
+        proc = subprocess.run(
+            [str(k8s_bin_dir / "helm"), "template", RELEASE, str(CHART), "--namespace", RELEASE_NS, *values],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert proc.returncode == 0, proc.stderr
+        return [doc for doc in yaml.safe_load_all(proc.stdout) if doc]
+
+    return _render
+
+
+def of_kind(objects: list[dict], *kinds: str) -> list[dict]:
+    return [o for o in objects if o["kind"] in kinds]
+
+
+def deployment_container(objects: list[dict]) -> dict:
+    [deployment] = of_kind(objects, "Deployment")
+    [container] = deployment["spec"]["template"]["spec"]["containers"]
+    return container
+
+
+@pytest.mark.parametrize("values", VARIANTS.values(), ids=VARIANTS.keys())
+def test_rbac_grants_no_wildcards_no_delete_and_secrets_only_get_and_create(render: Render, values: list[str]):
+    roles = of_kind(render(*values), "ClusterRole", "Role")
+    rules = [r for role in roles for r in role["rules"]]
+    assert len(roles) == 2 and rules
+    for r in rules:
+        for key in ("apiGroups", "resources", "verbs"):
+            assert r[key] and "*" not in r[key], r
+        assert not {"delete", "deletecollection", "escalate", "bind", "impersonate"} & set(r["verbs"]), r
+    secrets = [r for r in rules if "secrets" in r["resources"]]
+    assert [(r["resources"], r["verbs"]) for r in secrets] == [(["secrets"], ["get", "create"])]
+
+
+@pytest.mark.parametrize("values", VARIANTS.values(), ids=VARIANTS.keys())
+def test_every_binding_gives_the_charts_roles_to_the_charts_service_account(render: Render, values: list[str]):
+    objects = render(*values)
+    [account] = of_kind(objects, "ServiceAccount")
+    roles = {(o["kind"], o["metadata"]["name"]) for o in of_kind(objects, "ClusterRole", "Role")}
+    bindings = of_kind(objects, "ClusterRoleBinding", "RoleBinding")
+    assert {(b["roleRef"]["kind"], b["roleRef"]["name"]) for b in bindings} == roles
+    for b in bindings:
+        assert b["subjects"] == [{"kind": "ServiceAccount", "name": FULLNAME, "namespace": RELEASE_NS}]
+    assert (account["metadata"]["name"], account["metadata"]["namespace"]) == (FULLNAME, RELEASE_NS)
+    [deployment] = of_kind(objects, "Deployment")
+    assert deployment["spec"]["template"]["spec"]["serviceAccountName"] == FULLNAME
+
+
+def test_watching_one_namespace_grants_a_role_there_and_nothing_namespaced_cluster_wide(render: Render):
+    objects = render(*VARIANTS["one-namespace"])
+    [role] = of_kind(objects, "Role")
+    assert role["metadata"]["namespace"] == "team-a"
+    cluster_resources = {
+        res for r in of_kind(objects, "ClusterRole") for rule in r["rules"] for res in rule["resources"]
+    }
+    assert cluster_resources == {"customresourcedefinitions"}
+
+
+@pytest.mark.parametrize("values", VARIANTS.values(), ids=VARIANTS.keys())
+def test_every_object_carries_the_standard_labels(render: Render, values: list[str]):
+    standard = {
+        "app.kubernetes.io/name": "disagg-operator",
+        "app.kubernetes.io/instance": RELEASE,
+        "app.kubernetes.io/version": APP_VERSION,
+        "app.kubernetes.io/component": "operator",
+        "app.kubernetes.io/part-of": "disagg",
+        "app.kubernetes.io/managed-by": "Helm",
+    }
+    objects = render(*values)
+    assert len(objects) >= 6
+    for o in objects:
+        labels = o["metadata"]["labels"]
+        assert {k: labels.get(k) for k in standard} == standard, (o["kind"], o["metadata"]["name"])
+    [deployment] = of_kind(objects, "Deployment")
+    pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
+    assert {k: pod_labels.get(k) for k in standard} == standard
+    assert deployment["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
+
+
+@pytest.mark.parametrize(
+    "variant,scope,peering_kind",
+    [
+        ("cluster-wide", "--all-namespaces", None),
+        ("cluster-wide-ha", "--all-namespaces", "ClusterKopfPeering"),
+        ("one-namespace", "--namespace=team-a", None),
+        ("one-namespace-ha", "--namespace=team-a", "KopfPeering"),
+    ],
+)
+def test_deployment_flags_say_scope_and_peering_as_the_operator_reads_them(
+    render: Render, variant: str, scope: str, peering_kind: str | None
+):
+    objects = render(*VARIANTS[variant])
+    args = deployment_container(objects)["args"]
+    peering = f"--peering={FULLNAME}" if peering_kind else "--standalone"
+    assert args == [scope, peering, "--liveness=http://0.0.0.0:8080/healthz"]
+    ns = parse_args(args)
+    assert ns.all_namespaces == (scope == "--all-namespaces")
+    assert ns.namespace == ([] if ns.all_namespaces else ["team-a"])
+    assert ns.standalone == (peering_kind is None)
+    assert [(p["kind"], p["metadata"]["name"]) for p in of_kind(objects, "KopfPeering", "ClusterKopfPeering")] == (
+        [(peering_kind, ns.peering)] if peering_kind else []
+    )
+    [deployment] = of_kind(objects, "Deployment")
+    assert deployment["spec"]["strategy"]["type"] == ("RollingUpdate" if peering_kind else "Recreate")
+
+
+def test_log_level_reaches_the_operators_flags(render: Render):
+    assert parse_args(deployment_container(render("--set", "operator.logLevel=debug"))["args"]).debug
+    assert parse_args(deployment_container(render("--set", "operator.logLevel=verbose"))["args"]).verbose
+
+
+def test_operator_values_reach_the_operators_config(render: Render):
+    objects = render(
+        "--set",
+        "operator.gpuResource=amd.com/gpu",
+        "--set",
+        "operator.routerProbe=false",
+        "--set",
+        "operator.clusterDomain=example.org",
+    )
+    env = {e["name"]: e["value"] for e in deployment_container(objects)["env"]}
+    cfg = OperatorConfig.from_env(env)
+    assert (cfg.gpu_resource, cfg.router_probe, cfg.cluster_domain) == ("amd.com/gpu", False, "example.org")
+    assert OperatorConfig.from_env({e["name"]: e["value"] for e in deployment_container(render())["env"]}) == (
+        OperatorConfig()
+    )

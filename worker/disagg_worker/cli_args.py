@@ -1,0 +1,189 @@
+"""The command line of the engine commands (`serve`, `prefill`, `decode`): flags in, the frozen
+configuration chain of `config.py` out (`server_args_from_cli`), the environment read once."""
+
+from __future__ import annotations
+
+import argparse
+
+from disagg_worker import keys
+from disagg_worker.config import CacheConfig, DisaggConfig, EngineConfig, Role, SchedulerConfig, ServerArgs
+from disagg_worker.env import WorkerEnv, load_env
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--model", required=True, help="Hugging Face model directory, or a GGUF file (or a directory of one)"
+    )
+    p.add_argument("--served-model-name", default="")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-context-len", type=int, default=0)
+    p.add_argument("--forward", default="model", choices=["model", "noop"])
+    p.add_argument("--torch-threads", type=int, default=0, help="0: half the cores on CPU")
+    p.add_argument("--page-size", type=int, default=CacheConfig.page_size)
+    p.add_argument("--num-pages", type=int, default=0)
+    p.add_argument("--max-total-tokens", type=int, default=CacheConfig.max_total_tokens)
+    p.add_argument("--kv-dtype", default="", help="defaults to --dtype")
+    p.add_argument("--disable-prefix-cache", action="store_true")
+    p.add_argument("--max-running-requests", type=int, default=SchedulerConfig.max_running_requests)
+    p.add_argument("--max-batch-tokens", type=int, default=SchedulerConfig.max_batch_tokens)
+    p.add_argument("--chunk-size", type=int, default=SchedulerConfig.chunk_size)
+    p.add_argument("--disable-overlap", action="store_true")
+    p.add_argument("--tp-size", type=int, default=1, help="tensor parallel ranks (one scheduler process each)")
+    p.add_argument("--pp-size", type=int, default=1, help="pipeline parallel stages (one scheduler process each)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--log-level", default="info")
+    p.add_argument(
+        "--health-timeout",
+        type=float,
+        default=ServerArgs.health_timeout_s,
+        help="seconds without a scheduler report after which /health fails",
+    )
+    p.add_argument("--api-key", default=None, help="clients must send 'Authorization: Bearer KEY' (/health is open)")
+    p.add_argument("--api-key-file", default="", help="a file of API keys, one a line (a mounted Secret)")
+    p.add_argument(
+        "--max-inflight-requests",
+        type=int,
+        default=ServerArgs.max_inflight_requests,
+        help="generation requests held at once, more get 429 (0: what the engine can hold: running requests "
+        "plus the prefill bootstrap or decode prealloc queue; 4x --max-running-requests for serve)",
+    )
+    p.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=ServerArgs.drain_timeout_s,
+        help="on SIGTERM, seconds to finish admitted requests (new ones get 503) before cutting them short "
+        "(the operator sets the pod's termination grace period from it)",
+    )
+
+
+def add_disagg_args(p: argparse.ArgumentParser) -> None:
+    d = DisaggConfig()
+    p.add_argument("--transfer-backend", default=d.transfer_backend, choices=["mooncake", "fake"])
+    p.add_argument("--transfer-protocol", default=d.transfer_protocol, choices=["tcp", "rdma"])
+    p.add_argument("--ib-device", default=d.ib_device)
+    p.add_argument("--bootstrap-port", type=int, default=d.bootstrap_port)
+    p.add_argument("--advertise-host", default=d.advertise_host)
+    p.add_argument("--bootstrap-timeout", type=float, default=d.bootstrap_timeout_s)
+    p.add_argument("--waiting-timeout", type=float, default=d.waiting_timeout_s)
+    p.add_argument("--heartbeat-interval", type=float, default=d.heartbeat_interval_s)
+    p.add_argument("--heartbeat-max-misses", type=int, default=d.heartbeat_max_misses)
+    p.add_argument(
+        "--max-bootstrap-queue",
+        type=int,
+        default=d.max_bootstrap_queue,
+        help="prefill: requests waiting for decode's handshake beyond this are refused (503)",
+    )
+    p.add_argument(
+        "--control-port",
+        type=int,
+        default=d.control_port,
+        help="rank i listens for control messages on this port + i (0: any free port)",
+    )
+    p.add_argument(
+        "--transfer-port-base",
+        type=int,
+        default=d.transfer_port_base,
+        help="rank i's Mooncake engine listens in [BASE + i*N, BASE + (i+1)*N - 1], N = --transfer-ports-per-rank "
+        "(0: MC_MIN_RPC_PORT..MC_MAX_RPC_PORT)",
+    )
+    p.add_argument("--transfer-ports-per-rank", type=int, default=d.transfer_ports_per_rank)
+    p.add_argument(
+        "--quarantine-timeout",
+        type=float,
+        default=d.quarantine_timeout_s,
+        help="decode: longest wait for a silent prefill to confirm a failed room's writes stopped, before its "
+        "pages are reused (0: 4x the waiting timeout or heartbeat window)",
+    )
+    p.add_argument(
+        "--max-prealloc-queue",
+        type=int,
+        default=d.max_prealloc_queue,
+        help="decode: requests waiting for their handshake and KV pages beyond this are refused (503)",
+    )
+    p.add_argument(
+        "--auth-token-file",
+        default="",
+        help="file holding the model's shared secret (bootstrap token, router-to-worker token, target signing)",
+    )
+    p.add_argument(
+        "--tcp-lanes",
+        type=int,
+        default=d.tcp_lanes,
+        help="Mooncake TCP connections per peer (MC_TCP_LANES_PER_PEER, which wins if set)",
+    )
+
+
+def server_args_from_cli(
+    ns: argparse.Namespace, role: Role = Role.MONOLITHIC, env: WorkerEnv | None = None
+) -> ServerArgs:
+    """The config chain of one instance: `ns` from the CLI, `env` (default: `load_env()`) from
+    the environment."""
+    env = load_env() if env is None else env
+    api_keys = keys.read_api_keys(ns.api_key, ns.api_key_file)
+    cache = CacheConfig(
+        page_size=ns.page_size,
+        num_pages=ns.num_pages,
+        max_total_tokens=ns.max_total_tokens,
+        kv_dtype=ns.kv_dtype or ns.dtype,
+        enable_prefix_cache=not ns.disable_prefix_cache,
+    )
+    sched = SchedulerConfig(
+        max_running_requests=ns.max_running_requests,
+        max_batch_tokens=ns.max_batch_tokens,
+        chunk_size=ns.chunk_size,
+        enable_overlap=not ns.disable_overlap,
+    )
+    disagg = DisaggConfig(role=role, tp_size=ns.tp_size, pp_size=ns.pp_size)
+    if role is not Role.MONOLITHIC:
+        disagg = DisaggConfig(
+            role=role,
+            transfer_backend=ns.transfer_backend,
+            transfer_protocol=ns.transfer_protocol,
+            ib_device=ns.ib_device,
+            bootstrap_port=ns.bootstrap_port,
+            advertise_host=ns.advertise_host,
+            tp_size=ns.tp_size,
+            pp_size=ns.pp_size,
+            bootstrap_timeout_s=ns.bootstrap_timeout,
+            waiting_timeout_s=ns.waiting_timeout,
+            heartbeat_interval_s=ns.heartbeat_interval,
+            heartbeat_max_misses=ns.heartbeat_max_misses,
+            max_bootstrap_queue=ns.max_bootstrap_queue,
+            control_port=ns.control_port,
+            transfer_port_base=ns.transfer_port_base,
+            transfer_ports_per_rank=ns.transfer_ports_per_rank,
+            quarantine_timeout_s=ns.quarantine_timeout,
+            max_prealloc_queue=ns.max_prealloc_queue,
+            tcp_lanes=ns.tcp_lanes,
+            auth_token=keys.read_secret(ns.auth_token_file, "--auth-token-file") if ns.auth_token_file else "",
+            mc_tcp_lanes_per_peer=env.mc_tcp_lanes_per_peer,
+            fault_fail_senders_on_stage=env.fault_fail_senders_on_stage,
+            mc_rpc_port_range=env.mc_rpc_port_range,
+        )
+        disagg.check()
+    engine = EngineConfig(
+        model_path=ns.model,
+        served_model_name=ns.served_model_name,
+        dtype=ns.dtype,
+        device=ns.device,
+        seed=ns.seed,
+        max_context_len=ns.max_context_len,
+        forward=ns.forward,
+        torch_threads=ns.torch_threads,
+        cache=cache,
+        scheduler=sched,
+        disagg=disagg,
+    )
+    return ServerArgs(
+        engine=engine,
+        host=ns.host,
+        port=ns.port,
+        log_level=ns.log_level,
+        health_timeout_s=ns.health_timeout,
+        api_keys=api_keys,
+        max_inflight_requests=ns.max_inflight_requests,
+        drain_timeout_s=ns.drain_timeout,
+    )
