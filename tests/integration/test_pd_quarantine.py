@@ -65,12 +65,15 @@ def test_a_silent_prefills_pages_come_back_after_the_quarantine_timeout(tiny_mod
 
 
 def test_after_decode_freezes_and_resumes_greedy_output_still_equals_monolithic(tiny_model):
-    stack = PDStack(tiny_model, *FLAGS).wait_healthy()
+    # Decode runs 2 requests at a time: the others wait in its prealloc queue for seconds, and a frozen decode
+    # cannot send them their handshake, so the freeze interrupts them for certain (KV already written to a frozen
+    # decode's sockets may still land; a handshake never does).
+    stack = PDStack(tiny_model, *FLAGS, decode_flags=("--max-running-requests", "2")).wait_healthy()
     mono = serve(tiny_model, *FLAGS).wait_healthy()
     pgid = stack.decode.proc.pid
     try:
         with cf.ThreadPoolExecutor(16) as pool:
-            futures = load(stack.router.url, 16, pool, prompt_len=600)  # more KV than decode holds at once
+            futures = load(stack.router.url, 16, pool, prompt_len=600)
             wait_until(
                 lambda: decode_waiting_on_prefill(stack.decode.url),
                 timeout=30,
