@@ -41,35 +41,9 @@ from disagg_worker.engine.loop import Stepper
 from disagg_worker.engine.sampling import SamplingParams
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import DISAGG, RESULTS, Serve, machine_info  # noqa: E402
+from common import DISAGG, LATENCY_KEYS, RESULTS, Serve, bench_args, machine_info, pick  # noqa: E402
 
 DEFAULT_THREADS = torch.get_num_threads()
-
-
-def bench_args(url: str, *, num_prompts: int, concurrency: int, input_len: int, output_len: int) -> argparse.Namespace:
-    p = argparse.ArgumentParser()
-    serve_bench.add_args(p)
-    return p.parse_args(
-        [
-            "--base-url",
-            url,
-            "--num-prompts",
-            str(num_prompts),
-            "--max-concurrency",
-            str(concurrency),
-            "--input-len",
-            str(input_len),
-            "--output-len",
-            str(output_len),
-        ]
-    )
-
-
-def pick(report: dict, *keys: str) -> dict:
-    return {k: round(report[k], 3) for k in keys}
-
-
-LATENCY_KEYS = tuple(f"p{q}_{m}_ms" for m in ("ttft", "itl", "e2e") for q in (50, 90, 99))
 
 
 # ---- 1. throughput vs transformers --------------------------------------------------------------
