@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import json
+import re
 
 import pytest
 import requests
@@ -130,6 +131,42 @@ def test_response_format_json_schema_monolithic_and_pd(stack, mono, sampling):
         timeout=60,
     )
     assert r.status_code == 400 and "response_format" in r.json()["error"]["message"], r.text
+
+
+CONSTRAINED = [
+    ("/v1/completions", {"prompt": "Answer:", "regex": r"(yes|no), [0-9]{2,3}"}, r"(yes|no), [0-9]{2,3}"),
+    ("/v1/chat/completions", {"ebnf": 'root ::= "colour: " ("red" | "blue")'}, r"colour: (red|blue)"),
+    (
+        "/v1/completions",
+        {"prompt": "x", "response_format": {"type": "json_schema", "json_schema": {"schema": SCHEMA}}},
+        None,
+    ),
+]
+
+
+@pytest.mark.parametrize("path, extra, full", CONSTRAINED, ids=["regex-completions", "ebnf-chat", "schema-completions"])
+def test_regex_ebnf_and_completions_schema_monolithic_and_pd(stack, mono, path, extra, full):
+    body = {"max_tokens": 40, "temperature": 1.0, "seed": 11, **extra}
+    if path.endswith("chat/completions"):
+        body["messages"] = [{"role": "user", "content": "Pick one"}]
+    texts = []
+    for url in (mono.url, stack.router.url):
+        r = requests.post(f"{url}{path}", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        assert choice["finish_reason"] == "stop", choice
+        texts.append(choice["text"] if "text" in choice else choice["message"]["content"])
+    assert texts[0] == texts[1]
+    if full is not None:
+        assert re.fullmatch(full, texts[0]), texts[0]
+    else:
+        assert set(json.loads(texts[0])) == {"ok", "colour"}, texts[0]
+
+
+def test_a_regex_that_does_not_compile_is_a_400_naming_it_through_the_router(stack):
+    r = requests.post(f"{stack.router.url}/v1/completions", json={"prompt": "x", "regex": "(open"}, timeout=60)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["message"].startswith("regex: the pattern cannot be used"), r.text
 
 
 def test_n_greater_than_one_uses_distinct_rooms(stack):

@@ -46,7 +46,7 @@ def test_sampled_text_follows_the_schema_and_stops_at_its_end(llama, temperature
     tok, grammars = llama
     states = []
     for i in range(4):
-        s = SamplingState.create(SamplingParams(temperature=temperature, seed=i, response_format=FORMAT), [1])
+        s = SamplingState.create(SamplingParams(temperature=temperature, seed=i, grammar=FORMAT), [1])
         s.matcher = grammars.matcher(FORMAT)
         states.append(s)
     free = SamplingState.create(SamplingParams(temperature=temperature, seed=9), [1])  # a batch mate without one
@@ -63,13 +63,13 @@ def test_sampled_text_follows_the_schema_and_stops_at_its_end(llama, temperature
 def test_decode_resumes_the_grammar_after_the_first_token(llama):
     """Prefill samples token 0 under the grammar; decode's fresh matcher accepts it and goes on."""
     tok, grammars = llama
-    one = SamplingState.create(SamplingParams(temperature=1.0, seed=3, response_format=FORMAT), [1])
+    one = SamplingState.create(SamplingParams(temperature=1.0, seed=3, grammar=FORMAT), [1])
     one.matcher = grammars.matcher(FORMAT)
     run(Sampler(tok.vocab_size), [one], tok.vocab_size, tok.eos_token_ids)
-    prefill = SamplingState.create(SamplingParams(temperature=1.0, seed=3, response_format=FORMAT), [1])
+    prefill = SamplingState.create(SamplingParams(temperature=1.0, seed=3, grammar=FORMAT), [1])
     prefill.matcher = grammars.matcher(FORMAT)
     run(Sampler(tok.vocab_size), [prefill], tok.vocab_size, tok.eos_token_ids, steps=1)
-    decode = SamplingState.create(SamplingParams(temperature=1.0, seed=3, response_format=FORMAT), [1])
+    decode = SamplingState.create(SamplingParams(temperature=1.0, seed=3, grammar=FORMAT), [1])
     decode.matcher = grammars.matcher(FORMAT)
     decode.resume_after(prefill.output_ids[0])
     decode.output_ids.append(prefill.output_ids[0])

@@ -323,15 +323,15 @@ def test_tools_and_unknown_response_formats_are_refused_not_ignored(body, param,
 def test_chat_without_tools_or_with_text_format_is_accepted():
     for extra in ({"tools": []}, {"tools": None, "tool_choice": "none"}, {"tool_choice": "auto"}):
         assert chat({"messages": USER, **extra}).messages == USER
-    assert chat({"messages": USER, "response_format": {"type": "text"}}).sampling.response_format is None
+    assert chat({"messages": USER, "response_format": {"type": "text"}}).sampling.grammar is None
 
 
 def test_response_format_becomes_a_canonical_sampling_param():
     schema = {"type": "object", "required": ["a"], "properties": {"a": {"type": "integer"}}}
     fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}
-    got = chat({"messages": USER, "response_format": fmt}).sampling.response_format
+    got = chat({"messages": USER, "response_format": fmt}).sampling.grammar
     assert json.loads(got) == {"type": "json_schema", "schema": schema}
-    got = chat({"messages": USER, "response_format": {"type": "json_object"}}).sampling.response_format
+    got = chat({"messages": USER, "response_format": {"type": "json_object"}}).sampling.grammar
     assert json.loads(got) == {"type": "json_object"}
 
 

@@ -107,9 +107,9 @@ class Engine:
     def arrive(self, m: msg.GenerateReq) -> None:
         problem = self.limits.kv_problem(len(m.input_ids))  # it would wait for pages forever
         matcher = None
-        if not problem and m.params.response_format is not None:
+        if not problem and m.params.grammar is not None:
             try:
-                matcher = self.grammars.matcher(m.params.response_format)
+                matcher = self.grammars.matcher(m.params.grammar)
             except ValueError as e:
                 problem = str(e)
         req = Req(

@@ -1,20 +1,21 @@
-"""Structured output: a chat request's `response_format` (any JSON object, or JSON that follows a
-schema) enforced token by token with xgrammar.
+"""Constrained output: JSON (any object, or one that follows a schema), a regular expression or an
+EBNF grammar, enforced token by token with xgrammar.
 
-The HTTP process turns `response_format` into `SamplingParams.response_format`, a canonical JSON
-string (`{"type": "json_object"}` or `{"type": "json_schema", "schema": {...}}`). In the scheduler
-process `Grammars.matcher` compiles it (once per distinct string; JSON with fixed separators, no free whitespace,
-so a small model cannot loop on blanks) into a matcher the request's `SamplingState` owns. Each step
-the sampler masks the logits of rows with a matcher to the tokens the grammar allows (`mask_rows`)
-and feeds it the chosen token (`accept_rows`); the grammar allows end-of-sequence only where the JSON
-is complete, so the request stops there. Under P/D prefill samples the first token under the mask and
-decode's matcher accepts that token (`SamplingState.resume_after`) before its own steps.
+The HTTP process turns a request's `response_format`, `regex` or `ebnf` into `SamplingParams.grammar`,
+a canonical JSON string (`{"type": "json_object"}`, `{"type": "json_schema", "schema": {...}}`,
+`{"type": "regex", "pattern": ...}`, `{"type": "ebnf", "grammar": ...}`). In the scheduler process
+`Grammars.matcher` compiles it (once per distinct string; JSON with fixed separators, no free
+whitespace, so a small model cannot loop on blanks) into a matcher the request's `SamplingState`
+owns. Each step the sampler masks the logits of rows with a matcher to the tokens the grammar allows
+(`mask_rows`) and feeds it the chosen token (`accept_rows`); the grammar allows end-of-sequence only
+where its text is complete, so the request stops there. Under P/D prefill samples the first token under
+the mask and decode's matcher accepts that token (`SamplingState.resume_after`) before its own steps.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import cache
 from typing import Any
 
@@ -29,20 +30,23 @@ class Grammars:
         self._compiled: dict[str, Any] = {}
         self._compiler: Any = None
 
-    def matcher(self, response_format: str) -> Any:
-        """A fresh `xgrammar.GrammarMatcher` for `response_format`; ValueError if its schema does not compile."""
+    def matcher(self, grammar: str) -> Any:
+        """A fresh `xgrammar.GrammarMatcher` for `grammar`; ValueError naming the request field if it won't compile."""
         import xgrammar as xgr
 
-        grammar = self._compiled.get(response_format)
-        if grammar is None:
-            fmt = json.loads(response_format)
+        compiled = self._compiled.get(grammar)
+        if compiled is None:
+            spec = json.loads(grammar)
+            kind = spec.get("type")
+            if kind not in _KINDS:
+                raise ValueError(f"grammar: unknown type {str(kind)[:40]!r}")
+            param, compile_spec = _KINDS[kind]
             try:
-                schema = fmt["schema"] if fmt["type"] == "json_schema" else {"type": "object"}
-                grammar = self.compiler().compile_json_schema(json.dumps(schema), any_whitespace=False)
+                compiled = compile_spec(self.compiler(), spec)
             except (RuntimeError, ValueError) as e:
-                raise ValueError(f"response_format: the JSON schema cannot be used: {str(e)[:300]}") from None
-            self._compiled[response_format] = grammar
-        return xgr.GrammarMatcher(grammar)
+                raise ValueError(f"{param}: {_WHAT[kind]} cannot be used: {str(e)[:300]}") from None
+            self._compiled[grammar] = compiled
+        return xgr.GrammarMatcher(compiled)
 
     def compiler(self) -> Any:
         if self._compiler is None:
@@ -65,6 +69,20 @@ class Grammars:
             )
             self._compiler = xgr.GrammarCompiler(info)
         return self._compiler
+
+
+def _json(compiler: Any, schema: dict) -> Any:
+    return compiler.compile_json_schema(json.dumps(schema), any_whitespace=False)
+
+
+# Grammar type -> (the request field a failure names, how it compiles).
+_KINDS: dict[str, tuple[str, Callable[[Any, dict], Any]]] = {
+    "json_object": ("response_format", lambda c, spec: _json(c, {"type": "object"})),
+    "json_schema": ("response_format", lambda c, spec: _json(c, spec["schema"])),
+    "regex": ("regex", lambda c, spec: c.compile_regex(spec["pattern"])),
+    "ebnf": ("ebnf", lambda c, spec: c.compile_grammar(spec["grammar"])),
+}
+_WHAT = {"json_object": "JSON", "json_schema": "the JSON schema", "regex": "the pattern", "ebnf": "the grammar"}
 
 
 def vocab_type(tokenizer_json: dict) -> tuple[str, bool]:

@@ -53,9 +53,10 @@ class SamplingParams:
     # None: no logprobs; 0: the chosen token's; N: plus the top-N alternatives.
     logprobs: int | None = None
     skip_special_tokens: bool = True
-    # Structured output (`engine/grammar.py`): {"type": "json_object"} or {"type": "json_schema",
-    # "schema": {...}} as a JSON string; None: free text.
-    response_format: str | None = None
+    # Constrained output (`engine/grammar.py`): a canonical JSON string such as {"type": "json_object"},
+    # {"type": "json_schema", "schema": {...}}, {"type": "regex", "pattern": ...} or {"type": "ebnf",
+    # "grammar": ...}; None: free text.
+    grammar: str | None = None
 
     @property
     def is_greedy(self) -> bool:
@@ -124,7 +125,7 @@ def _check_stop(v: object) -> str | None:
     return None
 
 
-def _check_response_format(v: object) -> str | None:
+def _check_grammar(v: object) -> str | None:
     return None if v is None or isinstance(v, str) else f"must be a JSON string or None, got {_fmt(v)}"
 
 
@@ -156,7 +157,7 @@ _CHECKS = {
     "min_new_tokens": _int_range(0, None),
     "logprobs": _int_range(0, MAX_LOGPROBS, optional=True),
     "skip_special_tokens": _check_bool,
-    "response_format": _check_response_format,
+    "grammar": _check_grammar,
 }
 
 

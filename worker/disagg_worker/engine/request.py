@@ -26,7 +26,7 @@ class Req:
     eos_ids: frozenset[int] = frozenset()
     max_context_len: int = 1 << 30
     arrival: float = field(default_factory=time.monotonic)
-    # The grammar of a request with a response_format (`engine/grammar.py`); the sampling state uses it.
+    # The matcher of a request with a grammar (`engine/grammar.py`); the sampling state uses it.
     matcher: Any = field(default=None, repr=False)
 
     # The output tokens, in one list: `append_token` is the only writer (the sampler reads it too).

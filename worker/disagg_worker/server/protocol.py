@@ -21,7 +21,8 @@ from typing import Any
 
 from disagg_worker.engine.params import SamplingParams
 from disagg_worker.limits import MAX_TOKEN_ID, RequestLimits
-from disagg_worker.server.chat_fields import no_tool_calling, parse_response_format
+from disagg_worker.server.chat_fields import no_tool_calling
+from disagg_worker.server.constraints import parse_native_grammar, parse_openai_grammar
 from disagg_worker.server.errors import bad_request, model_not_found
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16
@@ -268,7 +269,11 @@ def parse_completion(body: Any, served_model: str, limits: RequestLimits) -> Com
     n = _n(body)
     user = _opt(body, "user", _text, None)
     max_new, explicit = _max_tokens(body, "max_tokens", DEFAULT_COMPLETION_MAX_TOKENS, limits)
-    extra = {"max_new_tokens": max_new, "logprobs": _opt(body, "logprobs", _int, None)}
+    extra = {
+        "max_new_tokens": max_new,
+        "logprobs": _opt(body, "logprobs", _int, None),
+        "grammar": parse_openai_grammar(body),
+    }
     sampling = _sampling(body, extra, {"max_new_tokens": "max_tokens"}, limits)
     if isinstance(prompt, list):
         sampling = limits.admit(prompt, sampling, explicit)
@@ -322,13 +327,13 @@ def parse_chat(body: Any, served_model: str, limits: RequestLimits) -> ChatReque
     body = _object(body)
     model = _model(body, served_model)
     no_tool_calling(body)
-    response_format = parse_response_format(body)
+    grammar = parse_openai_grammar(body)
     messages = _messages(body.get("messages"))
     stream, usage = _stream(body)
     n = _n(body)
     key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     max_new, explicit = _max_tokens(body, key, DEFAULT_CHAT_MAX_TOKENS, limits)
-    extra = {"max_new_tokens": max_new, "logprobs": _chat_logprobs(body), "response_format": response_format}
+    extra = {"max_new_tokens": max_new, "logprobs": _chat_logprobs(body), "grammar": grammar}
     names = {"max_new_tokens": key, "logprobs": "top_logprobs"}
     sampling = _sampling(body, extra, names, limits)
     add_gen = _opt(body, "add_generation_prompt", _bool, True)
@@ -354,7 +359,11 @@ def parse_generate(body: Any, limits: RequestLimits) -> GenerateRequest:
         raise bad_request("sampling_params: must be an object", "sampling_params")
     prefix = "sampling_params."
     max_new, explicit = _max_tokens(raw, "max_new_tokens", DEFAULT_COMPLETION_MAX_TOKENS, limits, prefix)
-    extra = {"max_new_tokens": max_new, "logprobs": _opt(raw, "logprobs", _int, None, prefix)}
+    extra = {
+        "max_new_tokens": max_new,
+        "logprobs": _opt(raw, "logprobs", _int, None, prefix),
+        "grammar": parse_native_grammar(raw, prefix),
+    }
     names = {f: f for f in _SAMPLING_FIELDS}
     sampling = _sampling(raw, extra, names, limits, prefix)
     if input_ids is not None:
