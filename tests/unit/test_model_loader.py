@@ -10,6 +10,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from disagg_worker.model import loader
+from disagg_worker.model.cpu_linear import PackedLinear, can_pack
 from disagg_worker.model.loader import WeightMismatchError, load_model
 from tests.unit.model_stubs import PageAllocator, StandInKV, make_batch
 
@@ -82,6 +83,21 @@ def test_bfloat16_model_returns_float32_logits_close_to_float32(tiny_dirs):
     assert got.dtype == torch.float32
     torch.testing.assert_close(got, want, atol=0.05, rtol=0)
     assert got.argmax() == want.argmax()
+
+
+@pytest.mark.skipif(not can_pack(torch.device("cpu"), torch.bfloat16), reason="no oneDNN bfloat16 on this CPU")
+def test_bfloat16_linears_are_packed_on_the_cpu_with_logits_bitwise_equal(tiny_dirs, monkeypatch):
+    for arch in ("llama", "qwen3"):
+        packed, cfg = load_model(tiny_dirs[arch], torch.bfloat16, "cpu")
+        kinds = {type(m) for m in packed.modules()}
+        assert PackedLinear in kinds and torch.nn.Linear not in kinds, kinds
+        with monkeypatch.context() as m:
+            m.setattr(loader, "can_pack", lambda device, dtype: False)
+            plain, _ = load_model(tiny_dirs[arch], torch.bfloat16, "cpu")
+        assert PackedLinear not in {type(m) for m in plain.modules()}
+        assert torch.equal(last_logits(packed, cfg), last_logits(plain, cfg))
+    fp32, _ = load_model(tiny_dirs["llama"], "float32", "cpu")
+    assert PackedLinear not in {type(m) for m in fp32.modules()}  # float32 rounding would change
 
 
 def test_progress_bar_only_for_large_models(tiny_dirs, capfd, monkeypatch):

@@ -102,7 +102,9 @@ def _start_process(cfg: EngineConfig, log_level: str, name: str, rank: int = 0) 
     import torch
 
     from disagg_worker.disagg.mooncake.environ import mooncake_environ
+    from disagg_worker.engine.memory import keep_freed_memory
 
+    keep_freed_memory()
     os.environ.update(mooncake_environ(cfg.disagg, rank))  # read by the transfer engine when it starts
     if cfg.resolved_torch_threads:
         torch.set_num_threads(cfg.resolved_torch_threads)

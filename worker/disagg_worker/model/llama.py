@@ -25,7 +25,7 @@ from disagg_worker.model.attention import AttentionPlan, paged_attention, write_
 from disagg_worker.model.batch import ForwardBatch
 from disagg_worker.model.config import ModelConfig
 from disagg_worker.model.parallel import Shard
-from disagg_worker.model.rope import RotaryEmbedding
+from disagg_worker.model.rope import RotaryEmbedding, Rotation
 
 AllReduce = Callable[[torch.Tensor], torch.Tensor]
 
@@ -71,16 +71,14 @@ class LlamaAttention(nn.Module):
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
 
-    def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, plan: AttentionPlan, kv: KVCacheView, rotary: RotaryEmbedding
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rotation: Rotation, plan: AttentionPlan, kv: KVCacheView) -> torch.Tensor:
         t = x.shape[0]
         q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary(q, k, positions)
+        q, k = rotation(q, k)
         k_buf, v_buf = kv.k_buffer(self.layer), kv.v_buffer(self.layer)
         write_kv(k_buf, v_buf, k, v, plan.out_slots)
         out = paged_attention(q, plan, k_buf, v_buf)
@@ -108,10 +106,8 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(
-        self, h: torch.Tensor, positions: torch.Tensor, plan: AttentionPlan, kv: KVCacheView, rotary: RotaryEmbedding
-    ) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), positions, plan, kv, rotary)
+    def forward(self, h: torch.Tensor, rotation: Rotation, plan: AttentionPlan, kv: KVCacheView) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), rotation, plan, kv)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -139,8 +135,9 @@ class LlamaModel(nn.Module):
         the last stage). The first stage embeds `batch.input_ids`; the others continue `hidden`."""
         plan = AttentionPlan.build(batch, batch.input_ids.device)
         h = self.embed_tokens(batch.input_ids) if hidden is None else hidden
+        rotation = self.rotary.at(batch.positions, h.dtype)
         for layer in self.layers.values():
-            h = layer(h, batch.positions, plan, kv, self.rotary)
+            h = layer(h, rotation, plan, kv)
         return self.norm(h) if self.shard.last_stage else h
 
 

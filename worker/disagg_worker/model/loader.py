@@ -21,6 +21,7 @@ from tqdm import tqdm
 
 from disagg_worker.model import gguf_model
 from disagg_worker.model.config import ModelConfig
+from disagg_worker.model.cpu_linear import can_pack, pack_linears
 from disagg_worker.model.gguf_meta import open_gguf
 from disagg_worker.model.llama import AllReduce, LlamaForCausalLM
 from disagg_worker.model.parallel import Shard, check_parallel, shard_slice
@@ -44,7 +45,8 @@ def load_model(
     """Build the model (this rank's `shard` of it) from the checkpoint's config and fill it with its
     weights.
 
-    Returns the model in eval mode, without gradients, on `device` in `dtype`.
+    Returns the model in eval mode, without gradients, on `device` in `dtype` (bfloat16 linear layers on a
+    CPU with their weights packed for oneDNN: `cpu_linear.py`).
     """
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     shard = shard or Shard()
@@ -63,7 +65,10 @@ def load_model(
         state = _read_hf_dir(Path(path), cfg, mine, shard, dtype, torch.device(device))
     model.load_state_dict(state, strict=False, assign=True)  # names were checked; a tied head is re-tied
     model.tie_weights()
-    return model.to(device).eval().requires_grad_(False), cfg
+    model = model.to(device).eval().requires_grad_(False)
+    if can_pack(torch.device(device), dtype):
+        pack_linears(model)
+    return model, cfg
 
 
 def weight_files(path: Path) -> list[Path]:

@@ -53,8 +53,18 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def at(self, positions: torch.Tensor, dtype: torch.dtype) -> Rotation:
+        """The rotation of tokens at `positions`, in `dtype`: looked up once per forward, applied by every layer."""
+        return Rotation(self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype))
+
+
+class Rotation:
+    """cos/sin [T, 1, D] of one forward's tokens."""
+
+    def __init__(self, cos: torch.Tensor, sin: torch.Tensor):
+        self.cos, self.sin = cos, sin
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate q [T, H, D] and k [T, H_kv, D] by their token's position."""
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
+        cos, sin = self.cos, self.sin
         return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
