@@ -6,12 +6,12 @@ prompts, weights and torch thread count, in one run on one machine.
   prompt tokens in, 64 out, EOS ignored, streamed over HTTP);
 - transformers generate: `model.generate` on the same prompts in batches of our concurrency (all prompts
   have the same length, so no padding), greedy, exactly 64 new tokens per row, in this process with
-  `torch.set_num_threads(N)`; the target (>= 5x) is against this one;
+  `torch.set_num_threads(N)`;
 - transformers generate_batch: its continuous batching with a paged KV cache
   (`generation/continuous_batching`), same prompts, greedy, 64 new tokens each, at most as many requests
   per batch as our concurrency and as many tokens per forward as our `--max-batch-tokens`. (Its
   defaults size the KV cache from free memory, 90% of the RAM on a CPU; here it gets 64 blocks of
-  256 tokens, twice what the requests in flight need.)
+  256 tokens, twice what the requests in flight need.) The target (>= 5x) is against this one.
 
 The figure is output tokens per second over the whole load (prefill included) and the ratio of ours to
 each baseline. Rounds alternate between the three (`--rounds`, default 2; medians; the latency
@@ -248,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     res["ratio"], res["ratio_rounds"] = {}, {}
     for name in ("generate", "generate_batch"):
         res["ratio"][name], res["ratio_rounds"][name] = ratios(res, f"transformers_{name}")
-    res["targets"] = {"throughput_ratio_vs_generate_ge_5": res["ratio"]["generate"] >= 5}
+    res["targets"] = {"throughput_ratio_vs_generate_batch_ge_5": res["ratio"]["generate_batch"] >= 5}
     res["machine"]["load_average_at_end"] = list(os.getloadavg())
     res["wall_s"] = round(time.perf_counter() - t0, 1)
     out = Path(a.out or RESULTS / ("smollm2.json" if a.dtype == "float32" else f"smollm2-{a.dtype}.json"))
