@@ -87,3 +87,37 @@ def test_a_schema_that_does_not_compile_is_a_value_error_naming_response_format(
     bad = json.dumps({"type": "json_schema", "schema": {"type": "no-such-type"}})
     with pytest.raises(ValueError, match="response_format"):
         grammars.matcher(bad)
+
+
+BOUNDED = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "minLength": 2, "maxLength": 8},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 3}, "maxItems": 2},
+    },
+    "required": ["city", "tags"],
+    "additionalProperties": False,
+}
+
+
+def test_length_bounded_strings_are_valid_json_within_their_bounds(llama):
+    """xgrammar alone lets raw control characters into a length-bounded string (invalid JSON)."""
+    tok, grammars = llama
+    fmt = json.dumps({"type": "json_schema", "schema": BOUNDED})
+    states = []
+    for i in range(8):
+        s = SamplingState.create(SamplingParams(temperature=1.0, seed=i, grammar=fmt), [1])
+        s.matcher = grammars.matcher(fmt)
+        states.append(s)
+    run(Sampler(tok.vocab_size), states, tok.vocab_size, tok.eos_token_ids, steps=120)
+    for s in states:
+        assert s.output_ids[-1] in tok.eos_token_ids
+        answer = json.loads(tok.decode(s.output_ids[:-1]))  # strict: no raw control characters
+        assert len(answer["tags"]) <= 2, answer
+        # Lengths count characters. xgrammar takes some malformed UTF-8 (an overlong 4-byte sequence, which
+        # a random model's byte tokens can spell and a real model's do not) as one character; decoded,
+        # its bytes become one U+FFFD each, so only cleanly decoded strings are held to the bounds here.
+        clean = [t for t in [answer["city"], *answer["tags"]] if "\ufffd" not in t]
+        assert clean and all(len(t) <= 8 for t in clean), answer
+        assert all(len(t) <= 3 for t in answer["tags"] if t in clean), answer
+        assert answer["city"] not in clean or len(answer["city"]) >= 2, answer

@@ -14,8 +14,10 @@ from disagg_worker.disagg import (
     manager_class,
     pack_first_token,
     unpack_first_token,
+    unpack_top_logprobs,
 )
 from disagg_worker.disagg.fake import FakeKVManager
+from disagg_worker.engine.params import MAX_LOGPROBS
 
 LAYOUT = KVLayout([0x1000, 0x9000], [4096, 4096], page_nbytes=512, page_size=4, kv_dtype="float32", num_pages=8)
 _rooms = itertools.count(1 << 40)
@@ -49,6 +51,21 @@ def test_fake_round_trip_delivers_aux_and_success():
     assert sender.poll() is KVPoll.Success and receiver.poll() is KVPoll.Success
     assert unpack_first_token(receiver.aux_bytes()) == (42, -0.5)
     assert p.metrics.transfers == 1 and p.metrics.bytes_total == 3 * 512 * 2
+
+
+def test_the_aux_record_carries_the_first_tokens_top_logprobs_up_to_the_most_a_request_asks():
+    """Decode reports the first token's alternatives as prefill saw them (a P/D answer's top_logprobs
+    were shifted by one token without them)."""
+    top = [(i, -0.25 * i) for i in range(MAX_LOGPROBS)]
+    for logprob, alternatives, want in [(None, None, None), (-0.5, [], []), (-0.5, top[:3], top[:3]), (0.0, top, top)]:
+        p, d = managers()
+        room = next(_rooms)
+        sender, receiver = p.create_sender(room), d.create_receiver(room, "127.0.0.1:1")
+        receiver.init([0], aux_slot=1)
+        sender.send([4], last=True, aux=pack_first_token(42, logprob, alternatives))
+        assert sender.poll() is KVPoll.Success, sender.failure_reason()
+        aux = receiver.aux_bytes()
+        assert unpack_first_token(aux) == (42, logprob) and unpack_top_logprobs(aux) == want
 
 
 def test_every_status_move_wakes_the_manager_that_owns_the_handle():

@@ -33,6 +33,7 @@ from disagg_worker.disagg.base import (
     TransferFailure,
     pack_first_token,
     unpack_first_token,
+    unpack_top_logprobs,
 )
 from disagg_worker.disagg.metrics import TransferMetrics
 from disagg_worker.disagg.poll import KVPoll
@@ -53,4 +54,5 @@ __all__ = [
     "manager_class",
     "pack_first_token",
     "unpack_first_token",
+    "unpack_top_logprobs",
 ]

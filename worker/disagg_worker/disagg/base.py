@@ -14,12 +14,19 @@ from __future__ import annotations
 import math
 import struct
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from disagg_worker.config import DisaggConfig, Role
 from disagg_worker.disagg.metrics import TransferMetrics
 from disagg_worker.disagg.poll import KVPoll, StatusCell
+from disagg_worker.engine.params import MAX_LOGPROBS
+
+_FIRST_TOKEN = struct.Struct("<qd")
+_TOP_COUNT = struct.Struct("<I")
+_TOP_ENTRY = struct.Struct("<qd")
+# The aux record of the most a request can ask for: its first token, logprob and MAX_LOGPROBS alternatives.
+AUX_ITEM_NBYTES = _FIRST_TOKEN.size + _TOP_COUNT.size + MAX_LOGPROBS * _TOP_ENTRY.size
 
 
 @dataclass(frozen=True)
@@ -42,7 +49,7 @@ class KVLayout:
     num_pages: int
     start_layer: int = 0
     aux_num_slots: int = 256
-    aux_item_nbytes: int = 16
+    aux_item_nbytes: int = AUX_ITEM_NBYTES
     kv_head_start: int = 0
     num_kv_heads: int = 1
 
@@ -113,17 +120,31 @@ class TransferFailure:
     pages_unsafe: bool = False
 
 
-_FIRST_TOKEN = struct.Struct("<qd")
-
-
-def pack_first_token(token_id: int, logprob: float | None = None) -> bytes:
-    """The aux record of a request: its first output token and optionally its logprob."""
-    return _FIRST_TOKEN.pack(token_id, math.nan if logprob is None else logprob)
+def pack_first_token(
+    token_id: int, logprob: float | None = None, top: Sequence[tuple[int, float]] | None = None
+) -> bytes:
+    """The aux record of a request: its first output token and optionally its logprob and the top
+    alternatives (token id, logprob) prefill saw for it."""
+    head = _FIRST_TOKEN.pack(token_id, math.nan if logprob is None else logprob)
+    if not top:
+        return head
+    return head + _TOP_COUNT.pack(len(top)) + b"".join(_TOP_ENTRY.pack(t, lp) for t, lp in top)
 
 
 def unpack_first_token(aux: bytes) -> tuple[int, float | None]:
     token_id, logprob = _FIRST_TOKEN.unpack_from(aux)
     return token_id, None if math.isnan(logprob) else logprob
+
+
+def unpack_top_logprobs(aux: bytes) -> list[tuple[int, float]] | None:
+    """The first token's top alternatives: None when the request asked for no logprobs."""
+    if unpack_first_token(aux)[1] is None:
+        return None
+    if len(aux) < _FIRST_TOKEN.size + _TOP_COUNT.size:
+        return []
+    (n,) = _TOP_COUNT.unpack_from(aux, _FIRST_TOKEN.size)
+    start = _FIRST_TOKEN.size + _TOP_COUNT.size
+    return [_TOP_ENTRY.unpack_from(aux, start + i * _TOP_ENTRY.size) for i in range(min(n, MAX_LOGPROBS))]
 
 
 class KVSender(ABC):
@@ -243,5 +264,6 @@ __all__ = [
     "TransferFailure",
     "pack_first_token",
     "unpack_first_token",
+    "unpack_top_logprobs",
     "check_pages",
 ]

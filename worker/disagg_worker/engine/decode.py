@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from disagg_worker.config import EngineConfig
-from disagg_worker.disagg import KVPoll, KVReceiver, unpack_first_token
+from disagg_worker.disagg import KVPoll, KVReceiver, unpack_first_token, unpack_top_logprobs
 from disagg_worker.engine.outbox import Outbox
 from disagg_worker.engine.request import Req
 from disagg_worker.engine.scheduler import Scheduler, StepOutcome
@@ -137,9 +137,10 @@ class DecodeStage:
             state = d.receiver.poll()
             if state is KVPoll.Success:
                 del self.transfer[rid]
-                token, logprob = unpack_first_token(d.receiver.aux_bytes())
+                aux = d.receiver.aux_bytes()
+                token, logprob = unpack_first_token(aux)
                 self.free_slots.append(d.aux_slot)
-                self.scheduler.add_running(d.req, d.pages, token, logprob)
+                self.scheduler.add_running(d.req, d.pages, token, logprob, unpack_top_logprobs(aux))
             elif state is KVPoll.Failed:
                 del self.transfer[rid]
                 failure = d.receiver.failure()

@@ -72,7 +72,30 @@ class Grammars:
 
 
 def _json(compiler: Any, schema: dict) -> Any:
-    return compiler.compile_json_schema(json.dumps(schema), any_whitespace=False)
+    return compiler.compile_json_schema(json.dumps(bounded_strings_as_patterns(schema)), any_whitespace=False)
+
+
+_VALUES = ("const", "enum", "default", "examples")  # keywords whose contents are JSON values, not schemas
+
+
+def bounded_strings_as_patterns(schema: Any) -> Any:
+    """`schema` with each string bounded by minLength/maxLength (and no pattern or format of its own)
+    spelled as the equivalent pattern of non-control characters.
+
+    xgrammar 0.2.8 compiles a length-bounded string to a grammar that lets raw control characters
+    (tab, U+0001, ...) into the string and refuses escapes, so an answer could be invalid JSON that
+    `json.loads` refuses; its pattern strings are escaped correctly. The pattern keeps the bounds
+    and leaves out control characters, which a JSON string can only hold escaped."""
+    if isinstance(schema, list):
+        return [bounded_strings_as_patterns(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: v if k in _VALUES else bounded_strings_as_patterns(v) for k, v in schema.items()}
+    bounded = "minLength" in out or "maxLength" in out
+    if out.get("type") == "string" and bounded and "pattern" not in out and "format" not in out:
+        lo, hi = out.pop("minLength", 0), out.pop("maxLength", "")
+        out["pattern"] = f"^[^\\x00-\\x1f]{{{lo},{hi}}}$"
+    return out
 
 
 # Grammar type -> (the request field a failure names, how it compiles).

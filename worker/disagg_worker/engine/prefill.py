@@ -113,7 +113,7 @@ class PrefillStage:
             return
         p.first = s
         total = pages_for(len(s.req.prompt_ids), self.page_size)
-        p.sender.send(s.req.pages[p.sent_pages : total], last=True, aux=pack_first_token(s.token, s.logprob))
+        p.sender.send(s.req.pages[p.sent_pages : total], last=True, aux=pack_first_token(s.token, s.logprob, s.top))
         p.sent_pages = total
         self.inflight[s.req.rid] = p
 

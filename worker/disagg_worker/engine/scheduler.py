@@ -94,13 +94,15 @@ class Scheduler:
         self.by_rid[req.rid] = req
         self.waiting.append(req)
 
-    def add_running(self, req: Req, pages: list[int], first_token: int, logprob: float | None) -> None:
+    def add_running(
+        self, req: Req, pages: list[int], first_token: int, logprob: float | None, top: TopLogprobs | None = None
+    ) -> None:
         """Start decoding a request whose prompt KV is already in `pages` (decode after a transfer)."""
         req.pages, req.num_computed = pages, len(req.prompt_ids)
         req.sampling.resume_after(first_token)  # prefill sampled it (its draw, its grammar step)
         self.by_rid[req.rid] = req
         self.running.append(req)
-        self._accept(Sampled(req, first_token, logprob, None))
+        self._accept(Sampled(req, first_token, logprob, top))
 
     def abort(self, rid: str) -> bool:
         """End the request `rid` if it is here; False if it is not."""
