@@ -293,16 +293,9 @@ def test_bad_chat_fields_name_the_param(body, param):
 TOOL = {"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}
 TOOL_CALL = {"id": "c1", "type": "function", "function": {"name": "weather", "arguments": "{}"}}
 UNSUPPORTED_CHATS = [
-    ({"messages": USER, "tools": [TOOL]}, "tools", "tool calling is not supported"),
-    ({"messages": USER, "tools": [TOOL], "tool_choice": "none"}, "tools", "tool calling is not supported"),
-    ({"messages": USER, "functions": [TOOL["function"]]}, "functions", "tool calling is not supported"),
-    ({"messages": USER, "tool_choice": "required"}, "tool_choice", 'only "none"'),
-    ({"messages": USER, "tool_choice": {"type": "function"}}, "tool_choice", 'only "none"'),
-    (
-        {"messages": [*USER, {"role": "assistant", "content": None, "tool_calls": [TOOL_CALL]}]},
-        "messages[1].tool_calls",
-        "tool calling is not supported",
-    ),
+    ({"messages": USER, "functions": [TOOL["function"]]}, "functions", "legacy function-calling fields"),
+    ({"messages": USER, "tool_choice": "required"}, "tool_choice", '"required" needs tools'),
+    ({"messages": USER, "tool_choice": {"type": "function"}}, "tool_choice", 'must be "none", "auto"'),
     ({"messages": USER, "response_format": {"type": "yaml"}}, "response_format", 'type "yaml" is not supported'),
     ({"messages": USER, "response_format": "json"}, "response_format", "not supported"),
     (
@@ -323,6 +316,13 @@ def test_tools_and_unknown_response_formats_are_refused_not_ignored(body, param,
 def test_chat_without_tools_or_with_text_format_is_accepted():
     for extra in ({"tools": []}, {"tools": None, "tool_choice": "none"}, {"tool_choice": "auto"}):
         assert chat({"messages": USER, **extra}).messages == USER
+        assert chat({"messages": USER, **extra}).tools is None
+    # Tools and calls in the history are parsed here; whether the model's template can offer them is the API's
+    # to say (a 400 naming tools for a template without them: test_tool_calls.py, tests/integration/test_tools.py).
+    offered = chat({"messages": USER, "tools": [TOOL]}).tools
+    assert offered is not None and offered.names == {"weather"} and offered.choice == "auto"
+    history = chat({"messages": [*USER, {"role": "assistant", "content": None, "tool_calls": [TOOL_CALL]}]}).messages
+    assert history[1]["tool_calls"][0]["function"] == {"name": "weather", "arguments": {}}
     assert chat({"messages": USER, "response_format": {"type": "text"}}).sampling.grammar is None
 
 

@@ -98,14 +98,47 @@ def bounded_strings_as_patterns(schema: Any) -> Any:
     return out
 
 
+def _tool_calls(compiler: Any, spec: dict) -> Any:
+    """One call, in the chat template's format, of one of `spec["tools"]` with arguments that follow its
+    parameters schema (`server/tool_calls.py` says which format and which tools)."""
+    import xgrammar as xgr
+
+    key = "arguments" if spec["style"] == "hermes" else "parameters"
+    calls = [
+        {
+            "type": "object",
+            "properties": {"name": {"const": t["name"]}, key: t["parameters"]},
+            "required": ["name", key],
+            "additionalProperties": False,
+        }
+        for t in spec["tools"]
+    ]
+    schema = bounded_strings_as_patterns(calls[0] if len(calls) == 1 else {"anyOf": calls})
+    call = xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False)
+    if spec["style"] == "hermes":
+        call = xgr.Grammar.concat(
+            xgr.Grammar.from_ebnf('root ::= "<tool_call>\\n"'),
+            call,
+            xgr.Grammar.from_ebnf('root ::= "\\n</tool_call>"'),
+        )
+    return compiler.compile_grammar(call)
+
+
 # Grammar type -> (the request field a failure names, how it compiles).
 _KINDS: dict[str, tuple[str, Callable[[Any, dict], Any]]] = {
     "json_object": ("response_format", lambda c, spec: _json(c, {"type": "object"})),
     "json_schema": ("response_format", lambda c, spec: _json(c, spec["schema"])),
     "regex": ("regex", lambda c, spec: c.compile_regex(spec["pattern"])),
     "ebnf": ("ebnf", lambda c, spec: c.compile_grammar(spec["grammar"])),
+    "tool_calls": ("tools", _tool_calls),
 }
-_WHAT = {"json_object": "JSON", "json_schema": "the JSON schema", "regex": "the pattern", "ebnf": "the grammar"}
+_WHAT = {
+    "json_object": "JSON",
+    "json_schema": "the JSON schema",
+    "regex": "the pattern",
+    "ebnf": "the grammar",
+    "tool_calls": "a parameters schema",
+}
 
 
 def vocab_type(tokenizer_json: dict) -> tuple[str, bool]:

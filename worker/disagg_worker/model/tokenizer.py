@@ -34,6 +34,8 @@ class Tokenizer:
     add_bos_token: bool
     chat_template: jinja2.Template | None
     eos_token_ids: tuple[int, ...]
+    # The chat template's source, read for the tool-call format it writes (`server/tool_calls.py`).
+    chat_template_source: str | None = None
 
     @classmethod
     def from_path(cls, path: str | Path) -> Tokenizer:
@@ -74,6 +76,7 @@ class Tokenizer:
             add_bos_token=bool(tcfg.get("add_bos_token", False)),
             chat_template=_compile(template) if template else None,
             eos_token_ids=tuple(dict.fromkeys(eos_ids)),
+            chat_template_source=template or None,
         )
 
     @property
@@ -98,7 +101,9 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, tools: list[dict] | None = None
+    ) -> str:
         """Render `messages` ([{"role": ..., "content": ...}]) with the model's chat template.
 
         Raises ValueError if the model has no chat template or the template rejects the messages.
@@ -108,6 +113,7 @@ class Tokenizer:
         return self.chat_template.render(
             messages=messages,
             add_generation_prompt=add_generation_prompt,
+            tools=tools,
             bos_token=self.bos_token or "",
             eos_token=self.eos_token or "",
         )

@@ -30,6 +30,7 @@ from disagg_worker.server.frontend import Delta, Frontend
 from disagg_worker.server.health import health_report
 from disagg_worker.server.metrics import PROBE_HEADER
 from disagg_worker.server.protocol import parse_chat, parse_completion, parse_generate, parse_json
+from disagg_worker.server.tool_calls import ChatTools, ToolStream, call_deltas
 
 log = logging.getLogger(__name__)
 
@@ -208,16 +209,18 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     fe, s = request.app[FRONTEND], request.app[SETTINGS]
     body = await read_json(request)
     req = parse_chat(body, s["model"], fe.limits)
+    tools = ChatTools.of(req.tools, fe.tokenizer.chat_template_source)
+    sampling = replace(req.sampling, grammar=tools.grammar(req.sampling.grammar)) if tools else req.sampling
     try:
-        text = await fe.render_chat(req.messages, req.add_generation_prompt)
+        offered = tools.use.template_tools() if tools else None
+        text = await fe.render_chat(req.messages, req.add_generation_prompt, offered)
     except ValueError as e:
         raise APIError(400, f"cannot render the chat template: {e}", param="messages") from e
     ids = await fe.encode(text, add_special_tokens=False)
     key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    params = fe.limits.admit(ids, req.sampling, req.max_tokens_set, key, "messages")
-    return await respond(
-        request, ids, params, req.n, bootstrap_of(body), req.stream, req.stream_options_include_usage, chat=True
-    )
+    params = fe.limits.admit(ids, sampling, req.max_tokens_set, key, "messages")
+    usage = req.stream_options_include_usage
+    return await respond(request, ids, params, req.n, bootstrap_of(body), req.stream, usage, chat=True, tools=tools)
 
 
 async def respond(
@@ -229,21 +232,29 @@ async def respond(
     stream: bool,
     include_usage: bool,
     chat: bool,
+    tools: ChatTools | None = None,
 ) -> web.StreamResponse:
-    """Run n choices and answer as a completion or chat completion, whole or streamed (SSE)."""
+    """Run n choices and answer as a completion or chat completion, whole or streamed (SSE); with tools, a
+    chat answer's calls are parsed out of its text (`tool_calls.py`)."""
     fe, model, tok = request.app[FRONTEND], request.app[SETTINGS]["model"], request.app[FRONTEND].tokenizer
     rid = fmt.new_id("chatcmpl" if chat else "cmpl")
     if not stream:
         choices = await run_choices(fe, ids, params, n, bootstrap)
-        build = fmt.chat_body if chat else fmt.completion_body
-        return web.json_response(build(rid, model, choices, tok, len(ids)))
+        body = (fmt.chat_body if chat else fmt.completion_body)(rid, model, choices, tok, len(ids))
+        if tools is not None:
+            body["choices"] = [tools.answer(c) for c in body["choices"]]
+        return web.json_response(body)
     resp = await sse_response(request)
     choices = [fmt.Choice(i) for i in range(n)]
+    calls = [tools.stream() for _ in range(n)] if tools is not None else None
     started: set[int] = set()
     async with ends_stream(request, resp):
         async for i, d in merged([fe.complete(ids, choice_params(params, i), bootstrap) for i in range(n)]):
             if chat:  # the role comes with the first token: a stream's first event is output or an error
-                chunk = fmt.chat_chunk(rid, model, i, d, tok, first=i not in started)
+                shown = d if calls is None else tool_delta(calls[i], d)
+                chunk = fmt.chat_chunk(rid, model, i, shown, tok, first=i not in started)
+                if calls is not None and d.finish_reason is not None:
+                    end_with_calls(chunk, calls[i])
             else:
                 chunk = fmt.completion_chunk(rid, model, i, d, tok, len(choices[i].text))
             await send_event(resp, chunk)
@@ -253,6 +264,22 @@ async def respond(
             obj = "chat.completion.chunk" if chat else "text_completion"
             await send_event(resp, fmt.usage_chunk(rid, model, obj, choices, len(ids)))
     return resp
+
+
+def tool_delta(calls: ToolStream, d: Delta) -> Delta:
+    """`d` with the text a possible tool call holds back taken out (and, at the end, what it released)."""
+    text = calls.push(d.text)
+    if d.finish_reason is not None:
+        text += calls.finish()
+    return replace(d, text=text)
+
+
+def end_with_calls(chunk: dict, calls: ToolStream) -> None:
+    """The last chunk of a choice carries its parsed calls, whole, and finish_reason "tool_calls"."""
+    if calls.found:
+        choice = chunk["choices"][0]
+        choice["delta"]["tool_calls"] = call_deltas(calls.found)
+        choice["finish_reason"] = "tool_calls"
 
 
 async def generate(request: web.Request) -> web.StreamResponse:

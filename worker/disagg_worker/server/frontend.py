@@ -165,9 +165,12 @@ class Frontend:
     async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return await self.off_loop(len(text), self.tokenizer.encode, text, add_special_tokens)
 
-    async def render_chat(self, messages: list[dict], add_generation_prompt: bool) -> str:
+    async def render_chat(
+        self, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None = None
+    ) -> str:
         chars = sum(len(m["content"]) for m in messages)
-        return await self.off_loop(chars, self.tokenizer.apply_chat_template, messages, add_generation_prompt)
+        render = self.tokenizer.apply_chat_template
+        return await self.off_loop(chars, render, messages, add_generation_prompt, tools)
 
     async def off_loop(self, size: int, fn: Callable[..., T], *args: Any) -> T:
         """`fn(*args)` inline when `size` (characters or bytes) is small, else on the text thread."""

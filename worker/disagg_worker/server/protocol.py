@@ -21,9 +21,9 @@ from typing import Any
 
 from disagg_worker.engine.params import SamplingParams
 from disagg_worker.limits import MAX_TOKEN_ID, RequestLimits
-from disagg_worker.server.chat_fields import no_tool_calling
 from disagg_worker.server.constraints import parse_native_grammar, parse_openai_grammar
 from disagg_worker.server.errors import bad_request, model_not_found
+from disagg_worker.server.tool_calls import ToolUse, message_tool_calls, parse_tool_use
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 DEFAULT_CHAT_MAX_TOKENS = 1024
@@ -57,6 +57,7 @@ class ChatRequest:
     add_generation_prompt: bool = True
     user: str | None = None
     max_tokens_set: bool = False
+    tools: ToolUse | None = None  # tools offered to the model (`tool_calls.py`)
 
 
 @dataclass(frozen=True)
@@ -307,9 +308,14 @@ def _messages(v: Any) -> list[dict]:
         if role not in CHAT_ROLES:
             roles = ", ".join(CHAT_ROLES)
             raise bad_request(f"{param}.role: must be one of {roles}", f"{param}.role")
-        msg = {"role": role, "content": _content(m.get("content"), role, f"{param}.content")}
+        msg: dict = {"role": role, "content": _content(m.get("content"), role, f"{param}.content")}
         if m.get("name") is not None:
             msg["name"] = _text(m["name"], f"{param}.name")
+        calls = message_tool_calls(m, param) if role == "assistant" else None
+        if calls:
+            msg["tool_calls"] = calls
+        if role == "tool" and m.get("tool_call_id") is not None:
+            msg["tool_call_id"] = _text(m["tool_call_id"], f"{param}.tool_call_id")
         out.append(msg)
     return out
 
@@ -326,7 +332,7 @@ def parse_chat(body: Any, served_model: str, limits: RequestLimits) -> ChatReque
     """POST /v1/chat/completions. max_completion_tokens wins over the older max_tokens."""
     body = _object(body)
     model = _model(body, served_model)
-    no_tool_calling(body)
+    tools = parse_tool_use(body)
     grammar = parse_openai_grammar(body)
     messages = _messages(body.get("messages"))
     stream, usage = _stream(body)
@@ -338,7 +344,7 @@ def parse_chat(body: Any, served_model: str, limits: RequestLimits) -> ChatReque
     sampling = _sampling(body, extra, names, limits)
     add_gen = _opt(body, "add_generation_prompt", _bool, True)
     user = _opt(body, "user", _text, None)
-    return ChatRequest(model, messages, sampling, stream, usage, n, add_gen, user, explicit)
+    return ChatRequest(model, messages, sampling, stream, usage, n, add_gen, user, explicit, tools)
 
 
 def parse_generate(body: Any, limits: RequestLimits) -> GenerateRequest:
