@@ -217,3 +217,17 @@ def test_a_forced_call_is_a_valid_call_of_a_listed_tool_whatever_the_logits(llam
         if name == "weather":
             assert set(args) == {"city", "unit"} and args["unit"] in ("c", "f"), args
             jsonschema.validate({"city": "x", "unit": args["unit"]}, WEATHER)
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call():
+    two = f"<tool_call>\n{CALL}\n</tool_call>\n<tool_call>\n" + '{"name": "time", "arguments": {}}\n</tool_call>'
+    choice = {"index": 0, "message": {"role": "assistant", "content": two}, "finish_reason": "stop"}
+    for parallel, want in ((True, ["weather", "time"]), (False, ["weather"])):
+        tools = ChatTools.of(parse_tool_use({"tools": TOOLS, "parallel_tool_calls": parallel}), template("hermes"))
+        assert tools is not None
+        answer = tools.answer(choice)
+        assert [c["function"]["name"] for c in answer["message"]["tool_calls"]] == want
+        assert answer["finish_reason"] == "tool_calls" and answer["message"]["content"] is None
+        stream = tools.stream()
+        assert stream.push(two) == "" and stream.finish() == ""
+        assert [c["function"]["name"] for c in stream.found] == want

@@ -245,6 +245,7 @@ class ToolStream:
 
     style: str
     names: frozenset[str]
+    parallel: bool = True
     held: str = ""
     sent: str = ""
     holding: bool = False  # a call may have begun: hold everything to the end
@@ -287,7 +288,8 @@ class ToolStream:
     def finish(self) -> str:
         """At the end of the choice: the text still to send as content; the calls go to `found`. What was
         held is a call when it parses as one; otherwise it goes out as content."""
-        _, self.found = parse_calls(self.sent + self.held, self.style, self.names)
+        _, found = parse_calls(self.sent + self.held, self.style, self.names)
+        self.found = found if self.parallel else found[:1]
         rest, self.held = ("" if self.found else self.held), ""
         return rest
 
@@ -311,15 +313,17 @@ class ChatTools:
         return forcing or other
 
     def answer(self, choice: dict) -> dict:
-        """A whole chat choice with its calls parsed out of the content."""
+        """A whole chat choice with its calls parsed out of the content (the first only, when the request
+        turned parallel calls off)."""
         content, calls = parse_calls(choice["message"]["content"], self.style, self.use.names)
+        calls = calls if self.use.parallel else calls[:1]
         if not calls:
             return choice
         message = {"role": "assistant", "content": content, "tool_calls": calls}
         return {**choice, "message": message, "finish_reason": "tool_calls"}
 
     def stream(self) -> ToolStream:
-        return ToolStream(self.style, self.use.names)
+        return ToolStream(self.style, self.use.names, self.use.parallel)
 
 
 def call_deltas(calls: list[dict]) -> list[dict]:
