@@ -10,10 +10,10 @@ import re
 import pytest
 
 from disagg_worker.engine.grammar import Grammars
-from disagg_worker.engine.sampling import Sampler, SamplingParams, SamplingState
+from disagg_worker.engine.sampling import Sampler
 from disagg_worker.model.tokenizer import Tokenizer
 from disagg_worker.server.constraints import MAX_GRAMMAR_CHARS
-from tests.unit.test_grammar import run
+from tests.unit.test_grammar import constrained, run
 from tests.unit.test_protocol import USER, chat, completion, error, generate
 
 pytest_plugins = ["tests.unit.conftest_model"]
@@ -84,11 +84,7 @@ def llama(tiny_dirs):
 def test_sampled_text_matches_the_regex_or_grammar_whatever_the_logits(llama, spec, full):
     tok, grammars = llama
     grammar = json.dumps(spec, sort_keys=True)
-    states = []
-    for seed in range(4):
-        s = SamplingState.create(SamplingParams(temperature=1.0, seed=seed, grammar=grammar), [1])
-        s.matcher = grammars.matcher(grammar)
-        states.append(s)
+    states = constrained(grammars, grammar, range(4))
     run(Sampler(tok.vocab_size), states, tok.vocab_size, tok.eos_token_ids)
     for s in states:
         assert s.output_ids[-1] in tok.eos_token_ids

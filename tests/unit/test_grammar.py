@@ -29,6 +29,16 @@ def llama(tiny_dirs):
     return tok, Grammars(str(path), tok.vocab_size, tok.eos_token_ids)
 
 
+def constrained(grammars: Grammars, grammar: str, seeds: range, temperature: float = 1.0) -> list[SamplingState]:
+    """One sampling state per seed, each with its own matcher of `grammar`."""
+    states = []
+    for seed in seeds:
+        s = SamplingState.create(SamplingParams(temperature=temperature, seed=seed, grammar=grammar), [1])
+        s.matcher = grammars.matcher(grammar)
+        states.append(s)
+    return states
+
+
 def run(sampler: Sampler, states: list[SamplingState], vocab: int, eos: tuple[int, ...], steps: int = 60):
     """Sample from random logits until every row produced an EOS (or `steps` ran out)."""
     gen = torch.Generator().manual_seed(0)
@@ -44,11 +54,7 @@ def run(sampler: Sampler, states: list[SamplingState], vocab: int, eos: tuple[in
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_sampled_text_follows_the_schema_and_stops_at_its_end(llama, temperature):
     tok, grammars = llama
-    states = []
-    for i in range(4):
-        s = SamplingState.create(SamplingParams(temperature=temperature, seed=i, grammar=FORMAT), [1])
-        s.matcher = grammars.matcher(FORMAT)
-        states.append(s)
+    states = constrained(grammars, FORMAT, range(4), temperature)
     free = SamplingState.create(SamplingParams(temperature=temperature, seed=9), [1])  # a batch mate without one
     run(Sampler(tok.vocab_size), [*states, free], tok.vocab_size, tok.eos_token_ids)
     for s in states:
@@ -104,11 +110,7 @@ def test_length_bounded_strings_are_valid_json_within_their_bounds(llama):
     """xgrammar alone lets raw control characters into a length-bounded string (invalid JSON)."""
     tok, grammars = llama
     fmt = json.dumps({"type": "json_schema", "schema": BOUNDED})
-    states = []
-    for i in range(8):
-        s = SamplingState.create(SamplingParams(temperature=1.0, seed=i, grammar=fmt), [1])
-        s.matcher = grammars.matcher(fmt)
-        states.append(s)
+    states = constrained(grammars, fmt, range(8))
     run(Sampler(tok.vocab_size), states, tok.vocab_size, tok.eos_token_ids, steps=120)
     for s in states:
         assert s.output_ids[-1] in tok.eos_token_ids

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from disagg_worker.engine.grammar import Grammars
-from disagg_worker.engine.sampling import Sampler, SamplingParams, SamplingState
+from disagg_worker.engine.sampling import Sampler
 from disagg_worker.model.tokenizer import Tokenizer, _compile
 from disagg_worker.server.errors import APIError
 from disagg_worker.server.tool_calls import (
@@ -25,7 +25,7 @@ from disagg_worker.server.tool_calls import (
     parse_tool_use,
     template_style,
 )
-from tests.unit.test_grammar import run
+from tests.unit.test_grammar import constrained, run
 from tests.unit.test_protocol import USER, chat, error
 
 pytest_plugins = ["tests.unit.conftest_model"]
@@ -201,11 +201,7 @@ def test_a_forced_call_is_a_valid_call_of_a_listed_tool_whatever_the_logits(llam
     tools = ChatTools.of(parse_tool_use({"tools": TOOLS, "tool_choice": choice}), source)
     assert tools is not None
     grammar = tools.grammar(None)
-    states = []
-    for seed in range(6):
-        s = SamplingState.create(SamplingParams(temperature=1.0, seed=seed, grammar=grammar), [1])
-        s.matcher = grammars.matcher(grammar)
-        states.append(s)
+    states = constrained(grammars, grammar, range(6))
     run(Sampler(tok.vocab_size), states, tok.vocab_size, tok.eos_token_ids, steps=150)
     for s in states:
         assert s.output_ids[-1] in tok.eos_token_ids
