@@ -74,7 +74,7 @@ def calls_of(message) -> list[tuple[str, dict]]:
 def test_a_forced_call_is_a_tool_call_monolithic_and_pd_alike(servers, choice):
     got = {}
     for side in ("mono", "pd"):
-        r = call(servers[side], tool_choice=choice, max_tokens=80, temperature=0)
+        r = call(servers[side], tool_choice=choice, max_tokens=200, temperature=0)
         c = r.choices[0]
         assert c.finish_reason == "tool_calls", c
         assert c.message.content is None and len(c.message.tool_calls) == 1
@@ -90,8 +90,8 @@ def test_a_forced_call_is_a_tool_call_monolithic_and_pd_alike(servers, choice):
 def test_streamed_calls_accumulate_to_the_whole_answer(servers):
     choice = {"type": "function", "function": {"name": "get_weather"}}
     for side in ("mono", "pd"):
-        whole = call(servers[side], tool_choice=choice, max_tokens=80, temperature=1, seed=5)
-        chunks = list(call(servers[side], tool_choice=choice, max_tokens=80, temperature=1, seed=5, stream=True))
+        whole = call(servers[side], tool_choice=choice, max_tokens=200, temperature=1, seed=5)
+        chunks = list(call(servers[side], tool_choice=choice, max_tokens=200, temperature=1, seed=5, stream=True))
         content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
         deltas = [tc for c in chunks if c.choices for tc in c.choices[0].delta.tool_calls or []]
         finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
@@ -102,7 +102,7 @@ def test_streamed_calls_accumulate_to_the_whole_answer(servers):
 
 
 def test_the_second_turn_sends_the_call_and_its_result_back(servers):
-    first = call(servers["pd"], tool_choice="required", max_tokens=80, temperature=0).choices[0].message
+    first = call(servers["pd"], tool_choice="required", max_tokens=200, temperature=0).choices[0].message
     history = [
         *ASK,
         first.model_dump(exclude_none=True),

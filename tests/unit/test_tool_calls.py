@@ -179,8 +179,8 @@ def test_rendered_calls_parse_back_whole_or_streamed_in_any_pieces(calls, style,
 
 def test_streamed_text_without_a_call_goes_out_whole_and_text_before_a_call_goes_out_early():
     stream = ToolStream(HERMES, NAMES)
-    assert stream.push("Hello <tool") == "Hello "  # held: it may open a call
-    assert stream.push("box> world") == "<toolbox> world"
+    assert stream.push("Hello <tool") == "Hello"  # held: it may open a call (and blanks before a call)
+    assert stream.push("box> world") == " <toolbox> world"
     assert stream.finish() == "" and stream.found == []
     stream = ToolStream(LLAMA3, NAMES)
     assert stream.push(" <|py") == "" and stream.push("thon tag?") == " <|python tag?"
@@ -227,3 +227,31 @@ def test_parallel_tool_calls_false_keeps_the_first_call():
         stream = tools.stream()
         assert stream.push(two) == "" and stream.finish() == ""
         assert [c["function"]["name"] for c in stream.found] == want
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.sampled_from(["", "Sure.", "\nLet me check", "  a <b> c"]),
+    st.sampled_from(["", "\n", "\n\n", " \n "]),
+    st.lists(st.integers(1, 5), max_size=8),
+)
+def test_streamed_content_before_a_call_equals_the_whole_answers(words, blanks, cuts):
+    text = f"{words}{blanks}<tool_call>\n{CALL}\n</tool_call>"
+    content, calls = parse_calls(text, HERMES, NAMES)
+    assert len(calls) == 1
+    stream, sent, pos = ToolStream(HERMES, NAMES), "", 0
+    for cut in cuts:
+        sent += stream.push(text[pos : pos + cut])
+        pos += cut
+    sent += stream.push(text[pos:]) + stream.finish("stop")
+    assert sent == (content or "") and len(stream.found) == 1
+
+
+def test_an_answer_cut_by_max_tokens_stays_text_even_if_a_call_parses():
+    text = f"<tool_call>\n{CALL}\n</tool_call>"
+    tools = ChatTools.of(parse_tool_use({"tools": TOOLS}), template("hermes"))
+    assert tools is not None
+    cut = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "length"}
+    assert tools.answer(cut) == cut
+    stream = tools.stream()
+    assert stream.push(text) + stream.finish("length") == text and stream.found == []

@@ -270,7 +270,7 @@ def tool_delta(calls: ToolStream, d: Delta) -> Delta:
     """`d` with the text a possible tool call holds back taken out (and, at the end, what it released)."""
     text = calls.push(d.text)
     if d.finish_reason is not None:
-        text += calls.finish()
+        text += calls.finish(d.finish_reason)
     return replace(d, text=text)
 
 

@@ -216,7 +216,7 @@ def _hermes(text: str) -> tuple[str | None, list[Any]] | None:
         rest = rest[end + len(_HERMES_CLOSE) :].lstrip() if end >= 0 else ""
     if rest.strip():  # text after the calls: not an answer made of calls
         return None
-    return text[:start].strip(), calls
+    return text[:start].rstrip(), calls
 
 
 def _llama3(text: str) -> tuple[str | None, list[Any]] | None:
@@ -266,10 +266,11 @@ class ToolStream:
                 self.plain = True
                 return self._send(self.held)
             return ""
+        # Blanks before a call are not content (as `parse_calls` has it): held until text follows them.
         at = self.held.find(_HERMES_OPEN)
         if at >= 0:
             self.holding = True
-            return self._send(self.held[:at])
+            return self._send(self.held[:at].rstrip())
         keep = next(
             (
                 n
@@ -278,17 +279,20 @@ class ToolStream:
             ),
             0,
         )
-        return self._send(self.held[: len(self.held) - keep])
+        return self._send(self.held[: len(self.held) - keep].rstrip())
 
     def _send(self, text: str) -> str:
         self.held = self.held[len(text) :]
         self.sent += text
         return text
 
-    def finish(self) -> str:
+    def finish(self, finish_reason: str | None = "stop") -> str:
         """At the end of the choice: the text still to send as content; the calls go to `found`. What was
-        held is a call when it parses as one; otherwise it goes out as content."""
-        _, found = parse_calls(self.sent + self.held, self.style, self.names)
+        held is a call when it parses as one and the answer ended by itself (not cut by max_tokens);
+        otherwise it goes out as content."""
+        found: list[dict] = []
+        if finish_reason == "stop":
+            _, found = parse_calls(self.sent + self.held, self.style, self.names)
         self.found = found if self.parallel else found[:1]
         rest, self.held = ("" if self.found else self.held), ""
         return rest
@@ -314,7 +318,9 @@ class ChatTools:
 
     def answer(self, choice: dict) -> dict:
         """A whole chat choice with its calls parsed out of the content (the first only, when the request
-        turned parallel calls off)."""
+        turned parallel calls off), if the answer ended by itself."""
+        if choice["finish_reason"] != "stop":  # cut by max_tokens (or aborted): what it wrote stays text
+            return choice
         content, calls = parse_calls(choice["message"]["content"], self.style, self.use.names)
         calls = calls if self.use.parallel else calls[:1]
         if not calls:
