@@ -305,9 +305,9 @@ class MooncakeDecodeManager(KVManager):
                 return
             if aux:
                 n = self.layout.aux_item_nbytes
-                self.aux[state.aux_slot * n : state.aux_slot * n + len(aux)] = torch.frombuffer(
-                    bytearray(aux), dtype=torch.uint8
-                )
+                slot = self.aux[state.aux_slot * n : (state.aux_slot + 1) * n]
+                slot.zero_()  # a record shorter than the slot's last one must not read that one's alternatives
+                slot[: len(aux)] = torch.frombuffer(bytearray(aux), dtype=torch.uint8)
             state.done.add(key)
             if not set(state.targets) <= state.done:
                 return
