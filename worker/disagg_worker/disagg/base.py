@@ -126,7 +126,7 @@ def pack_first_token(
     """The aux record of a request: its first output token and optionally its logprob and the top
     alternatives (token id, logprob) prefill saw for it."""
     head = _FIRST_TOKEN.pack(token_id, math.nan if logprob is None else logprob)
-    if not top:
+    if top is None:
         return head
     return head + _TOP_COUNT.pack(len(top)) + b"".join(_TOP_ENTRY.pack(t, lp) for t, lp in top)
 
