@@ -158,7 +158,9 @@ class PDStack:
         decodes: int = 1,
     ):
         self.model = model
-        self.flags = [*engine_flags, *FAST_FAILURE]
+        # Workers serve the model under the router's name, as `serve --local` and the operator start them, so a
+        # client sending the listed model (the openai client always does) reaches them under that name.
+        self.flags = ["--served-model-name", "tiny", *engine_flags, *FAST_FAILURE]
         self.prefill_flags, self.decode_flags = list(prefill_flags), list(decode_flags)
         self.bootstrap_port = free_port()
         self.prefill = self.start_prefill()
