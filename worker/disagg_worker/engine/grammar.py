@@ -99,11 +99,12 @@ def bounded_strings_as_patterns(schema: Any) -> Any:
 
 
 def _tool_calls(compiler: Any, spec: dict) -> Any:
-    """One call, in the chat template's format, of one of `spec["tools"]` with arguments that follow its
-    parameters schema (`server/tool_calls.py` says which format and which tools)."""
+    """One call of one of `spec["tools"]`, its arguments (under `arguments_key`) following that tool's
+    parameters schema, between the `begin` and `end` text of the template's call format (which
+    `server/tool_calls.py` knows)."""
     import xgrammar as xgr
 
-    key = "arguments" if spec["style"] == "hermes" else "parameters"
+    key = spec["arguments_key"]
     calls = [
         {
             "type": "object",
@@ -114,14 +115,12 @@ def _tool_calls(compiler: Any, spec: dict) -> Any:
         for t in spec["tools"]
     ]
     schema = bounded_strings_as_patterns(calls[0] if len(calls) == 1 else {"anyOf": calls})
-    call = xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False)
-    if spec["style"] == "hermes":
-        call = xgr.Grammar.concat(
-            xgr.Grammar.from_ebnf('root ::= "<tool_call>\\n"'),
-            call,
-            xgr.Grammar.from_ebnf('root ::= "\\n</tool_call>"'),
-        )
-    return compiler.compile_grammar(call)
+    parts = [xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False)]
+    if spec["begin"]:
+        parts.insert(0, xgr.Grammar.from_ebnf(f"root ::= {json.dumps(spec['begin'], ensure_ascii=False)}"))
+    if spec["end"]:
+        parts.append(xgr.Grammar.from_ebnf(f"root ::= {json.dumps(spec['end'], ensure_ascii=False)}"))
+    return compiler.compile_grammar(xgr.Grammar.concat(*parts) if len(parts) > 1 else parts[0])
 
 
 # Grammar type -> (the request field a failure names, how it compiles).

@@ -19,27 +19,27 @@ MAX_GRAMMAR_CHARS = 64 * 1024
 
 def parse_openai_grammar(body: dict) -> str | None:
     """Chat and completions: `response_format`, `regex` or `ebnf`."""
-    given = [k for k in ("response_format", "regex", "ebnf") if body.get(k) is not None]
-    if len(given) > 1:
-        raise bad_request(f"{given[1]}: cannot be combined with {given[0]}; send one of them", given[1])
-    if "regex" in given:
-        return _spec("regex", "pattern", _grammar_text(body["regex"], "regex"))
-    if "ebnf" in given:
-        return _spec("ebnf", "grammar", _grammar_text(body["ebnf"], "ebnf"))
-    return _response_format(body.get("response_format"))
+    text = _text_grammar(body, "response_format", "")
+    return text if text is not None else _response_format(body.get("response_format"))
 
 
 def parse_native_grammar(params: dict, prefix: str) -> str | None:
     """/generate's sampling_params: `json_schema` (a JSON string or an object), `regex` or `ebnf`."""
-    given = [k for k in ("json_schema", "regex", "ebnf") if params.get(k) is not None]
+    text = _text_grammar(params, "json_schema", prefix)
+    if text is not None or params.get("json_schema") is None:
+        return text
+    return _schema(params["json_schema"], prefix + "json_schema")
+
+
+def _text_grammar(body: dict, json_key: str, prefix: str) -> str | None:
+    """`regex` or `ebnf` as a grammar; None when neither is given. At most one of them and `json_key`."""
+    given = [k for k in (json_key, "regex", "ebnf") if body.get(k) is not None]
     if len(given) > 1:
-        raise bad_request(f"{prefix}{given[1]}: cannot be combined with {given[0]}", prefix + given[1])
-    if "regex" in given:
-        return _spec("regex", "pattern", _grammar_text(params["regex"], prefix + "regex"))
-    if "ebnf" in given:
-        return _spec("ebnf", "grammar", _grammar_text(params["ebnf"], prefix + "ebnf"))
-    if "json_schema" in given:
-        return _schema(params["json_schema"], prefix + "json_schema")
+        param = prefix + given[1]
+        raise bad_request(f"{param}: cannot be combined with {given[0]}; send one of them", param)
+    for kind, key in (("regex", "pattern"), ("ebnf", "grammar")):
+        if kind in given:
+            return _spec(kind, key, _grammar_text(body[kind], prefix + kind))
     return None
 
 

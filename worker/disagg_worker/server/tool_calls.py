@@ -167,9 +167,12 @@ def forcing_grammar(use: ToolUse, style: str) -> str | None:
     if use.choice == "auto":
         return None
     tools = [t for t in use.tools if use.choice in ("required", t.name)]
+    begin, end = (_HERMES_OPEN + "\n", "\n" + _HERMES_CLOSE) if style == HERMES else ("", "")
     spec = {
         "type": "tool_calls",
-        "style": style,
+        "begin": begin,
+        "end": end,
+        "arguments_key": _ARGUMENTS[style],
         "tools": [{"name": t.name, "parameters": t.parameters} for t in tools],
     }
     return json.dumps(spec, sort_keys=True)
