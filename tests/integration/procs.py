@@ -12,9 +12,14 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 import requests
+
+from tests.timing import scaled, wait_until
+
+__all__ = ["wait_until", "scaled"]
 
 DISAGG = str(Path(sys.executable).with_name("disagg"))
 
@@ -59,6 +64,7 @@ class Proc:
         )
 
     def wait_healthy(self, timeout: float = 180.0) -> Proc:
+        timeout = scaled(timeout)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -80,7 +86,7 @@ class Proc:
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, sig)
             try:
-                self.proc.wait(timeout)
+                self.proc.wait(scaled(timeout))
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(10)
@@ -94,7 +100,7 @@ class Proc:
         os.kill(self.proc.pid, sig)
 
     def wait_exit(self, timeout: float) -> int:
-        return self.proc.wait(timeout)
+        return self.proc.wait(scaled(timeout))
 
 
 def serve(model: str, *extra: str, port: int | None = None) -> Proc:
@@ -102,23 +108,12 @@ def serve(model: str, *extra: str, port: int | None = None) -> Proc:
     return Proc(["serve", "--model", model, "--port", str(port), *extra], port)
 
 
-def wait_until(pred, timeout: float = 30.0, interval: float = 0.2, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < deadline:
-        last = pred()
-        if last:
-            return last
-        time.sleep(interval)
-    raise TimeoutError(f"{what} not reached in {timeout}s (last: {last!r})")
-
-
 def idle_and_flushed(url: str, timeout: float = 30.0) -> dict:
     """Wait until the instance is idle, flush its prefix cache, and return its page accounting."""
     seen: list[dict] = []
 
     def idle():
-        st = requests.get(f"{url}/stats", timeout=5).json()
+        st = requests.get(f"{url}/stats", timeout=scaled(5)).json()
         seen[:] = [st]
         return st if st["running"] == 0 and st["waiting"] == 0 and not any(st["queues"].values()) else None
 
@@ -126,10 +121,10 @@ def idle_and_flushed(url: str, timeout: float = 30.0) -> dict:
         wait_until(idle, timeout, what=f"{url} idle")
     except TimeoutError as e:
         raise TimeoutError(f"{e}; last report: {seen}") from None
-    requests.post(f"{url}/flush_cache", timeout=5)
+    requests.post(f"{url}/flush_cache", timeout=scaled(5))
 
     def flushed():
-        st = requests.get(f"{url}/stats", timeout=5).json()
+        st = requests.get(f"{url}/stats", timeout=scaled(5)).json()
         seen[:] = [st]
         return st if st["pages_used"] == 0 else None
 
@@ -139,7 +134,16 @@ def idle_and_flushed(url: str, timeout: float = 30.0) -> dict:
         raise TimeoutError(f"{e}; last report: {seen}") from None
 
 
-FAST_FAILURE = ["--bootstrap-timeout", "5", "--waiting-timeout", "8", "--heartbeat-interval", "0.5"]
+# Failures are detected in seconds, not in the defaults' minutes; scaled, so that a loaded machine's slowness
+# is not taken for a failure.
+FAST_FAILURE = [
+    "--bootstrap-timeout",
+    f"{scaled(5):g}",
+    "--waiting-timeout",
+    f"{scaled(8):g}",
+    "--heartbeat-interval",
+    "0.5",
+]
 
 
 class PDStack:
@@ -233,7 +237,7 @@ class PDStack:
 
 def sse_stream(url: str, path: str, body: dict, timeout: float = 60.0):
     """An open SSE response and an iterator over its `data:` payloads (decoded JSON, or "[DONE]")."""
-    r = requests.post(f"{url}{path}", json={**body, "stream": True}, stream=True, timeout=timeout)
+    r = requests.post(f"{url}{path}", json={**body, "stream": True}, stream=True, timeout=scaled(timeout))
     r.encoding = "utf-8"  # text/event-stream names no charset
 
     def events():
@@ -250,7 +254,7 @@ def greedy(url: str, ids: list[int], n: int = 12) -> list[int]:
     r = requests.post(
         f"{url}/generate",
         json={"input_ids": ids, "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}},
-        timeout=120,
+        timeout=scaled(120),
     )
     assert r.status_code == 200, r.text
     return r.json()["output_ids"]
@@ -268,12 +272,14 @@ class Stream(threading.Thread):
     """One streaming request read on its own thread: its events, whether it started, when it ended.
 
     `error_events` are OpenAI error events; `done` is True when the stream ended with [DONE]; a
-    dropped connection is kept in `dropped` (never a clean end)."""
+    dropped connection is kept in `dropped` (never a clean end); `headers` are the response's."""
 
     def __init__(self, url: str, path: str, body: dict, timeout: float = 120.0):
         super().__init__(daemon=True)
         self.url, self.path, self.body, self.timeout = url, path, body, timeout
         self.status = 0
+        self.headers: Mapping[str, str] = {}
+        self.body_text = ""
         self.events: list = []
         self.started = threading.Event()
         self.ended_at = 0.0
@@ -283,7 +289,10 @@ class Stream(threading.Thread):
     def run(self) -> None:
         try:
             r, events = sse_stream(self.url, self.path, self.body, self.timeout)
-            self.status = r.status_code
+            self.status, self.headers = r.status_code, r.headers
+            if r.status_code != 200:
+                self.body_text = r.text
+                return
             for e in events:
                 self.events.append(e)
                 if isinstance(e, dict) and e.get("choices"):
@@ -297,6 +306,17 @@ class Stream(threading.Thread):
     @property
     def done(self) -> bool:
         return bool(self.events) and self.events[-1] == "[DONE]"
+
+    @property
+    def tokens(self) -> int:
+        """Tokens received so far, counted from the chunks' logprobs (the request must ask for `logprobs: 0`):
+        a chunk may carry several tokens, or none while the detokenizer waits for a whole character."""
+        return sum(
+            len((c.get("logprobs") or {}).get("tokens") or ())
+            for e in list(self.events)
+            if isinstance(e, dict)
+            for c in e.get("choices") or ()
+        )
 
     @property
     def error_events(self) -> list[dict]:
