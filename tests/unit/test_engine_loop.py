@@ -9,6 +9,7 @@ import time
 import zmq
 
 from disagg_worker.engine.loop import EngineLoop
+from tests.timing import scaled
 
 
 class _Engine:
@@ -39,11 +40,11 @@ def test_a_wake_up_from_another_thread_ends_the_wait():
     loop = _loop()
     try:
         threading.Timer(0.05, loop.engine.wake).start()
-        assert _timed_wait(loop, 5000) < 2.0  # woken after ~50 ms, not at the 5 s timeout
+        assert _timed_wait(loop, 5000) < scaled(2.0)  # woken after ~50 ms, not at the 5 s timeout
         assert _timed_wait(loop, 100) >= 0.09  # the wake-up was consumed: the next wait runs its course
         for _ in range(3):  # wake-ups while the loop was busy: one wait returns at once, then none
             loop.engine.wake()
-        assert _timed_wait(loop, 5000) < 2.0
+        assert _timed_wait(loop, 5000) < scaled(2.0)
         assert _timed_wait(loop, 100) >= 0.09
     finally:
         loop._sink.close(0)

@@ -14,6 +14,7 @@ from disagg_worker.disagg.bootstrap import RankRegistration
 from disagg_worker.disagg.bootstrap_client import Topology
 from disagg_worker.disagg.heartbeat import HeartbeatMonitor
 from disagg_worker.disagg.mapping import check_compatible, layer_buffer_map
+from tests.timing import scaled
 
 LAYOUT = KVLayout([1, 2, 3, 4], [1024] * 4, page_nbytes=256, page_size=16, kv_dtype="bfloat16", num_pages=4)
 
@@ -100,7 +101,7 @@ def test_heartbeat_reports_loss_after_max_misses_and_restart_at_once():
     mon = HeartbeatMonitor(0.01, 2, on_lost, check=check)  # no on_dead: no probation
     mon.watch("a:1", "id")
     mon.watch("b:1", "id")
-    assert done.wait(5)
+    assert done.wait(scaled(5))
     mon.close()
     by_addr = {a: (r, dead) for a, r, dead in lost}
     assert by_addr["b:1"] == ("prefill instance b:1 restarted (instance id changed)", True)
@@ -125,7 +126,7 @@ def test_heartbeat_refused_port_is_a_dead_instance_but_silence_is_not():
     mon = HeartbeatMonitor(0.01, 2, on_lost, check=lambda a, t: answers[a].pop(0) if answers[a] else None)
     mon.watch("gone:1", "id")
     mon.watch("silent:1", "id")
-    assert done.wait(5)
+    assert done.wait(scaled(5))
     mon.close()
     assert lost["gone:1"] == ("prefill instance gone:1 is gone (connection refused)", True)
     assert lost["silent:1"] == ("prefill instance silent:1 lost: 2 heartbeats missed", False)
@@ -149,7 +150,7 @@ def test_silent_instance_is_declared_dead_once_its_port_refuses():
     )  # fmt: skip
     mon.watch("a:1", "id")
     mon.watch("b:1", "id")
-    assert dead_seen.wait(5)
+    assert dead_seen.wait(scaled(5))
     time.sleep(0.1)
     mon.close()
     assert events.count(("lost", "a:1")) == 1 and events.count(("lost", "b:1")) == 1

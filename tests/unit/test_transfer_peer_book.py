@@ -5,12 +5,12 @@ jobs it holds before it exits."""
 from __future__ import annotations
 
 import threading
-import time
 
 from disagg_worker.disagg.base import KVLayout
 from disagg_worker.disagg.messages import DecodeHello
 from disagg_worker.disagg.mooncake.peer_book import PeerBook
 from disagg_worker.disagg.mooncake.transfer_workers import Progress, TransferWorkers
+from tests.timing import wait_until
 
 LAYOUT = KVLayout([0x1000, 0x9000], [4096, 4096], page_nbytes=512, page_size=4, kv_dtype="float32", num_pages=8)
 
@@ -57,13 +57,11 @@ def test_a_retired_transfer_thread_settles_what_it_holds_then_exits_and_a_new_jo
         workers.put("peer", "j1")
         workers.put("peer", "j2")
         workers.retire("peer")
-        time.sleep(0.2)
-        assert started == ["j1", "j2"] and workers.busy("peer") and workers.destinations == ["peer"]
+        wait_until(lambda: started == ["j1", "j2"], timeout=5, interval=0.01, what="both jobs started")
+        assert workers.busy("peer") and workers.destinations == ["peer"]
         release.set()
-        deadline = time.monotonic() + 5
-        while workers.destinations and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert workers.destinations == [] and not workers.busy("peer")
+        wait_until(lambda: not workers.destinations, timeout=5, interval=0.01, what="the retired thread gone")
+        assert not workers.busy("peer")
         assert not [t for t in threading.enumerate() if t.name == "kv-transfer-peer"]
         workers.put("peer", "j3")
         assert workers.destinations == ["peer"]
