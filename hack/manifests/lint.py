@@ -3,7 +3,8 @@
 - kubeconform -strict, offline: Kubernetes objects against the strict schemas of the Kubernetes version the
   product targets, custom resources against JSON schemas converted from the project's own CRDs (and the chart's
   kopf peering CRD) by kubeconform's openapi2jsonschema.py. A missing schema is an error.
-- kube-score, each file on its own, with `OPTIONAL_CHECKS` on too. Every finding must match an entry of the
+- kube-score, each file on its own, with `OPTIONAL_CHECKS` on too, and the checks of checks.py (kube-linter's
+  unhealthy-pod eviction policy among them). Every finding must match an entry of the
   kept-findings file (check id, the finding's summary, and an object pattern), and every entry must still match
   some finding, so the file lists exactly what the product keeps, each with its reason.
 """
@@ -19,6 +20,7 @@ from fnmatch import fnmatch
 from pathlib import Path
 
 import yaml
+from checks import run as own_checks
 
 REPO = Path(__file__).resolve().parents[2]
 CRD_DIRS = (REPO / "crds", REPO / "charts" / "disagg-operator" / "crds")
@@ -83,6 +85,11 @@ def kube_score(tools: Path, manifest: Path) -> list[Finding]:
     return out
 
 
+def project_checks(manifest: Path) -> list[Finding]:
+    docs = [d for d in yaml.safe_load_all(manifest.read_text()) if d]
+    return [Finding(manifest.name, obj, check, summary, "") for check, obj, summary in own_checks(docs)]
+
+
 def kept(entry: dict, f: Finding) -> bool:
     return (
         entry["check"] == f.check
@@ -101,14 +108,15 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as crds:
         crd_schemas(args.tools, Path(crds))
         valid = kubeconform(args.tools, args.manifests, Path(crds))
-    findings = [f for m in args.manifests for f in kube_score(args.tools, m)]
+    findings = [f for m in args.manifests for f in kube_score(args.tools, m) + project_checks(m)]
     unkept = [f for f in findings if not any(kept(e, f) for e in entries)]
     stale = [e for e in entries if not any(kept(e, f) for f in findings)]
     for f in unkept:
-        print(f"kube-score: {f}")
+        print(f"finding: {f}")
     for e in stale:
         print(f"kept finding matches nothing any more, remove it from {args.kept}: [{e['check']}] {e['summary']}")
-    print(f"kube-score: {len(findings)} findings, {len(findings) - len(unkept)} kept on purpose, {len(unkept)} not")
+    n = len(findings)
+    print(f"kube-score and checks.py: {n} findings, {n - len(unkept)} kept on purpose, {len(unkept)} not")
     return 0 if valid and not unkept and not stale else 1
 
 
