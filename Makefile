@@ -17,7 +17,7 @@ PORT ?= 8000
 PYTEST_ARGS ?=
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: venv serve serve-mono serve-tiny test test-fast test-stress lint tiny-model demo-model clean
+.PHONY: venv serve serve-mono serve-tiny test test-fast test-stress lint lint-manifests tiny-model demo-model clean
 
 -include mk/cluster.mk
 
@@ -62,12 +62,21 @@ serve-tiny: tiny-model
 
 # ruff (lint and format check) and mypy, configured in pyproject.toml.
 lint: venv
-	$(VENV)/bin/ruff check worker operator tests bench
-	$(VENV)/bin/ruff format --check worker operator tests bench
+	$(VENV)/bin/ruff check worker operator tests bench hack
+	$(VENV)/bin/ruff format --check worker operator tests bench hack
 	$(VENV)/bin/mypy
 
+# What a cluster admin is handed, through kube-score and kubeconform (strict, offline schemas): the chart with
+# default and HA values, and the children the operator's builders make of every example and of hack/manifests/crs/.
+# Findings kept on purpose are listed, each with its reason, in hack/manifests/kept-findings.yaml.
+MANIFESTS := build/manifests
+lint-manifests: venv k8s-bin
+	tools=$$(PYTHON=$(PY) hack/manifests/tools.sh | tail -n1) && \
+	rm -rf $(MANIFESTS) && $(PY) hack/manifests/render.py --out $(MANIFESTS) --helm $(K8S_BIN_DIR)/helm >/dev/null && \
+	$(PY) hack/manifests/lint.py --tools "$$tools" --kept hack/manifests/kept-findings.yaml $(MANIFESTS)/*.yaml
+
 # Lint first: a tree that does not pass it is not tested.
-test: lint
+test: lint lint-manifests
 	$(VENV)/bin/pytest $(PYTEST_ARGS) tests
 
 test-fast: venv

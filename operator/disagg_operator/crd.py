@@ -7,91 +7,22 @@ what to change. `RULES` is the list of (where, rule, message) that the API serve
 
 import sys
 from pathlib import Path
-from typing import Any
 
 import yaml
 
 from . import names
+from .crd_roles import engine_props, router_schema, worker_role_schema
 from .crd_status import status_schema
-from .schema import free_obj, integer, obj, rule, string
-from .spec import DEFAULT_DRAIN_TIMEOUT, DEFAULT_ENGINE, DEFAULT_PROGRESS_DEADLINE, ORDERS
+from .schema import integer, obj, rule, string
+from .spec import DEFAULT_DRAIN_TIMEOUT, DEFAULT_PROGRESS_DEADLINE, ORDERS
 
-DTYPES = ["float32", "bfloat16", "float16"]
 # The ranks of one instance are processes of one pod, so they share a node; a node has at most this many GPUs.
 MAX_RANKS_PER_INSTANCE = 8
+QUANTITY = "^[0-9]+(\\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|k|M|G|T|P)?$"
 
 
-def _engine_props(with_defaults: bool) -> dict:
-    d: dict[str, Any] = DEFAULT_ENGINE if with_defaults else {}
-    return {
-        "pageSize": integer(d.get("pageSize"), 1, "Tokens per KV page; prefill and decode must agree."),
-        "kvDtype": string(
-            "KV cache dtype; prefill and decode must agree.",
-            16,
-            enum=DTYPES,
-            **({"default": d["kvDtype"]} if d else {}),
-        ),
-        "dtype": string("Model weights dtype.", 16, enum=DTYPES, **({"default": d["dtype"]} if d else {})),
-        "chunkSize": integer(d.get("chunkSize"), 1, "Chunked-prefill size in tokens."),
-        "maxTotalTokens": integer(d.get("maxTotalTokens"), 1, "KV cache capacity in tokens."),
-        "maxRunningRequests": integer(d.get("maxRunningRequests"), 1, "Requests running at once."),
-    }
-
-
-def _placement_props() -> dict:
-    quantities = {"type": "object", "additionalProperties": {"x-kubernetes-int-or-string": True}}
-    return {
-        "resources": obj(
-            {
-                "requests": quantities,
-                "limits": quantities,
-                "gpus": integer(
-                    0,
-                    0,
-                    "GPUs per pod: 0 runs the ranks on the CPU; otherwise tpSize * ppSize, one per rank, "
-                    "and the ranks run on CUDA (`--device cuda`).",
-                ),
-                "rdma": integer(1, 0, "RDMA devices per pod, requested when transfer.protocol is rdma."),
-            },
-            "Pod resources.",
-            default={},
-        ),
-        "nodeSelector": {"type": "object", "additionalProperties": {"type": "string"}},
-        "tolerations": {"type": "array", "items": free_obj("A core/v1 Toleration.")},
-        "affinity": free_obj("A core/v1 Affinity."),
-        "env": {"type": "array", "items": {**free_obj("A core/v1 EnvVar."), "required": ["name"]}},
-        "args": {"type": "array", "items": {"type": "string"}, "description": "Extra command-line arguments."},
-    }
-
-
-def _worker_role(role: str) -> dict:
-    return obj(
-        {
-            "replicas": integer(1, doc=f"Number of {role} pods."),
-            "tpSize": integer(1, 1, "Tensor-parallel size: ranks per pipeline stage, one process (and GPU) each."),
-            "ppSize": integer(1, 1, "Pipeline-parallel size: stages; tpSize * ppSize ranks fit one node (<= 8)."),
-            "engine": obj(_engine_props(False), f"Engine settings for {role} only, over spec.engine.", default={}),
-            **_placement_props(),
-        },
-        f"The {role} role.",
-        default={},
-    )
-
-
-def _router() -> dict:
-    return obj(
-        {
-            "replicas": integer(1, doc="Number of router pods."),
-            "policy": string(
-                "How the router picks workers.", 32, enum=["round_robin", "least_load"], default="round_robin"
-            ),
-            **_placement_props(),
-        },
-        "The router that receives requests and pairs a prefill with a decode worker.",
-        default={},
-    )
-
-
+# What names the model a CR serves; the rest of spec.model says where a download is kept.
+IDENTITY = ("path", "pvc", "hostPath", "huggingFaceId")
 MODEL_RULES = [
     (
         "spec.model",
@@ -104,7 +35,17 @@ MODEL_RULES = [
         "model.path needs model.pvc or model.hostPath to say which volume holds it",
     ),
     ("spec.model", "!(has(self.pvc) && has(self.hostPath))", "set at most one of model.pvc and model.hostPath"),
-    ("spec.model", "self == oldSelf", "model is immutable: create a new DisaggregatedModel to serve another model"),
+    (
+        "spec.model",
+        "!has(self.cacheSize) || (has(self.huggingFaceId) && !has(self.cachePvc))",
+        "model.cacheSize sizes the download cache emptyDir: it needs model.huggingFaceId and no model.cachePvc",
+    ),
+    (
+        "spec.model",
+        " && ".join(f"(has(self.{f}) ? self.{f} : '') == (has(oldSelf.{f}) ? oldSelf.{f} : '')" for f in IDENTITY),
+        "model is immutable (path, pvc, hostPath, huggingFaceId; the download cache may change): create a new "
+        "DisaggregatedModel to serve another model",
+    ),
 ]
 
 SPEC_RULES = (
@@ -256,6 +197,12 @@ def spec_schema() -> dict:
             "hostPath": string("Node directory holding model.path, mounted read-only.", 1024),
             "huggingFaceId": string("A Hugging Face model id, downloaded into the cache volume at start-up.", 256),
             "cachePvc": string("PersistentVolumeClaim for the Hugging Face cache (an emptyDir when absent)."),
+            "cacheSize": string(
+                "Size of the Hugging Face cache emptyDir (its sizeLimit, requested as ephemeral storage); "
+                "default: from the parameter count the id names (2.5 bytes each), else 100Gi.",
+                16,
+                pattern=QUANTITY,
+            ),
         },
         "Where the model weights come from.",
         rules=_rules_at("spec.model"),
@@ -276,11 +223,11 @@ def spec_schema() -> dict:
             "servedModelName": string("The model name clients send in requests (default: metadata.name).", 256),
             "image": string("Worker image (entrypoint `disagg`).", 512),
             "imagePullPolicy": string("", 16, enum=["Always", "IfNotPresent", "Never"], default="IfNotPresent"),
-            "engine": obj(_engine_props(True), "Engine settings shared by prefill and decode.", default={}),
+            "engine": obj(engine_props(True), "Engine settings shared by prefill and decode.", default={}),
             "transfer": transfer,
-            "prefill": _worker_role(names.PREFILL),
-            "decode": _worker_role(names.DECODE),
-            "router": _router(),
+            "prefill": worker_role_schema(names.PREFILL),
+            "decode": worker_role_schema(names.DECODE),
+            "router": router_schema(),
             "auth": obj(
                 {"secretName": string("Existing Secret with key `token`; generated when absent.")},
                 "The model's shared secret (a file in prefill, decode and router pods; never sent as it is).",

@@ -69,9 +69,12 @@ class Placement:
     affinity: Mapping[str, Any]
     env: tuple[Mapping[str, Any], ...]
     args: tuple[str, ...]
+    # None: the operator's default spread (builders/placement.py); an empty tuple: none at all.
+    spread: tuple[Mapping[str, Any], ...] | None = None
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "Placement":
+        spread = d.get("topologySpreadConstraints")
         return cls(
             Resources.from_dict(d.get("resources", {})),
             dict(d.get("nodeSelector", {})),
@@ -79,6 +82,7 @@ class Placement:
             dict(d.get("affinity", {})),
             tuple(d.get("env", ())),
             tuple(str(a) for a in d.get("args", ())),
+            tuple(spread) if spread is not None else None,
         )
 
 
@@ -106,6 +110,7 @@ class ModelSource:
     host_path: str | None
     hugging_face_id: str | None
     cache_pvc: str | None
+    cache_size: str | None = None  # the download cache's emptyDir size; None: see weights.py
 
     @property
     def model_arg(self) -> str:
@@ -231,6 +236,7 @@ class ModelSpec:
                 model.get("hostPath"),
                 model.get("huggingFaceId"),
                 model.get("cachePvc"),
+                model.get("cacheSize"),
             ),
             transfer=TransferSpec(
                 transfer.get("backend", "mooncake"), transfer.get("protocol", "tcp"), transfer.get("ibDevice")

@@ -14,6 +14,7 @@ from .observe import PodProblem, RoleObservation, observe_workload, pod_problem
 from .rollout import RolloutPlan, progressing_condition, rollout_status
 from .routerview import RouterView, handoff_condition, pairing_condition, transfer_status
 from .spec import ModelSpec
+from .weights import cache_condition
 
 __all__ = ["PodProblem", "RoleObservation", "compute_status", "observe_workload", "pod_problem", "transitions"]
 
@@ -28,7 +29,7 @@ class Findings:
 
 
 # The state of each condition a user should hear about through an Event (the others are news only on change).
-BAD = {names.PAIRING_VERIFIED: "False", names.HANDOFF_STALLED: "True"}
+BAD = {names.PAIRING_VERIFIED: "False", names.HANDOFF_STALLED: "True", names.WEIGHTS_CACHE_AT_RISK: "True"}
 
 
 @dataclass(frozen=True)
@@ -168,6 +169,7 @@ def compute_status(
     )
     conds.append(_condition(names.PAIRING_VERIFIED, *pairing))
     conds.append(_condition(names.HANDOFF_STALLED, *handoff_condition(view)))
+    conds.append(_condition(names.WEIGHTS_CACHE_AT_RISK, *cache_condition(spec)))
     return {
         "observedGeneration": generation,
         "endpoint": endpoint,
@@ -184,8 +186,8 @@ def status_changed(old: Mapping[str, Any], new: Mapping[str, Any]) -> bool:
 
 
 def transitions(previous: list[dict[str, Any]], current: list[dict[str, Any]]) -> list[Event]:
-    """One Event per condition whose status changed (a condition seen for the first time counts). PairingVerified
-    and HandoffStalled speak only when they enter or leave their bad state (False, True).
+    """One Event per condition whose status changed (a condition seen for the first time counts). PairingVerified,
+    HandoffStalled and WeightsCacheAtRisk speak only when they enter or leave their bad state (False, True, True).
 
     Becoming Degraded or stalled, losing Ready or the verified path, is a Warning; everything else is Normal.
     """

@@ -62,6 +62,11 @@ VIOLATIONS = [
     ),
     ("path without volume", tiny(model={"path": "x"}), "has(self.pvc) || has(self.hostPath)"),
     ("two volumes", tiny(model={"path": "x", "pvc": "p", "hostPath": "/m"}), "has(self.pvc) && has(self.hostPath)"),
+    (
+        "cache size without a download cache",
+        tiny(model={"hostPath": "/m", "path": "x", "cacheSize": "10Gi"}),
+        "!has(self.cacheSize)",
+    ),
 ]
 
 
@@ -113,6 +118,16 @@ def test_immutable_fields_cannot_change(kube_cluster, crd_installed, namespace, 
     changed["spec"][field] = value
     proc = apply_cr(kube_cluster, namespace, changed, check=False)
     assert proc.returncode != 0 and fragment in proc.stderr
+
+
+def test_the_download_cache_may_change_but_not_the_model(kube_cluster, crd_installed, namespace):
+    cr = tiny(model={"huggingFaceId": "Qwen/Qwen2.5-0.5B-Instruct"})
+    apply_cr(kube_cluster, namespace, copy.deepcopy(cr))
+    cr["spec"]["model"]["cacheSize"] = "40Gi"
+    apply_cr(kube_cluster, namespace, copy.deepcopy(cr))
+    cr["spec"]["model"]["huggingFaceId"] = "Qwen/Qwen2.5-7B-Instruct"
+    proc = apply_cr(kube_cluster, namespace, cr, check=False)
+    assert proc.returncode != 0 and "model is immutable" in proc.stderr
 
 
 def test_eight_ranks_on_eight_gpus_fit_one_node_and_sixteen_do_not(kube_cluster, crd_installed, namespace):

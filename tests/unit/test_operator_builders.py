@@ -206,7 +206,12 @@ def test_rdma_adds_ipc_lock_gpus_and_the_rdma_device(gpu):
     children = children_by_kind_name(gpu)
     c = container(children, "StatefulSet", "llama-8b-prefill")
     assert c["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["IPC_LOCK"]}
-    assert c["resources"]["limits"] == {"memory": "192Gi", "nvidia.com/gpu": 4, "rdma/ib": 1}
+    assert c["resources"]["limits"] == {
+        "memory": "192Gi",
+        "ephemeral-storage": "5Gi",
+        "nvidia.com/gpu": 4,
+        "rdma/ib": 1,
+    }
     pod = children[("StatefulSet", "llama-8b-prefill")]["spec"]["template"]["spec"]
     assert pod["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}
     assert pod["tolerations"][0]["key"] == "nvidia.com/gpu"
@@ -258,7 +263,7 @@ def test_the_gpu_resource_name_comes_from_the_operator_config(gpu):
 def test_tcp_asks_for_no_rdma_device_nor_ipc_lock(tiny):
     c = container(children_by_kind_name(tiny), "StatefulSet", "tiny-decode")
     assert "add" not in c["securityContext"]["capabilities"]
-    assert c["resources"]["limits"] == {"memory": "4Gi"}
+    assert c["resources"]["limits"] == {"memory": "4Gi", "ephemeral-storage": "5Gi"}
 
 
 def test_model_volume_is_a_read_only_pvc(gpu):

@@ -76,3 +76,16 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 {{- define "disagg-operator.peeringName" -}}
 {{- include "disagg-operator.fullname" . -}}
 {{- end -}}
+
+{{/* The values' affinity; with more than one replica and no podAntiAffinity of its own, replicas prefer
+distinct nodes, so one node's loss does not take the active operator and its standby at once. */}}
+{{- define "disagg-operator.affinity" -}}
+{{- $affinity := deepCopy .Values.affinity -}}
+{{- if and (gt (int .Values.replicas) 1) (not (hasKey $affinity "podAntiAffinity")) -}}
+{{- $term := dict "topologyKey" "kubernetes.io/hostname" "labelSelector" (dict "matchLabels" (include "disagg-operator.selectorLabels" . | fromYaml)) -}}
+{{- $_ := set $affinity "podAntiAffinity" (dict "preferredDuringSchedulingIgnoredDuringExecution" (list (dict "weight" 100 "podAffinityTerm" $term))) -}}
+{{- end -}}
+{{- if $affinity -}}
+{{- toYaml $affinity -}}
+{{- end -}}
+{{- end -}}

@@ -3,7 +3,7 @@
 from typing import Any
 
 from .. import names
-from ..spec import ModelSpec, Placement
+from ..spec import ModelSpec
 
 
 def selector_labels(spec: ModelSpec, role: str) -> dict[str, str]:
@@ -106,18 +106,6 @@ def drain_on_stop() -> dict[str, Any]:
     return {"lifecycle": {"preStop": {"sleep": {"seconds": names.PRESTOP_SLEEP_SECONDS}}}}
 
 
-def scheduling(placement: Placement) -> dict[str, Any]:
-    """The pod-spec fields that place pods: only those the user set, so defaults stay the API server's."""
-    out: dict[str, Any] = {}
-    if placement.node_selector:
-        out["nodeSelector"] = dict(placement.node_selector)
-    if placement.tolerations:
-        out["tolerations"] = [dict(t) for t in placement.tolerations]
-    if placement.affinity:
-        out["affinity"] = dict(placement.affinity)
-    return out
-
-
-def tmp_volume() -> tuple[dict[str, Any], dict[str, Any]]:
-    """A writable /tmp, since the root filesystem is read-only."""
-    return {"name": "tmp", "emptyDir": {}}, {"name": "tmp", "mountPath": "/tmp"}
+def tmp_volume(size: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A writable /tmp of at most `size`, since the root filesystem is read-only."""
+    return {"name": "tmp", "emptyDir": {"sizeLimit": size}}, {"name": "tmp", "mountPath": "/tmp"}

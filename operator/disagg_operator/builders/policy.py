@@ -25,12 +25,20 @@ def build_bootstrap_service(spec: ModelSpec) -> dict[str, Any]:
 
 
 def build_pdb(spec: ModelSpec, role: str) -> dict[str, Any]:
-    """At most one pod of a role is evicted at a time."""
+    """At most one pod of a role is evicted at a time; a pod that is not Ready may always be evicted.
+
+    A pod that is not Ready serves nothing: a router while no prefill->decode pair is verified, a worker in its
+    startup probe while it loads weights. Counting it against the budget would block a node drain on it.
+    """
     return {
         "apiVersion": "policy/v1",
         "kind": "PodDisruptionBudget",
         "metadata": metadata(spec, names.child_name(spec.name, role), role, role),
-        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector_labels(spec, role)}},
+        "spec": {
+            "maxUnavailable": 1,
+            "unhealthyPodEvictionPolicy": "AlwaysAllow",
+            "selector": {"matchLabels": selector_labels(spec, role)},
+        },
     }
 
 

@@ -4,7 +4,8 @@ from typing import Any
 
 from .. import names
 from ..config import OperatorConfig
-from ..spec import ModelSpec
+from ..spec import ModelSpec, Resources
+from ..weights import LOGS, ROUTER_TMP, mebibytes, to_bytes
 from .common import (
     base_env,
     container_security_context,
@@ -13,11 +14,15 @@ from .common import (
     pod_security_context,
     probes,
     role_labels,
-    scheduling,
     selector_labels,
     tmp_volume,
 )
+from .placement import scheduling
 from .secret import api_keys_file, api_keys_volume, auth_token_file, auth_volume
+
+# What a router asks for when its CR says nothing: it is one asyncio process that forwards requests.
+ROUTER_REQUESTS = {"cpu": "250m", "memory": "256Mi"}
+ROUTER_LIMITS = {"memory": "1Gi"}
 
 
 def service_fqdn(spec: ModelSpec, service: str, cfg: OperatorConfig) -> str:
@@ -56,12 +61,24 @@ def router_endpoint(spec: ModelSpec) -> str:
     return f"http://{names.child_name(spec.name, names.ROUTER)}.{spec.namespace}.svc:{names.HTTP_PORT}"
 
 
+def router_resources(res: Resources) -> dict[str, Any]:
+    """The CR's requests and limits over the router's defaults, key by key. As Kubernetes does, a request the
+    CR leaves out follows the CR's limit, and a limit it leaves out follows its request; ephemeral storage
+    covers /tmp and the logs."""
+    storage = mebibytes(to_bytes(ROUTER_TMP) + to_bytes(LOGS))
+    requests, limits = dict(res.requests), dict(res.limits)
+    for key, value in {**ROUTER_REQUESTS, "ephemeral-storage": storage}.items():
+        requests.setdefault(key, res.limits.get(key, value))
+    for key, value in {**ROUTER_LIMITS, "ephemeral-storage": storage}.items():
+        limits.setdefault(key, res.requests.get(key, value))
+    return {"requests": requests, "limits": limits}
+
+
 def build_router_deployment(spec: ModelSpec, cfg: OperatorConfig) -> dict[str, Any]:
     r = spec.router
-    tmp_vol, tmp_mount = tmp_volume()
+    tmp_vol, tmp_mount = tmp_volume(ROUTER_TMP)
     secrets = [auth_volume(spec)] + ([api_keys_volume(spec.api_key_secret)] if spec.api_key_secret else [])
-    res = r.placement.resources
-    resources = {k: dict(v) for k, v in (("requests", res.requests), ("limits", res.limits)) if v}
+    resources = router_resources(r.placement.resources)
     container = {
         "name": names.ROUTER,
         "image": spec.image,
@@ -93,7 +110,7 @@ def build_router_deployment(spec: ModelSpec, cfg: OperatorConfig) -> dict[str, A
                     "automountServiceAccountToken": False,
                     "enableServiceLinks": False,
                     "terminationGracePeriodSeconds": spec.grace_period_s,
-                    **scheduling(r.placement),
+                    **scheduling(spec, names.ROUTER, r.placement),
                 },
             },
         },

@@ -8,6 +8,7 @@ from typing import Any
 from .. import names
 from ..config import OperatorConfig
 from ..spec import ModelSpec, WorkerRoleSpec
+from ..weights import SHM, WORKER_TMP, cache_size, worker_ephemeral_storage
 from .common import (
     base_env,
     container_security_context,
@@ -16,10 +17,10 @@ from .common import (
     pod_security_context,
     probes,
     role_labels,
-    scheduling,
     selector_labels,
     tmp_volume,
 )
+from .placement import scheduling
 from .ports import port_flags
 from .secret import auth_token_file, auth_volume
 
@@ -101,19 +102,17 @@ def worker_env(spec: ModelSpec, w: WorkerRoleSpec) -> list[dict[str, Any]]:
 
 
 def worker_resources(spec: ModelSpec, w: WorkerRoleSpec, cfg: OperatorConfig) -> dict[str, Any]:
-    """The user's requests/limits plus GPUs, and the RDMA device when the transfer runs over RDMA."""
+    """The user's requests/limits plus GPUs, the RDMA device when the transfer runs over RDMA, and ephemeral
+    storage for the download cache, /tmp and logs (weights.py) unless the user set it."""
     r = w.placement.resources
-    limits = dict(r.limits)
+    storage = worker_ephemeral_storage(spec.model)
+    requests = {**dict(r.requests), "ephemeral-storage": r.requests.get("ephemeral-storage", storage)}
+    limits = {**dict(r.limits), "ephemeral-storage": r.limits.get("ephemeral-storage", storage)}
     if r.gpus:
         limits[cfg.gpu_resource] = r.gpus
     if spec.transfer.rdma and r.rdma:
         limits[cfg.rdma_resource] = r.rdma
-    out: dict[str, Any] = {}
-    if r.requests:
-        out["requests"] = dict(r.requests)
-    if limits:
-        out["limits"] = limits
-    return out
+    return {"requests": requests, "limits": limits}
 
 
 def model_volumes(spec: ModelSpec) -> tuple[list[dict], list[dict]]:
@@ -121,7 +120,8 @@ def model_volumes(spec: ModelSpec) -> tuple[list[dict], list[dict]]:
     m = spec.model
     source: dict[str, Any]
     if m.hugging_face_id:
-        source = {"persistentVolumeClaim": {"claimName": m.cache_pvc}} if m.cache_pvc else {"emptyDir": {}}
+        claim = {"persistentVolumeClaim": {"claimName": m.cache_pvc}}
+        source = claim if m.cache_pvc else {"emptyDir": {"sizeLimit": cache_size(m)}}
         return [{"name": "hf-cache", **source}], [{"name": "hf-cache", "mountPath": names.HF_CACHE_MOUNT}]
     if m.pvc:
         source = {"persistentVolumeClaim": {"claimName": m.pvc, "readOnly": True}}
@@ -140,9 +140,9 @@ def worker_ports(role: str) -> list[dict[str, Any]]:
 def worker_pod_template(spec: ModelSpec, role: str, cfg: OperatorConfig) -> dict[str, Any]:
     w = spec.worker(role)
     vols, mounts = model_volumes(spec)
-    tmp_vol, tmp_mount = tmp_volume()
+    tmp_vol, tmp_mount = tmp_volume(WORKER_TMP)
     auth_vol, auth_mount = auth_volume(spec)
-    shm = {"name": "dshm", "emptyDir": {"medium": "Memory"}}
+    shm = {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": SHM}}
     container = {
         "name": role,
         "image": spec.image,
@@ -166,7 +166,7 @@ def worker_pod_template(spec: ModelSpec, role: str, cfg: OperatorConfig) -> dict
             "automountServiceAccountToken": False,
             "enableServiceLinks": False,
             "terminationGracePeriodSeconds": spec.grace_period_s,
-            **scheduling(w.placement),
+            **scheduling(spec, role, w.placement),
         },
     }
 
