@@ -22,12 +22,17 @@ QUANTITY = "^[0-9]+(\\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|k|M|G|T|P)?$"
 
 
 # What names the model a CR serves; the rest of spec.model says where a download is kept.
-IDENTITY = ("path", "pvc", "hostPath", "huggingFaceId")
+IDENTITY = ("path", "pvc", "hostPath", "huggingFaceId", "builtin")
 MODEL_RULES = [
     (
         "spec.model",
-        "has(self.path) != has(self.huggingFaceId)",
-        "set exactly one of model.path (a directory on a volume) and model.huggingFaceId",
+        "[has(self.path), has(self.huggingFaceId), has(self.builtin)].filter(x, x).size() == 1",
+        "set exactly one of model.path (a directory on a volume), model.huggingFaceId and model.builtin",
+    ),
+    (
+        "spec.model",
+        "!has(self.builtin) || !(has(self.pvc) || has(self.hostPath) || has(self.cachePvc))",
+        "model.builtin is inside the worker image: it takes no model.pvc, model.hostPath or model.cachePvc",
     ),
     (
         "spec.model",
@@ -43,7 +48,7 @@ MODEL_RULES = [
     (
         "spec.model",
         " && ".join(f"(has(self.{f}) ? self.{f} : '') == (has(oldSelf.{f}) ? oldSelf.{f} : '')" for f in IDENTITY),
-        "model is immutable (path, pvc, hostPath, huggingFaceId; the download cache may change): create a new "
+        "model is immutable (path, pvc, hostPath, huggingFaceId, builtin; the download cache may change): create a new "
         "DisaggregatedModel to serve another model",
     ),
 ]
@@ -196,6 +201,12 @@ def spec_schema() -> dict:
             "pvc": string("PersistentVolumeClaim holding model.path, mounted read-only."),
             "hostPath": string("Node directory holding model.path, mounted read-only.", 1024),
             "huggingFaceId": string("A Hugging Face model id, downloaded into the cache volume at start-up.", 256),
+            "builtin": string(
+                "A model built into the worker image, served without a volume: smollm2 (SmolLM2-135M-Instruct, "
+                "at /opt/models/SmolLM2-135M-Instruct in images built from Dockerfile.worker).",
+                32,
+                enum=sorted(names.BUILTIN_MODELS),
+            ),
             "cachePvc": string("PersistentVolumeClaim for the Hugging Face cache (an emptyDir when absent)."),
             "cacheSize": string(
                 "Size of the Hugging Face cache emptyDir (its sizeLimit, requested as ephemeral storage); "

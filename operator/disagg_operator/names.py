@@ -64,6 +64,8 @@ EXIT_MARGIN_SECONDS = 5
 
 WORKER_UID = 1000
 MODEL_MOUNT = "/models"
+# Models built into the worker image (Dockerfile.worker), by the name `spec.model.builtin` gives them.
+BUILTIN_MODELS = {"smollm2": "/opt/models/SmolLM2-135M-Instruct"}
 HF_CACHE_MOUNT = "/cache/huggingface"
 
 # Condition types.

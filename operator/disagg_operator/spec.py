@@ -111,10 +111,14 @@ class ModelSource:
     hugging_face_id: str | None
     cache_pvc: str | None
     cache_size: str | None = None  # the download cache's emptyDir size; None: see weights.py
+    builtin: str | None = None  # a model inside the worker image (names.BUILTIN_MODELS)
 
     @property
     def model_arg(self) -> str:
-        """What `--model` receives: the directory inside the mounted volume, or the Hugging Face id."""
+        """What `--model` receives: the directory inside the mounted volume, the Hugging Face id, or the
+        built-in model's directory in the image."""
+        if self.builtin:
+            return names.BUILTIN_MODELS[self.builtin]
         if self.hugging_face_id:
             return self.hugging_face_id
         path = (self.path or "").lstrip("/")
@@ -237,6 +241,7 @@ class ModelSpec:
                 model.get("huggingFaceId"),
                 model.get("cachePvc"),
                 model.get("cacheSize"),
+                model.get("builtin"),
             ),
             transfer=TransferSpec(
                 transfer.get("backend", "mooncake"), transfer.get("protocol", "tcp"), transfer.get("ibDevice")

@@ -285,6 +285,18 @@ def test_hugging_face_id_is_passed_through_with_a_cache_volume(tiny):
     assert vols["hf-cache"]["persistentVolumeClaim"] == {"claimName": "hf-cache"}
 
 
+def test_a_builtin_model_is_served_from_the_image_without_a_volume(tiny):
+    tiny["spec"]["model"] = {"builtin": "smollm2"}
+    children = children_by_kind_name(tiny)
+    for role in ("prefill", "decode"):
+        pod = children[("StatefulSet", f"tiny-{role}")]["spec"]["template"]["spec"]
+        c = pod["containers"][0]
+        assert c["args"][1:3] == ["--model", "/opt/models/SmolLM2-135M-Instruct"]
+        assert not {"model", "hf-cache"} & {v["name"] for v in pod["volumes"]}
+        assert not {"/models", "/cache/huggingface"} & {m["mountPath"] for m in c["volumeMounts"]}
+        assert not any(e["name"] == "HF_HOME" for e in c.get("env", []))
+
+
 def test_router_finds_workers_through_the_headless_services(tiny):
     args = router_args(ModelSpec.from_cr(tiny), OperatorConfig(cluster_domain="example.org"))
     assert args == [

@@ -116,9 +116,12 @@ def worker_resources(spec: ModelSpec, w: WorkerRoleSpec, cfg: OperatorConfig) ->
 
 
 def model_volumes(spec: ModelSpec) -> tuple[list[dict], list[dict]]:
-    """Volumes and mounts holding the weights: the PVC or hostPath read-only, or a Hugging Face cache."""
+    """Volumes and mounts holding the weights: the PVC or hostPath read-only, or a Hugging Face cache; none for a
+    model built into the image."""
     m = spec.model
     source: dict[str, Any]
+    if m.builtin:
+        return [], []
     if m.hugging_face_id:
         claim = {"persistentVolumeClaim": {"claimName": m.cache_pvc}}
         source = claim if m.cache_pvc else {"emptyDir": {"sizeLimit": cache_size(m)}}
