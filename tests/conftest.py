@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 from hypothesis import HealthCheck, settings
 
+from tests.timing import FACTOR, scaled
+
 # Property tests run on loaded machines too: no per-example deadline and no "too slow to generate" check,
 # which measure the machine, not the property. A test's own @settings still chooses its number of examples.
 settings.register_profile("disagg", deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -18,3 +20,14 @@ def tiny_model(tmp_path_factory) -> str:
     out = tmp_path_factory.mktemp("tiny-llama")
     make_tiny(out)
     return str(out)
+
+
+def pytest_collection_modifyitems(config, items):
+    """pytest-timeout's limit for a test (pyproject.toml) stretches with the machine's time factor, like every
+    other deadline; a test's own timeout mark is scaled where it is written."""
+    limit = scaled(float(config.getini("timeout") or 0))
+    if FACTOR == 1 or not limit:
+        return
+    for item in items:
+        if item.get_closest_marker("timeout") is None:
+            item.add_marker(pytest.mark.timeout(limit))
