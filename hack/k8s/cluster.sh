@@ -23,6 +23,11 @@ export KWOK_WORKDIR="$CLUSTER_DIR/kwok"
 
 log() { printf '[cluster %(%H:%M:%S)T] %s\n' -1 "$*" >&2; }
 
+# Start-up deadlines stretch on a loaded machine by the tests' time factor (tests/timing.py): scaled SECONDS.
+FACTOR="${DISAGG_TEST_TIME_FACTOR:-1}"
+[[ "$FACTOR" =~ ^[0-9]+(\.[0-9]+)?$ ]] || { log "DISAGG_TEST_TIME_FACTOR must be a number >= 1, not '$FACTOR'"; exit 2; }
+scaled() { awk -v s="$1" -v f="$FACTOR" 'BEGIN { if (f < 1) f = 1; printf "%d\n", s * f + 0.5 }'; }
+
 bin_dir() {  # build.sh is instant once its stamps exist
   if [[ "${1:-}" == --no-build ]]; then "$HERE/build.sh" --bin-dir; else "$HERE/build.sh" | tail -n 1; fi
 }
@@ -52,7 +57,7 @@ add_nodes() {
   for ((i = 0; i < NODES; i++)); do
     sed "s/NODE_NAME/kwok-gpu-$i/g" "$HERE/node.yaml"; echo "---"
   done | kubectl apply -f - >/dev/null
-  kubectl wait --for=condition=Ready node --all --timeout=60s >/dev/null
+  kubectl wait --for=condition=Ready node --all --timeout="$(scaled 60)s" >/dev/null
 }
 
 up() {
@@ -81,11 +86,13 @@ up() {
     --kube-authorization \
     --kube-admission \
     --disable-qps-limits \
-    --wait 60s >&2
+    --wait "$(scaled 60)s" >&2
   add_nodes
   # The controller-manager is up once it has created the default ServiceAccount.
+  local limit
+  limit=$(scaled 90)
   until kubectl get serviceaccount default >/dev/null 2>&1; do
-    (( SECONDS - start < 90 )) || { log "controller-manager did not start"; exit 1; }
+    (( SECONDS - start < limit )) || { log "controller-manager did not start in ${limit}s"; exit 1; }
     sleep 0.5
   done
   log "cluster $CLUSTER_NAME ready with $NODES nodes in $((SECONDS - start))s"

@@ -20,13 +20,14 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+
+from tests.timing import scaled, wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 HACK = REPO / "hack" / "k8s"
@@ -103,7 +104,7 @@ class KubeCluster:
         self, tool: Path, args: tuple[str, ...], input: str | None, check: bool
     ) -> subprocess.CompletedProcess[str]:
         proc = subprocess.run(
-            [str(tool), *args], input=input, env=self.env, capture_output=True, text=True, timeout=180
+            [str(tool), *args], input=input, env=self.env, capture_output=True, text=True, timeout=scaled(180)
         )
         if check and proc.returncode != 0:
             raise AssertionError(f"{tool.name} {' '.join(args)} failed ({proc.returncode}):\n{proc.stderr}")
@@ -180,10 +181,11 @@ def namespace(kube_cluster: KubeCluster) -> Iterator[str]:
     kube_cluster.kubectl("create", "namespace", name)
     # Admission rejects pods until the controller-manager has created the
     # namespace's default ServiceAccount.
-    deadline = time.monotonic() + 30
-    while kube_cluster.kubectl("-n", name, "get", "serviceaccount", "default", check=False).returncode:
-        if time.monotonic() > deadline:
-            pytest.fail(f"namespace {name} got no default ServiceAccount")
-        time.sleep(0.2)
+    wait_until(
+        lambda: kube_cluster.kubectl("-n", name, "get", "serviceaccount", "default", check=False).returncode == 0,
+        30,
+        0.5,
+        what=f"the default ServiceAccount of namespace {name}",
+    )
     yield name
     kube_cluster.kubectl("delete", "namespace", name, "--wait=false", check=False)

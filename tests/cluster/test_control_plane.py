@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import pytest
+from test_operator_support import POLL_S, kube_timeout, wait_until
 
 TESTDATA = Path(__file__).parent / "testdata"
 GPU_STATEFULSET = """
@@ -31,16 +31,6 @@ spec:
 """
 
 
-def wait_until(predicate, timeout: float = 60, interval: float = 0.5, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    pytest.fail(f"timed out after {timeout}s waiting for {what}")
-
-
 def test_server_reports_the_built_release(kube_cluster):
     version = json.loads(kube_cluster.kubectl("version", "-o", "json").stdout)
     assert version["serverVersion"]["gitVersion"] == version["clientVersion"]["gitVersion"]
@@ -57,7 +47,9 @@ def test_cel_rule_rejects_invalid_object(kube_cluster, namespace: str):
     from kubernetes.client.exceptions import ApiException
 
     kube_cluster.kubectl("apply", "-f", str(TESTDATA / "crd-widget.yaml"))
-    kube_cluster.kubectl("wait", "--for=condition=Established", "--timeout=30s", "crd/widgets.test.disagg.dev")
+    kube_cluster.kubectl(
+        "wait", "--for=condition=Established", f"--timeout={kube_timeout(30)}", "crd/widgets.test.disagg.dev"
+    )
     api = client.CustomObjectsApi(kube_cluster.api_client())
     args = ("test.disagg.dev", "v1", namespace, "widgets")
 
@@ -82,7 +74,12 @@ def test_cel_rule_rejects_invalid_object(kube_cluster, namespace: str):
 def test_statefulset_becomes_ready_and_is_garbage_collected(kube_cluster, namespace: str):
     kube_cluster.kubectl("apply", "-n", namespace, "-f", "-", input=GPU_STATEFULSET)
     kube_cluster.kubectl(
-        "-n", namespace, "wait", "statefulset/decode", "--timeout=60s", "--for=jsonpath={.status.readyReplicas}=2"
+        "-n",
+        namespace,
+        "wait",
+        "statefulset/decode",
+        f"--timeout={kube_timeout(60)}",
+        "--for=jsonpath={.status.readyReplicas}=2",
     )
     pods = kube_cluster.get("pods", "-n", namespace, "-l", "app=decode")["items"]
     assert sorted(p["metadata"]["name"] for p in pods) == ["decode-0", "decode-1"]
@@ -93,18 +90,22 @@ def test_statefulset_becomes_ready_and_is_garbage_collected(kube_cluster, namesp
     kube_cluster.kubectl("-n", namespace, "delete", "statefulset/decode", "--cascade=background")
     wait_until(
         lambda: not kube_cluster.get("pods", "-n", namespace, "-l", "app=decode")["items"],
+        60,
+        POLL_S,
         what="garbage collection of the StatefulSet's pods",
     )
 
 
 def test_chaos_label_fails_a_chosen_pod(kube_cluster, namespace: str):
     kube_cluster.kubectl("-n", namespace, "run", "victim", "--image=registry.invalid/worker:1", "--restart=Never")
-    kube_cluster.kubectl("-n", namespace, "wait", "pod/victim", "--for=condition=Ready", "--timeout=60s")
+    kube_cluster.kubectl(
+        "-n", namespace, "wait", "pod/victim", "--for=condition=Ready", f"--timeout={kube_timeout(60)}"
+    )
 
     kube_cluster.fail_pod(namespace, "victim", reason="OOMKilled", exit_code=137)
 
     kube_cluster.kubectl(
-        "-n", namespace, "wait", "pod/victim", "--timeout=60s", "--for=jsonpath={.status.phase}=Failed"
+        "-n", namespace, "wait", "pod/victim", f"--timeout={kube_timeout(60)}", "--for=jsonpath={.status.phase}=Failed"
     )
     status = kube_cluster.get("-n", namespace, "pod/victim")["status"]
     terminated = status["containerStatuses"][0]["state"]["terminated"]
@@ -113,13 +114,15 @@ def test_chaos_label_fails_a_chosen_pod(kube_cluster, namespace: str):
 
 def test_helm_install_and_uninstall(kube_cluster, namespace: str):
     chart = str(TESTDATA / "chart")
-    kube_cluster.helm("install", "smoke", chart, "-n", namespace, "--set", "greeting=hi", "--wait", "--timeout", "90s")
+    kube_cluster.helm(
+        "install", "smoke", chart, "-n", namespace, "--set", "greeting=hi", "--wait", "--timeout", kube_timeout(90)
+    )
     config = kube_cluster.get("-n", namespace, "configmap/smoke-config")
     assert config["data"] == {"greeting": "hi"}
     deployment = kube_cluster.get("-n", namespace, "deployment/smoke-server")
     assert deployment["status"]["readyReplicas"] == 1
 
-    kube_cluster.helm("uninstall", "smoke", "-n", namespace, "--wait", "--timeout", "90s")
+    kube_cluster.helm("uninstall", "smoke", "-n", namespace, "--wait", "--timeout", kube_timeout(90))
     for obj in ("configmap/smoke-config", "deployment/smoke-server"):
         gone = kube_cluster.kubectl("-n", namespace, "get", obj, check=False)
         assert gone.returncode != 0 and "NotFound" in gone.stderr

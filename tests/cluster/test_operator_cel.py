@@ -6,7 +6,7 @@ import copy
 import json
 
 import pytest
-from test_operator_support import REPO, apply_cr, load_example
+from test_operator_support import REPO, apply_cr, kube_timeout, load_example
 
 from disagg_operator import crd
 
@@ -58,8 +58,12 @@ VIOLATIONS = [
     (
         "both model sources",
         tiny(model={"hostPath": "/m", "path": "x", "huggingFaceId": "a/b"}),
-        "has(self.path) != has(self.huggingFaceId)",
+        "filter(x, x).size() == 1",
     ),
+    ("no model source", tiny(model={"cacheSize": "1Gi"}), "filter(x, x).size() == 1"),
+    ("builtin and a path", tiny(model={"builtin": "smollm2", "hostPath": "/m", "path": "x"}), "filter(x, x)"),
+    ("builtin with a volume", tiny(model={"builtin": "smollm2", "pvc": "p"}), "!has(self.builtin)"),
+    ("unknown builtin", tiny(model={"builtin": "llama-70b"}), "supported values"),
     ("path without volume", tiny(model={"path": "x"}), "has(self.pvc) || has(self.hostPath)"),
     ("two volumes", tiny(model={"path": "x", "pvc": "p", "hostPath": "/m"}), "has(self.pvc) && has(self.hostPath)"),
     (
@@ -75,7 +79,9 @@ def crd_installed(kube_cluster):
     kube_cluster.kubectl(
         "apply", "--server-side", "--force-conflicts", "-f", str(REPO / "crds" / "disagg.dev_disaggregatedmodels.yaml")
     )
-    kube_cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd/disaggregatedmodels.disagg.dev")
+    kube_cluster.kubectl(
+        "wait", "--for=condition=Established", f"--timeout={kube_timeout(60)}", "crd/disaggregatedmodels.disagg.dev"
+    )
 
 
 def test_every_rule_is_exercised_here():

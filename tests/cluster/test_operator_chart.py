@@ -17,6 +17,7 @@ import yaml
 
 from disagg_operator.config import OperatorConfig
 from disagg_operator.main import parse_args
+from tests.timing import scaled
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "charts" / "disagg-operator"
@@ -44,7 +45,7 @@ def render(k8s_bin_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Rende
             env=env,
             capture_output=True,
             text=True,
-            timeout=60,
+            timeout=scaled(60),
         )
         assert proc.returncode == 0, proc.stderr
         return [doc for doc in yaml.safe_load_all(proc.stdout) if doc]

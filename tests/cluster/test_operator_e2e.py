@@ -12,17 +12,28 @@ import pytest
 from test_operator_support import (
     EXAMPLES,
     OPERATOR_NS,
+    POLL_S,
     RELEASE,
+    CountingProxy,
     OperatorUnderTest,
     apply_cr,
     condition,
     events_for,
     install_chart,
+    kube_timeout,
     load_example,
+    scaled,
     wait_until,
 )
 
+from disagg_operator import names
+from disagg_operator.config import OperatorConfig
+
 CHILD_KINDS = "statefulsets,deployments,services,poddisruptionbudgets,networkpolicies,secrets"
+# What the operator watches besides its CRs: the children but the Secret, their pods, the RoleScaler.
+WATCHED_KINDS = "statefulsets,deployments,services,poddisruptionbudgets,networkpolicies,pods,rolescalers"
+WRITTEN_CHILD_KINDS = {*CHILD_KINDS.split(","), "rolescalers"}  # a write to one of these makes or changes a child
+TICK_S = OperatorConfig().tick_s  # the operator's clock, as the chart runs it
 
 
 @pytest.fixture(scope="module")
@@ -69,8 +80,37 @@ spec:
     )
 
 
-def wait_ready(cluster, namespace: str, name: str, timeout: int = 120) -> None:
-    cluster.kubectl("-n", namespace, "wait", "--for=condition=Ready", f"dm/{name}", f"--timeout={timeout}s")
+def wait_ready(cluster, namespace: str, name: str, timeout: float = 120) -> None:
+    cluster.kubectl(
+        "-n", namespace, "wait", "--for=condition=Ready", f"dm/{name}", f"--timeout={kube_timeout(timeout)}"
+    )
+
+
+def event_with(cluster, namespace: str, name: str, reason: str) -> dict:
+    """The first Event of `reason` about the CR. The operator posts Events through a queue after the status
+    write that caused them: a test that saw the status waits for the Event."""
+    return wait_until(
+        lambda: next((e for e in events_for(cluster, namespace, name) if e["reason"] == reason), None),
+        30,
+        interval=POLL_S,
+        what=f"a {reason} Event",
+    )
+
+
+def quiet(proxy: CountingProxy, seconds: float):
+    """A predicate for `wait_until`: true once the proxy has passed no watch event to the operator and seen no
+    write from it for `seconds` (scaled). What the operator does follows an event or a tick, so after a quiet
+    spell it has finished what the events before it asked for."""
+    spell = scaled(seconds)
+    last: dict = {"state": None, "since": time.monotonic()}
+
+    def check() -> bool:
+        state = (proxy.write_mark(), len(proxy.delivered()))
+        if state != last["state"]:
+            last["state"], last["since"] = state, time.monotonic()
+        return time.monotonic() - last["since"] >= spell
+
+    return check
 
 
 def test_the_service_account_can_do_what_the_operator_needs_and_no_more(kube_cluster, operator):
@@ -97,18 +137,18 @@ def test_example_becomes_ready_with_owned_children(kube_cluster, operator, names
     if "pvc:" in (EXAMPLES / example).read_text():
         provide_models_volume(kube_cluster, namespace)
     kube_cluster.kubectl("-n", namespace, "apply", "-f", f"examples/{example}")
-    kinds = wait_until(
-        lambda: (lambda c: c if len(c) >= 14 else None)(children(kube_cluster, namespace, name)), 60, what="children"
-    )
-    uid = kube_cluster.get("-n", namespace, "dm", name)["metadata"]["uid"]
-    for child in kinds:
-        assert child["metadata"]["ownerReferences"][0]["uid"] == uid, child["metadata"]["name"]
     wait_ready(kube_cluster, namespace, name)
+    # Ready: the reconcile that made the workloads had applied every other child before them, so each child
+    # is here now (4 Services, 2 StatefulSets, a Deployment, 3 PDBs, 3 NetworkPolicies, the auth Secret).
+    made = children(kube_cluster, namespace, name)
+    assert len(made) >= 14, [(c["kind"], c["metadata"]["name"]) for c in made]
+    uid = kube_cluster.get("-n", namespace, "dm", name)["metadata"]["uid"]
+    for child in made:
+        assert child["metadata"]["ownerReferences"][0]["uid"] == uid, child["metadata"]["name"]
     row = kube_cluster.kubectl("-n", namespace, "get", "dm", name, "--no-headers").stdout.split()
     assert row[:5] == [name, "True", *expected]
     assert row[5] == f"http://{name}-router.{namespace}.svc:8000"
-    reasons = [e["reason"] for e in events_for(kube_cluster, namespace, name)]
-    assert "AllReplicasReady" in reasons
+    assert event_with(kube_cluster, namespace, name, "AllReplicasReady")["type"] == "Normal"
 
 
 def test_scaling_decode_with_kubectl_scale(kube_cluster, operator, namespace):
@@ -119,6 +159,7 @@ def test_scaling_decode_with_kubectl_scale(kube_cluster, operator, namespace):
         wait_until(
             lambda r=replicas: kube_cluster.get("-n", namespace, "sts", "tiny-decode")["spec"]["replicas"] == r,
             30,
+            interval=POLL_S,
             what=f"StatefulSet at {replicas}",
         )
         wait_until(
@@ -126,6 +167,7 @@ def test_scaling_decode_with_kubectl_scale(kube_cluster, operator, namespace):
                 kube_cluster.get("-n", namespace, "dm", "tiny")["status"]["decode"]["ready"] == f"{r}/{r}"
             ),
             60,
+            interval=POLL_S,
             what=f"status decode {replicas}/{replicas}",
         )
         wait_ready(kube_cluster, namespace, "tiny")
@@ -142,12 +184,14 @@ def test_a_failing_pod_degrades_and_recovery_clears_it(kube_cluster, operator, n
     # the Events record the Degraded episode, the condition must end False.
 
     def episode() -> tuple[dict, dict] | None:
-        events = events_for(kube_cluster, namespace, "tiny")
-        failing = [e for e in events if e["reason"] == "PodFailing"]
-        fine = [e for e in events if e["reason"] == "AsExpected"]  # once at creation, once on recovery
-        return (failing[0], fine[-1]) if failing and len(fine) >= 2 else None
+        events = events_for(kube_cluster, namespace, "tiny")  # oldest first
+        failing = next((i for i, e in enumerate(events) if e["reason"] == "PodFailing"), None)
+        if failing is None:
+            return None
+        recovery = next((e for e in events[failing + 1 :] if e["reason"] == "AsExpected"), None)
+        return (events[failing], recovery) if recovery else None
 
-    failing, recovered = wait_until(episode, 90, what="PodFailing then AsExpected events")
+    failing, recovered = wait_until(episode, 90, interval=POLL_S, what="PodFailing then AsExpected events")
     assert failing["type"] == "Warning"
     assert failing["message"] == ("Degraded=True: decode pod tiny-decode-0: container decode: Error (exit code 1)")
     assert recovered["type"] == "Normal" and recovered["message"].startswith("Degraded=False")
@@ -168,14 +212,16 @@ def test_a_child_deleted_by_hand_is_recreated(kube_cluster, operator, namespace)
     old = {t: uid(*t) for t in targets}
     for kind, name in targets:
         kube_cluster.kubectl("-n", namespace, "delete", kind, name)
-    wait_until(lambda: all(uid(*t) not in ("", old[t]) for t in targets), 30, what="recreated children")
+    wait_until(
+        lambda: all(uid(*t) not in ("", old[t]) for t in targets), 30, interval=POLL_S, what="recreated children"
+    )
     wait_ready(kube_cluster, namespace, "tiny")
 
 
 def test_killed_mid_reconcile_the_operator_converges_after_restart(kube_cluster, operator, namespace):
     """The API server takes three of the children, then the operator dies with the next one's write in flight."""
     kinds = frozenset(CHILD_KINDS.split(","))
-    operator.proxy.hold_writes(kinds, after=3)
+    operator.proxy.hold_writes(kinds, after=3, namespace=namespace)
     kube_cluster.kubectl("-n", namespace, "apply", "-f", "examples/dm-cpu-tcp.yaml")
     wait_until(lambda: operator.proxy.held() > 3, 60, what="a child's write held")
     operator.kill()
@@ -192,7 +238,7 @@ def test_killed_mid_reconcile_the_operator_converges_after_restart(kube_cluster,
             "-n", namespace, "get", "sts", "tiny-prefill", "-o", "jsonpath={.spec.replicas}", check=False
         ).stdout
 
-    wait_until(lambda: prefill_replicas() == "2", 60, what="prefill StatefulSet at 2")
+    wait_until(lambda: prefill_replicas() == "2", 60, interval=POLL_S, what="prefill StatefulSet at 2")
     wait_ready(kube_cluster, namespace, "tiny")
     assert kube_cluster.get("-n", namespace, "dm", "tiny")["status"]["prefill"]["ready"] == "2/2"
 
@@ -200,15 +246,34 @@ def test_killed_mid_reconcile_the_operator_converges_after_restart(kube_cluster,
 def test_deleting_the_cr_leaves_no_orphans(kube_cluster, operator, namespace):
     kube_cluster.kubectl("-n", namespace, "apply", "-f", "examples/dm-cpu-tcp.yaml")
     wait_ready(kube_cluster, namespace, "tiny")
+    selector = f"{names.LABEL_MANAGED_BY}={names.MANAGED_BY},{names.MODEL_LABEL}=tiny"  # what the operator watches
+    watched = {
+        (o["kind"], o["metadata"]["name"])
+        for o in kube_cluster.get("-n", namespace, WATCHED_KINDS, "-l", selector)["items"]
+    }
+    assert {("StatefulSet", "tiny-decode"), ("Pod", "tiny-decode-0"), ("RoleScaler", "tiny-prefill")} <= watched
+    mark = operator.proxy.write_mark()
     kube_cluster.kubectl("-n", namespace, "delete", "dm", "tiny")
 
     def gone() -> bool:
-        pods = kube_cluster.get("-n", namespace, "pods", "-l", "disagg.dev/model=tiny")["items"]
+        pods = kube_cluster.get("pods", "-n", namespace, "-l", "disagg.dev/model=tiny")["items"]
         return not children(kube_cluster, namespace, "tiny") and not pods
 
-    wait_until(gone, 90, what="children garbage-collected")
-    time.sleep(3)
+    wait_until(gone, 90, interval=POLL_S, what="children garbage-collected")
+
+    # The operator must not bring any of them back. It has had its chance once every deletion has reached it:
+    # wait until the proxy has passed it the DELETED event of each object it watched, then leave its handlers a
+    # window to act. A handler is dispatched as its event arrives and writes within a second on a quiet
+    # machine; 5 s (scaled) leave room for a loaded one.
+    def untold() -> set[tuple[str, str]]:
+        return watched - {(e.kind, e.name) for e in operator.proxy.delivered("DELETED", namespace)}
+
+    wait_until(lambda: not untold(), 60, what="the DELETED events passed to the operator")
+    time.sleep(scaled(5))
+    recreating = [w for w in operator.proxy.writes_in(namespace, since=mark) if w.kind in WRITTEN_CHILD_KINDS]
+    assert recreating == [], recreating
     assert children(kube_cluster, namespace, "tiny") == []
+    assert kube_cluster.get("-n", namespace, "rolescalers", "-l", "disagg.dev/model=tiny")["items"] == []
 
 
 def test_an_idle_operator_makes_no_api_writes(kube_cluster, operator, namespace):
@@ -218,14 +283,20 @@ def test_an_idle_operator_makes_no_api_writes(kube_cluster, operator, namespace)
     wait_until(
         lambda: not [n for n in kube_cluster.get("namespaces")["items"] if n["status"].get("phase") == "Terminating"],
         120,
+        interval=POLL_S,
         what="namespaces deleted",
     )
-    time.sleep(5)
+    # Idle starts once the operator has handled every event so far: none reached it and it wrote nothing for
+    # 3 s (scaled), a spell shorter than a tick, so a write on every tick still lands in the window below.
+    wait_until(quiet(operator.proxy, 3), 3 * TICK_S, what="the operator quiet")
+    # Then nothing happens but the operator's clock: each tick recomputes the status of every CR, and must not
+    # write what did not change. The window holds six ticks (scaled: on a loaded machine a tick comes late).
+    window = scaled(6 * TICK_S)
     before = operator.proxy.snapshot()
-    time.sleep(60)
+    time.sleep(window)
     after = operator.proxy.snapshot()
     writes = {k: after[k] - before[k] for k in after if k[0] != "GET" and after[k] != before[k]}
-    print(f"writes while idle for 60 s: {sum(writes.values())} {writes}")
+    print(f"writes while idle for {window:g} s: {sum(writes.values())} {writes}")
     assert writes == {}, operator.log_tail()
 
 
@@ -238,6 +309,7 @@ def test_a_missing_auth_secret_is_reported_as_degraded(kube_cluster, operator, n
             condition(kube_cluster, namespace, "tiny", "Degraded")
         ),
         60,
+        interval=POLL_S,
         what="Degraded=True",
     )
     assert degraded["reason"] == "ReconcileFailed" and "auth Secret not-there not found" in degraded["message"]

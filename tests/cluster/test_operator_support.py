@@ -3,7 +3,9 @@
 `OperatorUnderTest` installs the chart, mints a token for the chart's ServiceAccount and runs the operator as a
 local process with that identity, so the chart's RBAC is what the operator gets. Its API traffic goes through
 `CountingProxy`, which forwards every request to the API server and counts it by verb: that is how "no writes
-while idle" and "API calls per reconcile" are measured.
+while idle" and "API calls per reconcile" are measured. The proxy also records each write's namespace and every
+watch event it passes to the operator, so a test can wait until the operator has been told of a change (and so
+has had its chance to act on it) instead of sleeping.
 """
 
 from __future__ import annotations
@@ -18,35 +20,35 @@ import ssl
 import subprocess
 import sys
 import threading
-import time
 import urllib.request
 from pathlib import Path
+from typing import NamedTuple
 
 import yaml
 
 REPO = Path(__file__).resolve().parents[2]
+if str(REPO) not in sys.path:  # the benchmark imports this module from outside pytest
+    sys.path.insert(0, str(REPO))
+
+from tests.timing import scaled, wait_until  # noqa: E402  (the tests and the benchmark import both from here)
+
 CHART = REPO / "charts" / "disagg-operator"
 EXAMPLES = REPO / "examples"
 OPERATOR_NS = "disagg-system"
 RELEASE = "disagg-operator"
 WRITE_METHODS = ("POST", "PUT", "PATCH", "DELETE")
+POLL_S = 0.5  # between polls that run kubectl: each starts a process, which a loaded 2-core machine feels
+
+
+def kube_timeout(seconds: float) -> str:
+    """A kubectl or helm `--timeout` of `seconds` on a quiet machine, stretched like every deadline."""
+    return f"{scaled(seconds):.0f}s"
 
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def wait_until(predicate, timeout: float = 60, interval: float = 0.5, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(interval)
 
 
 def resource_of(path: str) -> str:
@@ -58,6 +60,30 @@ def resource_of(path: str) -> str:
     return parts[-1]
 
 
+def namespace_of(path: str) -> str | None:
+    parts = path.strip("/").split("/")
+    if "namespaces" in parts and len(parts) > parts.index("namespaces") + 2:
+        return parts[parts.index("namespaces") + 1]
+    return None
+
+
+class WatchEvent(NamedTuple):
+    """One event of a watch stream the proxy passed on to the operator."""
+
+    type: str
+    kind: str
+    namespace: str | None
+    name: str
+    resource_version: str
+
+
+class Write(NamedTuple):
+    method: str
+    kind: str  # as `resource_of` names it
+    namespace: str | None
+    path: str
+
+
 class CountingProxy:
     """A plain-HTTP reverse proxy on 127.0.0.1 in front of the API server, streaming (watches included)."""
 
@@ -65,16 +91,20 @@ class CountingProxy:
         self.upstream = upstream.rstrip("/")
         self.port = free_port()
         self.calls: collections.Counter[tuple[str, str]] = collections.Counter()
+        self._writes: list[Write] = []
+        self._delivered: list[WatchEvent] = []
         self._lock = threading.Lock()
         self._loop = asyncio.new_event_loop()
         self._ready = threading.Event()
-        # Writes to these resources beyond the first `_hold_after` wait (`hold_child_writes`).
+        # Writes to these resources in `_hold_namespace` beyond the first `_hold_after` wait (`hold_writes`).
         self._hold_kinds: frozenset[str] = frozenset()
+        self._hold_namespace: str | None = None
         self._hold_after = 0
         self._held = 0
         self._release: asyncio.Event | None = None
         threading.Thread(target=self._serve, daemon=True).start()
-        self._ready.wait(10)
+        if not self._ready.wait(scaled(10)):
+            raise TimeoutError("the counting proxy did not start")
 
     @property
     def url(self) -> str:
@@ -84,10 +114,29 @@ class CountingProxy:
         with self._lock:
             return sum(n for (method, _), n in self.calls.items() if method in WRITE_METHODS)
 
-    def hold_writes(self, kinds: frozenset[str], after: int) -> None:
-        """From now on, let `after` writes to `kinds` through, then hold the rest: they wait, unanswered."""
+    def writes_in(self, namespace: str, since: int = 0) -> list[Write]:
+        """The writes into `namespace`, from the `since`-th write of all (`write_mark`) on."""
         with self._lock:
-            self._hold_kinds, self._hold_after, self._held = kinds, after, 0
+            return [w for w in self._writes[since:] if w.namespace == namespace]
+
+    def write_mark(self) -> int:
+        """A mark for `writes_in`: the number of writes seen so far."""
+        with self._lock:
+            return len(self._writes)
+
+    def delivered(self, type: str | None = None, namespace: str | None = None) -> list[WatchEvent]:
+        """The watch events passed on to the operator so far, optionally of one type or namespace."""
+        with self._lock:
+            events = list(self._delivered)
+        return [
+            e for e in events if (type is None or e.type == type) and (namespace is None or e.namespace == namespace)
+        ]
+
+    def hold_writes(self, kinds: frozenset[str], after: int, namespace: str) -> None:
+        """From now on, let `after` writes to `kinds` in `namespace` through, then hold the rest: they wait,
+        unanswered. Writes elsewhere (a namespace of an earlier test being torn down) pass and are not counted."""
+        with self._lock:
+            self._hold_kinds, self._hold_namespace, self._hold_after, self._held = kinds, namespace, after, 0
         self._release = asyncio.Event()
 
     def held(self) -> int:
@@ -106,20 +155,44 @@ class CountingProxy:
         with self._lock:
             return collections.Counter(self.calls)
 
+    def _record_events(self, data: bytes) -> bytes:
+        """Record the complete lines of a watch stream (one JSON event each); returns the incomplete rest."""
+        *lines, rest = data.split(b"\n")
+        events = []
+        for line in lines:
+            try:
+                event = json.loads(line)
+                obj, meta = event["object"], event["object"]["metadata"]
+                events.append(
+                    WatchEvent(event["type"], obj["kind"], meta.get("namespace"), meta["name"], meta["resourceVersion"])
+                )
+            except (ValueError, KeyError, TypeError):  # a bookmark or an error status: nothing to record
+                continue
+        with self._lock:
+            self._delivered.extend(events)
+        return rest
+
     def _serve(self) -> None:
         from aiohttp import ClientSession, ClientTimeout, TCPConnector, web
 
         async def handle(request: web.Request) -> web.StreamResponse:
-            kind = resource_of(request.path) if request.method in WRITE_METHODS else "read"
+            write = request.method in WRITE_METHODS
+            kind = resource_of(request.path) if write else "read"
+            namespace = namespace_of(request.path)
+            watching = request.method == "GET" and request.query.get("watch") in ("true", "1")
             with self._lock:
                 self.calls[(request.method, kind)] += 1
-                hold = kind in self._hold_kinds and self._held >= self._hold_after
-                if kind in self._hold_kinds:
+                if write:
+                    self._writes.append(Write(request.method, kind, namespace, request.path))
+                counted = kind in self._hold_kinds and namespace == self._hold_namespace
+                hold = counted and self._held >= self._hold_after
+                if counted:
                     self._held += 1
             if hold and self._release is not None:
                 await self._release.wait()
                 return web.Response(status=503, text="held by the test proxy")
-            headers = {k: v for k, v in request.headers.items() if k.lower() not in ("host", "content-length")}
+            skip = ("host", "content-length") + (("accept-encoding",) if watching else ())  # events read as sent
+            headers = {k: v for k, v in request.headers.items() if k.lower() not in skip}
             body = await request.read() if request.can_read_body else None
             async with self._session.request(
                 request.method, self.upstream + request.path_qs, headers=headers, data=body or None
@@ -133,7 +206,10 @@ class CountingProxy:
                     },
                 )
                 await resp.prepare(request)
+                pending = b""
                 async for chunk in up.content.iter_any():
+                    if watching and up.status == 200:  # recorded before the operator can have read it
+                        pending = self._record_events(pending + chunk)
                     await resp.write(chunk)
                 await resp.write_eof()
                 return resp
@@ -162,7 +238,7 @@ def install_chart(cluster, *extra: str) -> None:
     cluster.helm("upgrade", "--install", RELEASE, str(CHART), "--namespace", OPERATOR_NS, "--create-namespace", *extra)
     cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(REPO / "crds"))
     for crd in ("disaggregatedmodels.disagg.dev", "rolescalers.disagg.dev"):
-        cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s", f"crd/{crd}")
+        cluster.kubectl("wait", "--for=condition=Established", f"--timeout={kube_timeout(60)}", f"crd/{crd}")
 
 
 def service_account_kubeconfig(cluster, server: str, path: Path) -> Path:
@@ -211,12 +287,12 @@ class OperatorUnderTest:
             stdout=log,
             stderr=subprocess.STDOUT,
         )
-        wait_until(self._healthy, 60, what=f"operator liveness (log: {self.log_path})")
+        wait_until(self._healthy, 60, POLL_S, what=f"operator liveness (log: {self.log_path})")
 
     def _healthy(self) -> bool:
         assert self.proc and self.proc.poll() is None, self.log_path.read_text()[-3000:]
         try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{self.health_port}/healthz", timeout=2) as r:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.health_port}/healthz", timeout=scaled(2)) as r:
                 return r.status == 200
         except OSError:
             return False
@@ -225,13 +301,13 @@ class OperatorUnderTest:
         """SIGKILL: no graceful shutdown, whatever it was doing is cut off."""
         if self.proc and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGKILL)
-            self.proc.wait(30)
+            self.proc.wait(scaled(30))
 
     def stop(self) -> None:
         if self.proc and self.proc.poll() is None:
             self.proc.terminate()
             try:
-                self.proc.wait(30)
+                self.proc.wait(scaled(30))
             except subprocess.TimeoutExpired:
                 self.kill()
 
@@ -255,6 +331,8 @@ def condition(cluster, namespace: str, name: str, ctype: str) -> dict:
 
 
 def events_for(cluster, namespace: str, name: str) -> list[dict]:
+    """The Events about a DisaggregatedModel, oldest first (by eventTime: the operator stamps it in microseconds;
+    the API server lists Events by name, which is random)."""
     items = cluster.get(
         "-n",
         namespace,
@@ -262,4 +340,4 @@ def events_for(cluster, namespace: str, name: str) -> list[dict]:
         "--field-selector",
         f"involvedObject.kind=DisaggregatedModel,involvedObject.name={name}",
     )["items"]
-    return items
+    return sorted(items, key=lambda e: e.get("eventTime") or e.get("lastTimestamp") or "")
