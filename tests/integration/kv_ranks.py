@@ -18,12 +18,13 @@ import torch
 os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
 
 from disagg_worker.config import DisaggConfig, Role  # noqa: E402
-from disagg_worker.disagg import KVLayout, RankInfo, create_kv_manager  # noqa: E402
+from disagg_worker.disagg import KVLayout, KVPoll, RankInfo, create_kv_manager  # noqa: E402
 from disagg_worker.disagg.bootstrap import BootstrapServer  # noqa: E402
 from disagg_worker.disagg.mooncake.prefill import MooncakePrefillManager  # noqa: E402
 from disagg_worker.mem.kv_pool import KVPool  # noqa: E402
 from disagg_worker.model.config import ModelConfig  # noqa: E402
 from disagg_worker.model.parallel import Shard  # noqa: E402
+from tests.timing import scaled  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16}
 
@@ -130,13 +131,23 @@ class RankProc:
         self.proc.start()
 
     def started(self) -> RankProc:
-        assert self.conn.poll(120) and self.conn.recv() == "ready", f"{self.role} rank did not start"
+        assert self.conn.poll(scaled(120)) and self.conn.recv() == "ready", f"{self.role} rank did not start"
         return self
 
     def __call__(self, *cmd, timeout: float = 60):
+        """Run a command in the rank's process; `timeout` (scaled) bounds its answer."""
         self.conn.send(cmd)
-        assert self.conn.poll(timeout), f"{self.role} rank did not answer {cmd[0]}"
+        assert self.conn.poll(scaled(timeout)), f"{self.role} rank did not answer {cmd[0]}"
         return self.conn.recv()
+
+    def until(self, room: int, status: KVPoll, timeout: float) -> tuple[int, str]:
+        """Until the room's handle reached `status` or ended, at most `timeout` (scaled): (status, reason)."""
+        return self("until", room, int(status), scaled(timeout), timeout=timeout + 30)
+
+    def wait(self, room: int, timeout: float) -> tuple[int, str, float]:
+        """Until the room's handle is terminal, at most `timeout` (scaled): (status, reason, seconds since the
+        receiver was created)."""
+        return self("wait", room, scaled(timeout), timeout=timeout + 30)
 
     def close(self) -> None:
         if self.proc.is_alive():
@@ -145,7 +156,7 @@ class RankProc:
             except (AssertionError, OSError, EOFError):
                 pass
             self.proc.kill()
-        self.proc.join(5)
+        self.proc.join(scaled(5))
 
 
 def ranks(role: str, tp: int, pp: int, geo: Geometry, cfg_kw: dict, url: str = "") -> list[RankProc]:
@@ -168,7 +179,7 @@ class Pair:
             self.decode = ranks("decode", *decode, self.decode_geo, {})
             for rank in self.prefill + self.decode:  # all start at once: most of the time is imports
                 rank.started()
-            assert all(p("registered", 30) for p in self.prefill), "a prefill rank did not register"
+            assert all(p("registered", scaled(30)) for p in self.prefill), "a prefill rank did not register"
         except BaseException:
             self.close()
             raise

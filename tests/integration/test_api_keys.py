@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import requests
 
-from tests.integration.procs import Proc, free_port, serve
+from tests.integration.procs import Proc, free_port, scaled, serve
 
 pytestmark = pytest.mark.integration
 BODY = {"prompt": "Once upon a time", "max_tokens": 4, "temperature": 0, "ignore_eos": True}
@@ -26,16 +26,16 @@ def test_the_monolithic_server_wants_a_key_everywhere_but_health(tiny_model, tmp
     try:
         url = mono.url
         for headers in ({}, {"Authorization": "Bearer k-three"}, {"Authorization": "Basic k-one"}):
-            assert_unauthorized(requests.post(f"{url}/v1/completions", json=BODY, headers=headers, timeout=30))
+            assert_unauthorized(requests.post(f"{url}/v1/completions", json=BODY, headers=headers, timeout=scaled(30)))
             for path in ("/v1/models", "/metrics", "/stats"):
-                assert_unauthorized(requests.get(f"{url}{path}", headers=headers, timeout=30))
-            assert_unauthorized(requests.post(f"{url}/flush_cache", headers=headers, timeout=30))
-        assert requests.get(f"{url}/health", timeout=30).status_code == 200
+                assert_unauthorized(requests.get(f"{url}{path}", headers=headers, timeout=scaled(30)))
+            assert_unauthorized(requests.post(f"{url}/flush_cache", headers=headers, timeout=scaled(30)))
+        assert requests.get(f"{url}/health", timeout=scaled(30)).status_code == 200
         for key in ("k-one", "k-two"):
             auth = {"Authorization": f"Bearer {key}"}
-            r = requests.post(f"{url}/v1/completions", json=BODY, headers=auth, timeout=60)
+            r = requests.post(f"{url}/v1/completions", json=BODY, headers=auth, timeout=scaled(60))
             assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
-            assert requests.get(f"{url}/metrics", headers=auth, timeout=30).status_code == 200
+            assert requests.get(f"{url}/metrics", headers=auth, timeout=scaled(30)).status_code == 200
     finally:
         mono.stop()
 
@@ -45,9 +45,9 @@ def test_serve_local_puts_the_key_on_its_router(tiny_model):
     stack = Proc(["serve", "--local", "--model", tiny_model, "--port", str(port), "--api-key", "local-key"], port)
     try:
         stack.wait_healthy()
-        assert_unauthorized(requests.post(f"{stack.url}/v1/completions", json=BODY, timeout=30))
+        assert_unauthorized(requests.post(f"{stack.url}/v1/completions", json=BODY, timeout=scaled(30)))
         auth = {"Authorization": "Bearer local-key"}
-        r = requests.post(f"{stack.url}/v1/completions", json=BODY, headers=auth, timeout=60)
+        r = requests.post(f"{stack.url}/v1/completions", json=BODY, headers=auth, timeout=scaled(60))
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4, r.text
     finally:
         stack.stop()

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from tests.integration.procs import DISAGG, free_port
+from tests.integration.procs import DISAGG, free_port, scaled
 from tests.unit.gguf_stubs import Q, random_quant_bytes, write_gguf
 
 pytestmark = pytest.mark.integration
@@ -26,7 +26,7 @@ def test_an_unsupported_quantisation_type_stops_start_up_naming_it(tiny_model, t
         [DISAGG, "serve", "--model", str(path), "--port", str(free_port())],
         capture_output=True,
         text=True,
-        timeout=180,
+        timeout=scaled(180),
     )
     assert out.returncode != 0
     assert "quantisation type IQ4_NL, which this engine cannot load" in out.stderr, out.stderr[-3000:]

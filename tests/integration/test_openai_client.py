@@ -10,7 +10,8 @@ import jsonschema
 import openai
 import pytest
 
-from tests.integration.procs import PDStack, idle_and_flushed, serve
+from tests.integration.procs import PDStack, scaled, serve
+from tests.integration.test_server import idle_and_flushed
 
 pytestmark = pytest.mark.integration
 # Every process serves the model under the name the stack's router serves it under.
@@ -33,7 +34,7 @@ def mono(tiny_model):
 
 
 def client(url: str, key: str = "unused") -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, timeout=60)
+    return openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, timeout=scaled(60))
 
 
 @pytest.fixture(scope="module")
@@ -240,5 +241,5 @@ def test_an_api_key_is_checked_as_the_client_sends_it(tiny_model, both, model, m
     finally:
         keyed.stop()
     for url in (mono.url, stack.prefill.url, stack.decode.url):  # nothing the suite sent is left behind
-        st = idle_and_flushed(url, timeout=60)
+        st = idle_and_flushed(url)
         assert st["pages_used"] == 0 and not any(st["queues"].values()), (url, st)

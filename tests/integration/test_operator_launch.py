@@ -40,7 +40,7 @@ from disagg_operator.routerview import (
 )
 from disagg_operator.spec import ModelSpec
 from disagg_worker.keys import WORKER, derive
-from tests.integration.procs import serve, wait_until
+from tests.integration.procs import scaled, serve, wait_until
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
@@ -175,7 +175,7 @@ def launched(tiny_model, tmp_path_factory):
             p.terminate()
         for p in procs.values():
             try:
-                p.wait(20)
+                p.wait(scaled(20))
             except subprocess.TimeoutExpired:
                 p.kill()
 
@@ -184,7 +184,7 @@ def _healthy(url: str, procs: dict) -> bool:
     dead = {r: p.returncode for r, p in procs.items() if p.poll() is not None}
     assert not dead, f"exited: {dead}; see /tmp/disagg-launch-*.log"
     try:
-        return requests.get(f"{url}/health", timeout=2).status_code == 200
+        return requests.get(f"{url}/health", timeout=scaled(2)).status_code == 200
     except requests.RequestException:
         return False
 
@@ -194,7 +194,7 @@ KEY = {"Authorization": f"Bearer {API_KEYS[1]}"}
 
 
 def complete(url: str, body: dict = BODY) -> requests.Response:
-    return requests.post(f"{url}/v1/completions", json=body, headers=KEY, timeout=60)
+    return requests.post(f"{url}/v1/completions", json=body, headers=KEY, timeout=scaled(60))
 
 
 def test_generated_commands_serve_a_completion(launched, tiny_model):
@@ -204,7 +204,7 @@ def test_generated_commands_serve_a_completion(launched, tiny_model):
     got = r.json()["choices"][0]["text"]
     mono = serve(tiny_model, "--served-model-name", "tiny-llama").wait_healthy()
     try:
-        want = requests.post(f"{mono.url}/v1/completions", json=BODY, timeout=60).json()["choices"][0]["text"]
+        want = requests.post(f"{mono.url}/v1/completions", json=BODY, timeout=scaled(60)).json()["choices"][0]["text"]
     finally:
         mono.stop()
     assert got == want
@@ -219,10 +219,15 @@ def test_the_operator_reads_the_verified_path_from_the_launched_router(launched)
     )
 
     def view():
-        reports = asyncio.run(read_routers({"uid": {"tiny-router-0": POD_IPS["router"]}}, 5.0))["uid"]
+        reports = asyncio.run(read_routers({"uid": {"tiny-router-0": POD_IPS["router"]}}, scaled(5.0)))["uid"]
         return merge_reports(reports)
 
-    seen = wait_until(lambda: (lambda v: v if v.workers else None)(view()), timeout=30, what="handoff counters")
+    def both_workers_read():
+        # The router reads each worker's /health on its own schedule: one may be in its report before the other.
+        v = view()
+        return v if len(v.workers) >= 2 else None
+
+    seen = wait_until(both_workers_read, timeout=30, what="handoff counters of both workers")
     assert seen.pairs == (PairResult("tiny-prefill-0", "tiny-decode-0", True, ""),)
     assert pairing_condition(spec, RoleObservation(1, 1, 1), seen) == (
         "True",
@@ -251,8 +256,8 @@ def listening(procs: dict) -> dict[str, set[int]]:
     return out
 
 
-def flows(procs: dict, ports: dict[str, set[int]]) -> set[tuple[str, str, int]]:
-    """(client role, server role, server port) of the established connections between the pods now."""
+def connections(procs: dict) -> set[tuple[str, str, int]]:
+    """(role, peer role, peer port) of every established TCP connection from a pod's process to another pod now."""
     by_ip = {ip: role for role, ip in POD_IPS.items()}
     out = set()
     for role, proc in procs.items():
@@ -260,71 +265,105 @@ def flows(procs: dict, ports: dict[str, set[int]]) -> set[tuple[str, str, int]]:
             for c in p.net_connections("tcp"):
                 if c.status != psutil.CONN_ESTABLISHED or not c.raddr:
                     continue
-                server = by_ip.get(c.raddr.ip.removeprefix("::ffff:"))
-                if server is not None and server != role and c.raddr.port in ports[server]:
-                    out.add((role, server, c.raddr.port))
+                peer = by_ip.get(c.raddr.ip.removeprefix("::ffff:"))
+                if peer is not None and peer != role:
+                    out.add((role, peer, c.raddr.port))
     return out
+
+
+def flows(seen: set[tuple[str, str, int]], ports: dict[str, set[int]]) -> set[tuple[str, str, int]]:
+    """(client role, server role, server port): the connections whose peer port is one its pod listens on."""
+    return {(client, server, port) for client, server, port in seen if port in ports[server]}
+
+
+NEEDED = [
+    ("router", "prefill", "http"),
+    ("router", "decode", "http"),
+    ("decode", "prefill", "control"),
+    ("prefill", "decode", "control"),
+    ("prefill", "decode", "transfer"),
+]
 
 
 def test_every_listening_port_is_one_the_network_policy_opens_and_every_connection_one_it_lets_in(launched):
     url, procs = launched
-    ports = listening(procs)
     seen: set[tuple[str, str, int]] = set()
+    lock = threading.Lock()
     stop = threading.Event()
 
     def watch() -> None:
         while not stop.is_set():
             try:
-                seen.update(flows(procs, ports))
+                now = connections(procs)
             except psutil.Error:
-                pass
+                now = set()
+            with lock:
+                seen.update(now)
             time.sleep(0.01)
+
+    def seen_so_far() -> set[tuple[str, str, int]]:
+        with lock:
+            return set(seen)
+
+    requests_sent = 0
+
+    def every_needed_connection_seen() -> bool:
+        # A connection may last only as long as one transfer, and the watcher samples: serve requests until it
+        # caught every kind of connection a request makes (three on a quiet machine).
+        nonlocal requests_sent
+        body = {**BODY, "prompt": "Once upon a time " * (20 * (requests_sent % 3) + 1)}
+        assert complete(url, body).status_code == 200
+        requests_sent += 1
+        # Mooncake's engines listen once they started: the listening ports are read again each time.
+        return requests_sent >= 3 and set(NEEDED) <= kinds_of(flows(seen_so_far(), listening(procs)))
 
     watcher = threading.Thread(target=watch)
     watcher.start()
     try:
-        for i in range(3):
-            assert complete(url, {**BODY, "prompt": "Once upon a time " * (20 * i + 1)}).status_code == 200
+        try:
+            wait_until(every_needed_connection_seen, timeout=60, interval=0, what="every kind of connection seen")
+        except TimeoutError:
+            pass  # the assertion below names what was never seen
     finally:
         stop.set()
         watcher.join()
-    ports = listening(procs)  # Mooncake's engines listen once they started: read again after serving
+    ports = listening(procs)
     policy = policies()
     for role, opened in ports.items():
         closed = sorted(p for p in opened if not any(first <= p <= last for first, last, _ in policy[role]))
         assert not closed, f"{role} listens on {closed}, which its NetworkPolicy does not open"
         unused = [(first, last) for first, last, _ in policy[role] if not any(first <= p <= last for p in opened)]
         assert not unused, f"{role}'s NetworkPolicy opens {unused}, where nothing listens"
-    refused = sorted(f for f in seen if not allowed(policy[f[1]], f[2], f[0]))
+    between = flows(seen, ports)
+    refused = sorted(f for f in between if not allowed(policy[f[1]], f[2], f[0]))
     assert not refused, f"connections the NetworkPolicy would refuse: {refused}"
-    kinds = {(client, server, listener_name(server, port)) for client, server, port in seen}
-    for needed in [
-        ("router", "prefill", "http"),
-        ("router", "decode", "http"),
-        ("decode", "prefill", "control"),
-        ("prefill", "decode", "control"),
-        ("prefill", "decode", "transfer"),
-    ]:
-        assert needed in kinds, f"never saw {needed}; saw {sorted(seen)}"
+    kinds = kinds_of(between)
+    for needed in NEEDED:
+        assert needed in kinds, f"never saw {needed} in {requests_sent} requests; saw {sorted(between)}"
 
 
 def listener_name(role: str, port: int) -> str:
     """What a port of a role's pod is for (http, bootstrap, control, transfer), as the operator says."""
     spec = ModelSpec.from_cr(the_cr())
-    return next(x.name for x in role_listeners(spec, role) if x.first <= port <= x.last)
+    return next((x.name for x in role_listeners(spec, role) if x.first <= port <= x.last), "none")
+
+
+def kinds_of(between: set[tuple[str, str, int]]) -> set[tuple[str, str, str]]:
+    """(client role, server role, what the server's port is for) of each connection."""
+    return {(client, server, listener_name(server, port)) for client, server, port in between}
 
 
 def test_the_router_wants_an_api_key_and_answers_401_in_openais_shape(launched):
     url, _ = launched
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEYS[0]}):
-        r = requests.post(f"{url}/v1/completions", json=BODY, headers=headers, timeout=30)
+        r = requests.post(f"{url}/v1/completions", json=BODY, headers=headers, timeout=scaled(30))
         assert r.status_code == 401, r.text
         error = r.json()["error"]
         assert error["type"] == "invalid_request_error" and error["code"] == "invalid_api_key" and error["message"]
-        assert requests.get(f"{url}/v1/models", headers=headers, timeout=30).status_code == 401
-    assert requests.get(f"{url}/health", timeout=30).status_code == 200
+        assert requests.get(f"{url}/v1/models", headers=headers, timeout=scaled(30)).status_code == 401
+    assert requests.get(f"{url}/health", timeout=scaled(30)).status_code == 200
     for key in API_KEYS:  # every key of the file is accepted
-        r = requests.get(f"{url}/v1/models", headers={"Authorization": f"Bearer {key}"}, timeout=30)
+        r = requests.get(f"{url}/v1/models", headers={"Authorization": f"Bearer {key}"}, timeout=scaled(30))
         assert r.status_code == 200 and r.json()["data"][0]["id"] == "tiny-llama"
 
 
@@ -332,11 +371,11 @@ def test_workers_take_only_the_routers_calls(launched):
     """A worker's HTTP port wants the router's token: a client key is not enough."""
     for role in ("prefill", "decode"):
         worker = f"http://{POD_IPS[role]}:8000"
-        assert requests.get(f"{worker}/health", timeout=30).status_code == 200
+        assert requests.get(f"{worker}/health", timeout=scaled(30)).status_code == 200
         for headers in ({}, KEY):
-            assert requests.get(f"{worker}/stats", headers=headers, timeout=30).status_code == 401
+            assert requests.get(f"{worker}/stats", headers=headers, timeout=scaled(30)).status_code == 401
         router_token = {"Authorization": f"Bearer {derive(TOKEN, WORKER)}"}
-        assert requests.get(f"{worker}/stats", headers=router_token, timeout=30).status_code == 200
+        assert requests.get(f"{worker}/stats", headers=router_token, timeout=scaled(30)).status_code == 200
 
 
 def test_decode_refuses_a_foreign_bootstrap_host_and_never_contacts_it(launched):
@@ -349,7 +388,7 @@ def test_decode_refuses_a_foreign_bootstrap_host_and_never_contacts_it(launched)
         decode = f"http://{POD_IPS['decode']}:8000"
         for sig in ({}, {"bootstrap_sig": "0" * 64}):
             body = {**BODY, "bootstrap_host": host, "bootstrap_port": port, "bootstrap_room": 12345, **sig}
-            r = requests.post(f"{decode}/v1/completions", json=body, headers=router_token, timeout=30)
+            r = requests.post(f"{decode}/v1/completions", json=body, headers=router_token, timeout=scaled(30))
             assert r.status_code == 403 and "not signed" in r.json()["error"]["message"], r.text
         assert complete(url).status_code == 200  # a full request through decode after the refusals
         with pytest.raises(BlockingIOError):

@@ -9,8 +9,8 @@ import re
 import pytest
 import requests
 
-from tests.integration.procs import PDStack, idle_and_flushed, serve
-from tests.integration.test_server import generate, varied_prompts
+from tests.integration.procs import PDStack, scaled, serve
+from tests.integration.test_server import generate, idle_and_flushed, varied_prompts
 
 pytestmark = pytest.mark.integration
 FLAGS = ("--page-size", "4", "--chunk-size", "32", "--max-total-tokens", "8192")
@@ -33,7 +33,7 @@ def mono(tiny_model):
 def assert_clean(*urls: str) -> None:
     """Every queue is empty and, after flushing the prefix cache, every page is free."""
     for url in urls:
-        st = idle_and_flushed(url, timeout=60)
+        st = idle_and_flushed(url)
         assert st["pages_used"] == 0 and st["cache_refs"] == 0, (url, st)
         assert not any(st["queues"].values()), (url, st)
 
@@ -49,24 +49,24 @@ def test_pd_greedy_equals_monolithic(stack, mono):
 
 def test_pd_openai_endpoints_match_monolithic(stack, mono):
     body = {"prompt": "Once upon a time", "max_tokens": 10, "temperature": 0, "ignore_eos": True}
-    a = requests.post(f"{stack.router.url}/v1/completions", json=body, timeout=60).json()
-    b = requests.post(f"{mono.url}/v1/completions", json=body, timeout=60).json()
+    a = requests.post(f"{stack.router.url}/v1/completions", json=body, timeout=scaled(60)).json()
+    b = requests.post(f"{mono.url}/v1/completions", json=body, timeout=scaled(60)).json()
     assert a["choices"][0]["text"] == b["choices"][0]["text"]
     assert a["usage"] == b["usage"]
     chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 6, "temperature": 0, "stream": True}
-    with requests.post(f"{stack.router.url}/v1/chat/completions", json=chat, stream=True, timeout=60) as r:
+    with requests.post(f"{stack.router.url}/v1/chat/completions", json=chat, stream=True, timeout=scaled(60)) as r:
         events = [line[6:] for line in r.iter_lines(decode_unicode=True) if line.startswith("data: ")]
     assert events[-1] == "[DONE]"
     text = "".join(json.loads(e)["choices"][0]["delta"].get("content", "") for e in events[:-1])
-    mono_text = requests.post(f"{mono.url}/v1/chat/completions", json={**chat, "stream": False}, timeout=60).json()[
-        "choices"
-    ][0]["message"]["content"]
+    mono_text = requests.post(
+        f"{mono.url}/v1/chat/completions", json={**chat, "stream": False}, timeout=scaled(60)
+    ).json()["choices"][0]["message"]["content"]
     assert text == mono_text
 
 
 def sampled(url: str, ids: list[int], seed: int) -> list[int]:
     params = {"max_new_tokens": 16, "temperature": 1.5, "top_k": 0, "seed": seed, "ignore_eos": True}
-    r = requests.post(f"{url}/generate", json={"input_ids": ids, "sampling_params": params}, timeout=120)
+    r = requests.post(f"{url}/generate", json={"input_ids": ids, "sampling_params": params}, timeout=scaled(120))
     assert r.status_code == 200, r.text
     return r.json()["output_ids"]
 
@@ -89,7 +89,7 @@ def test_tools_and_unknown_response_formats_are_a_400_through_the_router(stack):
         ({"tools": [tool]}, "tools", "chat template does not support tool calling"),  # the tiny model's has none
         ({"response_format": {"type": "yaml"}}, "response_format", "not supported"),
     ):
-        r = requests.post(f"{stack.router.url}/v1/chat/completions", json={**chat, **extra}, timeout=60)
+        r = requests.post(f"{stack.router.url}/v1/chat/completions", json={**chat, **extra}, timeout=scaled(60))
         assert r.status_code == 400, r.text
         assert r.json()["error"]["param"] == param
         assert says in r.json()["error"]["message"]
@@ -105,7 +105,7 @@ SCHEMA = {
 
 def structured(url: str, content: str, fmt: dict, **extra) -> dict:
     body = {"messages": [{"role": "user", "content": content}], "max_tokens": 40, "response_format": fmt, **extra}
-    r = requests.post(f"{url}/v1/chat/completions", json=body, timeout=60)
+    r = requests.post(f"{url}/v1/chat/completions", json=body, timeout=scaled(60))
     assert r.status_code == 200, r.text
     return r.json()["choices"][0]
 
@@ -128,7 +128,7 @@ def test_response_format_json_schema_monolithic_and_pd(stack, mono, sampling):
     r = requests.post(
         f"{mono.url}/v1/chat/completions",
         json={"messages": [{"role": "user", "content": "x"}], "response_format": bad},
-        timeout=60,
+        timeout=scaled(60),
     )
     assert r.status_code == 400 and "response_format" in r.json()["error"]["message"], r.text
 
@@ -151,7 +151,7 @@ def test_regex_ebnf_and_completions_schema_monolithic_and_pd(stack, mono, path, 
         body["messages"] = [{"role": "user", "content": "Pick one"}]
     texts = []
     for url in (mono.url, stack.router.url):
-        r = requests.post(f"{url}{path}", json=body, timeout=60)
+        r = requests.post(f"{url}{path}", json=body, timeout=scaled(60))
         assert r.status_code == 200, r.text
         choice = r.json()["choices"][0]
         assert choice["finish_reason"] == "stop", choice
@@ -164,14 +164,14 @@ def test_regex_ebnf_and_completions_schema_monolithic_and_pd(stack, mono, path, 
 
 
 def test_a_regex_that_does_not_compile_is_a_400_naming_it_through_the_router(stack):
-    r = requests.post(f"{stack.router.url}/v1/completions", json={"prompt": "x", "regex": "(open"}, timeout=60)
+    r = requests.post(f"{stack.router.url}/v1/completions", json={"prompt": "x", "regex": "(open"}, timeout=scaled(60))
     assert r.status_code == 400, r.text
     assert r.json()["error"]["message"].startswith("regex: the pattern cannot be used"), r.text
 
 
 def test_n_greater_than_one_uses_distinct_rooms(stack):
     body = {"prompt": "The sea", "max_tokens": 4, "n": 4, "temperature": 1.0, "seed": 5}
-    r = requests.post(f"{stack.router.url}/v1/completions", json=body, timeout=60)
+    r = requests.post(f"{stack.router.url}/v1/completions", json=body, timeout=scaled(60))
     assert r.status_code == 200, r.text
     assert [c["index"] for c in r.json()["choices"]] == [0, 1, 2, 3]
     assert r.json()["usage"]["completion_tokens"] == 16
@@ -179,7 +179,9 @@ def test_n_greater_than_one_uses_distinct_rooms(stack):
 
 def test_prompt_over_capacity_is_400_through_the_router(stack):
     r = requests.post(
-        f"{stack.router.url}/v1/completions", json={"prompt": list(range(10, 9010)), "max_tokens": 1}, timeout=60
+        f"{stack.router.url}/v1/completions",
+        json={"prompt": list(range(10, 9010)), "max_tokens": 1},
+        timeout=scaled(60),
     )
     assert r.status_code == 400, r.text
     assert r.json()["error"]["message"]
@@ -187,16 +189,16 @@ def test_prompt_over_capacity_is_400_through_the_router(stack):
 
 def test_workers_refuse_requests_without_a_room(stack):
     for url in (stack.prefill.url, stack.decode.url):
-        r = requests.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=30)
+        r = requests.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=scaled(30))
         assert r.status_code == 400
         assert "bootstrap_room" in r.json()["error"]["message"]
 
 
 def test_router_health_lists_workers(stack):
-    h = requests.get(f"{stack.router.url}/health", timeout=5).json()
+    h = requests.get(f"{stack.router.url}/health", timeout=scaled(5)).json()
     assert h["status"] == "ok"
     assert sorted(w["role"] for w in h["workers"]) == ["decode", "prefill"]
-    m = requests.get(f"{stack.prefill.url}/metrics", timeout=5).text
+    m = requests.get(f"{stack.prefill.url}/metrics", timeout=scaled(5)).text
     for name in (
         'queue="prefill_bootstrap"',
         'queue="prefill_inflight"',
@@ -204,7 +206,7 @@ def test_router_health_lists_workers(stack):
         "disagg_kv_transfer_bytes_total",
     ):
         assert name in m
-    m = requests.get(f"{stack.decode.url}/metrics", timeout=5).text
+    m = requests.get(f"{stack.decode.url}/metrics", timeout=scaled(5)).text
     for name in ('queue="decode_prealloc"', 'queue="decode_transfer"'):
         assert name in m
 
@@ -213,7 +215,9 @@ def test_a_stream_with_usage_through_the_router(stack, mono):
     """stream_options travels to decode only: prefill answers one token, never streamed."""
     body = {"prompt": "The sea", "max_tokens": 7, "temperature": 0, "ignore_eos": True}
     opts = {"stream": True, "stream_options": {"include_usage": True}}
-    with requests.post(f"{stack.router.url}/v1/completions", json={**body, **opts}, stream=True, timeout=60) as r:
+    with requests.post(
+        f"{stack.router.url}/v1/completions", json={**body, **opts}, stream=True, timeout=scaled(60)
+    ) as r:
         assert r.status_code == 200, r.text
         r.encoding = "utf-8"
         events = [line[6:] for line in r.iter_lines(decode_unicode=True) if line.startswith("data: ")]
@@ -221,4 +225,6 @@ def test_a_stream_with_usage_through_the_router(stack, mono):
     chunks = [json.loads(e) for e in events[:-1]]
     assert chunks[-1]["usage"]["completion_tokens"] == 7
     text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
-    assert text == requests.post(f"{mono.url}/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
+    assert (
+        text == requests.post(f"{mono.url}/v1/completions", json=body, timeout=scaled(60)).json()["choices"][0]["text"]
+    )

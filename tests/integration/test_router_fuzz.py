@@ -11,6 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.integration.test_pd import stack  # noqa: F401 - the module's P/D stack fixture
+from tests.timing import scaled
 
 pytestmark = pytest.mark.integration
 
@@ -73,7 +74,9 @@ def bodies(draw):
 @given(case=bodies())
 def test_router_never_answers_a_client_error_with_5xx(stack, case):  # noqa: F811
     path, raw = case
-    r = requests.post(f"{stack.router.url}{path}", data=raw, headers={"Content-Type": "application/json"}, timeout=60)
+    r = requests.post(
+        f"{stack.router.url}{path}", data=raw, headers={"Content-Type": "application/json"}, timeout=scaled(60)
+    )
     assert r.status_code < 500, (path, raw, r.status_code, r.text[:300])
     if r.status_code >= 400:
         err = r.json()["error"]
@@ -81,6 +84,6 @@ def test_router_never_answers_a_client_error_with_5xx(stack, case):  # noqa: F81
 
 
 def test_router_still_serves_after_the_fuzzing(stack):  # noqa: F811
-    r = requests.post(f"{stack.router.url}/v1/completions", json={"prompt": "hi", "max_tokens": 3}, timeout=60)
+    r = requests.post(f"{stack.router.url}/v1/completions", json={"prompt": "hi", "max_tokens": 3}, timeout=scaled(60))
     assert r.status_code == 200
     assert r.json()["usage"]["completion_tokens"] == 3

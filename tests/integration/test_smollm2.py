@@ -22,7 +22,7 @@ import transformers
 
 from disagg_worker.model.demo import SERVED_NAME, demo_gguf
 from disagg_worker.model.tokenizer import Tokenizer
-from tests.integration.procs import DISAGG, Proc, free_port, serve
+from tests.integration.procs import DISAGG, Proc, free_port, scaled, serve
 
 pytestmark = [pytest.mark.integration, pytest.mark.real_model]
 ROOT = Path(__file__).resolve().parents[2]
@@ -60,7 +60,7 @@ def started(gguf, tmp_path_factory):
     model_dir = tmp_path_factory.mktemp("models") / SERVED_NAME
     procs = [mono]
     try:
-        subprocess.run([DISAGG, "model", "convert-gguf", "--out", str(model_dir)], check=True, timeout=300)
+        subprocess.run([DISAGG, "model", "convert-gguf", "--out", str(model_dir)], check=True, timeout=scaled(300))
         port = free_port()
         procs.append(Proc(["serve", "--local", "--model", str(model_dir), "--port", str(port)], port))
         yield mono, procs[1]
@@ -111,7 +111,7 @@ def reference_greedy(model, ids: list[int], eos: tuple[int, ...]) -> list[int]:
 
 def greedy(url: str, ids: list[int]) -> list[int]:
     body = {"input_ids": ids, "sampling_params": {"max_new_tokens": MAX_NEW, "temperature": 0}}
-    r = requests.post(f"{url}/generate", json=body, timeout=300)
+    r = requests.post(f"{url}/generate", json=body, timeout=scaled(300))
     assert r.status_code == 200, r.text
     return r.json()["output_ids"]
 
@@ -161,7 +161,7 @@ def test_greedy_answers_equal_transformers_monolithic_and_pd(ours, reference, ex
 
 def chat_text(url: str, chat: list[dict]) -> str:
     body = {"messages": chat, "max_tokens": MAX_NEW, "temperature": 0}
-    r = requests.post(f"{url}/v1/chat/completions", json=body, timeout=300)
+    r = requests.post(f"{url}/v1/chat/completions", json=body, timeout=scaled(300))
     assert r.status_code == 200, r.text
     return r.json()["choices"][0]["message"]["content"]
 
@@ -180,7 +180,7 @@ def test_a_json_schema_answer_through_the_router(make_serve):
         "temperature": 0,
         "response_format": {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}},
     }
-    r = requests.post(f"{make_serve.url}/v1/chat/completions", json=body, timeout=300)
+    r = requests.post(f"{make_serve.url}/v1/chat/completions", json=body, timeout=scaled(300))
     assert r.status_code == 200, r.text
     choice = r.json()["choices"][0]
     assert choice["finish_reason"] == "stop"
@@ -199,7 +199,7 @@ def test_readme_first_example_answers_as_shown(make_serve):
     command, shown = readme_first_example()
     assert "/v1/chat/completions" in command and "capital of France" in command
     cmd = command.replace("localhost:8000", f"127.0.0.1:{make_serve.port}").replace("curl ", "curl -sf ", 1)
-    out = subprocess.run(["bash", "-c", cmd], capture_output=True, text=True, timeout=300)
+    out = subprocess.run(["bash", "-c", cmd], capture_output=True, text=True, timeout=scaled(300))
     assert out.returncode == 0, out.stderr
     answer = json.loads(out.stdout)
     content = answer["choices"][0]["message"]["content"]

@@ -14,7 +14,7 @@ import jsonschema
 import openai
 import pytest
 
-from tests.integration.procs import PDStack, serve
+from tests.integration.procs import PDStack, scaled, serve
 
 pytestmark = pytest.mark.integration
 FLAGS = ("--page-size", "4", "--max-total-tokens", "8192", "--served-model-name", "tiny")
@@ -59,7 +59,7 @@ def servers(hermes_model, tiny_model):
 
 
 def client(url: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=scaled(60))
 
 
 def call(url: str, **kw):

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.timing import scaled
+
 REPO = Path(__file__).resolve().parents[2]
 DOCKERFILES = ["Dockerfile.worker", "Dockerfile.operator"]
 
@@ -25,7 +27,7 @@ def test_hadolint_passes(name):
         [exe, "--config", str(REPO / ".hadolint.yaml"), "--no-color", str(REPO / name)],
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=scaled(60),
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
