@@ -12,7 +12,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import requests
@@ -108,30 +108,41 @@ def serve(model: str, *extra: str, port: int | None = None) -> Proc:
     return Proc(["serve", "--model", model, "--port", str(port), *extra], port)
 
 
-def idle_and_flushed(url: str, timeout: float = 30.0) -> dict:
-    """Wait until the instance is idle, flush its prefix cache, and return its page accounting."""
+def report_after(url: str, since: float, pred: Callable[[dict], bool], timeout: float, what: str) -> dict:
+    """The first scheduler report made after `since` (a `time.time()`) for which `pred` holds. /stats serves the
+    latest report, which the scheduler sends every half second: an older one may show a state already gone
+    (idle before the request came, pages free before they were taken)."""
     seen: list[dict] = []
 
-    def idle():
-        st = requests.get(f"{url}/stats", timeout=scaled(5)).json()
-        seen[:] = [st]
-        return st if st["running"] == 0 and st["waiting"] == 0 and not any(st["queues"].values()) else None
+    def fresh() -> dict | None:
+        r = requests.get(f"{url}/stats", timeout=scaled(5))
+        if not r.ok:  # 503 until the scheduler's first report
+            return None
+        seen[:] = [r.json()]
+        return seen[0] if seen[0]["time"] > since and pred(seen[0]) else None
 
     try:
-        wait_until(idle, timeout, what=f"{url} idle")
+        return wait_until(fresh, timeout, interval=0.1, what=f"{url} {what}")
     except TimeoutError as e:
         raise TimeoutError(f"{e}; last report: {seen}") from None
+
+
+def idle(st: dict) -> bool:
+    return st["running"] == 0 and st["waiting"] == 0 and not any(st["queues"].values())
+
+
+def idle_now(url: str, timeout: float = 60) -> dict:
+    """A report made after this call that shows the instance idle: what it held until now has ended."""
+    return report_after(url, time.time(), idle, timeout, "idle")
+
+
+def idle_and_flushed(url: str, timeout: float = 60) -> dict:
+    """Wait until a report made after this call shows the instance idle, flush its prefix cache, and return the
+    first report made after the flush that shows every page free (the caller asserts on its accounting)."""
+    idle_now(url, timeout)
+    flushed = time.time()
     requests.post(f"{url}/flush_cache", timeout=scaled(5))
-
-    def flushed():
-        st = requests.get(f"{url}/stats", timeout=scaled(5)).json()
-        seen[:] = [st]
-        return st if st["pages_used"] == 0 else None
-
-    try:
-        return wait_until(flushed, timeout, what=f"{url} pages freed")
-    except TimeoutError as e:
-        raise TimeoutError(f"{e}; last report: {seen}") from None
+    return report_after(url, flushed, lambda st: idle(st) and st["pages_used"] == 0, timeout, "idle, every page free")
 
 
 # Failures are detected in seconds, not in the defaults' minutes; scaled, so that a loaded machine's slowness

@@ -10,8 +10,7 @@ import jsonschema
 import openai
 import pytest
 
-from tests.integration.procs import PDStack, scaled, serve
-from tests.integration.test_server import idle_and_flushed
+from tests.integration.procs import PDStack, idle_and_flushed, scaled, serve
 
 pytestmark = pytest.mark.integration
 # Every process serves the model under the name the stack's router serves it under.

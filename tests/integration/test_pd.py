@@ -9,8 +9,8 @@ import re
 import pytest
 import requests
 
-from tests.integration.procs import PDStack, scaled, serve
-from tests.integration.test_server import generate, idle_and_flushed, varied_prompts
+from tests.integration.procs import PDStack, idle_and_flushed, scaled, serve
+from tests.integration.test_server import generate, varied_prompts
 
 pytestmark = pytest.mark.integration
 FLAGS = ("--page-size", "4", "--chunk-size", "32", "--max-total-tokens", "8192")

@@ -9,14 +9,12 @@ import random
 import re
 import signal
 import subprocess
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import requests
 
-from tests.integration.procs import scaled, serve, wait_until
+from tests.integration.procs import idle_and_flushed, idle_now, report_after, scaled, serve, wait_until
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
@@ -58,43 +56,6 @@ def reference_server(tiny_model):
     ).wait_healthy()
     yield p
     p.stop()
-
-
-def report_after(url: str, since: float, pred: Callable[[dict], bool], timeout: float, what: str) -> dict:
-    """The first scheduler report made after `since` (a `time.time()`) for which `pred` holds. /stats serves the
-    latest report, which the scheduler sends every half second: an older one may show a state already gone
-    (idle before the request came, pages free before they were taken)."""
-    seen: list[dict] = []
-
-    def fresh() -> dict | None:
-        r = requests.get(f"{url}/stats", timeout=scaled(5))
-        if not r.ok:  # 503 until the scheduler's first report
-            return None
-        seen[:] = [r.json()]
-        return seen[0] if seen[0]["time"] > since and pred(seen[0]) else None
-
-    try:
-        return wait_until(fresh, timeout, interval=0.1, what=f"{url} {what}")
-    except TimeoutError as e:
-        raise TimeoutError(f"{e}; last report: {seen}") from None
-
-
-def idle(st: dict) -> bool:
-    return st["running"] == 0 and st["waiting"] == 0 and not any(st["queues"].values())
-
-
-def idle_now(url: str, timeout: float = 60) -> dict:
-    """A report made after this call that shows the instance idle: what it held until now has ended."""
-    return report_after(url, time.time(), idle, timeout, "idle")
-
-
-def idle_and_flushed(url: str, timeout: float = 60) -> dict:
-    """Wait until a report made after this call shows the instance idle, flush its prefix cache, and return the
-    first report made after the flush that shows every page free (the caller asserts on its accounting)."""
-    idle_now(url, timeout)
-    flushed = time.time()
-    requests.post(f"{url}/flush_cache", timeout=scaled(5))
-    return report_after(url, flushed, lambda st: idle(st) and st["pages_used"] == 0, timeout, "idle, every page free")
 
 
 def varied_prompts(n: int) -> list[list[int]]:
