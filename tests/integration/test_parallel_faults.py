@@ -15,7 +15,7 @@ import psutil
 import pytest
 import requests
 
-from tests.integration.procs import PDStack, Proc, wait_until
+from tests.integration.procs import PDStack, Proc, scaled, wait_until
 from tests.integration.test_parallel import mqa_model  # noqa: F401 - the fixture
 from tests.integration.test_pd import FLAGS, assert_clean
 from tests.integration.test_pd_faults import HELD, HOLD, load, outcomes, prefill_holding
@@ -55,20 +55,20 @@ def test_a_dead_rank_of_a_tp2_prefill_fails_its_requests_at_once_and_leaves_rota
             ranks[-1].kill()
 
         def prefill_says_why() -> bool:
-            health = requests.get(f"{stack.prefill.url}/health", timeout=5)
+            health = requests.get(f"{stack.prefill.url}/health", timeout=scaled(5))
             return health.status_code == 503 and "exited unexpectedly" in health.json()["reason"]
 
         wait_until(prefill_says_why, timeout=5, interval=0.1, what="prefill's /health naming the dead rank")
 
         def router_unready() -> bool:
-            return requests.get(f"{stack.router.url}/health", timeout=5).status_code == 503
+            return requests.get(f"{stack.router.url}/health", timeout=scaled(5)).status_code == 503
 
         wait_until(router_unready, timeout=10, interval=0.1, what="the router taking prefill out of rotation")
         start = time.monotonic()
         body = {"prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0}
-        r = requests.post(f"{stack.router.url}/v1/completions", json=body, timeout=30)
+        r = requests.post(f"{stack.router.url}/v1/completions", json=body, timeout=scaled(30))
         assert r.status_code == 503 and r.json()["error"]["message"], r.text
-        assert time.monotonic() - start < 5, "a request with no healthy pair must be refused at once"
+        assert time.monotonic() - start < scaled(5), "a request with no healthy pair must be refused at once"
         assert_clean(stack.decode.url)
     finally:
         stack.stop()

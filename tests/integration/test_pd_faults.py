@@ -22,15 +22,16 @@ import time
 import pytest
 import requests
 
-from tests.integration.procs import PDStack, reference, wait_until
+from tests.integration.procs import PDStack, reference, scaled, wait_until
 from tests.integration.test_pd import FLAGS, assert_clean
 
 pytestmark = pytest.mark.integration
-CLIENT_TIMEOUT = 40.0
+# How long a client waits for its answer: every request, interrupted or not, ends within it.
+CLIENT_TIMEOUT = scaled(40.0)
 # Decode runs 2 requests at a time; prefill lets the others wait for decode's handshake long enough.
 # With TOKENS per request, 8 requests held in a stage are 4 rounds of TOKENS decode steps away from
 # leaving it: over a second even on a quiet machine, against /stats reports 0.5 s apart.
-HOLD = {"decode_flags": ("--max-running-requests", "2"), "prefill_flags": ("--bootstrap-timeout", "60")}
+HOLD = {"decode_flags": ("--max-running-requests", "2"), "prefill_flags": ("--bootstrap-timeout", f"{scaled(60):g}")}
 TOKENS = 100
 HELD = 8
 
@@ -77,7 +78,7 @@ def load(url: str, n: int, pool: cf.ThreadPoolExecutor, **kw) -> list[cf.Future]
 
 def outcomes(futures: list[cf.Future]) -> list[tuple]:
     """Every request ended in time with its tokens or an HTTP error with a message; some ended in an error."""
-    results = [f.result(timeout=CLIENT_TIMEOUT + 10) for f in futures]
+    results = [f.result(timeout=CLIENT_TIMEOUT + scaled(10)) for f in futures]
     assert not [r for r in results if r[0] == "timeout"], "a client request hung past its timeout"
     assert not [r for r in results if r[0] == "dropped"], [r for r in results if r[0] == "dropped"][:3]
     for r in results:
@@ -90,7 +91,7 @@ def outcomes(futures: list[cf.Future]) -> list[tuple]:
 
 
 def queues(url: str) -> dict[str, int]:
-    return requests.get(f"{url}/stats", timeout=5).json()["queues"]
+    return requests.get(f"{url}/stats", timeout=scaled(5)).json()["queues"]
 
 
 def prefill_holding(url: str, at_least: int = HELD) -> bool:
@@ -107,7 +108,7 @@ def decode_waiting_on_prefill(url: str, at_least: int = HELD) -> bool:
 
 def wait_router_healthy(stack: PDStack) -> None:
     wait_until(
-        lambda: requests.get(f"{stack.router.url}/health", timeout=5).status_code == 200,
+        lambda: requests.get(f"{stack.router.url}/health", timeout=scaled(5)).status_code == 200,
         timeout=30,
         what="router healthy",
     )
@@ -183,7 +184,7 @@ def test_abort_1000_requests_at_random_stages(plain):
         futures = [
             pool.submit(request, stack.router.url, i, t, rng.choice([5, 40, 120]), 20) for i, t in enumerate(timeouts)
         ]
-        results = [f.result(timeout=120) for f in futures]
+        results = [f.result(timeout=scaled(120)) for f in futures]
     assert len(results) == 1000
     assert {r[0] for r in results} <= {"ok", "error", "timeout"}
     assert sum(r[0] == "timeout" for r in results) > 100  # most were cut off by the client

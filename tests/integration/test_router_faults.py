@@ -20,12 +20,14 @@ import time
 import pytest
 import requests
 
-from tests.integration.procs import PDStack, Stream, reference, sse_stream, wait_until
+from tests.integration.procs import PDStack, Stream, reference, scaled, sse_stream, wait_until
 from tests.integration.test_limits import announce
 from tests.integration.test_pd import FLAGS
 
 pytestmark = pytest.mark.integration
-REQUEST_TIMEOUT = 45.0
+# The router's per-request timeout: a product deadline a healthy answer must not meet on a loaded machine.
+REQUEST_TIMEOUT_S = 45.0
+REQUEST_TIMEOUT = scaled(REQUEST_TIMEOUT_S)
 LONG = 1000
 MAX_INFLIGHT = 4
 
@@ -36,7 +38,7 @@ def stack(tiny_model):
         tiny_model,
         *FLAGS,
         decodes=2,
-        router_flags=("--max-inflight", str(MAX_INFLIGHT), "--request-timeout", str(REQUEST_TIMEOUT)),
+        router_flags=("--max-inflight", str(MAX_INFLIGHT), "--request-timeout", f"{REQUEST_TIMEOUT:g}"),
     ).wait_healthy()
     every_pair_verified(s)
     s.before = reference(s.router.url)
@@ -49,7 +51,7 @@ def every_pair_verified(stack: PDStack) -> None:
     through verified pairs, so a test that needs both decodes busy waits for this)."""
 
     def verified() -> bool:
-        health = requests.get(f"{stack.router.url}/health", timeout=5).json()
+        health = requests.get(f"{stack.router.url}/health", timeout=scaled(5)).json()
         pairs = health.get("pairs", [])
         return all(w["healthy"] for w in health["workers"]) and len(pairs) == 2 and all(p["verified"] for p in pairs)
 
@@ -67,15 +69,15 @@ def revive_b(stack: PDStack) -> None:
 
 
 def running(url: str) -> int:
-    return requests.get(f"{url}/stats", timeout=5).json()["running"]
+    return requests.get(f"{url}/stats", timeout=scaled(5)).json()["running"]
 
 
 def test_an_oversize_body_gets_413_from_the_router(stack):
-    model = requests.get(f"{stack.router.url}/v1/models", timeout=5).json()["data"][0]
+    model = requests.get(f"{stack.router.url}/v1/models", timeout=scaled(5)).json()["data"][0]
     limit = 32 * model["max_model_len"] + (1 << 20)  # learned from the workers' /v1/models
     status, body = announce(stack.router.port, limit + 1)
     assert status == 413 and "request_too_large" in body
-    ok = requests.post(f"{stack.router.url}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=30)
+    ok = requests.post(f"{stack.router.url}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=scaled(30))
     assert ok.status_code == 200
 
 
@@ -86,7 +88,7 @@ def test_requests_over_the_routers_bound_get_429(stack):
         for r, events in held:
             assert r.status_code == 200 and next(events)["choices"]
         refused = requests.post(
-            f"{stack.router.url}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=30
+            f"{stack.router.url}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=scaled(30)
         )
         assert refused.status_code == 429 and refused.headers["Retry-After"] == "1"
         assert refused.json()["error"]["code"] == "rate_limit_exceeded"
@@ -95,7 +97,9 @@ def test_requests_over_the_routers_bound_get_429(stack):
             r.close()
     wait_until(
         lambda: (
-            requests.post(f"{stack.router.url}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=30).ok
+            requests.post(
+                f"{stack.router.url}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=scaled(30)
+            ).ok
         ),
         timeout=30,
         what="admitted again",
@@ -106,11 +110,11 @@ def test_a_decode_killed_mid_stream_ends_its_streams_with_an_error_event(stack):
     body = {"max_tokens": LONG, "temperature": 0, "ignore_eos": True}
     held = [Stream(stack.router.url, "/v1/completions", {**body, "prompt": f"story {i}"}) for i in range(MAX_INFLIGHT)]
     for s in held:
-        assert s.started.wait(60), "a stream produced no token"
+        assert s.started.wait(scaled(60)), "a stream produced no token"
     wait_until(lambda: all(running(d.url) >= 1 for d in stack.decodes), interval=0.05, what="both decodes streaming")
     stack.decodes[1].kill()
     for s in held:
-        s.join(REQUEST_TIMEOUT)
+        s.join(REQUEST_TIMEOUT + scaled(10))
         assert not s.is_alive() and not s.dropped, s.dropped
         assert s.status == 200 and s.done, s.events[-2:]
     for s in held:  # finished, or ended by exactly one error event
@@ -134,7 +138,7 @@ class ChoiceStream(threading.Thread):
         self.start()
 
     def run(self) -> None:
-        r, events = sse_stream(self.url, "/v1/completions", self.body, timeout=REQUEST_TIMEOUT + 30)
+        r, events = sse_stream(self.url, "/v1/completions", self.body, timeout=REQUEST_TIMEOUT_S + 30)  # scaled there
         for e in events:
             if e == "[DONE]":
                 self.done = True
@@ -153,7 +157,7 @@ class ChoiceStream(threading.Thread):
 def n4(stack: PDStack, max_tokens: int = LONG) -> ChoiceStream:
     body = {"prompt": "The sea", "n": 4, "max_tokens": max_tokens, "ignore_eos": True, "temperature": 1.0, "seed": 3}
     s = ChoiceStream(stack.router.url, body)
-    assert s.all_started.wait(60) and len(s.seen) == 4, "every choice has produced a token"
+    assert s.all_started.wait(scaled(60)) and len(s.seen) == 4, "every choice has produced a token"
     wait_until(lambda: all(running(d.url) >= 1 for d in stack.decodes), interval=0.05, what="both decodes streaming")
     return s
 
@@ -162,7 +166,7 @@ def test_an_n4_stream_with_one_upstream_killed_ends_with_an_error_for_its_choice
     s = n4(stack)
     killed = time.monotonic()
     stack.decodes[1].kill()
-    s.join(REQUEST_TIMEOUT + 10)
+    s.join(REQUEST_TIMEOUT + scaled(10))
     assert not s.is_alive() and s.done
     assert time.monotonic() - killed < REQUEST_TIMEOUT
     assert len([e for e in s.errors if "closed the connection" in e]) == 2, s.errors
@@ -177,12 +181,12 @@ def test_an_n4_stream_with_one_upstream_hung_ends_within_the_request_timeout(sta
     b = stack.decodes[1]
     os.killpg(b.proc.pid, signal.SIGSTOP)
     try:
-        s.join(REQUEST_TIMEOUT + 10)
+        s.join(REQUEST_TIMEOUT + scaled(10))
         ended = time.monotonic()
     finally:
         os.killpg(b.proc.pid, signal.SIGCONT)
     assert not s.is_alive() and s.done
-    assert ended - frozen < REQUEST_TIMEOUT + 2, f"the stream ended {ended - frozen:.1f} s after the freeze"
+    assert ended - frozen < REQUEST_TIMEOUT + scaled(2), f"the stream ended {ended - frozen:.1f} s after the freeze"
     timed_out = [e for e in s.errors if "request timeout" in e]
     assert len(timed_out) >= 2 and len(timed_out) == len(s.errors), s.errors
     assert len(s.finished) + len(s.errors) == 4, "every choice finished or ended with its error"
@@ -194,16 +198,18 @@ def test_a_whole_answer_whose_decode_dies_is_retried_on_the_other(stack):
     body = {"sampling_params": {"max_new_tokens": 1000, "temperature": 0, "ignore_eos": True}}
     with cf.ThreadPoolExecutor(2) as pool:
         answers = [
-            pool.submit(requests.post, f"{stack.router.url}/generate", json={**body, "input_ids": p}, timeout=120)
+            pool.submit(
+                requests.post, f"{stack.router.url}/generate", json={**body, "input_ids": p}, timeout=scaled(120)
+            )
             for p in prompts
         ]
         wait_until(lambda: all(running(d.url) >= 1 for d in stack.decodes), interval=0.05, what="both decodes busy")
         stack.decodes[1].kill()
-        results = [a.result(timeout=120) for a in answers]
+        results = [a.result(timeout=scaled(120)) for a in answers]
     assert [r.status_code for r in results] == [200, 200], [r.text[:200] for r in results]
     b_url = stack.decodes[1].url
     assert f"decode {b_url} failed before answering" in stack.router.logs(), "the kill interrupted B's answer"
     revive_b(stack)
     for p, r in zip(prompts, results, strict=True):
-        fresh = requests.post(f"{stack.router.url}/generate", json={**body, "input_ids": p}, timeout=120)
+        fresh = requests.post(f"{stack.router.url}/generate", json={**body, "input_ids": p}, timeout=scaled(120))
         assert r.json()["output_ids"] == fresh.json()["output_ids"], "the retried answer is the greedy one"

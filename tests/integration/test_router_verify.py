@@ -10,11 +10,12 @@ import time
 import pytest
 import requests
 
-from tests.integration.procs import FAST_FAILURE, Proc, free_port, wait_until
+from tests.integration.procs import FAST_FAILURE, Proc, free_port, scaled, wait_until
 from tests.integration.test_pd import FLAGS
 
 pytestmark = pytest.mark.integration
-VERIFY = ["--verify-interval", "2", "--verify-timeout", "15", "--health-interval", "0.5"]
+# A probe of a healthy pair may take longer on a loaded machine: its timeout is scaled, the interval is not.
+VERIFY = ["--verify-interval", "2", "--verify-timeout", f"{scaled(15):g}", "--health-interval", "0.5"]
 
 
 class Workers:
@@ -64,14 +65,14 @@ def workers(tiny_model):
 
 def answering(router: Proc) -> bool:
     try:
-        requests.get(f"{router.url}/livez", timeout=2)
+        requests.get(f"{router.url}/livez", timeout=scaled(2))
     except requests.RequestException:
         return False
     return True
 
 
 def health(router: Proc) -> tuple[int, dict]:
-    r = requests.get(f"{router.url}/health", timeout=5)
+    r = requests.get(f"{router.url}/health", timeout=scaled(5))
     return r.status_code, r.json()
 
 
@@ -79,13 +80,13 @@ def pairs(router: Proc) -> dict[tuple[str, str], dict]:
     return {(p["prefill"], p["decode"]): p for p in health(router)[1].get("pairs", [])}
 
 
-def complete(router: Proc, timeout: float = 30) -> requests.Response:
+def complete(router: Proc) -> requests.Response:
     body = {"prompt": "Once upon a time", "max_tokens": 4, "temperature": 0, "ignore_eos": True}
-    return requests.post(f"{router.url}/v1/completions", json=body, timeout=timeout)
+    return requests.post(f"{router.url}/v1/completions", json=body, timeout=scaled(30))
 
 
 def counter(worker: Proc, name: str) -> float:
-    text = requests.get(f"{worker.url}/metrics", timeout=5).text
+    text = requests.get(f"{worker.url}/metrics", timeout=scaled(5)).text
     return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(f"{name}{{"))
 
 
@@ -108,7 +109,7 @@ def test_healthy_workers_are_not_enough_the_router_is_ready_only_with_a_verified
         assert pair["verified"] is False and pair["revision"] == "r1" and pair["age_s"] is not None
         start = time.monotonic()
         r = complete(broken)
-        assert r.status_code == 503 and time.monotonic() - start < 5, r.text
+        assert r.status_code == 503 and time.monotonic() - start < scaled(5), r.text
     finally:
         broken.stop()
     router = workers.router(workers.decodes[:1]).wait_healthy(60)
@@ -144,14 +145,14 @@ def test_a_frozen_decode_leaves_rotation_within_10_s_and_comes_back(workers):
                 interval=0.2,
                 what="the frozen pair failed",
             )
-            assert time.monotonic() - frozen < 10
+            assert time.monotonic() - frozen < scaled(10)
             assert health(router)[0] == 200, "the other pair still serves"
             assert all(complete(router).status_code == 200 for _ in range(6))
             os.killpg(a.proc.pid, signal.SIGSTOP)
             try:
                 wait_until(lambda: health(router)[0] == 503, 10, interval=0.2, what="not ready without a verified pair")
                 start = time.monotonic()
-                assert complete(router).status_code == 503 and time.monotonic() - start < 5
+                assert complete(router).status_code == 503 and time.monotonic() - start < scaled(5)
             finally:
                 os.killpg(a.proc.pid, signal.SIGCONT)
         finally:
