@@ -99,9 +99,20 @@ class TransferTuning:
 
 
 @dataclass(frozen=True)
+class RouterTuning:
+    # Longest wait for a worker's `GET /health` answer.
+    health_timeout_s: float = 3.0
+    # Health probes in a row that time out before a worker leaves rotation. A worker that answers 503 (draining,
+    # a dead scheduler) or refuses the connection leaves at once; one that is merely slow to answer (a loaded
+    # machine, a long tokenisation on its event loop) is not taken out for a single late answer.
+    health_timeouts_to_unhealthy: int = 2
+
+
+@dataclass(frozen=True)
 class Tuning:
     engine: EngineTuning = field(default_factory=EngineTuning)
     transfer: TransferTuning = field(default_factory=TransferTuning)
+    router: RouterTuning = field(default_factory=RouterTuning)
 
 
 TUNING = Tuning()

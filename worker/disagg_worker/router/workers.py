@@ -16,6 +16,8 @@ from urllib.parse import urlsplit
 
 import aiohttp
 
+from disagg_worker.tuning import TUNING
+
 log = logging.getLogger(__name__)
 
 
@@ -36,6 +38,8 @@ class Worker:
     report: dict = field(default_factory=dict)
     # The context the worker serves (its /v1/models `max_model_len`); 0 until it answered.
     max_model_len: int = 0
+    # Health probes in a row that timed out (see RouterTuning.health_timeouts_to_unhealthy).
+    health_timeouts: int = 0
 
     @property
     def host(self) -> str:
@@ -129,12 +133,19 @@ class WorkerPool:
             self.discovered[src] = {u: known.get(u) or Worker(u, src.role, src.bootstrap_port) for u in urls}
 
     async def check_health(self, session: aiohttp.ClientSession) -> None:
+        tuning = TUNING.router
+
         async def probe(w: Worker) -> None:
             try:
-                async with session.get(f"{w.url}/health", timeout=aiohttp.ClientTimeout(total=3)) as r:
+                timeout = aiohttp.ClientTimeout(total=tuning.health_timeout_s)
+                async with session.get(f"{w.url}/health", timeout=timeout) as r:
                     ok = r.status == 200
                     w.take_report(await r.read())
-            except (aiohttp.ClientError, asyncio.TimeoutError):
+                w.health_timeouts = 0
+            except asyncio.TimeoutError:
+                w.health_timeouts += 1
+                ok = w.healthy and w.health_timeouts < tuning.health_timeouts_to_unhealthy
+            except aiohttp.ClientError:
                 ok = False
             if ok != w.healthy:
                 log.info("%s worker %s is now %s", w.role, w.url, "healthy" if ok else "unhealthy")
