@@ -17,7 +17,7 @@ PORT ?= 8000
 PYTEST_ARGS ?=
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: venv serve serve-mono serve-tiny test test-fast test-stress lint lint-manifests tiny-model demo-model clean
+.PHONY: venv serve serve-mono serve-tiny test test-fast test-stress lint lint-manifests images tiny-model demo-model clean
 
 -include mk/cluster.mk
 
@@ -59,6 +59,15 @@ serve-mono: demo-model
 # Router + prefill + decode on the embedded tiny random-weight model (its output is gibberish by design).
 serve-tiny: tiny-model
 	$(VENV)/bin/disagg serve --local --model $(TINY_MODEL) --port $(PORT)
+
+# The worker and operator images, built without a Docker daemon (buildah, from Debian's packages) on a Python
+# base image made from Debian's packages (hack/images/build.sh); tagged ghcr.io/disagg/{worker,operator}:VERSION.
+IMAGE_PACKAGES := buildah mmdebstrap runc
+images:
+	@missing=""; for p in $(IMAGE_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	if [ -n "$$missing" ]; then echo "installing Debian packages:$$missing"; \
+	  $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq $$missing; fi
+	$(SUDO) hack/images/build.sh all
 
 # ruff (lint and format check) and mypy, configured in pyproject.toml.
 lint: venv

@@ -54,3 +54,30 @@ def test_worker_image_runs_disagg_and_ships_libibverbs():
     text = (REPO / "Dockerfile.worker").read_text()
     assert re.search(r'^ENTRYPOINT \["disagg"\]$', text, re.M)
     assert "libibverbs1" in text
+
+
+def test_worker_image_installs_dependencies_before_the_code():
+    """A change to the project's code must not rebuild the dependency layer (torch: gigabytes)."""
+    lines = (REPO / "Dockerfile.worker").read_text().splitlines()
+    first = {key: next(i for i, line in enumerate(lines) if line.startswith(key)) for key in ("COPY worker/", "RUN ")}
+    deps = next(
+        i for i, line in enumerate(lines) if 'pip install ${TORCH_INDEX:+--extra-index-url "$TORCH_INDEX"}' in line
+    )
+    assert deps < first["COPY worker/"], "the dependencies are installed before the code is copied"
+    assert not any(line.startswith(("COPY . ", "COPY ./ ")) for line in lines), "the whole context is never copied"
+
+
+def test_worker_image_builds_in_the_demo_model_the_operator_names():
+    from disagg_operator.names import BUILTIN_MODELS
+
+    text = (REPO / "Dockerfile.worker").read_text()
+    assert f"convert-gguf --out {BUILTIN_MODELS['smollm2']}" in text
+    assert "COPY --from=model /opt/models /opt/models" in text
+
+
+def test_worker_image_writes_only_under_tmp():
+    """Pods run it with a read-only root file system and an emptyDir at /tmp: every cache is pointed there."""
+    text = (REPO / "Dockerfile.worker").read_text()
+    env = dict(re.findall(r"\b([A-Z_]+)=(\S+)", text.split("\nENV PATH=/opt/disagg/bin", 1)[1].split("\nUSER", 1)[0]))
+    for var in ("HOME", "XDG_CACHE_HOME", "HF_HOME", "TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "MPLCONFIGDIR"):
+        assert env[var].startswith("/tmp/"), (var, env.get(var))
