@@ -31,7 +31,7 @@ MODEL_RULES = [
     ),
     (
         "spec.model",
-        "!has(self.builtin) || !(has(self.pvc) || has(self.hostPath) || has(self.cachePvc))",
+        "!has(self.builtin) || [has(self.pvc), has(self.hostPath), has(self.cachePvc)].all(x, !x)",
         "model.builtin is inside the worker image: it takes no model.pvc, model.hostPath or model.cachePvc",
     ),
     (

@@ -62,8 +62,7 @@ VIOLATIONS = [
     ),
     ("no model source", tiny(model={"cacheSize": "1Gi"}), "filter(x, x).size() == 1"),
     ("builtin and a path", tiny(model={"builtin": "smollm2", "hostPath": "/m", "path": "x"}), "filter(x, x)"),
-    ("builtin with a volume", tiny(model={"builtin": "smollm2", "pvc": "p"}), "!has(self.builtin)"),
-    ("unknown builtin", tiny(model={"builtin": "llama-70b"}), "supported values"),
+    ("builtin with a volume", tiny(model={"builtin": "smollm2", "pvc": "p"}), "all(x, !x)"),
     ("path without volume", tiny(model={"path": "x"}), "has(self.pvc) || has(self.hostPath)"),
     ("two volumes", tiny(model={"path": "x", "pvc": "p", "hostPath": "/m"}), "has(self.pvc) && has(self.hostPath)"),
     (
