@@ -20,6 +20,7 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 .PHONY: venv serve serve-mono serve-tiny test test-fast test-stress lint lint-manifests images tiny-model demo-model clean
 
 -include mk/cluster.mk
+-include mk/node.mk
 
 # Debian packages the worker links at run time: Mooncake's wheel needs libibverbs but does not ship it.
 SYSTEM_PACKAGES := libibverbs1
@@ -85,7 +86,8 @@ lint-manifests: venv k8s-bin
 	$(PY) hack/manifests/lint.py --tools "$$tools" --kept hack/manifests/kept-findings.yaml $(MANIFESTS)/*.yaml
 
 # Lint first: a tree that does not pass it is not tested.
-test: lint lint-manifests
+# node-packages: the e2e tier (tests/e2e) runs pods on a real node, built and started by its fixture.
+test: lint lint-manifests node-packages
 	$(VENV)/bin/pytest $(PYTEST_ARGS) tests
 
 test-fast: venv
