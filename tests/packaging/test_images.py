@@ -73,6 +73,7 @@ def test_worker_image_builds_in_the_demo_model_the_operator_names():
     text = (REPO / "Dockerfile.worker").read_text()
     assert f"convert-gguf --out {BUILTIN_MODELS['smollm2']}" in text
     assert "COPY --from=model /opt/models /opt/models" in text
+    assert "chmod -R a+rX /opt/models" in text, "the image's user (1000) reads the model root converted"
 
 
 def test_worker_image_writes_only_under_tmp():
