@@ -5,12 +5,16 @@
 
 # Debian's packages the node runs: its container runtime, CNI plugins, kube-router's and teardown's tools, and
 # the image builder (buildah, mmdebstrap) for the images its pods run.
-NODE_PACKAGES := containerd runc containernetworking-plugins ipset conntrack buildah mmdebstrap
+NODE_PACKAGES := containerd runc containernetworking-plugins ipset conntrack nftables buildah mmdebstrap
 
 .PHONY: node-packages node-bin cluster-node cluster-node-down
 
+# A machine with Docker's containerd.io (which ships containerd and runc) keeps it: Debian's containerd and runc
+# conflict with it, and apt would remove Docker to install them.
 node-packages:
-	@missing=""; for p in $(NODE_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	@wanted="$(NODE_PACKAGES)"; if dpkg -s containerd.io >/dev/null 2>&1; then \
+	  wanted=$$(tr ' ' '\n' <<<"$$wanted" | grep -vx -e containerd -e runc | tr '\n' ' '); fi; \
+	missing=""; for p in $$wanted; do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
 	if [ -n "$$missing" ]; then echo "installing Debian packages:$$missing"; \
 	  $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq $$missing; fi
 

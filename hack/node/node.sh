@@ -169,7 +169,9 @@ add_network() {
   ip addr add "$NODE_IP/${POD_SUBNET#*/}" dev "$BRIDGE"
   ip link set "$BRIDGE" up
   render guard.nft | nft -f -
-  # kube-proxy's and kube-router's rules see traffic between pods on the bridge only through these.
+  # kube-proxy's and kube-router's rules see traffic between pods on the bridge only through these (the
+  # module is built into some kernels, this one's included; elsewhere it must be loaded first).
+  [[ -e /proc/sys/net/bridge ]] || modprobe br_netfilter
   sysctl -qw net.bridge.bridge-nf-call-iptables=1 net.bridge.bridge-nf-call-ip6tables=1
 }
 

@@ -210,7 +210,7 @@ def spec_schema() -> dict:
             "cachePvc": string("PersistentVolumeClaim for the Hugging Face cache (an emptyDir when absent)."),
             "cacheSize": string(
                 "Size of the Hugging Face cache emptyDir (its sizeLimit, requested as ephemeral storage); "
-                "default: from the parameter count the id names (2.5 bytes each), else 100Gi.",
+                "default: from the parameter count the id names (2.5 bytes each), else unbounded (with a warning).",
                 16,
                 pattern=QUANTITY,
             ),

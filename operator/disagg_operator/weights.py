@@ -1,10 +1,12 @@
 """How much local disk a worker pod needs: the Hugging Face download cache, /tmp, and what both add up to.
 
-A model given by `huggingFaceId` without `cachePvc` downloads into an emptyDir. That emptyDir is always bounded:
-its sizeLimit is `model.cacheSize`, or else an estimate from the parameter count the id names ("Llama-3.1-8B" ->
-8e9 parameters at 2 bytes each, plus a quarter for tokenizer files and margin), or else `DEFAULT_CACHE_SIZE`.
-The pod requests that much ephemeral storage, so the scheduler counts it and the kubelet evicts only the pod that
-overran its own bound. The WeightsCacheAtRisk condition warns when the bound may be too small for the weights.
+A model given by `huggingFaceId` without `cachePvc` downloads into an emptyDir. Its sizeLimit is `model.cacheSize`,
+or else an estimate from the parameter count the id names ("Llama-3.1-8B" -> 8e9 parameters at 2 bytes each, plus
+a quarter for tokenizer files and margin). The pod requests that much ephemeral storage, so the scheduler counts
+it and the kubelet evicts only the pod that overran its own bound. An id that names no parameter count
+("deepseek-ai/DeepSeek-V3", "microsoft/phi-4") gets no bound rather than a guessed one, which would evict the pod
+in the middle of every download: the WeightsCacheAtRisk condition and a Warning event say so, and ask for
+`model.cacheSize` or `model.cachePvc`. The condition also warns when a given size is below the estimate.
 """
 
 import math
@@ -14,7 +16,6 @@ from .spec import ModelSource, ModelSpec
 
 GI = 2**30
 MI = 2**20
-DEFAULT_CACHE_SIZE = "100Gi"
 BYTES_PER_PARAMETER = 2  # bfloat16/float16 safetensors, what model repositories ship
 MARGIN = 1.25
 WORKER_TMP = "4Gi"  # compile caches (triton, inductor) and scratch files
@@ -53,14 +54,18 @@ def estimated_bytes(hugging_face_id: str) -> int | None:
     return math.ceil(max(counts) * BYTES_PER_PARAMETER * MARGIN) if counts else None
 
 
+def downloads_to_emptydir(model: ModelSource) -> bool:
+    return bool(model.hugging_face_id) and not model.cache_pvc
+
+
 def cache_size(model: ModelSource) -> str | None:
-    """The download cache emptyDir's sizeLimit; None when nothing downloads into an emptyDir."""
-    if not model.hugging_face_id or model.cache_pvc:
+    """The download cache emptyDir's sizeLimit; None when nothing downloads into an emptyDir or no size is known."""
+    if not downloads_to_emptydir(model):
         return None
     if model.cache_size:
         return str(model.cache_size)
-    estimate = estimated_bytes(model.hugging_face_id)
-    return f"{max(1, math.ceil(estimate / GI))}Gi" if estimate else DEFAULT_CACHE_SIZE
+    estimate = estimated_bytes(model.hugging_face_id or "")
+    return f"{max(1, math.ceil(estimate / GI))}Gi" if estimate else None
 
 
 def worker_ephemeral_storage(model: ModelSource) -> str:
@@ -72,18 +77,19 @@ def worker_ephemeral_storage(model: ModelSource) -> str:
 def cache_condition(spec: ModelSpec) -> tuple[str, str, str]:
     """WeightsCacheAtRisk as (status, reason, message): True when the download cache may be too small."""
     m = spec.model
-    size = cache_size(m)
-    if size is None:
+    if not downloads_to_emptydir(m):
         reason = "PersistentVolume" if m.hugging_face_id else "NoDownload"
         return "False", reason, "the weights are not downloaded into an emptyDir"
-    estimate = estimated_bytes(m.hugging_face_id or "")
-    if estimate is None and not m.cache_size:
+    size = cache_size(m)
+    if size is None:
         return (
             "True",
             "SizeUnknown",
-            f"{m.hugging_face_id} names no parameter count: its download cache is bounded at {size} by default; "
-            "set model.cacheSize to the weights' size (or model.cachePvc), else a larger download is evicted",
+            f"{m.hugging_face_id} names no parameter count: it downloads into an unbounded emptyDir the scheduler "
+            "does not count (a full disk evicts the node's pods); set model.cacheSize to the weights' size, or "
+            "model.cachePvc",
         )
+    estimate = estimated_bytes(m.hugging_face_id or "")
     if estimate is not None and to_bytes(size) < estimate:
         return (
             "True",

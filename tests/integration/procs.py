@@ -319,17 +319,6 @@ class Stream(threading.Thread):
         return bool(self.events) and self.events[-1] == "[DONE]"
 
     @property
-    def tokens(self) -> int:
-        """Tokens received so far, counted from the chunks' logprobs (the request must ask for `logprobs: 0`):
-        a chunk may carry several tokens, or none while the detokenizer waits for a whole character."""
-        return sum(
-            len((c.get("logprobs") or {}).get("tokens") or ())
-            for e in list(self.events)
-            if isinstance(e, dict)
-            for c in e.get("choices") or ()
-        )
-
-    @property
     def error_events(self) -> list[dict]:
         return [e for e in self.events if isinstance(e, dict) and "error" in e]
 

@@ -110,6 +110,15 @@ def test_a_downloaded_model_has_a_bounded_cache_the_scheduler_counts(gpu):
     assert cache_condition(ModelSpec.from_cr(gpu))[:2] == ("False", "Bounded")
 
 
+def test_a_request_or_limit_of_ephemeral_storage_given_alone_is_followed_by_the_other(gpu):
+    gpu["spec"]["decode"].setdefault("resources", {}).setdefault("requests", {})["ephemeral-storage"] = "500Gi"
+    res = pod(gpu, names.DECODE)["containers"][0]["resources"]
+    assert res["requests"]["ephemeral-storage"] == res["limits"]["ephemeral-storage"] == "500Gi"
+    gpu["spec"]["prefill"].setdefault("resources", {}).setdefault("limits", {})["ephemeral-storage"] = "50Gi"
+    res = pod(gpu, names.PREFILL)["containers"][0]["resources"]
+    assert res["requests"]["ephemeral-storage"] == res["limits"]["ephemeral-storage"] == "50Gi"
+
+
 def test_cache_size_from_the_cr_and_its_warning_when_too_small_or_unknown(gpu):
     gpu["spec"]["model"]["cacheSize"] = "40Gi"
     assert {v["name"]: v for v in pod(gpu, names.PREFILL)["volumes"]}["hf-cache"]["emptyDir"]["sizeLimit"] == "40Gi"
@@ -119,7 +128,12 @@ def test_cache_size_from_the_cr_and_its_warning_when_too_small_or_unknown(gpu):
     gpu["spec"]["model"] = {"huggingFaceId": "acme/house-model"}
     status, reason, message = cache_condition(ModelSpec.from_cr(gpu))
     assert (status, reason) == ("True", "SizeUnknown") and "model.cacheSize" in message
-    assert {v["name"]: v for v in pod(gpu, names.DECODE)["volumes"]}["hf-cache"]["emptyDir"]["sizeLimit"] == "100Gi"
+    # No guessed bound (it would evict the pod in the middle of every download): unbounded, and the warning says so.
+    decode = pod(gpu, names.DECODE)
+    assert {v["name"]: v for v in decode["volumes"]}["hf-cache"]["emptyDir"] == {}
+    assert "unbounded" in message
+    storage = decode["containers"][0]["resources"]
+    assert storage["requests"]["ephemeral-storage"] == storage["limits"]["ephemeral-storage"] == "5Gi"  # /tmp, logs
     gpu["spec"]["model"]["cachePvc"] = "hf"
     assert cache_condition(ModelSpec.from_cr(gpu))[:2] == ("False", "PersistentVolume")
 

@@ -106,8 +106,11 @@ def worker_resources(spec: ModelSpec, w: WorkerRoleSpec, cfg: OperatorConfig) ->
     storage for the download cache, /tmp and logs (weights.py) unless the user set it."""
     r = w.placement.resources
     storage = worker_ephemeral_storage(spec.model)
-    requests = {**dict(r.requests), "ephemeral-storage": r.requests.get("ephemeral-storage", storage)}
-    limits = {**dict(r.limits), "ephemeral-storage": r.limits.get("ephemeral-storage", storage)}
+    # As Kubernetes does, a request the CR leaves out follows its limit and a limit it leaves out its request:
+    # a request above the limit is a pod the API server refuses.
+    key = "ephemeral-storage"
+    requests = {**dict(r.requests), key: r.requests.get(key, r.limits.get(key, storage))}
+    limits = {**dict(r.limits), key: r.limits.get(key, r.requests.get(key, storage))}
     if r.gpus:
         limits[cfg.gpu_resource] = r.gpus
     if spec.transfer.rdma and r.rdma:
@@ -124,7 +127,8 @@ def model_volumes(spec: ModelSpec) -> tuple[list[dict], list[dict]]:
         return [], []
     if m.hugging_face_id:
         claim = {"persistentVolumeClaim": {"claimName": m.cache_pvc}}
-        source = claim if m.cache_pvc else {"emptyDir": {"sizeLimit": cache_size(m)}}
+        size = cache_size(m)
+        source = claim if m.cache_pvc else {"emptyDir": {"sizeLimit": size} if size else {}}
         return [{"name": "hf-cache", **source}], [{"name": "hf-cache", "mountPath": names.HF_CACHE_MOUNT}]
     if m.pvc:
         source = {"persistentVolumeClaim": {"claimName": m.pvc, "readOnly": True}}
