@@ -22,8 +22,8 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 -include mk/cluster.mk
 -include mk/node.mk
 
-# Debian packages the worker links at run time: Mooncake's wheel needs libibverbs but does not ship it.
-SYSTEM_PACKAGES := libibverbs1
+# Debian packages the worker links at run time: Mooncake's wheel needs them but does not ship them.
+SYSTEM_PACKAGES := libibverbs1 libnuma1 libcurl4
 
 $(STAMP): pyproject.toml
 	@missing=""; for p in $(SYSTEM_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \

@@ -53,11 +53,21 @@ image() { # name dockerfile build-args...
     shift 2
     local start=$SECONDS
     # runc, not crun: crun refuses a machine that mounts cgroup v1 beside an empty cgroup2 (hybrid mode).
-    buildah build --quiet --layers --network host --pull-never --runtime runc -f "$file" \
-        --volume "$HOST_CA:/etc/ssl/certs/host-ca.crt:ro" --build-arg PIP_CERT=/etc/ssl/certs/host-ca.crt \
-        --volume "$PIP_CACHE:/var/cache/host-pip" --build-arg PIP_CACHE_DIR=/var/cache/host-pip \
-        --build-arg "PYTHON_IMAGE=$BASE_IMAGE" "$@" -t "$REGISTRY/$name:$VERSION" . >/dev/null
+    local args=(--quiet --layers --network host --pull-never --runtime runc -f "$file"
+        --volume "$HOST_CA:/etc/ssl/certs/host-ca.crt:ro" --build-arg PIP_CERT=/etc/ssl/certs/host-ca.crt
+        --volume "$PIP_CACHE:/var/cache/host-pip" --build-arg PIP_CACHE_DIR=/var/cache/host-pip
+        --build-arg "PYTHON_IMAGE=$BASE_IMAGE" "$@")
+    # Every named stage gets a name of its own, so that the prune below keeps it as build cache: the
+    # dependencies (torch and its libraries, gigabytes and minutes to install), the project, the demo model.
+    local stage
+    for stage in $(sed -n 's/^FROM .* AS \([a-z0-9_-]*\)$/\1/p' "$file"); do
+        buildah build "${args[@]}" --target "$stage" -t "localhost/disagg-$name-$stage:$VERSION" . >/dev/null
+    done
+    buildah build "${args[@]}" -t "$REGISTRY/$name:$VERSION" . >/dev/null
     log "built $REGISTRY/$name:$VERSION in $((SECONDS - start)) s"
+    # The image the name pointed at before, and the stages only it used, are dangling now: a worker image
+    # whose final stage changed would leave 7 GB behind on every build.
+    buildah rmi --prune >/dev/null 2>&1 || true
 }
 
 size() {

@@ -4,6 +4,7 @@
 #   node.sh down              stop it and remove everything it added to the machine
 #   node.sh status            exit 0 when the API answers and the node is Ready
 #   node.sh import IMAGE...   copy images from buildah's storage into the node's containerd
+#   node.sh tag IMAGE NAME    give an image in containerd another name (nothing copied)
 #
 # Processes: etcd, kube-apiserver, kube-controller-manager, kube-scheduler (as hack/k8s/build.sh built
 # them), containerd and runc (Debian's), kubelet and kube-proxy (hack/node/build.sh), kube-router's network
@@ -292,19 +293,30 @@ start_containerd() {
   wait_for 30 containerd ctr version
 }
 
-# import IMAGE...: copy images from buildah's storage into containerd, once per buildah image ID. The
-# uncompressed docker-archive streams through a pipe: no archive is written to disk and read back (7 GB for
-# the worker image; buildah still stages each layer in /var/tmp).
+# import IMAGE...: copy images from buildah's storage into containerd, once per buildah image ID, sending only
+# the layers containerd lacks (hack/node/oci_import.py): buildah pushes into an OCI layout whose blobs are hard
+# links to containerd's own, so it copies only new layers (a code change: megabytes, not the worker's 7 GB),
+# and the tar streamed to `ctr images import` leaves out every blob containerd already holds.
 import_images() {
-  local name id stamp start
-  mkdir -p "$CACHE_DIR/imported"
+  local name id stamp start layout old ref
+  mkdir -p "$CACHE_DIR/imported" "$CACHE_DIR/oci"
   for name in "$@"; do
     id=$(buildah inspect --type image --format '{{.FromImageID}}' "$name") || die "no image $name in buildah's storage"
     stamp="$CACHE_DIR/imported/$(tr '/:' '__' <<<"$name")"
     if [[ -f "$stamp" && "$(<"$stamp")" == "$id" ]] && ctr images ls -q | grep -qxF "$name"; then continue; fi
     log "importing $name into containerd"
     start=$SECONDS
-    buildah push --quiet "$name" "docker-archive:/dev/stdout:$name" | ctr images import - >/dev/null
+    layout="$CACHE_DIR/oci/$(tr '/:' '__' <<<"$name")"
+    old=$(ctr images ls "name==$name" | awk 'NR == 2 {print $3}')  # the manifest the name points at now
+    buildah push --quiet --disable-compression "$name" "oci:$layout:$name" >/dev/null
+    # shellcheck disable=SC2046  # one argument per digest
+    python3 "$HERE/oci_import.py" tar "$layout" $(ctr content ls -q) | ctr images import - >/dev/null
+    python3 "$HERE/oci_import.py" link "$layout" "$CONTAINERD_ROOT/io.containerd.content.v1.content"
+    # The CRI names every image it ran by its ID too: the replaced image's ID names go, and containerd frees
+    # what only they held (7 GB for a worker image whose dependencies changed) once no container uses it.
+    for ref in $(ctr images ls | awk -v old="$old" 'NR > 1 && $1 ~ /^sha256:/ && $3 == old {print $1}'); do
+      ctr images rm "$ref" >/dev/null
+    done
     echo "$id" >"$stamp"
     log "imported $name in $((SECONDS - start))s"
   done
@@ -406,5 +418,6 @@ case "${1:-}" in
   down) down ;;
   status) BIN="$(bin_dir --no-build)"; running ;;
   import) shift; import_images "$@" ;;
-  *) echo "usage: $0 up [--no-build]|down|status|import IMAGE..." >&2; exit 2 ;;
+  tag) shift; ctr images tag --force "$1" "$2" >/dev/null ;;
+  *) echo "usage: $0 up [--no-build]|down|status|import IMAGE...|tag IMAGE NEW-NAME" >&2; exit 2 ;;
 esac

@@ -3,6 +3,7 @@
 import argparse
 import logging
 import sys
+import time
 
 import kopf
 
@@ -24,11 +25,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="kopf peering object for HA: one active operator among replicas (default: standalone)",
     )
     p.add_argument("--standalone", action="store_true", help="no peering even if --peering is given")
-    p.add_argument("--priority", type=int, default=0, help="peering priority of this replica")
+    p.add_argument(
+        "--priority",
+        type=int,
+        default=None,
+        help="peering priority of this replica (the highest is active); default: the older replica ranks higher",
+    )
     p.add_argument("--liveness", metavar="URL", help="serve a liveness probe, e.g. http://0.0.0.0:8080/healthz")
     p.add_argument("-v", "--verbose", action="store_true")
     p.add_argument("--debug", action="store_true")
     return p.parse_args(argv)
+
+
+def seniority_priority(started_at: float) -> int:
+    """A peering priority that ranks replicas by age: the one started first is higher.
+
+    kopf pauses every operator that sees a live peer of the same priority, itself included, so replicas of one
+    Deployment started with one fixed priority would all stand still. Ranked by start time (milliseconds),
+    they are distinct, the active replica stays active when a new one starts (a rolling update does not move
+    the work to a replica that has not warmed up), and when it goes, the oldest of the rest takes over.
+    """
+    return -int(started_at * 1000)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -44,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
         namespaces=args.namespace,
         standalone=standalone,
         peering_name=None if standalone else args.peering,
-        priority=args.priority,
+        priority=seniority_priority(time.time()) if args.priority is None else args.priority,
         liveness_endpoint=args.liveness,
     )
     return 0

@@ -16,8 +16,9 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,6 +32,7 @@ HERE = Path(__file__).resolve().parent
 REUSE = os.environ.get("DISAGG_REUSE_NODE", "") == "1"
 NODE_NAME = "disagg-node"
 OPERATOR_IMAGE = "ghcr.io/disagg/operator:0.1.0"
+WORKER_IMAGE = "ghcr.io/disagg/worker:0.1.0"
 
 _BUILD_ERRORS: list[str] = []
 
@@ -62,6 +64,10 @@ class RealNode:
         """``kubectl get ... -o json`` as a dict."""
         return json.loads(self.kubectl("get", *args, "-o", "json").stdout)
 
+    def tag(self, image: str, name: str) -> None:
+        """Give an image in the node's containerd another name (a new image to the kubelet, nothing copied)."""
+        _script("node/node.sh", "tag", image, name)
+
 
 def _script(path: str, *args: str) -> str:
     """Run a script of hack/ and return the last line it printed; raises when it fails."""
@@ -84,17 +90,38 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
-    """Build the node's binaries and images before any test runs, outside the per-test timeout."""
+    """Build the node's binaries and the images from this tree before any test runs, outside the per-test
+    timeout. buildah's layer cache makes an unchanged tree a matter of seconds (an image only checked for
+    presence would run stale code); the worker image is built only when a selected test runs it."""
     if session.config.option.collectonly or os.geteuid() != 0:
         return
-    if not any(item.get_closest_marker("e2e") for item in session.items):
+    e2e = [item for item in session.items if item.get_closest_marker("e2e")]
+    if not e2e:
         return
+    images = "all" if any("worker_image" in getattr(item, "fixturenames", ()) for item in e2e) else "operator"
     capture = session.config.pluginmanager.getplugin("capturemanager")
     with capture.global_and_fixture_disabled():  # show the build's progress live
         try:
             _script("node/build.sh")
+            _script("images/build.sh", images)
         except RuntimeError as e:  # the e2e tests fail with it; the other tiers still run
             _BUILD_ERRORS.append(str(e))
+
+
+_MEASURED: list[str] = []
+
+
+@pytest.fixture(scope="session")
+def report() -> Callable[[str], None]:
+    """Note a measurement (how long something took on the real node); printed in pytest's summary."""
+    return _MEASURED.append
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if _MEASURED:
+        terminalreporter.section("measured on the real node")
+        for line in _MEASURED:
+            terminalreporter.write_line(line)
 
 
 @pytest.fixture(scope="session")
@@ -115,11 +142,18 @@ def real_node() -> Iterator[RealNode]:
 
 @pytest.fixture(scope="session")
 def operator_image(real_node: RealNode) -> str:
-    """The operator image, built from this tree with buildah (its layer cache makes an unchanged tree a matter
-    of seconds: an image only checked for presence ran stale code) and imported into the node's containerd."""
-    _script("images/build.sh", "operator")
+    """The operator image built from this tree, imported into the node's containerd (never pulled)."""
     _script("node/node.sh", "import", OPERATOR_IMAGE)
     return OPERATOR_IMAGE
+
+
+@pytest.fixture(scope="session")
+def worker_image(real_node: RealNode, report: Callable[[str], None]) -> str:
+    """The worker image built from this tree (torch and the demo model inside), imported into containerd."""
+    start = time.monotonic()
+    _script("node/node.sh", "import", WORKER_IMAGE)
+    report(f"worker image in containerd {time.monotonic() - start:.0f}s after the import started")
+    return WORKER_IMAGE
 
 
 @pytest.fixture
@@ -136,3 +170,41 @@ def namespace(real_node: RealNode) -> Iterator[str]:
     )
     yield name
     real_node.kubectl("delete", "namespace", name, "--wait=false", check=False)
+
+
+OPERATOR_NS = "disagg-system"
+OPERATOR_RELEASE = "disagg-operator"
+
+
+@pytest.fixture(scope="session")
+def operator_release(
+    real_node: RealNode, operator_image: str, tmp_path_factory: pytest.TempPathFactory, report: Callable[[str], None]
+) -> Iterator[str]:
+    """The chart installed with `helm install`, as the README says, at the chart's HA setting (two replicas, one
+    active): the operator runs as pods of the imported image."""
+    start = time.monotonic()
+    home = tmp_path_factory.mktemp("helm")
+    env = {
+        **os.environ,
+        "KUBECONFIG": str(real_node.kubeconfig),
+        "HELM_CACHE_HOME": str(home / "cache"),
+        "HELM_CONFIG_HOME": str(home / "config"),
+        "HELM_DATA_HOME": str(home / "data"),
+    }
+    helm = str(real_node.bin_dir / "helm")
+    repository, tag = operator_image.rsplit(":", 1)
+    install = [helm, "upgrade", "--install", OPERATOR_RELEASE, str(REPO / "charts" / "disagg-operator")]
+    install += ["--namespace", OPERATOR_NS, "--create-namespace", "--set", "replicas=2"]
+    install += ["--set", f"image.repository={repository}", "--set", f"image.tag={tag}"]
+    install += ["--set", "image.pullPolicy=Never"]
+    proc = subprocess.run(install, env=env, capture_output=True, text=True, timeout=scaled(180))
+    assert proc.returncode == 0, f"helm install failed:\n{proc.stdout}{proc.stderr}"
+    # Helm installs CRDs only on a first install; on a reused node they follow the chart as the README says.
+    real_node.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(REPO / "crds"))
+    real_node.kubectl("wait", "--for=condition=Established", "crd/disaggregatedmodels.disagg.dev", "--timeout=60s")
+    real_node.kubectl(
+        "-n", OPERATOR_NS, "rollout", "status", f"deployment/{OPERATOR_RELEASE}", "--timeout=300s", timeout=330
+    )
+    report(f"operator Deployment (2 replicas) rolled out {time.monotonic() - start:.0f}s after helm install")
+    yield OPERATOR_RELEASE
+    subprocess.run([helm, "uninstall", OPERATOR_RELEASE, "--namespace", OPERATOR_NS, "--wait"], env=env, check=False)

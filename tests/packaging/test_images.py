@@ -50,10 +50,15 @@ def test_operator_image_installs_no_torch():
     assert re.search(r'^ENTRYPOINT \["disagg-operator"\]$', text, re.M)
 
 
-def test_worker_image_runs_disagg_and_ships_libibverbs():
+def test_worker_image_runs_disagg_and_ships_the_libraries_mooncake_links():
+    """What `make venv` installs on a machine for the worker to run (Mooncake's wheel links libibverbs, libnuma
+    and libcurl without shipping them), the image installs too: a pod without libnuma crashed at start."""
     text = (REPO / "Dockerfile.worker").read_text()
     assert re.search(r'^ENTRYPOINT \["disagg"\]$', text, re.M)
-    assert "libibverbs1" in text
+    packages = re.search(r"^SYSTEM_PACKAGES := (.+)$", (REPO / "Makefile").read_text(), re.M).group(1).split()
+    assert {"libibverbs1", "libnuma1", "libcurl4"} <= set(packages)
+    installed = re.search(r"apt-get install -y --no-install-recommends ([^\\]+)", text).group(1).split()
+    assert set(packages) <= set(installed), installed
 
 
 def test_worker_image_installs_dependencies_before_the_code():

@@ -31,10 +31,10 @@ class WriteState(Enum):
 def _import_engine() -> Any:
     try:
         from mooncake.engine import TransferEngine
-    except ImportError as e:  # the wheel links libibverbs but does not ship it
+    except ImportError as e:  # the wheel links libibverbs, libnuma and libcurl but does not ship them
         raise ImportError(
             "mooncake transfer engine unavailable (pip install mooncake-transfer-engine-non-cuda; "
-            f"apt-get install libibverbs1): {e}"
+            f"apt-get install libibverbs1 libnuma1 libcurl4): {e}"
         ) from e
     return TransferEngine
 
