@@ -57,22 +57,41 @@ image() { # name dockerfile build-args...
         --volume "$HOST_CA:/etc/ssl/certs/host-ca.crt:ro" --build-arg PIP_CERT=/etc/ssl/certs/host-ca.crt
         --volume "$PIP_CACHE:/var/cache/host-pip" --build-arg PIP_CACHE_DIR=/var/cache/host-pip
         --build-arg "PYTHON_IMAGE=$BASE_IMAGE" "$@")
-    # Every named stage gets a name of its own, so that the prune below keeps it as build cache: the
-    # dependencies (torch and its libraries, gigabytes and minutes to install), the project, the demo model.
-    local stage
-    for stage in $(sed -n 's/^FROM .* AS \([a-z0-9_-]*\)$/\1/p' "$file"); do
-        buildah build "${args[@]}" --target "$stage" -t "localhost/disagg-$name-$stage:$VERSION" . >/dev/null
+    # Every named stage gets a name of its own, so that it stays as build cache: the dependencies (torch and
+    # its libraries, gigabytes and minutes to install), the project, the demo model.
+    local stage tag id tags=() before=()
+    for stage in $(sed -n 's/^FROM .* AS \([a-z0-9_-]*\)$/\1/p' "$file"); do tags+=("localhost/disagg-$name-$stage:cache"); done
+    tags+=("$REGISTRY/$name:$VERSION")
+    for tag in "${tags[@]}"; do
+        before=("$(buildah inspect --type image --format '{{.FromImageID}}' "$tag" 2>/dev/null || true)" "${before[@]}")
     done
-    buildah build "${args[@]}" -t "$REGISTRY/$name:$VERSION" . >/dev/null
+    for tag in "${tags[@]}"; do
+        stage=${tag#localhost/disagg-"$name"-}
+        if [[ $stage == "$tag" ]]; then
+            buildah build "${args[@]}" -t "$tag" . >/dev/null
+        else
+            buildah build "${args[@]}" --target "${stage%:cache}" -t "$tag" . >/dev/null
+        fi
+    done
     log "built $REGISTRY/$name:$VERSION in $((SECONDS - start)) s"
-    # The image the name pointed at before, and the stages only it used, are dangling now: a worker image
-    # whose final stage changed would leave 7 GB behind on every build.
-    buildah rmi --prune >/dev/null 2>&1 || true
+    # What these names pointed at before and no longer do goes, last stage first, with the layers only it
+    # used: a worker image whose dependencies changed would leave gigabytes behind on every build. An image
+    # that still has a name or a child stays (rmi refuses it).
+    local now=" "
+    for tag in "${tags[@]}"; do now+="$(buildah inspect --type image --format '{{.FromImageID}}' "$tag") "; done
+    for id in "${before[@]}"; do
+        [[ -n $id && $now != *" $id "* ]] || continue  # rmi of an image by ID would take its names too
+        buildah rmi "$id" >/dev/null 2>&1 || true
+    done
 }
 
 size() {
     buildah images --format '{{.Name}}:{{.Tag}} {{.Size}}' | grep -F "$REGISTRY/$1:$VERSION" || true
 }
+
+mkdir -p "$CACHE"
+exec 9>"$CACHE/.lock"  # one build at a time: a second waits for the first's images
+flock 9
 
 what=${1:-all}
 case $what in

@@ -8,8 +8,8 @@ the whole image (docker-archive) made containerd read, hash and write all 7 GB a
                        every blob whose digest is in HAVE (`ctr content ls -q`): containerd resolves those from
                        its own store.
   link LAYOUT CONTENT  drop the images that lost their name from the layout's index, remove the blobs no named
-                       image refers to, and replace every other blob by a hard link to containerd's copy under
-                       CONTENT (its blobs/sha256): the layout then costs no disk of its own.
+                       image refers to, and replace every layer by a hard link to containerd's copy under CONTENT
+                       (its blobs/sha256): the layout then costs no disk of its own.
 """
 
 from __future__ import annotations
@@ -40,7 +40,13 @@ def named_index(layout: Path) -> dict:
 
 def referenced(layout: Path) -> set[str]:
     """Every blob digest a named image of the layout needs: indexes, manifests, configs, layers."""
+    return _walk(layout)[0]
+
+
+def _walk(layout: Path) -> tuple[set[str], set[str]]:
+    """(every blob a named image needs, the layers among them)."""
     seen: set[str] = set()
+    layers: set[str] = set()
     todo = list(named_index(layout)["manifests"])
     while todo:
         desc = todo.pop()
@@ -52,7 +58,8 @@ def referenced(layout: Path) -> set[str]:
             todo.extend(doc.get("manifests", []))
             todo.extend([doc["config"]] if "config" in doc else [])
             todo.extend(doc.get("layers", []))
-    return seen
+            layers.update(d["digest"] for d in doc.get("layers", []))
+    return seen, layers
 
 
 def write_tar(layout: Path, have: set[str]) -> None:
@@ -67,17 +74,27 @@ def write_tar(layout: Path, have: set[str]) -> None:
             tar.add(path, arcname=str(path.relative_to(layout)))
 
 
+def _replace_text(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
 def link(layout: Path, content: Path) -> None:
-    (layout / "index.json").write_text(json.dumps(named_index(layout)))
-    keep = referenced(layout)
+    """Layers only are shared with containerd: buildah rewrites a manifest in place (truncating the file) when
+    it pushes the same image again, which must never touch containerd's copy. Manifests and configs are a few
+    kilobytes."""
+    _replace_text(layout / "index.json", json.dumps(named_index(layout)))
+    keep, layers = _walk(layout)
     for path in (layout / "blobs").glob("*/*"):
         digest = f"{path.parent.name}:{path.name}"
-        if digest not in keep:
+        if digest not in keep:  # an image that lost its name, or a leftover of an interrupted run
             path.unlink()
             continue
         theirs = content / "blobs" / path.parent.name / path.name
-        if theirs.exists() and not path.samefile(theirs):
+        if digest in layers and theirs.exists() and not path.samefile(theirs):
             tmp = path.with_name(path.name + ".link")
+            tmp.unlink(missing_ok=True)
             os.link(theirs, tmp)
             tmp.replace(path)
 

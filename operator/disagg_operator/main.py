@@ -2,6 +2,7 @@
 
 import argparse
 import logging
+import random
 import sys
 import time
 
@@ -37,15 +38,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+# Random values per millisecond: the priority stays within a signed 64-bit integer (the API server's own).
+TIE_BREAK = 1_000_000
+
+
 def seniority_priority(started_at: float) -> int:
     """A peering priority that ranks replicas by age: the one started first is higher.
 
     kopf pauses every operator that sees a live peer of the same priority, itself included, so replicas of one
     Deployment started with one fixed priority would all stand still. Ranked by start time (milliseconds),
-    they are distinct, the active replica stays active when a new one starts (a rolling update does not move
-    the work to a replica that has not warmed up), and when it goes, the oldest of the rest takes over.
+    they are distinct (a random part tells apart two started in one millisecond, which the replicas of a
+    Deployment scaled from 0 to 2 on one node did); the active replica stays active when a new one starts (a
+    rolling update does not move the work to a replica that has not warmed up), and when it goes, the oldest
+    of the rest takes over.
     """
-    return -int(started_at * 1000)
+    return -(int(started_at * 1000) * TIE_BREAK + random.randrange(TIE_BREAK))
 
 
 def main(argv: list[str] | None = None) -> int:

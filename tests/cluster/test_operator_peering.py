@@ -21,8 +21,12 @@ from test_operator_support import (
 from disagg_operator.main import seniority_priority
 
 
-def test_an_older_replica_ranks_higher() -> None:
+def test_an_older_replica_ranks_higher_and_replicas_started_together_differ() -> None:
     assert seniority_priority(1000.0) > seniority_priority(1000.001)
+    # Two replicas of a Deployment scaled from 0 to 2 started in the same millisecond on the real node: with
+    # one priority, kopf paused both and nothing was reconciled.
+    assert len({seniority_priority(1795619366.512) for _ in range(100)}) > 90
+    assert all(-(2**63) < seniority_priority(4102444800.0) < 0 for _ in range(10))  # the year 2100 fits int64
 
 
 @pytest.fixture

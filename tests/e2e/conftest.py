@@ -202,6 +202,10 @@ def operator_release(
     # Helm installs CRDs only on a first install; on a reused node they follow the chart as the README says.
     real_node.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(REPO / "crds"))
     real_node.kubectl("wait", "--for=condition=Established", "crd/disaggregatedmodels.disagg.dev", "--timeout=60s")
+    if "REVISION: 1\n" not in proc.stdout:
+        # A release left by an interrupted session on a reused node: an image rebuilt under the same name
+        # changes nothing in the pod template, so the pods are restarted onto it.
+        real_node.kubectl("-n", OPERATOR_NS, "rollout", "restart", f"deployment/{OPERATOR_RELEASE}")
     real_node.kubectl(
         "-n", OPERATOR_NS, "rollout", "status", f"deployment/{OPERATOR_RELEASE}", "--timeout=300s", timeout=330
     )

@@ -337,7 +337,8 @@ class Load:
     def results(self) -> list[dict]:
         """The requests finished so far."""
         proc = self.node.kubectl("-n", self.model.namespace, "exec", "client", "--", "cat", self.log, check=False)
-        return [json.loads(line) for line in proc.stdout.splitlines() if line.strip()]
+        # The last line may be half written: only complete lines (newline-terminated) count.
+        return [json.loads(line) for line in proc.stdout.splitlines(keepends=True) if line.endswith("\n")]
 
     def stop(self) -> list[dict]:
         """Let every client finish its request, then every request's outcome."""

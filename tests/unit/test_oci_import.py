@@ -28,6 +28,10 @@ def _put(layout: Path, data: bytes) -> str:
     return digest
 
 
+def _blob_bytes(layout: Path, digest: str) -> bytes:
+    return (layout / "blobs" / "sha256" / digest[7:]).read_bytes()
+
+
 def _image(layout: Path, layers: list[bytes]) -> dict[str, str]:
     """An OCI layout holding one image of `layers`; the digests by role."""
     config = _put(layout, b'{"architecture": "amd64"}')
@@ -79,14 +83,19 @@ def test_link_shares_containerds_copies_and_drops_what_no_image_needs(tmp_path: 
     layout, content = tmp_path / "layout", tmp_path / "content"
     stale = _image(layout, [b"the code before the change"])["layer0"]
     d = _image(layout, [b"torch" * 1000, b"the code"])
-    theirs = content / "blobs" / "sha256" / d["layer0"][7:]
-    theirs.parent.mkdir(parents=True)
-    theirs.write_bytes(b"torch" * 1000)
+    (content / "blobs" / "sha256").mkdir(parents=True)
+    for key in ("layer0", "manifest"):
+        theirs = content / "blobs" / "sha256" / d[key][7:]
+        theirs.write_bytes(_blob_bytes(layout, d[key]))
+    (layout / "blobs" / "sha256" / (d["layer1"][7:] + ".link")).write_bytes(b"left by an interrupted run")
 
     oci_import.link(layout, content)
 
-    ours = layout / "blobs" / "sha256" / d["layer0"][7:]
-    assert ours.samefile(theirs)  # one copy on disk
+    ours = layout / "blobs" / "sha256"
+    assert (ours / d["layer0"][7:]).samefile(content / "blobs" / "sha256" / d["layer0"][7:])  # one copy on disk
+    # A manifest is never shared: buildah rewrites it in place when it pushes the same image again.
+    assert not (ours / d["manifest"][7:]).samefile(content / "blobs" / "sha256" / d["manifest"][7:])
+    assert not (ours / (d["layer1"][7:] + ".link")).exists()
     assert not (layout / "blobs" / "sha256" / stale[7:]).exists()
     assert oci_import.referenced(layout) == set(d.values())
     assert len(json.loads((layout / "index.json").read_text())["manifests"]) == 1
