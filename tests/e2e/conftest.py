@@ -134,7 +134,10 @@ def real_node() -> Iterator[RealNode]:
     owned = not REUSE and not _node_running()
     try:
         kubeconfig = Path(_script("node/node.sh", "up", "--no-build"))
-        yield RealNode(kubeconfig=kubeconfig, bin_dir=bin_dir)
+        node = RealNode(kubeconfig=kubeconfig, bin_dir=bin_dir)
+        # What an interrupted session left on a reused node (its pods would hold the node's CPU) goes first.
+        node.kubectl("delete", "namespace", "-l", E2E_LABEL, "--timeout=300s", timeout=330, check=False)
+        yield node
     finally:
         if owned:
             subprocess.run([str(NODE_SH), "down"], check=False)
@@ -156,18 +159,28 @@ def worker_image(real_node: RealNode, report: Callable[[str], None]) -> str:
     return WORKER_IMAGE
 
 
-@pytest.fixture
-def namespace(real_node: RealNode) -> Iterator[str]:
-    """A fresh namespace for one test, deleted afterwards."""
-    name = f"e2e-{uuid.uuid4().hex[:8]}"
-    real_node.kubectl("create", "namespace", name)
+E2E_LABEL = "disagg.dev/e2e-test"  # on every namespace a test makes: a later session removes what one left
+
+
+def new_namespace(node: RealNode, prefix: str) -> str:
+    """A fresh namespace, labelled as the tier's; pods can be created in it at once."""
+    name = f"{prefix}-{uuid.uuid4().hex[:6]}"
+    node.kubectl("create", "namespace", name)
+    node.kubectl("label", "namespace", name, f"{E2E_LABEL}=true")
     # Admission rejects pods until the controller-manager has created the namespace's default ServiceAccount.
     wait_until(
-        lambda: real_node.kubectl("-n", name, "get", "serviceaccount", "default", check=False).returncode == 0,
+        lambda: node.kubectl("-n", name, "get", "serviceaccount", "default", check=False).returncode == 0,
         30,
         0.5,
         what=f"the default ServiceAccount of namespace {name}",
     )
+    return name
+
+
+@pytest.fixture
+def namespace(real_node: RealNode) -> Iterator[str]:
+    """A fresh namespace for one test, deleted afterwards."""
+    name = new_namespace(real_node, "e2e")
     yield name
     real_node.kubectl("delete", "namespace", name, "--wait=false", check=False)
 

@@ -132,12 +132,6 @@ def delete_model(node: RealNode, namespace: str) -> None:
     node.kubectl("delete", "namespace", namespace, "--wait=false", check=False)
 
 
-def new_namespace(node: RealNode, prefix: str) -> str:
-    name = f"{prefix}-{uuid.uuid4().hex[:6]}"
-    node.kubectl("create", "namespace", name)
-    return name
-
-
 def client_pod(node: RealNode, namespace: str, image: str) -> str:
     """A pod without the model's labels, with python3 (the operator image); it sends requests from inside."""
     pod = {

@@ -18,7 +18,7 @@ import openai
 import pytest
 import requests
 
-from tests.e2e.conftest import OPERATOR_NS, OPERATOR_RELEASE, RealNode
+from tests.e2e.conftest import OPERATOR_NS, OPERATOR_RELEASE, RealNode, new_namespace
 from tests.e2e.models import (
     MODEL_LABEL,
     OPERATOR_SELECTOR,
@@ -36,7 +36,6 @@ from tests.e2e.models import (
     example,
     in_flight_at,
     model_ready,
-    new_namespace,
     pod_ready,
     port_forward,
     refused,

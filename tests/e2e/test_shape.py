@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from tests.e2e.conftest import RealNode
+from tests.e2e.conftest import RealNode, new_namespace
 from tests.e2e.models import (
     Model,
     apply_model,
@@ -17,7 +17,6 @@ from tests.e2e.models import (
     client_pod,
     delete_model,
     example,
-    new_namespace,
     requests_finished,
     wait_all_decodes_paired,
 )
