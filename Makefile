@@ -14,6 +14,8 @@ TINY_MODEL := .models/tiny-llama
 # `disagg serve --local` then maps it in well under a second instead of parsing and dequantising the GGUF.
 DEMO_MODEL := .models/SmolLM2-135M-Instruct
 PORT ?= 8000
+# Engine flags passed through to `disagg serve`, e.g. make serve ARGS='--dtype bfloat16 --max-total-tokens 4096'.
+ARGS ?=
 PYTEST_ARGS ?=
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
@@ -51,15 +53,15 @@ demo-model: $(DEMO_MODEL)/config.json
 
 # Router + prefill + decode on localhost, on SmolLM2-135M-Instruct (a real chat model).
 serve: demo-model
-	$(VENV)/bin/disagg serve --local --model $(DEMO_MODEL) --port $(PORT)
+	$(VENV)/bin/disagg serve --local --model $(DEMO_MODEL) --port $(PORT) $(ARGS)
 
 # One monolithic engine instance on SmolLM2-135M-Instruct.
 serve-mono: demo-model
-	$(VENV)/bin/disagg serve --model $(DEMO_MODEL) --port $(PORT)
+	$(VENV)/bin/disagg serve --model $(DEMO_MODEL) --port $(PORT) $(ARGS)
 
 # Router + prefill + decode on the embedded tiny random-weight model (its output is gibberish by design).
 serve-tiny: tiny-model
-	$(VENV)/bin/disagg serve --local --model $(TINY_MODEL) --port $(PORT)
+	$(VENV)/bin/disagg serve --local --model $(TINY_MODEL) --port $(PORT) $(ARGS)
 
 # The worker and operator images, built without a Docker daemon (buildah, from Debian's packages) on a Python
 # base image made from Debian's packages (hack/images/build.sh); tagged ghcr.io/disagg/{worker,operator}:VERSION.
