@@ -311,6 +311,11 @@ import_images() {
     buildah push --quiet --disable-compression "$name" "oci:$layout:$name" >/dev/null
     # shellcheck disable=SC2046  # one argument per digest
     python3 "$HERE/oci_import.py" tar "$layout" $(ctr content ls -q) | ctr images import - >/dev/null
+    # A blob listed as present may have been collected since (content no image holds any more): then send all.
+    if ! ctr images check "name==$name" | grep -qw complete; then  # not "incomplete"
+      log "$name incomplete in containerd: sending every layer"
+      python3 "$HERE/oci_import.py" tar "$layout" | ctr images import - >/dev/null
+    fi
     python3 "$HERE/oci_import.py" link "$layout" "$CONTAINERD_ROOT/io.containerd.content.v1.content"
     # The CRI names every image it ran by its ID too: the replaced image's ID names go, and containerd frees
     # what only they held (7 GB for a worker image whose dependencies changed) once no container uses it.
