@@ -6,9 +6,7 @@ import concurrent.futures as cf
 import json
 import os
 import random
-import re
 import signal
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -238,24 +236,3 @@ def test_health_fails_when_the_scheduler_is_stuck(server):
         timeout=15,
         what="/health recovering",
     )
-
-
-def readme_requests() -> list[str]:
-    text = (ROOT / "README.md").read_text()
-    blocks = re.findall(r"```(?:bash|sh)\n(.*?)```", text, re.S)
-    return [b for b in blocks if b.lstrip().startswith("curl")]
-
-
-def test_readme_examples_work(server):
-    examples = readme_requests()
-    assert examples, "the README shows no example request"
-    for ex in examples:
-        cmd = ex.replace("localhost:8000", f"127.0.0.1:{server.port}")
-        out = subprocess.run(
-            ["bash", "-c", "set -o pipefail; " + cmd.replace("curl ", "curl -sf ", 1)],
-            capture_output=True,
-            text=True,
-            timeout=scaled(60),
-        )
-        assert out.returncode == 0, f"{ex}\n{out.stderr}"
-        assert out.stdout.strip(), ex

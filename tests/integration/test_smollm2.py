@@ -206,3 +206,26 @@ def test_readme_first_example_answers_as_shown(make_serve):
     assert "Paris" in content
     assert content == shown["choices"][0]["message"]["content"]
     assert answer["model"] == shown["model"] == SERVED_NAME
+
+
+def readme_requests() -> list[str]:
+    text = (ROOT / "README.md").read_text()
+    blocks = re.findall(r"```(?:bash|sh)\n(.*?)```", text, re.S)
+    return [b for b in blocks if b.lstrip().startswith("curl")]
+
+
+def test_every_readme_example_works_on_make_serve(make_serve):
+    """Every curl example of the README against what `make serve` starts, the model the README names (its
+    /generate example is in SmolLM2's token ids)."""
+    examples = readme_requests()
+    assert len(examples) >= 5, "the README shows fewer example requests than it did"
+    for ex in examples:
+        cmd = ex.replace("localhost:8000", f"127.0.0.1:{make_serve.port}")
+        out = subprocess.run(
+            ["bash", "-c", "set -o pipefail; " + cmd.replace("curl ", "curl -sf ", 1)],
+            capture_output=True,
+            text=True,
+            timeout=scaled(120),
+        )
+        assert out.returncode == 0, f"{ex}\n{out.stderr}"
+        assert out.stdout.strip(), ex
