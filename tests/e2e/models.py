@@ -9,8 +9,9 @@ import json
 import re
 import socket
 import subprocess
+import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import yaml
@@ -124,6 +125,22 @@ def apply_model(node: RealNode, cr: dict, decodes: int = 1) -> Model:
         endpoint=obj["status"]["endpoint"],
         router_service=routers[0]["metadata"]["name"],
     )
+
+
+@contextlib.contextmanager
+def served(
+    node: RealNode, cr: dict, client_image: str, report: Callable[[str], None], what: str, decodes: int = 1
+) -> Iterator[Model]:
+    """The CR applied and Ready, with a client pod beside it; the time to Ready reported as `what`; the CR and
+    its namespace deleted afterwards."""
+    try:
+        start = time.monotonic()
+        model = apply_model(node, cr, decodes)
+        report(f"{what} Ready and PairingVerified {time.monotonic() - start:.0f}s after apply")
+        client_pod(node, model.namespace, client_image)
+        yield model
+    finally:
+        delete_model(node, cr["metadata"]["namespace"])
 
 
 def delete_model(node: RealNode, namespace: str) -> None:

@@ -27,11 +27,8 @@ from tests.e2e.models import (
     ROLE_LABEL,
     Load,
     Model,
-    apply_model,
     chat_from_pod,
-    client_pod,
     conditions,
-    delete_model,
     diagnostics,
     example,
     in_flight_at,
@@ -41,6 +38,7 @@ from tests.e2e.models import (
     refused,
     requests_finished,
     running,
+    served,
     summary,
     wait_all_decodes_paired,
 )
@@ -54,17 +52,10 @@ pytestmark = pytest.mark.timeout(scaled(2400))
 def model(
     real_node: RealNode, operator_release: str, worker_image: str, operator_image: str, report: Callable[[str], None]
 ) -> Iterator[Model]:
-    namespace = new_namespace(real_node, "e2e-model")
-    cr = example(namespace)
-    try:
-        assert cr["spec"]["image"] == worker_image
-        start = time.monotonic()
-        m = apply_model(real_node, cr)
-        report(f"examples/dm-smollm2-cpu.yaml Ready and PairingVerified {time.monotonic() - start:.0f}s after apply")
-        client_pod(real_node, namespace, operator_image)
+    cr = example(new_namespace(real_node, "e2e-model"))
+    assert cr["spec"]["image"] == worker_image
+    with served(real_node, cr, operator_image, report, "examples/dm-smollm2-cpu.yaml") as m:
         yield m
-    finally:
-        delete_model(real_node, namespace)
 
 
 def test_chat_through_port_forward_with_the_openai_client(

@@ -4,22 +4,12 @@ Service name, and the router sends requests to both decodes."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterator
 
 import pytest
 
 from tests.e2e.conftest import RealNode, new_namespace
-from tests.e2e.models import (
-    Model,
-    apply_model,
-    chat_from_pod,
-    client_pod,
-    delete_model,
-    example,
-    requests_finished,
-    wait_all_decodes_paired,
-)
+from tests.e2e.models import Model, chat_from_pod, example, requests_finished, served, wait_all_decodes_paired
 from tests.timing import scaled
 
 pytestmark = pytest.mark.timeout(scaled(1800))
@@ -38,14 +28,8 @@ def model(
         "replicas": 2,
         "resources": {"requests": {"cpu": "250m", "memory": "1Gi"}, "limits": {"memory": "4Gi"}},
     }
-    try:
-        start = time.monotonic()
-        m = apply_model(real_node, cr, decodes=2)
-        report(f"a model with two decodes Ready {time.monotonic() - start:.0f}s after apply")
-        client_pod(real_node, namespace, operator_image)
+    with served(real_node, cr, operator_image, report, "a model with two decodes", decodes=2) as m:
         yield m
-    finally:
-        delete_model(real_node, namespace)
 
 
 def test_served_under_its_own_name_by_both_decodes(real_node: RealNode, model: Model) -> None:
