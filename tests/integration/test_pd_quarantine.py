@@ -17,7 +17,14 @@ import requests
 
 from tests.integration.procs import PDStack, idle_and_flushed, scaled, serve, wait_until
 from tests.integration.test_pd import FLAGS, assert_clean
-from tests.integration.test_pd_faults import decode_waiting_on_prefill, load, outcomes, request, wait_router_healthy
+from tests.integration.test_pd_faults import (
+    HELD,
+    decode_waiting_on_prefill,
+    load,
+    outcomes,
+    request,
+    wait_router_healthy,
+)
 from tests.integration.test_server import generate, varied_prompts
 
 pytestmark = pytest.mark.integration
@@ -30,6 +37,11 @@ def stats(url: str) -> dict:
 
 def queues(url: str) -> dict[str, int]:
     return stats(url)["queues"]
+
+
+def bootstrapping(url: str) -> int:
+    """Rooms prefill holds until decode sends their destination pages (one /stats read)."""
+    return queues(url).get("prefill_bootstrap", 0)
 
 
 def test_a_silent_prefills_pages_come_back_after_the_quarantine_timeout(tiny_model):
@@ -77,29 +89,44 @@ def test_a_silent_prefills_pages_come_back_after_the_quarantine_timeout(tiny_mod
         stack.stop()
 
 
+def report_after(url: str, t: float) -> dict | None:
+    """The scheduler's /stats report if it was made after wall-clock time `t`, else None."""
+    st = stats(url)
+    return st if st["time"] > t else None
+
+
 def test_after_decode_freezes_and_resumes_greedy_output_still_equals_monolithic(tiny_model):
-    # Decode runs 2 requests at a time: the others wait in its prealloc queue for seconds, and a frozen decode
-    # cannot send them their handshake, so the freeze interrupts them for certain (KV already written to a frozen
-    # decode's sockets may still land; a handshake never does).
+    # Decode runs 2 requests at a time: the others wait in its prealloc queue for seconds, and prefill holds their
+    # rooms Bootstrapping until decode sends their destination pages. A frozen decode sends none, so rooms still
+    # Bootstrapping after the freeze end only by prefill's bootstrap timeout: the freeze interrupts them for certain
+    # (KV already written to a frozen decode's sockets may still land; a destination never leaves it).
     stack = PDStack(tiny_model, *FLAGS, decode_flags=("--max-running-requests", "2")).wait_healthy()
     mono = serve(tiny_model, *FLAGS).wait_healthy()
     pgid = stack.decode.proc.pid
     try:
         with cf.ThreadPoolExecutor(16) as pool:
             futures = load(stack.router.url, 16, pool, prompt_len=600)
+            # Both sides: decode's prealloc queue alone may fill before prefill has created the rooms.
             wait_until(
-                lambda: decode_waiting_on_prefill(stack.decode.url),
+                lambda: decode_waiting_on_prefill(stack.decode.url) and bootstrapping(stack.prefill.url) >= HELD,
                 timeout=30,
                 interval=0.01,
-                what="decode waiting for KV from prefill",
+                what="decode waiting for KV from prefill, prefill waiting for decode's destinations",
             )
             os.killpg(pgid, signal.SIGSTOP)
-            try:  # prefill's waiting timeout fails the rooms whose writes are stuck in the frozen decode
+            frozen = time.time()  # the clock of the scheduler's reports
+            try:
+                held = wait_until(
+                    lambda: report_after(stack.prefill.url, frozen), timeout=5, interval=0.05, what="a fresh report"
+                )
+                # Decode may have sent a destination for each slot it had free (2) just before the freeze; any
+                # room beyond those waits for one that cannot come.
+                assert held["queues"]["prefill_bootstrap"] > 2, held
                 wait_until(
-                    lambda: not any(queues(stack.prefill.url).values()),
+                    lambda: (st := report_after(stack.prefill.url, frozen)) and not any(st["queues"].values()),
                     timeout=40,
                     interval=0.2,
-                    what="prefill giving up on the frozen decode",
+                    what="prefill giving up on the frozen decode (its bootstrap timeout)",
                 )
             finally:
                 os.killpg(pgid, signal.SIGCONT)
