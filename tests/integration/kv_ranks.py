@@ -21,8 +21,8 @@ from disagg_worker.config import DisaggConfig, Role  # noqa: E402
 from disagg_worker.disagg import KVLayout, KVPoll, RankInfo, create_kv_manager  # noqa: E402
 from disagg_worker.disagg.bootstrap import BootstrapServer  # noqa: E402
 from disagg_worker.disagg.mooncake.prefill import MooncakePrefillManager  # noqa: E402
-from disagg_worker.mem.kv_pool import KVPool  # noqa: E402
-from disagg_worker.model.config import ModelConfig  # noqa: E402
+from disagg_worker.mem.kv_pool import KVKind, KVPool  # noqa: E402
+from disagg_worker.model.config import MLAConfig, ModelConfig  # noqa: E402
 from disagg_worker.model.parallel import Shard  # noqa: E402
 from tests.timing import scaled  # noqa: E402
 
@@ -39,32 +39,49 @@ class Geometry:
     page_size: int = 4
     num_pages: int = 64
     kv_dtype: str = "float32"
+    # "mla": one latent of `head_dim` values per token and layer, which every TP rank holds (`kv_heads` 1).
+    kind: str = "mha"
 
     def model(self) -> ModelConfig:
+        mla = MLAConfig(kv_lora_rank=self.head_dim - 8, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8)
         return ModelConfig(
             arch="llama", vocab_size=16, hidden_size=64, intermediate_size=64, num_layers=self.layers,
             num_heads=8, num_kv_heads=self.kv_heads, head_dim=self.head_dim,
+            mla=mla if self.kind == "mla" else None,
         )  # fmt: skip
+
+    @property
+    def pool_kind(self) -> KVKind:
+        return KVKind(self.kind)
 
 
 def reference(geo: Geometry) -> list[torch.Tensor]:
-    """K of every layer, then V of every layer, all heads: `[num_pages, page_size, kv_heads, head_dim]`."""
+    """K of every layer, then V of every layer, all heads: `[num_pages, page_size, kv_heads, head_dim]`
+    (MLA: the latent of every layer, `[num_pages, page_size, 1, head_dim]`)."""
     g = torch.Generator().manual_seed(1234)
-    shape = (geo.num_pages, geo.page_size, geo.kv_heads, geo.head_dim)
-    return [torch.randn(shape, generator=g).to(DTYPES[geo.kv_dtype]) for _ in range(2 * geo.layers)]
+    shape = (geo.num_pages, geo.page_size, geo.model().kv_num_heads, geo.head_dim)
+    n = geo.pool_kind.buffers_per_layer * geo.layers
+    return [torch.randn(shape, generator=g).to(DTYPES[geo.kv_dtype]) for _ in range(n)]
+
+
+def per_layer(geo: Geometry, bufs: list[torch.Tensor], layers: range) -> list[torch.Tensor]:
+    """The buffers of `layers` out of all layers' `bufs`, in pool order."""
+    return [
+        b
+        for i in range(geo.pool_kind.buffers_per_layer)
+        for b in bufs[i * geo.layers + layers.start : i * geo.layers + layers.stop]
+    ]
 
 
 def rank_pool(geo: Geometry, shard: Shard, fill: bool) -> tuple[KVPool, KVLayout]:
     """A rank's pool of its heads and layers (filled with its slice of `reference` when `fill`)."""
     m = geo.model()
     heads, layers = shard.kv_heads(m), shard.layer_range(geo.layers)
-    pool = KVPool(len(layers), geo.num_pages, geo.page_size, len(heads), geo.head_dim, DTYPES[geo.kv_dtype])
+    pool = KVPool(
+        len(layers), geo.num_pages, geo.page_size, len(heads), geo.head_dim, DTYPES[geo.kv_dtype], kind=geo.pool_kind
+    )
     if fill:
-        ref = reference(geo)
-        keys, values = ref[: geo.layers], ref[geo.layers :]
-        for buf, full in zip(
-            pool.buffers(), [*keys[layers.start : layers.stop], *values[layers.start : layers.stop]], strict=True
-        ):
+        for buf, full in zip(pool.buffers(), per_layer(geo, reference(geo), layers), strict=True):
             buf.copy_(full[:, :, heads.start : heads.stop])
     return pool, KVLayout.from_pool(pool, geo.kv_dtype, start_layer=layers.start, kv_heads=heads)
 
@@ -115,6 +132,8 @@ def _child(conn, role: str, shard: dict, geo: dict, cfg_kw: dict, bootstrap_url:
             conn.send([buf.index_select(0, index).clone() for buf in pool.buffers()])
         elif cmd == "aux":
             conn.send(handles[args[0]].aux_bytes())
+        elif cmd == "moved":  # KV bytes this rank's finished transfers moved, as the transfer layer counts them
+            conn.send(mgr.metrics.bytes_total)
         elif cmd == "stop":
             mgr.close()
             conn.send(True)
@@ -188,8 +207,7 @@ class Pair:
         """What a decode rank's buffers must hold at the destination of `src`: its heads and layers."""
         m, geo = self.geo.model(), self.geo
         heads, layers = rank.shard.kv_heads(m), rank.shard.layer_range(geo.layers)
-        ref = reference(geo)
-        mine = [*ref[layers.start : layers.stop], *ref[geo.layers + layers.start : geo.layers + layers.stop]]
+        mine = per_layer(geo, reference(geo), layers)
         index = torch.tensor(src, dtype=torch.long)
         return [full.index_select(0, index)[:, :, heads.start : heads.stop] for full in mine]
 

@@ -438,28 +438,82 @@ def test_ranks_of_both_instances_move_byte_identical_kv(prefill, decode, kv_head
     pair = Pair(prefill, decode, Geometry(kv_heads=kv_heads))
     try:
         for slot, (src, dst, chunks) in enumerate(ROOMS):
-            room = next(_rooms)
-            for p in pair.prefill:
-                p("sender", room)
-            for d in pair.decode:
-                d("recv", room, pair.addr, dst, slot)
-            for p in pair.prefill:
-                status, reason = p.until(room, KVPoll.WaitingForInput, 20)
-                assert status == KVPoll.WaitingForInput, reason
-            sends, first = [], 0
-            for i, n in enumerate(chunks):
-                last = i == len(chunks) - 1
-                sends.append((src[first : first + n], last, pack_first_token(1234, -0.25) if last else None))
-                first += n
-            for p in pair.prefill:
-                p("send", room, sends)
-            for rank in pair.prefill + pair.decode:
-                status, reason, _ = rank.wait(room, 30)
-                assert status == KVPoll.Success, f"{rank.role} {rank.shard}: {reason}"
+            room = run_room(pair, src, dst, chunks, slot)
             for d in pair.decode:
                 got, want = d("kv", dst), pair.expected(d, src)
                 assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True)), f"decode {d.shard}, room {slot}"
                 assert unpack_first_token(d("aux", room)) == (1234, -0.25)
+    finally:
+        pair.close()
+
+
+def run_room(pair: Pair, src: list[int], dst: list[int], chunks: list[int], slot: int) -> int:
+    """One room through every rank of both instances, to Success on all; returns the room."""
+    room = next(_rooms)
+    for p in pair.prefill:
+        p("sender", room)
+    for d in pair.decode:
+        d("recv", room, pair.addr, dst, slot)
+    for p in pair.prefill:
+        status, reason = p.until(room, KVPoll.WaitingForInput, 20)
+        assert status == KVPoll.WaitingForInput, reason
+    sends, first = [], 0
+    for i, n in enumerate(chunks):
+        last = i == len(chunks) - 1
+        sends.append((src[first : first + n], last, pack_first_token(1234, -0.25) if last else None))
+        first += n
+    for p in pair.prefill:
+        p("send", room, sends)
+    for rank in pair.prefill + pair.decode:
+        status, reason, _ = rank.wait(room, 30)
+        assert status == KVPoll.Success, f"{rank.role} {rank.shard}: {reason}"
+    return room
+
+
+def moved(pair: Pair, want: int) -> list[int]:
+    """Bytes each prefill rank's transfers moved, once their sum reached `want` (counted just after Success)."""
+    wait_until(lambda: sum(p("moved") for p in pair.prefill) >= want, timeout=5, interval=0.02, what="bytes counted")
+    return [p("moved") for p in pair.prefill]
+
+
+@pytest.mark.parametrize(
+    "prefill,decode",
+    [((1, 1), (1, 1)), ((2, 1), (1, 1)), ((1, 1), (2, 1)), ((2, 1), (2, 1)), ((1, 2), (1, 1))],
+    ids=["tp1-tp1", "tp2-tp1", "tp1-tp2", "tp2-tp2", "pp2-pp1"],
+)
+def test_mla_latent_is_sent_once_per_decode_rank_and_never_twice(prefill, decode):
+    """Every rank holds the whole latent: each decode rank gets it from exactly one prefill rank of its group, the
+    others send nothing and still succeed; bytes = tokens' pages x layers x page bytes x decode TP ranks."""
+    geo = Geometry(kind="mla", kv_heads=1, head_dim=40)
+    pair = Pair(prefill, decode, geo)
+    try:
+        page_nbytes = geo.page_size * geo.head_dim * 4
+        total = 0
+        for slot, (src, dst, chunks) in enumerate(ROOMS):
+            room = run_room(pair, src, dst, chunks, slot)
+            for d in pair.decode:
+                got, want = d("kv", dst), pair.expected(d, src)
+                assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True)), f"decode {d.shard}, room {slot}"
+                assert unpack_first_token(d("aux", room)) == (1234, -0.25)
+            total += len(src) * geo.layers * page_nbytes * decode[0]
+            per_rank = moved(pair, total)
+            assert sum(per_rank) == total, (per_rank, total)
+        if prefill[0] > decode[0]:  # the group's second prefill rank holds nothing its decode rank lacks
+            assert per_rank[1] == 0 and per_rank[0] == total, per_rank
+    finally:
+        pair.close()
+
+
+@pytest.mark.parametrize("prefill_kind,decode_kind", [("mla", "mha"), ("mha", "mla")])
+def test_mla_and_per_head_kv_are_never_paired(prefill_kind, decode_kind):
+    pair = Pair((1, 1), (1, 1), Geometry(kind=prefill_kind, kv_heads=1, head_dim=40), kind=decode_kind)
+    try:
+        room = next(_rooms)
+        pair.prefill[0]("sender", room)
+        pair.decode[0]("recv", room, pair.addr, [0, 1], 0)
+        status, reason, _ = pair.decode[0].wait(room, 20)
+        assert status == KVPoll.Failed, reason
+        assert f"prefill kv_kind={prefill_kind}" in reason and f"decode kv_kind={decode_kind}" in reason, reason
     finally:
         pair.close()
 

@@ -15,7 +15,7 @@ import time
 import pytest
 import requests
 
-from tests.integration.procs import PDStack, idle_and_flushed, scaled, serve, wait_until
+from tests.integration.procs import PDStack, idle_and_flushed, report_after, scaled, serve, wait_until
 from tests.integration.test_pd import FLAGS, assert_clean
 from tests.integration.test_pd_faults import (
     HELD,
@@ -89,12 +89,6 @@ def test_a_silent_prefills_pages_come_back_after_the_quarantine_timeout(tiny_mod
         stack.stop()
 
 
-def report_after(url: str, t: float) -> dict | None:
-    """The scheduler's /stats report if it was made after wall-clock time `t`, else None."""
-    st = stats(url)
-    return st if st["time"] > t else None
-
-
 def test_after_decode_freezes_and_resumes_greedy_output_still_equals_monolithic(tiny_model):
     # Decode runs 2 requests at a time: the others wait in its prealloc queue for seconds, and prefill holds their
     # rooms Bootstrapping until decode sends their destination pages. A frozen decode sends none, so rooms still
@@ -116,17 +110,16 @@ def test_after_decode_freezes_and_resumes_greedy_output_still_equals_monolithic(
             os.killpg(pgid, signal.SIGSTOP)
             frozen = time.time()  # the clock of the scheduler's reports
             try:
-                held = wait_until(
-                    lambda: report_after(stack.prefill.url, frozen), timeout=5, interval=0.05, what="a fresh report"
-                )
+                held = report_after(stack.prefill.url, frozen, lambda st: True, 5, "a report made after the freeze")
                 # Decode may have sent a destination for each slot it had free (2) just before the freeze; any
                 # room beyond those waits for one that cannot come.
                 assert held["queues"]["prefill_bootstrap"] > 2, held
-                wait_until(
-                    lambda: (st := report_after(stack.prefill.url, frozen)) and not any(st["queues"].values()),
-                    timeout=40,
-                    interval=0.2,
-                    what="prefill giving up on the frozen decode (its bootstrap timeout)",
+                report_after(
+                    stack.prefill.url,
+                    frozen,
+                    lambda st: not any(st["queues"].values()),
+                    40,
+                    "prefill giving up on the frozen decode (its bootstrap timeout)",
                 )
             finally:
                 os.killpg(pgid, signal.SIGCONT)

@@ -10,11 +10,12 @@ import torch
 import transformers
 
 from disagg_worker.model.loader import load_model
+from disagg_worker.model.tiny import make_tiny
 from tests.unit.model_stubs import (
     ARCHS,
     PageAllocator,
-    StandInKV,
     make_batch,
+    model_pool,
 )
 
 PAGE_SIZE = 4
@@ -47,7 +48,7 @@ def ref_last_logits(ref, ids: list[int]) -> torch.Tensor:
 
 
 def new_pool(cfg, seed: int = 0):
-    return StandInKV(cfg, num_pages=64, page_size=PAGE_SIZE), PageAllocator(64, seed)
+    return model_pool(cfg, num_pages=64, page_size=PAGE_SIZE), PageAllocator(64, seed)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -141,3 +142,29 @@ def test_rope_scaling_matches_transformers(tiny_dirs, tmp_path, scaling):
     kv, alloc = new_pool(cfg)
     logits = ours(make_batch([alloc.new_seq(160, PAGE_SIZE)], [prompt], PAGE_SIZE), kv)
     torch.testing.assert_close(logits[0], ref_last_logits(ref, prompt), atol=ATOL, rtol=0)
+
+
+def test_a_second_deepseek_shape_matches_transformers(tmp_path):
+    """Queries by one projection, no YaRN, rotary halves not interleaved, one expert group, two shared experts,
+    every layer MoE, v_head_dim unlike the nope dim: prefill, chunked prefill and decode, then greedy tokens."""
+    from tests.integration.test_deepseek import WIDE
+
+    path = make_tiny(tmp_path / "wide", arch="deepseek_v3", overrides=WIDE)
+    ours, cfg = load_model(path, "float32", "cpu")
+    assert cfg.mla is not None and cfg.mla.q_lora_rank is None and not cfg.mla.rope_interleave
+    ref = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    kv, alloc = new_pool(cfg, seed=4)
+    prompt = PROMPTS[2]
+    seq = alloc.new_seq(32, PAGE_SIZE)
+    ours(make_batch([seq], [prompt[:6]], PAGE_SIZE), kv)
+    second = ours(make_batch([seq], [prompt[6:]], PAGE_SIZE), kv)
+    torch.testing.assert_close(second[0], ref_last_logits(ref, prompt), atol=ATOL, rtol=0)
+    step = ours(make_batch([seq], [[77]], PAGE_SIZE), kv)
+    torch.testing.assert_close(step[0], ref_last_logits(ref, seq.tokens), atol=ATOL, rtol=0)
+    got = greedy(ours, cfg, PROMPTS, max_new=16)
+    for p, tokens in zip(PROMPTS, got, strict=True):
+        with torch.no_grad():
+            out = ref.generate(
+                torch.tensor([p]), max_new_tokens=16, do_sample=False, eos_token_id=list(cfg.eos_token_ids)
+            )
+        assert tokens == out[0, len(p) :].tolist()

@@ -7,27 +7,19 @@ from dataclasses import dataclass, field
 
 import torch
 
+from disagg_worker.mem.kv_pool import KVKind, KVPool
 from disagg_worker.model.batch import ForwardBatch
 from disagg_worker.model.config import ModelConfig
 
-ARCHS = ("llama", "qwen2", "qwen3")
+# The families GGUF files are read for, and the MoE ones (MLA for DeepSeek-V3) read from safetensors only.
+DENSE_ARCHS = ("llama", "qwen2", "qwen3")
+ARCHS = (*DENSE_ARCHS, "qwen3_moe", "deepseek_v3")
 
 
-class StandInKV:
-    """Same interface as the real pool: `k_buffer(layer)`, `v_buffer(layer)`, `page_size`."""
-
-    def __init__(self, cfg: ModelConfig, num_pages: int, page_size: int, dtype: torch.dtype = torch.float32):
-        self.page_size = page_size
-        self.num_layers = cfg.num_layers
-        shape = (num_pages, page_size, cfg.num_kv_heads, cfg.head_dim)
-        self._k = [torch.zeros(shape, dtype=dtype) for _ in range(cfg.num_layers)]
-        self._v = [torch.zeros(shape, dtype=dtype) for _ in range(cfg.num_layers)]
-
-    def k_buffer(self, layer: int) -> torch.Tensor:
-        return self._k[layer]
-
-    def v_buffer(self, layer: int) -> torch.Tensor:
-        return self._v[layer]
+def model_pool(cfg: ModelConfig, num_pages: int, page_size: int, dtype: torch.dtype = torch.float32) -> KVPool:
+    """The real pool, holding every layer and KV head of `cfg` (per-head K/V, or MLA's latent)."""
+    kind = KVKind.MLA if cfg.mla else KVKind.MHA
+    return KVPool(cfg.num_layers, num_pages, page_size, cfg.kv_num_heads, cfg.kv_head_dim, dtype, kind=kind)
 
 
 @dataclass

@@ -23,7 +23,7 @@ from disagg_worker.model.parallel import Shard
 from disagg_worker.model.tiny import random_weights
 from disagg_worker.model.tokenizer import Tokenizer
 from tests.unit.gguf_stubs import gguf_name, llama_cpp_permute, random_quant_bytes, write_gguf
-from tests.unit.model_stubs import ARCHS
+from tests.unit.model_stubs import DENSE_ARCHS
 
 Q = GGMLQuantizationType
 TEXTS = [
@@ -46,7 +46,7 @@ def ggufs(tiny_dirs, tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("gguf")
     return {
         arch: write_gguf(root / f"tiny-{arch}.F32.gguf", *hf_model(tiny_dirs[arch]), tokenizer_dir=tiny_dirs[arch])
-        for arch in ARCHS
+        for arch in DENSE_ARCHS
     }
 
 
@@ -61,7 +61,7 @@ def assert_same_params(a: torch.nn.Module, b: torch.nn.Module) -> None:
     assert not differ, differ
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", DENSE_ARCHS)
 def test_f32_gguf_loads_the_weights_and_config_of_the_directory(ggufs, tiny_dirs, arch):
     ours, cfg = load_model(ggufs[arch], "float32", "cpu")
     ref, ref_cfg = load_model(tiny_dirs[arch], "float32", "cpu")
@@ -179,7 +179,7 @@ def test_an_unsupported_architecture_is_refused_with_its_name(tiny_dirs, tmp_pat
         load_model(path, "float32", "cpu")
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", DENSE_ARCHS)
 def test_gguf_tokenizer_matches_the_directory_tokenizer(ggufs, tiny_dirs, arch):
     ours, ref = Tokenizer.from_path(ggufs[arch]), Tokenizer.from_dir(tiny_dirs[arch])
     for text in TEXTS:

@@ -103,8 +103,8 @@ def test_unsupported_architecture_names_it_and_the_supported_ones():
 
 
 def test_unsupported_rope_scaling_is_refused():
-    with pytest.raises(ValueError, match="'yarn'"):
-        ModelConfig.from_hf_dict({**LLAMA3, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+    with pytest.raises(ValueError, match="'longrope'"):
+        ModelConfig.from_hf_dict({**LLAMA3, "rope_scaling": {"rope_type": "longrope", "factor": 4.0}})
 
 
 def test_rope_parameters_layout_is_read():

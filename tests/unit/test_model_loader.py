@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 from disagg_worker.model import loader
 from disagg_worker.model.cpu_linear import PackedLinear, can_pack
 from disagg_worker.model.loader import WeightMismatchError, load_model
-from tests.unit.model_stubs import PageAllocator, StandInKV, make_batch
+from tests.unit.model_stubs import PageAllocator, make_batch, model_pool
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 PROMPT = [5, 17, 300, 42, 9, 1500, 77, 8]
@@ -21,7 +21,7 @@ pytest_plugins = ["tests.unit.conftest_model"]
 
 
 def last_logits(model, cfg) -> torch.Tensor:
-    kv = StandInKV(cfg, num_pages=8, page_size=4, dtype=next(model.parameters()).dtype)
+    kv = model_pool(cfg, num_pages=8, page_size=4, dtype=next(model.parameters()).dtype)
     seq = PageAllocator(8).new_seq(len(PROMPT), 4)
     return model(make_batch([seq], [PROMPT], 4), kv)[0]
 

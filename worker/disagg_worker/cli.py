@@ -106,7 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     tiny = msub.add_parser("make-tiny", help="write a small random-weight model with a real tokenizer")
     tiny.add_argument("--out", required=True)
     tiny.add_argument("--seed", type=int, default=0)
-    tiny.add_argument("--arch", default="llama", choices=["llama", "qwen2", "qwen3"])
+    tiny.add_argument("--arch", default="llama", choices=["llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3"])
     tiny.add_argument("--num-kv-heads", type=int, default=0, help="KV heads (default 2; 1: multi-query)")
     tiny.set_defaults(func=cmd_make_tiny)
     convert = msub.add_parser(

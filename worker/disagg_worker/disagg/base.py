@@ -21,6 +21,7 @@ from disagg_worker.config import DisaggConfig, Role
 from disagg_worker.disagg.metrics import TransferMetrics
 from disagg_worker.disagg.poll import KVPoll, StatusCell
 from disagg_worker.engine.params import MAX_LOGPROBS
+from disagg_worker.mem.kv_pool import KVKind
 
 _FIRST_TOKEN = struct.Struct("<qd")
 _TOP_COUNT = struct.Struct("<I")
@@ -31,7 +32,8 @@ AUX_ITEM_NBYTES = _FIRST_TOKEN.size + _TOP_COUNT.size + MAX_LOGPROBS * _TOP_ENTR
 
 @dataclass(frozen=True)
 class KVLayout:
-    """Where a KV pool lives. Buffer order is KVPool.buffers(): K of each layer, then V.
+    """Where a KV pool lives. Buffer order is KVPool.buffers(): K of each layer, then V (`kind` MHA);
+    the latent of each layer (MLA, one buffer per layer whose single "head" every TP rank holds).
 
     Page `p` of buffer `b` is the byte range `[buffer_ptrs[b] + p * page_nbytes, +page_nbytes)`,
     laid out `[page_size, num_kv_heads, head_nbytes]`: token by token, each token's heads side by side.
@@ -52,10 +54,12 @@ class KVLayout:
     aux_item_nbytes: int = AUX_ITEM_NBYTES
     kv_head_start: int = 0
     num_kv_heads: int = 1
+    kind: KVKind = KVKind.MHA
 
     def __post_init__(self) -> None:
-        if len(self.buffer_ptrs) != len(self.buffer_nbytes) or len(self.buffer_ptrs) % 2:
-            raise ValueError("need one K and one V buffer per layer, with a size each")
+        per_layer = self.kind.buffers_per_layer
+        if len(self.buffer_ptrs) != len(self.buffer_nbytes) or len(self.buffer_ptrs) % per_layer:
+            raise ValueError(f"need {per_layer} buffer(s) per layer ({self.kind.value} KV), with a size each")
         if any(n < self.num_pages * self.page_nbytes for n in self.buffer_nbytes):
             raise ValueError("a buffer is smaller than num_pages * page_nbytes")
         if self.kv_head_start < 0 or self.num_kv_heads < 1 or self.page_nbytes % (self.page_size * self.num_kv_heads):
@@ -66,7 +70,7 @@ class KVLayout:
 
     @property
     def num_layers(self) -> int:
-        return len(self.buffer_ptrs) // 2
+        return len(self.buffer_ptrs) // self.kind.buffers_per_layer
 
     @property
     def head_nbytes(self) -> int:
@@ -96,6 +100,7 @@ class KVLayout:
             start_layer=start_layer,
             kv_head_start=kv_heads.start,
             num_kv_heads=pool.num_kv_heads,
+            kind=getattr(pool, "kind", KVKind.MHA),
             **aux,
         )
 

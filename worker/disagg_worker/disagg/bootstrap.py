@@ -29,7 +29,8 @@ _INT_FIELDS = (
     "tp_rank", "tp_size", "pp_rank", "pp_size", "rank_port", "page_size", "start_layer", "num_layers",
     "kv_head_start", "num_kv_heads", "head_nbytes",
 )  # fmt: skip
-_STR_FIELDS = ("rank_ip", "kv_dtype", "session_id")
+_STR_FIELDS = ("rank_ip", "kv_dtype", "session_id", "kv_kind")
+KV_KINDS = ("mha", "mla")
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,8 @@ class RankRegistration:
     kv_head_start: int
     num_kv_heads: int
     head_nbytes: int
+    # The pool's layout (`mem.kv_pool.KVKind`): "mha" (per-head K and V) or "mla" (one latent per token).
+    kv_kind: str = "mha"
 
     @property
     def kv_heads(self) -> range:
@@ -80,6 +83,8 @@ class RankRegistration:
         for n in ("num_kv_heads", "head_nbytes"):
             if obj[n] < 1:
                 raise ValueError(f"{n} must be at least 1")
+        if obj["kv_kind"] not in KV_KINDS:
+            raise ValueError(f"kv_kind must be one of {', '.join(KV_KINDS)}")
         return cls(**{n: obj[n] for n in names})
 
 

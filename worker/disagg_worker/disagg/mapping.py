@@ -66,6 +66,13 @@ def check_compatible(
     """The prefill ranks this decode rank pulls from, or ([], reason) naming both values."""
     if topo.page_size != layout.page_size:
         return [], f"page size mismatch: prefill page_size={topo.page_size}, decode page_size={layout.page_size}"
+    kind = topo.ranks[0].kv_kind
+    if kind != layout.kind.value:
+        return (
+            [],
+            f"KV layout mismatch: prefill kv_kind={kind}, decode kv_kind={layout.kind.value} "
+            "(an MLA latent and per-head K/V cannot be paired)",
+        )
     if topo.kv_dtype != layout.kv_dtype:
         return [], f"KV dtype mismatch: prefill kv_dtype={topo.kv_dtype}, decode kv_dtype={layout.kv_dtype}"
     head = topo.ranks[0].head_nbytes
@@ -144,10 +151,10 @@ def _take_heads(ranks: list[RankRegistration], layout: KVLayout, fan_in: int, ou
     return ""
 
 
-def layer_buffer_map(src_start: int, src_layers: int, dst_start: int, dst_layers: int) -> list[int]:
-    """Map buffers `[K_0..K_{n-1}, V_0..V_{n-1}]` of a rank holding layers
-    `[src_start, src_start + src_layers)` onto the same layers of a rank holding
-    `[dst_start, dst_start + dst_layers)`. Raises ValueError if a layer has no destination."""
+def layer_buffer_map(src_start: int, src_layers: int, dst_start: int, dst_layers: int, per_layer: int = 2) -> list[int]:
+    """Map buffers `[K_0..K_{n-1}, V_0..V_{n-1}]` (`per_layer` 2; MLA's latents `[C_0..C_{n-1}]`: 1)
+    of a rank holding layers `[src_start, src_start + src_layers)` onto the same layers of a rank
+    holding `[dst_start, dst_start + dst_layers)`. Raises ValueError if a layer has no destination."""
     if src_start < dst_start or src_start + src_layers > dst_start + dst_layers:
         raise ValueError(
             f"prefill layers [{src_start}, {src_start + src_layers}) not held by decode layers "
@@ -155,4 +162,4 @@ def layer_buffer_map(src_start: int, src_layers: int, dst_start: int, dst_layers
         )
     offset = src_start - dst_start
     keys = [offset + i for i in range(src_layers)]
-    return keys + [dst_layers + k for k in keys]
+    return [b * dst_layers + k for b in range(per_layer) for k in keys]

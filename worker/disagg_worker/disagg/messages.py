@@ -36,6 +36,7 @@ class DecodeHello:
     # only whole pages may be written.
     num_kv_heads: int = 0
     head_nbytes: int = 0
+    kv_kind: str = "mha"  # decode's pool layout (`mem.kv_pool.KVKind`): its buffers per layer
 
 
 @dataclass(frozen=True)

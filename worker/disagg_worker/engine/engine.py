@@ -35,7 +35,7 @@ from disagg_worker.engine.scheduler import Scheduler
 from disagg_worker.engine.stage import build_kv_manager, build_stage
 from disagg_worker.limits import RequestLimits
 from disagg_worker.mem.allocator import PageAllocator
-from disagg_worker.mem.kv_pool import KVPool
+from disagg_worker.mem.kv_pool import KVKind, KVPool
 from disagg_worker.mem.radix import RadixCache
 from disagg_worker.model.config import ModelConfig
 from disagg_worker.model.loader import load_model
@@ -277,9 +277,10 @@ def build_kv_pool(cfg: EngineConfig, model_cfg: ModelConfig, shard: Shard) -> KV
         num_pages=cache.total_pages,
         page_size=cache.page_size,
         num_kv_heads=len(shard.kv_heads(model_cfg)),
-        head_dim=model_cfg.head_dim,
+        head_dim=model_cfg.kv_head_dim,
         dtype=DTYPES[cache.kv_dtype],
         device=cfg.device,
+        kind=KVKind.MLA if model_cfg.mla else KVKind.MHA,
     )
 
 

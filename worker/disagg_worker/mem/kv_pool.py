@@ -1,14 +1,29 @@
-"""Paged KV storage: one K and one V tensor per layer, indexed by page id.
+"""Paged KV storage, indexed by page id, in one of two layouts (`KVKind`):
 
-Each buffer has shape `[num_pages, page_size, num_kv_heads, head_dim]` and is contiguous, so
-page `p` occupies bytes `[p * page_nbytes, (p + 1) * page_nbytes)` of every buffer. The KV
-transfer engine relies on this: it registers `buffers()` once and moves a run of pages as
-one byte range per buffer.
+- MHA: one K and one V buffer per layer, each `[num_pages, page_size, num_kv_heads, head_dim]`
+  (grouped-query attention: the rank's KV heads);
+- MLA: one latent buffer per layer, `[num_pages, page_size, 1, latent_dim]` (DeepSeek's compressed
+  KV plus its shared rotary key; `num_kv_heads` is 1 and `head_dim` the latent width).
+
+Every buffer is contiguous, so page `p` occupies bytes `[p * page_nbytes, (p + 1) * page_nbytes)` of
+each. The KV transfer engine relies on this: it registers `buffers()` once and moves a run of pages
+as one byte range per buffer.
 """
 
 from __future__ import annotations
 
+from enum import Enum
+
 import torch
+
+
+class KVKind(str, Enum):
+    MHA = "mha"
+    MLA = "mla"
+
+    @property
+    def buffers_per_layer(self) -> int:
+        return 2 if self is KVKind.MHA else 1
 
 
 class KVPool:
@@ -21,7 +36,11 @@ class KVPool:
         head_dim: int,
         dtype: torch.dtype,
         device: str | torch.device = "cpu",
+        kind: KVKind = KVKind.MHA,
     ):
+        if kind is KVKind.MLA and num_kv_heads != 1:
+            raise ValueError(f"an MLA pool holds one latent per token, not {num_kv_heads} heads")
+        self.kind = kind
         self.num_layers = num_layers
         self.num_pages = num_pages
         self.page_size = page_size
@@ -30,21 +49,33 @@ class KVPool:
         self.dtype = dtype
         self.device = torch.device(device)
         shape = (num_pages, page_size, num_kv_heads, head_dim)
-        self._k = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
-        self._v = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        # Per layer: [K, V] (MHA) or [latent] (MLA).
+        self._bufs = [
+            [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(kind.buffers_per_layer)]
+            for _ in range(num_layers)
+        ]
 
     def k_buffer(self, layer: int) -> torch.Tensor:
-        return self._k[layer]
+        return self._of(KVKind.MHA, layer)[0]
 
     def v_buffer(self, layer: int) -> torch.Tensor:
-        return self._v[layer]
+        return self._of(KVKind.MHA, layer)[1]
+
+    def latent_buffer(self, layer: int) -> torch.Tensor:
+        return self._of(KVKind.MLA, layer)[0]
+
+    def _of(self, kind: KVKind, layer: int) -> list[torch.Tensor]:
+        if self.kind is not kind:
+            raise TypeError(f"a {self.kind.value} KV pool has no {kind.value} buffers")
+        return self._bufs[layer]
 
     def buffers(self) -> list[torch.Tensor]:
-        """All buffers in a fixed order: K of layers 0..L-1, then V of layers 0..L-1.
+        """All buffers in a fixed order: K of layers 0..L-1, then V of layers 0..L-1 (MHA); the latent
+        of layers 0..L-1 (MLA).
 
         Both ends of a KV transfer use this order to pair buffers, so it must not change.
         """
-        return [*self._k, *self._v]
+        return [layer[i] for i in range(self.kind.buffers_per_layer) for layer in self._bufs]
 
     @property
     def page_nbytes(self) -> int:
@@ -53,7 +84,7 @@ class KVPool:
 
     @property
     def nbytes(self) -> int:
-        return 2 * self.num_layers * self.num_pages * self.page_nbytes
+        return self.kind.buffers_per_layer * self.num_layers * self.num_pages * self.page_nbytes
 
     def page_bytes(self, pages: list[int]) -> bytes:
         """The bytes of `pages`, in the given order, concatenated over `buffers()` (for tests
@@ -70,9 +101,10 @@ class KVPool:
         num_kv_heads: int,
         head_dim: int,
         dtype: torch.dtype,
+        kind: KVKind = KVKind.MHA,
     ) -> int:
-        """How many pages fit in `budget_bytes` across all K and V buffers (rounded down)."""
-        per_page = 2 * num_layers * _page_nbytes(page_size, num_kv_heads, head_dim, dtype)
+        """How many pages fit in `budget_bytes` across all buffers (rounded down)."""
+        per_page = kind.buffers_per_layer * num_layers * _page_nbytes(page_size, num_kv_heads, head_dim, dtype)
         return max(0, int(budget_bytes) // per_page)
 
 

@@ -12,6 +12,7 @@ model; from a GGUF file a rank dequantises only the tensors it holds part of, th
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import torch
@@ -22,13 +23,16 @@ from tqdm import tqdm
 from disagg_worker.model import gguf_model
 from disagg_worker.model.config import ModelConfig
 from disagg_worker.model.cpu_linear import can_pack, pack_linears
+from disagg_worker.model.decoder import CausalLM
 from disagg_worker.model.gguf_meta import open_gguf
-from disagg_worker.model.llama import AllReduce, LlamaForCausalLM
+from disagg_worker.model.layers import AllReduce
 from disagg_worker.model.parallel import Shard, check_parallel, shard_slice
+from disagg_worker.model.registry import build_model
 from disagg_worker.model.source import find_gguf
 
 PROGRESS_MIN_BYTES = 200 * 1024 * 1024
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+_LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")
 
 
 class WeightMismatchError(ValueError):
@@ -41,7 +45,7 @@ def load_model(
     device: torch.device | str,
     shard: Shard | None = None,
     all_reduce: AllReduce | None = None,
-) -> tuple[LlamaForCausalLM, ModelConfig]:
+) -> tuple[CausalLM, ModelConfig]:
     """Build the model (this rank's `shard` of it) from the checkpoint's config and fill it with its
     weights.
 
@@ -57,7 +61,7 @@ def load_model(
     if problem:
         raise ValueError(f"cannot split {Path(path).name} over the instance's ranks: {problem}")
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg, shard, all_reduce)
+        model = build_model(cfg, shard, all_reduce)
     mine = {name for name, _ in model.named_parameters()}
     if reader is not None and gguf_file is not None:
         state = read_gguf(reader, gguf_file, cfg, dtype, torch.device(device), shard, mine)
@@ -66,6 +70,7 @@ def load_model(
     model.load_state_dict(state, strict=False, assign=True)  # names were checked; a tied head is re-tied
     model.tie_weights()
     model = model.to(device).eval().requires_grad_(False)
+    model.finish_load()
     if can_pack(torch.device(device), dtype):
         pack_linears(model)
     return model, cfg
@@ -87,13 +92,13 @@ def weight_files(path: Path) -> list[Path]:
 def _expected_names(cfg: ModelConfig) -> set[str]:
     """Every parameter of the whole model (all ranks together)."""
     with torch.device("meta"):
-        return {name for name, _ in LlamaForCausalLM(cfg).named_parameters()}
+        return {name for name, _ in build_model(cfg).named_parameters()}
 
 
 def _read_hf_dir(
     path: Path, cfg: ModelConfig, mine: set[str], shard: Shard, dtype: torch.dtype, device: torch.device
 ) -> dict[str, torch.Tensor]:
-    names_by_file = _tensor_names(path)
+    names_by_file = _tensor_names(path, cfg)
     _check_names(_expected_names(cfg), {n for names in names_by_file.values() for n in names}, cfg)
     return _read(names_by_file, mine, cfg, shard, dtype, device)
 
@@ -127,12 +132,19 @@ def read_gguf(
     return gguf_model.read_weights(reader, cfg, dtype, device, where, progress=progress)
 
 
-def _tensor_names(path: Path) -> dict[Path, list[str]]:
+def _tensor_names(path: Path, cfg: ModelConfig) -> dict[Path, list[str]]:
+    """The checkpoint's tensors, less rotary buffers and layers past the decoder's (DeepSeek-V3 ships its
+    next-token-prediction layer as `model.layers.<num_hidden_layers>`)."""
     names: dict[Path, list[str]] = {}
     for file in weight_files(path):
         with safe_open(file, framework="pt") as f:
-            names[file] = [k for k in f.keys() if not k.endswith(_IGNORED_SUFFIXES)]
+            names[file] = [k for k in f.keys() if not k.endswith(_IGNORED_SUFFIXES) and not _past_decoder(k, cfg)]
     return names
+
+
+def _past_decoder(name: str, cfg: ModelConfig) -> bool:
+    m = _LAYER_INDEX.match(name)
+    return m is not None and cfg.num_layers <= int(m.group(1)) < cfg.num_layers + cfg.nextn_layers
 
 
 def _check_names(expected: set[str], found: set[str], cfg: ModelConfig) -> None:

@@ -8,6 +8,10 @@ one its query heads use). The embedding and the LM head are replicated: a lookup
 and a replicated head keeps sampling on one rank with no per-step gather of logits; the price is the
 head's memory on every rank (the LM head is a few percent of a Llama's compute).
 
+MLA (DeepSeek) splits its heads the same way (q/q_b and kv_b column-parallel by head, o row-parallel)
+and replicates its latent projections, so the latent KV is whole on every rank. MoE slices every
+expert and the shared experts like a dense MLP; the router is replicated.
+
 Pipeline parallelism splits the layers into contiguous ranges, the first stage also embedding and
 the last also norming and projecting to logits.
 
@@ -23,8 +27,7 @@ from dataclasses import dataclass
 from disagg_worker.model.config import ModelConfig
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
-_COLUMN = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
-_ROW = ("self_attn.o_proj", "mlp.down_proj")
+_EXPERT = re.compile(r"^mlp\.experts\.\d+\.")
 
 
 @dataclass(frozen=True)
@@ -62,11 +65,13 @@ class Shard:
         return range(self.tp_rank * n, (self.tp_rank + 1) * n)
 
     def kv_heads(self, cfg: ModelConfig) -> range:
-        """The KV heads of this rank: an even slice, or the one replicated head its query heads use."""
-        if cfg.num_kv_heads >= self.tp_size:
-            n = cfg.num_kv_heads // self.tp_size
+        """The KV heads this rank caches: an even slice, or the one replicated head its query heads
+        use (MLA's single latent is such a head: every rank holds it whole)."""
+        n_kv = cfg.kv_num_heads
+        if n_kv >= self.tp_size:
+            n = n_kv // self.tp_size
             return range(self.tp_rank * n, (self.tp_rank + 1) * n)
-        head = self.tp_rank * cfg.num_kv_heads // self.tp_size
+        head = self.tp_rank * n_kv // self.tp_size
         return range(head, head + 1)
 
 
@@ -83,10 +88,15 @@ def check_parallel(cfg: ModelConfig, tp_size: int, pp_size: int) -> str:
     if cfg.num_heads % tp_size:
         return f"tp_size {tp_size} does not divide the {cfg.num_heads} attention heads"
     kv = cfg.num_kv_heads
-    if (kv >= tp_size and kv % tp_size) or (kv < tp_size and tp_size % kv):
+    if cfg.mla is None and ((kv >= tp_size and kv % tp_size) or (kv < tp_size and tp_size % kv)):
         return f"tp_size {tp_size} and the {kv} KV heads: one must divide the other"
-    if cfg.intermediate_size % tp_size:
+    dense = cfg.moe is None or len(cfg.moe.layers) < cfg.num_layers
+    if dense and cfg.intermediate_size % tp_size:
         return f"tp_size {tp_size} does not divide the MLP size {cfg.intermediate_size}"
+    if cfg.moe is not None:
+        for what, size in (("expert", cfg.moe.intermediate_size), ("shared expert", cfg.moe.shared_intermediate_size)):
+            if size % tp_size:
+                return f"tp_size {tp_size} does not divide the {what} MLP size {size}"
     if pp_size > cfg.num_layers:
         return f"pp_size {pp_size} exceeds the {cfg.num_layers} layers"
     return ""
@@ -104,13 +114,15 @@ def shard_slice(name: str, shape: tuple[int, ...], cfg: ModelConfig, shard: Shar
         return _whole(shape)
     if int(m.group(1)) not in shard.layer_range(cfg.num_layers):
         return None
-    module = m.group(2).rsplit(".", 1)[0]
-    if module in _COLUMN:
-        rows = _column_rows(module, cfg, shard)
+    module = _EXPERT.sub("mlp.experts.", m.group(2).rsplit(".", 1)[0])
+    part = _split(module, cfg, shard)
+    if part is None:
+        return _whole(shape)
+    axis, rows = part
+    if axis == 0:  # column-parallel: output rows, and the bias with them
         return (slice(rows.start, rows.stop), *_whole(shape[1:]))
-    if module in _ROW and name.endswith(".weight"):
-        cols = _row_cols(module, cfg, shard)
-        return (slice(None), slice(cols.start, cols.stop))
+    if name.endswith(".weight"):  # row-parallel: input columns
+        return (slice(None), slice(rows.start, rows.stop))
     return _whole(shape)
 
 
@@ -118,21 +130,35 @@ def _whole(shape: tuple[int, ...]) -> tuple[slice, ...]:
     return tuple(slice(None) for _ in shape)
 
 
-def _column_rows(module: str, cfg: ModelConfig, shard: Shard) -> range:
-    d = cfg.head_dim
-    if module == "self_attn.q_proj":
-        heads = shard.heads(cfg)
-        return range(heads.start * d, heads.stop * d)
-    if module in ("self_attn.k_proj", "self_attn.v_proj"):
-        kv = shard.kv_heads(cfg)
-        return range(kv.start * d, kv.stop * d)
-    n = cfg.intermediate_size // shard.tp_size
-    return range(shard.tp_rank * n, (shard.tp_rank + 1) * n)
+def _split(module: str, cfg: ModelConfig, shard: Shard) -> tuple[int, range] | None:
+    """(0, output rows) of a column-parallel module, (1, input columns) of a row-parallel one, None:
+    replicated (norms, routers, MLA's latent projections)."""
+    heads, kv, mla = shard.heads(cfg), shard.kv_heads(cfg), cfg.mla
 
+    def per_head(d: int, hs: range = heads) -> range:
+        return range(hs.start * d, hs.stop * d)
 
-def _row_cols(module: str, cfg: ModelConfig, shard: Shard) -> range:
-    if module == "self_attn.o_proj":
-        heads = shard.heads(cfg)
-        return range(heads.start * cfg.head_dim, heads.stop * cfg.head_dim)
-    n = cfg.intermediate_size // shard.tp_size
-    return range(shard.tp_rank * n, (shard.tp_rank + 1) * n)
+    def mlp(size: int) -> range:
+        n = size // shard.tp_size
+        return range(shard.tp_rank * n, (shard.tp_rank + 1) * n)
+
+    if module.startswith("self_attn."):
+        attn = module.removeprefix("self_attn.")
+        if mla is not None:
+            kv_b = mla.qk_nope_head_dim + mla.v_head_dim
+            rows = {"q_proj": mla.qk_head_dim, "q_b_proj": mla.qk_head_dim, "kv_b_proj": kv_b}
+            if attn in rows:
+                return 0, per_head(rows[attn])
+            return (1, per_head(mla.v_head_dim)) if attn == "o_proj" else None
+        if attn == "q_proj":
+            return 0, per_head(cfg.head_dim)
+        if attn in ("k_proj", "v_proj"):
+            return 0, per_head(cfg.head_dim, kv)
+        return (1, per_head(cfg.head_dim)) if attn == "o_proj" else None
+    sizes = {"mlp.": cfg.intermediate_size}
+    if cfg.moe is not None:
+        sizes |= {"mlp.experts.": cfg.moe.intermediate_size, "mlp.shared_experts.": cfg.moe.shared_intermediate_size}
+    prefix, _, proj = module.rpartition(".")
+    if prefix + "." not in sizes or proj not in ("gate_proj", "up_proj", "down_proj"):
+        return None
+    return (1 if proj == "down_proj" else 0), mlp(sizes[prefix + "."])

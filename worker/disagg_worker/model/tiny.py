@@ -4,7 +4,10 @@
 `tokenizer.json` trained on the corpus shipped in `disagg_worker/data/corpus.txt`,
 `tokenizer_config.json` (ChatML chat template) and `generation_config.json`. The same seed gives
 byte-identical files. `arch` picks the shape: "llama" (untied head), "qwen2" (q/k/v bias, tied
-head) or "qwen3" (q/k norm, explicit head_dim, tied head).
+head), "qwen3" (q/k norm, explicit head_dim, tied head), "qwen3_moe" (Qwen3 attention, 8 experts
+top-2, layer 0 dense) or "deepseek_v3" (MLA with a q low-rank projection, YaRN rotary, 8 routed
+experts in 4 groups plus a shared one, layer 0 dense). Checkpoint names are the Hub's: one tensor
+per expert (`mlp.experts.<e>.gate_proj.weight`).
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 from disagg_worker.model.config import ModelConfig
-from disagg_worker.model.llama import LlamaForCausalLM
+from disagg_worker.model.registry import build_model
 
 VOCAB_SIZE = 2048
 SPECIAL_TOKENS = ("<s>", "</s>", "<|im_start|>", "<|im_end|>")
@@ -78,17 +81,70 @@ _ARCH_CONFIGS: dict[str, dict[str, Any]] = {
         "sliding_window": 4096,
         "max_window_layers": 4,
     },
+    "qwen3_moe": {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "tie_word_embeddings": False,
+        "head_dim": 64,
+        "attention_bias": False,
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 64,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [0],
+        "norm_topk_prob": True,
+        "router_aux_loss_coef": 0.0,
+    },
+    "deepseek_v3": {
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "model_type": "deepseek_v3",
+        "tie_word_embeddings": False,
+        "num_key_value_heads": 4,
+        "q_lora_rank": 64,
+        "kv_lora_rank": 32,
+        "qk_nope_head_dim": 32,
+        "qk_rope_head_dim": 16,
+        "v_head_dim": 32,
+        "n_routed_experts": 8,
+        "n_shared_experts": 1,
+        "num_experts_per_tok": 2,
+        "n_group": 4,
+        "topk_group": 2,
+        "moe_intermediate_size": 64,
+        "first_k_dense_replace": 1,
+        "moe_layer_freq": 1,
+        "routed_scaling_factor": 2.5,
+        "norm_topk_prob": True,
+        "topk_method": "noaux_tc",
+        "scoring_func": "sigmoid",
+        "rope_interleave": True,
+        "attention_bias": False,
+        "rope_scaling": {
+            "type": "yarn",
+            "factor": 4.0,
+            "original_max_position_embeddings": 1024,
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "mscale": 0.707,
+            "mscale_all_dim": 0.707,
+        },
+    },
 }
 
 
-def make_tiny(out_dir: str | Path, seed: int = 0, arch: str = "llama", num_kv_heads: int = 0) -> Path:
+def make_tiny(
+    out_dir: str | Path, seed: int = 0, arch: str = "llama", num_kv_heads: int = 0, overrides: dict | None = None
+) -> Path:
     """Write the tiny model to `out_dir` (created if needed) and return its path. `num_kv_heads`
-    (0: the default, 2) changes the KV head count, e.g. 1 for multi-query attention."""
+    (0: the default, 2) changes the KV head count, e.g. 1 for multi-query attention; `overrides`
+    replaces `config.json` keys (a differently shaped model of the same architecture)."""
     if arch not in _ARCH_CONFIGS:
         raise ValueError(f"unknown tiny arch {arch!r}; choose from {', '.join(_ARCH_CONFIGS)}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    hf_config = {**_COMMON, **_ARCH_CONFIGS[arch]}
+    hf_config = {**_COMMON, **_ARCH_CONFIGS[arch], **(overrides or {})}
     if num_kv_heads:
         hf_config["num_key_value_heads"] = num_kv_heads
     _write_json(out / "config.json", hf_config)
@@ -103,13 +159,17 @@ def make_tiny(out_dir: str | Path, seed: int = 0, arch: str = "llama", num_kv_he
 def random_weights(cfg: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
     """Every parameter of the model, normal(0, WEIGHT_STD); norm weights near 1. Tied heads are omitted."""
     with torch.device("meta"):
-        shapes = {name: p.shape for name, p in LlamaForCausalLM(cfg).named_parameters()}
+        shapes = {name: p.shape for name, p in build_model(cfg).named_parameters()}
     gen = torch.Generator().manual_seed(seed)
     weights = {}
     for name in sorted(shapes):
         noise = torch.randn(shapes[name], generator=gen) * WEIGHT_STD
         weights[name] = (1.0 + noise) if "norm" in name else noise
     return weights
+
+
+def arches() -> tuple[str, ...]:
+    return tuple(_ARCH_CONFIGS)
 
 
 def corpus_text() -> str:

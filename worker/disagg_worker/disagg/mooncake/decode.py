@@ -227,7 +227,7 @@ class MooncakeDecodeManager(KVManager):
             buffer_ptrs=lay.buffer_ptrs, buffer_nbytes=lay.buffer_nbytes, page_nbytes=lay.page_nbytes,
             start_layer=lay.start_layer, aux_item_nbytes=lay.aux_item_nbytes,
             staging_ptr=self.staging.ptr, staging_nbytes=self.staging.nbytes,
-            num_kv_heads=lay.num_kv_heads, head_nbytes=lay.head_nbytes,
+            num_kv_heads=lay.num_kv_heads, head_nbytes=lay.head_nbytes, kv_kind=lay.kind.value,
         )  # fmt: skip
         with self._lock:
             for t in targets:

@@ -32,15 +32,19 @@ class DecodePeer:
     @classmethod
     def from_hello(cls, hello: DecodeHello, local: KVLayout) -> DecodePeer:
         error = ""
-        if hello.head_nbytes and hello.head_nbytes != local.head_nbytes:
+        if hello.kv_kind != local.kind.value:
+            theirs = _KINDS.get(hello.kv_kind, hello.kv_kind)
+            error = f"KV layouts differ: prefill holds {_KINDS[local.kind.value]}, decode {theirs}"
+        elif hello.head_nbytes and hello.head_nbytes != local.head_nbytes:
             error = (
                 f"KV head bytes differ: prefill head_nbytes={local.head_nbytes}, decode head_nbytes={hello.head_nbytes}"
             )
         elif not hello.head_nbytes and hello.page_nbytes != local.page_nbytes:
             error = _page_mismatch(local.page_nbytes, hello.page_nbytes)
         try:
+            per_layer = local.kind.buffers_per_layer
             mapping = layer_buffer_map(
-                local.start_layer, local.num_layers, hello.start_layer, len(hello.buffer_ptrs) // 2
+                local.start_layer, local.num_layers, hello.start_layer, len(hello.buffer_ptrs) // per_layer, per_layer
             )
         except ValueError as e:
             mapping, error = [], error or str(e)
@@ -102,6 +106,9 @@ class DecodePeer:
         """Address in decode's staging area of destination index `dest_index` of a local buffer."""
         b = self.buffer_map[local_buffer]
         return self.staging_ptr + staging_offset + (b * n_dest + dest_index) * self.page_nbytes
+
+
+_KINDS = {"mha": "per-head K and V (MHA/GQA)", "mla": "an MLA latent"}
 
 
 def _page_mismatch(local: int, decode: int) -> str:

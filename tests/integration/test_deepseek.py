@@ -1,0 +1,149 @@
+"""DeepSeek-class models served as users run them: tiny random DeepSeek-V3 (MLA with and without a
+q low-rank projection, YaRN, grouped sigmoid routing with shared experts) and Qwen3-MoE, greedy tokens
+equal to transformers' through a monolithic server, through tensor-parallel ranks and through P/D in
+every TP pairing, with the latent KV moved once per decode rank and every page freed afterwards."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import re
+
+import pytest
+import requests
+import torch
+import transformers
+
+from disagg_worker.model.tiny import make_tiny
+from tests.integration.procs import PDStack, scaled, serve, wait_until
+from tests.integration.test_pd import FLAGS, assert_clean
+from tests.integration.test_server import generate, varied_prompts
+
+pytestmark = pytest.mark.integration
+NEW_TOKENS = 12
+# A second DeepSeek-V3 shape: queries by one projection, no YaRN, rotary halves not interleaved, one expert
+# group, two shared experts, every layer MoE, 8 heads (two tensor ranks hold 4 each), v_head_dim != nope dim.
+WIDE = {
+    "q_lora_rank": None,
+    "rope_scaling": None,
+    "rope_interleave": False,
+    "n_group": 1,
+    "topk_group": 1,
+    "n_shared_experts": 2,
+    "first_k_dense_replace": 0,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 8,
+    "qk_nope_head_dim": 16,
+    "v_head_dim": 24,
+    "kv_lora_rank": 48,
+    "qk_rope_head_dim": 8,
+    "num_experts_per_tok": 3,
+    "norm_topk_prob": False,
+    "routed_scaling_factor": 1.0,
+}
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("moe")
+    return {
+        "deepseek_v3": str(make_tiny(root / "deepseek_v3", arch="deepseek_v3")),
+        "deepseek_v3_wide": str(make_tiny(root / "deepseek_v3_wide", arch="deepseek_v3", overrides=WIDE)),
+        "qwen3_moe": str(make_tiny(root / "qwen3_moe", arch="qwen3_moe")),
+    }
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    """Varied lengths, several over one prefill chunk (32), one repeated prefix (the prefix cache)."""
+    out = varied_prompts(12)
+    assert sum(len(p) > 32 for p in out) >= 3
+    return out
+
+
+_expected: dict[str, list[list[int]]] = {}
+
+
+def transformers_greedy(path: str, prompts: list[list[int]]) -> list[list[int]]:
+    """The reference's greedy tokens (recomputed over the whole sequence each step; EOS ignored)."""
+    if path not in _expected:
+        ref = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        outs = []
+        with torch.no_grad():
+            for p in prompts:
+                ids = list(p)
+                for _ in range(NEW_TOKENS):
+                    ids.append(int(ref(torch.tensor([ids])).logits[0, -1].argmax()))
+                outs.append(ids[len(p) :])
+        _expected[path] = outs
+    return _expected[path]
+
+
+def concurrently(url: str, prompts: list[list[int]]) -> list[list[int]]:
+    with cf.ThreadPoolExecutor(len(prompts)) as pool:
+        return list(pool.map(lambda p: generate(url, p, NEW_TOKENS), prompts))
+
+
+def kv_bytes_moved(url: str) -> float:
+    text = requests.get(f"{url}/metrics", timeout=scaled(5)).text
+    return sum(float(v) for v in re.findall(r"^disagg_kv_transfer_bytes_total\{[^}]*\} (\S+)$", text, re.M))
+
+
+@pytest.mark.parametrize(
+    "name,flags",
+    [
+        ("deepseek_v3", ()),
+        ("deepseek_v3_wide", ()),
+        ("qwen3_moe", ()),
+        ("deepseek_v3_wide", ("--tp-size", "2")),
+        ("qwen3_moe", ("--tp-size", "2")),
+    ],
+    ids=["deepseek", "deepseek-wide", "qwen3-moe", "deepseek-wide-tp2", "qwen3-moe-tp2"],
+)
+def test_monolithic_greedy_is_transformers_greedy(models, prompts, name, flags):
+    expected = transformers_greedy(models[name], prompts)
+    server = serve(models[name], *FLAGS, *flags).wait_healthy()
+    try:
+        assert concurrently(server.url, prompts) == expected
+        assert_clean(server.url)
+    finally:
+        server.stop()
+
+
+PAIRINGS = {
+    "tp1-tp1": ((), ()),
+    "prefill-tp2-decode-tp1": (("--tp-size", "2"), ()),
+    "prefill-tp1-decode-tp2": ((), ("--tp-size", "2")),
+}
+
+
+@pytest.mark.parametrize("pairing", list(PAIRINGS))
+def test_pd_greedy_is_transformers_greedy_and_the_latent_moves_once_per_decode_rank(models, prompts, pairing):
+    model = models["deepseek_v3_wide"]
+    prefill_flags, decode_flags = PAIRINGS[pairing]
+    expected = transformers_greedy(model, prompts)
+    # No pairing probes: each moves a one-token prompt's page, which would blur the byte count.
+    stack = PDStack(
+        model, *FLAGS, prefill_flags=prefill_flags, decode_flags=decode_flags, router_flags=("--verify-interval", "0")
+    ).wait_healthy()
+    try:
+        assert concurrently(stack.router.url, prompts) == expected
+        assert_clean(stack.prefill.url, stack.decode.url)
+        # Whole pages move: 4 tokens of 4 layers x (48 + 8) float32 latent values, to each decode rank, once.
+        pages = sum(-(-len(p) // 4) for p in prompts)
+        decode_tp = 2 if decode_flags else 1
+        want = pages * 4 * 4 * (48 + 8) * 4 * decode_tp
+        # Counted just after each transfer's Success: wait for the sum, then check it is not more.
+        got = wait_until(lambda: (b := kv_bytes_moved(stack.prefill.url)) >= want and b, 10, what="bytes counted")
+        assert got == want
+    finally:
+        stack.stop()
+
+
+def test_pd_qwen3_moe_greedy_is_transformers_greedy(models, prompts):
+    expected = transformers_greedy(models["qwen3_moe"], prompts)
+    stack = PDStack(models["qwen3_moe"], *FLAGS).wait_healthy()
+    try:
+        assert concurrently(stack.router.url, prompts) == expected
+        assert_clean(stack.prefill.url, stack.decode.url)
+    finally:
+        stack.stop()

@@ -1,0 +1,133 @@
+"""The decoder-only causal LM every architecture shares: embedding, a stack of pre-norm layers
+(attention then MLP, each added to the residual), a final norm and the LM head.
+
+An architecture (`model/registry.py`) supplies only what differs per layer: its attention (per-head
+GQA in `llama.py`, latent MLA in `mla.py`) and its MLP (dense `layers.GatedMLP` or `moe.MoE`), as a
+`Blocks`. Module names follow the Hugging Face checkpoints (`model.layers.N.self_attn.q_proj`, ...),
+so the state dict keys are the safetensors names. The model is stateless across calls: the KV of
+every token lives in the pool passed to `forward` (`layers.KVCacheView`).
+
+Under tensor parallelism (`model.parallel.Shard`) each rank builds its slice and `all_reduce` sums
+the row-parallel outputs. Under pipeline parallelism a stage holds a range of layers (its KV pool
+indexes them from 0); the first stage embeds the tokens, the others take the previous stage's hidden
+states, and only the last norms and projects to logits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from disagg_worker.model.attention import AttentionPlan
+from disagg_worker.model.batch import ForwardBatch
+from disagg_worker.model.config import ModelConfig
+from disagg_worker.model.layers import AllReduce, GatedMLP, KVCacheView, RMSNorm, no_reduce
+from disagg_worker.model.moe import MoE
+from disagg_worker.model.parallel import Shard
+from disagg_worker.model.rope import RotaryEmbedding, Rotation
+
+
+class AttentionFactory(Protocol):
+    def __call__(self, cfg: ModelConfig, layer: int, shard: Shard, all_reduce: AllReduce) -> nn.Module: ...
+
+
+@dataclass(frozen=True)
+class Blocks:
+    """What one architecture puts in a layer. `attention(cfg, pool_layer, shard, all_reduce)`;
+    the MLP is an MoE block on the layers `cfg.moe` names, a dense gated MLP elsewhere."""
+
+    attention: AttentionFactory
+
+    def mlp(self, cfg: ModelConfig, layer: int, shard: Shard, all_reduce: AllReduce) -> nn.Module:
+        if cfg.moe is not None and cfg.is_moe_layer(layer):
+            return MoE(cfg.hidden_size, cfg.moe, shard.tp_size, all_reduce)
+        return GatedMLP(cfg.hidden_size, cfg.intermediate_size // shard.tp_size, all_reduce)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, blocks: Blocks, layer: int, pool_layer: int, shard: Shard, ar: AllReduce):
+        super().__init__()
+        self.self_attn = blocks.attention(cfg, pool_layer, shard, ar)
+        self.mlp = blocks.mlp(cfg, layer, shard, ar)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, h: torch.Tensor, rotation: Rotation, plan: AttentionPlan, kv: KVCacheView) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), rotation, plan, kv)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, blocks: Blocks, shard: Shard, all_reduce: AllReduce):
+        super().__init__()
+        self.shard = shard
+        if shard.first_stage or (cfg.tie_word_embeddings and shard.last_stage):
+            # Weights always come from a checkpoint: skip the random init (normal_ on the meta
+            # device costs seconds on first use).
+            embedding = torch.empty(cfg.vocab_size, cfg.hidden_size)
+            self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=embedding)
+        layers = shard.layer_range(cfg.num_layers)
+        # Keyed by the global layer number, so parameter names stay the checkpoint's.
+        self.layers = nn.ModuleDict(
+            {str(i): DecoderLayer(cfg, blocks, i, i - layers.start, shard, all_reduce) for i in layers}
+        )
+        if shard.last_stage:
+            self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        # Built on the CPU explicitly (also under a meta-device context); `.to(device)` moves it.
+        self.rotary = RotaryEmbedding(cfg, device="cpu")
+
+    def forward(self, batch: ForwardBatch, kv: KVCacheView, hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """Hidden states [T, hidden] of the batch's new tokens after this stage's layers (normed on
+        the last stage). The first stage embeds `batch.input_ids`; the others continue `hidden`."""
+        plan = AttentionPlan.build(batch, batch.input_ids.device)
+        h = self.embed_tokens(batch.input_ids) if hidden is None else hidden
+        rotation = self.rotary.at(batch.positions, h.dtype)
+        for layer in self.layers.values():
+            h = layer(h, rotation, plan, kv)
+        return self.norm(h) if self.shard.last_stage else h
+
+
+class CausalLM(nn.Module):
+    def __init__(
+        self, cfg: ModelConfig, blocks: Blocks, shard: Shard | None = None, all_reduce: AllReduce | None = None
+    ):
+        super().__init__()
+        self.config = cfg
+        self.shard = shard or Shard()
+        self.model = DecoderModel(cfg, blocks, self.shard, all_reduce or no_reduce)
+        if self.shard.last_stage:
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Share the embedding with the output projection when the config says so."""
+        if self.config.tie_word_embeddings and self.shard.last_stage:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def finish_load(self) -> None:
+        """Derive what layers compute from their loaded weights (MLA's absorbed projections)."""
+        for m in self.modules():
+            finish = getattr(m, "finish_load", None)
+            if m is not self and callable(finish):
+                finish()
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.parameters()).device
+
+    @torch.no_grad()
+    def forward(self, batch: ForwardBatch, kv: KVCacheView, hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """Run the new tokens of every request through this stage.
+
+        On the last stage: float32 logits [num_requests, vocab] of each request's last token; on
+        the others: the hidden states [T, hidden] for the next stage. The batch may be built on
+        the CPU; its tensors are moved to the model's device.
+        """
+        batch = batch.to(self.device)
+        h = self.model(batch, kv, hidden)
+        if not self.shard.last_stage:
+            return h
+        return self.lm_head(h[batch.logits_indices]).float()

@@ -1,0 +1,57 @@
+"""Pieces every architecture composes: RMSNorm, the gated (SwiGLU) MLP, the KV cache a layer sees,
+and the all-reduce that sums a row-parallel output over the tensor-parallel group."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+AllReduce = Callable[[torch.Tensor], torch.Tensor]
+
+
+def no_reduce(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+class KVCacheView(Protocol):
+    """The KV pool as a layer sees it (`mem.kv_pool.KVPool`): per-head K and V, or MLA's latent."""
+
+    page_size: int
+
+    def k_buffer(self, layer: int) -> torch.Tensor: ...
+
+    def v_buffer(self, layer: int) -> torch.Tensor: ...
+
+    def latent_buffer(self, layer: int) -> torch.Tensor: ...
+
+
+class RMSNorm(nn.Module):
+    """Normalises in float32 and casts back before the weight, as Hugging Face does."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
+        return self.weight * normed.to(x.dtype)
+
+
+class GatedMLP(nn.Module):
+    """down(silu(gate(x)) * up(x)) over this rank's `size` intermediate columns; `all_reduce` sums the
+    ranks' partial outputs (an expert inside an MoE block leaves that to the block: `no_reduce`)."""
+
+    def __init__(self, hidden: int, size: int, all_reduce: AllReduce = no_reduce):
+        super().__init__()
+        self.all_reduce = all_reduce
+        self.gate_proj = nn.Linear(hidden, size, bias=False)
+        self.up_proj = nn.Linear(hidden, size, bias=False)
+        self.down_proj = nn.Linear(size, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.all_reduce(self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x)))
