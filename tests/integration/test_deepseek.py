@@ -96,8 +96,18 @@ def kv_bytes_moved(url: str) -> float:
         ("qwen3_moe", ()),
         ("deepseek_v3_wide", ("--tp-size", "2")),
         ("qwen3_moe", ("--tp-size", "2")),
+        ("deepseek_v3", ("--tp-size", "2", "--ep-size", "2")),
+        ("qwen3_moe", ("--tp-size", "2", "--ep-size", "2")),
     ],
-    ids=["deepseek", "deepseek-wide", "qwen3-moe", "deepseek-wide-tp2", "qwen3-moe-tp2"],
+    ids=[
+        "deepseek",
+        "deepseek-wide",
+        "qwen3-moe",
+        "deepseek-wide-tp2",
+        "qwen3-moe-tp2",
+        "deepseek-ep2",
+        "qwen3-moe-ep2",
+    ],
 )
 def test_monolithic_greedy_is_transformers_greedy(models, prompts, name, flags):
     expected = transformers_greedy(models[name], prompts)
@@ -113,6 +123,7 @@ PAIRINGS = {
     "tp1-tp1": ((), ()),
     "prefill-tp2-decode-tp1": (("--tp-size", "2"), ()),
     "prefill-tp1-decode-tp2": ((), ("--tp-size", "2")),
+    "decode-ep2": ((), ("--tp-size", "2", "--ep-size", "2")),
 }
 
 
@@ -130,7 +141,7 @@ def test_pd_greedy_is_transformers_greedy_and_the_latent_moves_once_per_decode_r
         assert_clean(stack.prefill.url, stack.decode.url)
         # Whole pages move: 4 tokens of 4 layers x (48 + 8) float32 latent values, to each decode rank, once.
         pages = sum(-(-len(p) // 4) for p in prompts)
-        decode_tp = 2 if decode_flags else 1
+        decode_tp = 2 if "--tp-size" in decode_flags else 1
         want = pages * 4 * 4 * (48 + 8) * 4 * decode_tp
         # Counted just after each transfer's Success: wait for the sum, then check it is not more.
         got = wait_until(lambda: (b := kv_bytes_moved(stack.prefill.url)) >= want and b, 10, what="bytes counted")
@@ -147,3 +158,25 @@ def test_pd_qwen3_moe_greedy_is_transformers_greedy(models, prompts):
         assert_clean(stack.prefill.url, stack.decode.url)
     finally:
         stack.stop()
+
+
+def routed_tokens(url: str) -> dict[tuple[str, str], float]:
+    text = requests.get(f"{url}/metrics", timeout=scaled(5)).text
+    found = re.findall(r'^disagg_moe_routed_tokens_total\{ep_rank="(\d+)",expert="(\d+)"\} (\S+)$', text, re.M)
+    return {(expert, rank): float(n) for rank, expert, n in found}
+
+
+def test_expert_load_is_reported_per_expert_and_the_rank_holding_it(models):
+    """8 experts over 2 EP ranks: 0-3 on rank 0, 4-7 on rank 1; every token of every MoE layer picks 2."""
+    server = serve(models["qwen3_moe"], *FLAGS, "--tp-size", "2", "--ep-size", "2").wait_healthy()
+    try:
+        generate(server.url, list(range(100, 140)), NEW_TOKENS)
+        # 3 MoE layers (layer 0 is dense) x top-2, over the prompt's 40 tokens and each decode step's one (the
+        # counts reach the metric with the scheduler's next report).
+        want = 6 * (40 + NEW_TOKENS - 1)
+        load = wait_until(lambda: (d := routed_tokens(server.url)) and sum(d.values()) >= want and d, 10, what="load")
+        assert {rank for (_, rank) in load} == {"0", "1"}
+        assert all(int(expert) // 4 == int(rank) for expert, rank in load)
+        assert sum(load.values()) % 6 == 0, load
+    finally:
+        server.stop()

@@ -74,8 +74,8 @@ def test_f32_gguf_loads_the_weights_and_config_of_the_directory(ggufs, tiny_dirs
     "shard", [Shard(tp_rank=1, tp_size=2), Shard(pp_rank=1, pp_size=2)], ids=["tp-rank-1-of-2", "pp-stage-1-of-2"]
 )
 def test_a_rank_reads_the_same_slice_of_a_gguf_as_of_the_directory(ggufs, tiny_dirs, shard):
-    ours, _ = load_model(ggufs["llama"], "float32", "cpu", shard, all_reduce=lambda x: x)
-    ref, _ = load_model(tiny_dirs["llama"], "float32", "cpu", shard, all_reduce=lambda x: x)
+    ours, _ = load_model(ggufs["llama"], "float32", "cpu", shard)
+    ref, _ = load_model(tiny_dirs["llama"], "float32", "cpu", shard)
     assert_same_params(ours, ref)
     whole, _ = load_model(ggufs["llama"], "float32", "cpu")
     assert sum(p.numel() for p in ours.parameters()) < sum(p.numel() for p in whole.parameters())

@@ -21,3 +21,10 @@ def test_each_role_gets_its_own_ranks_and_the_shared_engine_flags():
         assert "--local" not in cmd and "--decode-tp-size=1" not in cmd and flag(cmd, "--port") != "9000"
     assert flag(router, "--port") == "9000"
     assert flag(router, "--prefill") == f"http://127.0.0.1:{flag(prefill, '--port')}"
+
+
+def test_expert_parallel_sizes_go_to_their_role():
+    argv = ["--model", "m", "--local", "--tp-size", "2", "--decode-ep-size", "2"]
+    cmds = plan(argv, 9000, "m", RoleRanks(prefill_tp=2, decode_tp=2, prefill_ep=1, decode_ep=2))
+    assert flag(cmds["prefill"], "--ep-size") == "1" and flag(cmds["decode"], "--ep-size") == "2"
+    assert "--decode-ep-size" not in cmds["decode"]

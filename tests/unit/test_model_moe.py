@@ -191,3 +191,28 @@ def test_latent_pool_has_one_buffer_per_layer_and_no_k_or_v():
         pool.k_buffer(0)
     with pytest.raises(ValueError, match="one latent"):
         KVPool(3, 5, 4, 2, 40, torch.float32, kind=KVKind.MLA)
+
+
+def test_expert_parallelism_gives_each_rank_its_experts_whole():
+    cfg = ModelConfig.from_hf_dict(DEEPSEEK_V3)
+    s = Shard(tp_rank=1, tp_size=8, ep_size=8)
+    assert s.experts(256) == range(32, 64)
+    assert all(
+        sl == slice(None) for sl in shard_slice("model.layers.5.mlp.experts.40.up_proj.weight", (2048, 7168), cfg, s)
+    )
+    assert shard_slice("model.layers.5.mlp.experts.17.up_proj.weight", (2048, 7168), cfg, s) is None
+    # shared experts and dense layers stay sliced by TP
+    assert shard_slice("model.layers.5.mlp.shared_experts.up_proj.weight", (2048, 7168), cfg, s)[0] == slice(256, 512)
+    assert check_parallel(cfg, 8, 1, 8) == ""
+    assert "does not divide the 256 routed experts" in check_parallel(cfg, 3, 1, 3)
+    dense = ModelConfig.from_hf_dict(QWEN3_30B_A3B | {"num_experts": 0, "model_type": "qwen3"})
+    assert "no experts" in check_parallel(dense, 2, 1, 2)
+    with pytest.raises(ValueError, match="ep_size 2 must be 1 or the tp_size 4"):
+        Shard(tp_size=4, ep_size=2)
+
+
+def test_ep_size_other_than_1_or_tp_size_stops_the_start_up_naming_the_flag():
+    from disagg_worker.config import ConfigError, DisaggConfig
+
+    with pytest.raises(ConfigError, match="--ep-size 2 must be 1 or equal --tp-size 4"):
+        DisaggConfig(tp_size=4, ep_size=2)

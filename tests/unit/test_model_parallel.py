@@ -14,6 +14,7 @@ import torch
 
 from disagg_worker.mem.kv_pool import KVPool
 from disagg_worker.model.config import ModelConfig
+from disagg_worker.model.decoder import Collectives
 from disagg_worker.model.loader import load_model
 from disagg_worker.model.parallel import Shard, check_parallel, shard_slice, stage_layers
 from disagg_worker.model.tiny import make_tiny
@@ -84,7 +85,7 @@ def tensor_parallel_logits(path: str, tp: int, pp_rank: int = 0, pp: int = 1, hi
     def rank(t: int) -> None:
         try:
             shard = Shard(t, tp, pp_rank, pp)
-            model, cfg = load_model(path, torch.float32, "cpu", shard, reduce.for_rank(t))
+            model, cfg = load_model(path, torch.float32, "cpu", shard, Collectives(reduce.for_rank(t)))
             outs[t] = run_stage(model, cfg, shard, hidden)
         except BaseException as e:  # noqa: BLE001 - reported below
             errors.append(e)

@@ -20,6 +20,8 @@ def cmd_serve(ns: argparse.Namespace) -> int:
             prefill_pp=ns.prefill_pp_size or ns.pp_size,
             decode_tp=ns.decode_tp_size or ns.tp_size,
             decode_pp=ns.decode_pp_size or ns.pp_size,
+            prefill_ep=ns.prefill_ep_size or ns.ep_size,
+            decode_ep=ns.decode_ep_size or ns.ep_size,
         )
         return run_local(sys.argv[2:], args.host, args.port, args.engine.model_name, ranks)
     from disagg_worker.server import launch
@@ -83,7 +85,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="run router + prefill + decode as separate local processes (Mooncake over TCP)",
     )
     for role in ("prefill", "decode"):
-        for kind, what in (("tp", "tensor parallel ranks"), ("pp", "pipeline parallel stages")):
+        for kind, what in (
+            ("tp", "tensor parallel ranks"),
+            ("pp", "pipeline parallel stages"),
+            ("ep", "expert parallel ranks"),
+        ):
             serve.add_argument(
                 f"--{role}-{kind}-size", type=int, default=0, help=f"--local: {what} of {role} (default --{kind}-size)"
             )

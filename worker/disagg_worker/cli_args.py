@@ -32,6 +32,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--disable-overlap", action="store_true")
     p.add_argument("--tp-size", type=int, default=1, help="tensor parallel ranks (one scheduler process each)")
     p.add_argument("--pp-size", type=int, default=1, help="pipeline parallel stages (one scheduler process each)")
+    p.add_argument(
+        "--ep-size",
+        type=int,
+        default=1,
+        help="expert parallel ranks for MoE models: 1, or --tp-size (each tensor rank then holds its share of the "
+        "routed experts whole, and tokens go to them by all-to-all)",
+    )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--log-level", default="info")
@@ -136,7 +143,7 @@ def server_args_from_cli(
         chunk_size=ns.chunk_size,
         enable_overlap=not ns.disable_overlap,
     )
-    disagg = DisaggConfig(role=role, tp_size=ns.tp_size, pp_size=ns.pp_size)
+    disagg = DisaggConfig(role=role, tp_size=ns.tp_size, pp_size=ns.pp_size, ep_size=ns.ep_size)
     if role is not Role.MONOLITHIC:
         disagg = DisaggConfig(
             role=role,
@@ -147,6 +154,7 @@ def server_args_from_cli(
             advertise_host=ns.advertise_host,
             tp_size=ns.tp_size,
             pp_size=ns.pp_size,
+            ep_size=ns.ep_size,
             bootstrap_timeout_s=ns.bootstrap_timeout,
             waiting_timeout_s=ns.waiting_timeout,
             heartbeat_interval_s=ns.heartbeat_interval,

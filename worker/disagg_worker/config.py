@@ -66,6 +66,8 @@ class DisaggConfig:
     # Ranks of the instance (every role, monolithic too): tensor ranks per stage, pipeline stages.
     tp_size: int = 1
     pp_size: int = 1
+    # Expert parallelism: 1, or tp_size (the stage's tensor ranks share out the routed experts).
+    ep_size: int = 1
     bootstrap_timeout_s: float = 30.0
     waiting_timeout_s: float = 30.0
     heartbeat_interval_s: float = 2.0
@@ -146,6 +148,13 @@ class DisaggConfig:
     def target_key(self) -> str:
         """Key of the router's signature over a request's bootstrap target ("": targets are not checked)."""
         return keys.derive(self.auth_token, keys.TARGET) if self.auth_token else ""
+
+    def __post_init__(self) -> None:
+        if self.ep_size not in (1, self.tp_size):
+            raise ConfigError(
+                f"--ep-size {self.ep_size} must be 1 or equal --tp-size {self.tp_size}: the experts are shared out "
+                "among an instance's tensor ranks"
+            )
 
     def check(self) -> None:
         """Raise ConfigError naming the first setting that cannot work."""

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from disagg_worker.model.decoder import Collectives
 from disagg_worker.model.parallel import Shard
 
 # Followers wait for the driver's next step for as long as the instance lives; a dead peer is
@@ -65,6 +66,10 @@ class SoloComm:
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         return x
+
+    def collectives(self) -> Collectives:
+        """What the model's layers use of this rank's groups."""
+        return Collectives(self.all_reduce)
 
     def broadcast_in_stage(self, obj: Any) -> Any:
         return obj
@@ -115,6 +120,17 @@ class Comm(SoloComm):
         if self.shard.tp_size > 1:
             dist.all_reduce(x, group=self.tp_group)
         return x
+
+    def collectives(self) -> Collectives:
+        return Collectives(self.all_reduce, self if self.shard.ep_size > 1 else None)
+
+    def all_to_all(self, x: torch.Tensor, send_counts: list[int], recv_counts: list[int]) -> torch.Tensor:
+        """Rows of x to the stage's tensor ranks, `send_counts[d]` to rank d; what each sent to this rank."""
+        out = x.new_empty((sum(recv_counts), *x.shape[1:]))
+        dist.all_to_all_single(
+            out, x.contiguous(), output_split_sizes=recv_counts, input_split_sizes=send_counts, group=self.tp_group
+        )
+        return out
 
     def broadcast_in_stage(self, obj: Any) -> Any:
         """The stage's tensor-parallel rank 0 gives `obj` to every rank of its stage."""

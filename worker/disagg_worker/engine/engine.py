@@ -25,6 +25,7 @@ from disagg_worker.config import EngineConfig, Role
 from disagg_worker.disagg import KVManager
 from disagg_worker.engine.batch import ScheduledBatch, StepResult
 from disagg_worker.engine.dist import Comm
+from disagg_worker.engine.expert_load import ExpertLoad
 from disagg_worker.engine.grammar import Grammars
 from disagg_worker.engine.outbox import Outbox
 from disagg_worker.engine.ranked_kv import RankedKV, RankTransfer
@@ -61,6 +62,7 @@ class Engine:
         shard = comm.shard if comm is not None else Shard()
         self.max_context_len = cfg.max_context_len or model_cfg.max_position_embeddings
         self.kv_pool = build_kv_pool(cfg, model_cfg, shard)
+        self.expert_load = ExpertLoad(model, cfg.disagg.ep_size)
         self.allocator = PageAllocator(cache.total_pages)
         self.radix = RadixCache(cache.page_size, self.allocator, enabled=cfg.uses_prefix_cache)
         self.outbox = Outbox()
@@ -89,8 +91,8 @@ class Engine:
     def from_config(cls, cfg: EngineConfig, comm: Comm | None = None) -> Engine:
         torch.manual_seed(cfg.seed)
         shard = comm.shard if comm is not None else Shard()
-        reduce = comm.all_reduce if comm is not None else None
-        model, model_cfg = load_model(cfg.model_path, DTYPES[cfg.dtype], cfg.device, shard, reduce)
+        collectives = comm.collectives() if comm is not None else None
+        model, model_cfg = load_model(cfg.model_path, DTYPES[cfg.dtype], cfg.device, shard, collectives)
         return cls(cfg, None if cfg.forward == "noop" else model, model_cfg, comm)
 
     # ---- messages from the HTTP process -------------------------------------------------------
@@ -214,6 +216,7 @@ class Engine:
         )
 
     def stats(self) -> msg.SchedulerStats:
+        self.expert_load.publish()
         s = self.scheduler
         return msg.SchedulerStats(
             time=time.time(),

@@ -27,7 +27,7 @@ def run_follower(cfg: EngineConfig, comm: Comm, drain_local_failures: bool = Tru
     """Load this rank's slice and run the driver's steps until it says stop."""
     torch.manual_seed(cfg.seed)
     shard = comm.shard
-    model, model_cfg = load_model(cfg.model_path, DTYPES[cfg.dtype], cfg.device, shard, comm.all_reduce)
+    model, model_cfg = load_model(cfg.model_path, DTYPES[cfg.dtype], cfg.device, shard, comm.collectives())
     kv_pool = build_kv_pool(cfg, model_cfg, shard)
     runner = ModelRunner(None if cfg.forward == "noop" else model, kv_pool, model_cfg.vocab_size, cfg.device)
     manager = build_kv_manager(cfg, kv_pool, shard, model_cfg)

@@ -35,9 +35,9 @@ def spawn_schedulers(cfg: EngineConfig, recv_addr: str, send_addr: str, log_leve
         from disagg_worker.engine.dist import RankAddress
 
         address = RankAddress("127.0.0.1", _free_port())
-        tp, pp = cfg.disagg.tp_size, cfg.disagg.pp_size
+        tp, pp, ep = cfg.disagg.tp_size, cfg.disagg.pp_size, cfg.disagg.ep_size
         for r in range(tp * pp):
-            args = (cfg, Shard(r % tp, tp, r // tp, pp), address, recv_addr, send_addr, log_level)
+            args = (cfg, Shard(r % tp, tp, r // tp, pp, ep), address, recv_addr, send_addr, log_level)
             procs.append(ctx.Process(target=run_rank, args=args, name=f"disagg-rank-{r}", daemon=True))
     for proc in procs:
         proc.start()

@@ -24,10 +24,19 @@ from torch import nn
 from disagg_worker.model.attention import AttentionPlan
 from disagg_worker.model.batch import ForwardBatch
 from disagg_worker.model.config import ModelConfig
-from disagg_worker.model.layers import AllReduce, GatedMLP, KVCacheView, RMSNorm, no_reduce
+from disagg_worker.model.layers import AllReduce, Exchange, GatedMLP, KVCacheView, RMSNorm, no_reduce
 from disagg_worker.model.moe import MoE
 from disagg_worker.model.parallel import Shard
 from disagg_worker.model.rope import RotaryEmbedding, Rotation
+
+
+@dataclass(frozen=True)
+class Collectives:
+    """How this rank's layers talk to the other tensor ranks of its stage: the all-reduce of row-parallel
+    outputs, and (expert parallelism) the exchange of token rows. A single rank needs neither."""
+
+    all_reduce: AllReduce = no_reduce
+    exchange: Exchange | None = None
 
 
 class AttentionFactory(Protocol):
@@ -41,17 +50,19 @@ class Blocks:
 
     attention: AttentionFactory
 
-    def mlp(self, cfg: ModelConfig, layer: int, shard: Shard, all_reduce: AllReduce) -> nn.Module:
+    def mlp(
+        self, cfg: ModelConfig, layer: int, shard: Shard, all_reduce: AllReduce, exchange: Exchange | None
+    ) -> nn.Module:
         if cfg.moe is not None and cfg.is_moe_layer(layer):
-            return MoE(cfg.hidden_size, cfg.moe, shard.tp_size, all_reduce)
+            return MoE(cfg.hidden_size, cfg.moe, shard, all_reduce, exchange)
         return GatedMLP(cfg.hidden_size, cfg.intermediate_size // shard.tp_size, all_reduce)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, blocks: Blocks, layer: int, pool_layer: int, shard: Shard, ar: AllReduce):
+    def __init__(self, cfg: ModelConfig, blocks: Blocks, layer: int, pool_layer: int, shard: Shard, comm: Collectives):
         super().__init__()
-        self.self_attn = blocks.attention(cfg, pool_layer, shard, ar)
-        self.mlp = blocks.mlp(cfg, layer, shard, ar)
+        self.self_attn = blocks.attention(cfg, pool_layer, shard, comm.all_reduce)
+        self.mlp = blocks.mlp(cfg, layer, shard, comm.all_reduce, comm.exchange)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -61,7 +72,7 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, blocks: Blocks, shard: Shard, all_reduce: AllReduce):
+    def __init__(self, cfg: ModelConfig, blocks: Blocks, shard: Shard, comm: Collectives):
         super().__init__()
         self.shard = shard
         if shard.first_stage or (cfg.tie_word_embeddings and shard.last_stage):
@@ -72,7 +83,7 @@ class DecoderModel(nn.Module):
         layers = shard.layer_range(cfg.num_layers)
         # Keyed by the global layer number, so parameter names stay the checkpoint's.
         self.layers = nn.ModuleDict(
-            {str(i): DecoderLayer(cfg, blocks, i, i - layers.start, shard, all_reduce) for i in layers}
+            {str(i): DecoderLayer(cfg, blocks, i, i - layers.start, shard, comm) for i in layers}
         )
         if shard.last_stage:
             self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -91,13 +102,11 @@ class DecoderModel(nn.Module):
 
 
 class CausalLM(nn.Module):
-    def __init__(
-        self, cfg: ModelConfig, blocks: Blocks, shard: Shard | None = None, all_reduce: AllReduce | None = None
-    ):
+    def __init__(self, cfg: ModelConfig, blocks: Blocks, shard: Shard | None = None, comm: Collectives | None = None):
         super().__init__()
         self.config = cfg
         self.shard = shard or Shard()
-        self.model = DecoderModel(cfg, blocks, self.shard, all_reduce or no_reduce)
+        self.model = DecoderModel(cfg, blocks, self.shard, comm or Collectives())
         if self.shard.last_stage:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tie_weights()
@@ -106,6 +115,11 @@ class CausalLM(nn.Module):
         """Share the embedding with the output projection when the config says so."""
         if self.config.tie_word_embeddings and self.shard.last_stage:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def routed_tokens(self) -> torch.Tensor | None:
+        """Tokens routed to each expert so far, summed over this stage's MoE layers (None: no MoE layer here)."""
+        counts = [m.routed for m in self.modules() if isinstance(m, MoE)]
+        return torch.stack(counts).sum(0) if counts else None
 
     def finish_load(self) -> None:
         """Derive what layers compute from their loaded weights (MLA's absorbed projections)."""

@@ -17,6 +17,13 @@ def no_reduce(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+class Exchange(Protocol):
+    """Rows between the tensor ranks of a stage (expert parallelism): rank r sends `send_counts[d]`
+    consecutive rows of x to each rank d and gets `recv_counts[s]` rows from each rank s, in rank order."""
+
+    def all_to_all(self, x: torch.Tensor, send_counts: list[int], recv_counts: list[int]) -> torch.Tensor: ...
+
+
 class KVCacheView(Protocol):
     """The KV pool as a layer sees it (`mem.kv_pool.KVPool`): per-head K and V, or MLA's latent."""
 

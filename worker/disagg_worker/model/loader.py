@@ -23,9 +23,8 @@ from tqdm import tqdm
 from disagg_worker.model import gguf_model
 from disagg_worker.model.config import ModelConfig
 from disagg_worker.model.cpu_linear import can_pack, pack_linears
-from disagg_worker.model.decoder import CausalLM
+from disagg_worker.model.decoder import CausalLM, Collectives
 from disagg_worker.model.gguf_meta import open_gguf
-from disagg_worker.model.layers import AllReduce
 from disagg_worker.model.parallel import Shard, check_parallel, shard_slice
 from disagg_worker.model.registry import build_model
 from disagg_worker.model.source import find_gguf
@@ -44,7 +43,7 @@ def load_model(
     dtype: torch.dtype | str,
     device: torch.device | str,
     shard: Shard | None = None,
-    all_reduce: AllReduce | None = None,
+    comm: Collectives | None = None,
 ) -> tuple[CausalLM, ModelConfig]:
     """Build the model (this rank's `shard` of it) from the checkpoint's config and fill it with its
     weights.
@@ -57,11 +56,11 @@ def load_model(
     gguf_file = find_gguf(path)
     reader = open_gguf(gguf_file) if gguf_file is not None else None
     cfg = gguf_config(reader) if reader is not None else ModelConfig.from_hf_dir(Path(path))
-    problem = check_parallel(cfg, shard.tp_size, shard.pp_size)
+    problem = check_parallel(cfg, shard.tp_size, shard.pp_size, shard.ep_size)
     if problem:
         raise ValueError(f"cannot split {Path(path).name} over the instance's ranks: {problem}")
     with torch.device("meta"):
-        model = build_model(cfg, shard, all_reduce)
+        model = build_model(cfg, shard, comm)
     mine = {name for name, _ in model.named_parameters()}
     if reader is not None and gguf_file is not None:
         state = read_gguf(reader, gguf_file, cfg, dtype, torch.device(device), shard, mine)

@@ -10,6 +10,15 @@ Routing (`Router`), in float32 whatever the model's dtype:
 
 Tensor parallelism slices every expert (and the shared experts) like a dense MLP: each rank holds
 `intermediate_size / tp` columns of each, and one all-reduce sums the block's partial outputs.
+
+Expert parallelism (`Shard.ep_size` = tp_size) gives each rank `num_experts / ep` experts whole. Every
+rank routes every token (the router is cheap next to the experts, and all ranks then know where every
+row goes without telling each other); each rank dispatches the (token, expert) rows of its share of
+the tokens to the ranks holding those experts (all-to-all), runs its experts on the rows it receives,
+sends the outputs back (all-to-all), weights and sums them per token, and the shares are gathered so
+every rank again holds every token's output (all-to-all). Shared experts stay sliced by TP.
+
+`routed` counts the tokens routed to each expert (all of them, on every rank), the load EP fights.
 """
 
 from __future__ import annotations
@@ -19,7 +28,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from disagg_worker.model.config import MoEConfig
-from disagg_worker.model.layers import AllReduce, GatedMLP
+from disagg_worker.model.layers import AllReduce, Exchange, GatedMLP
+from disagg_worker.model.parallel import Shard
 
 
 class Router(nn.Module):
@@ -51,25 +61,66 @@ class Router(nn.Module):
 
 
 class MoE(nn.Module):
-    """The routed experts `experts.<id>` this rank holds (all of them, each sliced by TP) and the
-    shared experts; named as the checkpoints name them."""
+    """The routed experts `experts.<id>` this rank holds and the shared experts; named as the checkpoints
+    name them."""
 
-    def __init__(self, hidden: int, moe: MoEConfig, tp_size: int, all_reduce: AllReduce):
+    def __init__(self, hidden: int, moe: MoEConfig, shard: Shard, all_reduce: AllReduce, exchange: Exchange | None):
         super().__init__()
-        self.all_reduce = all_reduce
+        self.moe, self.all_reduce = moe, all_reduce
+        self.ep_size, self.ep_rank = shard.ep_size, shard.ep_rank
+        if self.ep_size > 1 and exchange is None:
+            raise ValueError("expert parallelism needs the ranks' exchange")
+        self.exchange = exchange
         self.gate = Router(hidden, moe)
-        size = moe.intermediate_size // tp_size
-        self.experts = nn.ModuleDict({str(e): GatedMLP(hidden, size) for e in range(moe.num_experts)})
+        size = moe.intermediate_size // (1 if self.ep_size > 1 else shard.tp_size)
+        self.experts = nn.ModuleDict({str(e): GatedMLP(hidden, size) for e in shard.experts(moe.num_experts)})
         if moe.num_shared_experts:
-            self.shared_experts = GatedMLP(hidden, moe.shared_intermediate_size // tp_size)
+            self.shared_experts = GatedMLP(hidden, moe.shared_intermediate_size // shard.tp_size)
+        self.routed: torch.Tensor
+        # Built on the CPU explicitly (also under a meta-device context); `.to(device)` moves it.
+        zeros = torch.zeros(moe.num_experts, dtype=torch.int64, device="cpu")
+        self.register_buffer("routed", zeros, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
+        self.routed += torch.bincount(ids.reshape(-1), minlength=self.moe.num_experts)
+        if self.ep_size > 1:
+            out = self._dispatched(x, weights, ids)
+            return out + self.all_reduce(self.shared_experts(x)) if hasattr(self, "shared_experts") else out
         out = torch.zeros_like(x)
         for e in torch.unique(ids).tolist():  # ascending, as the reference adds them
             tokens, slot = torch.where(ids == e)
-            y = self.experts[str(e)](x[tokens]) * weights[tokens, slot, None].to(x.dtype)
-            out.index_add_(0, tokens, y)
+            out.index_add_(0, tokens, self.experts[str(e)](x[tokens]) * weights[tokens, slot, None].to(x.dtype))
         if hasattr(self, "shared_experts"):
             out = out + self.shared_experts(x)
         return self.all_reduce(out)
+
+    def _dispatched(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Routed experts' output for every token, each rank running only its own experts."""
+        assert self.exchange is not None
+        ep, me, n_exp = self.ep_size, self.ep_rank, self.moe.num_experts
+        t, k = ids.shape
+        shares = [len(c) for c in torch.arange(t).tensor_split(ep)]  # rank r dispatches token share r
+        owner = torch.repeat_interleave(torch.arange(ep, device=x.device), torch.tensor(shares, device=x.device))
+        token = torch.arange(t, device=x.device).repeat_interleave(k)
+        expert = ids.reshape(-1)
+        # Every (token, expert) row, ordered by the rank dispatching it, then by expert: each rank's rows to
+        # one destination are consecutive (a rank's experts are consecutive ids), and a token's outputs are
+        # summed in ascending expert order, as without EP.
+        order = torch.argsort(owner[token] * n_exp + expert, stable=True)
+        token, expert, weight = token[order], expert[order], weights.reshape(-1)[order]
+        src, dst = owner[token], expert // (n_exp // ep)
+        counts = torch.bincount(src * ep + dst, minlength=ep * ep).view(ep, ep)
+        sends, recvs = counts[me].tolist(), counts[:, me].tolist()
+        mine = src == me
+        got = self.exchange.all_to_all(x[token[mine]], sends, recvs)
+        got_expert = expert[dst == me]  # what each received row is for: routing is known everywhere
+        y = torch.empty_like(got)
+        for e in torch.unique(got_expert).tolist():
+            rows = got_expert == e
+            y[rows] = self.experts[str(e)](got[rows])
+        back = self.exchange.all_to_all(y, recvs, sends)
+        start = sum(shares[:me])
+        part = torch.zeros(shares[me], x.shape[1], dtype=x.dtype, device=x.device)
+        part.index_add_(0, token[mine] - start, back * weight[mine, None].to(x.dtype))
+        return self.exchange.all_to_all(part.repeat(ep, 1), [shares[me]] * ep, shares)

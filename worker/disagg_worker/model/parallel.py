@@ -28,20 +28,35 @@ from disagg_worker.model.config import ModelConfig
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _EXPERT = re.compile(r"^mlp\.experts\.\d+\.")
+_EXPERT_ID = re.compile(r"^mlp\.experts\.(\d+)\.")
 
 
 @dataclass(frozen=True)
 class Shard:
-    """This rank's place: tensor-parallel rank among `tp_size`, pipeline stage among `pp_size`."""
+    """This rank's place: tensor-parallel rank among `tp_size`, pipeline stage among `pp_size`; with
+    expert parallelism (`ep_size` equal to `tp_size`), the stage's tensor ranks share out the routed
+    experts, each holding `num_experts / ep_size` of them whole (EP rank = TP rank)."""
 
     tp_rank: int = 0
     tp_size: int = 1
     pp_rank: int = 0
     pp_size: int = 1
+    ep_size: int = 1
 
     def __post_init__(self) -> None:
         if not (0 <= self.tp_rank < self.tp_size and 0 <= self.pp_rank < self.pp_size):
             raise ValueError(f"rank (tp {self.tp_rank}, pp {self.pp_rank}) outside sizes {self.tp_size}x{self.pp_size}")
+        if self.ep_size not in (1, self.tp_size):
+            raise ValueError(f"ep_size {self.ep_size} must be 1 or the tp_size {self.tp_size}")
+
+    @property
+    def ep_rank(self) -> int:
+        return self.tp_rank if self.ep_size > 1 else 0
+
+    def experts(self, num_experts: int) -> range:
+        """The routed experts this rank holds: all (each sliced by TP), or its EP share (whole)."""
+        n = num_experts // self.ep_size
+        return range(self.ep_rank * n, (self.ep_rank + 1) * n)
 
     @property
     def world_rank(self) -> int:
@@ -81,10 +96,14 @@ def stage_layers(num_layers: int, pp_size: int, pp_rank: int) -> range:
     return range(start, start + base + (1 if pp_rank < extra else 0))
 
 
-def check_parallel(cfg: ModelConfig, tp_size: int, pp_size: int) -> str:
+def check_parallel(cfg: ModelConfig, tp_size: int, pp_size: int, ep_size: int = 1) -> str:
     """Why the model cannot run with these sizes ("" if it can), naming the values."""
     if tp_size < 1 or pp_size < 1:
         return f"tp_size and pp_size must be at least 1, got {tp_size} and {pp_size}"
+    if ep_size > 1 and cfg.moe is None:
+        return f"ep_size {ep_size}: the {cfg.arch} model has no experts to spread"
+    if cfg.moe is not None and cfg.moe.num_experts % ep_size:
+        return f"ep_size {ep_size} does not divide the {cfg.moe.num_experts} routed experts"
     if cfg.num_heads % tp_size:
         return f"tp_size {tp_size} does not divide the {cfg.num_heads} attention heads"
     kv = cfg.num_kv_heads
@@ -94,7 +113,10 @@ def check_parallel(cfg: ModelConfig, tp_size: int, pp_size: int) -> str:
     if dense and cfg.intermediate_size % tp_size:
         return f"tp_size {tp_size} does not divide the MLP size {cfg.intermediate_size}"
     if cfg.moe is not None:
-        for what, size in (("expert", cfg.moe.intermediate_size), ("shared expert", cfg.moe.shared_intermediate_size)):
+        sliced = [("shared expert", cfg.moe.shared_intermediate_size)]
+        if ep_size == 1:  # under EP each expert is held whole
+            sliced.append(("expert", cfg.moe.intermediate_size))
+        for what, size in sliced:
             if size % tp_size:
                 return f"tp_size {tp_size} does not divide the {what} MLP size {size}"
     if pp_size > cfg.num_layers:
@@ -114,6 +136,9 @@ def shard_slice(name: str, shape: tuple[int, ...], cfg: ModelConfig, shard: Shar
         return _whole(shape)
     if int(m.group(1)) not in shard.layer_range(cfg.num_layers):
         return None
+    expert = _EXPERT_ID.match(m.group(2))
+    if expert is not None and shard.ep_size > 1 and cfg.moe is not None:
+        return _whole(shape) if int(expert.group(1)) in shard.experts(cfg.moe.num_experts) else None
     module = _EXPERT.sub("mlp.experts.", m.group(2).rsplit(".", 1)[0])
     part = _split(module, cfg, shard)
     if part is None:

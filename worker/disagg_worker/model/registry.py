@@ -11,8 +11,7 @@ from __future__ import annotations
 
 from disagg_worker.model import llama, mla
 from disagg_worker.model.config import ModelConfig
-from disagg_worker.model.decoder import Blocks, CausalLM
-from disagg_worker.model.layers import AllReduce
+from disagg_worker.model.decoder import Blocks, CausalLM, Collectives
 from disagg_worker.model.parallel import Shard
 
 ARCHITECTURES: dict[str, Blocks] = {
@@ -25,8 +24,9 @@ ARCHITECTURES: dict[str, Blocks] = {
 }
 
 
-def build_model(cfg: ModelConfig, shard: Shard | None = None, all_reduce: AllReduce | None = None) -> CausalLM:
-    """The model of `cfg.arch` (this rank's `shard` of it), with uninitialised weights."""
+def build_model(cfg: ModelConfig, shard: Shard | None = None, comm: Collectives | None = None) -> CausalLM:
+    """The model of `cfg.arch` (this rank's `shard` of it, talking to the other ranks through `comm`), with
+    uninitialised weights."""
     if cfg.arch not in ARCHITECTURES:
         raise ValueError(f"no model module for architecture {cfg.arch!r}; supported: {', '.join(ARCHITECTURES)}")
-    return CausalLM(cfg, ARCHITECTURES[cfg.arch], shard, all_reduce)
+    return CausalLM(cfg, ARCHITECTURES[cfg.arch], shard, comm)

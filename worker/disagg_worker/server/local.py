@@ -33,7 +33,11 @@ def free_port() -> int:
 # Flags that belong to the router, with a value.
 ROUTER_ONLY = ("--api-key", "--api-key-file")
 # Flags this launcher sets per process (with a value): the ports, and each role's ranks.
-LAUNCHER = ("--port", "--host", "--prefill-tp-size", "--prefill-pp-size", "--decode-tp-size", "--decode-pp-size")
+LAUNCHER = (
+    "--port",
+    "--host",
+    *(f"--{role}-{kind}-size" for role in ("prefill", "decode") for kind in ("tp", "pp", "ep")),
+)
 
 
 def split_flags(argv: list[str]) -> tuple[list[str], list[str]]:
@@ -56,12 +60,14 @@ def split_flags(argv: list[str]) -> tuple[list[str], list[str]]:
 
 @dataclass(frozen=True)
 class RoleRanks:
-    """Tensor and pipeline parallel sizes of the local prefill and decode instances."""
+    """Tensor, pipeline and expert parallel sizes of the local prefill and decode instances."""
 
     prefill_tp: int = 1
     prefill_pp: int = 1
     decode_tp: int = 1
     decode_pp: int = 1
+    prefill_ep: int = 1
+    decode_ep: int = 1
 
 
 def plan(
@@ -70,8 +76,15 @@ def plan(
     flags, router_flags = split_flags(argv)
     auth = ["--auth-token-file", secret_file] if secret_file else []
     p_port, d_port, boot = free_port(), free_port(), free_port()
-    p_ranks = ["--tp-size", str(ranks.prefill_tp), "--pp-size", str(ranks.prefill_pp)]
-    d_ranks = ["--tp-size", str(ranks.decode_tp), "--pp-size", str(ranks.decode_pp)]
+    p_ranks = [
+        "--tp-size",
+        str(ranks.prefill_tp),
+        "--pp-size",
+        str(ranks.prefill_pp),
+        "--ep-size",
+        str(ranks.prefill_ep),
+    ]
+    d_ranks = ["--tp-size", str(ranks.decode_tp), "--pp-size", str(ranks.decode_pp), "--ep-size", str(ranks.decode_ep)]
     return {
         "prefill": [*DISAGG, "prefill", *flags, *p_ranks, *auth, "--port", str(p_port), "--bootstrap-port", str(boot)],
         "decode": [*DISAGG, "decode", *flags, *d_ranks, *auth, "--port", str(d_port)],
