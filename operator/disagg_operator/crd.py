@@ -90,6 +90,14 @@ SPEC_RULES = (
     + [
         (
             "spec",
+            f"self.{r}.epSize == 1 || self.{r}.epSize == self.{r}.tpSize",
+            f"{r}.epSize must be 1 or equal {r}.tpSize: an instance's tensor ranks share out the experts",
+        )
+        for r in names.WORKER_ROLES
+    ]
+    + [
+        (
+            "spec",
             f"self.{r}.tpSize * self.{r}.ppSize <= {MAX_RANKS_PER_INSTANCE}",
             f"{r}.tpSize * {r}.ppSize must be at most {MAX_RANKS_PER_INSTANCE}: the ranks of a {r} instance run "
             "in one pod, so they must fit one node (instances span one node until multi-node instances exist)",

@@ -67,6 +67,12 @@ def worker_role_schema(role: str) -> dict:
             "replicas": integer(1, doc=f"Number of {role} pods."),
             "tpSize": integer(1, 1, "Tensor-parallel size: ranks per pipeline stage, one process (and GPU) each."),
             "ppSize": integer(1, 1, "Pipeline-parallel size: stages; tpSize * ppSize ranks fit one node (<= 8)."),
+            "epSize": integer(
+                1,
+                1,
+                "Expert-parallel size for MoE models (DeepSeek-V3, Qwen3-MoE): 1, or tpSize (each tensor rank then "
+                "holds its share of the routed experts whole and tokens reach them by all-to-all).",
+            ),
             "engine": obj(engine_props(False), f"Engine settings for {role} only, over spec.engine.", default={}),
             **_placement_props(),
         },

@@ -94,6 +94,7 @@ class WorkerRoleSpec:
     pp_size: int
     engine: EngineSpec
     placement: Placement
+    ep_size: int = 1
 
 
 @dataclass(frozen=True)
@@ -274,4 +275,5 @@ def _worker_role(role: str, d: Mapping[str, Any], shared_engine: Mapping[str, An
         int(d.get("ppSize", 1)),
         EngineSpec.merged(shared_engine, d.get("engine", {})),
         Placement.from_dict(d),
+        int(d.get("epSize", 1)),
     )

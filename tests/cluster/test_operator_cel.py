@@ -39,6 +39,8 @@ VIOLATIONS = [
     ("router replicas", tiny(router__replicas=-1), "self.router.replicas >= 0"),
     ("pipeline sizes", tiny(prefill__ppSize=2, decode__ppSize=3), "decode.ppSize == self.prefill.ppSize"),
     ("tensor sizes", tiny(prefill__tpSize=3, decode__tpSize=2), "tpSize % self.decode.tpSize"),
+    ("prefill expert sizes", tiny(prefill__tpSize=2, prefill__epSize=4), "self.prefill.epSize == 1 || "),
+    ("decode expert sizes", tiny(decode__tpSize=4, decode__epSize=2), "self.decode.epSize == 1 || "),
     ("page size", tiny(decode__engine={"pageSize": 32}), "engine.pageSize"),
     ("kv dtype", tiny(prefill__engine={"kvDtype": "bfloat16"}), "engine.kvDtype"),
     ("prefill gpus", tiny(prefill__tpSize=2, prefill__resources={"gpus": 3}), "self.prefill.resources.gpus"),

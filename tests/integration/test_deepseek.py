@@ -6,6 +6,7 @@ every TP pairing, with the latent KV moved once per decode rank and every page f
 from __future__ import annotations
 
 import concurrent.futures as cf
+import random
 import re
 
 import pytest
@@ -14,8 +15,9 @@ import torch
 import transformers
 
 from disagg_worker.model.tiny import make_tiny
-from tests.integration.procs import PDStack, scaled, serve, wait_until
+from tests.integration.procs import PDStack, reference, scaled, serve, wait_until
 from tests.integration.test_pd import FLAGS, assert_clean
+from tests.integration.test_pd_faults import request
 from tests.integration.test_server import generate, varied_prompts
 
 pytestmark = pytest.mark.integration
@@ -180,3 +182,30 @@ def test_expert_load_is_reported_per_expert_and_the_rank_holding_it(models):
         assert sum(load.values()) % 6 == 0, load
     finally:
         server.stop()
+
+
+def test_1000_requests_aborted_at_random_stages_leave_no_latent_page_behind(models):
+    """Prefill TP2 (one rank sends each latent, the other nothing) and decode TP2 with EP2: clients give up at
+    random moments; afterwards every page of every rank on both sides is free and answers are unchanged."""
+    stack = PDStack(
+        models["deepseek_v3"],
+        *FLAGS,
+        prefill_flags=("--tp-size", "2"),
+        decode_flags=("--tp-size", "2", "--ep-size", "2"),
+    ).wait_healthy()
+    try:
+        before = reference(stack.router.url)
+        rng = random.Random(0)
+        timeouts = [rng.uniform(0.005, 0.6) for _ in range(1000)]
+        with cf.ThreadPoolExecutor(48) as pool:
+            futures = [
+                pool.submit(request, stack.router.url, i, t, rng.choice([5, 40, 120]), 20)
+                for i, t in enumerate(timeouts)
+            ]
+            results = [f.result(timeout=scaled(180)) for f in futures]
+        assert {r[0] for r in results} <= {"ok", "error", "timeout"}
+        assert sum(r[0] == "timeout" for r in results) > 100  # most were cut off by the client
+        assert_clean(stack.prefill.url, stack.decode.url)
+        assert reference(stack.router.url) == before
+    finally:
+        stack.stop()

@@ -534,3 +534,12 @@ def test_served_model_name_defaults_to_the_crs_name(tiny):
     args = worker_args(spec, names.DECODE)
     assert args[args.index("--served-model-name") + 1] == "tiny"
     assert router_args(spec, CFG)[router_args(spec, CFG).index("--served-model-name") + 1] == "tiny"
+
+
+def test_an_expert_parallel_decode_gets_its_ep_size_and_prefill_does_not(tiny):
+    cr = tiny
+    cr["spec"]["decode"] = {**cr["spec"].get("decode", {}), "tpSize": 2, "epSize": 2}
+    kids = children_by_kind_name(cr)
+    decode = container(kids, "StatefulSet", "tiny-decode")["args"]
+    assert decode[decode.index("--ep-size") + 1] == "2" and decode[decode.index("--tp-size") + 1] == "2"
+    assert "--ep-size" not in container(kids, "StatefulSet", "tiny-prefill")["args"]

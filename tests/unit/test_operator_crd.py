@@ -85,6 +85,7 @@ def test_every_rule_has_a_message_and_sits_where_it_can_see_its_fields():
         ("replicas", "replicas >= 0"),
         ("ppSize", "decode.ppSize == self.prefill.ppSize"),
         ("tpSize", "tpSize % "),
+        ("epSize", "epSize == 1 || "),
         ("pageSize", "pageSize"),
         ("kvDtype", "kvDtype"),
         ("immutable", "oldSelf"),
