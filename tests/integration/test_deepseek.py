@@ -6,8 +6,12 @@ every TP pairing, with the latent KV moved once per decode rank and every page f
 from __future__ import annotations
 
 import concurrent.futures as cf
+import json
 import random
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import requests
@@ -16,7 +20,7 @@ import transformers
 
 from disagg_worker.model.tiny import make_tiny
 from tests.integration.procs import PDStack, reference, scaled, serve, wait_until
-from tests.integration.test_pd import FLAGS, assert_clean
+from tests.integration.test_pd import FLAGS, SCHEMA, assert_clean, structured
 from tests.integration.test_pd_faults import request
 from tests.integration.test_server import generate, varied_prompts
 
@@ -209,3 +213,47 @@ def test_1000_requests_aborted_at_random_stages_leave_no_latent_page_behind(mode
         assert reference(stack.router.url) == before
     finally:
         stack.stop()
+
+
+def test_structured_output_seeded_sampling_and_logprobs_on_mla_equal_monolithic_through_pd(models):
+    """What users ask of any model works on an MLA/MoE one: a JSON schema, seeded sampling and logprobs give the same
+    answer through P/D (the first token and its logprobs travel from prefill) as from one server."""
+    model = models["deepseek_v3"]
+    mono = serve(model, *FLAGS, "--served-model-name", "tiny").wait_healthy()
+    stack = PDStack(model, *FLAGS).wait_healthy()
+    try:
+        fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA}}
+        for sampling in ({"temperature": 0}, {"temperature": 1.0, "seed": 4}):
+            a, b = (structured(url, "Is the sky blue?", fmt, **sampling) for url in (mono.url, stack.router.url))
+            assert a["message"]["content"] == b["message"]["content"]
+            assert set(json.loads(a["message"]["content"])) == {"ok", "colour"}
+        body = {"prompt": list(range(100, 160)), "max_tokens": 8, "temperature": 0, "logprobs": 3}
+        got = [
+            requests.post(f"{url}/v1/completions", json=body, timeout=scaled(60)).json()["choices"][0]
+            for url in (mono.url, stack.router.url)
+        ]
+        assert got[0]["text"] == got[1]["text"]
+        for x, y in zip(got[0]["logprobs"]["token_logprobs"], got[1]["logprobs"]["token_logprobs"], strict=True):
+            assert abs(x - y) < 1e-4
+    finally:
+        stack.stop()
+        mono.stop()
+
+
+def test_an_unsupported_architecture_stops_the_start_up_naming_it(models, tmp_path):
+    path = tmp_path / "v2"
+    path.mkdir()
+    for f in Path(models["deepseek_v3"]).iterdir():
+        (path / f.name).write_bytes(f.read_bytes())
+    cfg = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(
+        json.dumps({**cfg, "model_type": "deepseek_v2", "architectures": ["DeepseekV2ForCausalLM"]})
+    )
+    out = subprocess.run(
+        [sys.executable, "-m", "disagg_worker.cli", "serve", "--model", str(path), "--port", "1"],
+        capture_output=True,
+        text=True,
+        timeout=scaled(120),
+    )
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-2000:]
+    assert "unsupported model architecture 'deepseek_v2'" in out.stderr, out.stderr

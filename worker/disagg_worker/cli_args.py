@@ -4,10 +4,13 @@ configuration chain of `config.py` out (`server_args_from_cli`), the environment
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from disagg_worker import keys
-from disagg_worker.config import CacheConfig, DisaggConfig, EngineConfig, Role, SchedulerConfig, ServerArgs
+from disagg_worker.config import CacheConfig, ConfigError, DisaggConfig, EngineConfig, Role, SchedulerConfig, ServerArgs
 from disagg_worker.env import WorkerEnv, load_env
+from disagg_worker.model.config import ModelConfig
+from disagg_worker.model.parallel import check_parallel
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -185,6 +188,7 @@ def server_args_from_cli(
         scheduler=sched,
         disagg=disagg,
     )
+    check_model(engine)
     return ServerArgs(
         engine=engine,
         host=ns.host,
@@ -195,3 +199,19 @@ def server_args_from_cli(
         max_inflight_requests=ns.max_inflight_requests,
         drain_timeout_s=ns.drain_timeout,
     )
+
+
+def check_model(engine: EngineConfig) -> None:
+    """A Hugging Face directory whose architecture is not supported, or that cannot be split over the
+    instance's ranks, stops the start-up here, naming why (GGUF files are checked when they are loaded)."""
+    path = Path(engine.model_path)
+    if not (path / "config.json").is_file():
+        return
+    d = engine.disagg
+    try:
+        cfg = ModelConfig.from_hf_dir(path)
+    except (ValueError, KeyError) as e:
+        raise ConfigError(f"--model {path}: {e}") from None
+    problem = check_parallel(cfg, d.tp_size, d.pp_size, d.ep_size)
+    if problem:
+        raise ConfigError(f"--model {path}: cannot split it over the instance's ranks: {problem}")
