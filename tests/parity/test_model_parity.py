@@ -168,3 +168,24 @@ def test_a_second_deepseek_shape_matches_transformers(tmp_path):
                 torch.tensor([p]), max_new_tokens=16, do_sample=False, eos_token_id=list(cfg.eos_token_ids)
             )
         assert tokens == out[0, len(p) :].tolist()
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v3", "qwen3_moe"])
+def test_bfloat16_routers_pick_the_experts_transformers_picks(tiny_dirs, arch):
+    """In bfloat16 the routers keep the reference's precision: DeepSeek-V3's weight and correction bias stay
+    float32 (a rounded bias changes the choice), Qwen3-MoE's logits are taken in the model's dtype."""
+    ours, cfg = load_model(tiny_dirs[arch], "bfloat16", "cpu")
+    ref = transformers.AutoModelForCausalLM.from_pretrained(tiny_dirs[arch], dtype=torch.bfloat16).eval()
+    layer = cfg.moe.layers[0]
+    gate, ref_gate = ours.model.layers[str(layer)].mlp.gate, ref.model.layers[layer].mlp.gate
+    if arch == "deepseek_v3":
+        assert gate.weight.dtype == gate.e_score_correction_bias.dtype == torch.float32
+        gate.e_score_correction_bias.data = torch.randn(cfg.moe.num_experts, generator=torch.Generator().manual_seed(0))
+        ref_gate.e_score_correction_bias.data = gate.e_score_correction_bias.data.clone()
+    x = torch.randn(512, cfg.hidden_size, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    with torch.no_grad():
+        weights, ids = gate(x)
+        _, ref_weights, ref_ids = ref_gate(x)
+    assert torch.equal(ids.sort(-1).values, ref_ids.sort(-1).values)
+    assert weights.dtype == ref_weights.dtype
+    torch.testing.assert_close(weights.gather(1, ids.argsort(-1)), ref_weights.gather(1, ref_ids.argsort(-1)))

@@ -168,3 +168,10 @@ def test_malformed_requests_get_4xx_json_never_5xx(server, method, path, query, 
     assert status < 500 or status == 503, (status, raw[:200])
     if status >= 400:
         assert ctype.startswith("application/json") and "error" in json.loads(raw)
+
+
+def test_a_registration_without_kv_kind_is_a_per_head_pool_and_a_bad_kind_is_refused():
+    old = {k: v for k, v in asdict(REG).items() if k != "kv_kind"}  # a rank of the release before MLA
+    assert RankRegistration.from_json(old).kv_kind == "mha"
+    with pytest.raises(ValueError, match="kv_kind must be one of mha, mla"):
+        RankRegistration.from_json({**old, "kv_kind": "latent"})

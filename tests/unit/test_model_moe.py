@@ -216,3 +216,13 @@ def test_ep_size_other_than_1_or_tp_size_stops_the_start_up_naming_the_flag():
 
     with pytest.raises(ConfigError, match="--ep-size 2 must be 1 or equal --tp-size 4"):
         DisaggConfig(tp_size=4, ep_size=2)
+
+
+def test_expert_counts_under_the_key_transformers_5_writes_are_read():
+    d = {k: v for k, v in QWEN3_30B_A3B.items() if k != "num_experts"} | {"num_local_experts": 128}
+    cfg = ModelConfig.from_hf_dict(d)
+    assert cfg.moe is not None and cfg.moe.num_experts == 128
+    v3 = {k: v for k, v in DEEPSEEK_V3.items() if k != "n_routed_experts"} | {"num_local_experts": 256}
+    assert ModelConfig.from_hf_dict(v3).moe.num_experts == 256  # type: ignore[union-attr]
+    with pytest.raises(ValueError, match="attention_bias"):
+        ModelConfig.from_hf_dict({**DEEPSEEK_V3, "attention_bias": True})

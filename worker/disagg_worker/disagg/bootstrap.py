@@ -67,6 +67,8 @@ class RankRegistration:
         """Validate a decoded JSON object; raises ValueError naming the first problem."""
         if not isinstance(obj, dict):
             raise ValueError("body must be a JSON object")
+        # A rank of the release before KV layouts were named registers without kv_kind: its pool is per-head.
+        obj = {"kv_kind": "mha", **obj}
         names = [f.name for f in fields(cls)]
         missing = [n for n in names if n not in obj]
         if missing:

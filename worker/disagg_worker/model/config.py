@@ -216,20 +216,23 @@ def _moe(arch: str, d: dict[str, Any]) -> MoEConfig | None:
     layers = range(d["num_hidden_layers"])
     if arch == "qwen3_moe":
         skip, step = set(d.get("mlp_only_layers") or ()), d.get("decoder_sparse_step", 1)
+        experts = _num_experts(d, "num_experts")
         return MoEConfig(
-            num_experts=d["num_experts"],
+            num_experts=_num_experts(d, "num_experts"),
             top_k=d["num_experts_per_tok"],
             intermediate_size=d["moe_intermediate_size"],
-            layers=tuple(i for i in layers if i not in skip and d["num_experts"] > 0 and (i + 1) % step == 0),
+            layers=tuple(i for i in layers if i not in skip and experts > 0 and (i + 1) % step == 0),
             scoring="softmax",
             norm_topk_prob=bool(d.get("norm_topk_prob", False)),
         )
     if arch == "deepseek_v3":
+        if d.get("attention_bias"):
+            raise ValueError("DeepSeek-V3 with attention_bias is not supported (its checkpoints have none)")
         if d.get("topk_method", "noaux_tc") != "noaux_tc" or d.get("scoring_func", "sigmoid") != "sigmoid":
             raise ValueError("DeepSeek-V3 routing other than topk_method 'noaux_tc' (sigmoid scores) is not supported")
         first_dense, freq = d.get("first_k_dense_replace", 0), d.get("moe_layer_freq", 1)
         return MoEConfig(
-            num_experts=d["n_routed_experts"],
+            num_experts=_num_experts(d, "n_routed_experts"),
             top_k=d["num_experts_per_tok"],
             intermediate_size=d["moe_intermediate_size"],
             layers=tuple(i for i in layers if i >= first_dense and i % freq == 0),
@@ -241,6 +244,14 @@ def _moe(arch: str, d: dict[str, Any]) -> MoEConfig | None:
             topk_group=d.get("topk_group") or 1,
         )
     return None
+
+
+def _num_experts(d: dict[str, Any], key: str) -> int:
+    """The routed experts, under the checkpoint's own key or the one transformers 5 writes."""
+    n = d.get(key, d.get("num_local_experts"))
+    if n is None:
+        raise ValueError(f"config.json names no expert count ({key} or num_local_experts)")
+    return int(n)
 
 
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:

@@ -25,6 +25,7 @@ from disagg_worker.model.config import ModelConfig
 from disagg_worker.model.cpu_linear import can_pack, pack_linears
 from disagg_worker.model.decoder import CausalLM, Collectives
 from disagg_worker.model.gguf_meta import open_gguf
+from disagg_worker.model.moe import keeps_fp32
 from disagg_worker.model.parallel import Shard, check_parallel, shard_slice
 from disagg_worker.model.registry import build_model
 from disagg_worker.model.source import find_gguf
@@ -177,6 +178,6 @@ def _read(
                         part = f.get_slice(name)
                         where = shard_slice(name, tuple(part.get_shape()), cfg, shard)
                         if where is not None:
-                            state[name] = part[where].to(dtype)
+                            state[name] = part[where].to(torch.float32 if keeps_fp32(name, cfg.moe) else dtype)
                     bar.update(1)
     return state

@@ -97,9 +97,11 @@ class MLAttention(nn.Module):
     def _absorbed(self, q_nope: torch.Tensor, q_pe: torch.Tensor, plan: AttentionPlan, latents: torch.Tensor):
         assert plan.decode_index is not None and self.w_uk is not None and self.w_uv is not None
         q_lat = torch.einsum("bhn,hnc->bhc", q_nope, self.w_uk.to(q_nope.dtype))
-        q = torch.cat([q_lat, q_pe], -1).unsqueeze(2)  # [B, H, 1, latent_dim]
+        # Every head attends over the same latents: the heads are the query rows of one attention head, so
+        # the latents are read as they are (a per-head K/V view would copy them once per head).
+        q = torch.cat([q_lat, q_pe], -1).unsqueeze(1)  # [B, 1, H, latent_dim]
         lat = gather_rows(latents, plan.decode_index).transpose(1, 2).to(q.dtype)  # [B, 1, Lmax, latent_dim]
         o = F.scaled_dot_product_attention(
-            q, lat, lat[..., : self.m.kv_lora_rank], attn_mask=plan.decode_mask, scale=self.scale, enable_gqa=True
-        )
-        return torch.einsum("bhc,hvc->bhv", o.squeeze(2), self.w_uv.to(o.dtype))
+            q, lat, lat[..., : self.m.kv_lora_rank], attn_mask=plan.decode_mask, scale=self.scale
+        )  # [B, 1, H, kv_lora]; the mask [B, 1, 1, Lmax] holds for every head
+        return torch.einsum("bhc,hvc->bhv", o.squeeze(1), self.w_uv.to(o.dtype))

@@ -1,22 +1,25 @@
 """Mixture-of-experts block: a router picks `top_k` experts per token, their gated MLPs run on the
 tokens routed to them, the outputs are summed with the router's weights, plus shared experts' output.
 
-Routing (`Router`), in float32 whatever the model's dtype:
-- "softmax" (Qwen3-MoE): the top-k of the softmax over all experts, renormalised if `norm_topk_prob`;
-- "sigmoid" (DeepSeek-V3, `noaux_tc`): sigmoid scores; experts are chosen by score +
-  `e_score_correction_bias`, only among the `topk_group` groups (of `n_group`) whose best two such
-  values sum highest; weights are the plain scores, renormalised if `norm_topk_prob`, times
+Routing (`Router`), in the precision the reference uses:
+- "softmax" (Qwen3-MoE): logits in the model's dtype, the top-k of their float32 softmax, renormalised
+  if `norm_topk_prob`, weights cast back to the model's dtype;
+- "sigmoid" (DeepSeek-V3, `noaux_tc`): the router's weight and `e_score_correction_bias` stay float32
+  whatever the model's dtype (`keeps_fp32`), and so do its scores and weights; experts are chosen by
+  score + `e_score_correction_bias`, only among the `topk_group` groups (of `n_group`) whose best two
+  such values sum highest; weights are the plain scores, renormalised if `norm_topk_prob`, times
   `routed_scaling_factor`.
+An expert's output times its weight is added in the wider of the two dtypes, then cast to the model's.
 
 Tensor parallelism slices every expert (and the shared experts) like a dense MLP: each rank holds
 `intermediate_size / tp` columns of each, and one all-reduce sums the block's partial outputs.
 
 Expert parallelism (`Shard.ep_size` = tp_size) gives each rank `num_experts / ep` experts whole. Every
-rank routes every token (the router is cheap next to the experts, and all ranks then know where every
-row goes without telling each other); each rank dispatches the (token, expert) rows of its share of
-the tokens to the ranks holding those experts (all-to-all), runs its experts on the rows it receives,
-sends the outputs back (all-to-all), weights and sums them per token, and the shares are gathered so
-every rank again holds every token's output (all-to-all). Shared experts stay sliced by TP.
+rank routes every token (the router is cheap next to the experts, and every rank can then count every
+expert's load); each rank dispatches the (token, expert) rows of its share of the tokens to the ranks
+holding those experts, with their counts and expert ids (all-to-all), runs its experts on the rows it
+receives, sends the outputs back (all-to-all), weights and sums them per token, and the shares are
+gathered so every rank again holds every token's output (all-to-all). Shared experts stay sliced by TP.
 
 `routed` counts the tokens routed to each expert (all of them, on every rank), the load EP fights.
 """
@@ -32,6 +35,14 @@ from disagg_worker.model.layers import AllReduce, Exchange, GatedMLP
 from disagg_worker.model.parallel import Shard
 
 
+def keeps_fp32(name: str, moe: MoEConfig | None) -> bool:
+    """A checkpoint tensor loaded in float32 whatever the model's dtype (DeepSeek-V3's router, as the
+    reference keeps it: a bf16 correction bias changes which experts are chosen)."""
+    return (
+        moe is not None and moe.scoring == "sigmoid" and name.endswith(("mlp.gate.weight", "e_score_correction_bias"))
+    )
+
+
 class Router(nn.Module):
     def __init__(self, hidden: int, moe: MoEConfig):
         super().__init__()
@@ -41,13 +52,15 @@ class Router(nn.Module):
             self.e_score_correction_bias = nn.Parameter(torch.zeros(moe.num_experts))
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(weights [T, top_k] float32, expert ids [T, top_k]) of every token of x [T, hidden]."""
+        """(weights [T, top_k], expert ids [T, top_k]) of every token of x [T, hidden]."""
         moe = self.moe
-        logits = F.linear(x.float(), self.weight.float())
         if moe.scoring == "softmax":
-            weights, ids = torch.topk(torch.softmax(logits, dim=-1), moe.top_k, dim=-1)
-            return (weights / weights.sum(-1, keepdim=True) if moe.norm_topk_prob else weights), ids
-        scores = logits.sigmoid()
+            logits = F.linear(x, self.weight)
+            weights, ids = torch.topk(torch.softmax(logits, dim=-1, dtype=torch.float32), moe.top_k, dim=-1)
+            if moe.norm_topk_prob:
+                weights = weights / weights.sum(-1, keepdim=True)
+            return weights.to(logits.dtype), ids
+        scores = F.linear(x.float(), self.weight.float()).sigmoid()
         choice = scores + self.e_score_correction_bias.float()
         groups = choice.view(-1, moe.n_group, moe.num_experts // moe.n_group)
         best = torch.topk(groups.topk(2, dim=-1)[0].sum(-1), moe.topk_group, dim=-1, sorted=False)[1]
@@ -90,7 +103,7 @@ class MoE(nn.Module):
         out = torch.zeros_like(x)
         for e in torch.unique(ids).tolist():  # ascending, as the reference adds them
             tokens, slot = torch.where(ids == e)
-            out.index_add_(0, tokens, self.experts[str(e)](x[tokens]) * weights[tokens, slot, None].to(x.dtype))
+            out.index_add_(0, tokens, (self.experts[str(e)](x[tokens]) * weights[tokens, slot, None]).to(x.dtype))
         if hasattr(self, "shared_experts"):
             out = out + self.shared_experts(x)
         return self.all_reduce(out)
@@ -101,26 +114,33 @@ class MoE(nn.Module):
         ep, me, n_exp = self.ep_size, self.ep_rank, self.moe.num_experts
         t, k = ids.shape
         shares = [len(c) for c in torch.arange(t).tensor_split(ep)]  # rank r dispatches token share r
-        owner = torch.repeat_interleave(torch.arange(ep, device=x.device), torch.tensor(shares, device=x.device))
-        token = torch.arange(t, device=x.device).repeat_interleave(k)
-        expert = ids.reshape(-1)
-        # Every (token, expert) row, ordered by the rank dispatching it, then by expert: each rank's rows to
-        # one destination are consecutive (a rank's experts are consecutive ids), and a token's outputs are
-        # summed in ascending expert order, as without EP.
-        order = torch.argsort(owner[token] * n_exp + expert, stable=True)
-        token, expert, weight = token[order], expert[order], weights.reshape(-1)[order]
-        src, dst = owner[token], expert // (n_exp // ep)
-        counts = torch.bincount(src * ep + dst, minlength=ep * ep).view(ep, ep)
-        sends, recvs = counts[me].tolist(), counts[:, me].tolist()
-        mine = src == me
-        got = self.exchange.all_to_all(x[token[mine]], sends, recvs)
-        got_expert = expert[dst == me]  # what each received row is for: routing is known everywhere
+        start = sum(shares[:me])
+        # This rank's (token, expert) rows ordered by expert: consecutive per destination rank (a rank's
+        # experts are consecutive ids), and each token's rows in ascending expert order, as without EP.
+        expert = ids[start : start + shares[me]].reshape(-1)
+        order = torch.argsort(expert, stable=True)
+        expert = expert[order]
+        token = torch.div(order, k, rounding_mode="floor")
+        weight = weights[start : start + shares[me]].reshape(-1)[order]
+        sends = torch.bincount(expert // (n_exp // ep), minlength=ep)
+        # Counts and expert ids travel with the rows: no rank relies on another's routing being bitwise equal.
+        recvs = self.exchange.all_to_all(sends, [1] * ep, [1] * ep).tolist()
+        send_counts = sends.tolist()
+        got = self.exchange.all_to_all(x[start + token], send_counts, recvs)
+        got_expert = self.exchange.all_to_all(expert, send_counts, recvs)
         y = torch.empty_like(got)
         for e in torch.unique(got_expert).tolist():
             rows = got_expert == e
             y[rows] = self.experts[str(e)](got[rows])
-        back = self.exchange.all_to_all(y, recvs, sends)
-        start = sum(shares[:me])
-        part = torch.zeros(shares[me], x.shape[1], dtype=x.dtype, device=x.device)
-        part.index_add_(0, token[mine] - start, back * weight[mine, None].to(x.dtype))
+        back = (self.exchange.all_to_all(y, recvs, send_counts) * weight[:, None]).to(x.dtype)
+        # Each token's k outputs summed in ascending expert order by plain adds (no scattered atomic adds: the
+        # same result on every run and device).
+        by_token = torch.argsort(token, stable=True)
+        grouped = token[by_token]
+        slot = torch.arange(len(grouped), device=x.device) - torch.searchsorted(grouped, grouped)
+        rows = torch.zeros(shares[me], k, x.shape[1], dtype=x.dtype, device=x.device)
+        rows[grouped, slot] = back[by_token]
+        part = rows[:, 0]
+        for j in range(1, k):
+            part = part + rows[:, j]
         return self.exchange.all_to_all(part.repeat(ep, 1), [shares[me]] * ep, shares)
