@@ -380,6 +380,11 @@ def refused(r: dict) -> bool:
     return r["status"] in (429, 503) and r["retry_after"] is not None
 
 
+def outcomes_since(results: list[dict], moment: float) -> list[tuple]:
+    """(status, error, start and finish relative to `moment`) of each request: what a failed assertion shows."""
+    return [(r["status"], r["error"], f"{r['start'] - moment:+.1f}s", f"{r['finish'] - moment:+.1f}s") for r in results]
+
+
 def summary(results: list[dict]) -> str:
     done = sum(r["end"] == "done" for r in results)
     return f"{len(results)} requests: {done} ended with [DONE], {sum(refused(r) for r in results)} refused (503)"
