@@ -20,12 +20,13 @@ import transformers
 
 from disagg_worker.model.tiny import make_tiny
 from tests.integration.procs import PDStack, reference, scaled, serve, wait_until
+from tests.integration.test_parallel import concurrently
 from tests.integration.test_pd import FLAGS, SCHEMA, assert_clean, structured
 from tests.integration.test_pd_faults import request
 from tests.integration.test_server import generate, varied_prompts
 
 pytestmark = pytest.mark.integration
-NEW_TOKENS = 12
+NEW_TOKENS = 12  # generate()'s default: what test_parallel.concurrently asks for
 # A second DeepSeek-V3 shape: queries by one projection, no YaRN, rotary halves not interleaved, one expert
 # group, two shared experts, every layer MoE, 8 heads (two tensor ranks hold 4 each), v_head_dim != nope dim.
 WIDE = {
@@ -82,11 +83,6 @@ def transformers_greedy(path: str, prompts: list[list[int]]) -> list[list[int]]:
                 outs.append(ids[len(p) :])
         _expected[path] = outs
     return _expected[path]
-
-
-def concurrently(url: str, prompts: list[list[int]]) -> list[list[int]]:
-    with cf.ThreadPoolExecutor(len(prompts)) as pool:
-        return list(pool.map(lambda p: generate(url, p, NEW_TOKENS), prompts))
 
 
 def kv_bytes_moved(url: str) -> float:

@@ -105,9 +105,8 @@ def greedy(model, cfg, prompts: list[list[int]], max_new: int) -> list[list[int]
     return outputs
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-def test_greedy_generation_is_token_identical_to_transformers(models, arch):
-    ours, cfg, ref = models[arch]
+def greedy_as_transformers(ours, cfg, ref) -> list[list[int]]:
+    """Our 16 greedy tokens of each of PROMPTS, asserted equal to transformers' `generate`."""
     got = greedy(ours, cfg, PROMPTS, max_new=16)
     for prompt, tokens in zip(PROMPTS, got, strict=True):
         with torch.no_grad():
@@ -115,6 +114,13 @@ def test_greedy_generation_is_token_identical_to_transformers(models, arch):
                 torch.tensor([prompt]), max_new_tokens=16, do_sample=False, eos_token_id=list(cfg.eos_token_ids)
             )
         assert tokens == out[0, len(prompt) :].tolist()
+    return got
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_generation_is_token_identical_to_transformers(models, arch):
+    ours, cfg, ref = models[arch]
+    got = greedy_as_transformers(ours, cfg, ref)
     assert len({t for tokens in got for t in tokens}) > 3, "greedy output of the tiny model is degenerate"
 
 
@@ -161,13 +167,7 @@ def test_a_second_deepseek_shape_matches_transformers(tmp_path):
     torch.testing.assert_close(second[0], ref_last_logits(ref, prompt), atol=ATOL, rtol=0)
     step = ours(make_batch([seq], [[77]], PAGE_SIZE), kv)
     torch.testing.assert_close(step[0], ref_last_logits(ref, seq.tokens), atol=ATOL, rtol=0)
-    got = greedy(ours, cfg, PROMPTS, max_new=16)
-    for p, tokens in zip(PROMPTS, got, strict=True):
-        with torch.no_grad():
-            out = ref.generate(
-                torch.tensor([p]), max_new_tokens=16, do_sample=False, eos_token_id=list(cfg.eos_token_ids)
-            )
-        assert tokens == out[0, len(p) :].tolist()
+    greedy_as_transformers(ours, cfg, ref)
 
 
 @pytest.mark.parametrize("arch", ["deepseek_v3", "qwen3_moe"])
