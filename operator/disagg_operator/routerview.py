@@ -115,7 +115,7 @@ def pairing_condition(spec: ModelSpec, router: RoleObservation | None, view: Rou
             return (
                 "True",
                 "RouterReady",
-                f"every router pod is Ready, which a router is only with a verified pair ({NO_DETAILS})",
+                f"every router pod is Ready, which a router becomes with its first verified pair ({NO_DETAILS})",
             )
         return (
             "Unknown",

@@ -46,6 +46,10 @@ def test_serve_local_puts_the_key_on_its_router(tiny_model):
     try:
         stack.wait_healthy()
         assert_unauthorized(requests.post(f"{stack.url}/v1/completions", json=BODY, timeout=scaled(30)))
+        # The kubelet's probes carry no key: the router's readiness and liveness paths answer without one.
+        for path in ("/ready", "/livez"):
+            r = requests.get(f"{stack.url}{path}", timeout=scaled(30))
+            assert r.status_code == 200 and r.json()["status"] in ("ok", "alive"), (path, r.text)
         auth = {"Authorization": "Bearer local-key"}
         r = requests.post(f"{stack.url}/v1/completions", json=BODY, headers=auth, timeout=scaled(60))
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4, r.text

@@ -222,6 +222,9 @@ def test_sigterm_to_the_router_finishes_its_open_streams(tiny_model):
             assert s.started.wait(scaled(60)), "a stream produced no token"
         stack.router.signal(signal.SIGTERM)
         wait_until(lambda: draining(stack.router.url), timeout=5, interval=0.05, what="router /health draining")
+        # The readiness probe fails too, so the pod leaves its Service while it finishes what it holds.
+        ready = requests.get(f"{stack.router.url}/ready", timeout=scaled(5))
+        assert ready.status_code == 503 and ready.json()["status"] == "draining"
         r = requests.post(
             f"{stack.router.url}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=scaled(30)
         )

@@ -76,6 +76,12 @@ def health(router: Proc) -> tuple[int, dict]:
     return r.status_code, r.json()
 
 
+def ready(router: Proc) -> tuple[int, dict]:
+    """The readiness probe the router's pods use."""
+    r = requests.get(f"{router.url}/ready", timeout=scaled(5))
+    return r.status_code, r.json()
+
+
 def pairs(router: Proc) -> dict[tuple[str, str], dict]:
     return {(p["prefill"], p["decode"]): p for p in health(router)[1].get("pairs", [])}
 
@@ -104,6 +110,9 @@ def test_healthy_workers_are_not_enough_the_router_is_ready_only_with_a_verified
         )
         status, body = health(broken)
         assert status == 503 and body["status"] == "unhealthy"
+        # Never Ready either: a new replica without a pair must not take an old one's place in the Service.
+        not_ready = ready(broken)
+        assert not_ready[0] == 503 and "m-prefill-0 -> m-decode-0: " in not_ready[1]["reason"], not_ready
         assert all(w["healthy"] for w in body["workers"])
         pair = pairs(broken)[("m-prefill-0", "m-decode-0")]
         assert pair["verified"] is False and pair["revision"] == "r1" and pair["age_s"] is not None
@@ -116,6 +125,7 @@ def test_healthy_workers_are_not_enough_the_router_is_ready_only_with_a_verified
     try:
         pair = pairs(router)[("m-prefill-0", "m-decode-0")]
         assert pair["verified"] is True and pair["error"] == ""
+        assert ready(router) == (200, {"status": "ok", "pair": True})
         decode = workers.decodes[0]
         before = counter(decode, "disagg_requests_total"), counter(decode, "disagg_probe_requests_total")
         wait_until(lambda: counter(decode, "disagg_probe_requests_total") >= before[1] + 2, 20, what="two more probes")
@@ -150,9 +160,13 @@ def test_a_frozen_decode_leaves_rotation_within_10_s_and_comes_back(workers):
             assert all(complete(router).status_code == 200 for _ in range(6))
             os.killpg(a.proc.pid, signal.SIGSTOP)
             try:
-                wait_until(lambda: health(router)[0] == 503, 10, interval=0.2, what="not ready without a verified pair")
+                wait_until(lambda: health(router)[0] == 503, 10, interval=0.2, what="no verified pair on /health")
+                # Still Ready: it stays in its Service and refuses at once, with Retry-After and the reason.
+                assert ready(router) == (200, {"status": "ok", "pair": False})
                 start = time.monotonic()
-                assert complete(router).status_code == 503 and time.monotonic() - start < scaled(5)
+                r = complete(router)
+                assert r.status_code == 503 and time.monotonic() - start < scaled(5)
+                assert r.headers.get("Retry-After") and "No healthy prefill/decode pair" in r.json()["error"]["message"]
             finally:
                 os.killpg(a.proc.pid, signal.SIGCONT)
         finally:

@@ -194,8 +194,9 @@ def test_pods_are_non_root_with_read_only_root_and_health_probes(tiny):
         assert pod["securityContext"]["runAsNonRoot"] and pod["securityContext"]["runAsUser"] == 1000
         assert c["securityContext"]["readOnlyRootFilesystem"] is True
         assert c["securityContext"]["capabilities"] == {"drop": ["ALL"]}
-        assert c["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
-        # The router is Ready only with a verified pair, but alive as long as it answers.
+        # The router is Ready from its first verified pair until it drains, and alive as long as it answers.
+        ready = "/ready" if kind == "Deployment" else "/health"
+        assert c["readinessProbe"]["httpGet"] == {"path": ready, "port": "http"}
         live = "/livez" if kind == "Deployment" else "/health"
         assert c["livenessProbe"]["httpGet"] == {"path": live, "port": "http"}
         assert c["startupProbe"]["httpGet"] == {"path": live, "port": "http"}

@@ -91,10 +91,10 @@ def http_probe(path: str, period: int, failures: int) -> dict[str, Any]:
     }
 
 
-def probes(live_path: str = "/health") -> dict[str, Any]:
-    """Readiness on `/health`, liveness on `live_path`; a startup probe gives model loading up to ten minutes."""
+def probes(ready_path: str = "/health", live_path: str = "/health") -> dict[str, Any]:
+    """Readiness on `ready_path`, liveness on `live_path`; a startup probe gives model loading up to ten minutes."""
     return {
-        "readinessProbe": http_probe("/health", 5, 3),
+        "readinessProbe": http_probe(ready_path, 5, 3),
         "livenessProbe": http_probe(live_path, 10, 6),
         "startupProbe": http_probe(live_path, 10, 60),
     }

@@ -90,8 +90,9 @@ def build_router_deployment(spec: ModelSpec, cfg: OperatorConfig) -> dict[str, A
         "resources": resources,
         "securityContext": container_security_context(ipc_lock=False),
         "volumeMounts": [tmp_mount] + [mount for _, mount in secrets],
-        # Ready only while it has a verified prefill->decode pair (/health); alive as long as it answers (/livez).
-        **probes(live_path="/livez"),
+        # Ready from its first verified prefill->decode pair until it drains (/ready): a rollout's gap without a
+        # pair is answered with 503 + Retry-After instead of emptying the Service. Alive while it answers (/livez).
+        **probes(ready_path="/ready", live_path="/livez"),
         **drain_on_stop(),
     }
     return {

@@ -107,6 +107,7 @@ class Router:
         self._session: aiohttp.ClientSession | None = None
         # With a verifier, requests go only to verified same-revision pairs (router/verify.py).
         self.verifier = verifier
+        self.had_pair = False  # without a verifier: latched by `has_pair`
 
     @property
     def session(self) -> aiohttp.ClientSession:
@@ -164,6 +165,24 @@ class Router:
         if last is None:
             raise unavailable(self.no_pair(), retry_after=RETRY_AFTER_S)
         raise last.error()
+
+    def has_pair(self) -> bool:
+        """A pair can take a request now: verified (without verification: a healthy prefill and decode)."""
+        if self.verifier is not None:
+            return self.verifier.ready()
+        ok = self.pool.pick("prefill") is not None and self.pool.pick("decode") is not None
+        self.had_pair = self.had_pair or ok
+        return ok
+
+    def takes_requests(self) -> bool:
+        """Readiness: true once a pair has been verified (without verification: seen healthy). A new replica
+        stays out of the Service until then (a rollout keeps the old one), but once in, a router keeps its place
+        through gaps without a pair (a rollout's revision change, a decode restarting) and answers 503 +
+        Retry-After naming why: every router sees the same workers, so leaving the Service would only turn that
+        clear refusal into a refused or unanswered connection."""
+        if self.verifier is not None:
+            return self.verifier.verified_once
+        return self.has_pair() or self.had_pair
 
     def no_pair(self) -> str:
         """The 503 message when no pair can take a request; with verification, why none is verified."""

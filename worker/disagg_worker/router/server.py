@@ -2,7 +2,7 @@
 
 Generation requests pass the same admission gate as a worker's (`server/admission.py`: 503 while
 the router drains, 429 beyond --max-inflight, 413 beyond the body limit, checked before the body
-is read). On SIGTERM the router drains (`server/drain.py`): /health fails, new requests get 503,
+is read). On SIGTERM the router drains (`server/drain.py`): /health and /ready fail, new requests get 503,
 open streams finish within --drain-timeout, then it exits.
 """
 
@@ -47,6 +47,7 @@ def build_router_app(router: Router, admission: Admission) -> web.Application:
         app.router.add_post(path, make_handler(path))
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
+    app.router.add_get("/ready", ready)
     app.router.add_get("/livez", livez)
     return app
 
@@ -136,9 +137,9 @@ async def models(request: web.Request) -> web.Response:
 
 
 async def health(request: web.Request) -> web.Response:
-    """Ready while a prefill->decode pair is verified (without verification: while a prefill and a decode
-    instance are healthy) and the router does not drain. Lists every worker, and every pair with its last
-    result and its age."""
+    """200 while a prefill->decode pair is verified (without verification: while a prefill and a decode
+    instance are healthy) and the router does not drain; the operator reads it for PairingVerified. Lists every
+    worker, and every pair with its last result and its age. Readiness is `/ready`."""
     router = request.app[ROUTER]
     pool, verifier = router.pool, router.verifier
     body: dict = {"workers": [w.describe() for w in pool.workers()]}
@@ -146,11 +147,18 @@ async def health(request: web.Request) -> web.Response:
         body.update(pairs=verifier.describe(), handoff=verifier.monitor.describe())
     if request.app[ADMISSION].draining:
         return web.json_response({"status": DRAINING, **body}, status=503)
-    if verifier is None:
-        ok = pool.pick("prefill") is not None and pool.pick("decode") is not None
-    else:
-        ok = verifier.ready()
+    ok = router.has_pair()
     return web.json_response({"status": "ok" if ok else "unhealthy", **body}, status=200 if ok else 503)
+
+
+async def ready(request: web.Request) -> web.Response:
+    """The readiness probe: 200 once the router has had a pair (`Router.takes_requests`) until it drains."""
+    router = request.app[ROUTER]
+    if request.app[ADMISSION].draining:
+        return web.json_response({"status": DRAINING}, status=503)
+    if not router.takes_requests():
+        return web.json_response({"status": "unhealthy", "reason": router.no_pair()}, status=503)
+    return web.json_response({"status": "ok", "pair": router.has_pair()})
 
 
 async def livez(request: web.Request) -> web.Response:

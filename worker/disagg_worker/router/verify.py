@@ -10,7 +10,8 @@ prefill and receives the KV pages. It carries PROBE_HEADER, so workers keep it o
 Verified pairs are re-verified every `interval_s`; a user request that succeeds on a pair verifies it too, so a
 busy pair costs no probes. A failed pair (or one whose worker fails its health check) is out of rotation and
 retried after a backoff that doubles from `backoff_s` up to `backoff_max_s`. At most `max_probes` probes run at
-once. The router is ready only while some pair is verified; `/health` lists every pair with its last result.
+once. `/health` is 200 only while some pair is verified and lists every pair with its last result; the router
+becomes Ready (`/ready`) with its first verified pair.
 """
 
 from __future__ import annotations
@@ -91,6 +92,7 @@ class PairVerifier:
         self.monitor = monitor or HandoffMonitor(clock=clock)
         self.clock = clock
         self.states: dict[Pair, PairState] = {}
+        self.verified_once = False  # some pair has passed: the router's readiness from then on
 
     # ---- which pairs may carry requests ----------------------------------------------------
     def candidates(self) -> list[Pair]:
@@ -138,6 +140,7 @@ class PairVerifier:
         elif not error and not state.verified:
             log.info("pair %s -> %s verified", pair[0].url, pair[1].url)
         state.verified, state.error, state.checked_at = not error, error, now
+        self.verified_once = self.verified_once or not error
         state.failures = state.failures + 1 if error else 0
         delay = min(self.backoff_s * 2 ** (state.failures - 1), self.backoff_max_s) if error else self.interval_s
         state.due = now + delay

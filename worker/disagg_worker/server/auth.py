@@ -1,8 +1,9 @@
 """Bearer-token authentication of an HTTP app (router, monolithic server, prefill and decode workers).
 
 OpenAI style: a request must carry `Authorization: Bearer <key>` with one of the accepted keys,
-else it is answered 401 with OpenAI's error body (`invalid_api_key`). `/health` stays open (the
-kubelet's probes and the router's health checks carry no key); every other path, `/metrics` and
+else it is answered 401 with OpenAI's error body (`invalid_api_key`). The probe paths stay open (the
+kubelet's probes and the router's health checks carry no key): `/health`, and the router's `/ready` and
+`/livez`, which say nothing but ok or why not; every other path, `/metrics` and
 the admin routes (`/stats`, `/flush_cache`) included, is protected. Unknown paths are refused the
 same way, so an unauthenticated caller learns nothing about which routes exist.
 
@@ -18,7 +19,7 @@ from aiohttp import web
 
 from disagg_worker.server.errors import APIError
 
-OPEN_PATHS = frozenset({"/health"})
+OPEN_PATHS = frozenset({"/health", "/ready", "/livez"})
 
 
 def unauthorized(message: str) -> web.Response:
