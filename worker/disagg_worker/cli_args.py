@@ -7,7 +7,17 @@ import argparse
 from pathlib import Path
 
 from disagg_worker import keys
-from disagg_worker.config import CacheConfig, ConfigError, DisaggConfig, EngineConfig, Role, SchedulerConfig, ServerArgs
+from disagg_worker.config import (
+    SPECULATIVE_ALGORITHMS,
+    CacheConfig,
+    ConfigError,
+    DisaggConfig,
+    EngineConfig,
+    Role,
+    SchedulerConfig,
+    ServerArgs,
+    SpeculativeConfig,
+)
 from disagg_worker.env import WorkerEnv, load_env
 from disagg_worker.model.config import ModelConfig
 from disagg_worker.model.parallel import check_parallel
@@ -33,6 +43,32 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-batch-tokens", type=int, default=SchedulerConfig.max_batch_tokens)
     p.add_argument("--chunk-size", type=int, default=SchedulerConfig.chunk_size)
     p.add_argument("--disable-overlap", action="store_true")
+    spec = SpeculativeConfig()
+    p.add_argument(
+        "--speculative-algorithm",
+        default="",
+        choices=["", *SPECULATIVE_ALGORITHMS],
+        help="speculative decoding: NGRAM drafts from n-gram matches in the request's own tokens (no draft "
+        "model); greedy and seeded answers stay token-identical. Turns overlap scheduling off",
+    )
+    p.add_argument(
+        "--speculative-num-draft-tokens",
+        type=int,
+        default=spec.num_draft_tokens,
+        help="draft tokens verified with a request's decode step, at most",
+    )
+    p.add_argument(
+        "--speculative-ngram-min-match-window-size",
+        type=int,
+        default=spec.min_match,
+        help="NGRAM: shortest suffix of the request's tokens that must have occurred before to propose a draft",
+    )
+    p.add_argument(
+        "--speculative-ngram-max-match-window-size",
+        type=int,
+        default=spec.max_match,
+        help="NGRAM: longest suffix matched (the longest one that occurred before proposes the draft)",
+    )
     p.add_argument("--tp-size", type=int, default=1, help="tensor parallel ranks (one scheduler process each)")
     p.add_argument("--pp-size", type=int, default=1, help="pipeline parallel stages (one scheduler process each)")
     p.add_argument(
@@ -145,6 +181,12 @@ def server_args_from_cli(
         max_batch_tokens=ns.max_batch_tokens,
         chunk_size=ns.chunk_size,
         enable_overlap=not ns.disable_overlap,
+        speculative=SpeculativeConfig(
+            algorithm=ns.speculative_algorithm,
+            num_draft_tokens=ns.speculative_num_draft_tokens,
+            min_match=ns.speculative_ngram_min_match_window_size,
+            max_match=ns.speculative_ngram_max_match_window_size,
+        ),
     )
     disagg = DisaggConfig(role=role, tp_size=ns.tp_size, pp_size=ns.pp_size, ep_size=ns.ep_size)
     if role is not Role.MONOLITHIC:

@@ -42,6 +42,41 @@ class CacheConfig:
         return self.total_pages * self.page_size
 
 
+SPECULATIVE_ALGORITHMS = ("NGRAM", "EAGLE", "STANDALONE")  # SGLang's names; only NGRAM is built
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (`engine/speculative.py`). NGRAM drafts from n-gram matches in the request's own
+    tokens: the longest suffix of `max_match`..`min_match` tokens that occurred earlier proposes the tokens
+    that followed it, up to `num_draft_tokens`, all verified in the request's next forward."""
+
+    algorithm: str = ""  # "": off
+    num_draft_tokens: int = 4
+    min_match: int = 2
+    max_match: int = 8
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.algorithm)
+
+    def __post_init__(self) -> None:
+        if self.algorithm and self.algorithm not in SPECULATIVE_ALGORITHMS:
+            raise ConfigError(f"--speculative-algorithm {self.algorithm}: one of {', '.join(SPECULATIVE_ALGORITHMS)}")
+        if self.algorithm in ("EAGLE", "STANDALONE"):
+            raise ConfigError(
+                f"--speculative-algorithm {self.algorithm} is not supported yet (it needs a draft model); "
+                "NGRAM is, and needs none"
+            )
+        if not 1 <= self.num_draft_tokens <= 16:
+            raise ConfigError(f"--speculative-num-draft-tokens {self.num_draft_tokens}: from 1 to 16")
+        if not 1 <= self.min_match <= self.max_match:
+            raise ConfigError(
+                f"--speculative-ngram-min-match-window-size {self.min_match} and "
+                f"--speculative-ngram-max-match-window-size {self.max_match}: need 1 <= min <= max"
+            )
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_running_requests: int = 64
@@ -52,6 +87,20 @@ class SchedulerConfig:
     enable_overlap: bool = True
     # Pages reserved per running request for its next decode steps before admitting new prefills.
     decode_reserve_tokens: int = 64
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+
+    @property
+    def overlap(self) -> bool:
+        """Overlap scheduling, unless speculation is on: a request's next draft depends on how many tokens of
+        its last one were accepted, which is known only once that step is processed."""
+        return self.enable_overlap and not self.speculative.enabled
+
+    def __post_init__(self) -> None:
+        if self.speculative.num_draft_tokens >= self.max_batch_tokens:
+            raise ConfigError(
+                f"--speculative-num-draft-tokens {self.speculative.num_draft_tokens} leaves no room in "
+                f"--max-batch-tokens {self.max_batch_tokens}"
+            )
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -17,7 +17,8 @@ class ScheduledBatch:
     In overlap mode a decode request's input token may not be known yet when the batch is built:
     `(j, req)` in `future` says input position j takes the token the previous step sampled for
     `req`; the runner fills it in just before the forward. `generated[i]` counts the output
-    tokens request i has before this step's sample, the one in flight included.
+    tokens request i has before this step's sample, the one in flight included. `drafts[i]` is
+    request i's speculative draft ([] for none), computed after its last known token.
     """
 
     reqs: list[Req]
@@ -25,6 +26,10 @@ class ScheduledBatch:
     samples: list[bool]
     generated: list[int]
     future: list[tuple[int, Req]]
+    drafts: list[list[int]] | None = None
+
+    def draft(self, i: int) -> list[int]:
+        return self.drafts[i] if self.drafts is not None else []
 
     @property
     def num_tokens(self) -> int:
@@ -33,27 +38,33 @@ class ScheduledBatch:
 
 @dataclass
 class StepResult:
-    """Per request of the batch: the sampled token (or -1 where it did not sample)."""
+    """Per request of the batch: the sampled token (or -1 where it did not sample). A request that verified a
+    draft may have more: `extra[i]` lists its accepted tokens after the first, with their logprobs."""
 
     tokens: list[int]
     logprobs: list[float | None]
     top_logprobs: list[list[tuple[int, float]] | None]
+    extra: dict[int, list[tuple[int, float | None, list[tuple[int, float]] | None]]] = field(default_factory=dict)
 
 
-def build_forward(reqs: list[Req], extend: list[int], page_size: int) -> ForwardBatch:
+def build_forward(
+    reqs: list[Req], extend: list[int], page_size: int, drafts: list[list[int]] | None = None
+) -> ForwardBatch:
     """Assemble the tensors for requests computing `extend[i]` tokens from `reqs[i].num_computed`.
 
-    A token not known yet (sampled by the step in flight) is a placeholder 0, filled in later from
-    the previous step's samples. Slots of all requests come from one padded page table in a few
-    vectorised ops (this runs every step).
+    A token not known yet is the request's draft (`drafts[i]`, which then gets logits at each of its
+    positions and the one before), or else a placeholder 0 that the step in flight will sample,
+    filled in later from the previous step's samples. Slots of all requests come from one padded page
+    table in a few vectorised ops (this runs every step).
     """
     starts = [r.num_computed for r in reqs]
     ends = [s + n for s, n in zip(starts, extend, strict=True)]
     ids: list[int] = []
-    for r, s, e in zip(reqs, starts, ends, strict=True):
+    for i, (r, s, e) in enumerate(zip(reqs, starts, ends, strict=True)):
         chunk = r.tokens(s, e)
         ids.extend(chunk)
-        ids.extend([0] * (e - s - len(chunk)))
+        unknown = e - s - len(chunk)
+        ids.extend(drafts[i][:unknown] if drafts and drafts[i] else [0] * unknown)
     width = max((e + page_size - 1) // page_size for e in ends)
     table = torch.tensor([r.pages[:width] + [0] * (width - len(r.pages[:width])) for r in reqs], dtype=torch.long)
     pos = torch.arange(max(ends), dtype=torch.long)
@@ -69,4 +80,5 @@ def build_forward(reqs: list[Req], extend: list[int], page_size: int) -> Forward
         extend_lens=list(extend),
         seq_lens=ends,
         kv_slots=[slots[i, :e] for i, e in enumerate(ends)],
+        num_logits=[1 + len(d) for d in drafts] if drafts and any(drafts) else None,
     )

@@ -33,6 +33,7 @@ from disagg_worker.engine.ranks import Launched, RankGroup, StageWork
 from disagg_worker.engine.request import Req
 from disagg_worker.engine.runner import ModelRunner
 from disagg_worker.engine.scheduler import Scheduler
+from disagg_worker.engine.speculative import NgramDrafter
 from disagg_worker.engine.stage import build_kv_manager, build_stage
 from disagg_worker.limits import RequestLimits
 from disagg_worker.mem.allocator import PageAllocator
@@ -68,8 +69,16 @@ class Engine:
         self.outbox = Outbox()
         # With several stages a request's next step waits for its token to come back.
         future_inputs = shard.pp_size == 1
+        speculative = cfg.scheduler.speculative
+        drafter = NgramDrafter(speculative) if speculative.enabled and cfg.disagg.role is not Role.PREFILL else None
         self.scheduler = Scheduler(
-            cfg.scheduler, cache.page_size, self.allocator, self.radix, self.outbox, future_inputs=future_inputs
+            cfg.scheduler,
+            cache.page_size,
+            self.allocator,
+            self.radix,
+            self.outbox,
+            future_inputs=future_inputs,
+            drafter=drafter,
         )
         self.runner = ModelRunner(model, self.kv_pool, model_cfg.vocab_size, cfg.device)
         manager = build_kv_manager(cfg, self.kv_pool, shard, model_cfg)

@@ -7,6 +7,7 @@ import torch
 from disagg_worker.engine.batch import ScheduledBatch, StepResult
 from disagg_worker.engine.request import Req
 from disagg_worker.engine.sampling import Sampler
+from disagg_worker.engine.speculative import verify
 from disagg_worker.mem.kv_pool import KVPool
 from disagg_worker.model.batch import ForwardBatch
 
@@ -42,29 +43,36 @@ class ModelRunner:
     def forward(self, fwd: ForwardBatch, hidden: torch.Tensor | None = None) -> torch.Tensor:
         """This rank's part of the forward: logits on the last stage, hidden states before it."""
         if self.model is None:  # no-op forward: measures everything but the model
-            return torch.zeros(fwd.num_requests, self.vocab_size)
+            return torch.zeros(fwd.num_logit_rows, self.vocab_size)
         return self.model(fwd, self.kv_pool, hidden)
 
     @torch.inference_mode()
     def sample(self, batch: ScheduledBatch, logits: torch.Tensor) -> StepResult:
-        """Sample the requests of `batch` that take a token from their row of `logits`."""
+        """Sample the requests of `batch` that take a token from their rows of `logits`: one row each, or
+        a drafted request's rows from its last known token on, verified (`speculative.verify`)."""
         rows = [i for i, s in enumerate(batch.samples) if s]
         n = len(batch.reqs)
-        tokens = [-1] * n
-        logprobs: list[float | None] = [None] * n
-        tops: list[list[tuple[int, float]] | None] = [None] * n
-        outputs = [self._outputs_so_far(batch.reqs[i], batch.generated[i]) for i in rows]
+        result = StepResult(tokens=[-1] * n, logprobs=[None] * n, top_logprobs=[None] * n)
+        outputs = [self._outputs_so_far(batch.reqs[i], batch.generated[i]) for i in rows]  # reads `_last`
         self._last = {}
-        if rows:
-            out = self.sampler.sample(logits[rows], [batch.reqs[i].sampling for i in rows], outputs)
-            for k, i in enumerate(rows):
-                tokens[i] = out.token_ids[k]
-                self._last[id(batch.reqs[i])] = out.token_ids[k]
-                if out.logprobs is not None:
-                    logprobs[i] = out.logprobs[k]
-                if out.top_logprobs is not None:
-                    tops[i] = out.top_logprobs[k]
-        return StepResult(tokens=tokens, logprobs=logprobs, top_logprobs=tops)
+        if not rows:
+            return result
+        counts = batch.forward.num_logits or [1] * n
+        first = [sum(counts[:i]) for i in range(n)] if batch.forward.num_logits else list(range(n))
+        emitted = verify(
+            self.sampler,
+            logits,
+            [first[i] for i in rows],
+            [batch.reqs[i].sampling for i in rows],
+            outputs,
+            [batch.draft(i) for i in rows],
+        )
+        for i, e in zip(rows, emitted, strict=True):
+            result.tokens[i], result.logprobs[i], result.top_logprobs[i] = e.tokens[0], e.logprobs[0], e.tops[0]
+            if len(e.tokens) > 1:
+                result.extra[i] = list(zip(e.tokens[1:], e.logprobs[1:], e.tops[1:], strict=True))
+            self._last[id(batch.reqs[i])] = e.tokens[-1]
+        return result
 
     def _outputs_so_far(self, req: Req, generated: int) -> list[int]:
         """The `generated` output tokens of `req` before this step's sample."""

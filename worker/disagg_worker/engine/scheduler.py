@@ -3,8 +3,9 @@
 Life of a request here: `add` puts it in the waiting queue -> `schedule` admits it when its whole
 prompt fits (prefix pages come from the radix cache, the rest from the allocator) -> it is prefilled
 in chunks of at most `chunk_size` tokens, mixed in the same forward with the decode steps of the
-running requests -> after its last chunk each step samples one token (`process`) -> on finish its
-full pages go into the radix cache and the rest back to the allocator. A request marked `handoff`
+running requests -> after its last chunk each step samples one token (`process`), or several when
+a speculative draft was verified with it (`engine/speculative.py`) -> on finish its full pages go
+into the radix cache and the rest back to the allocator. A request marked `handoff`
 (prefill in a P/D deployment) is instead handed back with its pages after its last token.
 
 `process` returns what a step did (`StepOutcome`), so a role stage acts on it without hooking
@@ -24,6 +25,7 @@ from disagg_worker.config import SchedulerConfig
 from disagg_worker.engine.batch import ScheduledBatch, StepResult, build_forward
 from disagg_worker.engine.outbox import Outbox, TopLogprobs
 from disagg_worker.engine.request import FinishReason, Req
+from disagg_worker.engine.speculative import NgramDrafter
 from disagg_worker.mem.allocator import PageAllocator, pages_for
 from disagg_worker.mem.radix import RadixCache
 
@@ -59,8 +61,14 @@ class StepOutcome:
 
 @dataclass
 class Plan:
-    reqs: list[Req]
-    extend: list[int]
+    reqs: list[Req] = field(default_factory=list)
+    extend: list[int] = field(default_factory=list)
+    drafts: list[list[int]] = field(default_factory=list)
+
+    def add(self, req: Req, n: int, draft: list[int] | None = None) -> None:
+        self.reqs.append(req)
+        self.extend.append(n + len(draft or []))
+        self.drafts.append(draft or [])
 
 
 class Scheduler:
@@ -72,10 +80,13 @@ class Scheduler:
         radix: RadixCache,
         outbox: Outbox,
         future_inputs: bool = True,
+        drafter: NgramDrafter | None = None,
     ):
         """`future_inputs`: a request may be scheduled while its previous token is still being
-        sampled (the runner fills it in); False with pipeline stages, where it is not back yet."""
+        sampled (the runner fills it in); False with pipeline stages, where it is not back yet.
+        `drafter`: proposes speculative drafts for decode steps (None: no speculation)."""
         self.cfg = cfg
+        self.drafter = drafter
         self.future_inputs = future_inputs
         self.page_size = page_size
         self.allocator = allocator
@@ -135,7 +146,7 @@ class Scheduler:
         return need > self.allocator.num_free + self.radix.evictable_pages
 
     def schedule(self) -> ScheduledBatch | None:
-        plan = Plan([], [])
+        plan = Plan()
         budget = self.cfg.max_batch_tokens
         budget = self._plan_running(plan, budget)
         self._plan_admissions(plan, budget)
@@ -154,15 +165,29 @@ class Scheduler:
             if budget <= 0 and plan.reqs:
                 break
             n = self._take(r.todo, budget)
-            if not self._ensure_pages(r, n, protected=plan.reqs):
+            draft = self._draft(r, budget)
+            if not draft and not self._ensure_pages(r, n, protected=plan.reqs):
                 if self.running == [r]:
                     r.finish_reason = FinishReason.LENGTH  # alone and the KV cache is full
                     self._finish(r)
                 continue
-            plan.reqs.append(r)
-            plan.extend.append(n)
-            budget -= n
+            plan.add(r, n, draft)
+            budget -= n + len(draft)
         return budget
+
+    def _draft(self, r: Req, budget: int) -> list[int]:
+        """A speculative draft for `r`'s decode step, with pages for it taken from the free ones; [] when it
+        is not decoding, has no draft, or the draft would need more than the free pages (a draft never
+        evicts the cache or retracts a request)."""
+        if self.drafter is None or r.todo != 1 or r.pending:
+            return []
+        limit = min(r.remaining_new_tokens() - 1, budget - 1)
+        draft = self.drafter.propose(r.rid, r.fill_ids, limit, self.step_count) if limit > 0 else []
+        need = self._needs_page(r, 1 + len(draft))
+        if not draft or need > self.allocator.num_free:
+            return []
+        r.pages.extend(self.allocator.alloc(need) or [])
+        return draft
 
     def _plan_admissions(self, plan: Plan, budget: int) -> None:
         while self.waiting and len(self.running) < self.cfg.max_running_requests:
@@ -174,8 +199,7 @@ class Scheduler:
             self.waiting.popleft()
             self.running.append(req)
             n = self._take(req.todo, budget)
-            plan.reqs.append(req)
-            plan.extend.append(n)
+            plan.add(req, n)
             budget -= n
 
     def _take(self, todo: int, budget: int) -> int:
@@ -244,20 +268,23 @@ class Scheduler:
         return True
 
     def _build(self, plan: Plan) -> ScheduledBatch:
-        forward = build_forward(plan.reqs, plan.extend, self.page_size)
+        drafts = plan.drafts if any(plan.drafts) else None
+        forward = build_forward(plan.reqs, plan.extend, self.page_size, drafts)
         samples, generated, future = [], [], []
         pos = 0
         for r, n in zip(plan.reqs, plan.extend, strict=True):
             pos += n
             if r.pending:
                 future.append((pos - 1, r))
-            r.num_computed += n
-            sample = r.num_computed == r.seq_len
+            r.num_computed += n  # with a draft, past the known tokens until `process` knows what was kept
+            sample = r.num_computed >= r.seq_len
             samples.append(sample)
             generated.append(r.num_generated)
             if sample:
                 r.pending += 1
-        return ScheduledBatch(reqs=plan.reqs, forward=forward, samples=samples, generated=generated, future=future)
+        return ScheduledBatch(
+            reqs=plan.reqs, forward=forward, samples=samples, generated=generated, future=future, drafts=drafts
+        )
 
     # ---- results ------------------------------------------------------------------------
     def process(self, batch: ScheduledBatch, result: StepResult) -> StepOutcome:
@@ -270,10 +297,18 @@ class Scheduler:
                     outcome.chunks.append((r, batch.forward.seq_lens[i]))
                 continue
             r.pending -= 1
+            extra = result.extra.get(i, [])
+            draft = batch.draft(i)
+            if draft and self.drafter is not None:
+                r.num_computed -= len(draft) - len(extra)  # the rejected drafts' slots are written again later
+                self.drafter.record(r.rid, len(draft), len(extra), self.step_count)
             if r.finished:
                 continue  # aborted or finished while this step was in flight: its token is dropped
-            s = Sampled(r, result.tokens[i], result.logprobs[i], result.top_logprobs[i])
-            (outcome.handed_off if self._accept(s) else outcome.sampled).append(s)
+            for token, logprob, top in [(result.tokens[i], result.logprobs[i], result.top_logprobs[i]), *extra]:
+                s = Sampled(r, token, logprob, top)
+                (outcome.handed_off if self._accept(s) else outcome.sampled).append(s)
+                if r.finished:
+                    break  # EOS, a stop token or the length limit among the accepted tokens: the rest is dropped
         return outcome
 
     def _accept(self, s: Sampled) -> bool:
@@ -299,6 +334,8 @@ class Scheduler:
         elif req in self.waiting:
             self.waiting.remove(req)
         self.by_rid.pop(req.rid, None)
+        if self.drafter is not None:
+            self.drafter.forget(req.rid)
         if emit:
             self.outbox.emit(req, [])
 

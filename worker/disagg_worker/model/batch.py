@@ -22,6 +22,9 @@ class ForwardBatch:
     extend_lens: list[int]  # per request: number of new tokens in this forward (sum == T)
     seq_lens: list[int]  # per request: total tokens incl. the new ones (prefix + new)
     kv_slots: list[torch.Tensor]  # per request: slots of its whole sequence, len == seq_lens[i]
+    # Per request: how many of its last new tokens get logits (None: one each). A speculative draft is
+    # verified at every position after the request's last known token (`engine/speculative.py`).
+    num_logits: list[int] | None = None
 
     @property
     def is_decode(self) -> bool:
@@ -38,9 +41,22 @@ class ForwardBatch:
 
     @property
     def logits_indices(self) -> torch.Tensor:
-        """Index into the T new tokens of each request's last new token."""
-        lens = torch.tensor(self.extend_lens, dtype=torch.long, device=self.input_ids.device)
-        return torch.cumsum(lens, 0) - 1
+        """Index into the T new tokens of the tokens that get logits: each request's last new token, or its
+        last `num_logits[i]`, in order."""
+        dev = self.input_ids.device
+        ends = torch.cumsum(torch.tensor(self.extend_lens, dtype=torch.long, device=dev), 0)
+        if self.num_logits is None:
+            return ends - 1
+        counts = torch.tensor(self.num_logits, dtype=torch.long, device=dev)
+        first = torch.repeat_interleave(ends - counts, counts)
+        within = torch.arange(int(counts.sum()), device=dev) - torch.repeat_interleave(
+            torch.cumsum(counts, 0) - counts, counts
+        )
+        return first + within
+
+    @property
+    def num_logit_rows(self) -> int:
+        return sum(self.num_logits) if self.num_logits is not None else self.num_requests
 
     def to(self, device: torch.device | str) -> ForwardBatch:
         """The same batch with its tensors on `device` (`Tensor.to` does not copy tensors already there)."""

@@ -1,0 +1,146 @@
+"""Speculative decoding with n-gram drafts (prompt lookup): more than one token per decode step when a request
+repeats what it has already seen (editing a given text, quoting a passage, code).
+
+Path of a draft: `Scheduler._plan_running` asks `NgramDrafter.propose` for a running request's next tokens ->
+the request's forward computes its last token and the draft together, with logits at every one of those
+positions (`ForwardBatch.num_logits`) -> `verify` samples the target at the first position, and at each next
+one only while the token sampled so far equals the draft's -> `Scheduler.process` appends the sampled tokens
+and gives back the KV slots of the rejected ones (they are simply overwritten later).
+
+Verification samples exactly as a step without speculation would: the same penalties over the tokens before,
+the same grammar state, the same draws from the request's generator, one per emitted token. A draft token is
+kept only when it is the token the target samples there, so greedy and seeded answers are token-identical with
+and without speculation, and the sampled distribution is the target's (the rejection rule of speculative
+sampling for a draft that puts all its mass on one token).
+
+When drafts keep failing a request pauses: once at least `WINDOW` of its drafted tokens were checked and fewer
+than `MIN_ACCEPT_RATE` of them accepted, it drafts nothing for its next `PAUSE_STEPS` decode steps, then tries
+again. A text that never repeats itself produces no n-gram match and so no draft at all.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from prometheus_client import Counter, Histogram
+
+from disagg_worker.config import SpeculativeConfig
+from disagg_worker.engine.sampling import SampleOutput, Sampler, SamplingState
+
+WINDOW = 32
+MIN_ACCEPT_RATE = 0.25
+PAUSE_STEPS = 64
+
+DRAFTED = Counter("disagg_spec_draft_tokens_total", "draft tokens proposed and verified")
+ACCEPTED = Counter("disagg_spec_accepted_tokens_total", "draft tokens accepted (equal to the target's sample)")
+ACCEPT_LENGTH = Histogram(
+    "disagg_spec_accept_length",
+    "tokens a verified draft added to its request in one step: accepted drafts plus the target's own token",
+    buckets=tuple(range(1, 18)),
+)
+
+
+def propose_ngram(tokens: Sequence[int], k: int, min_n: int, max_n: int) -> list[int]:
+    """Up to `k` tokens that followed the latest earlier occurrence of the longest suffix of `tokens` of
+    `max_n` down to `min_n` tokens; [] when no such suffix occurred before."""
+    count = len(tokens)
+    if k <= 0 or count <= min_n:
+        return []
+    ids = array("q", tokens)
+    buf, width = ids.tobytes(), ids.itemsize
+    for n in range(min(max_n, count - 1), min_n - 1, -1):
+        pattern = buf[-width * n :]
+        end = width * (count - 1)  # an occurrence must end before the last token: something follows it
+        while True:
+            at = buf.rfind(pattern, 0, end)
+            if at < 0:
+                break
+            if at % width == 0:
+                start = at // width + n
+                return list(tokens[start : start + k])
+            end = at + len(pattern) - 1  # a match across token boundaries: look further back
+    return []
+
+
+@dataclass
+class DraftStats:
+    """A request's recent acceptance, for the pause rule."""
+
+    drafted: int = 0
+    accepted: int = 0
+    paused_until: int = 0  # the scheduler step from which it may draft again
+
+
+@dataclass
+class NgramDrafter:
+    cfg: SpeculativeConfig
+    stats: dict[str, DraftStats] = field(default_factory=dict)
+
+    def propose(self, rid: str, tokens: Sequence[int], limit: int, step: int) -> list[int]:
+        """The draft of request `rid` whose tokens so far are `tokens`, at most `limit` tokens long."""
+        s = self.stats.setdefault(rid, DraftStats())
+        if step < s.paused_until:
+            return []
+        k = min(self.cfg.num_draft_tokens, limit)
+        return propose_ngram(tokens, k, self.cfg.min_match, self.cfg.max_match)
+
+    def record(self, rid: str, drafted: int, accepted: int, step: int) -> None:
+        """A verified draft of `drafted` tokens, `accepted` of them kept."""
+        DRAFTED.inc(drafted)
+        ACCEPTED.inc(accepted)
+        ACCEPT_LENGTH.observe(accepted + 1)
+        s = self.stats.setdefault(rid, DraftStats())
+        s.drafted += drafted
+        s.accepted += accepted
+        if s.drafted >= WINDOW:
+            if s.accepted < MIN_ACCEPT_RATE * s.drafted:
+                s.paused_until = step + PAUSE_STEPS
+            s.drafted = s.accepted = 0
+
+    def forget(self, rid: str) -> None:
+        self.stats.pop(rid, None)
+
+
+@dataclass
+class Emitted:
+    """What one request's step produced: its tokens, with their logprobs when asked for."""
+
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float | None] = field(default_factory=list)
+    tops: list[list[tuple[int, float]] | None] = field(default_factory=list)
+
+    def add(self, out: SampleOutput, k: int) -> None:
+        self.tokens.append(out.token_ids[k])
+        self.logprobs.append(out.logprobs[k] if out.logprobs is not None else None)
+        self.tops.append(out.top_logprobs[k] if out.top_logprobs is not None else None)
+
+
+def verify(
+    sampler: Sampler,
+    logits: torch.Tensor,
+    first_rows: list[int],
+    states: list[SamplingState],
+    outputs: list[list[int]],
+    drafts: list[list[int]],
+) -> list[Emitted]:
+    """Sample each request at its first logits row (`first_rows[i]`, the position after its last known token),
+    then, round by round, at its next row while the token sampled before equals its draft's there.
+
+    `outputs[i]`: request i's output tokens before this step; `drafts[i]`: its draft ([] for none), whose
+    logits rows follow the first one. One batched `Sampler.sample` per round, so each request's penalties see
+    the tokens sampled before, its grammar advances by exactly what it emits and its generator draws once per
+    emitted token, as without speculation."""
+    emitted = [Emitted() for _ in states]
+    live = list(range(len(states)))
+    depth = 0
+    while live:
+        rows = [first_rows[i] + depth for i in live]
+        out = sampler.sample(logits[rows], [states[i] for i in live], [outputs[i] + emitted[i].tokens for i in live])
+        for k, i in enumerate(live):
+            emitted[i].add(out, k)
+        live = [i for k, i in enumerate(live) if depth < len(drafts[i]) and out.token_ids[k] == drafts[i][depth]]
+        depth += 1
+    return emitted
