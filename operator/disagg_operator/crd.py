@@ -118,6 +118,14 @@ SPEC_RULES = (
     ]
 )
 
+SPECULATIVE_RULES = [
+    (
+        "spec.speculative",
+        "self.ngramMinMatchWindowSize <= self.ngramMaxMatchWindowSize",
+        "speculative.ngramMinMatchWindowSize must not exceed speculative.ngramMaxMatchWindowSize",
+    ),
+]
+
 IMMUTABLE_RULES = [
     (
         "spec.transfer",
@@ -146,7 +154,7 @@ ROOT_RULES = [
     ),
 ]
 
-RULES = ROOT_RULES + SPEC_RULES + MODEL_RULES + IMMUTABLE_RULES
+RULES = ROOT_RULES + SPEC_RULES + MODEL_RULES + SPECULATIVE_RULES + IMMUTABLE_RULES
 
 
 def _rules_at(where: str) -> list[dict]:
@@ -200,6 +208,27 @@ def _scaling() -> dict:
         "so one autoscaler on decode scales both; prefill.replicas is then ignored.",
     }
     return obj({"prefillPerDecode": ratio}, "Scaling of the roles relative to one another.", default={})
+
+
+def _speculative() -> dict:
+    return obj(
+        {
+            "algorithm": string(
+                "NGRAM: drafts from n-gram matches in each request's own tokens, verified in its next decode step "
+                "(no draft model; answers stay token-identical). EAGLE and STANDALONE are not supported yet.",
+                16,
+                enum=["NGRAM"],
+            ),
+            "numDraftTokens": integer(4, 1, "Draft tokens verified with a decode step, at most.", 16),
+            "ngramMinMatchWindowSize": integer(
+                2, 1, "Shortest suffix of a request's tokens that must have occurred before to draft.", 64
+            ),
+            "ngramMaxMatchWindowSize": integer(8, 1, "Longest suffix matched.", 64),
+        },
+        "Speculative decoding, for both roles (decode drafts; prefill needs nothing for NGRAM). Absent: off.",
+        required=["algorithm"],
+        rules=_rules_at("spec.speculative"),
+    )
 
 
 def spec_schema() -> dict:
@@ -264,6 +293,7 @@ def spec_schema() -> dict:
             "drain": _drain(),
             "rollout": _rollout(),
             "scaling": _scaling(),
+            "speculative": _speculative(),
         },
         "The desired state of a disaggregated deployment.",
         required=["model", "image"],

@@ -138,6 +138,39 @@ class TransferSpec:
 
 
 @dataclass(frozen=True)
+class SpeculativeSpec:
+    """Speculative decoding, the same settings for both roles (only decode drafts; NGRAM needs no draft KV)."""
+
+    algorithm: str
+    num_draft_tokens: int = 4
+    ngram_min_match: int = 2
+    ngram_max_match: int = 8
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any] | None) -> "SpeculativeSpec | None":
+        if not d:
+            return None
+        return cls(
+            str(d["algorithm"]),
+            int(d.get("numDraftTokens", 4)),
+            int(d.get("ngramMinMatchWindowSize", 2)),
+            int(d.get("ngramMaxMatchWindowSize", 8)),
+        )
+
+    def args(self) -> list[str]:
+        return [
+            "--speculative-algorithm",
+            self.algorithm,
+            "--speculative-num-draft-tokens",
+            str(self.num_draft_tokens),
+            "--speculative-ngram-min-match-window-size",
+            str(self.ngram_min_match),
+            "--speculative-ngram-max-match-window-size",
+            str(self.ngram_max_match),
+        ]
+
+
+@dataclass(frozen=True)
 class RolloutSpec:
     """How a change that touches both worker roles is rolled out (see rollout.py)."""
 
@@ -200,6 +233,7 @@ class ModelSpec:
     prefill_per_decode: float | None = None
     # The clients' API keys (a file of keys, one a line), mounted into the router only; None: no API keys.
     api_key_secret: SecretRef | None = None
+    speculative: SpeculativeSpec | None = None  # None: no speculative decoding
 
     @property
     def grace_period_s(self) -> int:
@@ -258,6 +292,7 @@ class ModelSpec:
             rollout=RolloutSpec.from_dict(spec.get("rollout", {})),
             prefill_per_decode=float(ratio) if ratio is not None else None,
             api_key_secret=_secret_ref(spec.get("apiKeySecret")),
+            speculative=SpeculativeSpec.from_dict(spec.get("speculative")),
         )
 
 

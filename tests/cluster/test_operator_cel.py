@@ -42,6 +42,11 @@ VIOLATIONS = [
     ("prefill expert sizes", tiny(prefill__tpSize=2, prefill__epSize=4), "self.prefill.epSize == 1 || "),
     ("decode expert sizes", tiny(decode__tpSize=4, decode__epSize=2), "self.decode.epSize == 1 || "),
     ("page size", tiny(decode__engine={"pageSize": 32}), "engine.pageSize"),
+    (
+        "speculative windows",
+        tiny(speculative={"algorithm": "NGRAM", "ngramMinMatchWindowSize": 5, "ngramMaxMatchWindowSize": 3}),
+        "ngramMinMatchWindowSize <= ",
+    ),
     ("kv dtype", tiny(prefill__engine={"kvDtype": "bfloat16"}), "engine.kvDtype"),
     ("prefill gpus", tiny(prefill__tpSize=2, prefill__resources={"gpus": 3}), "self.prefill.resources.gpus"),
     ("decode gpus", tiny(decode__resources={"gpus": 2}), "self.decode.resources.gpus"),
@@ -157,3 +162,9 @@ def test_examples_pass_validation_and_get_defaults(kube_cluster, crd_installed, 
     spec = json.loads(out.stdout)["spec"]
     assert spec["prefill"]["tpSize"] >= 1 and spec["imagePullPolicy"] == "IfNotPresent"
     assert spec["auth"] == {}
+
+
+def test_a_speculative_algorithm_that_is_not_built_is_refused_at_apply(kube_cluster, crd_installed, namespace):
+    proc = apply_cr(kube_cluster, namespace, tiny(speculative={"algorithm": "EAGLE"}), check=False)
+    assert proc.returncode != 0 and "spec.speculative.algorithm" in proc.stderr and "NGRAM" in proc.stderr
+    apply_cr(kube_cluster, namespace, tiny(speculative={"algorithm": "NGRAM"}))

@@ -1,13 +1,18 @@
-"""Speculative decoding (NGRAM) on SmolLM2-135M-Instruct through real servers: the same chat answers, token for
+"""Speculative decoding (NGRAM) through real servers: on SmolLM2-135M-Instruct the same chat answers, token for
 token, with and without speculation, monolithic and through router + prefill + decode over Mooncake TCP (decode
-speculates, prefill does not: n-gram drafts need no draft KV); greedy and seeded sampling; drafts were kept.
+speculates, prefill does not: n-gram drafts need no draft KV), greedy and seeded; on the tiny model the same
+tokens from tensor- and pipeline-parallel instances, and every rank clean after a thousand abandoned requests.
+Each test also checks that drafts were kept, so none passes by never speculating.
 
-Real weights on a CPU: marked `real_model`. Three servers load at once, then each gets every prompt at once.
+SmolLM2 (real weights on a CPU) is marked `real_model`; its three servers load at once, then each gets every
+prompt at once.
 """
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures as cf
+import random
 import subprocess
 
 import pytest
@@ -15,8 +20,10 @@ import requests
 
 from disagg_worker.model.demo import SERVED_NAME
 from tests.integration.procs import DISAGG, PDStack, Proc, scaled, serve, wait_until
+from tests.integration.test_parallel import PATIENT, abandon_requests, rank_queues
+from tests.integration.test_pd import FLAGS, assert_clean
 
-pytestmark = [pytest.mark.integration, pytest.mark.real_model]
+pytestmark = pytest.mark.integration
 NGRAM = ("--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "5")
 PARAGRAPH = (
     "A Service gives a stable address to a set of pods selected by labels. The kube-proxy on every node turns "
@@ -71,6 +78,7 @@ def accepted(url: str) -> float:
     return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(total))
 
 
+@pytest.mark.real_model
 @pytest.mark.parametrize("sampling", [{"temperature": 0}, {"temperature": 0.8, "seed": 11}], ids=["greedy", "seeded"])
 def test_speculation_changes_no_answer_monolithic_or_through_pd(servers, sampling):
     plain, spec, stack = servers
@@ -85,3 +93,67 @@ def test_speculation_changes_no_answer_monolithic_or_through_pd(servers, samplin
     wait_until(lambda: accepted(spec.url) > before[0], 10, what="accepted drafts on the monolithic server")
     wait_until(lambda: accepted(stack.decode.url) > before[1], 10, what="accepted drafts on decode")
     assert accepted(stack.prefill.url) == 0
+
+
+# ---- the tiny model: ranks and aborts ------------------------------------------------------------------------
+
+
+def repetitive_prompts(n: int) -> list[list[int]]:
+    rng = random.Random(5)
+    out = []
+    for _ in range(n):
+        phrase = [rng.randrange(10, 2000) for _ in range(rng.choice([5, 9, 14]))]
+        out.append((phrase * 5)[: rng.choice([25, 40, 60])])
+    return out
+
+
+def generate(url: str, ids: list[int], n: int = 40) -> list[int]:
+    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}}
+    r = requests.post(f"{url}/generate", json=body, timeout=scaled(120))
+    assert r.status_code == 200, r.text
+    return r.json()["output_ids"]
+
+
+def generate_all(url: str, prompts: list[list[int]]) -> list[list[int]]:
+    with cf.ThreadPoolExecutor(8) as pool:
+        return list(pool.map(lambda p: generate(url, p), prompts))
+
+
+@pytest.mark.parametrize("ranks", [("--tp-size", "2"), ("--pp-size", "2")], ids=["tp2", "pp2"])
+def test_speculative_ranks_equal_a_plain_single_rank(tiny_model, ranks):
+    prompts = repetitive_prompts(12)
+    plain = serve(tiny_model, *FLAGS).wait_healthy()
+    try:
+        expected = generate_all(plain.url, prompts)
+    finally:
+        plain.stop()
+    spec = serve(tiny_model, *FLAGS, *NGRAM, *ranks).wait_healthy()
+    try:
+        assert generate_all(spec.url, prompts) == expected
+        wait_until(lambda: accepted(spec.url) > 0, 10, what="accepted drafts")
+        assert_clean(spec.url)
+    finally:
+        spec.stop()
+
+
+def test_a_thousand_abandoned_requests_to_a_speculating_decode_leave_every_rank_clean(tiny_model):
+    """Decode TP=2 speculating behind a plain prefill: clients give up at random moments; afterwards every
+    queue is empty and every page free on every rank, and fresh requests get the plain tokens."""
+    prompts = repetitive_prompts(8)
+    plain = serve(tiny_model, *FLAGS).wait_healthy()
+    try:
+        expected = generate_all(plain.url, prompts)
+    finally:
+        plain.stop()
+    stack = PDStack(tiny_model, *FLAGS, decode_flags=(*NGRAM, "--tp-size", "2")).wait_healthy()
+    try:
+        outcomes = asyncio.run(abandon_requests(stack.router.url, n=1000, seed=4))
+        assert outcomes["patient_completed"] == 1000 // PATIENT, outcomes
+        assert outcomes["aborted"] >= 300, outcomes
+        wait_until(lambda: accepted(stack.decode.url) > 0, 10, what="accepted drafts on decode")
+        assert_clean(stack.prefill.url, stack.decode.url)
+        ranks = rank_queues(stack.decode.url)
+        assert len(ranks) == 2 and all(not any(r["queues"].values()) for r in ranks), ranks
+        assert generate_all(stack.router.url, prompts) == expected
+    finally:
+        stack.stop()

@@ -544,3 +544,19 @@ def test_an_expert_parallel_decode_gets_its_ep_size_and_prefill_does_not(tiny):
     decode = container(kids, "StatefulSet", "tiny-decode")["args"]
     assert decode[decode.index("--ep-size") + 1] == "2" and decode[decode.index("--tp-size") + 1] == "2"
     assert "--ep-size" not in container(kids, "StatefulSet", "tiny-prefill")["args"]
+
+
+def test_speculative_settings_reach_decode_and_nothing_changes_without_them(tiny):
+    plain = children_by_kind_name(tiny)
+    for name in ("tiny-prefill", "tiny-decode"):
+        assert not any(a.startswith("--speculative") for a in container(plain, "StatefulSet", name)["args"])
+    tiny["spec"]["speculative"] = {"algorithm": "NGRAM", "numDraftTokens": 6}
+    kids = children_by_kind_name(tiny)
+    args = container(kids, "StatefulSet", "tiny-decode")["args"]
+    assert args[args.index("--speculative-algorithm") + 1] == "NGRAM"
+    assert args[args.index("--speculative-num-draft-tokens") + 1] == "6"
+    assert args[args.index("--speculative-ngram-min-match-window-size") + 1] == "2"
+    assert args[args.index("--speculative-ngram-max-match-window-size") + 1] == "8"
+    # Prefill has nothing to draft for NGRAM: its pods keep their template (no rollout of prefill).
+    assert container(kids, "StatefulSet", "tiny-prefill") == container(plain, "StatefulSet", "tiny-prefill")
+    assert "--speculative-algorithm" not in container(kids, "Deployment", "tiny-router")["args"]

@@ -86,6 +86,7 @@ def test_every_rule_has_a_message_and_sits_where_it_can_see_its_fields():
         ("ppSize", "decode.ppSize == self.prefill.ppSize"),
         ("tpSize", "tpSize % "),
         ("epSize", "epSize == 1 || "),
+        ("speculative windows", "ngramMinMatchWindowSize <= "),
         ("pageSize", "pageSize"),
         ("kvDtype", "kvDtype"),
         ("immutable", "oldSelf"),

@@ -12,7 +12,15 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from disagg_worker import messages as msg
-from disagg_worker.config import CacheConfig, ConfigError, EngineConfig, SchedulerConfig, SpeculativeConfig
+from disagg_worker.config import (
+    CacheConfig,
+    ConfigError,
+    DisaggConfig,
+    EngineConfig,
+    Role,
+    SchedulerConfig,
+    SpeculativeConfig,
+)
 from disagg_worker.engine.engine import Engine
 from disagg_worker.engine.loop import Stepper
 from disagg_worker.engine.sampling import SamplingParams
@@ -55,16 +63,31 @@ def test_proposals_follow_the_rule(tokens, k, min_n, extra):
 def test_a_request_whose_drafts_keep_failing_pauses_then_tries_again():
     drafter = NgramDrafter(NGRAM)
     tokens = [1, 2, 3, 1, 2]
-    assert drafter.propose("r", tokens, 4, step=0) == [3, 1, 2]
+    assert drafter.may_draft("r", 0) and drafter.propose("r", tokens, 4) == [3, 1, 2]
     for step in range(WINDOW // 4):
         drafter.record("r", 4, 0, step)  # every draft rejected
     paused_at = WINDOW // 4 - 1
-    assert drafter.propose("r", tokens, 4, step=paused_at + 1) == []
-    assert drafter.propose("r", tokens, 4, step=paused_at + PAUSE_STEPS - 1) == []
-    assert drafter.propose("r", tokens, 4, step=paused_at + PAUSE_STEPS) == [3, 1, 2]
+    assert not drafter.may_draft("r", paused_at + 1)
+    assert not drafter.may_draft("r", paused_at + PAUSE_STEPS - 1)
+    assert drafter.may_draft("r", paused_at + PAUSE_STEPS)
+    assert drafter.propose("r", tokens, 4) == [3]  # one token: none of the last draft was kept
     for step in range(WINDOW // 4):
         drafter.record("s", 4, 1, step)  # 25% kept: no pause
-    assert drafter.propose("s", tokens, 4, step=WINDOW) == [3, 1, 2]
+    assert drafter.may_draft("s", WINDOW) and drafter.propose("s", tokens, 4) == [3, 1]
+
+
+def test_draft_length_follows_what_the_drafts_achieve():
+    drafter = NgramDrafter(NGRAM)
+    tokens = [1, 2, 3, 4, 5, 6, 1, 2]
+    assert drafter.propose("r", tokens, 9) == [3, 4, 5, 6]  # num_draft_tokens
+    drafter.record("r", 4, 1, step=0)  # cut after one token: next at most two
+    assert drafter.propose("r", tokens, 9) == [3, 4]
+    drafter.record("r", 2, 2, step=1)  # kept whole: one more
+    assert drafter.propose("r", tokens, 9) == [3, 4, 5]
+    for step in range(3, 6):
+        drafter.record("r", 3, 3, step)
+    assert drafter.propose("r", tokens, 9) == [3, 4, 5, 6]  # never past num_draft_tokens
+    assert drafter.propose("r", tokens, 2) == [3, 4]  # nor past the request's limit
 
 
 @pytest.mark.parametrize(
@@ -81,8 +104,13 @@ def test_settings_that_cannot_work_name_their_flag(kwargs, flag):
         SpeculativeConfig(**kwargs)
 
 
-def test_speculation_turns_overlap_off():
-    assert SchedulerConfig().overlap and not SchedulerConfig(speculative=NGRAM).overlap
+def test_speculation_turns_overlap_off_where_drafts_are_made():
+    def config(role: Role, spec: SpeculativeConfig) -> EngineConfig:
+        return EngineConfig("m", scheduler=SchedulerConfig(speculative=spec), disagg=DisaggConfig(role=role))
+
+    assert config(Role.MONOLITHIC, SpeculativeConfig()).overlap
+    assert not config(Role.MONOLITHIC, NGRAM).overlap and not config(Role.DECODE, NGRAM).overlap
+    assert config(Role.PREFILL, NGRAM).overlap and not config(Role.PREFILL, NGRAM).drafts
 
 
 # ---- the engine -------------------------------------------------------------------------------------------
@@ -101,7 +129,7 @@ def engine(model: str, spec: bool, tokens: int = 8192, max_running: int = 64) ->
 
 def run(e: Engine, requests: list[tuple[list[int], SamplingParams]], abort_after: dict[str, int] | None = None):
     """Every request's outputs, and the steps it took (overlap as the config says)."""
-    stepper = Stepper(e, e.cfg.scheduler.overlap)
+    stepper = Stepper(e, e.cfg.overlap)
     for i, (ids, params) in enumerate(requests):
         e.handle(msg.GenerateReq(str(i), ids, params))
     outs: dict[str, list[msg.TokenOut]] = {}
@@ -202,3 +230,35 @@ def test_aborts_at_any_step_of_speculative_requests_free_every_page(tiny_model):
     for i in range(40):
         finish = outs[str(i)][-1].finish_reason
         assert finish == ("length" if str(i) not in aborts else finish) and finish in ("abort", "length")
+
+
+def test_drafts_take_only_what_every_running_request_leaves(tiny_model):
+    """A batch budget of 6 tokens and 4 decoding requests: each still gets its step every time; drafts fill at
+    most the 2 tokens left, and the answers stay the plain ones."""
+    reqs = [(repetitive(i), SamplingParams(max_new_tokens=80, temperature=0.0, ignore_eos=True)) for i in range(4)]
+
+    def tight(spec: bool) -> Engine:
+        sched = SchedulerConfig(chunk_size=16, max_batch_tokens=6, speculative=NGRAM if spec else SpeculativeConfig())
+        return Engine.from_config(
+            EngineConfig(model_path=tiny_model, cache=CacheConfig(page_size=4, max_total_tokens=4096), scheduler=sched)
+        )
+
+    plain, _ = run(tight(False), reqs)
+    e = tight(True)
+    schedule, batches = e.scheduler.schedule, []
+
+    def spy():
+        running = [r for r in e.scheduler.running if r.todo == 1 and r.remaining_new_tokens() > 0]
+        batch = schedule()
+        if batch is not None:
+            batches.append((len(running), batch))
+        return batch
+
+    e.scheduler.schedule = spy
+    spec, _ = run(e, reqs)
+    for i in range(len(reqs)):
+        assert answer(spec[str(i)])[0] == answer(plain[str(i)])[0]
+    decoding = [b for n, b in batches if n == 4 and b.forward.num_tokens > 4]
+    assert decoding, "no step with four decoding requests drafted anything"
+    for b in decoding:
+        assert len(b.reqs) == 4 and b.forward.num_tokens <= 6

@@ -47,6 +47,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--speculative-algorithm",
         default="",
+        type=str.upper,
         choices=["", *SPECULATIVE_ALGORITHMS],
         help="speculative decoding: NGRAM drafts from n-gram matches in the request's own tokens (no draft "
         "model); greedy and seeded answers stay token-identical. Turns overlap scheduling off",

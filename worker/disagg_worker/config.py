@@ -68,6 +68,8 @@ class SpeculativeConfig:
                 f"--speculative-algorithm {self.algorithm} is not supported yet (it needs a draft model); "
                 "NGRAM is, and needs none"
             )
+        if not self.algorithm:
+            return
         if not 1 <= self.num_draft_tokens <= 16:
             raise ConfigError(f"--speculative-num-draft-tokens {self.num_draft_tokens}: from 1 to 16")
         if not 1 <= self.min_match <= self.max_match:
@@ -89,14 +91,8 @@ class SchedulerConfig:
     decode_reserve_tokens: int = 64
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
-    @property
-    def overlap(self) -> bool:
-        """Overlap scheduling, unless speculation is on: a request's next draft depends on how many tokens of
-        its last one were accepted, which is known only once that step is processed."""
-        return self.enable_overlap and not self.speculative.enabled
-
     def __post_init__(self) -> None:
-        if self.speculative.num_draft_tokens >= self.max_batch_tokens:
+        if self.speculative.enabled and self.speculative.num_draft_tokens >= self.max_batch_tokens:
             raise ConfigError(
                 f"--speculative-num-draft-tokens {self.speculative.num_draft_tokens} leaves no room in "
                 f"--max-batch-tokens {self.max_batch_tokens}"
@@ -251,6 +247,17 @@ class EngineConfig:
         import os
 
         return max(1, (os.cpu_count() or 2) // 2 // self.world_size)
+
+    @property
+    def drafts(self) -> bool:
+        """Speculative drafts are made here: speculation is on and the role decodes (prefill samples one token)."""
+        return self.scheduler.speculative.enabled and self.disagg.role is not Role.PREFILL
+
+    @property
+    def overlap(self) -> bool:
+        """Overlap scheduling, unless this instance drafts: a request's next draft depends on how many tokens of
+        its last one were accepted, which is known only once that step is processed."""
+        return self.scheduler.enable_overlap and not self.drafts
 
     @property
     def world_size(self) -> int:

@@ -75,6 +75,10 @@ def worker_args(spec: ModelSpec, role: str) -> list[str]:
         "--drain-timeout",
         str(spec.drain_timeout_s),
     ]
+    if spec.speculative is not None and role == names.DECODE:
+        # Decode drafts; prefill needs nothing for NGRAM, and a flag it ignores would only roll its pods. Only
+        # when set, like --ep-size.
+        args += spec.speculative.args()
     return args + list(w.placement.args)
 
 

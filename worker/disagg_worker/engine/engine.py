@@ -69,8 +69,7 @@ class Engine:
         self.outbox = Outbox()
         # With several stages a request's next step waits for its token to come back.
         future_inputs = shard.pp_size == 1
-        speculative = cfg.scheduler.speculative
-        drafter = NgramDrafter(speculative) if speculative.enabled and cfg.disagg.role is not Role.PREFILL else None
+        drafter = NgramDrafter(cfg.scheduler.speculative) if cfg.drafts else None
         self.scheduler = Scheduler(
             cfg.scheduler,
             cache.page_size,

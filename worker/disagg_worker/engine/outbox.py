@@ -32,6 +32,28 @@ class Outbox:
             )
         )
 
+    def emit_run(
+        self,
+        req: Req,
+        tokens: list[int],
+        logprobs: list[float | None] | None = None,
+        tops: list[TopLogprobs | None] | None = None,
+    ) -> None:
+        """Queue several tokens of `req` sampled in one step (a verified speculative draft) as one output."""
+        self._outs.append(
+            TokenOut(
+                rid=req.rid,
+                token_ids=tokens,
+                logprobs=[lp for lp in logprobs if lp is not None] if logprobs else None,
+                top_logprobs=[t for t in tops if t is not None] if tops else None,
+                finish_reason=req.finish_reason.value if req.finish_reason is not None else None,
+                prompt_tokens=len(req.prompt_ids),
+                cached_tokens=req.cached_tokens,
+                error=req.error,
+                error_status=req.error_status,
+            )
+        )
+
     def reject(self, req: Req, status: int, message: str) -> None:
         """End `req` with an error (it holds no pages)."""
         req.fail(status, message)

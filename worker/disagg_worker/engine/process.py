@@ -113,7 +113,7 @@ def _start_process(cfg: EngineConfig, log_level: str, name: str, rank: int = 0) 
 def _serve(engine: Engine, cfg: EngineConfig, recv_addr: str, send_addr: str) -> None:
     from disagg_worker.engine.loop import EngineLoop
 
-    loop = EngineLoop(engine, recv_addr, send_addr, overlap=cfg.scheduler.overlap)
+    loop = EngineLoop(engine, recv_addr, send_addr, overlap=cfg.overlap)
     signal.signal(signal.SIGUSR1, lambda *_: setattr(loop, "stopped", True))
     try:
         loop.serve_forever()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from itertools import accumulate
+
 import torch
 
 from disagg_worker.engine.batch import ScheduledBatch, StepResult
@@ -57,8 +59,7 @@ class ModelRunner:
         self._last = {}
         if not rows:
             return result
-        counts = batch.forward.num_logits or [1] * n
-        first = [sum(counts[:i]) for i in range(n)] if batch.forward.num_logits else list(range(n))
+        first = [0, *accumulate(batch.forward.num_logits or [1] * n)]  # each request's first logits row
         emitted = verify(
             self.sampler,
             logits,

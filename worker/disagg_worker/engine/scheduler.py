@@ -65,10 +65,10 @@ class Plan:
     extend: list[int] = field(default_factory=list)
     drafts: list[list[int]] = field(default_factory=list)
 
-    def add(self, req: Req, n: int, draft: list[int] | None = None) -> None:
+    def add(self, req: Req, n: int) -> None:
         self.reqs.append(req)
-        self.extend.append(n + len(draft or []))
-        self.drafts.append(draft or [])
+        self.extend.append(n)
+        self.drafts.append([])
 
 
 class Scheduler:
@@ -149,6 +149,7 @@ class Scheduler:
         plan = Plan()
         budget = self.cfg.max_batch_tokens
         budget = self._plan_running(plan, budget)
+        budget = self._plan_drafts(plan, budget)
         self._plan_admissions(plan, budget)
         if not plan.reqs:
             return None
@@ -165,29 +166,36 @@ class Scheduler:
             if budget <= 0 and plan.reqs:
                 break
             n = self._take(r.todo, budget)
-            draft = self._draft(r, budget)
-            if not draft and not self._ensure_pages(r, n, protected=plan.reqs):
+            if not self._ensure_pages(r, n, protected=plan.reqs):
                 if self.running == [r]:
                     r.finish_reason = FinishReason.LENGTH  # alone and the KV cache is full
                     self._finish(r)
                 continue
-            plan.add(r, n, draft)
-            budget -= n + len(draft)
+            plan.add(r, n)
+            budget -= n
         return budget
 
-    def _draft(self, r: Req, budget: int) -> list[int]:
-        """A speculative draft for `r`'s decode step, with pages for it taken from the free ones; [] when it
-        is not decoding, has no draft, or the draft would need more than the free pages (a draft never
-        evicts the cache or retracts a request)."""
-        if self.drafter is None or r.todo != 1 or r.pending:
-            return []
-        limit = min(r.remaining_new_tokens() - 1, budget - 1)
-        draft = self.drafter.propose(r.rid, r.fill_ids, limit, self.step_count) if limit > 0 else []
-        need = self._needs_page(r, 1 + len(draft))
-        if not draft or need > self.allocator.num_free:
-            return []
-        r.pages.extend(self.allocator.alloc(need) or [])
-        return draft
+    def _plan_drafts(self, plan: Plan, budget: int) -> int:
+        """Speculative drafts for the planned decode steps, once every running request has its own token and
+        page: a draft takes only the budget and the free pages left (it never evicts the cache, retracts a
+        request or crowds out another's step)."""
+        if self.drafter is None:
+            return budget
+        for i, r in enumerate(plan.reqs):
+            limit = min(r.remaining_new_tokens() - 1, budget)
+            if plan.extend[i] != 1 or r.todo != 1 or r.pending or limit <= 0:
+                continue
+            if not self.drafter.may_draft(r.rid, self.step_count):
+                continue
+            draft = self.drafter.propose(r.rid, r.fill_ids, limit)
+            need = self._needs_page(r, 1 + len(draft))
+            if not draft or need > self.allocator.num_free:
+                continue
+            r.pages.extend(self.allocator.alloc(need) or [])
+            plan.extend[i] += len(draft)
+            plan.drafts[i] = draft
+            budget -= len(draft)
+        return budget
 
     def _plan_admissions(self, plan: Plan, budget: int) -> None:
         while self.waiting and len(self.running) < self.cfg.max_running_requests:
@@ -299,17 +307,33 @@ class Scheduler:
             r.pending -= 1
             extra = result.extra.get(i, [])
             draft = batch.draft(i)
-            if draft and self.drafter is not None:
-                r.num_computed -= len(draft) - len(extra)  # the rejected drafts' slots are written again later
-                self.drafter.record(r.rid, len(draft), len(extra), self.step_count)
+            r.num_computed -= len(draft) - len(extra)  # the rejected drafts' slots are written again later
             if r.finished:
                 continue  # aborted or finished while this step was in flight: its token is dropped
-            for token, logprob, top in [(result.tokens[i], result.logprobs[i], result.top_logprobs[i]), *extra]:
-                s = Sampled(r, token, logprob, top)
+            s = Sampled(r, result.tokens[i], result.logprobs[i], result.top_logprobs[i])
+            if draft:
+                outcome.sampled += self._accept_run(s, [Sampled(r, *x) for x in extra], len(draft))
+            else:
                 (outcome.handed_off if self._accept(s) else outcome.sampled).append(s)
-                if r.finished:
-                    break  # EOS, a stop token or the length limit among the accepted tokens: the rest is dropped
         return outcome
+
+    def _accept_run(self, first: Sampled, kept: list[Sampled], drafted: int) -> list[Sampled]:
+        """The tokens of a verified draft: appended up to the first that ends the request (EOS, a stop token,
+        the length limit), streamed as one output, recorded for the drafter."""
+        req, taken = first.req, []
+        for s in [first, *kept]:
+            req.append_token(s.token)
+            taken.append(s)
+            if req.finished:
+                break
+        if self.drafter is not None:
+            self.drafter.record(req.rid, drafted, len(taken) - 1, self.step_count)
+        logprobs = [s.logprob for s in taken] if first.logprob is not None else None
+        tops = [s.top for s in taken] if first.top is not None else None
+        self.outbox.emit_run(req, [s.token for s in taken], logprobs, tops)
+        if req.finished:
+            self._finish(req, emit=False)
+        return taken
 
     def _accept(self, s: Sampled) -> bool:
         """Append a sampled token: stream it and end the request if it was its last.

@@ -13,9 +13,12 @@ kept only when it is the token the target samples there, so greedy and seeded an
 and without speculation, and the sampled distribution is the target's (the rejection rule of speculative
 sampling for a draft that puts all its mass on one token).
 
-When drafts keep failing a request pauses: once at least `WINDOW` of its drafted tokens were checked and fewer
-than `MIN_ACCEPT_RATE` of them accepted, it drafts nothing for its next `PAUSE_STEPS` decode steps, then tries
-again. A text that never repeats itself produces no n-gram match and so no draft at all.
+Drafts cost compute when they are rejected (every draft token is a row of the forward), so their length follows
+what the request's drafts achieve: a draft kept whole lets the next one grow by a token (up to
+`num_draft_tokens`); one cut short makes the next at most one token longer than what was kept. When drafts keep
+failing a request pauses: once at least `WINDOW` of its drafted tokens were checked and fewer than
+`MIN_ACCEPT_RATE` of them accepted, it drafts nothing for its next `PAUSE_STEPS` decode steps, then tries again.
+A text that never repeats itself produces no n-gram match and so no draft at all.
 """
 
 from __future__ import annotations
@@ -67,8 +70,9 @@ def propose_ngram(tokens: Sequence[int], k: int, min_n: int, max_n: int) -> list
 
 @dataclass
 class DraftStats:
-    """A request's recent acceptance, for the pause rule."""
+    """A request's recent acceptance, for the draft length and pause rules."""
 
+    length: int  # the longest draft it may make next
     drafted: int = 0
     accepted: int = 0
     paused_until: int = 0  # the scheduler step from which it may draft again
@@ -79,26 +83,33 @@ class NgramDrafter:
     cfg: SpeculativeConfig
     stats: dict[str, DraftStats] = field(default_factory=dict)
 
-    def propose(self, rid: str, tokens: Sequence[int], limit: int, step: int) -> list[int]:
+    def may_draft(self, rid: str, step: int) -> bool:
+        """False while request `rid` is paused (checked before its tokens are gathered for `propose`)."""
+        return step >= self._stats(rid).paused_until
+
+    def propose(self, rid: str, tokens: Sequence[int], limit: int) -> list[int]:
         """The draft of request `rid` whose tokens so far are `tokens`, at most `limit` tokens long."""
-        s = self.stats.setdefault(rid, DraftStats())
-        if step < s.paused_until:
-            return []
-        k = min(self.cfg.num_draft_tokens, limit)
-        return propose_ngram(tokens, k, self.cfg.min_match, self.cfg.max_match)
+        length = min(self._stats(rid).length, limit)
+        return propose_ngram(tokens, length, self.cfg.min_match, self.cfg.max_match)
 
     def record(self, rid: str, drafted: int, accepted: int, step: int) -> None:
-        """A verified draft of `drafted` tokens, `accepted` of them kept."""
+        """A verified draft of `drafted` tokens, `accepted` of them kept (before any ended the request)."""
         DRAFTED.inc(drafted)
         ACCEPTED.inc(accepted)
         ACCEPT_LENGTH.observe(accepted + 1)
-        s = self.stats.setdefault(rid, DraftStats())
+        s = self._stats(rid)
+        s.length = min(self.cfg.num_draft_tokens, s.length + 1 if accepted == drafted else accepted + 1)
         s.drafted += drafted
         s.accepted += accepted
         if s.drafted >= WINDOW:
             if s.accepted < MIN_ACCEPT_RATE * s.drafted:
                 s.paused_until = step + PAUSE_STEPS
             s.drafted = s.accepted = 0
+
+    def _stats(self, rid: str) -> DraftStats:
+        if rid not in self.stats:
+            self.stats[rid] = DraftStats(length=self.cfg.num_draft_tokens)
+        return self.stats[rid]
 
     def forget(self, rid: str) -> None:
         self.stats.pop(rid, None)

@@ -136,7 +136,8 @@ class CausalLM(nn.Module):
     def forward(self, batch: ForwardBatch, kv: KVCacheView, hidden: torch.Tensor | None = None) -> torch.Tensor:
         """Run the new tokens of every request through this stage.
 
-        On the last stage: float32 logits [num_requests, vocab] of each request's last token; on
+        On the last stage: float32 logits [rows, vocab] of each request's last token (or of its last
+        `batch.num_logits[i]` tokens, a speculative draft's positions); on
         the others: the hidden states [T, hidden] for the next stage. The batch may be built on
         the CPU; its tensors are moved to the model's device.
         """
