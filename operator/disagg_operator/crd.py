@@ -219,7 +219,7 @@ def _speculative() -> dict:
                 16,
                 enum=["NGRAM"],
             ),
-            "numDraftTokens": integer(4, 1, "Draft tokens verified with a decode step, at most.", 16),
+            "numDraftTokens": integer(8, 1, "Draft tokens verified with a decode step, at most.", 16),
             "ngramMinMatchWindowSize": integer(
                 2, 1, "Shortest suffix of a request's tokens that must have occurred before to draft.", 64
             ),

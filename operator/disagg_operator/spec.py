@@ -142,7 +142,7 @@ class SpeculativeSpec:
     """Speculative decoding, the same settings for both roles (only decode drafts; NGRAM needs no draft KV)."""
 
     algorithm: str
-    num_draft_tokens: int = 4
+    num_draft_tokens: int = 8
     ngram_min_match: int = 2
     ngram_max_match: int = 8
 
@@ -152,7 +152,7 @@ class SpeculativeSpec:
             return None
         return cls(
             str(d["algorithm"]),
-            int(d.get("numDraftTokens", 4)),
+            int(d.get("numDraftTokens", 8)),
             int(d.get("ngramMinMatchWindowSize", 2)),
             int(d.get("ngramMaxMatchWindowSize", 8)),
         )

@@ -52,7 +52,7 @@ class SpeculativeConfig:
     that followed it, up to `num_draft_tokens`, all verified in the request's next forward."""
 
     algorithm: str = ""  # "": off
-    num_draft_tokens: int = 4
+    num_draft_tokens: int = 8
     min_match: int = 2
     max_match: int = 8
 
