@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures as cf
+import json
 import random
 import subprocess
 
@@ -157,3 +158,55 @@ def test_a_thousand_abandoned_requests_to_a_speculating_decode_leave_every_rank_
         assert generate_all(stack.router.url, prompts) == expected
     finally:
         stack.stop()
+
+
+def completion(url: str, prompt: list[int], **extra: object) -> dict:
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 40, "temperature": 0, "logprobs": 1, **extra}
+    r = requests.post(f"{url}/v1/completions", json=body, timeout=scaled(120))
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def chunks(url: str, prompt: list[int]) -> list[tuple[str, list[str]]]:
+    """The streamed answer as (text, token strings) per chunk: a verified draft's tokens come in one chunk."""
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 40, "temperature": 0, "logprobs": 1, "stream": True}
+    out = []
+    with requests.post(f"{url}/v1/completions", json=body, stream=True, timeout=scaled(120)) as r:
+        for line in r.iter_lines():
+            if line.startswith(b"data: {"):
+                choice = json.loads(line[6:])["choices"][0]
+                if choice["logprobs"] and choice["logprobs"]["tokens"]:
+                    out.append((choice["text"], choice["logprobs"]["tokens"]))
+    return out
+
+
+def test_a_stop_string_ends_a_speculative_answer_where_it_ends_a_plain_one(tiny_model):
+    """A stop string completed by the first token of a verified draft's several: text, token count and logprobs
+    end there, as one token at a time would end them; the draft's later tokens are neither counted nor shown."""
+    plain = serve(tiny_model, *FLAGS, "--served-model-name", "tiny")
+    spec = serve(tiny_model, *FLAGS, "--served-model-name", "tiny", *NGRAM)
+    try:
+        plain.wait_healthy(), spec.wait_healthy()
+        tried = 0
+        for prompt in repetitive_prompts(12):
+            streamed = chunks(spec.url, prompt)
+            run = next((i for i, (_, tokens) in enumerate(streamed) if len(tokens) >= 3), None)
+            if run is None:
+                continue
+            # The answer's text up to the run's first token: it first occurs exactly there.
+            stop = "".join(text for text, _ in streamed[:run]) + streamed[run][1][0]
+            if not stop.strip():
+                continue
+            tried += 1
+            want, got = completion(plain.url, prompt, stop=[stop]), completion(spec.url, prompt, stop=[stop])
+            assert got["choices"][0]["text"] == want["choices"][0]["text"]
+            assert got["choices"][0]["finish_reason"] == want["choices"][0]["finish_reason"] == "stop"
+            for key in ("prompt_tokens", "completion_tokens"):
+                assert got["usage"][key] == want["usage"][key], key
+            got_lp, want_lp = got["choices"][0]["logprobs"], want["choices"][0]["logprobs"]
+            assert got_lp["tokens"] == want_lp["tokens"]
+            assert got_lp["token_logprobs"] == pytest.approx(want_lp["token_logprobs"], abs=1e-4)
+        assert tried >= 3, "too few answers with a verified draft of three tokens or more"
+    finally:
+        plain.stop()
+        spec.stop()

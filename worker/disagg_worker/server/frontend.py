@@ -222,23 +222,26 @@ class Frontend:
         stream = self.token_stream(input_ids, params, bootstrap)
         try:
             async for out in stream:
-                completion += len(out.token_ids)
-                timer.tokens(len(out.token_ids))
-                text, hit = "", False
+                text, hit, used = "", False, 0
                 for tok in out.token_ids:
                     piece, hit = stopper.push(detok.push(tok))
                     text += piece
+                    used += 1
                     if hit:
                         break
+                # An output of several tokens (a verified speculative draft) ends at a stop string's token, as
+                # one token at a time would: the tokens after it are neither counted nor returned.
+                completion += used
+                timer.tokens(used)
                 finish = "stop" if hit else out.finish_reason
                 if finish is not None and not hit:
                     piece, hit = stopper.push(detok.flush())
                     text += piece + ("" if hit else stopper.flush())
                 yield Delta(
                     text,
-                    list(out.token_ids),
-                    out.logprobs or [],
-                    out.top_logprobs or [],
+                    list(out.token_ids[:used]),
+                    (out.logprobs or [])[:used],
+                    (out.top_logprobs or [])[:used],
                     finish,
                     out.prompt_tokens,
                     completion,
