@@ -120,14 +120,19 @@ def generate_all(url: str, prompts: list[list[int]]) -> list[list[int]]:
         return list(pool.map(lambda p: generate(url, p), prompts))
 
 
+def plain_tokens(model: str, prompts: list[list[int]]) -> list[list[int]]:
+    """The greedy tokens of a single-rank server without speculation."""
+    plain = serve(model, *FLAGS).wait_healthy()
+    try:
+        return generate_all(plain.url, prompts)
+    finally:
+        plain.stop()
+
+
 @pytest.mark.parametrize("ranks", [("--tp-size", "2"), ("--pp-size", "2")], ids=["tp2", "pp2"])
 def test_speculative_ranks_equal_a_plain_single_rank(tiny_model, ranks):
     prompts = repetitive_prompts(12)
-    plain = serve(tiny_model, *FLAGS).wait_healthy()
-    try:
-        expected = generate_all(plain.url, prompts)
-    finally:
-        plain.stop()
+    expected = plain_tokens(tiny_model, prompts)
     spec = serve(tiny_model, *FLAGS, *NGRAM, *ranks).wait_healthy()
     try:
         assert generate_all(spec.url, prompts) == expected
@@ -141,11 +146,7 @@ def test_a_thousand_abandoned_requests_to_a_speculating_decode_leave_every_rank_
     """Decode TP=2 speculating behind a plain prefill: clients give up at random moments; afterwards every
     queue is empty and every page free on every rank, and fresh requests get the plain tokens."""
     prompts = repetitive_prompts(8)
-    plain = serve(tiny_model, *FLAGS).wait_healthy()
-    try:
-        expected = generate_all(plain.url, prompts)
-    finally:
-        plain.stop()
+    expected = plain_tokens(tiny_model, prompts)
     stack = PDStack(tiny_model, *FLAGS, decode_flags=(*NGRAM, "--tp-size", "2")).wait_healthy()
     try:
         outcomes = asyncio.run(abandon_requests(stack.router.url, n=1000, seed=4))
