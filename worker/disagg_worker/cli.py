@@ -50,8 +50,19 @@ def cmd_router(ns: argparse.Namespace) -> int:
 def cmd_make_tiny(ns: argparse.Namespace) -> int:
     from disagg_worker.model.tiny import make_tiny
 
-    make_tiny(ns.out, seed=ns.seed, arch=ns.arch, num_kv_heads=ns.num_kv_heads)
+    overrides = {"num_hidden_layers": ns.num_layers} if ns.num_layers else None
+    make_tiny(ns.out, seed=ns.seed, arch=ns.arch, num_kv_heads=ns.num_kv_heads, overrides=overrides)
     print(f"wrote a tiny random-weight {ns.arch} model to {ns.out}")
+    if ns.eagle_head:
+        cmd_make_eagle_head(argparse.Namespace(target=ns.out, out=ns.eagle_head, seed=ns.seed))
+    return 0
+
+
+def cmd_make_eagle_head(ns: argparse.Namespace) -> int:
+    from disagg_worker.model.eagle import make_eagle_head
+
+    make_eagle_head(ns.target, ns.out, seed=ns.seed)
+    print(f"wrote a random-weight EAGLE head for {ns.target} to {ns.out}")
     return 0
 
 
@@ -114,7 +125,17 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--seed", type=int, default=0)
     tiny.add_argument("--arch", default="llama", choices=["llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3"])
     tiny.add_argument("--num-kv-heads", type=int, default=0, help="KV heads (default 2; 1: multi-query)")
+    tiny.add_argument("--num-layers", type=int, default=0, help="decoder layers (default 4)")
+    tiny.add_argument("--eagle-head", default="", help="also write a random-weight EAGLE draft head for it here")
     tiny.set_defaults(func=cmd_make_tiny)
+    eagle = msub.add_parser(
+        "make-eagle-head",
+        help="write a random-weight EAGLE draft head shaped for a model (tests: its drafts are rarely accepted)",
+    )
+    eagle.add_argument("--target", required=True, help="the model it drafts for (a directory or a GGUF file)")
+    eagle.add_argument("--out", required=True)
+    eagle.add_argument("--seed", type=int, default=0)
+    eagle.set_defaults(func=cmd_make_eagle_head)
     convert = msub.add_parser(
         "convert-gguf",
         help="write a GGUF model (dequantised) as a Hugging Face directory, which loads faster than the GGUF",

@@ -50,13 +50,32 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         type=str.upper,
         choices=["", *SPECULATIVE_ALGORITHMS],
         help="speculative decoding: NGRAM drafts from n-gram matches in the request's own tokens (no draft "
-        "model); greedy and seeded answers stay token-identical. Turns overlap scheduling off",
+        "model); EAGLE from a one-layer draft head fed with the model's hidden states; STANDALONE from a smaller "
+        "model with the same tokenizer (both: --speculative-draft-model-path, single-rank instances). Greedy and "
+        "seeded answers stay token-identical. Turns overlap scheduling off",
+    )
+    p.add_argument(
+        "--speculative-draft-model-path",
+        default="",
+        help="EAGLE: the draft head (SGLang's EAGLE checkpoint layout); STANDALONE: the draft model",
+    )
+    p.add_argument(
+        "--speculative-num-steps",
+        type=int,
+        default=spec.num_steps,
+        help="EAGLE/STANDALONE: draft tokens per request and step (one draft forward each)",
+    )
+    p.add_argument(
+        "--speculative-eagle-topk",
+        type=int,
+        default=spec.eagle_topk,
+        help="EAGLE/STANDALONE: drafts per position; 1 (a chain) is what is supported",
     )
     p.add_argument(
         "--speculative-num-draft-tokens",
         type=int,
         default=spec.num_draft_tokens,
-        help="draft tokens verified with a request's decode step, at most",
+        help="NGRAM: draft tokens verified with a request's decode step, at most",
     )
     p.add_argument(
         "--speculative-ngram-min-match-window-size",
@@ -187,6 +206,9 @@ def server_args_from_cli(
             num_draft_tokens=ns.speculative_num_draft_tokens,
             min_match=ns.speculative_ngram_min_match_window_size,
             max_match=ns.speculative_ngram_max_match_window_size,
+            num_steps=ns.speculative_num_steps,
+            eagle_topk=ns.speculative_eagle_topk,
+            draft_model_path=ns.speculative_draft_model_path,
         ),
     )
     disagg = DisaggConfig(role=role, tp_size=ns.tp_size, pp_size=ns.pp_size, ep_size=ns.ep_size)

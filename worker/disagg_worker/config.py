@@ -42,32 +42,45 @@ class CacheConfig:
         return self.total_pages * self.page_size
 
 
-SPECULATIVE_ALGORITHMS = ("NGRAM", "EAGLE", "STANDALONE")  # SGLang's names; only NGRAM is built
+SPECULATIVE_ALGORITHMS = ("NGRAM", "EAGLE", "STANDALONE")  # SGLang's names
+DRAFT_MODEL_ALGORITHMS = ("EAGLE", "STANDALONE")
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """Speculative decoding (`engine/speculative.py`). NGRAM drafts from n-gram matches in the request's own
-    tokens: the longest suffix of `max_match`..`min_match` tokens that occurred earlier proposes the tokens
-    that followed it, up to `num_draft_tokens`, all verified in the request's next forward."""
+    """Speculative decoding (`engine/speculative.py`, `engine/drafting.py`).
+
+    NGRAM drafts from n-gram matches in the request's own tokens: the longest suffix of `max_match`..
+    `min_match` tokens that occurred earlier proposes the tokens that followed it, up to `num_draft_tokens`.
+    EAGLE (a one-layer head fed with the target's hidden states, `draft_model_path` in SGLang's EAGLE
+    checkpoint layout) and STANDALONE (a smaller model with the same tokenizer) draft `num_steps` tokens,
+    one forward of the draft each, as one chain (`eagle_topk` 1). Every draft is verified in the request's
+    next forward."""
 
     algorithm: str = ""  # "": off
     num_draft_tokens: int = 8
     min_match: int = 2
     max_match: int = 8
+    num_steps: int = 3
+    eagle_topk: int = 1
+    draft_model_path: str = ""
 
     @property
     def enabled(self) -> bool:
         return bool(self.algorithm)
 
+    @property
+    def uses_draft_model(self) -> bool:
+        return self.algorithm in DRAFT_MODEL_ALGORITHMS
+
+    @property
+    def max_draft(self) -> int:
+        """The most draft tokens one request verifies in one step."""
+        return self.num_steps if self.uses_draft_model else self.num_draft_tokens
+
     def __post_init__(self) -> None:
         if self.algorithm and self.algorithm not in SPECULATIVE_ALGORITHMS:
             raise ConfigError(f"--speculative-algorithm {self.algorithm}: one of {', '.join(SPECULATIVE_ALGORITHMS)}")
-        if self.algorithm in ("EAGLE", "STANDALONE"):
-            raise ConfigError(
-                f"--speculative-algorithm {self.algorithm} is not supported yet (it needs a draft model); "
-                "NGRAM is, and needs none"
-            )
         if not self.algorithm:
             return
         if not 1 <= self.num_draft_tokens <= 16:
@@ -76,6 +89,16 @@ class SpeculativeConfig:
             raise ConfigError(
                 f"--speculative-ngram-min-match-window-size {self.min_match} and "
                 f"--speculative-ngram-max-match-window-size {self.max_match}: need 1 <= min <= max"
+            )
+        if not self.uses_draft_model:
+            return
+        if not self.draft_model_path:
+            raise ConfigError(f"--speculative-algorithm {self.algorithm} needs --speculative-draft-model-path")
+        if not 1 <= self.num_steps <= 16:
+            raise ConfigError(f"--speculative-num-steps {self.num_steps}: from 1 to 16")
+        if self.eagle_topk != 1:
+            raise ConfigError(
+                f"--speculative-eagle-topk {self.eagle_topk}: only 1 (one chain of drafts per request) is supported"
             )
 
 
@@ -92,11 +115,10 @@ class SchedulerConfig:
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     def __post_init__(self) -> None:
-        if self.speculative.enabled and self.speculative.num_draft_tokens >= self.max_batch_tokens:
-            raise ConfigError(
-                f"--speculative-num-draft-tokens {self.speculative.num_draft_tokens} leaves no room in "
-                f"--max-batch-tokens {self.max_batch_tokens}"
-            )
+        spec = self.speculative
+        if spec.enabled and spec.max_draft >= self.max_batch_tokens:
+            flag = "--speculative-num-steps" if spec.uses_draft_model else "--speculative-num-draft-tokens"
+            raise ConfigError(f"{flag} {spec.max_draft} leaves no room in --max-batch-tokens {self.max_batch_tokens}")
 
 
 @dataclass(frozen=True)
@@ -237,6 +259,20 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     disagg: DisaggConfig = field(default_factory=DisaggConfig)
+
+    def __post_init__(self) -> None:
+        spec = self.scheduler.speculative
+        if spec.uses_draft_model and self.world_size > 1:
+            raise ConfigError(
+                f"--speculative-algorithm {spec.algorithm} runs on single-rank instances only (--tp-size 1 "
+                f"--pp-size 1, here {self.disagg.tp_size} and {self.disagg.pp_size}): the draft model runs beside the "
+                "first rank; NGRAM works with any ranks"
+            )
+        if spec.uses_draft_model and spec.num_steps + 1 > self.cache.page_size:
+            raise ConfigError(
+                f"--speculative-num-steps {spec.num_steps}: a step's tokens (the drafts and the last known one) "
+                f"must fit in one page of --page-size {self.cache.page_size}"
+            )
 
     @property
     def resolved_torch_threads(self) -> int:

@@ -25,13 +25,16 @@ This level holds what any backend shares, the contract and the control plane:
 
 from disagg_worker.disagg.backends import BACKENDS, create_kv_manager, manager_class
 from disagg_worker.disagg.base import (
+    AUX_ITEM_NBYTES,
     KVLayout,
     KVManager,
     KVReceiver,
     KVSender,
     RankInfo,
     TransferFailure,
+    pack_aux,
     pack_first_token,
+    unpack_draft,
     unpack_first_token,
     unpack_top_logprobs,
 )
@@ -52,7 +55,10 @@ __all__ = [
     "create_kv_manager",
     "group_runs",
     "manager_class",
+    "AUX_ITEM_NBYTES",
+    "pack_aux",
     "pack_first_token",
+    "unpack_draft",
     "unpack_first_token",
     "unpack_top_logprobs",
 ]

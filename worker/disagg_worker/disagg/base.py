@@ -55,6 +55,9 @@ class KVLayout:
     kv_head_start: int = 0
     num_kv_heads: int = 1
     kind: KVKind = KVKind.MHA
+    # A draft model's KV kept after the model's layers (EAGLE/STANDALONE speculation), named so that both
+    # sides of a transfer check they hold the same: "" for none.
+    draft_kv: str = ""
 
     def __post_init__(self) -> None:
         per_layer = self.kind.buffers_per_layer
@@ -134,6 +137,23 @@ def pack_first_token(
     if top is None:
         return head
     return head + _TOP_COUNT.pack(len(top)) + b"".join(_TOP_ENTRY.pack(t, lp) for t, lp in top)
+
+
+def pack_aux(
+    token_id: int,
+    logprob: float | None = None,
+    top: Sequence[tuple[int, float]] | None = None,
+    draft: bytes = b"",
+) -> bytes:
+    """The whole aux record: the first token's part, then (speculation with a draft model) what the draft
+    hands decode, at offset AUX_ITEM_NBYTES (`engine.drafting.pack_draft_head`)."""
+    head = pack_first_token(token_id, logprob, top)
+    return head.ljust(AUX_ITEM_NBYTES, b"\0") + draft if draft else head
+
+
+def unpack_draft(aux: bytes) -> bytes:
+    """The draft's part of an aux record (b"" when it has none)."""
+    return aux[AUX_ITEM_NBYTES:]
 
 
 def unpack_first_token(aux: bytes) -> tuple[int, float | None]:
@@ -267,7 +287,9 @@ __all__ = [
     "KVSender",
     "RankInfo",
     "TransferFailure",
+    "pack_aux",
     "pack_first_token",
+    "unpack_draft",
     "unpack_first_token",
     "unpack_top_logprobs",
     "check_pages",

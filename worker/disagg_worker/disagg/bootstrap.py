@@ -53,6 +53,8 @@ class RankRegistration:
     head_nbytes: int
     # The pool's layout (`mem.kv_pool.KVKind`): "mha" (per-head K and V) or "mla" (one latent per token).
     kv_kind: str = "mha"
+    # The draft model's KV after the model's layers ("" for none; `KVLayout.draft_kv`).
+    draft_kv: str = ""
 
     @property
     def kv_heads(self) -> range:
@@ -68,7 +70,7 @@ class RankRegistration:
         if not isinstance(obj, dict):
             raise ValueError("body must be a JSON object")
         # A rank of the release before KV layouts were named registers without kv_kind: its pool is per-head.
-        obj = {"kv_kind": "mha", **obj}
+        obj = {"kv_kind": "mha", "draft_kv": "", **obj}
         names = [f.name for f in fields(cls)]
         missing = [n for n in names if n not in obj]
         if missing:
@@ -85,6 +87,8 @@ class RankRegistration:
         for n in ("num_kv_heads", "head_nbytes"):
             if obj[n] < 1:
                 raise ValueError(f"{n} must be at least 1")
+        if not isinstance(obj["draft_kv"], str):
+            raise ValueError("draft_kv must be a string")
         if obj["kv_kind"] not in KV_KINDS:
             raise ValueError(f"kv_kind must be one of {', '.join(KV_KINDS)}")
         return cls(**{n: obj[n] for n in names})

@@ -66,6 +66,9 @@ def check_compatible(
     """The prefill ranks this decode rank pulls from, or ([], reason) naming both values."""
     if topo.page_size != layout.page_size:
         return [], f"page size mismatch: prefill page_size={topo.page_size}, decode page_size={layout.page_size}"
+    draft = draft_mismatch(topo.ranks[0].draft_kv, layout.draft_kv)
+    if draft:
+        return [], draft
     kind = topo.ranks[0].kv_kind
     if kind != layout.kind.value:
         return (
@@ -105,6 +108,16 @@ def check_compatible(
         if problem:
             return [], problem
     return targets, ""
+
+
+def draft_mismatch(prefill: str, decode: str) -> str:
+    """Why a prefill and a decode instance cannot pair over their draft models' KV ("" when they can)."""
+    if prefill == decode:
+        return ""
+    return (
+        f"speculative decoding differs: prefill keeps draft KV {prefill or 'none'}, decode {decode or 'none'} "
+        "(prefill and decode need the same --speculative-algorithm and --speculative-draft-model-path)"
+    )
 
 
 def tp_group(prefill_tp: int, decode_tp: int, decode_rank: int) -> tuple[list[int], int]:

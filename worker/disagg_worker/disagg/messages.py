@@ -37,6 +37,7 @@ class DecodeHello:
     num_kv_heads: int = 0
     head_nbytes: int = 0
     kv_kind: str = "mha"  # decode's pool layout (`mem.kv_pool.KVKind`): its buffers per layer
+    draft_kv: str = ""  # decode's draft KV after the model's layers (`KVLayout.draft_kv`)
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from disagg_worker.config import EngineConfig
-from disagg_worker.disagg import KVPoll, KVReceiver, unpack_first_token, unpack_top_logprobs
+from disagg_worker.disagg import KVPoll, KVReceiver, unpack_draft, unpack_first_token, unpack_top_logprobs
+from disagg_worker.engine.drafting import received_draft
 from disagg_worker.engine.outbox import Outbox
 from disagg_worker.engine.request import Req
 from disagg_worker.engine.scheduler import Scheduler, StepOutcome
@@ -58,6 +59,7 @@ class DecodeStage:
         self.target_key = cfg.disagg.target_key
         self.max_running = cfg.scheduler.max_running_requests
         self.max_prealloc = cfg.disagg.max_prealloc_queue
+        self.draft_model = cfg.scheduler.speculative.uses_draft_model
         self.scheduler = scheduler
         self.allocator = allocator
         self.outbox = outbox
@@ -140,6 +142,8 @@ class DecodeStage:
                 aux = d.receiver.aux_bytes()
                 token, logprob = unpack_first_token(aux)
                 self.free_slots.append(d.aux_slot)
+                if self.draft_model:
+                    d.req.draft = received_draft(len(d.req.prompt_ids), unpack_draft(aux))
                 self.scheduler.add_running(d.req, d.pages, token, logprob, unpack_top_logprobs(aux))
             elif state is KVPoll.Failed:
                 del self.transfer[rid]

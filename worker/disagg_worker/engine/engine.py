@@ -21,10 +21,11 @@ import torch
 from prometheus_client import REGISTRY, generate_latest
 
 from disagg_worker import messages as msg
-from disagg_worker.config import EngineConfig, Role
+from disagg_worker.config import ConfigError, EngineConfig, Role
 from disagg_worker.disagg import KVManager
 from disagg_worker.engine.batch import ScheduledBatch, StepResult
 from disagg_worker.engine.dist import Comm
+from disagg_worker.engine.drafting import Draft, ModelDrafter, PoolLayers, load_draft
 from disagg_worker.engine.expert_load import ExpertLoad
 from disagg_worker.engine.grammar import Grammars
 from disagg_worker.engine.outbox import Outbox
@@ -33,13 +34,14 @@ from disagg_worker.engine.ranks import Launched, RankGroup, StageWork
 from disagg_worker.engine.request import Req
 from disagg_worker.engine.runner import ModelRunner
 from disagg_worker.engine.scheduler import Scheduler
-from disagg_worker.engine.speculative import NgramDrafter
+from disagg_worker.engine.speculative import DraftPlanner
 from disagg_worker.engine.stage import build_kv_manager, build_stage
 from disagg_worker.limits import RequestLimits
 from disagg_worker.mem.allocator import PageAllocator
 from disagg_worker.mem.kv_pool import KVKind, KVPool
 from disagg_worker.mem.radix import RadixCache
 from disagg_worker.model.config import ModelConfig
+from disagg_worker.model.layers import KVCacheView
 from disagg_worker.model.loader import load_model
 from disagg_worker.model.parallel import Shard
 
@@ -55,21 +57,26 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 class Engine:
     def __init__(
-        self, cfg: EngineConfig, model: torch.nn.Module | None, model_cfg: ModelConfig, comm: Comm | None = None
+        self,
+        cfg: EngineConfig,
+        model: torch.nn.Module | None,
+        model_cfg: ModelConfig,
+        comm: Comm | None = None,
+        draft: Draft | None = None,
     ):
         self.cfg = cfg
         self.model_cfg = model_cfg
         cache = cfg.cache
         shard = comm.shard if comm is not None else Shard()
         self.max_context_len = cfg.max_context_len or model_cfg.max_position_embeddings
-        self.kv_pool = build_kv_pool(cfg, model_cfg, shard)
+        self.kv_pool = build_kv_pool(cfg, model_cfg, shard, draft)
         self.expert_load = ExpertLoad(model, cfg.disagg.ep_size)
         self.allocator = PageAllocator(cache.total_pages)
         self.radix = RadixCache(cache.page_size, self.allocator, enabled=cfg.uses_prefix_cache)
         self.outbox = Outbox()
         # With several stages a request's next step waits for its token to come back.
         future_inputs = shard.pp_size == 1
-        drafter = NgramDrafter(cfg.scheduler.speculative) if cfg.drafts else None
+        planner = DraftPlanner(cfg.scheduler.speculative) if cfg.drafts else None
         self.scheduler = Scheduler(
             cfg.scheduler,
             cache.page_size,
@@ -77,9 +84,10 @@ class Engine:
             self.radix,
             self.outbox,
             future_inputs=future_inputs,
-            drafter=drafter,
+            drafter=planner,
         )
-        self.runner = ModelRunner(model, self.kv_pool, model_cfg.vocab_size, cfg.device)
+        drafter = build_drafter(cfg, draft, self.kv_pool, model_cfg) if draft is not None else None
+        self.runner = ModelRunner(model, self.kv_pool, model_cfg.vocab_size, cfg.device, drafter)
         manager = build_kv_manager(cfg, self.kv_pool, shard, model_cfg)
         kv: KVManager | RankedKV | None = manager
         self.ranks: RankGroup | None = None
@@ -101,7 +109,8 @@ class Engine:
         shard = comm.shard if comm is not None else Shard()
         collectives = comm.collectives() if comm is not None else None
         model, model_cfg = load_model(cfg.model_path, DTYPES[cfg.dtype], cfg.device, shard, collectives)
-        return cls(cfg, None if cfg.forward == "noop" else model, model_cfg, comm)
+        draft = load_draft(cfg, model, model_cfg)
+        return cls(cfg, None if cfg.forward == "noop" else model, model_cfg, comm, draft)
 
     # ---- messages from the HTTP process -------------------------------------------------------
     def handle(self, m: msg.Message) -> None:
@@ -280,19 +289,52 @@ class Engine:
         )
 
 
-def build_kv_pool(cfg: EngineConfig, model_cfg: ModelConfig, shard: Shard) -> KVPool:
-    """This rank's KV pool: its stage's layers, its KV heads, every page."""
+def build_kv_pool(cfg: EngineConfig, model_cfg: ModelConfig, shard: Shard, draft: Draft | None = None) -> KVPool:
+    """This rank's KV pool: its stage's layers, its KV heads, every page; and after them a draft model's
+    layers when their KV has the same shape (so that it travels with the model's pages)."""
     cache = cfg.cache
+    heads = len(shard.kv_heads(model_cfg))
+    extra = draft.num_layers if draft is not None and draft_shares_pool(draft, model_cfg, heads) else 0
     return KVPool(
-        num_layers=len(shard.layer_range(model_cfg.num_layers)),
+        num_layers=len(shard.layer_range(model_cfg.num_layers)) + extra,
         num_pages=cache.total_pages,
         page_size=cache.page_size,
-        num_kv_heads=len(shard.kv_heads(model_cfg)),
+        num_kv_heads=heads,
         head_dim=model_cfg.kv_head_dim,
         dtype=DTYPES[cache.kv_dtype],
         device=cfg.device,
         kind=KVKind.MLA if model_cfg.mla else KVKind.MHA,
     )
+
+
+def draft_shares_pool(draft: Draft, model_cfg: ModelConfig, heads: int) -> bool:
+    """The draft's KV pages have the model's shape: its layers go in the model's pool."""
+    return model_cfg.mla is None and (draft.num_kv_heads, draft.head_dim) == (heads, model_cfg.kv_head_dim)
+
+
+def build_drafter(cfg: EngineConfig, draft: Draft, pool: KVPool, model_cfg: ModelConfig) -> ModelDrafter:
+    """The draft model's runner: its KV in the model's pool after the model's layers, or in a pool of its own
+    (monolithic only: a prefill could not send it with the model's pages)."""
+    if draft_shares_pool(draft, model_cfg, pool.num_kv_heads):
+        kv: KVCacheView = PoolLayers(pool, pool.num_layers - draft.num_layers)
+    elif cfg.disagg.role is not Role.MONOLITHIC:
+        raise ConfigError(
+            f"--speculative-draft-model-path {cfg.scheduler.speculative.draft_model_path}: its KV "
+            f"({draft.num_kv_heads} heads x {draft.head_dim}) differs in shape from the model's "
+            f"({pool.num_kv_heads} x {pool.head_dim}), so a prefill instance could not send it with the model's "
+            "pages; use a draft of the same KV shape, or EAGLE"
+        )
+    else:
+        kv = KVPool(
+            num_layers=draft.num_layers,
+            num_pages=pool.num_pages,
+            page_size=pool.page_size,
+            num_kv_heads=draft.num_kv_heads,
+            head_dim=draft.head_dim,
+            dtype=pool.dtype,
+            device=pool.device,
+        )
+    return ModelDrafter(draft.model, kv, pool.page_size, cfg.scheduler.speculative.eagle_topk)
 
 
 def own_metrics() -> str:

@@ -178,7 +178,8 @@ def accept_rows(matchers: Sequence[Any], tokens: Sequence[int]) -> None:
 def _bitmask_template(batch: int, vocab: int) -> torch.Tensor:
     import xgrammar as xgr
 
-    return xgr.allocate_token_bitmask(batch, vocab)
+    with torch.inference_mode(False):  # a normal tensor: reused in and out of inference mode
+        return xgr.allocate_token_bitmask(batch, vocab)
 
 
 def _bitmask(batch: int, vocab: int) -> torch.Tensor:

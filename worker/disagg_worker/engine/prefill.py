@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from disagg_worker.config import DisaggConfig
-from disagg_worker.disagg import KVPoll, KVSender, pack_first_token
+from disagg_worker.disagg import KVPoll, KVSender, pack_aux
 from disagg_worker.engine.outbox import Outbox
 from disagg_worker.engine.request import Req
 from disagg_worker.engine.scheduler import Sampled, Scheduler, StepOutcome
@@ -113,7 +113,8 @@ class PrefillStage:
             return
         p.first = s
         total = pages_for(len(s.req.prompt_ids), self.page_size)
-        p.sender.send(s.req.pages[p.sent_pages : total], last=True, aux=pack_first_token(s.token, s.logprob, s.top))
+        aux = pack_aux(s.token, s.logprob, s.top, s.req.draft_aux)  # with a draft model: decode's first draft
+        p.sender.send(s.req.pages[p.sent_pages : total], last=True, aux=aux)
         p.sent_pages = total
         self.inflight[s.req.rid] = p
 

@@ -48,6 +48,10 @@ class Req:
     # Prefill in a P/D deployment: when the last token is sampled, the scheduler hands the request
     # with its pages to the caller (which sends the KV) instead of releasing it.
     handoff: bool = False
+    # A draft model's state for this request (`engine/drafting.py`), and on prefill what its draft hands
+    # decode in the aux record.
+    draft: Any = field(default=None, repr=False)
+    draft_aux: bytes = field(default=b"", repr=False)
 
     def __post_init__(self) -> None:
         self.sampling = SamplingState.create(self.params, self.prompt_ids, self.output_ids)

@@ -7,11 +7,13 @@ from itertools import accumulate
 import torch
 
 from disagg_worker.engine.batch import ScheduledBatch, StepResult
+from disagg_worker.engine.drafting import ModelDrafter
 from disagg_worker.engine.request import Req
 from disagg_worker.engine.sampling import Sampler
 from disagg_worker.engine.speculative import verify
 from disagg_worker.mem.kv_pool import KVPool
 from disagg_worker.model.batch import ForwardBatch
+from disagg_worker.model.decoder import CausalLM
 
 
 class ModelRunner:
@@ -26,8 +28,20 @@ class ModelRunner:
     so the runner completes the list with the token it sampled itself (at most one step behind).
     """
 
-    def __init__(self, model: torch.nn.Module | None, kv_pool: KVPool, vocab_size: int, device: str = "cpu"):
+    def __init__(
+        self,
+        model: torch.nn.Module | None,
+        kv_pool: KVPool,
+        vocab_size: int,
+        device: str = "cpu",
+        drafter: ModelDrafter | None = None,
+    ):
+        """`drafter`: the draft model of EAGLE or STANDALONE speculation (it fills in the planned drafts before
+        each forward, follows what the target kept after it, and on prefill makes decode's hand-off)."""
         self.model = model
+        self.drafter = drafter
+        if drafter is not None and drafter.eagle and isinstance(model, CausalLM):
+            model.keep_hidden = True  # the head reads the model's final hidden states
         self.kv_pool = kv_pool
         self.vocab_size = vocab_size
         self.device = device
@@ -39,6 +53,8 @@ class ModelRunner:
         fwd = batch.forward
         for j, req in batch.future:
             fwd.input_ids[j] = self._last[id(req)]
+        if self.drafter is not None:
+            self.drafter.fill(batch)
         return self.sample(batch, self.forward(fwd))
 
     @torch.inference_mode()
@@ -58,6 +74,8 @@ class ModelRunner:
         outputs = [self._outputs_so_far(batch.reqs[i], batch.generated[i]) for i in rows]  # reads `_last`
         self._last = {}
         if not rows:
+            if self.drafter is not None:
+                self._follow(batch, result)
             return result
         first = [0, *accumulate(batch.forward.num_logits or [1] * n)]  # each request's first logits row
         emitted = verify(
@@ -73,7 +91,17 @@ class ModelRunner:
             if len(e.tokens) > 1:
                 result.extra[i] = list(zip(e.tokens[1:], e.logprobs[1:], e.tops[1:], strict=True))
             self._last[id(batch.reqs[i])] = e.tokens[-1]
+        if self.drafter is not None:
+            self._follow(batch, result)
         return result
+
+    def _follow(self, batch: ScheduledBatch, result: StepResult) -> None:
+        """The draft model's part after a verified step: what the target kept, and a prefill's hand-off."""
+        assert self.drafter is not None
+        self.drafter.observe(batch, result, getattr(self.model, "hidden", None))
+        for i, req in enumerate(batch.reqs):
+            if req.handoff and batch.samples[i]:
+                req.draft_aux = self.drafter.handoff(req, result.tokens[i])
 
     def _outputs_so_far(self, req: Req, generated: int) -> list[int]:
         """The `generated` output tokens of `req` before this step's sample."""

@@ -25,7 +25,7 @@ from disagg_worker.config import SchedulerConfig
 from disagg_worker.engine.batch import ScheduledBatch, StepResult, build_forward
 from disagg_worker.engine.outbox import Outbox, TopLogprobs
 from disagg_worker.engine.request import FinishReason, Req
-from disagg_worker.engine.speculative import NgramDrafter
+from disagg_worker.engine.speculative import DraftPlanner
 from disagg_worker.mem.allocator import PageAllocator, pages_for
 from disagg_worker.mem.radix import RadixCache
 
@@ -80,7 +80,7 @@ class Scheduler:
         radix: RadixCache,
         outbox: Outbox,
         future_inputs: bool = True,
-        drafter: NgramDrafter | None = None,
+        drafter: DraftPlanner | None = None,
     ):
         """`future_inputs`: a request may be scheduled while its previous token is still being
         sampled (the runner fills it in); False with pipeline stages, where it is not back yet.

@@ -1,7 +1,11 @@
-"""Speculative decoding with n-gram drafts (prompt lookup): more than one token per decode step when a request
-repeats what it has already seen (editing a given text, quoting a passage, code).
+"""Speculative decoding: more than one token per decode step, from drafts verified in one forward.
 
-Path of a draft: `Scheduler._plan_running` asks `NgramDrafter.propose` for a running request's next tokens ->
+NGRAM drafts (prompt lookup) pay when a request repeats what it has already seen (editing a given text,
+quoting a passage, code); EAGLE and STANDALONE draft with a model (`engine/drafting.py`), whose tokens the
+runner fills in where the plan left room for them.
+
+Path of a draft: `Scheduler._plan_drafts` asks `DraftPlanner.propose` for a running request's next tokens
+(NGRAM) or for room for them (a draft model's, computed by the runner just before the forward) ->
 the request's forward computes its last token and the draft together, with logits at every one of those
 positions (`ForwardBatch.num_logits`) -> `verify` samples the target at the first position, and at each next
 one only while the token sampled so far equals the draft's -> `Scheduler.process` appends the sampled tokens
@@ -79,7 +83,9 @@ class DraftStats:
 
 
 @dataclass
-class NgramDrafter:
+class DraftPlanner:
+    """How long each request's next draft may be, and (NGRAM) the draft itself."""
+
     cfg: SpeculativeConfig
     stats: dict[str, DraftStats] = field(default_factory=dict)
 
@@ -90,6 +96,8 @@ class NgramDrafter:
     def propose(self, rid: str, tokens: Sequence[int], limit: int) -> list[int]:
         """The draft of request `rid` whose tokens so far are `tokens`, at most `limit` tokens long."""
         length = min(self._stats(rid).length, limit)
+        if self.cfg.uses_draft_model:
+            return [0] * length  # room for the draft model's tokens (`drafting.ModelDrafter.fill`)
         return propose_ngram(tokens, length, self.cfg.min_match, self.cfg.max_match)
 
     def record(self, rid: str, drafted: int, accepted: int, step: int) -> None:
@@ -98,7 +106,7 @@ class NgramDrafter:
         ACCEPTED.inc(accepted)
         ACCEPT_LENGTH.observe(accepted + 1)
         s = self._stats(rid)
-        s.length = min(self.cfg.num_draft_tokens, s.length + 1 if accepted == drafted else accepted + 1)
+        s.length = min(self.cfg.max_draft, s.length + 1 if accepted == drafted else accepted + 1)
         s.drafted += drafted
         s.accepted += accepted
         if s.drafted >= WINDOW:
@@ -108,7 +116,7 @@ class NgramDrafter:
 
     def _stats(self, rid: str) -> DraftStats:
         if rid not in self.stats:
-            self.stats[rid] = DraftStats(length=self.cfg.num_draft_tokens)
+            self.stats[rid] = DraftStats(length=self.cfg.max_draft)
         return self.stats[rid]
 
     def forget(self, rid: str) -> None:

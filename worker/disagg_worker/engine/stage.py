@@ -12,7 +12,8 @@ from collections.abc import Callable
 from typing import Protocol
 
 from disagg_worker.config import EngineConfig, Role
-from disagg_worker.disagg import KVLayout, KVManager, KVReceiver, KVSender, RankInfo, create_kv_manager
+from disagg_worker.disagg import AUX_ITEM_NBYTES, KVLayout, KVManager, KVReceiver, KVSender, RankInfo, create_kv_manager
+from disagg_worker.engine.drafting import draft_head_nbytes
 from disagg_worker.engine.outbox import Outbox
 from disagg_worker.engine.request import Req
 from disagg_worker.engine.scheduler import Scheduler, StepOutcome
@@ -71,15 +72,31 @@ def build_kv_manager(cfg: EngineConfig, kv_pool: KVPool, shard: Shard, model_cfg
     """This rank's KV transfer manager for its slice of the pool (its KV heads, its stage's
     layers); None for a monolithic engine."""
     d = cfg.disagg
-    start_layer = shard.layer_range(model_cfg.num_layers).start
-    heads = shard.kv_heads(model_cfg)
+    layers = shard.layer_range(model_cfg.num_layers)
+    start_layer, heads = layers.start, shard.kv_heads(model_cfg)
+    spec = cfg.scheduler.speculative
+    extra = kv_pool.num_layers - len(layers)  # a draft model's layers after the model's
+    draft_kv = (
+        f"{spec.algorithm} ({extra} layer{'s' if extra > 1 else ''} of {kv_pool.page_nbytes}-byte pages)"
+        if extra
+        else ""
+    )
     if d.role is Role.PREFILL:
-        layout = KVLayout.from_pool(kv_pool, cfg.cache.kv_dtype, start_layer=start_layer, kv_heads=heads)
+        layout = KVLayout.from_pool(
+            kv_pool, cfg.cache.kv_dtype, start_layer=start_layer, kv_heads=heads, draft_kv=draft_kv
+        )
         url = f"http://127.0.0.1:{d.bootstrap_port}"
         return create_kv_manager(d, layout, RankInfo(tp_rank=shard.tp_rank, pp_rank=shard.pp_rank, bootstrap_url=url))
     if d.role is Role.DECODE:
         layout = KVLayout.from_pool(
-            kv_pool, cfg.cache.kv_dtype, start_layer=start_layer, kv_heads=heads, aux_num_slots=aux_slots(cfg)
+            kv_pool,
+            cfg.cache.kv_dtype,
+            start_layer=start_layer,
+            kv_heads=heads,
+            aux_num_slots=aux_slots(cfg),
+            aux_item_nbytes=AUX_ITEM_NBYTES
+            + (draft_head_nbytes(spec.eagle_topk, model_cfg.hidden_size) if extra else 0),
+            draft_kv=draft_kv,
         )
         return create_kv_manager(d, layout, RankInfo(tp_rank=shard.tp_rank, pp_rank=shard.pp_rank))
     return None

@@ -107,6 +107,9 @@ class CausalLM(nn.Module):
         self.config = cfg
         self.shard = shard or Shard()
         self.model = DecoderModel(cfg, blocks, self.shard, comm or Collectives())
+        # An EAGLE draft reads the final hidden state of every new token: kept in `hidden` when asked.
+        self.keep_hidden = False
+        self.hidden: torch.Tensor | None = None
         if self.shard.last_stage:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tie_weights()
@@ -145,4 +148,6 @@ class CausalLM(nn.Module):
         h = self.model(batch, kv, hidden)
         if not self.shard.last_stage:
             return h
+        if self.keep_hidden:
+            self.hidden = h
         return self.lm_head(h[batch.logits_indices]).float()

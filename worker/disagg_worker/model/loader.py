@@ -76,6 +76,12 @@ def load_model(
     return model, cfg
 
 
+def model_config(path: str | Path) -> ModelConfig:
+    """The config of the model at `path` (a Hugging Face directory or a GGUF file), without its weights."""
+    gguf_file = find_gguf(path)
+    return gguf_config(open_gguf(gguf_file)) if gguf_file is not None else ModelConfig.from_hf_dir(Path(path))
+
+
 def weight_files(path: Path) -> list[Path]:
     """The safetensors files of a model directory, single-file or sharded."""
     index = path / "model.safetensors.index.json"

@@ -228,6 +228,7 @@ class MooncakeDecodeManager(KVManager):
             start_layer=lay.start_layer, aux_item_nbytes=lay.aux_item_nbytes,
             staging_ptr=self.staging.ptr, staging_nbytes=self.staging.nbytes,
             num_kv_heads=lay.num_kv_heads, head_nbytes=lay.head_nbytes, kv_kind=lay.kind.value,
+            draft_kv=lay.draft_kv,
         )  # fmt: skip
         with self._lock:
             for t in targets:

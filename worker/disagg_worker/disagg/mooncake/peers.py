@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from disagg_worker.disagg.base import KVLayout
-from disagg_worker.disagg.mapping import layer_buffer_map
+from disagg_worker.disagg.mapping import draft_mismatch, layer_buffer_map
 from disagg_worker.disagg.messages import DecodeHello, RoomRequest
 
 
@@ -31,8 +31,10 @@ class DecodePeer:
 
     @classmethod
     def from_hello(cls, hello: DecodeHello, local: KVLayout) -> DecodePeer:
-        error = ""
-        if hello.kv_kind != local.kind.value:
+        error = draft_mismatch(local.draft_kv, hello.draft_kv)
+        if error:
+            pass  # the layers differ too: this says why
+        elif hello.kv_kind != local.kind.value:
             theirs = _KINDS.get(hello.kv_kind, hello.kv_kind)
             error = f"KV layouts differ: prefill holds {_KINDS[local.kind.value]}, decode {theirs}"
         elif hello.head_nbytes and hello.head_nbytes != local.head_nbytes:

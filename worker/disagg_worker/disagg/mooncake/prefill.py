@@ -96,7 +96,7 @@ class MooncakePrefillManager(KVManager):
             rank_ip=cfg.advertise_host, rank_port=self.channel.port, page_size=lay.page_size,
             kv_dtype=lay.kv_dtype, session_id=self.engine.session_id, start_layer=lay.start_layer,
             num_layers=lay.num_layers, kv_head_start=lay.kv_head_start, num_kv_heads=lay.num_kv_heads,
-            head_nbytes=lay.head_nbytes, kv_kind=lay.kind.value,
+            head_nbytes=lay.head_nbytes, kv_kind=lay.kind.value, draft_kv=lay.draft_kv,
         )  # fmt: skip
 
     # ---- scheduler-facing ------------------------------------------------------------
