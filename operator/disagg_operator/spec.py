@@ -139,12 +139,15 @@ class TransferSpec:
 
 @dataclass(frozen=True)
 class SpeculativeSpec:
-    """Speculative decoding, the same settings for both roles (only decode drafts; NGRAM needs no draft KV)."""
+    """Speculative decoding, the same settings for both roles: decode drafts; with a draft model prefill runs it
+    over the prompt and sends its KV (NGRAM needs nothing from prefill)."""
 
     algorithm: str
     num_draft_tokens: int = 8
     ngram_min_match: int = 2
     ngram_max_match: int = 8
+    num_steps: int = 3
+    draft_model_path: str | None = None  # inside the model's volume; EAGLE and STANDALONE only
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any] | None) -> "SpeculativeSpec | None":
@@ -155,9 +158,27 @@ class SpeculativeSpec:
             int(d.get("numDraftTokens", 8)),
             int(d.get("ngramMinMatchWindowSize", 2)),
             int(d.get("ngramMaxMatchWindowSize", 8)),
+            int(d.get("numSteps", 3)),
+            d.get("draftModelPath"),
         )
 
+    @property
+    def draft_arg(self) -> str | None:
+        """What `--speculative-draft-model-path` receives: the draft's directory in the mounted model volume."""
+        if not self.draft_model_path:
+            return None
+        return f"{names.MODEL_MOUNT}/{self.draft_model_path.lstrip('/')}".rstrip("/")
+
     def args(self) -> list[str]:
+        if self.draft_arg is not None:
+            return [
+                "--speculative-algorithm",
+                self.algorithm,
+                "--speculative-draft-model-path",
+                self.draft_arg,
+                "--speculative-num-steps",
+                str(self.num_steps),
+            ]
         return [
             "--speculative-algorithm",
             self.algorithm,

@@ -47,6 +47,22 @@ VIOLATIONS = [
         tiny(speculative={"algorithm": "NGRAM", "ngramMinMatchWindowSize": 5, "ngramMaxMatchWindowSize": 3}),
         "ngramMinMatchWindowSize <= ",
     ),
+    ("draft model without a path", tiny(speculative={"algorithm": "EAGLE"}), "? !has(self.draftModelPath)"),
+    (
+        "ngram with a draft path",
+        tiny(speculative={"algorithm": "NGRAM", "draftModelPath": "d"}),
+        "? !has(self.draftModelPath)",
+    ),
+    (
+        "draft outside a model volume",
+        tiny(speculative={"algorithm": "EAGLE", "draftModelPath": "d"}, model={"builtin": "smollm2"}),
+        "has(self.speculative.draftModelPath)",
+    ),
+    (
+        "draft model on several ranks",
+        tiny(speculative={"algorithm": "STANDALONE", "draftModelPath": "d"}, prefill__tpSize=2, decode__tpSize=2),
+        "(self.prefill.tpSize * self.prefill.ppSize == 1",
+    ),
     ("kv dtype", tiny(prefill__engine={"kvDtype": "bfloat16"}), "engine.kvDtype"),
     ("prefill gpus", tiny(prefill__tpSize=2, prefill__resources={"gpus": 3}), "self.prefill.resources.gpus"),
     ("decode gpus", tiny(decode__resources={"gpus": 2}), "self.decode.resources.gpus"),
@@ -164,7 +180,10 @@ def test_examples_pass_validation_and_get_defaults(kube_cluster, crd_installed, 
     assert spec["auth"] == {}
 
 
-def test_a_speculative_algorithm_that_is_not_built_is_refused_at_apply(kube_cluster, crd_installed, namespace):
-    proc = apply_cr(kube_cluster, namespace, tiny(speculative={"algorithm": "EAGLE"}), check=False)
-    assert proc.returncode != 0 and "spec.speculative.algorithm" in proc.stderr and "NGRAM" in proc.stderr
+def test_speculative_algorithms_are_checked_at_apply(kube_cluster, crd_installed, namespace):
+    """An unknown algorithm is refused naming the ones there are; NGRAM, and a draft model in the model's volume
+    on single-rank roles, are taken."""
+    proc = apply_cr(kube_cluster, namespace, tiny(speculative={"algorithm": "MEDUSA"}), check=False)
+    assert proc.returncode != 0 and "spec.speculative.algorithm" in proc.stderr and "STANDALONE" in proc.stderr
     apply_cr(kube_cluster, namespace, tiny(speculative={"algorithm": "NGRAM"}))
+    apply_cr(kube_cluster, namespace, tiny(speculative={"algorithm": "EAGLE", "draftModelPath": "drafts/eagle"}))

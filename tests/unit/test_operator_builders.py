@@ -560,3 +560,31 @@ def test_speculative_settings_reach_decode_and_nothing_changes_without_them(tiny
     # Prefill has nothing to draft for NGRAM: its pods keep their template (no rollout of prefill).
     assert container(kids, "StatefulSet", "tiny-prefill") == container(plain, "StatefulSet", "tiny-prefill")
     assert "--speculative-algorithm" not in container(kids, "Deployment", "tiny-router")["args"]
+
+
+@pytest.mark.parametrize("algorithm", ["EAGLE", "STANDALONE"])
+def test_a_draft_model_reaches_both_roles_from_the_model_volume_and_joins_the_pairing_revision(tiny, algorithm):
+    """Prefill runs the draft over the prompt and sends its KV with the model's pages: both roles get the same
+    flags, the draft's directory inside the mounted model volume, and a revision of their own (a prefill and a
+    decode that disagree on the draft are never paired)."""
+    plain = children_by_kind_name(tiny)
+    tiny["spec"]["speculative"] = {"algorithm": algorithm, "draftModelPath": "drafts/tiny-eagle", "numSteps": 4}
+    kids = children_by_kind_name(tiny)
+    want = [
+        "--speculative-algorithm",
+        algorithm,
+        "--speculative-draft-model-path",
+        "/models/drafts/tiny-eagle",
+        "--speculative-num-steps",
+        "4",
+    ]
+    revisions = set()
+    for name in ("tiny-prefill", "tiny-decode"):
+        args = container(kids, "StatefulSet", name)["args"]
+        i = args.index("--speculative-algorithm")
+        assert args[i : i + len(want)] == want, name
+        assert "--speculative-num-draft-tokens" not in args
+        template = kids[("StatefulSet", name)]["spec"]["template"]
+        revisions.add(template["metadata"]["labels"]["disagg.dev/revision"])
+    plain_revision = plain[("StatefulSet", "tiny-decode")]["spec"]["template"]["metadata"]["labels"]
+    assert len(revisions) == 1 and revisions != {plain_revision["disagg.dev/revision"]}

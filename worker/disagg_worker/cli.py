@@ -58,6 +58,14 @@ def cmd_make_tiny(ns: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_make_draft(ns: argparse.Namespace) -> int:
+    from disagg_worker.model.tiny import make_draft
+
+    make_draft(ns.target, ns.out, seed=ns.seed, num_layers=ns.num_layers)
+    print(f"wrote a small random-weight draft model for {ns.target} to {ns.out}")
+    return 0
+
+
 def cmd_make_eagle_head(ns: argparse.Namespace) -> int:
     from disagg_worker.model.eagle import make_eagle_head
 
@@ -136,6 +144,15 @@ def build_parser() -> argparse.ArgumentParser:
     eagle.add_argument("--out", required=True)
     eagle.add_argument("--seed", type=int, default=0)
     eagle.set_defaults(func=cmd_make_eagle_head)
+    draft = msub.add_parser(
+        "make-draft",
+        help="write a small random-weight STANDALONE draft model for a model: its tokenizer, its KV shape",
+    )
+    draft.add_argument("--target", required=True, help="the model it drafts for (a directory or a GGUF file)")
+    draft.add_argument("--out", required=True)
+    draft.add_argument("--seed", type=int, default=0)
+    draft.add_argument("--num-layers", type=int, default=1)
+    draft.set_defaults(func=cmd_make_draft)
     convert = msub.add_parser(
         "convert-gguf",
         help="write a GGUF model (dequantised) as a Hugging Face directory, which loads faster than the GGUF",

@@ -75,10 +75,11 @@ def worker_args(spec: ModelSpec, role: str) -> list[str]:
         "--drain-timeout",
         str(spec.drain_timeout_s),
     ]
-    if spec.speculative is not None and role == names.DECODE:
-        # Decode drafts; prefill needs nothing for NGRAM, and a flag it ignores would only roll its pods. Only
-        # when set, like --ep-size.
-        args += spec.speculative.args()
+    s = spec.speculative
+    if s is not None and (role == names.DECODE or s.draft_arg is not None):
+        # Decode drafts; prefill runs a draft model over the prompt, and needs nothing for NGRAM (a flag it
+        # ignored would only roll its pods). Only when set, like --ep-size.
+        args += s.args()
     return args + list(w.placement.args)
 
 
@@ -88,11 +89,13 @@ def _digest(obj: Any, length: int) -> str:
 
 def pairing_revision(spec: ModelSpec) -> str:
     """What prefill and decode must agree on to exchange KV pages, hashed: the image (its code and wire format),
-    the model, the transfer, the page size and the KV dtype. Both roles' pods carry the same value."""
+    the model, the transfer, the page size, the KV dtype and a draft model. Both roles' pods carry the same value."""
     e = spec.prefill.engine
-    return _digest(
-        [spec.image, spec.model.model_arg, spec.transfer.backend, spec.transfer.protocol, e.page_size, e.kv_dtype], 10
-    )
+    parts: list[Any] = [spec.image, spec.model.model_arg, spec.transfer.backend, spec.transfer.protocol]
+    parts += [e.page_size, e.kv_dtype]
+    if spec.speculative is not None and spec.speculative.draft_arg is not None:  # its KV travels with the pages
+        parts += [spec.speculative.algorithm, spec.speculative.draft_arg]
+    return _digest(parts, 10)
 
 
 def template_hash(template: Mapping[str, Any]) -> str:

@@ -156,6 +156,48 @@ def make_tiny(
     return out
 
 
+def make_draft(target: str | Path, out_dir: str | Path, seed: int = 0, num_layers: int = 1) -> Path:
+    """Write a small random-weight Llama that can draft for the model at `target` (STANDALONE speculation in
+    tests and benchmarks): the target's tokenizer and vocabulary, and its KV shape (KV heads x head_dim), so the
+    draft's KV travels with the target's pages through P/D; as many query heads as KV heads, `num_layers`."""
+    from disagg_worker.model.gguf_meta import open_gguf
+    from disagg_worker.model.gguf_tokenizer import tokenizer_from_gguf
+    from disagg_worker.model.loader import model_config
+    from disagg_worker.model.source import find_gguf
+
+    t = model_config(target)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    gguf_file = find_gguf(target)
+    if gguf_file is not None:
+        tok, tcfg = tokenizer_from_gguf(open_gguf(gguf_file))
+        tok.save(str(out / "tokenizer.json"))
+        _write_json(out / "tokenizer_config.json", tcfg)
+    else:
+        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+            if (Path(target) / name).exists():
+                (out / name).write_bytes((Path(target) / name).read_bytes())
+    hf_config = {
+        **_COMMON,
+        **_ARCH_CONFIGS["llama"],
+        "vocab_size": t.vocab_size,
+        "hidden_size": t.num_kv_heads * t.head_dim,
+        "intermediate_size": 2 * t.num_kv_heads * t.head_dim,
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": t.num_kv_heads,
+        "num_key_value_heads": t.num_kv_heads,
+        "head_dim": t.head_dim,
+        "max_position_embeddings": t.max_position_embeddings,
+        "rope_theta": t.rope_theta,
+        "bos_token_id": t.bos_token_id,
+        "eos_token_id": list(t.eos_token_ids),
+    }
+    _write_json(out / "config.json", hf_config)
+    weights = random_weights(ModelConfig.from_hf_dict(hf_config), seed)
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
 def random_weights(cfg: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
     """Every parameter of the model, normal(0, WEIGHT_STD); norm weights near 1. Tied heads are omitted."""
     with torch.device("meta"):
