@@ -110,8 +110,31 @@ def test_an_eagle_head_that_predicts_well_is_kept_from_the_first_step(echo):
     drafted, accepted = DRAFTED._value.get(), ACCEPTED._value.get()
     got, steps = run(Engine.from_config(config(target, eagle(head))), [(prompt, params)])
     assert answer(got["0"])[0] == [77] * params.max_new_tokens
-    assert ACCEPTED._value.get() - accepted == DRAFTED._value.get() - drafted == 4 * STEPS
-    assert steps <= 4 + 4  # the prompt's chunk, the first token's step, then four steps of STEPS + 1 tokens
+    # Drafts of 2 tokens first, then STEPS: 1 + 3 + 4 + 4 + 4 + 2 tokens, every draft kept.
+    assert ACCEPTED._value.get() - accepted == DRAFTED._value.get() - drafted == 2 + 3 * STEPS + 1
+    assert steps <= 2 + 5  # the prompt's chunk, the first token's step, then five drafted steps
+
+
+def test_a_prompt_found_in_the_prefix_cache_drafts_from_where_its_forward_starts(echo):
+    """The second request's prompt extends the first's: its forward starts after the cached pages, and the head
+    catches up from there (the draft KV of the cached pages is the first request's)."""
+    target, head = echo
+    first = [5, 300, 41, 9, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 77, 77]
+    second = first[:16] + [60, 61, 62, 63, 64, 65, 88, 88]
+    params = SamplingParams(max_new_tokens=1 + 3 + 2 * (STEPS + 1), temperature=0.0, ignore_eos=True)
+    e = Engine.from_config(config(target, eagle(head)))
+    stepper = Stepper(e, e.cfg.overlap)
+    got = {}
+    for rid, prompt in (("a", first), ("b", second)):
+        e.handle(msg.GenerateReq(rid, prompt, params))
+        accepted = ACCEPTED._value.get()
+        while stepper.busy:
+            stepper.step()
+        got[rid] = ([t for o in e.take_outputs() for t in o.token_ids], ACCEPTED._value.get() - accepted)
+    stepper.close()
+    assert e.radix.stats.hit_tokens == 16  # four pages of the first prompt
+    kept = 2 + 2 * STEPS  # drafts of 2, then of STEPS, all kept
+    assert got == {"a": ([77] * params.max_new_tokens, kept), "b": ([88] * params.max_new_tokens, kept)}
 
 
 ROOMS = itertools.count(5000)
@@ -141,14 +164,14 @@ def through_pd(target: str, spec: Spec, prompt: list[int], max_tokens: int) -> t
 
 def test_decode_drafts_its_first_step_from_what_prefill_handed_it(echo, monkeypatch):
     """Prefill runs the head over the prompt and sends its top-k and output hidden state; decode's first step
-    drafts from them, never from the prompt (it has no hidden states of it): one decode step keeps all
-    STEPS drafts. Received as zeros, the hidden state leaves the first step only the top-k's draft (the second
-    step, drafting from the target's hidden states again, keeps the one draft max_tokens still allows: 2 in
-    all); received as nothing, the first step keeps no draft (1 in all)."""
+    drafts from them, never from the prompt (it has no hidden states of it): its two drafts (the top-k's, then
+    the head's from the hidden state) are kept, and the answer is done. Received as zeros, the hidden state
+    leaves the first step only the top-k's draft; received as nothing, none (the next step, drafting from the
+    target's hidden states again, keeps the one draft max_tokens still allows): one kept draft either way."""
     target, head = echo
     prompt = [5, 300, 41, 9, 77]  # no repeated token at the end: a mono first step would draft 9
-    tokens, accepted = through_pd(target, eagle(head), prompt, STEPS + 2)
-    assert tokens == [77] * (STEPS + 2) and accepted == STEPS
+    tokens, accepted = through_pd(target, eagle(head), prompt, 4)
+    assert tokens == [77] * 4 and accepted == 2
 
     real = drafting.received_draft
 
@@ -159,9 +182,9 @@ def test_decode_drafts_its_first_step_from_what_prefill_handed_it(echo, monkeypa
         return st
 
     monkeypatch.setattr("disagg_worker.engine.decode.received_draft", zero_hidden)
-    assert through_pd(target, eagle(head), prompt, STEPS + 2) == ([77] * (STEPS + 2), 2)
+    assert through_pd(target, eagle(head), prompt, 4) == ([77] * 4, 1)
     monkeypatch.setattr("disagg_worker.engine.decode.received_draft", lambda n, data: real(n, b""))
-    assert through_pd(target, eagle(head), prompt, STEPS + 2) == ([77] * (STEPS + 2), 1)
+    assert through_pd(target, eagle(head), prompt, 4) == ([77] * 4, 1)
 
 
 def test_a_decode_with_a_draft_model_and_a_prefill_without_are_refused_by_name(tiny_model, drafts):

@@ -60,20 +60,30 @@ def test_proposals_follow_the_rule(tokens, k, min_n, extra):
     assert propose_ngram(tokens, k, min_n, min_n + extra) == naive_ngram(tokens, k, min_n, min_n + extra)
 
 
-def test_a_request_whose_drafts_keep_failing_pauses_then_tries_again():
+def test_a_request_whose_drafts_keep_failing_pauses_longer_each_time_then_tries_again():
     drafter = DraftPlanner(NGRAM)
     tokens = [1, 2, 3, 1, 2]
     assert drafter.may_draft("r", 0) and drafter.propose("r", tokens, 4) == [3, 1, 2]
-    for step in range(WINDOW // 4):
-        drafter.record("r", 4, 0, step)  # every draft rejected
-    paused_at = WINDOW // 4 - 1
-    assert not drafter.may_draft("r", paused_at + 1)
-    assert not drafter.may_draft("r", paused_at + PAUSE_STEPS - 1)
-    assert drafter.may_draft("r", paused_at + PAUSE_STEPS)
+    step = 0
+    for pause in (PAUSE_STEPS, 2 * PAUSE_STEPS, 4 * PAUSE_STEPS):
+        for _ in range(WINDOW):
+            assert drafter.may_draft("r", step)
+            drafter.record("r", 4, 0, step)  # every draft rejected
+            step += 1
+        paused_at = step - 1
+        assert not drafter.may_draft("r", paused_at + 1)
+        assert not drafter.may_draft("r", paused_at + pause - 1)
+        assert drafter.may_draft("r", paused_at + pause)
+        step = paused_at + pause
     assert drafter.propose("r", tokens, 4) == [3]  # one token: none of the last draft was kept
-    for step in range(WINDOW // 4):
-        drafter.record("s", 4, 1, step)  # 25% kept: no pause
-    assert drafter.may_draft("s", WINDOW) and drafter.propose("s", tokens, 4) == [3, 1]
+    for step in range(WINDOW):  # half a token kept per drafted step: no pause
+        drafter.record("s", 2, step % 2, step)
+    assert drafter.may_draft("s", WINDOW)
+    for step in range(WINDOW):  # a window that pays resets the doubling
+        drafter.record("r", 1, 1, 10_000 + step)
+    for step in range(WINDOW):
+        drafter.record("r", 1, 0, 20_000 + step)
+    assert drafter.may_draft("r", 20_000 + WINDOW - 1 + PAUSE_STEPS)
 
 
 def test_draft_length_follows_what_the_drafts_achieve():

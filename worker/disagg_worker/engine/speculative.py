@@ -17,12 +17,16 @@ kept only when it is the token the target samples there, so greedy and seeded an
 and without speculation, and the sampled distribution is the target's (the rejection rule of speculative
 sampling for a draft that puts all its mass on one token).
 
-Drafts cost compute when they are rejected (every draft token is a row of the forward), so their length follows
-what the request's drafts achieve: a draft kept whole lets the next one grow by a token (up to
-`num_draft_tokens`); one cut short makes the next at most one token longer than what was kept. When drafts keep
-failing a request pauses: once at least `WINDOW` of its drafted tokens were checked and fewer than
-`MIN_ACCEPT_RATE` of them accepted, it drafts nothing for its next `PAUSE_STEPS` decode steps, then tries again.
-A text that never repeats itself produces no n-gram match and so no draft at all.
+Drafts cost compute when they are rejected: every draft token is a row of the forward, and on a CPU a forward
+of two to eight rows per request costs about 1.5x one of one row (small matrix products leave the
+matrix-vector path), plus a draft model's own forwards. So a draft's length follows what the request's drafts
+achieve: a draft kept whole lets the next grow by a token (up to the algorithm's maximum); one cut short makes
+the next at most one token longer than what was kept. A draft model's first draft is two tokens (an n-gram's
+starts at the maximum: it costs nothing to make). And a request whose drafts do not pay pauses: after every
+`WINDOW` steps it drafted in, if they kept fewer than `MIN_KEPT_PER_STEP` draft tokens per step, it drafts
+nothing for `PAUSE_STEPS` decode steps, twice as long after each such window in a row (at most
+`PAUSE_STEPS << MAX_DOUBLINGS`), then tries again. A text that never repeats itself produces no n-gram match
+and so no NGRAM draft at all.
 """
 
 from __future__ import annotations
@@ -37,9 +41,10 @@ from prometheus_client import Counter, Histogram
 from disagg_worker.config import SpeculativeConfig
 from disagg_worker.engine.sampling import SampleOutput, Sampler, SamplingState
 
-WINDOW = 32
-MIN_ACCEPT_RATE = 0.25
-PAUSE_STEPS = 64
+WINDOW = 4  # drafted steps a request is judged over
+MIN_KEPT_PER_STEP = 0.5  # draft tokens kept per drafted step, below which it pauses
+PAUSE_STEPS = 128
+MAX_DOUBLINGS = 4
 
 DRAFTED = Counter("disagg_spec_draft_tokens_total", "draft tokens proposed and verified")
 ACCEPTED = Counter("disagg_spec_accepted_tokens_total", "draft tokens accepted (equal to the target's sample)")
@@ -77,9 +82,10 @@ class DraftStats:
     """A request's recent acceptance, for the draft length and pause rules."""
 
     length: int  # the longest draft it may make next
-    drafted: int = 0
-    accepted: int = 0
+    steps: int = 0  # drafted steps in the current window
+    accepted: int = 0  # draft tokens they kept
     paused_until: int = 0  # the scheduler step from which it may draft again
+    failures: int = 0  # windows in a row that paused it
 
 
 @dataclass
@@ -107,16 +113,22 @@ class DraftPlanner:
         ACCEPT_LENGTH.observe(accepted + 1)
         s = self._stats(rid)
         s.length = min(self.cfg.max_draft, s.length + 1 if accepted == drafted else accepted + 1)
-        s.drafted += drafted
+        s.steps += 1
         s.accepted += accepted
-        if s.drafted >= WINDOW:
-            if s.accepted < MIN_ACCEPT_RATE * s.drafted:
-                s.paused_until = step + PAUSE_STEPS
-            s.drafted = s.accepted = 0
+        if s.steps >= WINDOW:
+            if s.accepted < MIN_KEPT_PER_STEP * s.steps:
+                s.paused_until = step + (PAUSE_STEPS << min(s.failures, MAX_DOUBLINGS))
+                s.failures += 1
+            else:
+                s.failures = 0
+            s.steps = s.accepted = 0
 
     def _stats(self, rid: str) -> DraftStats:
         if rid not in self.stats:
-            self.stats[rid] = DraftStats(length=self.cfg.max_draft)
+            # A draft model's drafts cost its forwards: they start at two tokens and grow as they are kept.
+            self.stats[rid] = DraftStats(
+                length=min(2, self.cfg.max_draft) if self.cfg.uses_draft_model else self.cfg.max_draft
+            )
         return self.stats[rid]
 
     def forget(self, rid: str) -> None:
