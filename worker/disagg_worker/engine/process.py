@@ -13,11 +13,14 @@ import multiprocessing as mp
 import os
 import signal
 import socket
+import sys
 from multiprocessing.process import BaseProcess
 from typing import TYPE_CHECKING
 
 from disagg_worker.config import EngineConfig
 from disagg_worker.model.parallel import Shard
+
+_PR_SET_PDEATHSIG = 1  # prctl(2)
 
 if TYPE_CHECKING:
     from disagg_worker.engine.dist import Comm, RankAddress
@@ -99,6 +102,7 @@ def _start_process(cfg: EngineConfig, log_level: str, name: str, rank: int = 0) 
     # (systemd, a terminal) must not end it while the parent drains. The parent stops it with SIGUSR1.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    _die_with_parent()
     import torch
 
     from disagg_worker.disagg.mooncake.environ import mooncake_environ
@@ -108,6 +112,20 @@ def _start_process(cfg: EngineConfig, log_level: str, name: str, rank: int = 0) 
     os.environ.update(mooncake_environ(cfg.disagg, rank))  # read by the transfer engine when it starts
     if cfg.resolved_torch_threads:
         torch.set_num_threads(cfg.resolved_torch_threads)
+
+
+def _die_with_parent() -> None:
+    """End with the HTTP process however it ends: killed with SIGKILL it cannot stop its schedulers, which would
+    otherwise live on as orphans holding the model's memory and polling their sockets (Linux's parent-death
+    signal; a parent already gone before it was set is checked after)."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    parent = os.getppid()
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:
+        os._exit(1)
 
 
 def _serve(engine: Engine, cfg: EngineConfig, recv_addr: str, send_addr: str) -> None:
