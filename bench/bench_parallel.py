@@ -1,7 +1,7 @@
 """What tensor and pipeline parallelism cost per step on the tiny model, as shares of the step.
 
 Each configuration runs its ranks as processes (gloo on this CPU machine), with the engine's own
-pieces: `engine.dist.Comm`, each rank's shard from `model.loader.load_model`, its paged KV pool,
+pieces: `ranks.dist.Comm`, each rank's shard from `model.loader.load_model`, its paged KV pool,
 and the engine's hand-off (`Comm.post_to`/`recv_from`: a pickled header and the hidden states).
 A batch of requests is prefilled, then decoded step after step, each step waiting for the last
 stage's logits as a decode step does (its next input is the token they give). Every rank times
@@ -32,7 +32,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS, free_port, machine_info  # noqa: E402
 from disagg_worker.config import CacheConfig, EngineConfig  # noqa: E402
 from disagg_worker.engine.batch import build_forward  # noqa: E402
-from disagg_worker.engine.dist import Comm, RankAddress  # noqa: E402
 from disagg_worker.engine.engine import build_kv_pool  # noqa: E402
 from disagg_worker.engine.request import Req  # noqa: E402
 from disagg_worker.engine.sampling import SamplingParams  # noqa: E402
@@ -40,6 +39,7 @@ from disagg_worker.mem.allocator import PageAllocator, pages_for  # noqa: E402
 from disagg_worker.model.loader import load_model  # noqa: E402
 from disagg_worker.model.parallel import Shard  # noqa: E402
 from disagg_worker.model.tiny import make_tiny  # noqa: E402
+from disagg_worker.ranks.dist import Comm, RankAddress  # noqa: E402
 
 CONFIGS = [(1, 1), (2, 1), (1, 2), (2, 2)]  # (tp, pp)
 

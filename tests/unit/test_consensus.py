@@ -1,4 +1,4 @@
-"""The pipeline stages' agreement on each room's transfer state (engine/consensus.py).
+"""The pipeline stages' agreement on each room's transfer state (ranks/consensus.py).
 
 A room moves on only when every stage agrees, fails everywhere when it fails anywhere (stage 0 at
 once, the others when stage 0 announces it, once), and never stays in a stage's queue once it can
@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from disagg_worker.disagg.poll import KVPoll
-from disagg_worker.engine.consensus import Queue, Round, StageQueues, follow, propose, settle
+from disagg_worker.ranks.consensus import Queue, Round, StageQueues, follow, propose, settle
 
 B, W, S, F = KVPoll.Bootstrapping, KVPoll.WaitingForInput, KVPoll.Success, KVPoll.Failed
 

@@ -12,6 +12,10 @@ from disagg_worker.keys import SecretError
 
 def cmd_serve(ns: argparse.Namespace) -> int:
     args = server_args_from_cli(ns, Role.MONOLITHIC)
+    if args.engine.disagg.node_rank > 0:
+        from disagg_worker.server import worker_node
+
+        return worker_node.run(args)
     if ns.local:
         from disagg_worker.server.local import RoleRanks, run_local
 
@@ -32,9 +36,12 @@ def cmd_serve(ns: argparse.Namespace) -> int:
 
 def cmd_role(role: Role):
     def run(ns: argparse.Namespace) -> int:
-        from disagg_worker.server import launch
+        from disagg_worker.server import launch, worker_node
 
-        launch.run(server_args_from_cli(ns, role))
+        args = server_args_from_cli(ns, role)
+        if args.engine.disagg.node_rank > 0:  # a pod of a multi-node instance other than pod 0: its ranks only
+            return worker_node.run(args)
+        launch.run(args)
         return 0
 
     return run

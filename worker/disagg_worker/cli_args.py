@@ -98,6 +98,25 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="expert parallel ranks for MoE models: 1, or --tp-size (each tensor rank then holds its share of the "
         "routed experts whole, and tokens go to them by all-to-all)",
     )
+    p.add_argument(
+        "--nnodes",
+        type=int,
+        default=1,
+        help="pods the instance's ranks span (an instance larger than a node; LeaderWorkerSet runs one group)",
+    )
+    p.add_argument(
+        "--node-rank",
+        type=int,
+        default=0,
+        help="this pod's place among --nnodes: pod 0 serves HTTP and runs rank 0, the others only their ranks",
+    )
+    p.add_argument("--dist-init-addr", default="", help="HOST:PORT of pod 0, where the ranks meet (--nnodes > 1)")
+    p.add_argument(
+        "--dist-timeout",
+        type=float,
+        default=DisaggConfig.dist_timeout_s,
+        help="seconds a rank waits for the others in one collective before the instance fails",
+    )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--log-level", default="info")
@@ -211,7 +230,13 @@ def server_args_from_cli(
             draft_model_path=ns.speculative_draft_model_path,
         ),
     )
-    disagg = DisaggConfig(role=role, tp_size=ns.tp_size, pp_size=ns.pp_size, ep_size=ns.ep_size)
+    nodes = {
+        "nnodes": ns.nnodes,
+        "node_rank": ns.node_rank,
+        "dist_init_addr": ns.dist_init_addr,
+        "dist_timeout_s": ns.dist_timeout,
+    }
+    disagg = DisaggConfig(role=role, tp_size=ns.tp_size, pp_size=ns.pp_size, ep_size=ns.ep_size, **nodes)
     if role is not Role.MONOLITHIC:
         disagg = DisaggConfig(
             role=role,
@@ -223,6 +248,7 @@ def server_args_from_cli(
             tp_size=ns.tp_size,
             pp_size=ns.pp_size,
             ep_size=ns.ep_size,
+            **nodes,
             bootstrap_timeout_s=ns.bootstrap_timeout,
             waiting_timeout_s=ns.waiting_timeout,
             heartbeat_interval_s=ns.heartbeat_interval,

@@ -24,6 +24,9 @@ class EngineTuning:
     # While requests wait on KV transfers, the loop also wakes this often for what no transfer
     # status move announces (pages freed by finished requests); status moves wake it at once.
     transfer_poll_ms: int = 1
+    # A multi-rank instance with nothing to do still runs an empty step this often, so every rank hears from
+    # the others: a dead rank breaks it at once, a hung one within --dist-timeout (`ranks/dist.py`).
+    rank_heartbeat_s: float = 1.0
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ routes each to the part that owns it.
 
 In a multi-rank instance this engine is the driver (tensor rank 0 of pipeline stage 0): it holds
 its slice of the model and KV, schedules for every rank, and runs each step on all of them through
-`engine.ranks`; the other ranks run `engine.follower`.
+`ranks.group`; the other ranks run `ranks.follower`.
 """
 
 from __future__ import annotations
@@ -24,13 +24,10 @@ from disagg_worker import messages as msg
 from disagg_worker.config import ConfigError, EngineConfig, Role
 from disagg_worker.disagg import KVManager
 from disagg_worker.engine.batch import ScheduledBatch, StepResult
-from disagg_worker.engine.dist import Comm
 from disagg_worker.engine.drafting import Draft, ModelDrafter, PoolLayers, load_draft
 from disagg_worker.engine.expert_load import ExpertLoad
 from disagg_worker.engine.grammar import Grammars
 from disagg_worker.engine.outbox import Outbox
-from disagg_worker.engine.ranked_kv import RankedKV, RankTransfer
-from disagg_worker.engine.ranks import Launched, RankGroup, StageWork
 from disagg_worker.engine.request import Req
 from disagg_worker.engine.runner import ModelRunner
 from disagg_worker.engine.scheduler import Scheduler
@@ -44,6 +41,9 @@ from disagg_worker.model.config import ModelConfig
 from disagg_worker.model.layers import KVCacheView
 from disagg_worker.model.loader import load_model
 from disagg_worker.model.parallel import Shard
+from disagg_worker.ranks.dist import Comm
+from disagg_worker.ranks.group import Launched, RankGroup, StageWork
+from disagg_worker.ranks.kv import RankedKV, RankTransfer
 
 log = logging.getLogger(__name__)
 

@@ -29,7 +29,7 @@ import zmq
 from disagg_worker import messages as msg
 from disagg_worker.engine.batch import ScheduledBatch, StepResult
 from disagg_worker.engine.engine import Engine
-from disagg_worker.engine.ranks import Launched
+from disagg_worker.ranks.group import Launched
 from disagg_worker.tuning import TUNING
 
 log = logging.getLogger(__name__)
@@ -106,7 +106,7 @@ class Stepper:
 
 
 class RankStepper:
-    """Steps a multi-rank engine: each step runs on every rank (engine.ranks), up to `depth`
+    """Steps a multi-rank engine: each step runs on every rank (ranks.group), up to `depth`
     steps stay in flight (one per later pipeline stage), and a step without a batch still runs
     a transfer round while requests wait on KV transfers."""
 
@@ -114,6 +114,7 @@ class RankStepper:
         self.engine = engine
         self.after_tick = after_tick
         self.inflight: deque[tuple[ScheduledBatch | None, Launched]] = deque()
+        self.last_launch = time.monotonic()
 
     @property
     def busy(self) -> bool:
@@ -132,7 +133,11 @@ class RankStepper:
         batch = engine.schedule()
         if batch is None and not engine.waiting_on_transfers:
             self.drain()
-            return
+            if time.monotonic() - self.last_launch < LOOP.rank_heartbeat_s:
+                return
+            # Idle: an empty step every so often, so that every rank hears from the others and a dead or hung
+            # one fails the instance (its collective breaks, or waits past --dist-timeout) instead of hiding.
+        self.last_launch = time.monotonic()
         self.inflight.append((batch, engine.launch(batch)))
         while len(self.inflight) > engine.depth:
             self._finish_oldest()

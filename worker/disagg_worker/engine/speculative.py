@@ -41,7 +41,7 @@ from prometheus_client import Counter, Histogram
 from disagg_worker.config import SpeculativeConfig
 from disagg_worker.engine.sampling import SampleOutput, Sampler, SamplingState
 
-WINDOW = 4  # drafted steps a request is judged over
+WINDOW = 2  # drafted steps a request is judged over
 MIN_KEPT_PER_STEP = 0.5  # draft tokens kept per drafted step, below which it pauses
 PAUSE_STEPS = 128
 MAX_DOUBLINGS = 4

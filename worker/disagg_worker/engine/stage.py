@@ -28,7 +28,7 @@ UNROUTED = "a {role} instance serves requests routed with bootstrap_room; send r
 
 class Transfers(Protocol):
     """What a role stage needs of the KV transfer: this rank's `KVManager`, or in a multi-rank
-    instance the ranks' agreement (`engine.ranked_kv.RankedKV`)."""
+    instance the ranks' agreement (`ranks.kv.RankedKV`)."""
 
     on_change: Callable[[], None]
 
@@ -85,7 +85,7 @@ def build_kv_manager(cfg: EngineConfig, kv_pool: KVPool, shard: Shard, model_cfg
         layout = KVLayout.from_pool(
             kv_pool, cfg.cache.kv_dtype, start_layer=start_layer, kv_heads=heads, draft_kv=draft_kv
         )
-        url = f"http://127.0.0.1:{d.bootstrap_port}"
+        url = f"http://{d.leader_host}:{d.bootstrap_port}"  # pod 0's bootstrap server
         return create_kv_manager(d, layout, RankInfo(tp_rank=shard.tp_rank, pp_rank=shard.pp_rank, bootstrap_url=url))
     if d.role is Role.DECODE:
         layout = KVLayout.from_pool(

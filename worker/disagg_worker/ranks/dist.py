@@ -22,10 +22,6 @@ import torch.distributed as dist
 from disagg_worker.model.decoder import Collectives
 from disagg_worker.model.parallel import Shard
 
-# Followers wait for the driver's next step for as long as the instance lives; a dead peer is
-# noticed as a broken connection, not by this timeout.
-COLLECTIVE_TIMEOUT = timedelta(days=1)
-
 
 @dataclass(frozen=True)
 class RankAddress:
@@ -34,14 +30,19 @@ class RankAddress:
     host: str
     port: int
 
+    @classmethod
+    def parse(cls, addr: str) -> RankAddress:
+        host, _, port = addr.rpartition(":")
+        return cls(host.strip("[]"), int(port))
+
     @property
     def init_method(self) -> str:
         return f"tcp://{self.host}:{self.port}"
 
 
-def _group(ranks: list[int], backend: str | None = None) -> dist.ProcessGroup | None:
+def _group(ranks: list[int], timeout: timedelta, backend: str | None = None) -> dist.ProcessGroup | None:
     """A new process group of `ranks` (None on a rank outside it)."""
-    group = dist.new_group(ranks, backend=backend, timeout=COLLECTIVE_TIMEOUT)
+    group = dist.new_group(ranks, backend=backend, timeout=timeout)
     return group if isinstance(group, dist.ProcessGroup) else None
 
 
@@ -87,8 +88,10 @@ class SoloComm:
 class Comm(SoloComm):
     """A rank of a multi-rank instance: its tensor-parallel group and its neighbours in the pipeline."""
 
-    def __init__(self, shard: Shard, address: RankAddress, device: str):
+    def __init__(self, shard: Shard, address: RankAddress, device: str, timeout_s: float = 300.0):
+        """`timeout_s`: the longest one collective may wait for the other ranks (`DisaggConfig.dist_timeout_s`)."""
         super().__init__()
+        timeout = timedelta(seconds=timeout_s)
         self.shard = shard
         world = shard.tp_size * shard.pp_size
         backend = "nccl" if device.startswith("cuda") else "gloo"
@@ -97,7 +100,7 @@ class Comm(SoloComm):
             init_method=address.init_method,
             world_size=world,
             rank=shard.world_rank,
-            timeout=COLLECTIVE_TIMEOUT,
+            timeout=timeout,
         )
         self.device = torch.device(device)
         stage = [shard.pp_rank * shard.tp_size + t for t in range(shard.tp_size)]
@@ -106,10 +109,10 @@ class Comm(SoloComm):
         self.tp_objects: dist.ProcessGroup | None = None
         for pp in range(shard.pp_size):
             ranks = [pp * shard.tp_size + t for t in range(shard.tp_size)]
-            device_group, object_group = _group(ranks), _group(ranks, "gloo")
+            device_group, object_group = _group(ranks, timeout), _group(ranks, timeout, "gloo")
             if ranks == stage:
                 self.tp_group, self.tp_objects = device_group, object_group
-        objects = _group(list(range(world)), "gloo")
+        objects = _group(list(range(world)), timeout, "gloo")
         if objects is None:
             raise RuntimeError("this rank is not in its own instance's group")
         self.objects = objects

@@ -6,7 +6,7 @@ commands its stage issued since the last step, and the consensus results that ca
 Stage 0's ranks get it by a broadcast; each later stage gets it, with the hidden states, from the
 stage before (tensor rank t from tensor rank t). Every rank then applies the commands to its own
 transfer handles, polls them (the minimum over the stage's tensor ranks), takes its part in the
-round of the consensus (engine/consensus.py) and runs its layers; the last stage's tensor rank 0
+round of the consensus (ranks/consensus.py) and runs its layers; the last stage's tensor rank 0
 sends the logits and the round's result back to the driver, which samples.
 
 With one stage the whole step happens inside `launch`. With several, up to `pp_size` steps are in
@@ -25,10 +25,10 @@ from typing import Any
 import torch
 
 from disagg_worker.disagg import KVPoll
-from disagg_worker.engine.consensus import Round
-from disagg_worker.engine.dist import Comm, Posted
-from disagg_worker.engine.ranked_kv import Command, RankedKV, RankTransfer
 from disagg_worker.model.batch import ForwardBatch
+from disagg_worker.ranks.consensus import Round
+from disagg_worker.ranks.dist import Comm, Posted
+from disagg_worker.ranks.kv import Command, RankedKV, RankTransfer
 
 log = logging.getLogger(__name__)
 

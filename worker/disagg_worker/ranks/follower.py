@@ -2,7 +2,7 @@
 
 It holds its slice of the model (its heads, its stage's layers), its KV pool and, in a P/D role,
 its own KV transfer manager, whose handles it drives by the driver's commands and the stages'
-consensus (engine/ranks.py). It has no scheduler, no prefix cache and no HTTP side.
+consensus (ranks/group.py). It has no scheduler, no prefix cache and no HTTP side.
 """
 
 from __future__ import annotations
@@ -12,13 +12,13 @@ import logging
 import torch
 
 from disagg_worker.config import EngineConfig
-from disagg_worker.engine.dist import Comm
 from disagg_worker.engine.engine import DTYPES, build_kv_pool
-from disagg_worker.engine.ranked_kv import RankTransfer
-from disagg_worker.engine.ranks import StageWork, follow
 from disagg_worker.engine.runner import ModelRunner
 from disagg_worker.engine.stage import build_kv_manager
 from disagg_worker.model.loader import load_model
+from disagg_worker.ranks.dist import Comm
+from disagg_worker.ranks.group import StageWork, follow
+from disagg_worker.ranks.kv import RankTransfer
 
 log = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ Every rank owns its slice of the KV and so its own transfer manager and handles.
 schedules (the driver) decides what happens to a room; each decision is a `Command` that the
 driver applies to its own handle and sends, with the next step, to every other rank, which applies
 it to theirs (`RankTransfer.apply`). What the driver's role stage sees is `RankedKV`: senders and
-receivers whose state is the ranks' agreement (engine/consensus.py), not the driver's alone, so a
+receivers whose state is the ranks' agreement (ranks/consensus.py), not the driver's alone, so a
 request moves on only when every rank can, and fails when any rank failed.
 """
 
@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from disagg_worker.disagg import KVManager, KVPoll, KVReceiver, KVSender, TransferFailure
-from disagg_worker.engine.consensus import Queue, Round, StageQueues, follow, propose, settle
+from disagg_worker.ranks.consensus import Queue, Round, StageQueues, follow, propose, settle
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 A single-rank instance runs one: `run_scheduler`. A multi-rank instance runs one per rank
 (`run_rank`): rank 0 is the driver, which talks to the HTTP process and schedules for every rank;
-the others follow it (engine/follower.py).
+the others follow it (ranks/follower.py).
 """
 
 from __future__ import annotations
@@ -23,23 +23,24 @@ from disagg_worker.model.parallel import Shard
 _PR_SET_PDEATHSIG = 1  # prctl(2)
 
 if TYPE_CHECKING:
-    from disagg_worker.engine.dist import Comm, RankAddress
     from disagg_worker.engine.engine import Engine
+    from disagg_worker.ranks.dist import Comm, RankAddress
 
 
 def spawn_schedulers(cfg: EngineConfig, recv_addr: str, send_addr: str, log_level: str) -> list[BaseProcess]:
-    """Start the instance's scheduler processes (one per rank); the first is the driver."""
+    """Start this pod's scheduler processes (one per rank it runs); on pod 0 the first is the driver."""
     ctx = mp.get_context("spawn")
     procs: list[BaseProcess] = []
     if cfg.world_size == 1:
         one = (cfg, recv_addr, send_addr, log_level)
         procs.append(ctx.Process(target=run_scheduler, args=one, name="disagg-scheduler", daemon=True))
     else:
-        from disagg_worker.engine.dist import RankAddress
+        from disagg_worker.ranks.dist import RankAddress
 
-        address = RankAddress("127.0.0.1", _free_port())
-        tp, pp, ep = cfg.disagg.tp_size, cfg.disagg.pp_size, cfg.disagg.ep_size
-        for r in range(tp * pp):
+        d = cfg.disagg
+        address = RankAddress.parse(d.dist_init_addr) if d.nnodes > 1 else RankAddress("127.0.0.1", _free_port())
+        tp, pp, ep = d.tp_size, d.pp_size, d.ep_size
+        for r in d.local_ranks:  # this pod's share of the ranks (all of them on one node)
             args = (cfg, Shard(r % tp, tp, r // tp, pp, ep), address, recv_addr, send_addr, log_level)
             procs.append(ctx.Process(target=run_rank, args=args, name=f"disagg-rank-{r}", daemon=True))
     for proc in procs:
@@ -66,7 +67,7 @@ def run_rank(
 
     A follower keeps SIGUSR1's default action (it ends the process): the HTTP process stops every rank with it.
     """
-    from disagg_worker.engine.dist import Comm
+    from disagg_worker.ranks.dist import Comm
 
     cfg = rank_config(cfg, shard)
     _start_process(cfg, log_level, f"rank tp{shard.tp_rank} pp{shard.pp_rank}", shard.world_rank)
@@ -74,12 +75,12 @@ def run_rank(
         import torch
 
         torch.cuda.set_device(cfg.device)  # NCCL's communicators use the current device
-    comm = Comm(shard, address, cfg.device)
+    comm = Comm(shard, address, cfg.device, cfg.disagg.dist_timeout_s)
     try:
         if shard.world_rank == 0:
             _serve(build_engine(cfg, comm), cfg, recv_addr, send_addr)
         else:
-            from disagg_worker.engine.follower import run_follower
+            from disagg_worker.ranks.follower import run_follower
 
             run_follower(cfg, comm)
     finally:
