@@ -24,7 +24,14 @@ from disagg_worker.config import (
 from disagg_worker.engine.engine import Engine
 from disagg_worker.engine.loop import Stepper
 from disagg_worker.engine.sampling import SamplingParams
-from disagg_worker.engine.speculative import ACCEPTED, DRAFTED, PAUSE_STEPS, WINDOW, DraftPlanner, propose_ngram
+from disagg_worker.engine.speculative import (
+    ACCEPTED,
+    DRAFTED,
+    MODEL_RULE,
+    NGRAM_RULE,
+    DraftPlanner,
+    propose_ngram,
+)
 from tests.unit.test_engine import assert_idle_accounting
 
 NGRAM = SpeculativeConfig(algorithm="NGRAM", num_draft_tokens=4, min_match=2, max_match=6)
@@ -60,30 +67,48 @@ def test_proposals_follow_the_rule(tokens, k, min_n, extra):
     assert propose_ngram(tokens, k, min_n, min_n + extra) == naive_ngram(tokens, k, min_n, min_n + extra)
 
 
-def test_a_request_whose_drafts_keep_failing_pauses_longer_each_time_then_tries_again():
-    drafter = DraftPlanner(NGRAM)
-    tokens = [1, 2, 3, 1, 2]
-    assert drafter.may_draft("r", 0) and drafter.propose("r", tokens, 4) == [3, 1, 2]
+def test_a_draft_model_whose_drafts_keep_failing_pauses_longer_each_time_then_tries_again():
+    drafter = DraftPlanner(SpeculativeConfig(algorithm="EAGLE", draft_model_path="head", num_steps=4))
+    rule = MODEL_RULE
+    assert drafter.rule is rule and drafter.propose("r", [1, 2], 9) == [0, 0]  # room for two draft tokens
     step = 0
-    for pause in (PAUSE_STEPS, 2 * PAUSE_STEPS, 4 * PAUSE_STEPS):
-        for _ in range(WINDOW):
+    for pause in (rule.pause, 2 * rule.pause, 4 * rule.pause):
+        for _ in range(rule.window):
             assert drafter.may_draft("r", step)
-            drafter.record("r", 4, 0, step)  # every draft rejected
+            drafter.record("r", 2, 0, step)  # every draft rejected
             step += 1
         paused_at = step - 1
         assert not drafter.may_draft("r", paused_at + 1)
         assert not drafter.may_draft("r", paused_at + pause - 1)
         assert drafter.may_draft("r", paused_at + pause)
         step = paused_at + pause
-    assert drafter.propose("r", tokens, 4) == [3]  # one token: none of the last draft was kept
-    for step in range(WINDOW):  # half a token kept per drafted step: no pause
+    assert drafter.propose("r", [1, 2], 9) == [0]  # one token: none of the last draft was kept
+    for step in range(rule.window):  # half a token kept per drafted step: no pause
         drafter.record("s", 2, step % 2, step)
-    assert drafter.may_draft("s", WINDOW)
-    for step in range(WINDOW):  # a window that pays resets the doubling
+    assert drafter.may_draft("s", rule.window)
+    for step in range(rule.window):  # a window that pays resets the doubling
         drafter.record("r", 1, 1, 10_000 + step)
-    for step in range(WINDOW):
+    for step in range(rule.window):
         drafter.record("r", 1, 0, 20_000 + step)
-    assert drafter.may_draft("r", 20_000 + WINDOW - 1 + PAUSE_STEPS)
+    assert drafter.may_draft("r", 20_000 + rule.window - 1 + rule.pause)
+
+
+def test_ngram_drafts_pause_when_they_keep_too_small_a_share():
+    """An n-gram draft costs only its rows: a few misses in a row do not pause it; a kept share under a quarter
+    of the rule's window of drafted tokens does, for the rule's pause."""
+    drafter = DraftPlanner(NGRAM)
+    rule = NGRAM_RULE
+    assert drafter.rule is rule
+    for step in range(4):
+        drafter.record("r", 2, 0, step)  # 8 tokens drafted, none kept: too few to judge
+    assert drafter.may_draft("r", 4)
+    for step in range(rule.share_window // 8):
+        drafter.record("s", 8, 1, step)
+    paused_at = rule.share_window // 8 - 1
+    assert not drafter.may_draft("s", paused_at + rule.pause - 1) and drafter.may_draft("s", paused_at + rule.pause)
+    for step in range(rule.share_window // 4):  # a quarter kept: no pause
+        drafter.record("t", 4, 1, step)
+    assert drafter.may_draft("t", rule.share_window)
 
 
 def test_draft_length_follows_what_the_drafts_achieve():
