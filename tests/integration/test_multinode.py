@@ -90,7 +90,13 @@ def test_a_pod_lost_fails_the_instance_within_seconds_and_the_group_restarted_se
         stack.prefill = stack.start_prefill(port=stack.prefill.port)
         pod = other_pod(stack, "prefill", flags)
         stack.prefill.wait_healthy(), pod.wait_healthy()
-        wait_until(lambda: requests.get(f"{stack.router.url}/ready", timeout=scaled(5)).ok, 30, what="router ready")
+        body = {"input_ids": prompts[0], "sampling_params": {"max_new_tokens": 2, "temperature": 0}}
+        wait_until(  # the router takes the restarted prefill back once its health checks pass
+            lambda: requests.post(f"{stack.router.url}/generate", json=body, timeout=scaled(30)).ok,
+            60,
+            interval=1,
+            what="a request through the restarted group",
+        )
         assert generate_all(stack.router.url, prompts) == expected
     finally:
         pod.stop()
