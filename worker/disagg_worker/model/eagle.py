@@ -73,7 +73,7 @@ class EagleHead(nn.Module):
         batch = batch.to(device)
         plan = AttentionPlan.build(batch, device)
         e = self.embed_tokens(batch.input_ids)
-        h = self.fc(torch.cat((e, hidden.to(e.dtype)), dim=-1))
+        h = self.fc(torch.cat((e, hidden.to(device=e.device, dtype=e.dtype)), dim=-1))
         rotation = self.rotary.at(batch.positions, h.dtype)
         for layer in self.layers.values():
             h = layer(h, rotation, plan, kv)
