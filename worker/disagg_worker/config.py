@@ -91,6 +91,11 @@ class SpeculativeConfig:
                 f"--speculative-ngram-max-match-window-size {self.max_match}: need 1 <= min <= max"
             )
         if not self.uses_draft_model:
+            if self.draft_model_path:
+                raise ConfigError(
+                    f"--speculative-draft-model-path is for EAGLE and STANDALONE, not {self.algorithm} (it drafts "
+                    "without a model)"
+                )
             return
         if not self.draft_model_path:
             raise ConfigError(f"--speculative-algorithm {self.algorithm} needs --speculative-draft-model-path")
@@ -256,9 +261,10 @@ class DisaggConfig:
                     f"--dist-init-addr {self.dist_init_addr!r}: HOST:PORT of pod 0, where the instance's ranks "
                     "meet (needed with --nnodes above 1)"
                 )
-        if self.dist_timeout_s <= 1.0:
+        if self.dist_timeout_s < 30.0:
             raise ConfigError(
-                f"--dist-timeout {self.dist_timeout_s}: more than a second (idle ranks meet every second)"
+                f"--dist-timeout {self.dist_timeout_s}: at least 30 s (ranks also wait for each other to load "
+                "the model within it)"
             )
         if self.ep_size not in (1, self.tp_size):
             raise ConfigError(

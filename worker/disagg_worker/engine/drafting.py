@@ -26,8 +26,11 @@ draft KV of cached pages is used as found. A draft only changes how many tokens 
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import struct
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -44,6 +47,9 @@ from disagg_worker.model.loader import load_model, model_config
 from disagg_worker.model.tokenizer import Tokenizer
 
 _COUNT = struct.Struct("<I")
+# EAGLE hidden states a request keeps for its next catch-up (a request pausing from drafting adds one a step):
+# beyond, it catches up from where it is (draft KV before that is stale: fewer drafts kept, never other tokens).
+MAX_BACKLOG = 256
 _TOP = struct.Struct("<qf")
 
 
@@ -154,7 +160,8 @@ class ModelDrafter:
         """The draft's greedy next token after each request's last row, and (EAGLE) its output hidden state."""
         if not self.eagle:
             return self.model(fwd, self.kv).argmax(-1).tolist(), None
-        rows = [h if h is not None else torch.zeros(n, self.model.config.hidden_size) for h, n in
+        dev = self.model.fc.weight.device  # the aux record's hidden state arrives on the CPU
+        rows = [h.to(dev) if h is not None else torch.zeros(n, self.model.config.hidden_size, device=dev) for h, n in
                 zip(hidden, fwd.extend_lens, strict=True)]  # fmt: skip
         out = self.model(fwd, self.kv, torch.cat(rows))
         last = out[fwd.logits_indices]
@@ -192,6 +199,8 @@ class ModelDrafter:
             if st is None or st.end != start:
                 st = req.draft = DraftState(valid=start, end=start)
             if self.eagle and hidden is not None:
+                if not req.handoff and st.end - st.valid + kept > MAX_BACKLOG:
+                    st.valid, st.hidden = st.end, []  # paused long: catch up from here, not over all of it
                 st.hidden.append(hidden[row : row + kept].clone())
             st.end = start + kept
             row += n
@@ -270,6 +279,7 @@ class Draft:
     num_layers: int
     num_kv_heads: int
     head_dim: int
+    fingerprint: str = ""  # of its config and weight files: prefill and decode must load the same draft
 
 
 def load_draft(cfg: EngineConfig, target: CausalLM, target_cfg: ModelConfig) -> Draft | None:
@@ -289,18 +299,43 @@ def load_draft(cfg: EngineConfig, target: CausalLM, target_cfg: ModelConfig) -> 
 
 def _load_draft(algorithm: str, path: str, cfg: EngineConfig, target: CausalLM, target_cfg: ModelConfig) -> Draft:
     flag, dtype = "--speculative-draft-model-path", getattr(torch, cfg.dtype)
+    draft = _read_draft(algorithm, path, cfg, target, target_cfg, flag, dtype)
+    return dataclasses.replace(draft, fingerprint=fingerprint(path))
+
+
+def fingerprint(path: str) -> str:
+    """A short hash of a draft's config and of its weight files' names and sizes."""
+    p = Path(path)
+    files = sorted(f for f in ([p] if p.is_file() else p.iterdir()) if f.is_file())
+    h = hashlib.sha256()
+    for f in files:
+        h.update(f.name.encode())
+        h.update(f.read_bytes() if f.suffix == ".json" else str(f.stat().st_size).encode())
+    return h.hexdigest()[:12]
+
+
+def _read_draft(
+    algorithm: str, path: str, cfg: EngineConfig, target: CausalLM, target_cfg: ModelConfig, flag: str, dtype: Any
+) -> Draft:
+    context = cfg.max_context_len or target_cfg.max_position_embeddings
     if algorithm == "EAGLE":
         head_cfg = eagle.read_config(path)
         problem = _mismatch(
             ("vocab_size", head_cfg.vocab_size, target_cfg.vocab_size),
             ("hidden_size", head_cfg.hidden_size, target_cfg.hidden_size),
         )
+        if not problem and head_cfg.max_position_embeddings < context:
+            problem = f"its positions end at {head_cfg.max_position_embeddings}, the context at {context}"
         if problem:
             raise ConfigError(f"{flag} {path}: the EAGLE head does not fit the model: {problem}")
         model = eagle.load_eagle(path, target, dtype, cfg.device, pool_layer=0)
         return Draft(model, 1, head_cfg.num_kv_heads, head_cfg.head_dim)
     draft_cfg = model_config(path)
     problem = _mismatch(("vocab_size", draft_cfg.vocab_size, target_cfg.vocab_size))
+    if not problem and draft_cfg.max_position_embeddings < context:
+        problem = (
+            f"its positions end at {draft_cfg.max_position_embeddings}, the context (--max-context-len) at {context}"
+        )
     if not problem and Tokenizer.from_path(path).tok.get_vocab() != Tokenizer.from_path(cfg.model_path).tok.get_vocab():
         problem = "its tokenizer's vocabulary differs from the model's"
     if problem:

@@ -88,7 +88,7 @@ class Engine:
         )
         drafter = build_drafter(cfg, draft, self.kv_pool, model_cfg) if draft is not None else None
         self.runner = ModelRunner(model, self.kv_pool, model_cfg.vocab_size, cfg.device, drafter)
-        manager = build_kv_manager(cfg, self.kv_pool, shard, model_cfg)
+        manager = build_kv_manager(cfg, self.kv_pool, shard, model_cfg, draft.fingerprint if draft else "")
         kv: KVManager | RankedKV | None = manager
         self.ranks: RankGroup | None = None
         if comm is not None:

@@ -39,8 +39,19 @@ class PrefillReq:
 
 
 class PrefillStage:
-    def __init__(self, cfg: DisaggConfig, page_size: int, scheduler: Scheduler, outbox: Outbox, kv: Transfers):
+    def __init__(
+        self,
+        cfg: DisaggConfig,
+        page_size: int,
+        scheduler: Scheduler,
+        outbox: Outbox,
+        kv: Transfers,
+        whole_prompt: bool = False,
+    ):
+        """`whole_prompt`: send every page with the first token, none after each chunk (a draft model writes
+        its KV into the prompt's pages once the first token is known, `drafting.ModelDrafter.handoff`)."""
         self.cfg = cfg
+        self.whole_prompt = whole_prompt
         self.page_size = page_size
         self.scheduler = scheduler
         self.outbox = outbox
@@ -85,7 +96,7 @@ class PrefillStage:
         self._poll_inflight()
 
     def on_step(self, outcome: StepOutcome) -> None:
-        for req, done in outcome.chunks:
+        for req, done in [] if self.whole_prompt else outcome.chunks:
             p = self.prefilling.get(req.rid)
             full = done // self.page_size
             if p is not None and full > p.sent_pages:

@@ -68,7 +68,9 @@ def aux_slots(cfg: EngineConfig) -> int:
     return 2 * cfg.scheduler.max_running_requests
 
 
-def build_kv_manager(cfg: EngineConfig, kv_pool: KVPool, shard: Shard, model_cfg: ModelConfig) -> KVManager | None:
+def build_kv_manager(
+    cfg: EngineConfig, kv_pool: KVPool, shard: Shard, model_cfg: ModelConfig, draft_fingerprint: str = ""
+) -> KVManager | None:
     """This rank's KV transfer manager for its slice of the pool (its KV heads, its stage's
     layers); None for a monolithic engine."""
     d = cfg.disagg
@@ -76,11 +78,10 @@ def build_kv_manager(cfg: EngineConfig, kv_pool: KVPool, shard: Shard, model_cfg
     start_layer, heads = layers.start, shard.kv_heads(model_cfg)
     spec = cfg.scheduler.speculative
     extra = kv_pool.num_layers - len(layers)  # a draft model's layers after the model's
-    draft_kv = (
-        f"{spec.algorithm} ({extra} layer{'s' if extra > 1 else ''} of {kv_pool.page_nbytes}-byte pages)"
-        if extra
-        else ""
-    )
+    draft_kv = ""
+    if extra:
+        layers_of = f"{extra} layer{'s' if extra > 1 else ''} of {kv_pool.page_nbytes}-byte pages"
+        draft_kv = f"{spec.algorithm} ({layers_of}, draft {draft_fingerprint})"
     if d.role is Role.PREFILL:
         layout = KVLayout.from_pool(
             kv_pool, cfg.cache.kv_dtype, start_layer=start_layer, kv_heads=heads, draft_kv=draft_kv
@@ -112,7 +113,8 @@ def build_stage(
     if cfg.disagg.role is Role.PREFILL:
         from disagg_worker.engine.prefill import PrefillStage
 
-        return PrefillStage(cfg.disagg, cfg.cache.page_size, scheduler, outbox, kv)
+        whole = cfg.scheduler.speculative.uses_draft_model
+        return PrefillStage(cfg.disagg, cfg.cache.page_size, scheduler, outbox, kv, whole_prompt=whole)
     from disagg_worker.engine.decode import DecodeStage
 
     return DecodeStage(cfg, scheduler, allocator, outbox, kv, aux_slots(cfg))

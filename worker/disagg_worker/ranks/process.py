@@ -94,7 +94,8 @@ def rank_config(cfg: EngineConfig, shard: Shard) -> EngineConfig:
     """
     if cfg.device != "cuda":
         return cfg
-    return dataclasses.replace(cfg, device=f"cuda:{shard.world_rank}")
+    local = shard.world_rank - cfg.disagg.node_rank * cfg.disagg.ranks_per_node  # its GPU in this pod
+    return dataclasses.replace(cfg, device=f"cuda:{local}")
 
 
 def _start_process(cfg: EngineConfig, log_level: str, name: str, rank: int = 0) -> None:
@@ -123,9 +124,9 @@ def _die_with_parent() -> None:
         return
     import ctypes
 
-    parent = os.getppid()
     ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() != parent:
+    parent = mp.parent_process()
+    if parent is not None and os.getppid() != parent.pid:  # it died before the signal was set
         os._exit(1)
 
 
