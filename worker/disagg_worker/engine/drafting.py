@@ -46,6 +46,7 @@ from disagg_worker.model.layers import KVCacheView
 from disagg_worker.model.loader import load_model, model_config
 from disagg_worker.model.tokenizer import Tokenizer
 
+_FLAG = "--speculative-draft-model-path"
 _COUNT = struct.Struct("<I")
 # EAGLE hidden states a request keeps for its next catch-up (a request pausing from drafting adds one a step):
 # beyond, it catches up from where it is (draft KV before that is stale: fewer drafts kept, never other tokens).
@@ -288,18 +289,13 @@ def load_draft(cfg: EngineConfig, target: CausalLM, target_cfg: ModelConfig) -> 
     spec = cfg.scheduler.speculative
     if not spec.uses_draft_model:
         return None
-    path, flag = spec.draft_model_path, "--speculative-draft-model-path"
+    path = spec.draft_model_path
     try:
-        return _load_draft(spec.algorithm, path, cfg, target, target_cfg)
+        draft = _read_draft(spec.algorithm, path, cfg, target, target_cfg)
     except ConfigError:
         raise
     except (OSError, ValueError) as e:
-        raise ConfigError(f"{flag} {path}: {e}") from e
-
-
-def _load_draft(algorithm: str, path: str, cfg: EngineConfig, target: CausalLM, target_cfg: ModelConfig) -> Draft:
-    flag, dtype = "--speculative-draft-model-path", getattr(torch, cfg.dtype)
-    draft = _read_draft(algorithm, path, cfg, target, target_cfg, flag, dtype)
+        raise ConfigError(f"{_FLAG} {path}: {e}") from e
     return dataclasses.replace(draft, fingerprint=fingerprint(path))
 
 
@@ -314,9 +310,8 @@ def fingerprint(path: str) -> str:
     return h.hexdigest()[:12]
 
 
-def _read_draft(
-    algorithm: str, path: str, cfg: EngineConfig, target: CausalLM, target_cfg: ModelConfig, flag: str, dtype: Any
-) -> Draft:
+def _read_draft(algorithm: str, path: str, cfg: EngineConfig, target: CausalLM, target_cfg: ModelConfig) -> Draft:
+    flag, dtype = _FLAG, getattr(torch, cfg.dtype)
     context = cfg.max_context_len or target_cfg.max_position_embeddings
     if algorithm == "EAGLE":
         head_cfg = eagle.read_config(path)
