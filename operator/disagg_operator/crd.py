@@ -11,13 +11,12 @@ from pathlib import Path
 import yaml
 
 from . import names
-from .crd_roles import engine_props, router_schema, worker_role_schema
+from .crd_roles import ATTN_TP, RANK_RULES, engine_props, router_schema, worker_role_schema
 from .crd_status import status_schema
 from .schema import integer, obj, rule, string
 from .spec import DEFAULT_DRAIN_TIMEOUT, DEFAULT_PROGRESS_DEADLINE, ORDERS
 
 # The ranks of one instance are processes of one pod, so they share a node; a node has at most this many GPUs.
-MAX_RANKS_PER_INSTANCE = 8
 QUANTITY = "^[0-9]+(\\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|k|M|G|T|P)?$"
 
 
@@ -63,8 +62,10 @@ SPEC_RULES = (
         ),
         (
             "spec",
-            "self.prefill.tpSize % self.decode.tpSize == 0 || self.decode.tpSize % self.prefill.tpSize == 0",
-            "prefill.tpSize and decode.tpSize must divide one another (for example 4 and 2, or 2 and 4)",
+            f"{ATTN_TP.format(r='prefill')} % {ATTN_TP.format(r='decode')} == 0 || "
+            f"{ATTN_TP.format(r='decode')} % {ATTN_TP.format(r='prefill')} == 0",
+            "prefill.tpSize and decode.tpSize (each divided by its dpSize under DP attention: the KV heads of one "
+            "attention group) must divide one another (for example 4 and 2, or 2 and 4)",
         ),
         (
             "spec",
@@ -79,31 +80,7 @@ SPEC_RULES = (
             "prefill and decode must use the same kvDtype: the KV cache is copied byte for byte",
         ),
     ]
-    + [
-        (
-            "spec",
-            f"self.{r}.resources.gpus == 0 || self.{r}.resources.gpus == self.{r}.tpSize * self.{r}.ppSize",
-            f"{r}.resources.gpus must be 0 (CPU) or {r}.tpSize * {r}.ppSize (one GPU per rank)",
-        )
-        for r in names.WORKER_ROLES
-    ]
-    + [
-        (
-            "spec",
-            f"self.{r}.epSize == 1 || self.{r}.epSize == self.{r}.tpSize",
-            f"{r}.epSize must be 1 or equal {r}.tpSize: an instance's tensor ranks share out the experts",
-        )
-        for r in names.WORKER_ROLES
-    ]
-    + [
-        (
-            "spec",
-            f"self.{r}.tpSize * self.{r}.ppSize <= {MAX_RANKS_PER_INSTANCE}",
-            f"{r}.tpSize * {r}.ppSize must be at most {MAX_RANKS_PER_INSTANCE}: the ranks of a {r} instance run "
-            "in one pod, so they must fit one node (instances span one node until multi-node instances exist)",
-        )
-        for r in names.WORKER_ROLES
-    ]
+    + RANK_RULES
     + [
         (
             "spec",

@@ -2,10 +2,14 @@
 
 from typing import Any
 
+from . import names
 from .schema import free_obj, integer, obj, string
 from .spec import DEFAULT_ENGINE
 
 DTYPES = ["float32", "bfloat16", "float16"]
+MAX_RANKS_PER_INSTANCE = 8
+# A role's tensor ranks per attention group (its tpSize without DP attention), in CEL.
+ATTN_TP = "(self.{r}.tpSize / self.{r}.dpSize)"
 
 
 def engine_props(with_defaults: bool) -> dict:
@@ -73,6 +77,19 @@ def worker_role_schema(role: str) -> dict:
                 "Expert-parallel size for MoE models (DeepSeek-V3, Qwen3-MoE): 1, or tpSize (each tensor rank then "
                 "holds its share of the routed experts whole and tokens reach them by all-to-all).",
             ),
+            "enableDpAttention": {
+                "type": "boolean",
+                "default": False,
+                "description": "DP attention (SGLang's --enable-dp-attention): the tensor ranks split into dpSize "
+                "attention groups, each with its own requests and KV (an MLA latent cached once per group, not on "
+                "every rank); MLP and MoE layers still run over all tpSize ranks.",
+            },
+            "dpSize": integer(
+                1,
+                1,
+                "Attention groups with enableDpAttention (must divide tpSize). Whole-model data parallelism is "
+                "replicas.",
+            ),
             "engine": obj(engine_props(False), f"Engine settings for {role} only, over spec.engine.", default={}),
             **_placement_props(),
         },
@@ -99,3 +116,55 @@ def router_schema() -> dict:
         "The router that receives requests and pairs a prefill with a decode worker.",
         default={},
     )
+
+
+# CEL over spec: each worker role's ranks (GPUs, experts, attention groups, one node).
+RANK_RULES: list[tuple[str, str, str]] = (
+    [
+        (
+            "spec",
+            f"self.{r}.resources.gpus == 0 || self.{r}.resources.gpus == self.{r}.tpSize * self.{r}.ppSize",
+            f"{r}.resources.gpus must be 0 (CPU) or {r}.tpSize * {r}.ppSize (one GPU per rank)",
+        )
+        for r in names.WORKER_ROLES
+    ]
+    + [
+        (
+            "spec",
+            f"self.{r}.epSize == 1 || self.{r}.epSize == self.{r}.tpSize",
+            f"{r}.epSize must be 1 or equal {r}.tpSize: an instance's tensor ranks share out the experts",
+        )
+        for r in names.WORKER_ROLES
+    ]
+    + [
+        rule
+        for r in names.WORKER_ROLES
+        for rule in (
+            (
+                "spec",
+                f"self.{r}.dpSize == 1 || self.{r}.enableDpAttention",
+                f"{r}.dpSize above 1 needs {r}.enableDpAttention: it splits an instance's attention into groups; "
+                f"whole-model data parallelism is {r}.replicas",
+            ),
+            (
+                "spec",
+                f"self.{r}.tpSize % self.{r}.dpSize == 0",
+                f"{r}.dpSize must divide {r}.tpSize: each attention group takes tpSize / dpSize of the tensor ranks",
+            ),
+            (
+                "spec",
+                f"!self.{r}.enableDpAttention || self.{r}.ppSize == 1",
+                f"{r}.enableDpAttention runs on one pipeline stage (ppSize 1)",
+            ),
+        )
+    ]
+    + [
+        (
+            "spec",
+            f"self.{r}.tpSize * self.{r}.ppSize <= {MAX_RANKS_PER_INSTANCE}",
+            f"{r}.tpSize * {r}.ppSize must be at most {MAX_RANKS_PER_INSTANCE}: the ranks of a {r} instance run "
+            "in one pod, so they must fit one node (instances span one node until multi-node instances exist)",
+        )
+        for r in names.WORKER_ROLES
+    ]
+)

@@ -95,6 +95,8 @@ class WorkerRoleSpec:
     engine: EngineSpec
     placement: Placement
     ep_size: int = 1
+    dp_attention: bool = False
+    dp_size: int = 1
 
 
 @dataclass(frozen=True)
@@ -332,4 +334,6 @@ def _worker_role(role: str, d: Mapping[str, Any], shared_engine: Mapping[str, An
         EngineSpec.merged(shared_engine, d.get("engine", {})),
         Placement.from_dict(d),
         int(d.get("epSize", 1)),
+        bool(d.get("enableDpAttention", False)),
+        int(d.get("dpSize", 1)),
     )

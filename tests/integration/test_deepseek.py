@@ -27,6 +27,7 @@ from tests.integration.test_server import generate, varied_prompts
 
 pytestmark = pytest.mark.integration
 NEW_TOKENS = 12  # generate()'s default: what test_parallel.concurrently asks for
+DP2 = ("--enable-dp-attention", "--dp-size", "2")
 # A second DeepSeek-V3 shape: queries by one projection, no YaRN, rotary halves not interleaved, one expert
 # group, two shared experts, every layer MoE, 8 heads (two tensor ranks hold 4 each), v_head_dim != nope dim.
 WIDE = {
@@ -100,6 +101,9 @@ def kv_bytes_moved(url: str) -> float:
         ("qwen3_moe", ("--tp-size", "2")),
         ("deepseek_v3", ("--tp-size", "2", "--ep-size", "2")),
         ("qwen3_moe", ("--tp-size", "2", "--ep-size", "2")),
+        ("deepseek_v3", ("--tp-size", "2", *DP2)),
+        ("deepseek_v3_wide", ("--tp-size", "2", "--ep-size", "2", *DP2)),
+        ("qwen3_moe", ("--tp-size", "2", *DP2)),
     ],
     ids=[
         "deepseek",
@@ -109,6 +113,9 @@ def kv_bytes_moved(url: str) -> float:
         "qwen3-moe-tp2",
         "deepseek-ep2",
         "qwen3-moe-ep2",
+        "deepseek-dp2",
+        "deepseek-wide-dp2-ep2",
+        "qwen3-moe-dp2",
     ],
 )
 def test_monolithic_greedy_is_transformers_greedy(models, prompts, name, flags):
@@ -116,6 +123,38 @@ def test_monolithic_greedy_is_transformers_greedy(models, prompts, name, flags):
     server = serve(models[name], *FLAGS, *flags).wait_healthy()
     try:
         assert concurrently(server.url, prompts) == expected
+        assert_clean(server.url)
+        if "--enable-dp-attention" in flags:
+            assert_every_group_served(server.url, 2)
+    finally:
+        server.stop()
+
+
+def assert_every_group_served(url: str, groups: int) -> None:
+    """Each attention group of a DP-attention instance scheduled requests of its own."""
+    st = requests.get(f"{url}/stats", timeout=scaled(5)).json()
+    assert [g["dp_rank"] for g in st["groups"]] == list(range(groups)), st
+    assert all(g["step_count"] > 0 for g in st["groups"]), st["groups"]
+
+
+def test_dp_attention_serves_a_request_while_the_other_group_is_idle(models, prompts):
+    """A request pinned to either group answers as transformers does while the other group has nothing (it still
+    joins every forward's MoE collectives, over no tokens); a group that does not exist is a 400 naming it."""
+    model = models["deepseek_v3"]
+    expected = transformers_greedy(model, prompts)
+    server = serve(model, *FLAGS, "--tp-size", "2", *DP2).wait_healthy()
+    try:
+        for group in (1, 0, 1):
+            body = {"input_ids": prompts[0], "data_parallel_rank": group}
+            body["sampling_params"] = {"max_new_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True}
+            r = requests.post(f"{server.url}/generate", json=body, timeout=scaled(60))
+            assert r.status_code == 200, r.text
+            assert r.json()["output_ids"] == expected[0]
+        st = requests.get(f"{server.url}/stats", timeout=scaled(5)).json()
+        assert all(g["step_count"] > 0 for g in st["groups"]), st["groups"]
+        r = requests.post(f"{server.url}/generate", json={**body, "data_parallel_rank": 2}, timeout=scaled(10))
+        assert r.status_code == 400
+        assert r.json()["error"]["message"] == "data_parallel_rank 2: this instance runs 2 attention groups"
         assert_clean(server.url)
     finally:
         server.stop()
@@ -126,7 +165,15 @@ PAIRINGS = {
     "prefill-tp2-decode-tp1": (("--tp-size", "2"), ()),
     "prefill-tp1-decode-tp2": ((), ("--tp-size", "2")),
     "decode-ep2": ((), ("--tp-size", "2", "--ep-size", "2")),
+    "prefill-tp2-dp2-decode-tp1": (("--tp-size", "2", *DP2), ()),
+    "prefill-tp1-decode-tp2-dp2": ((), ("--tp-size", "2", *DP2)),
 }
+
+
+def attention_ranks(flags: tuple[str, ...]) -> int:
+    """The ranks of one attention group of an instance started with `flags` (its TP size without DP attention)."""
+    size = {f: int(v) for f, v in zip(flags, flags[1:], strict=False) if f in ("--tp-size", "--dp-size")}
+    return size.get("--tp-size", 1) // size.get("--dp-size", 1)
 
 
 @pytest.mark.parametrize("pairing", list(PAIRINGS))
@@ -141,13 +188,34 @@ def test_pd_greedy_is_transformers_greedy_and_the_latent_moves_once_per_decode_r
     try:
         assert concurrently(stack.router.url, prompts) == expected
         assert_clean(stack.prefill.url, stack.decode.url)
-        # Whole pages move: 4 tokens of 4 layers x (48 + 8) float32 latent values, to each decode rank, once.
+        # Whole pages move: 4 tokens of 4 layers x (48 + 8) float32 latent values, once to each rank of the decode
+        # attention group that runs the request.
         pages = sum(-(-len(p) // 4) for p in prompts)
-        decode_tp = 2 if "--tp-size" in decode_flags else 1
-        want = pages * 4 * 4 * (48 + 8) * 4 * decode_tp
+        want = pages * 4 * 4 * (48 + 8) * 4 * attention_ranks(decode_flags)
         # Counted just after each transfer's Success: wait for the sum, then check it is not more.
         got = wait_until(lambda: (b := kv_bytes_moved(stack.prefill.url)) >= want and b, 10, what="bytes counted")
         assert got == want
+        for url, flags in ((stack.prefill.url, prefill_flags), (stack.decode.url, decode_flags)):
+            if "--enable-dp-attention" in flags:  # the router spread the requests over the groups
+                assert_every_group_served(url, 2)
+    finally:
+        stack.stop()
+
+
+def test_pd_with_dp_attention_on_both_sides_answers_as_transformers_and_its_pairs_verify(models, prompts):
+    """Prefill and decode each TP2 as two attention groups, the router verifying pairs with probes (each probe in
+    the groups its room picks): greedy tokens as transformers', every group of both sides served."""
+    model = models["deepseek_v3"]
+    expected = transformers_greedy(model, prompts)
+    both = ("--tp-size", "2", *DP2)
+    stack = PDStack(model, *FLAGS, prefill_flags=both, decode_flags=both).wait_healthy()
+    try:
+        assert concurrently(stack.router.url, prompts) == expected
+        assert_clean(stack.prefill.url, stack.decode.url)
+        for url in (stack.prefill.url, stack.decode.url):
+            assert_every_group_served(url, 2)
+        health = requests.get(f"{stack.decode.url}/health", timeout=scaled(5)).json()
+        assert health["dp_loads"] == [0, 0]
     finally:
         stack.stop()
 
@@ -184,14 +252,17 @@ def test_expert_load_is_reported_per_expert_and_the_rank_holding_it(models):
         server.stop()
 
 
-def test_1000_requests_aborted_at_random_stages_leave_no_latent_page_behind(models):
-    """Prefill TP2 (one rank sends each latent, the other nothing) and decode TP2 with EP2: clients give up at
-    random moments; afterwards every page of every rank on both sides is free and answers are unchanged."""
+@pytest.mark.parametrize(
+    "decode_flags",
+    [("--tp-size", "2", "--ep-size", "2"), ("--tp-size", "2", "--ep-size", "2", *DP2)],
+    ids=["decode-ep2", "decode-dp2-ep2"],
+)
+def test_1000_requests_aborted_at_random_stages_leave_no_latent_page_behind(models, decode_flags):
+    """Prefill TP2 (one rank sends each latent, the other nothing) and decode TP2 with EP2 (and DP attention: two
+    groups, each its own requests and pages): clients give up at random moments; afterwards every page of every
+    rank (every group) on both sides is free and answers are unchanged."""
     stack = PDStack(
-        models["deepseek_v3"],
-        *FLAGS,
-        prefill_flags=("--tp-size", "2"),
-        decode_flags=("--tp-size", "2", "--ep-size", "2"),
+        models["deepseek_v3"], *FLAGS, prefill_flags=("--tp-size", "2"), decode_flags=decode_flags
     ).wait_healthy()
     try:
         before = reference(stack.router.url)

@@ -175,3 +175,36 @@ def test_a_registration_without_kv_kind_is_a_per_head_pool_and_a_bad_kind_is_ref
     assert RankRegistration.from_json(old).kv_kind == "mha"
     with pytest.raises(ValueError, match="kv_kind must be one of mha, mla"):
         RankRegistration.from_json({**old, "kv_kind": "latent"})
+
+
+def test_an_instance_with_dp_attention_answers_each_attention_group_apart():
+    """Two groups of two ranks: decode reads one group's topology under /dp/{k}; the plain route names the groups
+    instead of answering one of them, and a group that does not exist is a 404."""
+    srv = BootstrapServer(0, tp_size=2, token=TOKEN, host="127.0.0.1", dp_size=2).start()
+    try:
+        slots = [(dp, tp) for dp in (0, 1) for tp in (0, 1)]
+        for dp, tp in slots:
+            assert fetch_topology(f"{srv.url}/dp/0", TOKEN) is None  # 503 until every group's ranks registered
+            register_rank(
+                srv.url, replace(REG, tp_rank=tp, rank_port=6000 + 10 * dp + tp, dp_rank=dp, dp_size=2), TOKEN
+            )
+        for dp in (0, 1):
+            topo = topology(f"{srv.url}/dp/{dp}")
+            assert topo.tp_size == 2
+            assert [(r.dp_rank, r.tp_rank, r.rank_port) for r in topo.ranks] == [
+                (dp, 0, 6000 + 10 * dp),
+                (dp, 1, 6001 + 10 * dp),
+            ]
+        with pytest.raises(BootstrapError, match="runs 2 attention groups"):
+            fetch_topology(srv.url, TOKEN)
+        with pytest.raises(BootstrapError, match="no attention group 2"):
+            fetch_topology(f"{srv.url}/dp/2", TOKEN)
+        status, _, body = request(srv.port, "GET", "/dp/1/health")
+        assert status == 200 and json.loads(body)["expected"] == 4
+        status, _, body = request(srv.port, "GET", "/dp/x/health")
+        assert status == 400
+        # A rank that says another group count is refused, naming both.
+        with pytest.raises(BootstrapError, match="instance is tp=2 pp=1 dp=2, rank says tp=2 pp=1 dp=1"):
+            register_rank(srv.url, replace(REG, rank_port=7000), TOKEN)
+    finally:
+        srv.stop()

@@ -28,3 +28,11 @@ def test_expert_parallel_sizes_go_to_their_role():
     cmds = plan(argv, 9000, "m", RoleRanks(prefill_tp=2, decode_tp=2, prefill_ep=1, decode_ep=2))
     assert flag(cmds["prefill"], "--ep-size") == "1" and flag(cmds["decode"], "--ep-size") == "2"
     assert "--decode-ep-size" not in cmds["decode"]
+
+
+def test_dp_attention_goes_to_its_role():
+    argv = ["--model", "m", "--local", "--tp-size", "2", "--decode-dp-size", "2", "--decode-enable-dp-attention"]
+    cmds = plan(argv, 9000, "m", RoleRanks(prefill_tp=2, decode_tp=2, decode_dp=2, decode_dp_attention=True))
+    assert flag(cmds["decode"], "--dp-size") == "2" and "--enable-dp-attention" in cmds["decode"]
+    assert flag(cmds["prefill"], "--dp-size") == "1" and "--enable-dp-attention" not in cmds["prefill"]
+    assert not any(a.startswith("--decode-") for a in cmds["decode"] + cmds["prefill"])

@@ -147,3 +147,24 @@ def test_kv_heads_replicate_when_fewer_than_ranks():
         {**RAW, "hidden_size": 96, "intermediate_size": 96, "num_attention_heads": 12, "num_key_value_heads": 4}
     )
     assert "the 4 KV heads: one must divide the other" in check_parallel(odd, 6, 1)
+
+
+def test_dp_attention_splits_heads_within_a_group_and_the_mlp_over_every_rank():
+    """TP 4 as 2 attention groups of 2: ranks 0-1 and 2-3 each split the 8 heads in two (a group holds every
+    head), while the MLP stays sliced four ways; the KV and its transfer see a rank of a 2-rank instance."""
+    cfg = ModelConfig.from_hf_dict(RAW)
+    shards = [Shard(t, 4, dp_size=2) for t in range(4)]
+    assert [(s.dp_rank, s.attn_tp_rank, s.attn_tp_size) for s in shards] == [(0, 0, 2), (0, 1, 2), (1, 0, 2), (1, 1, 2)]
+    assert [list(s.heads(cfg)) for s in shards] == [[0, 1, 2, 3], [4, 5, 6, 7]] * 2
+    assert [list(s.kv_heads(cfg)) for s in shards] == [[0], [1]] * 2
+    assert shards[3].attention == Shard(1, 2)
+    rows = [shard_slice("model.layers.0.mlp.up_proj.weight", (64, 128), cfg, s)[0] for s in shards]
+    assert [(r.start, r.stop) for r in rows] == [(0, 16), (16, 32), (32, 48), (48, 64)]  # intermediate_size 64
+    assert check_parallel(cfg, 4, 1, dp_size=2) == ""
+    assert check_parallel(cfg, 4, 1, dp_size=3) == "dp_size 3 does not divide tp_size 4"
+    wide = ModelConfig.from_hf_dict({**RAW, "num_attention_heads": 6, "num_key_value_heads": 6, "hidden_size": 96})
+    assert "an attention group's 4 ranks (tp_size / dp_size) does not divide the 6 attention heads" in check_parallel(
+        wide, 8, 1, dp_size=2
+    )
+    with pytest.raises(ValueError, match="dp_size 3 must divide the tp_size 4"):
+        Shard(0, 4, dp_size=3)

@@ -588,3 +588,13 @@ def test_a_draft_model_reaches_both_roles_from_the_model_volume_and_joins_the_pa
         revisions.add(template["metadata"]["labels"]["disagg.dev/revision"])
     plain_revision = plain[("StatefulSet", "tiny-decode")]["spec"]["template"]["metadata"]["labels"]
     assert len(revisions) == 1 and revisions != {plain_revision["disagg.dev/revision"]}
+
+
+def test_a_dp_attention_decode_gets_its_groups_and_prefill_does_not(tiny):
+    cr = tiny
+    cr["spec"]["decode"] = {**cr["spec"].get("decode", {}), "tpSize": 2, "enableDpAttention": True, "dpSize": 2}
+    kids = children_by_kind_name(cr)
+    decode = container(kids, "StatefulSet", "tiny-decode")["args"]
+    assert "--enable-dp-attention" in decode and decode[decode.index("--dp-size") + 1] == "2"
+    prefill = container(kids, "StatefulSet", "tiny-prefill")["args"]
+    assert "--enable-dp-attention" not in prefill and "--dp-size" not in prefill

@@ -84,7 +84,8 @@ def test_every_rule_has_a_message_and_sits_where_it_can_see_its_fields():
     [
         ("replicas", "replicas >= 0"),
         ("ppSize", "decode.ppSize == self.prefill.ppSize"),
-        ("tpSize", "tpSize % "),
+        ("tpSize", "(self.prefill.tpSize / self.prefill.dpSize) % (self.decode.tpSize / self.decode.dpSize)"),
+        ("dpSize", "dpSize == 1 || "),
         ("epSize", "epSize == 1 || "),
         ("speculative windows", "ngramMinMatchWindowSize <= "),
         ("speculative draft path", "has(self.draftModelPath)"),

@@ -26,6 +26,10 @@ def cmd_serve(ns: argparse.Namespace) -> int:
             decode_pp=ns.decode_pp_size or ns.pp_size,
             prefill_ep=ns.prefill_ep_size or ns.ep_size,
             decode_ep=ns.decode_ep_size or ns.ep_size,
+            prefill_dp=ns.prefill_dp_size or ns.dp_size,
+            decode_dp=ns.decode_dp_size or ns.dp_size,
+            prefill_dp_attention=ns.prefill_enable_dp_attention or ns.enable_dp_attention,
+            decode_dp_attention=ns.decode_enable_dp_attention or ns.enable_dp_attention,
         )
         return run_local(sys.argv[2:], args.host, args.port, args.engine.model_name, ranks)
     from disagg_worker.server import launch
@@ -115,10 +119,16 @@ def build_parser() -> argparse.ArgumentParser:
             ("tp", "tensor parallel ranks"),
             ("pp", "pipeline parallel stages"),
             ("ep", "expert parallel ranks"),
+            ("dp", "attention groups (with DP attention)"),
         ):
             serve.add_argument(
                 f"--{role}-{kind}-size", type=int, default=0, help=f"--local: {what} of {role} (default --{kind}-size)"
             )
+        serve.add_argument(
+            f"--{role}-enable-dp-attention",
+            action="store_true",
+            help=f"--local: DP attention on {role} only (--enable-dp-attention: on both)",
+        )
     serve.set_defaults(func=cmd_serve)
 
     for role in (Role.PREFILL, Role.DECODE):

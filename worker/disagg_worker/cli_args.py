@@ -99,6 +99,20 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "routed experts whole, and tokens go to them by all-to-all)",
     )
     p.add_argument(
+        "--enable-dp-attention",
+        action="store_true",
+        help="split the tensor ranks into --dp-size attention groups, each with its own requests and KV "
+        "(MLA models: the latent is then cached once per group instead of on every rank); MLP/MoE layers still "
+        "run over all --tp-size ranks",
+    )
+    p.add_argument(
+        "--dp-size",
+        type=int,
+        default=1,
+        help="attention groups with --enable-dp-attention (must divide --tp-size); whole-model data parallelism "
+        "is more instances",
+    )
+    p.add_argument(
         "--nnodes",
         type=int,
         default=1,
@@ -236,7 +250,14 @@ def server_args_from_cli(
         "dist_init_addr": ns.dist_init_addr,
         "dist_timeout_s": ns.dist_timeout,
     }
-    disagg = DisaggConfig(role=role, tp_size=ns.tp_size, pp_size=ns.pp_size, ep_size=ns.ep_size, **nodes)
+    sizes = {
+        "tp_size": ns.tp_size,
+        "pp_size": ns.pp_size,
+        "ep_size": ns.ep_size,
+        "enable_dp_attention": ns.enable_dp_attention,
+        "dp_size": ns.dp_size,
+    }
+    disagg = DisaggConfig(role=role, **sizes, **nodes)
     if role is not Role.MONOLITHIC:
         disagg = DisaggConfig(
             role=role,
@@ -245,9 +266,7 @@ def server_args_from_cli(
             ib_device=ns.ib_device,
             bootstrap_port=ns.bootstrap_port,
             advertise_host=ns.advertise_host,
-            tp_size=ns.tp_size,
-            pp_size=ns.pp_size,
-            ep_size=ns.ep_size,
+            **sizes,
             **nodes,
             bootstrap_timeout_s=ns.bootstrap_timeout,
             waiting_timeout_s=ns.waiting_timeout,
@@ -303,6 +322,6 @@ def check_model(engine: EngineConfig) -> None:
         cfg = ModelConfig.from_hf_dir(path)
     except (ValueError, KeyError) as e:
         raise ConfigError(f"--model {path}: {e}") from None
-    problem = check_parallel(cfg, d.tp_size, d.pp_size, d.ep_size)
+    problem = check_parallel(cfg, d.tp_size, d.pp_size, d.ep_size, d.dp_size)
     if problem:
         raise ConfigError(f"--model {path}: cannot split it over the instance's ranks: {problem}")

@@ -11,11 +11,11 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from disagg_worker import keys
+from disagg_worker.errors import ConfigError as ConfigError
 from disagg_worker.model.source import served_name
-
-
-class ConfigError(ValueError):
-    """A start-up setting that cannot work; the message says which flag to change."""
+from disagg_worker.speculative_config import DRAFT_MODEL_ALGORITHMS as DRAFT_MODEL_ALGORITHMS
+from disagg_worker.speculative_config import SPECULATIVE_ALGORITHMS as SPECULATIVE_ALGORITHMS
+from disagg_worker.speculative_config import SpeculativeConfig as SpeculativeConfig
 
 
 class Role(str, Enum):
@@ -40,71 +40,6 @@ class CacheConfig:
     @property
     def capacity_tokens(self) -> int:
         return self.total_pages * self.page_size
-
-
-SPECULATIVE_ALGORITHMS = ("NGRAM", "EAGLE", "STANDALONE")  # SGLang's names
-DRAFT_MODEL_ALGORITHMS = ("EAGLE", "STANDALONE")
-
-
-@dataclass(frozen=True)
-class SpeculativeConfig:
-    """Speculative decoding (`engine/speculative.py`, `engine/drafting.py`).
-
-    NGRAM drafts from n-gram matches in the request's own tokens: the longest suffix of `max_match`..
-    `min_match` tokens that occurred earlier proposes the tokens that followed it, up to `num_draft_tokens`.
-    EAGLE (a one-layer head fed with the target's hidden states, `draft_model_path` in SGLang's EAGLE
-    checkpoint layout) and STANDALONE (a smaller model with the same tokenizer) draft `num_steps` tokens,
-    one forward of the draft each, as one chain (`eagle_topk` 1). Every draft is verified in the request's
-    next forward."""
-
-    algorithm: str = ""  # "": off
-    num_draft_tokens: int = 8
-    min_match: int = 2
-    max_match: int = 8
-    num_steps: int = 3
-    eagle_topk: int = 1
-    draft_model_path: str = ""
-
-    @property
-    def enabled(self) -> bool:
-        return bool(self.algorithm)
-
-    @property
-    def uses_draft_model(self) -> bool:
-        return self.algorithm in DRAFT_MODEL_ALGORITHMS
-
-    @property
-    def max_draft(self) -> int:
-        """The most draft tokens one request verifies in one step."""
-        return self.num_steps if self.uses_draft_model else self.num_draft_tokens
-
-    def __post_init__(self) -> None:
-        if self.algorithm and self.algorithm not in SPECULATIVE_ALGORITHMS:
-            raise ConfigError(f"--speculative-algorithm {self.algorithm}: one of {', '.join(SPECULATIVE_ALGORITHMS)}")
-        if not self.algorithm:
-            return
-        if not 1 <= self.num_draft_tokens <= 16:
-            raise ConfigError(f"--speculative-num-draft-tokens {self.num_draft_tokens}: from 1 to 16")
-        if not 1 <= self.min_match <= self.max_match:
-            raise ConfigError(
-                f"--speculative-ngram-min-match-window-size {self.min_match} and "
-                f"--speculative-ngram-max-match-window-size {self.max_match}: need 1 <= min <= max"
-            )
-        if not self.uses_draft_model:
-            if self.draft_model_path:
-                raise ConfigError(
-                    f"--speculative-draft-model-path is for EAGLE and STANDALONE, not {self.algorithm} (it drafts "
-                    "without a model)"
-                )
-            return
-        if not self.draft_model_path:
-            raise ConfigError(f"--speculative-algorithm {self.algorithm} needs --speculative-draft-model-path")
-        if not 1 <= self.num_steps <= 16:
-            raise ConfigError(f"--speculative-num-steps {self.num_steps}: from 1 to 16")
-        if self.eagle_topk != 1:
-            raise ConfigError(
-                f"--speculative-eagle-topk {self.eagle_topk}: only 1 (one chain of drafts per request) is supported"
-            )
 
 
 @dataclass(frozen=True)
@@ -140,6 +75,11 @@ class DisaggConfig:
     pp_size: int = 1
     # Expert parallelism: 1, or tp_size (the stage's tensor ranks share out the routed experts).
     ep_size: int = 1
+    # DP attention: the tensor ranks split into `dp_size` attention groups of tp_size / dp_size ranks, each
+    # with its own scheduler, requests and KV pool; the MLP/MoE layers run over all tp_size ranks on every
+    # group's tokens, gathered before and split after. Whole-replica data parallelism is more instances.
+    enable_dp_attention: bool = False
+    dp_size: int = 1
     # An instance across pods (larger than one node): `nnodes` pods run `num_ranks // nnodes` consecutive ranks
     # each, pod `node_rank` those from `node_rank * ranks_per_node`. Pod 0 runs rank 0 (the driver), the HTTP
     # front end and, on prefill, the bootstrap server; the ranks meet at `dist_init_addr`, pod 0's host:port.
@@ -195,6 +135,11 @@ class DisaggConfig:
         return self.tp_size * self.pp_size
 
     @property
+    def attn_tp_size(self) -> int:
+        """Tensor ranks of one attention group (all tp_size ranks without DP attention)."""
+        return self.tp_size // self.dp_size
+
+    @property
     def ranks_per_node(self) -> int:
         return self.num_ranks // self.nnodes
 
@@ -210,9 +155,10 @@ class DisaggConfig:
             return "127.0.0.1"
         return self.dist_init_addr.rsplit(":", 1)[0].strip("[]")
 
-    def rank_index(self, tp_rank: int, pp_rank: int) -> int:
-        """The position of a rank in its instance: what its ports are offset by."""
-        return pp_rank * self.tp_size + tp_rank
+    def rank_index(self, tp_rank: int, pp_rank: int, dp_rank: int = 0) -> int:
+        """The position of a rank in its instance: what its ports are offset by (`tp_rank` within its
+        attention group `dp_rank` under DP attention)."""
+        return pp_rank * self.tp_size + dp_rank * self.attn_tp_size + tp_rank
 
     def control_port_of(self, rank: int) -> int:
         """The control channel port of rank `rank` (0: any free port)."""
@@ -270,6 +216,29 @@ class DisaggConfig:
             raise ConfigError(
                 f"--ep-size {self.ep_size} must be 1 or equal --tp-size {self.tp_size}: the experts are shared out "
                 "among an instance's tensor ranks"
+            )
+        self._check_dp()
+
+    def _check_dp(self) -> None:
+        if self.dp_size < 1:
+            raise ConfigError(f"--dp-size {self.dp_size}: at least 1")
+        if self.dp_size > 1 and not self.enable_dp_attention:
+            raise ConfigError(
+                f"--dp-size {self.dp_size} without --enable-dp-attention: --dp-size splits an instance's attention "
+                "into groups (with --enable-dp-attention); whole-model data parallelism is more instances "
+                "(replicas), which the router spreads requests over"
+            )
+        if not self.enable_dp_attention:
+            return
+        if self.tp_size % self.dp_size:
+            raise ConfigError(
+                f"--dp-size {self.dp_size} must divide --tp-size {self.tp_size}: each attention group takes "
+                "tp-size / dp-size of the tensor ranks"
+            )
+        if self.pp_size > 1 or self.nnodes > 1:
+            raise ConfigError(
+                f"--enable-dp-attention runs on one pipeline stage in one pod (here --pp-size {self.pp_size}, "
+                f"--nnodes {self.nnodes})"
             )
 
     def check(self) -> None:

@@ -20,6 +20,31 @@ class BootstrapInfo:
     port: int
     room: int
     sig: str = ""  # the router's signature over (host, port, room) (`keys.sign_target`); "": unsigned
+    # The prefill instance's attention group holding the KV (DP attention; None: an instance of one group).
+    dp_rank: int | None = None
+
+    @property
+    def address(self) -> str:
+        """The prefill bootstrap address decode resolves: the instance, or one attention group of it."""
+        base = f"{self.host}:{self.port}"
+        return base if self.dp_rank is None else f"{base}/dp/{self.dp_rank}"
+
+    @property
+    def signed_host(self) -> str:
+        """What the router's signature covers as the host: the group too, so no caller can redirect it."""
+        return self.host if self.dp_rank is None else f"{self.host}/dp/{self.dp_rank}"
+
+
+@dataclass(frozen=True)
+class Route:
+    """Where a request runs, as the router (or the client) decided: its P/D bootstrap target, and which of
+    this instance's attention groups takes it (DP attention; None: the instance chooses)."""
+
+    bootstrap: BootstrapInfo | None = None
+    dp_rank: int | None = None
+
+
+NO_ROUTE = Route()
 
 
 @dataclass(frozen=True)
@@ -71,6 +96,7 @@ class EngineInfo:
     page_size: int
     total_pages: int
     eos_token_ids: list[int]
+    dp_rank: int = 0  # the attention group whose scheduler sent it (DP attention)
 
 
 @dataclass(frozen=True)
@@ -93,6 +119,7 @@ class SchedulerStats:
     queues: dict[str, int] = field(default_factory=dict)
     # Every rank's P/D queue sizes in a multi-rank instance, by (tp_rank, pp_rank).
     rank_queues: dict[tuple[int, int], dict[str, int]] = field(default_factory=dict)
+    dp_rank: int = 0  # the attention group whose scheduler sent it (DP attention)
 
 
 Message = GenerateReq | AbortReq | FlushCacheReq | BatchOut | EngineInfo | SchedulerStats

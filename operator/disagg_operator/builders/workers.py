@@ -60,6 +60,8 @@ def worker_args(spec: ModelSpec, role: str) -> list[str]:
         str(w.pp_size),
         # Only when set: a flag every pod gained would roll every existing model's pods on upgrade.
         *(["--ep-size", str(w.ep_size)] if w.ep_size > 1 else []),
+        *(["--enable-dp-attention"] if w.dp_attention else []),
+        *(["--dp-size", str(w.dp_size)] if w.dp_size > 1 else []),
         "--page-size",
         str(e.page_size),
         "--kv-dtype",

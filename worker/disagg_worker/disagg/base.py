@@ -113,9 +113,10 @@ class RankInfo:
     """This process's place in its instance. `bootstrap_url` is where a prefill rank
     registers (empty: the instance's server on 127.0.0.1:cfg.bootstrap_port)."""
 
-    tp_rank: int = 0
+    tp_rank: int = 0  # within its attention group (DP attention)
     pp_rank: int = 0
     bootstrap_url: str = ""
+    dp_rank: int = 0
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,12 @@
 Prefill ranks register with `PUT /route`; decode asks `GET /route?tp_rank=-1&pp_rank=-1`
 for the topology (or a given rank for its `{rank_ip, rank_port}`) and heartbeats
 `GET /health`. Route queries answer 503 until all `tp_size * pp_size` ranks registered.
+
+An instance with DP attention has `dp_size` attention groups of `tp_size` ranks each (`tp_size` is then
+a group's tensor ranks): ranks register with their `dp_rank`, and decode reads one group's topology and
+health under `/dp/{k}/route` and `/dp/{k}/health` (a group is, to decode, an instance of its own; the
+request names the group, `BootstrapInfo.dp_rank`). `/route` without a group answers only an instance of
+one group.
 With a token, `/route` needs `Authorization: Bearer <token>` (401 otherwise, fail closed).
 Every error is a 4xx/503 with a JSON body `{"error": ...}`.
 
@@ -27,7 +33,7 @@ from aiohttp import web
 
 _INT_FIELDS = (
     "tp_rank", "tp_size", "pp_rank", "pp_size", "rank_port", "page_size", "start_layer", "num_layers",
-    "kv_head_start", "num_kv_heads", "head_nbytes",
+    "kv_head_start", "num_kv_heads", "head_nbytes", "dp_rank", "dp_size",
 )  # fmt: skip
 _STR_FIELDS = ("rank_ip", "kv_dtype", "session_id", "kv_kind")
 KV_KINDS = ("mha", "mla")
@@ -55,6 +61,9 @@ class RankRegistration:
     kv_kind: str = "mha"
     # The draft model's KV after the model's layers ("" for none; `KVLayout.draft_kv`).
     draft_kv: str = ""
+    # DP attention: this rank's attention group among `dp_size` (tp_rank/tp_size are within the group).
+    dp_rank: int = 0
+    dp_size: int = 1
 
     @property
     def kv_heads(self) -> range:
@@ -70,7 +79,7 @@ class RankRegistration:
         if not isinstance(obj, dict):
             raise ValueError("body must be a JSON object")
         # A rank of the release before KV layouts were named registers without kv_kind: its pool is per-head.
-        obj = {"kv_kind": "mha", "draft_kv": "", **obj}
+        obj = {"kv_kind": "mha", "draft_kv": "", "dp_rank": 0, "dp_size": 1, **obj}
         names = [f.name for f in fields(cls)]
         missing = [n for n in names if n not in obj]
         if missing:
@@ -91,7 +100,17 @@ class RankRegistration:
             raise ValueError("draft_kv must be a string")
         if obj["kv_kind"] not in KV_KINDS:
             raise ValueError(f"kv_kind must be one of {', '.join(KV_KINDS)}")
+        if obj["dp_size"] < 1 or obj["dp_rank"] >= obj["dp_size"]:
+            raise ValueError("dp_rank must be below dp_size (at least 1)")
         return cls(**{n: obj[n] for n in names})
+
+    @property
+    def slot(self) -> tuple[int, int, int]:
+        return (self.dp_rank, self.tp_rank, self.pp_rank)
+
+    @property
+    def where(self) -> str:
+        return f"tp={self.tp_rank} pp={self.pp_rank}" + (f" dp={self.dp_rank}" if self.dp_size > 1 else "")
 
 
 def _error(status: int, message: str) -> web.Response:
@@ -121,22 +140,28 @@ async def _refuses_connections(host: str, port: int, timeout: float = 1.0) -> bo
 
 
 class _Registry:
-    def __init__(self, tp_size: int, pp_size: int):
+    def __init__(self, tp_size: int, pp_size: int, dp_size: int = 1):
         self.tp_size = tp_size
         self.pp_size = pp_size
+        self.dp_size = dp_size
         self.instance_id = uuid.uuid4().hex
-        self.ranks: dict[tuple[int, int], RankRegistration] = {}
+        self.ranks: dict[tuple[int, int, int], RankRegistration] = {}
+
+    @property
+    def expected(self) -> int:
+        return self.dp_size * self.tp_size * self.pp_size
 
     @property
     def complete(self) -> bool:
-        return len(self.ranks) == self.tp_size * self.pp_size
+        return len(self.ranks) == self.expected
 
     def check(self, reg: RankRegistration) -> str:
         """ "" if `reg` fits this instance, else why not."""
-        if (reg.tp_size, reg.pp_size) != (self.tp_size, self.pp_size):
-            return f"instance is tp={self.tp_size} pp={self.pp_size}, rank says tp={reg.tp_size} pp={reg.pp_size}"
+        mine, its = (self.tp_size, self.pp_size, self.dp_size), (reg.tp_size, reg.pp_size, reg.dp_size)
+        if mine != its:
+            return "instance is tp={} pp={} dp={}, rank says tp={} pp={} dp={}".format(*mine, *its)
         if reg.tp_rank >= self.tp_size or reg.pp_rank >= self.pp_size:
-            return f"rank tp={reg.tp_rank} pp={reg.pp_rank} outside tp={self.tp_size} pp={self.pp_size}"
+            return f"rank {reg.where} outside tp={self.tp_size} pp={self.pp_size}"
         for other in self.ranks.values():
             if (other.page_size, other.kv_dtype) != (reg.page_size, reg.kv_dtype):
                 return (
@@ -148,25 +173,38 @@ class _Registry:
 
     def holder(self, reg: RankRegistration) -> RankRegistration | None:
         """The rank that holds `reg`'s slot under another identity (None: free, or `reg` itself)."""
-        held = self.ranks.get((reg.tp_rank, reg.pp_rank))
+        held = self.ranks.get(reg.slot)
         return None if held is None or held == reg else held
 
     def put(self, reg: RankRegistration) -> None:
         """Take the slot (checked: `check` passed and its holder, if any, is gone)."""
-        held = self.ranks.get((reg.tp_rank, reg.pp_rank))
+        held = self.ranks.get(reg.slot)
         if held is not None and held != reg:
             self.instance_id = uuid.uuid4().hex  # a rank restarted: decode must resolve it afresh
-        self.ranks[(reg.tp_rank, reg.pp_rank)] = reg
+        self.ranks[reg.slot] = reg
 
-    def topology(self) -> dict:
-        first = next(iter(self.ranks.values()))
+    def group(self, dp: int | None) -> tuple[int, str]:
+        """The attention group a query names (None: none named), or an error (status, message)."""
+        if dp is None:
+            if self.dp_size > 1:
+                return 400, (
+                    f"this prefill instance runs {self.dp_size} attention groups (DP attention): a request names "
+                    "its group (the router sends bootstrap_dp_rank)"
+                )
+            return 0, ""
+        if not 0 <= dp < self.dp_size:
+            return 404, f"no attention group {dp}: this prefill instance runs {self.dp_size}"
+        return dp, ""
+
+    def topology(self, dp: int) -> dict:
+        ranks = [r for slot, r in sorted(self.ranks.items()) if slot[0] == dp]
         return {
             "instance_id": self.instance_id,
             "tp_size": self.tp_size,
             "pp_size": self.pp_size,
-            "page_size": first.page_size,
-            "kv_dtype": first.kv_dtype,
-            "ranks": [asdict(r) for _, r in sorted(self.ranks.items())],
+            "page_size": ranks[0].page_size,
+            "kv_dtype": ranks[0].kv_dtype,
+            "ranks": [asdict(r) for r in ranks],
         }
 
 
@@ -203,15 +241,15 @@ class _Routes:
         held = reg.holder(rank)
         if not problem and held is not None and not await _gone(held, rank):
             problem = (
-                f"rank tp={rank.tp_rank} pp={rank.pp_rank} is held by a live rank at {held.rank_ip}:{held.rank_port} "
+                f"rank {rank.where} is held by a live rank at {held.rank_ip}:{held.rank_port} "
                 f"(session {held.session_id})"
             )
         if not problem and reg.holder(rank) not in (None, held):  # taken by another while we probed
-            problem = f"rank tp={rank.tp_rank} pp={rank.pp_rank} was just registered by another rank"
+            problem = f"rank {rank.where} was just registered by another rank"
         if problem:
             return _error(409, problem)
         reg.put(rank)
-        return web.json_response({"ok": True, "registered": len(reg.ranks), "expected": reg.tp_size * reg.pp_size})
+        return web.json_response({"ok": True, "registered": len(reg.ranks), "expected": reg.expected})
 
     async def get_route(self, request: web.Request) -> web.Response:
         if not self._authorized(request):
@@ -219,41 +257,60 @@ class _Routes:
         try:
             tp = int(request.query.get("tp_rank", "-1"))
             pp = int(request.query.get("pp_rank", "-1"))
+            dp, problem = self._reg.group(_dp_of(request))
         except ValueError:
-            return _error(400, "tp_rank and pp_rank must be integers")
+            return _error(400, "tp_rank, pp_rank and the group must be integers")
+        if problem:
+            return _error(dp, problem)
         reg = self._reg
         if not reg.complete:
-            return _error(503, f"{len(reg.ranks)} of {reg.tp_size * reg.pp_size} ranks registered")
+            return _error(503, f"{len(reg.ranks)} of {reg.expected} ranks registered")
         if tp == -1 and pp == -1:
-            return web.json_response(reg.topology())
-        rank = reg.ranks.get((tp, pp))
+            return web.json_response(reg.topology(dp))
+        rank = reg.ranks.get((dp, tp, pp))
         if rank is None:
             return _error(404, f"no rank tp={tp} pp={pp} in tp={reg.tp_size} pp={reg.pp_size}")
         return web.json_response({"rank_ip": rank.rank_ip, "rank_port": rank.rank_port})
 
     async def health(self, request: web.Request) -> web.Response:
         reg = self._reg
-        body = {"instance_id": reg.instance_id, "registered": len(reg.ranks), "expected": reg.tp_size * reg.pp_size}
+        try:
+            status, problem = reg.group(_dp_of(request)) if "dp" in request.match_info else (0, "")
+        except ValueError:
+            status, problem = 400, "the group must be an integer"
+        if problem:
+            return _error(status, problem)
+        body = {"instance_id": reg.instance_id, "registered": len(reg.ranks), "expected": reg.expected}
         return web.json_response(body, status=200 if reg.complete else 503)
 
 
-def build_app(tp_size: int = 1, pp_size: int = 1, token: str = "") -> web.Application:
-    """The bootstrap app for an instance of `tp_size * pp_size` ranks."""
-    if tp_size < 1 or pp_size < 1:
-        raise ValueError("tp_size and pp_size must be >= 1")
-    routes = _Routes(_Registry(tp_size, pp_size), token)
+def _dp_of(request: web.Request) -> int | None:
+    """The attention group a path names (`/dp/{dp}/...`), None for the plain paths."""
+    dp = request.match_info.get("dp")
+    return None if dp is None else int(dp)
+
+
+def build_app(tp_size: int = 1, pp_size: int = 1, token: str = "", dp_size: int = 1) -> web.Application:
+    """The bootstrap app for an instance of `dp_size` attention groups of `tp_size * pp_size` ranks."""
+    if tp_size < 1 or pp_size < 1 or dp_size < 1:
+        raise ValueError("tp_size, pp_size and dp_size must be >= 1")
+    routes = _Routes(_Registry(tp_size, pp_size, dp_size), token)
     app = web.Application(middlewares=[_json_errors], client_max_size=64 * 1024)
     app.router.add_put("/route", routes.put_route)
     app.router.add_get("/route", routes.get_route)
     app.router.add_get("/health", routes.health)
+    app.router.add_get("/dp/{dp}/route", routes.get_route)
+    app.router.add_get("/dp/{dp}/health", routes.health)
     return app
 
 
 class BootstrapServer:
     """The bootstrap app served from a daemon thread of the prefill process."""
 
-    def __init__(self, port: int, tp_size: int = 1, pp_size: int = 1, token: str = "", host: str = "0.0.0.0"):
-        self._app = build_app(tp_size, pp_size, token)
+    def __init__(
+        self, port: int, tp_size: int = 1, pp_size: int = 1, token: str = "", host: str = "0.0.0.0", dp_size: int = 1
+    ):
+        self._app = build_app(tp_size, pp_size, token, dp_size)
         self._host = host
         self.port = port
         self._loop = asyncio.new_event_loop()

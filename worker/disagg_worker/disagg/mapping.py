@@ -85,10 +85,10 @@ def check_compatible(
             f"KV head size mismatch: prefill head_nbytes={head}, decode head_nbytes={layout.head_nbytes} "
             "(head_dim x element size)",
         )
-    if topo.tp_size % cfg.tp_size and cfg.tp_size % topo.tp_size:
+    if topo.tp_size % cfg.attn_tp_size and cfg.attn_tp_size % topo.tp_size:
         return (
             [],
-            f"unsupported TP mapping: prefill tp_size={topo.tp_size}, decode tp_size={cfg.tp_size} "
+            f"unsupported TP mapping: prefill tp_size={topo.tp_size}, decode tp_size={cfg.attn_tp_size} "
             "(one must divide the other)",
         )
     if cfg.pp_size not in (topo.pp_size, 1):
@@ -101,7 +101,7 @@ def check_compatible(
     problem = _check_layers(topo, stages, layout)
     if problem:
         return [], problem
-    group, fan_in = tp_group(topo.tp_size, cfg.tp_size, tp_rank)
+    group, fan_in = tp_group(topo.tp_size, cfg.attn_tp_size, tp_rank)
     targets: list[Target] = []
     for pp in stages:
         problem = _take_heads([topo.rank(tp, pp) for tp in group], layout, fan_in, targets)

@@ -74,15 +74,14 @@ class DecodeStage:
             self.outbox.reject(req, 400, UNROUTED.format(role="decode"))
             return
         if self.target_key and not target_signed(
-            self.target_key, bootstrap.host, bootstrap.port, bootstrap.room, bootstrap.sig
+            self.target_key, bootstrap.signed_host, bootstrap.port, bootstrap.room, bootstrap.sig
         ):
             self.outbox.reject(req, 403, "bootstrap target not signed by this model's router: refused")
             return
         if len(self.prealloc) >= self.max_prealloc:
             self.outbox.reject(req, 503, "the decode prealloc queue is full; retry later")
             return
-        addr = f"{bootstrap.host}:{bootstrap.port}"
-        self.prealloc[req.rid] = DecodeReq(req, self.kv.create_receiver(bootstrap.room, addr))
+        self.prealloc[req.rid] = DecodeReq(req, self.kv.create_receiver(bootstrap.room, bootstrap.address))
 
     def abort(self, rid: str) -> bool:
         d = self.prealloc.pop(rid, None) or self.transfer.get(rid)

@@ -37,6 +37,7 @@ from disagg_worker.limits import RequestLimits
 from disagg_worker.mem.allocator import PageAllocator
 from disagg_worker.mem.kv_pool import KVKind, KVPool
 from disagg_worker.mem.radix import RadixCache
+from disagg_worker.model.batch import ForwardBatch
 from disagg_worker.model.config import ModelConfig
 from disagg_worker.model.layers import KVCacheView
 from disagg_worker.model.loader import load_model
@@ -68,9 +69,11 @@ class Engine:
         self.model_cfg = model_cfg
         cache = cfg.cache
         shard = comm.shard if comm is not None else Shard()
+        self.shard = shard
         self.max_context_len = cfg.max_context_len or model_cfg.max_position_embeddings
         self.kv_pool = build_kv_pool(cfg, model_cfg, shard, draft)
-        self.expert_load = ExpertLoad(model, cfg.disagg.ep_size)
+        # Under DP attention every group's MoE layers see every group's tokens: the first group's counts say all.
+        self.expert_load = ExpertLoad(model if shard.dp_rank == 0 else None, cfg.disagg.ep_size)
         self.allocator = PageAllocator(cache.total_pages)
         self.radix = RadixCache(cache.page_size, self.allocator, enabled=cfg.uses_prefix_cache)
         self.outbox = Outbox()
@@ -170,6 +173,17 @@ class Engine:
     def multi_rank(self) -> bool:
         return self.ranks is not None
 
+    def any_group_forwards(self, batch: ScheduledBatch | None) -> bool:
+        """DP attention: whether any attention group runs a forward this step (then every group must, an
+        idle one over no tokens: the MLPs' collectives span them all). Every group's driver asks once a step."""
+        if self.ranks is None:
+            return batch is not None
+        return self.ranks.comm.any_group(batch is not None)
+
+    @property
+    def dp_attention(self) -> bool:
+        return self.shard.dp_size > 1
+
     @property
     def depth(self) -> int:
         """Steps that may stay in flight after one is launched (multi-rank: one per later stage)."""
@@ -180,6 +194,12 @@ class Engine:
         if self.ranks is None:
             raise RuntimeError("launch() is for multi-rank engines; use run()")
         return self.ranks.launch(batch.forward if batch is not None else None)
+
+    def launch_forward(self, batch: ScheduledBatch | None) -> Launched:
+        """DP attention: start a step that runs the forward on every rank, over no tokens without a batch."""
+        if self.ranks is None:
+            raise RuntimeError("launch_forward() is for multi-rank engines")
+        return self.ranks.launch(batch.forward if batch is not None else empty_forward())
 
     def finish(self, batch: ScheduledBatch | None, launched: Launched) -> None:
         """Wait for a launched step's logits, sample, and process the result."""
@@ -230,6 +250,7 @@ class Engine:
             page_size=self.cfg.cache.page_size,
             total_pages=self.cfg.cache.total_pages,
             eos_token_ids=sorted(self.eos_ids),
+            dp_rank=self.shard.dp_rank,
         )
 
     def stats(self) -> msg.SchedulerStats:
@@ -250,6 +271,7 @@ class Engine:
             queues=self.queue_sizes(),
             rank_queues=self.rank_queue_sizes(),
             metrics_text=own_metrics(),
+            dp_rank=self.shard.dp_rank,
         )
 
     def queue_sizes(self) -> dict[str, int]:
@@ -265,13 +287,12 @@ class Engine:
         if self.ranks is None:
             return {(0, 0): self.queue_sizes()}
         names = RANK_QUEUE_NAMES[self.cfg.disagg.role]
-        shard = self.ranks.comm.shard
+        shard = self.shard
+        group = range(shard.dp_rank * shard.attn_tp_size, (shard.dp_rank + 1) * shard.attn_tp_size)  # this group's
         sizes = {
-            (tp, pp): {names[q]: n for q, n in stage.items()}
-            for pp, stage in self.ranks.queues.items()
-            for tp in range(shard.tp_size)
+            (tp, pp): {names[q]: n for q, n in stage.items()} for pp, stage in self.ranks.queues.items() for tp in group
         }
-        sizes[(0, 0)] = self.queue_sizes()
+        sizes[(group.start, 0)] = self.queue_sizes()
         return sizes
 
     def close(self) -> None:
@@ -287,6 +308,12 @@ class Engine:
             self.allocator.num_free + self.radix.total_pages == self.allocator.num_total
             and self.radix.total_refs() == 0
         )
+
+
+def empty_forward() -> ForwardBatch:
+    """A forward over no tokens: an attention group without requests still runs the MLPs' collectives."""
+    none = torch.zeros(0, dtype=torch.long)
+    return ForwardBatch(input_ids=none, positions=none, out_slots=none, extend_lens=[], seq_lens=[], kv_slots=[])
 
 
 def build_kv_pool(cfg: EngineConfig, model_cfg: ModelConfig, shard: Shard, draft: Draft | None = None) -> KVPool:

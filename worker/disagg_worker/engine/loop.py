@@ -108,13 +108,18 @@ class Stepper:
 class RankStepper:
     """Steps a multi-rank engine: each step runs on every rank (ranks.group), up to `depth`
     steps stay in flight (one per later pipeline stage), and a step without a batch still runs
-    a transfer round while requests wait on KV transfers."""
+    a transfer round while requests wait on KV transfers.
+
+    With DP attention every attention group's driver runs one, and they step together: before each
+    step they agree whether any group runs a forward; if one does, every group does (over no tokens
+    when it has no batch), since the MLP layers gather every group's tokens."""
 
     def __init__(self, engine: Engine, after_tick: Callable[[], None] = lambda: None):
         self.engine = engine
         self.after_tick = after_tick
         self.inflight: deque[tuple[ScheduledBatch | None, Launched]] = deque()
         self.last_launch = time.monotonic()
+        self.groups_forward = False  # DP attention: the last step ran a forward in some group
 
     @property
     def busy(self) -> bool:
@@ -122,7 +127,12 @@ class RankStepper:
 
     @property
     def computing(self) -> bool:
-        return bool(self.inflight) or self.engine.has_batch_work
+        return bool(self.inflight) or self.engine.has_batch_work or self.groups_forward
+
+    @property
+    def lockstep(self) -> bool:
+        """DP attention: the loop may not sleep long between steps (the other groups wait for this one)."""
+        return self.engine.dp_attention
 
     def step(self) -> None:
         engine = self.engine
@@ -131,6 +141,12 @@ class RankStepper:
         if self.inflight and engine.needs_sync():
             self.drain()
         batch = engine.schedule()
+        if engine.dp_attention:
+            self.groups_forward = engine.any_group_forwards(batch)
+            if self.groups_forward:
+                self.last_launch = time.monotonic()
+                engine.finish(batch, engine.launch_forward(batch))  # one stage: done when launched
+                return
         if batch is None and not engine.waiting_on_transfers:
             self.drain()
             if time.monotonic() - self.last_launch < LOOP.rank_heartbeat_s:
@@ -191,6 +207,8 @@ class EngineLoop:
             return 0
         if self.engine.waiting_on_transfers:
             return LOOP.transfer_poll_ms
+        if isinstance(self.stepper, RankStepper) and self.stepper.lockstep:
+            return LOOP.dp_idle_poll_ms
         return int(LOOP.stats_interval_s * 1000)
 
     def _wake(self) -> None:

@@ -72,7 +72,7 @@ def build_kv_manager(
     cfg: EngineConfig, kv_pool: KVPool, shard: Shard, model_cfg: ModelConfig, draft_fingerprint: str = ""
 ) -> KVManager | None:
     """This rank's KV transfer manager for its slice of the pool (its KV heads, its stage's
-    layers); None for a monolithic engine."""
+    layers; under DP attention, as a rank of its attention group); None for a monolithic engine."""
     d = cfg.disagg
     layers = shard.layer_range(model_cfg.num_layers)
     start_layer, heads = layers.start, shard.kv_heads(model_cfg)
@@ -87,7 +87,8 @@ def build_kv_manager(
             kv_pool, cfg.cache.kv_dtype, start_layer=start_layer, kv_heads=heads, draft_kv=draft_kv
         )
         url = f"http://{d.leader_host}:{d.bootstrap_port}"  # pod 0's bootstrap server
-        return create_kv_manager(d, layout, RankInfo(tp_rank=shard.tp_rank, pp_rank=shard.pp_rank, bootstrap_url=url))
+        rank = RankInfo(shard.attn_tp_rank, shard.pp_rank, url, shard.dp_rank)
+        return create_kv_manager(d, layout, rank)
     if d.role is Role.DECODE:
         layout = KVLayout.from_pool(
             kv_pool,
@@ -99,7 +100,7 @@ def build_kv_manager(
             + (draft_head_nbytes(spec.eagle_topk, model_cfg.hidden_size) if extra else 0),
             draft_kv=draft_kv,
         )
-        return create_kv_manager(d, layout, RankInfo(tp_rank=shard.tp_rank, pp_rank=shard.pp_rank))
+        return create_kv_manager(d, layout, RankInfo(shard.attn_tp_rank, shard.pp_rank, dp_rank=shard.dp_rank))
     return None
 
 

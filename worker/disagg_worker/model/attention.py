@@ -45,6 +45,8 @@ class AttentionPlan:
     @classmethod
     def build(cls, batch: ForwardBatch, device: torch.device) -> AttentionPlan:
         batch = batch.to(device)
+        if not batch.num_requests:  # an attention group without requests (DP attention): no attention runs
+            return cls(batch.out_slots, None, None, ())
         if batch.is_decode:
             index = pad_sequence(list(batch.kv_slots), batch_first=True)
             lens = torch.tensor(batch.seq_lens, dtype=torch.long, device=device)

@@ -8,13 +8,16 @@ so the state dict keys are the safetensors names. The model is stateless across 
 every token lives in the pool passed to `forward` (`layers.KVCacheView`).
 
 Under tensor parallelism (`model.parallel.Shard`) each rank builds its slice and `all_reduce` sums
-the row-parallel outputs. Under pipeline parallelism a stage holds a range of layers (its KV pool
+the row-parallel outputs. Under DP attention each attention group runs the attention of its own requests
+(possibly none), and every layer's MLP runs on all groups' tokens: gathered before it, this group's rows
+taken back after it (`GroupRows`). Under pipeline parallelism a stage holds a range of layers (its KV pool
 indexes them from 0); the first stage embeds the tokens, the others take the previous stage's hidden
 states, and only the last norms and projects to logits.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -31,12 +34,35 @@ from disagg_worker.model.rope import RotaryEmbedding, Rotation
 
 
 @dataclass(frozen=True)
+class GroupRows:
+    """DP attention, for one forward: the tokens of each attention group (`sizes`, group after group), this
+    rank's group, and how to gather every group's rows from every rank."""
+
+    sizes: tuple[int, ...]
+    group: int
+    gather_rows: Callable[[torch.Tensor, tuple[int, ...]], torch.Tensor]
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        """This group's rows x -> every group's rows."""
+        return self.gather_rows(x, self.sizes)
+
+    def own(self, y: torch.Tensor) -> torch.Tensor:
+        """Every group's rows y -> this group's."""
+        start = sum(self.sizes[: self.group])
+        return y[start : start + self.sizes[self.group]]
+
+
+@dataclass(frozen=True)
 class Collectives:
     """How this rank's layers talk to the other tensor ranks of its stage: the all-reduce of row-parallel
-    outputs, and (expert parallelism) the exchange of token rows. A single rank needs neither."""
+    outputs, and (expert parallelism) the exchange of token rows. A single rank needs neither. With DP
+    attention the attention sums over its group only (`attn_all_reduce`) and `group_rows` says, once per
+    forward, how many tokens each group brings to the MLPs."""
 
     all_reduce: AllReduce = no_reduce
     exchange: Exchange | None = None
+    attn_all_reduce: AllReduce | None = None  # None: `all_reduce`
+    group_rows: Callable[[int], GroupRows] | None = None
 
 
 class AttentionFactory(Protocol):
@@ -61,20 +87,25 @@ class Blocks:
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, blocks: Blocks, layer: int, pool_layer: int, shard: Shard, comm: Collectives):
         super().__init__()
-        self.self_attn = blocks.attention(cfg, pool_layer, shard, comm.all_reduce)
+        self.self_attn = blocks.attention(cfg, pool_layer, shard, comm.attn_all_reduce or comm.all_reduce)
         self.mlp = blocks.mlp(cfg, layer, shard, comm.all_reduce, comm.exchange)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, h: torch.Tensor, rotation: Rotation, plan: AttentionPlan, kv: KVCacheView) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), rotation, plan, kv)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(
+        self, h: torch.Tensor, rotation: Rotation, plan: AttentionPlan, kv: KVCacheView, rows: GroupRows | None = None
+    ) -> torch.Tensor:
+        if h.shape[0]:  # an attention group without requests still joins the MLPs' collectives
+            h = h + self.self_attn(self.input_layernorm(h), rotation, plan, kv)
+        x = self.post_attention_layernorm(h)
+        return h + (self.mlp(x) if rows is None else rows.own(self.mlp(rows.gather(x))))
 
 
 class DecoderModel(nn.Module):
     def __init__(self, cfg: ModelConfig, blocks: Blocks, shard: Shard, comm: Collectives):
         super().__init__()
         self.shard = shard
+        self.group_rows = comm.group_rows
         if shard.first_stage or (cfg.tie_word_embeddings and shard.last_stage):
             # Weights always come from a checkpoint: skip the random init (normal_ on the meta
             # device costs seconds on first use).
@@ -96,8 +127,9 @@ class DecoderModel(nn.Module):
         plan = AttentionPlan.build(batch, batch.input_ids.device)
         h = self.embed_tokens(batch.input_ids) if hidden is None else hidden
         rotation = self.rotary.at(batch.positions, h.dtype)
+        rows = self.group_rows(h.shape[0]) if self.group_rows is not None else None
         for layer in self.layers.values():
-            h = layer(h, rotation, plan, kv)
+            h = layer(h, rotation, plan, kv, rows)
         return self.norm(h) if self.shard.last_stage else h
 
 

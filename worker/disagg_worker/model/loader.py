@@ -57,7 +57,7 @@ def load_model(
     gguf_file = find_gguf(path)
     reader = open_gguf(gguf_file) if gguf_file is not None else None
     cfg = gguf_config(reader) if reader is not None else ModelConfig.from_hf_dir(Path(path))
-    problem = check_parallel(cfg, shard.tp_size, shard.pp_size, shard.ep_size)
+    problem = check_parallel(cfg, shard.tp_size, shard.pp_size, shard.ep_size, shard.dp_size)
     if problem:
         raise ValueError(f"cannot split {Path(path).name} over the instance's ranks: {problem}")
     with torch.device("meta"):

@@ -12,6 +12,10 @@ MLA (DeepSeek) splits its heads the same way (q/q_b and kv_b column-parallel by 
 and replicates its latent projections, so the latent KV is whole on every rank. MoE slices every
 expert and the shared experts like a dense MLP; the router is replicated.
 
+DP attention (`Shard.dp_size` > 1) splits the tensor ranks into `dp_size` attention groups of `tp_size /
+dp_size` ranks: heads split (and KV heads are cached) within a group only, each group attending over its own
+requests, while the MLP and MoE layers stay sliced over all `tp_size` ranks of the stage.
+
 Pipeline parallelism splits the layers into contiguous ranges, the first stage also embedding and
 the last also norming and projecting to logits.
 
@@ -35,19 +39,44 @@ _EXPERT_ID = re.compile(r"^mlp\.experts\.(\d+)\.")
 class Shard:
     """This rank's place: tensor-parallel rank among `tp_size`, pipeline stage among `pp_size`; with
     expert parallelism (`ep_size` equal to `tp_size`), the stage's tensor ranks share out the routed
-    experts, each holding `num_experts / ep_size` of them whole (EP rank = TP rank)."""
+    experts, each holding `num_experts / ep_size` of them whole (EP rank = TP rank); with DP attention
+    (`dp_size` > 1), attention group `dp_rank` of `attn_tp_size` consecutive tensor ranks splits the heads
+    among themselves only."""
 
     tp_rank: int = 0
     tp_size: int = 1
     pp_rank: int = 0
     pp_size: int = 1
     ep_size: int = 1
+    dp_size: int = 1
 
     def __post_init__(self) -> None:
         if not (0 <= self.tp_rank < self.tp_size and 0 <= self.pp_rank < self.pp_size):
             raise ValueError(f"rank (tp {self.tp_rank}, pp {self.pp_rank}) outside sizes {self.tp_size}x{self.pp_size}")
         if self.ep_size not in (1, self.tp_size):
             raise ValueError(f"ep_size {self.ep_size} must be 1 or the tp_size {self.tp_size}")
+        if self.dp_size < 1 or self.tp_size % self.dp_size:
+            raise ValueError(f"dp_size {self.dp_size} must divide the tp_size {self.tp_size}")
+
+    @property
+    def attn_tp_size(self) -> int:
+        """Tensor ranks of this rank's attention group (all of the stage's without DP attention)."""
+        return self.tp_size // self.dp_size
+
+    @property
+    def attn_tp_rank(self) -> int:
+        return self.tp_rank % self.attn_tp_size
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's attention group (0 without DP attention)."""
+        return self.tp_rank // self.attn_tp_size
+
+    @property
+    def attention(self) -> Shard:
+        """This rank within its attention group, as the KV and its transfer see it: a group is an instance of
+        `attn_tp_size` tensor ranks (the same as this shard without DP attention)."""
+        return Shard(self.attn_tp_rank, self.attn_tp_size, self.pp_rank, self.pp_size)
 
     @property
     def ep_rank(self) -> int:
@@ -75,18 +104,18 @@ class Shard:
         return stage_layers(num_layers, self.pp_size, self.pp_rank)
 
     def heads(self, cfg: ModelConfig) -> range:
-        """The query heads of this rank."""
-        n = cfg.num_heads // self.tp_size
-        return range(self.tp_rank * n, (self.tp_rank + 1) * n)
+        """The query heads of this rank (split within its attention group)."""
+        n = cfg.num_heads // self.attn_tp_size
+        return range(self.attn_tp_rank * n, (self.attn_tp_rank + 1) * n)
 
     def kv_heads(self, cfg: ModelConfig) -> range:
         """The KV heads this rank caches: an even slice, or the one replicated head its query heads
         use (MLA's single latent is such a head: every rank holds it whole)."""
-        n_kv = cfg.kv_num_heads
-        if n_kv >= self.tp_size:
-            n = n_kv // self.tp_size
-            return range(self.tp_rank * n, (self.tp_rank + 1) * n)
-        head = self.tp_rank * n_kv // self.tp_size
+        n_kv, tp, rank = cfg.kv_num_heads, self.attn_tp_size, self.attn_tp_rank
+        if n_kv >= tp:
+            n = n_kv // tp
+            return range(rank * n, (rank + 1) * n)
+        head = rank * n_kv // tp
         return range(head, head + 1)
 
 
@@ -96,19 +125,24 @@ def stage_layers(num_layers: int, pp_size: int, pp_rank: int) -> range:
     return range(start, start + base + (1 if pp_rank < extra else 0))
 
 
-def check_parallel(cfg: ModelConfig, tp_size: int, pp_size: int, ep_size: int = 1) -> str:
-    """Why the model cannot run with these sizes ("" if it can), naming the values."""
+def check_parallel(cfg: ModelConfig, tp_size: int, pp_size: int, ep_size: int = 1, dp_size: int = 1) -> str:
+    """Why the model cannot run with these sizes ("" if it can), naming the values. `dp_size`: attention
+    groups (DP attention), whose `tp_size / dp_size` ranks split the heads."""
     if tp_size < 1 or pp_size < 1:
         return f"tp_size and pp_size must be at least 1, got {tp_size} and {pp_size}"
+    if dp_size < 1 or tp_size % dp_size:
+        return f"dp_size {dp_size} does not divide tp_size {tp_size}"
     if ep_size > 1 and cfg.moe is None:
         return f"ep_size {ep_size}: the {cfg.arch} model has no experts to spread"
     if cfg.moe is not None and cfg.moe.num_experts % ep_size:
         return f"ep_size {ep_size} does not divide the {cfg.moe.num_experts} routed experts"
-    if cfg.num_heads % tp_size:
-        return f"tp_size {tp_size} does not divide the {cfg.num_heads} attention heads"
+    attn = tp_size // dp_size
+    what = f"tp_size {tp_size}" if dp_size == 1 else f"an attention group's {attn} ranks (tp_size / dp_size)"
+    if cfg.num_heads % attn:
+        return f"{what} does not divide the {cfg.num_heads} attention heads"
     kv = cfg.num_kv_heads
-    if cfg.mla is None and ((kv >= tp_size and kv % tp_size) or (kv < tp_size and tp_size % kv)):
-        return f"tp_size {tp_size} and the {kv} KV heads: one must divide the other"
+    if cfg.mla is None and ((kv >= attn and kv % attn) or (kv < attn and attn % kv)):
+        return f"{what} and the {kv} KV heads: one must divide the other"
     dense = cfg.moe is None or len(cfg.moe.layers) < cfg.num_layers
     if dense and cfg.intermediate_size % tp_size:
         return f"tp_size {tp_size} does not divide the MLP size {cfg.intermediate_size}"

@@ -5,6 +5,11 @@ processes; world rank = pp_rank * T + tp_rank. Tensors that the forward exchange
 all-reduces, the hidden states between stages) go through the device backend; Python objects
 (the step's plan, transfer commands, poll results) go through a gloo group, pickled.
 
+With DP attention a stage's tensor ranks form `dp_size` attention groups: the attention's all-reduce,
+the driver's broadcast and the transfer agreement run within a group (a group is, to them, what a stage
+is without DP attention), the MLP's all-reduce, the experts' all-to-all and the gather of every group's
+tokens over the whole stage, and the groups' drivers agree before each step whether it runs a forward.
+
 `Comm` is what the engine needs of them; a single-rank instance gets `SoloComm`, which does
 nothing and needs no torch.distributed at all.
 """
@@ -19,7 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from disagg_worker.model.decoder import Collectives
+from disagg_worker.model.decoder import Collectives, GroupRows
 from disagg_worker.model.parallel import Shard
 
 
@@ -75,6 +80,10 @@ class SoloComm:
     def broadcast_in_stage(self, obj: Any) -> Any:
         return obj
 
+    def any_group(self, flag: bool) -> bool:
+        """True when this or any other attention group's driver passes True (DP attention)."""
+        return flag
+
     def min_in_stage(self, values: list[int]) -> list[int]:
         return values
 
@@ -86,7 +95,11 @@ class SoloComm:
 
 
 class Comm(SoloComm):
-    """A rank of a multi-rank instance: its tensor-parallel group and its neighbours in the pipeline."""
+    """A rank of a multi-rank instance: its tensor-parallel group and its neighbours in the pipeline.
+
+    `tp_group`/`tp_objects` are the rank's attention group (the stage's tensor ranks without DP attention),
+    `mlp_group` all of the stage's tensor ranks, `drivers` the attention groups' first ranks (DP attention).
+    """
 
     def __init__(self, shard: Shard, address: RankAddress, device: str, timeout_s: float = 300.0):
         """`timeout_s`: the longest one collective may wait for the other ranks (`DisaggConfig.dist_timeout_s`)."""
@@ -103,59 +116,108 @@ class Comm(SoloComm):
             timeout=timeout,
         )
         self.device = torch.device(device)
-        stage = [shard.pp_rank * shard.tp_size + t for t in range(shard.tp_size)]
+        tp, attn, dp = shard.tp_size, shard.attn_tp_size, shard.dp_size
+        first = shard.pp_rank * tp + shard.dp_rank * attn
+        mine = [first + a for a in range(attn)]
         # Every rank must create every group, in the same order.
         self.tp_group: dist.ProcessGroup | None = None
         self.tp_objects: dist.ProcessGroup | None = None
+        self.mlp_group: dist.ProcessGroup | None = None
         for pp in range(shard.pp_size):
-            ranks = [pp * shard.tp_size + t for t in range(shard.tp_size)]
-            device_group, object_group = _group(ranks, timeout), _group(ranks, timeout, "gloo")
-            if ranks == stage:
-                self.tp_group, self.tp_objects = device_group, object_group
+            if dp > 1:
+                stage_group = _group([pp * tp + t for t in range(tp)], timeout)
+                if pp == shard.pp_rank:
+                    self.mlp_group = stage_group
+            for d in range(dp):
+                ranks = [pp * tp + d * attn + a for a in range(attn)]
+                device_group, object_group = _group(ranks, timeout), _group(ranks, timeout, "gloo")
+                if ranks == mine:
+                    self.tp_group, self.tp_objects = device_group, object_group
+        if dp == 1:
+            self.mlp_group = self.tp_group
+        self.drivers = _group([d * attn for d in range(dp)], timeout, "gloo") if dp > 1 else None
         objects = _group(list(range(world)), timeout, "gloo")
         if objects is None:
             raise RuntimeError("this rank is not in its own instance's group")
         self.objects = objects
-        self.stage_root = stage[0]
+        self.stage_root = first
 
     # ---- tensor parallel (within a stage) ---------------------------------------------------------
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        if self.shard.tp_size > 1:
+        """Sum over the attention group (the row-parallel attention output)."""
+        if self.shard.attn_tp_size > 1:
             dist.all_reduce(x, group=self.tp_group)
         return x
 
+    def mlp_all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum over every tensor rank of the stage (the row-parallel MLP and expert outputs)."""
+        if self.shard.tp_size > 1:
+            dist.all_reduce(x, group=self.mlp_group)
+        return x
+
     def collectives(self) -> Collectives:
-        return Collectives(self.all_reduce, self if self.shard.ep_size > 1 else None)
+        return Collectives(
+            self.mlp_all_reduce,
+            self if self.shard.ep_size > 1 else None,
+            attn_all_reduce=self.all_reduce,
+            group_rows=self.group_rows if self.shard.dp_size > 1 else None,
+        )
 
     def all_to_all(self, x: torch.Tensor, send_counts: list[int], recv_counts: list[int]) -> torch.Tensor:
         """Rows of x to the stage's tensor ranks, `send_counts[d]` to rank d; what each sent to this rank."""
         out = x.new_empty((sum(recv_counts), *x.shape[1:]))
         dist.all_to_all_single(
-            out, x.contiguous(), output_split_sizes=recv_counts, input_split_sizes=send_counts, group=self.tp_group
+            out, x.contiguous(), output_split_sizes=recv_counts, input_split_sizes=send_counts, group=self.mlp_group
         )
         return out
 
+    def group_rows(self, n: int) -> GroupRows:
+        """DP attention, once per forward: how many tokens each attention group has (this one `n`)."""
+        counts = [torch.zeros(1, dtype=torch.int64, device=self.device) for _ in range(self.shard.tp_size)]
+        mine = torch.tensor([n], dtype=torch.int64, device=self.device)
+        dist.all_gather(counts, mine, group=self.mlp_group)
+        attn = self.shard.attn_tp_size
+        sizes = [int(c.item()) for c in counts[::attn]]  # a group's ranks hold the same tokens
+        return GroupRows(tuple(sizes), self.shard.dp_rank, self._gather)
+
+    def _gather(self, x: torch.Tensor, sizes: tuple[int, ...]) -> torch.Tensor:
+        """Every attention group's rows of x, group after group, on every rank of the stage."""
+        padded = x.new_zeros((max(sizes), *x.shape[1:]))
+        padded[: x.shape[0]] = x
+        parts = [torch.empty_like(padded) for _ in range(self.shard.tp_size)]
+        dist.all_gather(parts, padded, group=self.mlp_group)
+        attn = self.shard.attn_tp_size
+        return torch.cat([parts[d * attn][:n] for d, n in enumerate(sizes)])
+
+    def any_group(self, flag: bool) -> bool:
+        if self.drivers is None:
+            return flag
+        t = torch.tensor([int(flag)], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.drivers)
+        return bool(t.item())
+
     def broadcast_in_stage(self, obj: Any) -> Any:
-        """The stage's tensor-parallel rank 0 gives `obj` to every rank of its stage."""
-        if self.shard.tp_size == 1:
+        """The first rank of this rank's attention group (its stage without DP attention) gives `obj` to
+        every rank of the group."""
+        if self.shard.attn_tp_size == 1:
             return obj
         box = [obj]
         dist.broadcast_object_list(box, src=self.stage_root, group=self.tp_objects)
         return box[0]
 
     def min_in_stage(self, values: list[int]) -> list[int]:
-        """Element-wise minimum over the stage's ranks (every rank passes the same length)."""
-        if self.shard.tp_size == 1 or not values:
+        """Element-wise minimum over the attention group's ranks (every rank passes the same length)."""
+        if self.shard.attn_tp_size == 1 or not values:
             return values
         t = torch.tensor(values, dtype=torch.int64)
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.tp_objects)
         return [int(v) for v in t.tolist()]
 
     def union_in_stage(self, items: set[int]) -> set[int]:
-        """The union of every rank's set over the stage."""
-        if self.shard.tp_size == 1:
+        """The union of every rank's set over the attention group."""
+        if self.shard.attn_tp_size == 1:
             return items
-        gathered: list[Any] = [None] * self.shard.tp_size
+        gathered: list[Any] = [None] * self.shard.attn_tp_size
         dist.all_gather_object(gathered, items, group=self.tp_objects)
         return set().union(*gathered)
 

@@ -39,13 +39,20 @@ def spawn_schedulers(cfg: EngineConfig, recv_addr: str, send_addr: str, log_leve
 
         d = cfg.disagg
         address = RankAddress.parse(d.dist_init_addr) if d.nnodes > 1 else RankAddress("127.0.0.1", _free_port())
-        tp, pp, ep = d.tp_size, d.pp_size, d.ep_size
+        tp, pp, ep, dp = d.tp_size, d.pp_size, d.ep_size, d.dp_size
         for r in d.local_ranks:  # this pod's share of the ranks (all of them on one node)
-            args = (cfg, Shard(r % tp, tp, r // tp, pp, ep), address, recv_addr, send_addr, log_level)
+            shard = Shard(r % tp, tp, r // tp, pp, ep, dp)
+            inbox = group_inbox(recv_addr, shard.dp_rank, dp)
+            args = (cfg, shard, address, inbox, send_addr, log_level)
             procs.append(ctx.Process(target=run_rank, args=args, name=f"disagg-rank-{r}", daemon=True))
     for proc in procs:
         proc.start()
     return procs
+
+
+def group_inbox(recv_addr: str, dp_rank: int, dp_size: int) -> str:
+    """The inbox of attention group `dp_rank`'s driver (DP attention: one scheduler per group)."""
+    return recv_addr if dp_size == 1 else f"{recv_addr}-dp{dp_rank}"
 
 
 def _free_port() -> int:
@@ -63,7 +70,8 @@ def run_scheduler(cfg: EngineConfig, recv_addr: str, send_addr: str, log_level: 
 def run_rank(
     cfg: EngineConfig, shard: Shard, address: RankAddress, recv_addr: str, send_addr: str, log_level: str = "info"
 ) -> None:
-    """One rank of a multi-rank instance: the driver serves the HTTP process, the others follow.
+    """One rank of a multi-rank instance: the driver serves the HTTP process, the others follow. With DP
+    attention each attention group has a driver (its first rank), with its own inbox.
 
     A follower keeps SIGUSR1's default action (it ends the process): the HTTP process stops every rank with it.
     """
@@ -77,7 +85,7 @@ def run_rank(
         torch.cuda.set_device(cfg.device)  # NCCL's communicators use the current device
     comm = Comm(shard, address, cfg.device, cfg.disagg.dist_timeout_s)
     try:
-        if shard.world_rank == 0:
+        if shard.pp_rank == 0 and shard.attn_tp_rank == 0:
             _serve(build_engine(cfg, comm), cfg, recv_addr, send_addr)
         else:
             from disagg_worker.ranks.follower import run_follower

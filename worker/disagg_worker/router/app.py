@@ -29,7 +29,7 @@ from disagg_worker.router.auth import RouterAuth
 from disagg_worker.router.payload import JoinedPayload, SharedBody
 from disagg_worker.router.stream import lost
 from disagg_worker.router.verify import PairVerifier
-from disagg_worker.router.workers import Worker, WorkerPool
+from disagg_worker.router.workers import Worker, WorkerPool, in_group
 from disagg_worker.server.admission import DRAINING, RETRY_AFTER_S
 from disagg_worker.server.errors import APIError, unavailable
 
@@ -81,6 +81,7 @@ class Opened:
     first: bytes
     prefill: asyncio.Task
     decode: Worker
+    decode_group: int | None = None
 
 
 class Router:
@@ -199,7 +200,7 @@ class Router:
         """The client's answer is complete or abandoned: give decode's response back."""
         o.resp.release()
         self.opened.discard(o)
-        o.decode.inflight -= 1
+        o.decode.give_back(o.decode_group)
 
     def cut(self, reason: str) -> int:
         """End every open stream now (their clients get an error event naming `reason`); returns how many."""
@@ -210,11 +211,14 @@ class Router:
         return len(self.opened)
 
     async def _try_pair(self, path: str, body: SharedBody, choice: dict, p: Worker, d: Worker) -> Opened | Attempt:
-        room = self.auth.target(p.host, p.bootstrap_port, secrets.randbits(63))
+        room_id = secrets.randbits(63)
+        # DP attention: the attention groups each side runs the request on (None: a side runs one group).
+        pg, dg = p.pick_group(self.pool.group_policy, room_id), d.pick_group(self.pool.group_policy, room_id)
+        room = self.auth.target(p.host, p.bootstrap_port, room_id, pg)
         # Prefill answers with one token, never streamed (stream_options is only valid on a stream).
-        prefill_body = body.payload(**choice, **room, stream=False, stream_options=None)
-        prefill = asyncio.create_task(self._prefill(p, path, prefill_body))
-        decode = asyncio.create_task(self._decode(d, path, body.payload(**choice, **room)))
+        prefill_body = body.payload(**choice, **room, **in_group(pg), stream=False, stream_options=None)
+        prefill = asyncio.create_task(self._prefill(p, path, prefill_body, pg))
+        decode = asyncio.create_task(self._decode(d, path, body.payload(**choice, **room, **in_group(dg)), dg))
         try:
             await asyncio.wait((prefill, decode), return_when=asyncio.FIRST_COMPLETED)
             if not decode.done() and prefill.result().status != 200:
@@ -230,13 +234,13 @@ class Router:
             return await self._explain(opened, prefill)
         if self.verifier is not None:
             self.verifier.passed(p, d)
-        return Opened(opened[0], opened[1], prefill, d)
+        return Opened(opened[0], opened[1], prefill, d, dg)
 
     async def _decode(
-        self, d: Worker, path: str, payload: JoinedPayload
+        self, d: Worker, path: str, payload: JoinedPayload, group: int | None = None
     ) -> tuple[aiohttp.ClientResponse, bytes] | Attempt:
         """Decode's response and its first event; or what went wrong (decode's in-flight count then restored)."""
-        d.inflight += 1
+        d.take(group)
         resp: aiohttp.ClientResponse | None = None
         try:
             resp = await self.session.post(f"{d.url}{path}", data=payload, timeout=self.timeout)
@@ -249,19 +253,19 @@ class Router:
             d.failures += 1
             attempt = Attempt(502, APIError(502, lost("decode", e).message, type="server_error").body())
         except BaseException:
-            d.inflight -= 1
+            d.give_back(group)
             if resp is not None:
                 resp.close()
             raise
-        d.inflight -= 1
+        d.give_back(group)
         if resp is not None:
             resp.release()
         attempt.worker = d
         self._note(d, attempt)
         return attempt
 
-    async def _prefill(self, p: Worker, path: str, payload: JoinedPayload) -> Attempt:
-        p.inflight += 1
+    async def _prefill(self, p: Worker, path: str, payload: JoinedPayload, group: int | None = None) -> Attempt:
+        p.take(group)
         try:
             async with self.session.post(f"{p.url}{path}", data=payload, timeout=self.timeout) as r:
                 attempt = Attempt(r.status, _json_or_error(r.status, await r.read()))
@@ -270,7 +274,7 @@ class Router:
             p.failures += 1
             attempt = Attempt(502, APIError(502, lost("prefill", e).message, type="server_error").body())
         finally:
-            p.inflight -= 1
+            p.give_back(group)
         attempt.worker = p
         self._note(p, attempt)
         return attempt

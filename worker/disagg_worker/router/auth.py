@@ -36,11 +36,16 @@ class RouterAuth:
     def worker_headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.worker_token}"} if self.worker_token else {}
 
-    def target(self, host: str, port: int, room: int) -> dict:
-        """The bootstrap fields of one routed request, signed when the model has a secret."""
+    def target(self, host: str, port: int, room: int, dp_rank: int | None = None) -> dict:
+        """The bootstrap fields of one routed request (with DP attention, the prefill's attention group), signed
+        when the model has a secret (the group with the host: `messages.BootstrapInfo.signed_host`)."""
         out: dict = {"bootstrap_host": host, "bootstrap_port": port, "bootstrap_room": room}
+        signed = host
+        if dp_rank is not None:
+            out["bootstrap_dp_rank"] = dp_rank
+            signed = f"{host}/dp/{dp_rank}"
         if self.target_key:
-            out["bootstrap_sig"] = keys.sign_target(self.target_key, host, port, room)
+            out["bootstrap_sig"] = keys.sign_target(self.target_key, signed, port, room)
         return out
 
 

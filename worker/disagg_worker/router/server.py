@@ -22,7 +22,7 @@ from disagg_worker.router.handoff import HandoffMonitor
 from disagg_worker.router.payload import SharedBody
 from disagg_worker.router.stream import DONE, UpstreamLost, error_event, relay
 from disagg_worker.router.verify import PairVerifier
-from disagg_worker.router.workers import DnsSource, Policy, Worker, WorkerPool
+from disagg_worker.router.workers import DnsSource, GroupPolicy, Policy, Worker, WorkerPool
 from disagg_worker.server.admission import DRAINING, Admission, admission_middleware
 from disagg_worker.server.api import error_middleware
 from disagg_worker.server.auth import require_keys
@@ -186,7 +186,7 @@ def build_pool(ns) -> WorkerPool:
     for w in static:
         if w.role == "prefill" and not w.bootstrap_port:
             w.bootstrap_port = ns.bootstrap_port
-    return WorkerPool(static=static, dns=dns, policy=Policy(ns.policy))
+    return WorkerPool(static=static, dns=dns, policy=Policy(ns.policy), group_policy=GroupPolicy(ns.dp_group_policy))
 
 
 def add_router_args(p) -> None:
@@ -205,6 +205,13 @@ def add_router_args(p) -> None:
     p.add_argument("--decode-dns", default="", help="HOST:PORT of a headless Service of decode pods")
     p.add_argument("--bootstrap-port", type=int, default=8998)
     p.add_argument("--policy", default=Policy.ROUND_ROBIN.value, choices=[p.value for p in Policy])
+    p.add_argument(
+        "--dp-group-policy",
+        default=GroupPolicy.LOAD.value,
+        choices=[p.value for p in GroupPolicy],
+        help="workers with DP attention: pick a request's attention group by load (the fewest of this router's "
+        "requests open on it, then the worker's reported load) or by bootstrap_room %% dp_size",
+    )
     p.add_argument("--retries", type=int, default=2)
     p.add_argument("--health-interval", type=float, default=2.0)
     p.add_argument("--log-level", default="info")

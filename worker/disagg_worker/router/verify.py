@@ -28,7 +28,7 @@ import aiohttp
 
 from disagg_worker.router.auth import RouterAuth
 from disagg_worker.router.handoff import HandoffMonitor
-from disagg_worker.router.workers import Worker, WorkerPool
+from disagg_worker.router.workers import GroupPolicy, Worker, WorkerPool, in_group
 from disagg_worker.server.metrics import PROBE_HEADER
 
 log = logging.getLogger(__name__)
@@ -167,16 +167,20 @@ class PairVerifier:
 
     # ---- probing ---------------------------------------------------------------------------
     async def probe(self, session: aiohttp.ClientSession, p: Worker, d: Worker) -> str:
-        """One synthetic request through the pair: "" when decode produced its token, else why not."""
+        """One synthetic request through the pair: "" when decode produced its token, else why not. With DP
+        attention a probe runs in the attention groups its room picks (`room % dp_size`), so probes visit
+        every group in turn."""
+        room = secrets.randbits(63)
+        pg, dg = p.pick_group(GroupPolicy.ROOM, room), d.pick_group(GroupPolicy.ROOM, room)
         body = {
             # One token: shorter than a page, so the prefix cache neither skips the work nor keeps anything.
             "input_ids": [PROBE_TOKEN],
             "sampling_params": {"max_new_tokens": 1, "temperature": 0},
-            **self.auth.target(p.host, p.bootstrap_port, secrets.randbits(63)),
+            **self.auth.target(p.host, p.bootstrap_port, room, pg),
             "stream": False,
         }
-        to_p = asyncio.create_task(self._post(session, p, body))
-        to_d = asyncio.create_task(self._post(session, d, body))
+        to_p = asyncio.create_task(self._post(session, p, {**body, **in_group(pg)}))
+        to_d = asyncio.create_task(self._post(session, d, {**body, **in_group(dg)}))
         await asyncio.wait((to_p, to_d), return_when=asyncio.FIRST_COMPLETED)
         if to_d.done() and to_d.result()[0] != 200 and not to_p.done():
             # Decode refused (a handshake mismatch, say): prefill would only wait out its bootstrap timeout.

@@ -26,6 +26,18 @@ class Policy(str, Enum):
     LEAST_LOAD = "least_load"
 
 
+class GroupPolicy(str, Enum):
+    """How a request's attention group is picked on a worker with DP attention (its /health lists `dp_loads`).
+
+    LOAD (the default): the group with the fewest of this router's requests open on it, then the lowest load
+    the worker reported (other routers' requests too). ROOM: `bootstrap_room % dp_size`, blind to load: a
+    group that drew long prompts keeps drawing its share, so it is there for comparison and for workers that
+    report no loads."""
+
+    LOAD = "load"
+    ROOM = "room"
+
+
 @dataclass(eq=False)
 class Worker:
     url: str
@@ -40,6 +52,37 @@ class Worker:
     max_model_len: int = 0
     # Health probes in a row that timed out (see RouterTuning.health_timeouts_to_unhealthy).
     health_timeouts: int = 0
+    # DP attention: this router's requests open on each attention group.
+    group_inflight: dict[int, int] = field(default_factory=dict)
+
+    @property
+    def dp_loads(self) -> list[int]:
+        """The load of each attention group as the worker last reported it ([] without DP attention)."""
+        loads = self.report.get("dp_loads")
+        if not isinstance(loads, list) or not all(isinstance(n, int) and not isinstance(n, bool) for n in loads):
+            return []
+        return loads if len(loads) > 1 else []
+
+    def pick_group(self, policy: GroupPolicy, room: int) -> int | None:
+        """The attention group for a request (None: the worker runs one)."""
+        loads = self.dp_loads
+        if not loads:
+            return None
+        if policy is GroupPolicy.ROOM:
+            return room % len(loads)
+        return min(range(len(loads)), key=lambda g: (self.group_inflight.get(g, 0), loads[g], g))
+
+    def take(self, group: int | None) -> None:
+        """A request of this router opens on this worker (on `group`)."""
+        self.inflight += 1
+        if group is not None:
+            self.group_inflight[group] = self.group_inflight.get(group, 0) + 1
+
+    def give_back(self, group: int | None) -> None:
+        """It ended."""
+        self.inflight -= 1
+        if group is not None:
+            self.group_inflight[group] -= 1
 
     @property
     def host(self) -> str:
@@ -70,6 +113,11 @@ class Worker:
         if self.report.get("pod") or self.revision:
             d.update(pod=self.name, revision=self.revision)
         return d
+
+
+def in_group(group: int | None) -> dict:
+    """The request field naming a worker's attention group (none for a worker of one group)."""
+    return {} if group is None else {"data_parallel_rank": group}
 
 
 @dataclass(frozen=True)
@@ -105,6 +153,7 @@ class WorkerPool:
     static: list[Worker] = field(default_factory=list)
     dns: list[DnsSource] = field(default_factory=list)
     policy: Policy = Policy.ROUND_ROBIN
+    group_policy: GroupPolicy = GroupPolicy.LOAD
     discovered: dict[DnsSource, dict[str, Worker]] = field(default_factory=dict)
     # One round-robin counter per role: with a shared one, equal numbers of prefill and decode workers made
     # every pick land on the same pair.

@@ -21,7 +21,7 @@ from aiohttp import web
 from disagg_worker.engine.params import SamplingParams
 from disagg_worker.env import WorkerEnv, load_env
 from disagg_worker.limits import body_limit_bytes
-from disagg_worker.messages import BootstrapInfo, FlushCacheReq
+from disagg_worker.messages import BootstrapInfo, FlushCacheReq, Route, SchedulerStats
 from disagg_worker.server import openai_format as fmt
 from disagg_worker.server.admission import DRAINING, Admission, admission_middleware
 from disagg_worker.server.body import read_body
@@ -98,10 +98,26 @@ async def read_json(request: web.Request):
     return await request.app[FRONTEND].parse(raw, parse_json)
 
 
+def route_of(body) -> Route:
+    """Where the request runs: the P/D bootstrap target the router adds (absent in monolithic use), and the
+    attention group it names (`data_parallel_rank`, SGLang's field; DP attention)."""
+    dp = body.get("data_parallel_rank") if isinstance(body, dict) else None
+    if dp is not None and not _count(dp):
+        raise APIError(400, "data_parallel_rank must be a non-negative integer", param="data_parallel_rank")
+    return Route(bootstrap_of(body), dp)
+
+
+def _count(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
 def bootstrap_of(body) -> BootstrapInfo | None:
     """P/D fields the router adds to a request body (absent in monolithic use)."""
     if not isinstance(body, dict) or "bootstrap_room" not in body:
         return None
+    dp = body.get("bootstrap_dp_rank")
+    if dp is not None and not _count(dp):
+        raise APIError(400, "bootstrap_dp_rank must be a non-negative integer", param="bootstrap_dp_rank")
     host, port, room = body.get("bootstrap_host"), body.get("bootstrap_port"), body.get("bootstrap_room")
     sig = body.get("bootstrap_sig", "")
     if not isinstance(sig, str):
@@ -119,7 +135,7 @@ def bootstrap_of(body) -> BootstrapInfo | None:
             "bootstrap_host (str), bootstrap_port (int) and bootstrap_room (0..2^63-1) are required together",
             param="bootstrap_room",
         )
-    return BootstrapInfo(host, port, room, sig)
+    return BootstrapInfo(host, port, room, sig, dp)
 
 
 def choice_params(params: SamplingParams, i: int) -> SamplingParams:
@@ -158,9 +174,9 @@ async def merged(streams: list[AsyncIterator[Delta]]) -> AsyncIterator[tuple[int
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def run_choices(frontend: Frontend, ids, params, n, bootstrap) -> list[fmt.Choice]:
+async def run_choices(frontend: Frontend, ids, params, n, route: Route) -> list[fmt.Choice]:
     choices = [fmt.Choice(i) for i in range(n)]
-    streams = [frontend.complete(ids, choice_params(params, i), bootstrap) for i in range(n)]
+    streams = [frontend.complete(ids, choice_params(params, i), route) for i in range(n)]
     async for i, d in merged(streams):
         choices[i].add(d)
     return choices
@@ -201,7 +217,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
         ids = await fe.encode(req.prompt)
         params = fe.limits.admit(ids, req.sampling, req.max_tokens_set)
     return await respond(
-        request, ids, params, req.n, bootstrap_of(body), req.stream, req.stream_options_include_usage, chat=False
+        request, ids, params, req.n, route_of(body), req.stream, req.stream_options_include_usage, chat=False
     )
 
 
@@ -220,7 +236,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     params = fe.limits.admit(ids, sampling, req.max_tokens_set, key, "messages")
     usage = req.stream_options_include_usage
-    return await respond(request, ids, params, req.n, bootstrap_of(body), req.stream, usage, chat=True, tools=tools)
+    return await respond(request, ids, params, req.n, route_of(body), req.stream, usage, chat=True, tools=tools)
 
 
 async def respond(
@@ -228,7 +244,7 @@ async def respond(
     ids: list[int],
     params: SamplingParams,
     n: int,
-    bootstrap: BootstrapInfo | None,
+    route: Route,
     stream: bool,
     include_usage: bool,
     chat: bool,
@@ -239,7 +255,7 @@ async def respond(
     fe, model, tok = request.app[FRONTEND], request.app[SETTINGS]["model"], request.app[FRONTEND].tokenizer
     rid = fmt.new_id("chatcmpl" if chat else "cmpl")
     if not stream:
-        choices = await run_choices(fe, ids, params, n, bootstrap)
+        choices = await run_choices(fe, ids, params, n, route)
         body = (fmt.chat_body if chat else fmt.completion_body)(rid, model, choices, tok, len(ids))
         if tools is not None:
             body["choices"] = [tools.answer(c) for c in body["choices"]]
@@ -249,7 +265,7 @@ async def respond(
     calls = [tools.stream() for _ in range(n)] if tools is not None else None
     started: set[int] = set()
     async with ends_stream(request, resp):
-        async for i, d in merged([fe.complete(ids, choice_params(params, i), bootstrap) for i in range(n)]):
+        async for i, d in merged([fe.complete(ids, choice_params(params, i), route) for i in range(n)]):
             if chat:  # the role comes with the first token: a stream's first event is output or an error
                 shown = d if calls is None else tool_delta(calls[i], d)
                 chunk = fmt.chat_chunk(rid, model, i, shown, tok, first=i not in started)
@@ -293,15 +309,15 @@ async def generate(request: web.Request) -> web.StreamResponse:
     else:
         ids = await fe.encode(req.text or "")
         params = fe.limits.admit(ids, req.sampling, req.max_tokens_set, "sampling_params.max_new_tokens", "text")
-    bootstrap = bootstrap_of(body)
+    route = route_of(body)
     choice = fmt.Choice(0)
     if not req.stream:
-        async for d in fe.complete(ids, params, bootstrap, probe=PROBE_HEADER in request.headers):
+        async for d in fe.complete(ids, params, route, probe=PROBE_HEADER in request.headers):
             choice.add(d)
         return web.json_response(generate_body(choice, len(ids)))
     resp = await sse_response(request)
     async with ends_stream(request, resp):
-        async for d in fe.complete(ids, params, bootstrap):
+        async for d in fe.complete(ids, params, route):
             choice.add(d)
             await send_event(resp, generate_body(choice, len(ids)))
     return resp
@@ -332,7 +348,7 @@ async def health(request: web.Request) -> web.Response:
     """200 while the instance serves; 503 with a reason when it drains, lost its scheduler or stalls.
     Either way the body names the pod, its pairing revision, its queues and transfer counters."""
     fe, s, admission = request.app[FRONTEND], request.app[SETTINGS], request.app[ADMISSION]
-    report = health_report(fe.stats, s["identity"])
+    report = health_report(fe.stats, s["identity"], fe.group_stats, fe.dp_size)
     if admission.draining:
         reason = "the instance is shutting down: it finishes the requests it holds and takes no new ones"
         return web.json_response({"status": DRAINING, "reason": reason, **report}, status=503)
@@ -350,18 +366,27 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 async def stats(request: web.Request) -> web.Response:
-    """The scheduler's latest report: queue sizes and page accounting."""
-    st = request.app[FRONTEND].stats
+    """The scheduler's latest report: queue sizes and page accounting (with DP attention, the groups' sums and
+    each group's own report under `groups`)."""
+    fe = request.app[FRONTEND]
+    st = fe.stats
     if st is None:
         raise APIError(503, "the scheduler has not reported yet", type="server_error")
+    report = stats_body(st)
+    if fe.dp_size > 1:
+        report["groups"] = [stats_body(fe.group_stats[g]) for g in sorted(fe.group_stats)]
+    return web.json_response(report)
+
+
+def stats_body(st: SchedulerStats) -> dict:
     report = asdict(st)
     report.pop("metrics_text", None)  # served on /metrics
     report["rank_queues"] = [
         {"tp_rank": tp, "pp_rank": pp, "queues": queues} for (tp, pp), queues in sorted(st.rank_queues.items())
     ]
-    return web.json_response(report)
+    return report
 
 
 async def flush_cache(request: web.Request) -> web.Response:
-    await request.app[FRONTEND].send(FlushCacheReq())
+    await request.app[FRONTEND].send_all(FlushCacheReq())
     return web.json_response({"status": "ok"})

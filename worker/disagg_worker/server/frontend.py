@@ -7,6 +7,9 @@ Tokenizing here keeps the scheduler process free of HTTP and text work: it only 
 Long texts are tokenized (and chat templates rendered) on a thread, off the event loop, so a
 multi-megabyte prompt cannot stall /health or other streams.
 
+An instance with DP attention has one scheduler process per attention group: each request goes to one
+of them (`groups.choose_group`), its aborts to the same one, and their reports are merged (`groups`).
+
 The scheduler process is watched: when it exits, every waiting request fails at once with a 503
 and the instance refuses new ones (`failed` says why); `fail_all` is also how a drain that timed
 out ends the requests it still holds.
@@ -33,6 +36,7 @@ from disagg_worker.limits import RequestLimits
 from disagg_worker.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from disagg_worker.server.admission import RETRY_AFTER_S
 from disagg_worker.server.errors import APIError, unavailable
+from disagg_worker.server.groups import choose_group, group_problem, merge_stats
 from disagg_worker.server.metrics import ServerMetrics
 
 log = logging.getLogger(__name__)
@@ -58,15 +62,31 @@ class Delta:
 
 
 class Frontend:
-    def __init__(self, tokenizer: Tokenizer, to_engine: str, from_engine: str, metrics: ServerMetrics):
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        to_engine: str | list[str],
+        from_engine: str,
+        metrics: ServerMetrics,
+        prefill: bool = False,
+    ):
+        """`to_engine`: the scheduler's inbox, or one per attention group (DP attention); `prefill`: this is a
+        prefill instance (a request's group then follows its bootstrap target)."""
         self.tokenizer = tokenizer
         self.metrics = metrics
+        self.prefill = prefill
         self.ctx = zmq.asyncio.Context()
-        self.push = self.ctx.socket(zmq.PUSH)
-        self.push.connect(to_engine)
+        self.pushes = []
+        for addr in [to_engine] if isinstance(to_engine, str) else to_engine:
+            push = self.ctx.socket(zmq.PUSH)
+            push.connect(addr)
+            self.pushes.append(push)
         self.pull = self.ctx.socket(zmq.PULL)
         self.pull.bind(from_engine)
         self.queues: dict[str, asyncio.Queue] = {}
+        self.inflight = [0] * self.dp_size  # requests in flight per group
+        self.infos: dict[int, msg.EngineInfo] = {}
+        self.group_stats: dict[int, msg.SchedulerStats] = {}
         self.info: msg.EngineInfo | None = None
         # What every request is checked against: built from the scheduler's start-up report.
         self.limits = RequestLimits(max_context_len=1)
@@ -88,7 +108,8 @@ class Frontend:
         if self._task:
             self._task.cancel()
         self._text_pool.shutdown(wait=False, cancel_futures=True)
-        self.push.close(0)
+        for push in self.pushes:
+            push.close(0)
         self.pull.close(0)
         self.ctx.term()
 
@@ -142,19 +163,32 @@ class Frontend:
                     if q is not None:
                         q.put_nowait(out)
             elif isinstance(m, msg.SchedulerStats):
-                self.stats = m
-                self.metrics.observe_stats(m)
+                self.group_stats[m.dp_rank] = m
+                self.stats = merge_stats(self.group_stats)
+                self.metrics.observe_stats(self.stats)
             elif isinstance(m, msg.EngineInfo):
-                self.info = m
-                self.limits = RequestLimits.from_info(m)
-                self.ready.set()
+                self.infos[m.dp_rank] = m
+                if len(self.infos) == self.dp_size:  # every group serves
+                    self.info = self.infos[0]
+                    self.limits = RequestLimits.from_info(self.info)
+                    self.ready.set()
+
+    @property
+    def dp_size(self) -> int:
+        """The instance's attention groups (1 without DP attention)."""
+        return len(self.pushes)
 
     def healthy(self, timeout_s: float) -> bool:
         return not self.failed and self.ready.is_set() and time.monotonic() - self.last_heartbeat < timeout_s
 
-    async def send(self, m: msg.Message) -> None:
+    async def send(self, m: msg.Message, group: int = 0) -> None:
         if self._watched or not self.failed:  # nobody reads a dead scheduler's socket
-            await self.push.send(msg.encode(m))
+            await self.pushes[group].send(msg.encode(m))
+
+    async def send_all(self, m: msg.Message) -> None:
+        """To every group's scheduler (a cache flush)."""
+        for group in range(self.dp_size):
+            await self.send(m, group)
 
     # ---- text -------------------------------------------------------------------------------
     async def parse(self, raw: bytes, parse: Callable[[bytes], T]) -> T:
@@ -180,17 +214,22 @@ class Frontend:
 
     # ---- token streams --------------------------------------------------------------------
     async def token_stream(
-        self, input_ids: list[int], params: SamplingParams, bootstrap: msg.BootstrapInfo | None = None
+        self, input_ids: list[int], params: SamplingParams, route: msg.Route = msg.NO_ROUTE
     ) -> AsyncGenerator[msg.TokenOut, None]:
         """Yield the engine's TokenOut messages for one request; aborts it if the consumer leaves."""
         if self.failed:
             raise unavailable(self.failed)
+        field, problem = group_problem(route, self.dp_size, self.prefill)
+        if problem:
+            raise APIError(400, problem, param=field)
+        group = choose_group(route, self.dp_size, self.inflight, self.prefill)
         rid = uuid.uuid4().hex
         q: asyncio.Queue = asyncio.Queue()
         self.queues[rid] = q
+        self.inflight[group] += 1
         done = False
         try:
-            await self.send(msg.GenerateReq(rid, input_ids, params, bootstrap))
+            await self.send(msg.GenerateReq(rid, input_ids, params, route.bootstrap), group)
             while not done:
                 out: msg.TokenOut = await q.get()
                 done = out.finish_reason is not None
@@ -204,14 +243,15 @@ class Frontend:
                 yield out
         finally:
             self.queues.pop(rid, None)
+            self.inflight[group] -= 1
             if not done:
-                await self.send(msg.AbortReq(rid))
+                await self.send(msg.AbortReq(rid), group)
 
     async def complete(
         self,
         input_ids: list[int],
         params: SamplingParams,
-        bootstrap: msg.BootstrapInfo | None = None,
+        route: msg.Route = msg.NO_ROUTE,
         probe: bool = False,
     ) -> AsyncIterator[Delta]:
         """Text deltas of one choice, with stop strings applied and metrics observed (a router's probe apart)."""
@@ -219,7 +259,7 @@ class Frontend:
         stopper = StopChecker(params.stop)
         timer = self.metrics.request_timer(len(input_ids), probe)
         completion = 0
-        stream = self.token_stream(input_ids, params, bootstrap)
+        stream = self.token_stream(input_ids, params, route)
         try:
             async for out in stream:
                 text, hit, used = "", False, 0

@@ -4,10 +4,13 @@ the same revision and to notice handoffs that fail or stall (router/handoff.py).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from prometheus_client.parser import text_string_to_metric_families
 
 from disagg_worker import messages as msg
 from disagg_worker.env import WorkerEnv
+from disagg_worker.server.groups import load
 
 # Samples of the scheduler's own series, summed over instances, by the name /health reports them under.
 COUNTERS = {
@@ -28,10 +31,18 @@ def transfer_counts(metrics_text: str) -> dict[str, int]:
     return out
 
 
-def health_report(stats: msg.SchedulerStats | None, identity: WorkerEnv) -> dict:
-    """The fields /health adds to its status: identity always, queues and counters once the scheduler reported."""
+def health_report(
+    stats: msg.SchedulerStats | None,
+    identity: WorkerEnv,
+    groups: Mapping[int, msg.SchedulerStats] | None = None,
+    dp_size: int = 1,
+) -> dict:
+    """The fields /health adds to its status: identity always, queues and counters once the scheduler reported,
+    and with DP attention each attention group's load (`dp_loads`, by group; the router picks groups by it)."""
     report: dict = {"pod": identity.pod_name, "revision": identity.revision}
     if stats is not None:
         report["queues"] = dict(stats.queues)
         report["transfer"] = transfer_counts(stats.metrics_text)
+    if groups is not None and dp_size > 1:
+        report["dp_loads"] = [load(groups[g]) if g in groups else 0 for g in range(dp_size)]
     return report

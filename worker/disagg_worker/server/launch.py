@@ -25,7 +25,7 @@ from aiohttp import web
 from disagg_worker.config import Role, ServerArgs
 from disagg_worker.disagg.bootstrap import BootstrapServer
 from disagg_worker.model.tokenizer import Tokenizer
-from disagg_worker.ranks.process import spawn_schedulers
+from disagg_worker.ranks.process import group_inbox, spawn_schedulers
 from disagg_worker.server.admission import Admission
 from disagg_worker.server.api import ADMISSION, build_app
 from disagg_worker.server.auth import require_keys
@@ -56,13 +56,18 @@ class EngineServer:
         a = self.args
         if a.engine.disagg.role is Role.PREFILL:
             d = a.engine.disagg
-            self.bootstrap = BootstrapServer(d.bootstrap_port, d.tp_size, d.pp_size, d.bootstrap_token).start()
+            self.bootstrap = BootstrapServer(
+                d.bootstrap_port, d.attn_tp_size, d.pp_size, d.bootstrap_token, dp_size=d.dp_size
+            ).start()
         self.procs = spawn_schedulers(a.engine, self.to_engine, self.from_engine, a.log_level)
+        d = a.engine.disagg
         # The tokenizer loads while the scheduler processes load the model: from a GGUF file each takes
         # seconds. zmq queues the schedulers' messages until the frontend binds its socket.
         tokenizer = await asyncio.to_thread(Tokenizer.from_path, a.engine.model_path)
         metrics = ServerMetrics(instance=f"{a.host}:{a.port}")
-        self.frontend = frontend = Frontend(tokenizer, self.to_engine, self.from_engine, metrics)
+        inboxes = [group_inbox(self.to_engine, g, d.dp_size) for g in range(d.dp_size)]
+        prefill = d.role is Role.PREFILL
+        self.frontend = frontend = Frontend(tokenizer, inboxes, self.from_engine, metrics, prefill=prefill)
         frontend.start()
         await _wait_ready(frontend, self.procs)
         app = build_app(frontend, a.engine.model_name, a.health_timeout_s, a.inflight_limit)

@@ -36,8 +36,11 @@ ROUTER_ONLY = ("--api-key", "--api-key-file")
 LAUNCHER = (
     "--port",
     "--host",
-    *(f"--{role}-{kind}-size" for role in ("prefill", "decode") for kind in ("tp", "pp", "ep")),
+    "--dp-size",
+    *(f"--{role}-{kind}-size" for role in ("prefill", "decode") for kind in ("tp", "pp", "ep", "dp")),
 )
+# ... and without a value.
+LAUNCHER_SWITCHES = ("--enable-dp-attention", "--prefill-enable-dp-attention", "--decode-enable-dp-attention")
 
 
 def split_flags(argv: list[str]) -> tuple[list[str], list[str]]:
@@ -47,7 +50,7 @@ def split_flags(argv: list[str]) -> tuple[list[str], list[str]]:
     it = iter(argv)
     for a in it:
         name = a.split("=", 1)[0]
-        if a == "--local":
+        if a == "--local" or name in LAUNCHER_SWITCHES:
             continue
         if name in LAUNCHER or name in ROUTER_ONLY:
             value = [] if "=" in a else [next(it, "")]
@@ -60,7 +63,8 @@ def split_flags(argv: list[str]) -> tuple[list[str], list[str]]:
 
 @dataclass(frozen=True)
 class RoleRanks:
-    """Tensor, pipeline and expert parallel sizes of the local prefill and decode instances."""
+    """Tensor, pipeline and expert parallel sizes of the local prefill and decode instances, and their
+    attention groups (DP attention)."""
 
     prefill_tp: int = 1
     prefill_pp: int = 1
@@ -68,6 +72,16 @@ class RoleRanks:
     decode_pp: int = 1
     prefill_ep: int = 1
     decode_ep: int = 1
+    prefill_dp: int = 1
+    decode_dp: int = 1
+    prefill_dp_attention: bool = False
+    decode_dp_attention: bool = False
+
+    def flags(self, role: str) -> list[str]:
+        """The rank flags of `role`'s instance."""
+        tp, pp, ep, dp, dp_attention = (getattr(self, f"{role}_{k}") for k in ("tp", "pp", "ep", "dp", "dp_attention"))
+        out = ["--tp-size", str(tp), "--pp-size", str(pp), "--ep-size", str(ep), "--dp-size", str(dp)]
+        return out + (["--enable-dp-attention"] if dp_attention else [])
 
 
 def plan(
@@ -76,15 +90,7 @@ def plan(
     flags, router_flags = split_flags(argv)
     auth = ["--auth-token-file", secret_file] if secret_file else []
     p_port, d_port, boot = free_port(), free_port(), free_port()
-    p_ranks = [
-        "--tp-size",
-        str(ranks.prefill_tp),
-        "--pp-size",
-        str(ranks.prefill_pp),
-        "--ep-size",
-        str(ranks.prefill_ep),
-    ]
-    d_ranks = ["--tp-size", str(ranks.decode_tp), "--pp-size", str(ranks.decode_pp), "--ep-size", str(ranks.decode_ep)]
+    p_ranks, d_ranks = ranks.flags("prefill"), ranks.flags("decode")
     return {
         "prefill": [*DISAGG, "prefill", *flags, *p_ranks, *auth, "--port", str(p_port), "--bootstrap-port", str(boot)],
         "decode": [*DISAGG, "decode", *flags, *d_ranks, *auth, "--port", str(d_port)],

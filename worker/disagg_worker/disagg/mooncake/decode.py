@@ -78,7 +78,7 @@ class MooncakeDecodeManager(KVManager):
         self.aux = torch.zeros(layout.aux_num_slots * layout.aux_item_nbytes, dtype=torch.uint8)
         self.decode_id = uuid.uuid4().hex
         self.channel = ControlChannel(
-            cfg.advertise_host, cfg.control_port_of(cfg.rank_index(rank.tp_rank, rank.pp_rank))
+            cfg.advertise_host, cfg.control_port_of(cfg.rank_index(rank.tp_rank, rank.pp_rank, rank.dp_rank))
         )
         self.rooms: RoomTable[DecodeRoom] = RoomTable()
         self._quarantine: dict[int, DecodeRoom] = {}  # failed rooms whose pages prefill may still write

@@ -78,7 +78,7 @@ class MooncakePrefillManager(KVManager):
             on_failed=self._write_failed, on_notice=self._still_transferring, on_settled=self._send_settled,
         )  # fmt: skip
         self.channel = ControlChannel(
-            cfg.advertise_host, cfg.control_port_of(cfg.rank_index(rank.tp_rank, rank.pp_rank))
+            cfg.advertise_host, cfg.control_port_of(cfg.rank_index(rank.tp_rank, rank.pp_rank, rank.dp_rank))
         )
         self.rooms: RoomTable[PrefillRoom] = RoomTable()
         self._peers = PeerBook()  # decode ranks by decode id, from hellos (control thread)
@@ -92,7 +92,8 @@ class MooncakePrefillManager(KVManager):
     def registration(self) -> RankRegistration:
         cfg, lay = self.cfg, self.layout
         return RankRegistration(
-            tp_rank=self.rank.tp_rank, tp_size=cfg.tp_size, pp_rank=self.rank.pp_rank, pp_size=cfg.pp_size,
+            tp_rank=self.rank.tp_rank, tp_size=cfg.attn_tp_size, pp_rank=self.rank.pp_rank, pp_size=cfg.pp_size,
+            dp_rank=self.rank.dp_rank, dp_size=cfg.dp_size,
             rank_ip=cfg.advertise_host, rank_port=self.channel.port, page_size=lay.page_size,
             kv_dtype=lay.kv_dtype, session_id=self.engine.session_id, start_layer=lay.start_layer,
             num_layers=lay.num_layers, kv_head_start=lay.kv_head_start, num_kv_heads=lay.num_kv_heads,
