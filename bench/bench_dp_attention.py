@@ -7,10 +7,10 @@ What is measured, rounds interleaved (configurations in alternating order):
    Under TP both ranks cache the whole MLA latent of the same requests (the latent is replicated), so two ranks
    hold what one does; under DP attention each group caches its own requests, so two ranks hold twice as much.
 
-On a CPU the mechanism's cost shows: each layer's MLP gathers both groups' tokens (an all-gather over gloo) and
-an idle group still joins every forward. On GPUs the same exchange runs over NVLink, and the gain that DP
-attention exists for (a latent cached once per group instead of once per rank, so more requests fit) grows
-with the number of ranks.
+What each costs: DP attention gathers both groups' tokens before every MLP (an all-gather over gloo here) and an
+idle group still joins every forward; TP all-reduces every attention output. On GPUs these exchanges run over
+NVLink, and the gain DP attention exists for (a latent cached once per group instead of once per rank, so more
+requests fit) grows with the number of ranks.
 
 Writes bench/results/dp_attention.json and dp_attention.png.  Usage: python bench/bench_dp_attention.py [--rounds N]
 """
