@@ -104,6 +104,7 @@ def kv_bytes_moved(url: str) -> float:
         ("deepseek_v3", ("--tp-size", "2", *DP2)),
         ("deepseek_v3_wide", ("--tp-size", "2", "--ep-size", "2", *DP2)),
         ("qwen3_moe", ("--tp-size", "2", *DP2)),
+        ("deepseek_v3_wide", ("--tp-size", "4", *DP2)),
     ],
     ids=[
         "deepseek",
@@ -116,6 +117,7 @@ def kv_bytes_moved(url: str) -> float:
         "deepseek-dp2",
         "deepseek-wide-dp2-ep2",
         "qwen3-moe-dp2",
+        "deepseek-wide-tp4-dp2",  # two ranks per attention group: heads split and summed within each group
     ],
 )
 def test_monolithic_greedy_is_transformers_greedy(models, prompts, name, flags):
@@ -167,6 +169,8 @@ PAIRINGS = {
     "decode-ep2": ((), ("--tp-size", "2", "--ep-size", "2")),
     "prefill-tp2-dp2-decode-tp1": (("--tp-size", "2", *DP2), ()),
     "prefill-tp1-decode-tp2-dp2": ((), ("--tp-size", "2", *DP2)),
+    # Groups of two ranks on prefill: the group's ranks agree on each transfer, one of them sends each latent.
+    "prefill-tp4-dp2-decode-tp1": (("--tp-size", "4", *DP2), ()),
 }
 
 
