@@ -11,6 +11,7 @@ import random
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -19,7 +20,7 @@ import torch
 import transformers
 
 from disagg_worker.model.tiny import make_tiny
-from tests.integration.procs import PDStack, reference, scaled, serve, wait_until
+from tests.integration.procs import PDStack, reference, report_after, scaled, serve, wait_until
 from tests.integration.test_parallel import concurrently
 from tests.integration.test_pd import FLAGS, SCHEMA, assert_clean, structured
 from tests.integration.test_pd_faults import request
@@ -133,8 +134,9 @@ def test_monolithic_greedy_is_transformers_greedy(models, prompts, name, flags):
 
 
 def assert_every_group_served(url: str, groups: int) -> None:
-    """Each attention group of a DP-attention instance scheduled requests of its own."""
-    st = requests.get(f"{url}/stats", timeout=scaled(5)).json()
+    """Each attention group of a DP-attention instance scheduled requests of its own (as a report made after the
+    caller's requests ended says: each group reports twice a second)."""
+    st = report_after(url, time.time(), lambda st: len(st.get("groups", [])) == groups, 10, "every group reported")
     assert [g["dp_rank"] for g in st["groups"]] == list(range(groups)), st
     assert all(g["step_count"] > 0 for g in st["groups"]), st["groups"]
 
@@ -152,8 +154,7 @@ def test_dp_attention_serves_a_request_while_the_other_group_is_idle(models, pro
             r = requests.post(f"{server.url}/generate", json=body, timeout=scaled(60))
             assert r.status_code == 200, r.text
             assert r.json()["output_ids"] == expected[0]
-        st = requests.get(f"{server.url}/stats", timeout=scaled(5)).json()
-        assert all(g["step_count"] > 0 for g in st["groups"]), st["groups"]
+        assert_every_group_served(server.url, 2)
         r = requests.post(f"{server.url}/generate", json={**body, "data_parallel_rank": 2}, timeout=scaled(10))
         assert r.status_code == 400
         assert r.json()["error"]["message"] == "data_parallel_rank 2: this instance runs 2 attention groups"

@@ -122,7 +122,13 @@ class SchedulerStats:
     dp_rank: int = 0  # the attention group whose scheduler sent it (DP attention)
 
 
-Message = GenerateReq | AbortReq | FlushCacheReq | BatchOut | EngineInfo | SchedulerStats
+@dataclass(frozen=True)
+class Wake:
+    """From another attention group's scheduler (DP attention): it is about to step, and every group steps with
+    it; the receiver stops waiting on its inbox."""
+
+
+Message = GenerateReq | AbortReq | FlushCacheReq | BatchOut | EngineInfo | SchedulerStats | Wake
 
 
 def encode(msg: Message) -> bytes:

@@ -27,10 +27,6 @@ class EngineTuning:
     # A multi-rank instance with nothing to do still runs an empty step this often, so every rank hears from
     # the others: a dead rank breaks it at once, a hung one within --dist-timeout (`ranks/dist.py`).
     rank_heartbeat_s: float = 1.0
-    # DP attention: the groups' drivers agree before every step whether any of them runs a forward (all must,
-    # together). While none does, each waits this long for requests between agreements: a new request waits
-    # at most this for the other groups, and idle drivers exchange ~500 tiny all-reduces a second.
-    dp_idle_poll_ms: int = 2
 
 
 @dataclass(frozen=True)

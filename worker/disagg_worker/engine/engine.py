@@ -123,6 +123,8 @@ class Engine:
             self.abort(m.rid)
         elif isinstance(m, msg.FlushCacheReq):
             self.radix.evict(self.radix.total_pages)
+        elif isinstance(m, msg.Wake):
+            pass  # it ended the loop's wait: the step comes next
         else:
             log.warning("ignoring unexpected message %s", type(m).__name__)
 

@@ -112,11 +112,19 @@ class RankStepper:
 
     With DP attention every attention group's driver runs one, and they step together: before each
     step they agree whether any group runs a forward; if one does, every group does (over no tokens
-    when it has no batch), since the MLP layers gather every group's tokens."""
+    when it has no batch), since the MLP layers gather every group's tokens. A driver with something
+    to do wakes the others first (`wake_peers`: they may be asleep on their inboxes until their next
+    report is due); while any group forwards, none sleeps."""
 
-    def __init__(self, engine: Engine, after_tick: Callable[[], None] = lambda: None):
+    def __init__(
+        self,
+        engine: Engine,
+        after_tick: Callable[[], None] = lambda: None,
+        wake_peers: Callable[[], None] = lambda: None,
+    ):
         self.engine = engine
         self.after_tick = after_tick
+        self.wake_peers = wake_peers
         self.inflight: deque[tuple[ScheduledBatch | None, Launched]] = deque()
         self.last_launch = time.monotonic()
         self.groups_forward = False  # DP attention: the last step ran a forward in some group
@@ -129,11 +137,6 @@ class RankStepper:
     def computing(self) -> bool:
         return bool(self.inflight) or self.engine.has_batch_work or self.groups_forward
 
-    @property
-    def lockstep(self) -> bool:
-        """DP attention: the loop may not sleep long between steps (the other groups wait for this one)."""
-        return self.engine.dp_attention
-
     def step(self) -> None:
         engine = self.engine
         engine.tick()
@@ -142,6 +145,8 @@ class RankStepper:
             self.drain()
         batch = engine.schedule()
         if engine.dp_attention:
+            if not self.groups_forward and (batch is not None or engine.waiting_on_transfers):
+                self.wake_peers()  # they may sleep until their next report; this step needs them now
             self.groups_forward = engine.any_group_forwards(batch)
             if self.groups_forward:
                 self.last_launch = time.monotonic()
@@ -171,14 +176,21 @@ class RankStepper:
 
 
 class EngineLoop:
-    def __init__(self, engine: Engine, recv_addr: str, send_addr: str, overlap: bool):
+    def __init__(self, engine: Engine, recv_addr: str, send_addr: str, overlap: bool, peers: list[str] | None = None):
+        """`peers`: the inboxes of the other attention groups' schedulers (DP attention)."""
         self.engine = engine
+        self.ctx = zmq.Context()
+        self.peers = []
+        for addr in peers or []:
+            peer = self.ctx.socket(zmq.PUSH)
+            peer.setsockopt(zmq.SNDHWM, 4)  # one pending wake-up is as good as many
+            peer.connect(addr)
+            self.peers.append(peer)
         self.stepper: Stepper | RankStepper
         if engine.multi_rank:  # every rank runs each step in turn: no forward thread
-            self.stepper = RankStepper(engine, after_tick=self._send_outputs)
+            self.stepper = RankStepper(engine, after_tick=self._send_outputs, wake_peers=self._wake_peers)
         else:
             self.stepper = Stepper(engine, overlap, after_tick=self._send_outputs)
-        self.ctx = zmq.Context()
         self.recv = self.ctx.socket(zmq.PULL)
         self.recv.bind(recv_addr)
         self.send = self.ctx.socket(zmq.PUSH)
@@ -207,9 +219,14 @@ class EngineLoop:
             return 0
         if self.engine.waiting_on_transfers:
             return LOOP.transfer_poll_ms
-        if isinstance(self.stepper, RankStepper) and self.stepper.lockstep:
-            return LOOP.dp_idle_poll_ms
         return int(LOOP.stats_interval_s * 1000)
+
+    def _wake_peers(self) -> None:
+        for peer in self.peers:
+            try:
+                peer.send(msg.encode(msg.Wake()), zmq.NOBLOCK)
+            except zmq.Again:  # wake-ups already queued there
+                pass
 
     def _wake(self) -> None:
         """Any thread: a transfer moved; end the current wait."""
@@ -249,5 +266,7 @@ class EngineLoop:
         self.stepper.close()
         self.recv.close(0)
         self.send.close(0)
+        for peer in self.peers:
+            peer.close(0)
         self.ctx.term()
         os.close(self.wake_fd)

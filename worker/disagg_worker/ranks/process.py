@@ -42,8 +42,8 @@ def spawn_schedulers(cfg: EngineConfig, recv_addr: str, send_addr: str, log_leve
         tp, pp, ep, dp = d.tp_size, d.pp_size, d.ep_size, d.dp_size
         for r in d.local_ranks:  # this pod's share of the ranks (all of them on one node)
             shard = Shard(r % tp, tp, r // tp, pp, ep, dp)
-            inbox = group_inbox(recv_addr, shard.dp_rank, dp)
-            args = (cfg, shard, address, inbox, send_addr, log_level)
+            peers = [group_inbox(recv_addr, g, dp) for g in range(dp) if g != shard.dp_rank]
+            args = (cfg, shard, address, group_inbox(recv_addr, shard.dp_rank, dp), send_addr, log_level, peers)
             procs.append(ctx.Process(target=run_rank, args=args, name=f"disagg-rank-{r}", daemon=True))
     for proc in procs:
         proc.start()
@@ -68,10 +68,17 @@ def run_scheduler(cfg: EngineConfig, recv_addr: str, send_addr: str, log_level: 
 
 
 def run_rank(
-    cfg: EngineConfig, shard: Shard, address: RankAddress, recv_addr: str, send_addr: str, log_level: str = "info"
+    cfg: EngineConfig,
+    shard: Shard,
+    address: RankAddress,
+    recv_addr: str,
+    send_addr: str,
+    log_level: str = "info",
+    peers: list[str] | None = None,
 ) -> None:
     """One rank of a multi-rank instance: the driver serves the HTTP process, the others follow. With DP
-    attention each attention group has a driver (its first rank), with its own inbox.
+    attention each attention group has a driver (its first rank), with its own inbox; `peers` are the other
+    groups' inboxes, which it wakes before it steps (ranks.group: the groups step together).
 
     A follower keeps SIGUSR1's default action (it ends the process): the HTTP process stops every rank with it.
     """
@@ -86,7 +93,7 @@ def run_rank(
     comm = Comm(shard, address, cfg.device, cfg.disagg.dist_timeout_s)
     try:
         if shard.pp_rank == 0 and shard.attn_tp_rank == 0:
-            _serve(build_engine(cfg, comm), cfg, recv_addr, send_addr)
+            _serve(build_engine(cfg, comm), cfg, recv_addr, send_addr, peers or [])
         else:
             from disagg_worker.ranks.follower import run_follower
 
@@ -138,10 +145,10 @@ def _die_with_parent() -> None:
         os._exit(1)
 
 
-def _serve(engine: Engine, cfg: EngineConfig, recv_addr: str, send_addr: str) -> None:
+def _serve(engine: Engine, cfg: EngineConfig, recv_addr: str, send_addr: str, peers: list[str] | None = None) -> None:
     from disagg_worker.engine.loop import EngineLoop
 
-    loop = EngineLoop(engine, recv_addr, send_addr, overlap=cfg.overlap)
+    loop = EngineLoop(engine, recv_addr, send_addr, overlap=cfg.overlap, peers=peers or [])
     signal.signal(signal.SIGUSR1, lambda *_: setattr(loop, "stopped", True))
     try:
         loop.serve_forever()
