@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import json
+import os
 import random
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -329,3 +331,39 @@ def test_an_unsupported_architecture_stops_the_start_up_naming_it(models, tmp_pa
     )
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-2000:]
     assert "unsupported model architecture 'deepseek_v2'" in out.stderr, out.stderr
+
+
+def test_a_dp_group_whose_scheduler_dies_fails_the_whole_instance_at_once(models):
+    """Requests run in both attention groups; the second group's scheduler is killed: every request of either
+    group ends with a 503 naming the exit within a bound (the other group cannot step alone: its MLPs need the
+    dead one), /health says why, and new requests are refused."""
+    server = serve(models["deepseek_v3"], *FLAGS, "--tp-size", "2", *DP2).wait_healthy()
+    try:
+        body = {"input_ids": list(range(100, 120)), "sampling_params": {"max_new_tokens": 3000, "ignore_eos": True}}
+        with cf.ThreadPoolExecutor(4) as pool:
+            held = [
+                pool.submit(
+                    requests.post, f"{server.url}/generate", json={**body, "data_parallel_rank": g}, timeout=scaled(120)
+                )
+                for g in (0, 1, 0, 1)
+            ]
+            st = report_after(
+                server.url,
+                time.time(),
+                lambda st: [g["running"] for g in st.get("groups", [])] == [2, 2],
+                30,
+                "two requests running in each group",
+            )
+            killed = time.monotonic()
+            os.kill(st["groups"][1]["pid"], signal.SIGKILL)
+            answers = [f.result(timeout=scaled(30)) for f in held]
+            answered = time.monotonic()
+        assert [a.status_code for a in answers] == [503] * 4
+        assert all("scheduler process" in a.json()["error"]["message"] for a in answers)
+        assert answered - killed < scaled(2.0), f"failed {answered - killed:.2f} s after the kill"
+        health = requests.get(f"{server.url}/health", timeout=scaled(5))
+        assert health.status_code == 503 and "exited unexpectedly" in health.json()["reason"]
+        again = requests.post(f"{server.url}/generate", json=body, timeout=scaled(10))
+        assert again.status_code == 503
+    finally:
+        server.stop()
