@@ -12,6 +12,8 @@ from disagg_worker.config import ConfigError, DisaggConfig
 from disagg_worker.router.auth import RouterAuth
 from disagg_worker.router.payload import SharedBody
 from disagg_worker.router.workers import GroupPolicy, Worker
+from disagg_worker.server.api import bootstrap_of
+from disagg_worker.server.errors import APIError
 from disagg_worker.server.groups import choose_group, group_problem, merge_exposition, merge_stats
 
 BOOT = msg.BootstrapInfo("10.0.0.1", 8998, room=7)
@@ -25,7 +27,6 @@ def stats(dp: int, running: int, **kw) -> msg.SchedulerStats:
 def test_a_request_goes_to_the_group_it_names_else_prefill_follows_its_target_else_the_least_busy():
     assert choose_group(msg.Route(BOOT, 1), 2, [0, 9], prefill=True) == 1  # named
     assert choose_group(msg.Route(msg.BootstrapInfo("h", 1, 7, dp_rank=0)), 2, [0, 9], prefill=True) == 0
-    assert choose_group(msg.Route(BOOT), 2, [0, 0], prefill=True) == 7 % 2  # the room decides: decode agrees
     assert choose_group(msg.Route(BOOT), 2, [3, 1], prefill=False) == 1  # decode: its own least busy group
     assert choose_group(msg.NO_ROUTE, 3, [2, 2, 2], prefill=False) == 0  # ties: the lowest
 
@@ -38,6 +39,12 @@ def test_a_group_that_does_not_exist_is_named_and_decode_does_not_check_prefills
     far = msg.Route(msg.BootstrapInfo("h", 1, 7, dp_rank=3))
     assert group_problem(far, 2, prefill=True)[1] == "bootstrap_dp_rank 3: this instance runs 2 attention groups"
     assert group_problem(far, 1, prefill=False) == ("", "")  # the prefill instance's group, not decode's
+    # A routed request that names no group could not be found by decode; one that names two is refused too.
+    field, message = group_problem(msg.Route(BOOT), 2, prefill=True)
+    assert field == "bootstrap_dp_rank" and "runs 2 attention groups" in message
+    assert group_problem(msg.Route(BOOT), 1, prefill=True) == ("", "")
+    two = msg.Route(msg.BootstrapInfo("h", 1, 7, dp_rank=0), dp_rank=1)
+    assert group_problem(two, 2, prefill=True)[0] == "data_parallel_rank"
 
 
 def test_the_groups_reports_sum_into_the_instances_and_keep_their_series_apart():
@@ -90,3 +97,13 @@ def test_settings_that_cannot_work_stop_the_start_up_naming_the_flag(kw, message
     with pytest.raises(ConfigError, match=message):
         DisaggConfig(**kw)
     assert DisaggConfig(tp_size=4, dp_size=2, enable_dp_attention=True).attn_tp_size == 2
+
+
+def test_a_bootstrap_host_holding_a_slash_is_refused_so_a_signed_group_cannot_be_read_as_a_host():
+    """The router signs host and group as "host/dp/k": were "h/dp/1" a host, a target signed for group 1 of h:8998
+    would also sign h/dp/1 itself, which decode would reach on another port (http://h/dp/1:8998)."""
+    body = {"bootstrap_host": "h/dp/1", "bootstrap_port": 8998, "bootstrap_room": 7}
+    with pytest.raises(APIError) as e:
+        bootstrap_of(body)
+    assert e.value.status == 400
+    assert bootstrap_of({**body, "bootstrap_host": "h", "bootstrap_dp_rank": 1}).address == "h:8998/dp/1"

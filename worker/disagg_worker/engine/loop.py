@@ -210,7 +210,11 @@ class EngineLoop:
     def serve_forever(self) -> None:
         self.publish(self.engine.info())
         while not self.stopped:
-            self._drain_inbox(self._wait_ms())
+            news = self._drain_inbox(self._wait_ms())
+            if news and not self.stepper.computing:
+                # DP attention: the other groups may sleep until their next report, and this one is about to wait
+                # for them in its next step whatever the message was (a request, or an abort that makes no work).
+                self._wake_peers()
             self.stepper.step()
             self._flush()
 
@@ -232,8 +236,10 @@ class EngineLoop:
         """Any thread: a transfer moved; end the current wait."""
         os.eventfd_write(self.wake_fd, 1)
 
-    def _drain_inbox(self, timeout: int) -> None:
-        """Handle every queued message, waiting up to `timeout` ms for the first message or a wake-up."""
+    def _drain_inbox(self, timeout: int) -> bool:
+        """Handle every queued message, waiting up to `timeout` ms for the first message or a wake-up; whether a
+        message other than another group's `Wake` came."""
+        news = False
         while True:
             ready = dict(self.poller.poll(timeout))
             if self.wake_fd in ready:
@@ -242,8 +248,10 @@ class EngineLoop:
                 except BlockingIOError:
                     pass
             if self.recv not in ready:
-                return
-            self.engine.handle(msg.decode(self.recv.recv()))
+                return news
+            m = msg.decode(self.recv.recv())
+            news = news or not isinstance(m, msg.Wake)
+            self.engine.handle(m)
             timeout = 0
 
     def _send_outputs(self) -> None:

@@ -124,6 +124,7 @@ def bootstrap_of(body) -> BootstrapInfo | None:
         raise APIError(400, "bootstrap_sig must be a string", param="bootstrap_sig")
     if (
         not isinstance(host, str)
+        or "/" in host  # the signature covers host and group as "host/dp/k": a host holds no "/"
         or not isinstance(port, int)
         or not isinstance(room, int)
         or isinstance(port, bool)

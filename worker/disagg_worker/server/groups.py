@@ -5,8 +5,9 @@ request to one group, and merges the groups' reports into the instance's. Pure f
 
 Which group takes a request (`choose_group`):
 - the one the request names (`data_parallel_rank`; the router names it, by load);
-- on prefill, the group the bootstrap target names (`bootstrap_dp_rank`), or else `bootstrap_room % dp_size`:
-  decode finds the KV in the group the router told it, so prefill must not choose by itself;
+- on prefill, the group the bootstrap target names (`bootstrap_dp_rank`): decode finds the KV in the group the
+  router told it, so prefill never chooses by itself, and a routed request that names no group is refused
+  (decode could not find its KV);
 - otherwise the group with the fewest of this instance's requests in flight (ties: the lowest).
 """
 
@@ -26,8 +27,8 @@ def choose_group(route: msg.Route, dp_size: int, inflight: Sequence[int], prefil
     if route.dp_rank is not None:
         return route.dp_rank
     b = route.bootstrap
-    if prefill and b is not None:
-        return b.dp_rank if b.dp_rank is not None else b.room % dp_size
+    if prefill and b is not None and b.dp_rank is not None:
+        return b.dp_rank
     return min(range(dp_size), key=lambda g: (inflight[g], g))
 
 
@@ -39,6 +40,18 @@ def group_problem(route: msg.Route, dp_size: int, prefill: bool) -> tuple[str, s
     for field, dp in named:
         if dp is not None and not 0 <= dp < dp_size:
             return field, f"{field} {dp}: this instance runs {dp_size} attention group{'s' if dp_size > 1 else ''}"
+    b = route.bootstrap
+    if prefill and b is not None and dp_size > 1:
+        if b.dp_rank is None:
+            return "bootstrap_dp_rank", (
+                f"this prefill instance runs {dp_size} attention groups: a routed request names the one that holds "
+                "its KV (bootstrap_dp_rank; the router sets it), or decode could not find it"
+            )
+        if route.dp_rank is not None and route.dp_rank != b.dp_rank:
+            return "data_parallel_rank", (
+                f"data_parallel_rank {route.dp_rank} differs from bootstrap_dp_rank {b.dp_rank}: on prefill both name "
+                "the group that holds the request's KV"
+            )
     return "", ""
 
 
