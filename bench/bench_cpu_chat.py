@@ -7,7 +7,8 @@ only; cached in ~/.cache/disagg/llama.cpp/VERSION, several minutes the first tim
 - the same file requantised to F16 (`llama-quantize --allow-requantize`: 16-bit weights, as bfloat16 here),
 each `-t THREADS -np 32 -c 32768 --cont-batching`. disagg serves the directory `make serve` converts from that
 file (float32 weights dequantised from Q4_1), monolithic and as `make serve` runs it (router + prefill + decode),
-in float32 and bfloat16, with one torch thread (the default on 2 cores) and with all cores.
+in float32, bfloat16 and 4-bit weights (`--quantization int4`: the file's Q4_1 codes for torch's CPU int4
+kernel), with one torch thread (the default on 2 cores) and with all cores.
 
 Load (the same for every server, rounds interleaved): 32 different chat questions, temperature 0, max_tokens
 128, streamed over /v1/chat/completions; concurrency 1 (the first `--c1-prompts` questions one after another)
@@ -151,6 +152,10 @@ class Server:
         return total / 1024
 
 
+# The file's own 4-bit codes (found again from the converted directory's weights: model/quant.py), bfloat16 around.
+INT4 = ["--dtype", "bfloat16", "--quantization", "int4"]
+
+
 def servers(bin_dir: Path, q4: Path, f16: Path, threads: int) -> dict[str, Any]:
     """name -> a function of a port giving the server's argv (and the path of its health check)."""
     llama = [str(bin_dir / "llama-server"), "-t", str(threads), "-np", "32", "-c", "32768", "--cont-batching"]
@@ -170,6 +175,8 @@ def servers(bin_dir: Path, q4: Path, f16: Path, threads: int) -> dict[str, Any]:
             "--torch-threads",
             str(threads),
         ],  # fmt: skip
+        "disagg mono int4": lambda p: [*ours, "--port", str(p), *INT4],
+        "disagg mono int4 all cores": lambda p: [*ours, "--port", str(p), *INT4, "--torch-threads", str(threads)],
         "disagg P/D (make serve) float32": lambda p: [*ours, "--local", "--port", str(p)],
     }
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from disagg_worker import keys
 from disagg_worker.config import (
+    QUANTIZATIONS,
     SPECULATIVE_ALGORITHMS,
     CacheConfig,
     ConfigError,
@@ -29,6 +30,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--served-model-name", default="")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument(
+        "--quantization",
+        default="",
+        choices=["", *QUANTIZATIONS],
+        help="int4: attention and MLP projections as 4-bit weights with a scale and minimum per 32 (llama.cpp's "
+        "Q4_1) for torch's CPU int4 kernel; needs --dtype bfloat16. A batch-1 decode step reads a quarter of the "
+        "bytes (measured in bench/bench_cpu_chat.py); answers are the bfloat16 engine's up to the weights' rounding",
+    )
     p.add_argument("--device", default="cpu")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-context-len", type=int, default=0)
@@ -289,6 +298,7 @@ def server_args_from_cli(
         model_path=ns.model,
         served_model_name=ns.served_model_name,
         dtype=ns.dtype,
+        quantization=ns.quantization,
         device=ns.device,
         seed=ns.seed,
         max_context_len=ns.max_context_len,

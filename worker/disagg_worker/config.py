@@ -261,11 +261,17 @@ class DisaggConfig:
             )
 
 
+# Weight formats of `--quantization` (model/quant.py).
+QUANTIZATIONS = ("int4",)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model_path: str
     served_model_name: str = ""
     dtype: str = "float32"
+    # "int4": weight-only 4-bit projections (model/quant.py; bfloat16 on a CPU); "": the weights in `dtype`.
+    quantization: str = ""
     device: str = "cpu"
     seed: int = 0
     max_context_len: int = 0  # 0: the model's max_position_embeddings
@@ -279,6 +285,11 @@ class EngineConfig:
     disagg: DisaggConfig = field(default_factory=DisaggConfig)
 
     def __post_init__(self) -> None:
+        if self.quantization and (self.dtype != "bfloat16" or self.device != "cpu"):
+            raise ConfigError(
+                f"--quantization {self.quantization} runs on a CPU in bfloat16 (torch's CPU int4 kernel takes "
+                f"bfloat16 activations): pass --dtype bfloat16 --device cpu (here {self.dtype} on {self.device})"
+            )
         spec = self.scheduler.speculative
         if spec.uses_draft_model and self.world_size > 1:
             raise ConfigError(

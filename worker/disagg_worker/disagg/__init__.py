@@ -21,26 +21,67 @@ This level holds what any backend shares, the contract and the control plane:
 - `metrics`: transfer counters and Prometheus series.
 - `fake`: a backend that moves nothing (unit tests, scheduler benchmarks).
 `mooncake/` is the Mooncake backend: everything that depends on how Mooncake moves bytes.
+
+Names below are imported on first use (PEP 562): the HTTP process imports `bootstrap` without torch, which
+the transfer side needs (`base` -> `mem.kv_pool`); torch alone is ~500 MB of a process's memory.
 """
 
-from disagg_worker.disagg.backends import BACKENDS, create_kv_manager, manager_class
-from disagg_worker.disagg.base import (
-    AUX_ITEM_NBYTES,
-    KVLayout,
-    KVManager,
-    KVReceiver,
-    KVSender,
-    RankInfo,
-    TransferFailure,
-    pack_aux,
-    pack_first_token,
-    unpack_draft,
-    unpack_first_token,
-    unpack_top_logprobs,
-)
-from disagg_worker.disagg.metrics import TransferMetrics
-from disagg_worker.disagg.poll import KVPoll
-from disagg_worker.disagg.runs import group_runs
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from disagg_worker.disagg.backends import BACKENDS, create_kv_manager, manager_class
+    from disagg_worker.disagg.base import (
+        AUX_ITEM_NBYTES,
+        KVLayout,
+        KVManager,
+        KVReceiver,
+        KVSender,
+        RankInfo,
+        TransferFailure,
+        pack_aux,
+        pack_first_token,
+        unpack_draft,
+        unpack_first_token,
+        unpack_top_logprobs,
+    )
+    from disagg_worker.disagg.metrics import TransferMetrics
+    from disagg_worker.disagg.poll import KVPoll
+    from disagg_worker.disagg.runs import group_runs
+
+_HOMES = {
+    **dict.fromkeys(["BACKENDS", "create_kv_manager", "manager_class"], "backends"),
+    **dict.fromkeys(
+        [
+            "AUX_ITEM_NBYTES",
+            "KVLayout",
+            "KVManager",
+            "KVReceiver",
+            "KVSender",
+            "RankInfo",
+            "TransferFailure",
+            "pack_aux",
+            "pack_first_token",
+            "unpack_draft",
+            "unpack_first_token",
+            "unpack_top_logprobs",
+        ],
+        "base",
+    ),
+    "TransferMetrics": "metrics",
+    "KVPoll": "poll",
+    "group_runs": "runs",
+}
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{home}"), name)
+
 
 __all__ = [
     "BACKENDS",

@@ -27,6 +27,7 @@ from disagg_worker.engine.batch import ScheduledBatch, StepResult
 from disagg_worker.engine.drafting import Draft, ModelDrafter, PoolLayers, load_draft
 from disagg_worker.engine.expert_load import ExpertLoad
 from disagg_worker.engine.grammar import Grammars
+from disagg_worker.engine.memory import return_freed_memory
 from disagg_worker.engine.outbox import Outbox
 from disagg_worker.engine.request import Req
 from disagg_worker.engine.runner import ModelRunner
@@ -111,8 +112,11 @@ class Engine:
         torch.manual_seed(cfg.seed)
         shard = comm.shard if comm is not None else Shard()
         collectives = comm.collectives() if comm is not None else None
-        model, model_cfg = load_model(cfg.model_path, DTYPES[cfg.dtype], cfg.device, shard, collectives)
+        model, model_cfg = load_model(
+            cfg.model_path, DTYPES[cfg.dtype], cfg.device, shard, collectives, cfg.quantization
+        )
         draft = load_draft(cfg, model, model_cfg)
+        return_freed_memory()
         return cls(cfg, None if cfg.forward == "noop" else model, model_cfg, comm, draft)
 
     # ---- messages from the HTTP process -------------------------------------------------------

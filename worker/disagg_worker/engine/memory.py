@@ -34,3 +34,13 @@ def keep_freed_memory() -> bool:
     if not ok:
         log.warning("malloc did not take the thresholds; large activations are mapped afresh each step")
     return ok
+
+
+def return_freed_memory() -> bool:
+    """Give the heap's free pages back to the system once (glibc's `malloc_trim`): what loading freed (the
+    16-bit weights `--quantization` replaced, a GGUF's dequantisation buffers) is otherwise kept for good
+    under `keep_freed_memory`'s never-trim setting. False off glibc."""
+    try:
+        return bool(ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim(0))
+    except (OSError, AttributeError, TypeError):
+        return False

@@ -8,10 +8,16 @@
 Every buffer is contiguous, so page `p` occupies bytes `[p * page_nbytes, (p + 1) * page_nbytes)` of
 each. The KV transfer engine relies on this: it registers `buffers()` once and moves a run of pages
 as one byte range per buffer.
+
+On a CPU the buffers are views of one anonymous memory map: its pages read as zero and become resident
+only when written, so a pool costs the memory of the pages it has used, not of its capacity (SmolLM2's
+default 16384 tokens are 377 MB in bfloat16; `torch.zeros` writes, and so holds, all of it from the start).
 """
 
 from __future__ import annotations
 
+import math
+import mmap
 from enum import Enum
 
 import torch
@@ -24,6 +30,17 @@ class KVKind(str, Enum):
     @property
     def buffers_per_layer(self) -> int:
         return 2 if self is KVKind.MHA else 1
+
+
+def _zeroed(count: int, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
+    """`count` zeroed tensors of `shape`; on a CPU views of one anonymous map (resident where written)."""
+    if device.type != "cpu":
+        return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(count)]
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if nbytes == 0:
+        return [torch.zeros(shape, dtype=dtype) for _ in range(count)]
+    region = torch.frombuffer(mmap.mmap(-1, nbytes * count), dtype=torch.uint8)
+    return [region[i * nbytes : (i + 1) * nbytes].view(dtype).view(shape) for i in range(count)]
 
 
 class KVPool:
@@ -49,11 +66,10 @@ class KVPool:
         self.dtype = dtype
         self.device = torch.device(device)
         shape = (num_pages, page_size, num_kv_heads, head_dim)
+        per_layer = kind.buffers_per_layer
+        flat = _zeroed(num_layers * per_layer, shape, dtype, self.device)
         # Per layer: [K, V] (MHA) or [latent] (MLA).
-        self._bufs = [
-            [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(kind.buffers_per_layer)]
-            for _ in range(num_layers)
-        ]
+        self._bufs = [flat[i * per_layer : (i + 1) * per_layer] for i in range(num_layers)]
 
     def k_buffer(self, layer: int) -> torch.Tensor:
         return self._of(KVKind.MHA, layer)[0]

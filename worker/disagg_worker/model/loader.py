@@ -12,6 +12,7 @@ model; from a GGUF file a rank dequantises only the tensors it holds part of, th
 from __future__ import annotations
 
 import json
+import logging
 import re
 from pathlib import Path
 
@@ -27,9 +28,11 @@ from disagg_worker.model.decoder import CausalLM, Collectives
 from disagg_worker.model.gguf_meta import open_gguf
 from disagg_worker.model.moe import keeps_fp32
 from disagg_worker.model.parallel import Shard, check_parallel, shard_slice
+from disagg_worker.model.quant import quantize_linears
 from disagg_worker.model.registry import build_model
 from disagg_worker.model.source import find_gguf
 
+log = logging.getLogger(__name__)
 PROGRESS_MIN_BYTES = 200 * 1024 * 1024
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 _LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")
@@ -45,12 +48,14 @@ def load_model(
     device: torch.device | str,
     shard: Shard | None = None,
     comm: Collectives | None = None,
+    quantization: str = "",
 ) -> tuple[CausalLM, ModelConfig]:
     """Build the model (this rank's `shard` of it) from the checkpoint's config and fill it with its
     weights.
 
     Returns the model in eval mode, without gradients, on `device` in `dtype` (bfloat16 linear layers on a
-    CPU with their weights packed for oneDNN: `cpu_linear.py`).
+    CPU with their weights packed for oneDNN: `cpu_linear.py`), its projections in 4 bits where
+    `quantization` is "int4" (`quant.py`).
     """
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     shard = shard or Shard()
@@ -71,6 +76,11 @@ def load_model(
     model.tie_weights()
     model = model.to(device).eval().requires_grad_(False)
     model.finish_load()
+    if quantization == "int4":
+        swapped, kept = quantize_linears(model)
+        log.info(
+            "int4: %d projections in 4 bits, %d kept in %s (widths the kernel does not take)", swapped, kept, dtype
+        )
     if can_pack(torch.device(device), dtype):
         pack_linears(model)
     return model, cfg

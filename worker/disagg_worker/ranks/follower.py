@@ -13,6 +13,7 @@ import torch
 
 from disagg_worker.config import EngineConfig
 from disagg_worker.engine.engine import DTYPES, build_kv_pool
+from disagg_worker.engine.memory import return_freed_memory
 from disagg_worker.engine.runner import ModelRunner
 from disagg_worker.engine.stage import build_kv_manager
 from disagg_worker.model.loader import load_model
@@ -27,7 +28,10 @@ def run_follower(cfg: EngineConfig, comm: Comm, drain_local_failures: bool = Tru
     """Load this rank's slice and run the driver's steps until it says stop."""
     torch.manual_seed(cfg.seed)
     shard = comm.shard
-    model, model_cfg = load_model(cfg.model_path, DTYPES[cfg.dtype], cfg.device, shard, comm.collectives())
+    model, model_cfg = load_model(
+        cfg.model_path, DTYPES[cfg.dtype], cfg.device, shard, comm.collectives(), cfg.quantization
+    )
+    return_freed_memory()
     kv_pool = build_kv_pool(cfg, model_cfg, shard)
     runner = ModelRunner(None if cfg.forward == "noop" else model, kv_pool, model_cfg.vocab_size, cfg.device)
     manager = build_kv_manager(cfg, kv_pool, shard, model_cfg)
