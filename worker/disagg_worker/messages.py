@@ -120,6 +120,8 @@ class SchedulerStats:
     # Every rank's P/D queue sizes in a multi-rank instance, by (tp_rank, pp_rank).
     rank_queues: dict[tuple[int, int], dict[str, int]] = field(default_factory=dict)
     dp_rank: int = 0  # the attention group whose scheduler sent it (DP attention)
+    # What the prefix cache stored and evicted since the last report (mem/kv_events.py), in order.
+    kv_events: tuple[tuple[str, list[int]], ...] = ()
 
 
 @dataclass(frozen=True)

@@ -76,7 +76,9 @@ class Engine:
         # Under DP attention every group's MoE layers see every group's tokens: the first group's counts say all.
         self.expert_load = ExpertLoad(model if shard.dp_rank == 0 else None, cfg.disagg.ep_size)
         self.allocator = PageAllocator(cache.total_pages)
-        self.radix = RadixCache(cache.page_size, self.allocator, enabled=cfg.uses_prefix_cache)
+        self.radix = RadixCache(
+            cache.page_size, self.allocator, enabled=cfg.uses_prefix_cache, record_events=cfg.uses_prefix_cache
+        )
         self.outbox = Outbox()
         # With several stages a request's next step waits for its token to come back.
         future_inputs = shard.pp_size == 1
@@ -278,6 +280,7 @@ class Engine:
             rank_queues=self.rank_queue_sizes(),
             metrics_text=own_metrics(),
             dp_rank=self.shard.dp_rank,
+            kv_events=tuple(self.radix.take_events()),
         )
 
     def queue_sizes(self) -> dict[str, int]:

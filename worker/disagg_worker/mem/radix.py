@@ -11,6 +11,9 @@ its pages to the allocator only on `evict` and `reset`. A request that matched a
 `unlock`s it when done. A lock counts on the node and on every ancestor, so a node's
 lock count is at least that of any descendant and an unlocked node has no locked
 descendants: evicting unlocked leaves never strands a locked node.
+
+With `record_events` every page also has a name, a chained hash of the tokens up to it (`kv_events.py`),
+kept per node, and the cache records what it stores and evicts under those names for `take_events` to hand on.
 """
 
 from __future__ import annotations
@@ -20,14 +23,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .allocator import PageAllocator
+from .kv_events import ROOT, Event, page_hashes
 
 
 class Node:
-    __slots__ = ("key", "pages", "parent", "children", "lock_ref", "last_access")
+    __slots__ = ("key", "pages", "names", "parent", "children", "lock_ref", "last_access")
 
-    def __init__(self, key: tuple[int, ...], pages: list[int], parent: Node | None):
+    def __init__(self, key: tuple[int, ...], pages: list[int], parent: Node | None, names: list[int] | None = None):
         self.key = key
         self.pages = pages
+        self.names = names or []  # one per page: its chained hash (kv_events.page_hash)
         self.parent = parent
         self.children: dict[tuple[int, ...], Node] = {}
         self.lock_ref = 0
@@ -62,7 +67,7 @@ class CacheStats:
 
 
 class RadixCache:
-    def __init__(self, page_size: int, allocator: PageAllocator, enabled: bool = True):
+    def __init__(self, page_size: int, allocator: PageAllocator, enabled: bool = True, record_events: bool = False):
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
         self.page_size = page_size
@@ -73,6 +78,13 @@ class RadixCache:
         self._clock = 0
         self._evictable = 0
         self._protected = 0
+        self.record_events = record_events
+        self._events: list[Event] = []
+
+    def take_events(self) -> list[Event]:
+        """The events recorded since the last call (none unless `record_events`)."""
+        events, self._events = self._events, []
+        return events
 
     @property
     def root(self) -> Node:
@@ -171,6 +183,7 @@ class RadixCache:
             node.parent = None
         self._root = Node((), [], None)
         self._evictable = 0
+        self._record("cleared", [])
 
     def _walk(self, tokens: Sequence[int]) -> tuple[Node, list[int]]:
         """Follow whole pages of `tokens` down the tree, splitting the last node reached if
@@ -212,26 +225,41 @@ class RadixCache:
         the new parent inherits its lock count, since every lock on `node` passes through it.
         """
         ps = self.page_size
-        upper = Node(node.key[: n * ps], node.pages[:n], node.up)
+        upper = Node(node.key[: n * ps], node.pages[:n], node.up, node.names[:n])
         upper.lock_ref = node.lock_ref
         upper.last_access = node.last_access
         node.up.children[upper.key[:ps]] = upper
-        node.key, node.pages, node.parent = node.key[n * ps :], node.pages[n:], upper
+        node.key, node.pages, node.names, node.parent = node.key[n * ps :], node.pages[n:], node.names[n:], upper
         upper.children[node.key[:ps]] = node
         return upper
 
     def _add_leaf(self, parent: Node, tokens: Sequence[int], pages: Sequence[int]) -> None:
-        leaf = Node(tuple(tokens), list(pages), parent)
+        names = (
+            page_hashes(tokens, self.page_size, parent.names[-1] if parent.names else ROOT)
+            if self.record_events
+            else []
+        )
+        leaf = Node(tuple(tokens), list(pages), parent, names)
         leaf.last_access = self._clock
         parent.children[leaf.key[: self.page_size]] = leaf
         self._evictable += len(leaf.pages)
+        self._record("stored", names)
 
     def _remove_leaf(self, leaf: Node) -> int:
         del leaf.up.children[leaf.key[: self.page_size]]
         leaf.parent = None
         self.allocator.free(leaf.pages)
         self._evictable -= len(leaf.pages)
+        self._record("removed", leaf.names)
         return len(leaf.pages)
+
+    def _record(self, kind: str, names: list[int]) -> None:
+        if self.record_events:
+            self._events.append((kind, list(names)))
+
+    def page_names(self) -> set[int]:
+        """The names of every page the tree holds."""
+        return {name for node in self._nodes() for name in node.names}
 
     def _is_evictable_leaf(self, node: Node) -> bool:
         return node is not self._root and not node.children and node.lock_ref == 0

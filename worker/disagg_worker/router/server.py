@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from typing import Any
 
 from aiohttp import web
@@ -142,7 +143,8 @@ async def health(request: web.Request) -> web.Response:
     worker, and every pair with its last result and its age. Readiness is `/ready`."""
     router = request.app[ROUTER]
     pool, verifier = router.pool, router.verifier
-    body: dict = {"workers": [w.describe() for w in pool.workers()]}
+    now = time.monotonic()
+    body: dict = {"workers": [{**w.describe(), "kv_index": pool.kv_index.describe(w.url, now)} for w in pool.workers()]}
     if verifier is not None:
         body.update(pairs=verifier.describe(), handoff=verifier.monitor.describe())
     if request.app[ADMISSION].draining:
@@ -270,6 +272,8 @@ def build_verifier(ns, pool: WorkerPool, auth: RouterAuth) -> PairVerifier | Non
 async def serve(ns, auth: RouterAuth, ready: asyncio.Event | None = None) -> None:
     signals = Signals()
     pool = build_pool(ns)
+    pool.worker_headers = auth.worker_headers()
+    pool.kv_index.stale_after_s = 3 * ns.health_interval
     router = Router(
         pool,
         ns.served_model_name,

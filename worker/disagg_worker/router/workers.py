@@ -10,12 +10,14 @@ import itertools
 import json
 import logging
 import socket
+import time
 from dataclasses import dataclass, field
 from enum import Enum
 from urllib.parse import urlsplit
 
 import aiohttp
 
+from disagg_worker.router.kv_index import KVIndex
 from disagg_worker.tuning import TUNING
 
 log = logging.getLogger(__name__)
@@ -107,7 +109,7 @@ class Worker:
             self.report = report
 
     def describe(self) -> dict:
-        d = {"url": self.url, "role": self.role, "healthy": self.healthy, "inflight": self.inflight}
+        d: dict = {"url": self.url, "role": self.role, "healthy": self.healthy, "inflight": self.inflight}
         if self.role == "prefill":
             d["bootstrap_port"] = self.bootstrap_port
         if self.report.get("pod") or self.revision:
@@ -155,6 +157,10 @@ class WorkerPool:
     policy: Policy = Policy.ROUND_ROBIN
     group_policy: GroupPolicy = GroupPolicy.LOAD
     discovered: dict[DnsSource, dict[str, Worker]] = field(default_factory=dict)
+    # The workers' prefix caches, refreshed with their health (router/kv_index.py).
+    kv_index: KVIndex = field(default_factory=KVIndex)
+    # Headers of the router's own requests to workers (the worker token where workers require keys).
+    worker_headers: dict[str, str] = field(default_factory=dict)
     # One round-robin counter per role: with a shared one, equal numbers of prefill and decode workers made
     # every pick land on the same pair.
     _rr: dict[str, itertools.count] = field(default_factory=lambda: collections.defaultdict(itertools.count))
@@ -201,8 +207,28 @@ class WorkerPool:
             w.healthy = ok
             if ok and not w.max_model_len:
                 w.max_model_len = await max_model_len(session, w.url)
+            if ok:
+                await self.fetch_kv_events(session, w)
 
-        await asyncio.gather(*(probe(w) for w in self.workers()))
+        workers = self.workers()
+        await asyncio.gather(*(probe(w) for w in workers))
+        self.kv_index.forget({w.url for w in workers})
+
+    async def fetch_kv_events(self, session: aiohttp.ClientSession, w: Worker) -> None:
+        """What the worker's prefix cache stored and evicted since the last round, into the index."""
+        index = self.kv_index.of(w.url)
+        try:
+            timeout = aiohttp.ClientTimeout(total=TUNING.router.health_timeout_s)
+            url, query, headers = f"{w.url}/kv_events", index.query(), self.worker_headers
+            async with session.get(url, params=query, headers=headers, timeout=timeout) as r:
+                if r.status != 200:
+                    index.problem = f"GET /kv_events answered {r.status}"
+                    return
+                payload = await r.json()
+            index.apply(payload, time.monotonic())
+            index.problem = ""
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError, TypeError) as e:
+            index.problem = f"GET /kv_events failed: {type(e).__name__}"
 
     async def watch(self, session: aiohttp.ClientSession, interval_s: float) -> None:
         """Keep membership and health current until cancelled."""

@@ -28,6 +28,7 @@ from disagg_worker.server.body import read_body
 from disagg_worker.server.errors import APIError, internal_error
 from disagg_worker.server.frontend import Delta, Frontend
 from disagg_worker.server.health import health_report
+from disagg_worker.server.kv_events_api import kv_events_handler
 from disagg_worker.server.metrics import PROBE_HEADER
 from disagg_worker.server.protocol import parse_chat, parse_completion, parse_generate, parse_json
 from disagg_worker.server.tool_calls import ChatTools, ToolStream, call_deltas
@@ -90,6 +91,7 @@ def build_app(
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/stats", stats)
     app.router.add_post("/flush_cache", flush_cache)
+    app.router.add_get("/kv_events", kv_events_handler(lambda: frontend.kv_log))
     return app
 
 

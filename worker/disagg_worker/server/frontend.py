@@ -23,7 +23,7 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from multiprocessing.process import BaseProcess
 from typing import Any, TypeVar
 
@@ -33,6 +33,7 @@ import zmq.asyncio
 from disagg_worker import messages as msg
 from disagg_worker.engine.params import SamplingParams, StopChecker
 from disagg_worker.limits import RequestLimits
+from disagg_worker.mem.kv_events import EventLog
 from disagg_worker.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from disagg_worker.server.admission import RETRY_AFTER_S
 from disagg_worker.server.errors import APIError, unavailable
@@ -91,6 +92,8 @@ class Frontend:
         # What every request is checked against: built from the scheduler's start-up report.
         self.limits = RequestLimits(max_context_len=1)
         self.stats: msg.SchedulerStats | None = None
+        # The prefix caches' pages as routers index them (GET /kv_events); page size and model from the info.
+        self.kv_log = EventLog(page_size=0, model="")
         self.last_heartbeat = 0.0
         self.ready = asyncio.Event()
         # Why requests can no longer be served ("" while they can): the scheduler died, or a drain cut them.
@@ -163,7 +166,8 @@ class Frontend:
                     if q is not None:
                         q.put_nowait(out)
             elif isinstance(m, msg.SchedulerStats):
-                self.group_stats[m.dp_rank] = m
+                self.kv_log.apply(m.dp_rank, m.kv_events)
+                self.group_stats[m.dp_rank] = replace(m, kv_events=())
                 self.stats = merge_stats(self.group_stats)
                 self.metrics.observe_stats(self.stats)
             elif isinstance(m, msg.EngineInfo):
@@ -171,6 +175,7 @@ class Frontend:
                 if len(self.infos) == self.dp_size:  # every group serves
                     self.info = self.infos[0]
                     self.limits = RequestLimits.from_info(self.info)
+                    self.kv_log.page_size, self.kv_log.model = self.info.page_size, self.info.model_name
                     self.ready.set()
 
     @property

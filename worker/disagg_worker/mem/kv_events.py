@@ -1,0 +1,93 @@
+"""KV events: what an instance's prefix cache stores and evicts, named so that a router can index it exactly.
+
+A cached page is named by a chained hash over the token ids of every page up to and including it
+(`page_hashes`): equal names mean equal prefixes, so the longest cached prefix of a prompt is the longest run of
+its page names an instance holds. The radix cache (`radix.py`) records one event per change:
+
+- `("stored", [name, ...])`: pages now held, a prefix's pages in order (their parents are held);
+- `("removed", [name, ...])`: pages evicted;
+- `("cleared", [])`: everything dropped (a cache flush).
+
+The HTTP process applies them to an `EventLog` per instance: the set of names held now, a sequence number per
+event and the latest `RING` events. A router asks for what follows the last sequence number it saw
+(`EventLog.since`) and gets the events, or a snapshot of the whole set when it missed some (a gap, its own
+restart, or the instance's: the `epoch` changes with every process), so its index converges after any loss.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import secrets
+import struct
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+# Name of the hash below, sent with every payload: instances that name pages differently cannot be mixed.
+HASH_SCHEME = "blake2b64-chain-v1"
+ROOT = 0  # the name "before" a prompt's first page
+RING = 4096  # events an EventLog keeps for routers that fell behind
+
+Event = tuple[str, list[int]]
+
+
+def page_hash(parent: int, tokens: Sequence[int]) -> int:
+    """The name of a page holding `tokens` after the prefix named `parent`."""
+    h = hashlib.blake2b(parent.to_bytes(8, "little"), digest_size=8)
+    h.update(struct.pack(f"<{len(tokens)}q", *tokens))
+    return int.from_bytes(h.digest(), "little")
+
+
+def page_hashes(tokens: Sequence[int], page_size: int, parent: int = ROOT) -> list[int]:
+    """Names of the whole pages of `tokens` (a trailing partial page has none), continuing `parent`."""
+    names = []
+    for start in range(0, len(tokens) - page_size + 1, page_size):
+        parent = page_hash(parent, tokens[start : start + page_size])
+        names.append(parent)
+    return names
+
+
+@dataclass
+class EventLog:
+    """One instance's cache as its HTTP process publishes it (one attention group each under DP attention;
+    a name held by several groups counts once per group)."""
+
+    page_size: int
+    model: str
+    epoch: str = field(default_factory=lambda: secrets.token_hex(8))
+    seq: int = 0
+    held: dict[int, collections.Counter[int]] = field(default_factory=dict)  # group -> name -> 1
+    ring: collections.deque[tuple[int, int, Event]] = field(default_factory=lambda: collections.deque(maxlen=RING))
+
+    def apply(self, group: int, events: Iterable[Event]) -> None:
+        held = self.held.setdefault(group, collections.Counter())
+        for kind, names in events:
+            if kind == "stored":
+                held.update(names)
+            elif kind == "removed":
+                held.subtract(names)
+                for n in names:
+                    if held[n] <= 0:
+                        del held[n]
+            elif kind == "cleared":
+                held.clear()
+            self.seq += 1
+            self.ring.append((self.seq, group, (kind, list(names))))
+
+    def names(self) -> set[int]:
+        return {n for held in self.held.values() for n in held}
+
+    def header(self) -> dict:
+        return {"epoch": self.epoch, "seq": self.seq, "page_size": self.page_size, "model": self.model,
+                "hash_scheme": HASH_SCHEME}  # fmt: skip
+
+    def since(self, epoch: str, seq: int) -> dict:
+        """What a reader that saw event `seq` of `epoch` lacks: the events after it, or a snapshot."""
+        first = self.ring[0][0] if self.ring else self.seq + 1
+        if epoch == self.epoch and seq == self.seq:
+            return {**self.header(), "events": []}
+        if epoch == self.epoch and first - 1 <= seq < self.seq:
+            events = [{"seq": s, "group": g, "kind": k, "pages": [f"{n:016x}" for n in names]}
+                      for s, g, (k, names) in self.ring if s > seq]  # fmt: skip
+            return {**self.header(), "events": events}
+        return {**self.header(), "snapshot": sorted(f"{n:016x}" for n in self.names())}

@@ -1,0 +1,115 @@
+"""The router's exact index of its workers' prefix caches, fed by each worker's GET /kv_events.
+
+Per worker the router keeps the page names (mem/kv_events.py) the worker holds, with the epoch and sequence
+number of the last event applied. Each health round asks every worker for what followed (`query`); the answer
+is events, applied in order, or a snapshot that replaces the set (after a gap, a restart of either side, or the
+first time). An event out of sequence drops the position, so the next round gets a snapshot: the index
+converges after any loss.
+
+A worker is scored only while its index is good (`usable`): it answered within `stale_after_s` (one that stops
+publishing is "silent", and the router falls back to load for it), and it names pages the router's way (same
+hash scheme, and the same page size and model as the workers already indexed: "mismatch" otherwise). Both
+show in the router's /health.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from disagg_worker.mem.kv_events import HASH_SCHEME
+
+
+@dataclass
+class InstanceIndex:
+    epoch: str = ""
+    seq: int = -1
+    names: set[int] = field(default_factory=set)
+    page_size: int = 0
+    model: str = ""
+    hash_scheme: str = ""
+    updated: float | None = None  # monotonic time of the last answer applied
+    snapshots: int = 0
+    events: int = 0
+    problem: str = ""  # why the worker's answers cannot be used ("" while they can)
+
+    def query(self) -> dict[str, str]:
+        return {"epoch": self.epoch, "since": str(self.seq)}
+
+    def apply(self, payload: dict, now: float) -> None:
+        """One /kv_events answer."""
+        self.epoch, self.page_size = str(payload.get("epoch", "")), int(payload.get("page_size", 0))
+        self.model, self.hash_scheme = str(payload.get("model", "")), str(payload.get("hash_scheme", ""))
+        if "snapshot" in payload:
+            self.names = {int(n, 16) for n in payload["snapshot"]}
+            self.seq = int(payload["seq"])
+            self.snapshots += 1
+        else:
+            for e in payload.get("events", []):
+                if int(e["seq"]) != self.seq + 1:  # a gap: ask for a snapshot next time
+                    self.seq = -1
+                    break
+                pages = [int(n, 16) for n in e["pages"]]
+                if e["kind"] == "stored":
+                    self.names.update(pages)
+                elif e["kind"] == "removed":
+                    self.names.difference_update(pages)
+                elif e["kind"] == "cleared":
+                    self.names.clear()
+                self.seq += 1
+                self.events += 1
+        self.updated = now
+
+    def cached_pages(self, names: Sequence[int]) -> int:
+        """How many leading pages of a prompt (its page names, in order) the worker holds."""
+        n = 0
+        for name in names:
+            if name not in self.names:
+                break
+            n += 1
+        return n
+
+
+@dataclass
+class KVIndex:
+    stale_after_s: float = 6.0
+    instances: dict[str, InstanceIndex] = field(default_factory=dict)
+
+    def of(self, url: str) -> InstanceIndex:
+        return self.instances.setdefault(url, InstanceIndex())
+
+    def forget(self, keep: set[str]) -> None:
+        """Drop the workers no longer in the pool."""
+        for url in set(self.instances) - keep:
+            del self.instances[url]
+
+    def reference(self) -> tuple[int, str] | None:
+        """(page size, model) of the first worker indexed with the router's hash scheme: the others must agree."""
+        for url in sorted(self.instances):
+            i = self.instances[url]
+            if i.hash_scheme == HASH_SCHEME and i.page_size:
+                return i.page_size, i.model
+        return None
+
+    def status(self, url: str, now: float) -> tuple[str, str]:
+        """("ok" | "silent" | "mismatch" | "unknown", why)."""
+        i = self.instances.get(url)
+        if i is None or i.updated is None:
+            return ("silent", i.problem or "no KV events received") if i is not None else ("unknown", "")
+        if i.hash_scheme != HASH_SCHEME:
+            return "mismatch", f"hash scheme {i.hash_scheme or 'none'}, the router's is {HASH_SCHEME}"
+        ref = self.reference()
+        if ref is not None and (i.page_size, i.model) != ref:
+            return "mismatch", f"page size {i.page_size} of model {i.model!r}; others: {ref[0]} of {ref[1]!r}"
+        if now - i.updated > self.stale_after_s:
+            return "silent", i.problem or f"no answer for {now - i.updated:.0f} s"
+        return "ok", ""
+
+    def usable(self, url: str, now: float) -> bool:
+        return self.status(url, now)[0] == "ok"
+
+    def describe(self, url: str, now: float) -> dict:
+        i = self.instances.get(url) or InstanceIndex()
+        state, why = self.status(url, now)
+        d = {"state": state, "pages": len(i.names), "seq": i.seq, "snapshots": i.snapshots}
+        return {**d, "why": why} if why else d
