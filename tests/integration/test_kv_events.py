@@ -1,5 +1,7 @@
 """KV events on real processes: the router's index of the prefill instance's prefix cache equals what the
-instance holds after requests, after a flush, and after the instance restarts (a new epoch: a snapshot)."""
+instance holds after requests, after a flush, and after the instance restarts (a new epoch: a snapshot); with
+two prefill instances, the cache-aware router sends follow-ups sharing a prefix to the one that caches it, with
+answers equal to a monolithic server's."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ import pytest
 import requests
 
 from disagg_worker.mem.kv_events import HASH_SCHEME, page_hashes
-from tests.integration.procs import PDStack, idle_now, report_after, scaled
+from tests.integration.procs import FAST_FAILURE, PDStack, Proc, free_port, idle_now, report_after, scaled, serve
 from tests.integration.test_server import generate, varied_prompts
 
 pytestmark = pytest.mark.integration
@@ -89,3 +91,77 @@ def test_a_restarted_prefill_instance_is_indexed_afresh(stack):
         stack, stack.prefill.url, lambda i: i["snapshots"] > before["snapshots"] and i["pages"] == 0, "a snapshot"
     )
     assert after["state"] == "ok"
+
+
+@pytest.fixture(scope="module")
+def two_prefills(tiny_model):
+    """Two prefill instances, a decode and a cache-aware router, plus a monolithic server to compare answers."""
+    flags = ["--served-model-name", "tiny", *FLAGS, *FAST_FAILURE]
+    prefills = []
+    for _ in range(2):
+        port, bootstrap = free_port(), free_port()
+        args = ["prefill", "--model", tiny_model, "--port", str(port), "--bootstrap-port", str(bootstrap), *flags]
+        prefills.append((Proc(args, port), bootstrap))
+    decode_port = free_port()
+    decode = Proc(["decode", "--model", tiny_model, "--port", str(decode_port), *flags], decode_port)
+    mono = serve(tiny_model, "--served-model-name", "tiny", *FLAGS)
+    port = free_port()
+    targets = [a for p, b in prefills for a in ("--prefill", p.url, str(b))]
+    router_args = ["--policy", "cache_aware", "--tokenizer", tiny_model, "--health-interval", "0.5"]
+    router = Proc(["router", "--port", str(port), "--served-model-name", "tiny", *targets, "--decode", decode.url,
+                   *router_args], port)  # fmt: skip
+    procs = [router, decode, mono, *(p for p, _ in prefills)]
+    try:
+        for p in reversed(procs):
+            p.wait_healthy()
+        yield router, [p for p, _ in prefills], mono
+    finally:
+        for p in procs:
+            p.stop()
+
+
+def hit_tokens(url: str) -> int:
+    return requests.get(f"{url}/stats", timeout=scaled(5)).json()["cache_hit_tokens"]
+
+
+def test_cache_aware_routing_sends_a_shared_prefix_where_it_is_cached(two_prefills):
+    router, prefills, mono = two_prefills
+    system = list(range(300, 300 + 64))  # 16 pages
+    first = generate(router.url, system + [7, 8], n=6)
+    holder = caching(prefills, set(page_hashes(system, PAGE)))
+    assert router_index_reaches_any(router, holder.url)
+    other = next(p for p in prefills if p is not holder)
+    before = {p.url: hit_tokens(p.url) for p in prefills}
+    for suffix in ([9, 10, 11], [12], [13, 14]):
+        ids = system + suffix
+        assert generate(router.url, ids, n=6) == generate(mono.url, ids, n=6)
+    # Every follow-up ran where the prefix was: its 64 tokens came from that cache, none from the other's.
+    report_after(holder.url, time.time(), lambda st: st["cache_hit_tokens"] >= before[holder.url] + 3 * 64, scaled(10),
+                 "the three follow-ups' cache hits")  # fmt: skip
+    assert hit_tokens(other.url) == before[other.url]
+    routing = requests.get(f"{router.url}/health", timeout=scaled(5)).json()["routing"]
+    assert routing.get("cache_hit", 0) >= 3, routing
+    assert first == generate(mono.url, system + [7, 8], n=6)
+
+
+def caching(prefills: list[Proc], names: set[int]) -> Proc:
+    """The prefill instance whose cache holds `names` (once its report has reached its HTTP process)."""
+    deadline = time.monotonic() + scaled(10)
+    while True:
+        found = [p for p in prefills if held(p.url)[1] >= names]
+        if found:
+            return found[0]
+        assert time.monotonic() < deadline, "no prefill instance cached the prompt"
+        time.sleep(0.2)
+
+
+def router_index_reaches_any(router: Proc, worker_url: str) -> bool:
+    """Wait until the router's index of this worker is usable and holds pages (False if it never does)."""
+    deadline = time.monotonic() + scaled(10)
+    while time.monotonic() < deadline:
+        body = requests.get(f"{router.url}/health", timeout=scaled(5)).json()
+        index = next(w for w in body["workers"] if w["url"] == worker_url)["kv_index"]
+        if index["state"] == "ok" and index["pages"] > 0:
+            return True
+        time.sleep(0.2)
+    return False

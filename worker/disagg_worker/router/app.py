@@ -25,11 +25,13 @@ import aiohttp
 from aiohttp import web
 
 from disagg_worker.limits import body_limit_bytes
+from disagg_worker.mem.kv_events import page_hashes
 from disagg_worker.router.auth import RouterAuth
 from disagg_worker.router.payload import JoinedPayload, SharedBody
+from disagg_worker.router.prompt import PromptTokens
 from disagg_worker.router.stream import lost
 from disagg_worker.router.verify import PairVerifier
-from disagg_worker.router.workers import Worker, WorkerPool, in_group
+from disagg_worker.router.workers import Prompt, Worker, WorkerPool, in_group
 from disagg_worker.server.admission import DRAINING, RETRY_AFTER_S
 from disagg_worker.server.errors import APIError, unavailable
 
@@ -94,8 +96,10 @@ class Router:
         verifier: PairVerifier | None = None,
         auth: RouterAuth | None = None,
         max_body_bytes: int = 0,
+        prompts: PromptTokens | None = None,
     ):
         self.pool = pool
+        self.prompts = prompts  # the cache-aware policy's tokenizer
         self.model_name = model_name
         self.retries = retries
         self.auth = auth or RouterAuth()
@@ -132,10 +136,19 @@ class Router:
             self._verify.cancel()
         await self.session.close()
 
-    def pick_pair(self, exclude: set[Worker]) -> tuple[Worker, Worker] | None:
+    def pick_pair(self, exclude: set[Worker], prompt: Prompt | None = None) -> tuple[Worker, Worker] | None:
         if self.verifier is not None:
-            return self.verifier.pick_pair(exclude)
-        return self.pool.pick_pair(exclude=exclude)
+            return self.verifier.pick_pair(exclude, prompt)
+        return self.pool.pick_pair(exclude, prompt)
+
+    def prompt_of(self, path: str, body: dict[str, Any]) -> Prompt | None:
+        """The prompt as the cache-aware policy scores it: None without a tokenizer, before any worker's page
+        size is known, or for a body the router does not read (then routed by load)."""
+        ref = self.pool.kv_index.reference()
+        if self.prompts is None or ref is None:
+            return None
+        ids = self.prompts.ids(path, body)
+        return Prompt(len(ids), page_hashes(ids, ref[0]), ref[0]) if ids else None
 
     def body_limit(self) -> int:
         """--max-body-bytes, else the limit of the largest context a worker reported (`limits.py`)."""
@@ -145,15 +158,16 @@ class Router:
         return body_limit_bytes(max(known) if known else FALLBACK_CONTEXT)
 
     # ---- one choice -----------------------------------------------------------------------
-    async def open(self, path: str, body: SharedBody, choice: dict[str, Any]) -> Opened:
-        """Find a pair that starts answering choice `choice` (its n and seed) of `body`."""
+    async def open(self, path: str, body: SharedBody, choice: dict[str, Any], prompt: Prompt | None = None) -> Opened:
+        """Find a pair that starts answering choice `choice` (its n and seed) of `body` (whose `prompt` the
+        cache-aware policy scores, when the router read it)."""
         tried: set[Worker] = set()
         last: Attempt | None = None
         for _ in range(self.retries + 1):
-            pair = self.pick_pair(tried)
+            pair = self.pick_pair(tried, prompt)
             if pair is None or self.cut_reason:
                 break
-            opened = await self._try_pair(path, body, choice, *pair)
+            opened = await self._try_pair(path, body, choice, *pair, uncached=self.pool.uncached(pair[0], prompt))
             if isinstance(opened, Opened):
                 return self._track(opened)
             last = opened
@@ -210,14 +224,16 @@ class Router:
             o.prefill.cancel()
         return len(self.opened)
 
-    async def _try_pair(self, path: str, body: SharedBody, choice: dict, p: Worker, d: Worker) -> Opened | Attempt:
+    async def _try_pair(
+        self, path: str, body: SharedBody, choice: dict, p: Worker, d: Worker, uncached: int = 0
+    ) -> Opened | Attempt:
         room_id = secrets.randbits(63)
         # DP attention: the attention groups each side runs the request on (None: a side runs one group).
         pg, dg = p.pick_group(self.pool.group_policy, room_id), d.pick_group(self.pool.group_policy, room_id)
         room = self.auth.target(p.host, p.bootstrap_port, room_id, pg)
         # Prefill answers with one token, never streamed (stream_options is only valid on a stream).
         prefill_body = body.payload(**choice, **room, **in_group(pg), stream=False, stream_options=None)
-        prefill = asyncio.create_task(self._prefill(p, path, prefill_body, pg))
+        prefill = asyncio.create_task(self._prefill(p, path, prefill_body, pg, uncached))
         decode = asyncio.create_task(self._decode(d, path, body.payload(**choice, **room, **in_group(dg)), dg))
         try:
             await asyncio.wait((prefill, decode), return_when=asyncio.FIRST_COMPLETED)
@@ -264,8 +280,11 @@ class Router:
         self._note(d, attempt)
         return attempt
 
-    async def _prefill(self, p: Worker, path: str, payload: JoinedPayload, group: int | None = None) -> Attempt:
+    async def _prefill(
+        self, p: Worker, path: str, payload: JoinedPayload, group: int | None = None, uncached: int = 0
+    ) -> Attempt:
         p.take(group)
+        p.pending_tokens += uncached
         try:
             async with self.session.post(f"{p.url}{path}", data=payload, timeout=self.timeout) as r:
                 attempt = Attempt(r.status, _json_or_error(r.status, await r.read()))
@@ -275,6 +294,7 @@ class Router:
             attempt = Attempt(502, APIError(502, lost("prefill", e).message, type="server_error").body())
         finally:
             p.give_back(group)
+            p.pending_tokens -= uncached
         attempt.worker = p
         self._note(p, attempt)
         return attempt

@@ -108,6 +108,11 @@ class KVIndex:
     def usable(self, url: str, now: float) -> bool:
         return self.status(url, now)[0] == "ok"
 
+    def cached_pages(self, url: str, names: Sequence[int], now: float) -> int:
+        """Leading pages of a prompt the worker holds; 0 while its index is not usable (scored by load alone)."""
+        i = self.instances.get(url)
+        return i.cached_pages(names) if i is not None and self.usable(url, now) else 0
+
     def describe(self, url: str, now: float) -> dict:
         i = self.instances.get(url) or InstanceIndex()
         state, why = self.status(url, now)

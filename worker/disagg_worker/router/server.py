@@ -21,9 +21,10 @@ from disagg_worker.router.auth import RouterAuth, add_auth_args
 from disagg_worker.router.fanout import merge_bodies, stream_merged
 from disagg_worker.router.handoff import HandoffMonitor
 from disagg_worker.router.payload import SharedBody
+from disagg_worker.router.prompt import PromptTokens
 from disagg_worker.router.stream import DONE, UpstreamLost, error_event, relay
 from disagg_worker.router.verify import PairVerifier
-from disagg_worker.router.workers import DnsSource, GroupPolicy, Policy, Worker, WorkerPool
+from disagg_worker.router.workers import DnsSource, GroupPolicy, Policy, Prompt, Worker, WorkerPool
 from disagg_worker.server.admission import DRAINING, Admission, admission_middleware
 from disagg_worker.server.api import error_middleware
 from disagg_worker.server.auth import require_keys
@@ -53,30 +54,34 @@ def build_router_app(router: Router, admission: Admission) -> web.Application:
     return app
 
 
-def parse_request(raw: bytes) -> tuple[SharedBody, Any]:
-    """The body serialised once for every upstream request, and its `n`."""
+def parse_request(raw: bytes, router: Router, path: str) -> tuple[SharedBody, Any, Prompt | None]:
+    """The body serialised once for every upstream request, its `n`, and its prompt for the cache-aware policy."""
     body = parse_json(raw)
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
-    return SharedBody.of(body), body.get("n", 1)
+    return SharedBody.of(body), body.get("n", 1), router.prompt_of(path, body)
 
 
 def make_handler(path: str):
     async def handler(request: web.Request) -> web.StreamResponse:
         router = request.app[ROUTER]
         raw = await read_body(request, request.app[ADMISSION].body_limit())
-        # A large body is parsed and serialised on a thread: the loop keeps serving the other streams.
-        shared, n = parse_request(raw) if len(raw) <= INLINE_BODY_BYTES else await asyncio.to_thread(parse_request, raw)
+        # A large body is parsed, serialised (and tokenised) on a thread: the loop keeps serving the other streams.
+        inline = len(raw) <= INLINE_BODY_BYTES and router.prompts is None
+        args = (raw, router, path)
+        shared, n, prompt = parse_request(*args) if inline else await asyncio.to_thread(parse_request, *args)
         del raw  # from here on, the one serialised copy is the request
         if path != "/generate" and type(n) is int and 1 < n <= MAX_N:
-            return await fan_out(request, router, path, shared, n)
-        return await proxy_one(request, router, path, shared)
+            return await fan_out(request, router, path, shared, n, prompt)
+        return await proxy_one(request, router, path, shared, prompt)
 
     return handler
 
 
-async def proxy_one(request: web.Request, router: Router, path: str, body: SharedBody) -> web.StreamResponse:
-    o = await router.open(path, body, {})
+async def proxy_one(
+    request: web.Request, router: Router, path: str, body: SharedBody, prompt: Prompt | None = None
+) -> web.StreamResponse:
+    o = await router.open(path, body, {}, prompt)
     try:
         if not o.resp.headers.get("Content-Type", "").startswith("text/event-stream"):
             return web.Response(body=o.first, status=o.resp.status, content_type="application/json")
@@ -107,10 +112,12 @@ def choice_fields(body: SharedBody, i: int) -> dict[str, Any]:
     return {"n": 1, "seed": seed + i} if type(seed) is int else {"n": 1}
 
 
-async def fan_out(request: web.Request, router: Router, path: str, body: SharedBody, n: int) -> web.StreamResponse:
+async def fan_out(
+    request: web.Request, router: Router, path: str, body: SharedBody, n: int, prompt: Prompt | None = None
+) -> web.StreamResponse:
     """n choices = n single-choice requests, each on its own pair and bootstrap room."""
     opened = await asyncio.gather(
-        *(router.open(path, body, choice_fields(body, i)) for i in range(n)), return_exceptions=True
+        *(router.open(path, body, choice_fields(body, i), prompt) for i in range(n)), return_exceptions=True
     )
     try:
         ok = [o for o in opened if isinstance(o, Opened)]
@@ -145,6 +152,8 @@ async def health(request: web.Request) -> web.Response:
     pool, verifier = router.pool, router.verifier
     now = time.monotonic()
     body: dict = {"workers": [{**w.describe(), "kv_index": pool.kv_index.describe(w.url, now)} for w in pool.workers()]}
+    if pool.policy is Policy.CACHE_AWARE:
+        body["routing"] = dict(pool.decisions)
     if verifier is not None:
         body.update(pairs=verifier.describe(), handoff=verifier.monitor.describe())
     if request.app[ADMISSION].draining:
@@ -206,7 +215,20 @@ def add_router_args(p) -> None:
     p.add_argument("--prefill-dns", default="", help="HOST:PORT of a headless Service of prefill pods")
     p.add_argument("--decode-dns", default="", help="HOST:PORT of a headless Service of decode pods")
     p.add_argument("--bootstrap-port", type=int, default=8998)
-    p.add_argument("--policy", default=Policy.ROUND_ROBIN.value, choices=[p.value for p in Policy])
+    p.add_argument(
+        "--policy",
+        default=Policy.ROUND_ROBIN.value,
+        choices=[p.value for p in Policy],
+        help="cache_aware: prefill by the prompt tokens a worker has not cached plus this router's prefill tokens "
+        "running there (the workers' GET /kv_events), decode by least load; needs --tokenizer",
+    )
+    p.add_argument("--tokenizer", default="", help="the model (directory or GGUF) whose tokenizer cache_aware uses")
+    p.add_argument(
+        "--cache-aware-balance-tokens",
+        type=int,
+        default=4096,
+        help="cache_aware: while a prefill worker is idle, one with this many prompt tokens pending takes no more",
+    )
     p.add_argument(
         "--dp-group-policy",
         default=GroupPolicy.LOAD.value,
@@ -274,6 +296,7 @@ async def serve(ns, auth: RouterAuth, ready: asyncio.Event | None = None) -> Non
     pool = build_pool(ns)
     pool.worker_headers = auth.worker_headers()
     pool.kv_index.stale_after_s = 3 * ns.health_interval
+    pool.balance_tokens = ns.cache_aware_balance_tokens
     router = Router(
         pool,
         ns.served_model_name,
@@ -282,6 +305,7 @@ async def serve(ns, auth: RouterAuth, ready: asyncio.Event | None = None) -> Non
         verifier=build_verifier(ns, pool, auth),
         auth=auth,
         max_body_bytes=ns.max_body_bytes,
+        prompts=PromptTokens.load(ns.tokenizer) if ns.tokenizer else None,
     )
     await router.start(ns.health_interval)
     admission = Admission(ns.max_inflight, router.body_limit)
@@ -306,4 +330,6 @@ async def serve(ns, auth: RouterAuth, ready: asyncio.Event | None = None) -> Non
 def run(ns) -> None:
     logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s router %(levelname)s %(message)s")
     auth = RouterAuth.from_cli(ns)  # before anything starts: a key asked for but missing stops here
+    if ns.policy == Policy.CACHE_AWARE.value and not ns.tokenizer:
+        raise SystemExit("disagg router: --policy cache_aware needs --tokenizer (the served model's directory or GGUF)")
     asyncio.run(serve(ns, auth))

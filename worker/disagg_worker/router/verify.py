@@ -28,7 +28,7 @@ import aiohttp
 
 from disagg_worker.router.auth import RouterAuth
 from disagg_worker.router.handoff import HandoffMonitor
-from disagg_worker.router.workers import GroupPolicy, Worker, WorkerPool, in_group
+from disagg_worker.router.workers import GroupPolicy, Prompt, Worker, WorkerPool, in_group
 from disagg_worker.server.metrics import PROBE_HEADER
 
 log = logging.getLogger(__name__)
@@ -116,7 +116,9 @@ class PairVerifier:
         named = [f"{p.name} -> {d.name}: {_why(p, d, s)}" for p, d, s in failing[:3]]
         return "; ".join(named) + (f"; and {len(failing) - 3} more" if len(failing) > 3 else "")
 
-    def pick_pair(self, exclude: frozenset[Worker] | set[Worker] = frozenset()) -> Pair | None:
+    def pick_pair(
+        self, exclude: frozenset[Worker] | set[Worker] = frozenset(), prompt: Prompt | None = None
+    ) -> Pair | None:
         """A verified pair, each side chosen by the pool's policy among the verified partners of the other."""
         usable = [(p, d) for p, d in self.states if self.usable(p, d) and p not in exclude and d not in exclude]
         decodes = {d for _, d in usable}
@@ -124,7 +126,7 @@ class PairVerifier:
         if d is None:
             return None
         partners = {p for p, dd in usable if dd is d}
-        p = self.pool.pick("prefill", set(exclude) | (set(self.pool.workers("prefill")) - partners))
+        p = self.pool.pick("prefill", set(exclude) | (set(self.pool.workers("prefill")) - partners), prompt)
         return (p, d) if p is not None else None
 
     def passed(self, p: Worker, d: Worker) -> None:

@@ -24,8 +24,24 @@ log = logging.getLogger(__name__)
 
 
 class Policy(str, Enum):
+    """How a prefill and a decode are picked. CACHE_AWARE (`router/kv_index.py`, needs `--tokenizer`): decode by
+    least load; prefill by the lowest cost, the prompt's tokens the worker has not cached plus the uncached
+    tokens of this router's prefills still running there, so a miss goes to the least loaded worker, not to the
+    one that caches most. Guard: while some prefill worker is idle, one with `balance_tokens` or more pending
+    takes no more (a stream of long prompts sharing a prefix does not pin one worker)."""
+
     ROUND_ROBIN = "round_robin"
     LEAST_LOAD = "least_load"
+    CACHE_AWARE = "cache_aware"
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """What the router knows of a request's prompt: its length and the names of its whole pages."""
+
+    tokens: int
+    names: list[int]
+    page_size: int
 
 
 class GroupPolicy(str, Enum):
@@ -56,6 +72,8 @@ class Worker:
     health_timeouts: int = 0
     # DP attention: this router's requests open on each attention group.
     group_inflight: dict[int, int] = field(default_factory=dict)
+    # Prompt tokens this router's running prefills compute here (what their cache did not hold).
+    pending_tokens: int = 0
 
     @property
     def dp_loads(self) -> list[int]:
@@ -161,6 +179,9 @@ class WorkerPool:
     kv_index: KVIndex = field(default_factory=KVIndex)
     # Headers of the router's own requests to workers (the worker token where workers require keys).
     worker_headers: dict[str, str] = field(default_factory=dict)
+    # CACHE_AWARE's guard (see Policy) and its choices so far, by kind (/health).
+    balance_tokens: int = 4096
+    decisions: collections.Counter[str] = field(default_factory=collections.Counter)
     # One round-robin counter per role: with a shared one, equal numbers of prefill and decode workers made
     # every pick land on the same pair.
     _rr: dict[str, itertools.count] = field(default_factory=lambda: collections.defaultdict(itertools.count))
@@ -169,17 +190,41 @@ class WorkerPool:
         found = [w for by_url in self.discovered.values() for w in by_url.values()]
         return [w for w in self.static + found if role is None or w.role == role]
 
-    def pick(self, role: str, exclude: frozenset[Worker] | set[Worker] = frozenset()) -> Worker | None:
+    def pick(
+        self, role: str, exclude: frozenset[Worker] | set[Worker] = frozenset(), prompt: Prompt | None = None
+    ) -> Worker | None:
         candidates = [w for w in self.workers(role) if w.healthy and w not in exclude]
         if not candidates:
             return None
-        if self.policy is Policy.LEAST_LOAD:
+        if self.policy is Policy.CACHE_AWARE and role == "prefill":
+            return self._cache_aware(candidates, prompt)
+        if self.policy in (Policy.LEAST_LOAD, Policy.CACHE_AWARE):
             return min(candidates, key=lambda w: (w.inflight, w.failures))
         return candidates[next(self._rr[role]) % len(candidates)]
 
-    def pick_pair(self, exclude: frozenset[Worker] | set[Worker] = frozenset()) -> tuple[Worker, Worker] | None:
-        p, d = self.pick("prefill", exclude), self.pick("decode", exclude)
+    def pick_pair(
+        self, exclude: frozenset[Worker] | set[Worker] = frozenset(), prompt: Prompt | None = None
+    ) -> tuple[Worker, Worker] | None:
+        p, d = self.pick("prefill", exclude, prompt), self.pick("decode", exclude)
         return (p, d) if p is not None and d is not None else None
+
+    def uncached(self, w: Worker, prompt: Prompt | None) -> int:
+        """Prompt tokens `w` would compute (at least one: the last token always runs)."""
+        if prompt is None:
+            return 0
+        hit = self.kv_index.cached_pages(w.url, prompt.names, time.monotonic()) * prompt.page_size
+        return max(prompt.tokens - hit, 1)
+
+    def _cache_aware(self, candidates: list[Worker], prompt: Prompt | None) -> Worker:
+        cost = {w: self.uncached(w, prompt) + w.pending_tokens for w in candidates}
+        best = min(candidates, key=lambda w: (cost[w], w.inflight, w.failures))
+        idle = [w for w in candidates if w.pending_tokens == 0 and w.inflight == 0]
+        if idle and best not in idle and best.pending_tokens >= self.balance_tokens:
+            self.decisions["balanced"] += 1
+            return min(idle, key=lambda w: (cost[w], w.failures))
+        hit = prompt is not None and self.uncached(best, prompt) < prompt.tokens
+        self.decisions["cache_hit" if hit else "load"] += 1
+        return best
 
     async def refresh_dns(self) -> None:
         for src in self.dns:

@@ -1,0 +1,96 @@
+"""The cache-aware policy: a prefix goes where it is cached, a miss where the load is least (not to the biggest
+cache), no worker is pinned while another idles, a worker whose index is silent is scored by load; the router
+reads a prompt as the workers tokenise it."""
+
+from __future__ import annotations
+
+import time
+
+from disagg_worker.mem.kv_events import EventLog, page_hashes
+from disagg_worker.model.tokenizer import Tokenizer
+from disagg_worker.router.prompt import PromptTokens
+from disagg_worker.router.workers import Policy, Prompt, Worker, WorkerPool
+
+pytest_plugins = ["tests.unit.conftest_model"]
+PAGE = 4
+SYSTEM = list(range(100, 164))  # 16 pages
+OTHER = list(range(500, 564))
+
+
+def prompt(ids: list[int]) -> Prompt:
+    return Prompt(len(ids), page_hashes(ids, PAGE), PAGE)
+
+
+def pool_holding(held: dict[str, list[list[int]]]) -> tuple[WorkerPool, dict[str, Worker]]:
+    """Prefill workers named by `held`, each indexed as holding the pages of its prompts, and one decode."""
+    workers = {name: Worker(f"http://{name}", "prefill", 1, healthy=True) for name in held}
+    pool = WorkerPool(static=[*workers.values(), Worker("http://d", "decode", healthy=True)], policy=Policy.CACHE_AWARE)
+    for name, prompts in held.items():
+        log = EventLog(PAGE, "m")
+        log.apply(0, [("stored", page_hashes(ids, PAGE)) for ids in prompts])
+        pool.kv_index.of(workers[name].url).apply(log.since("", -1), time.monotonic())
+    return pool, workers
+
+
+def test_a_prompt_goes_where_its_prefix_is_cached():
+    pool, w = pool_holding({"a": [OTHER], "b": [SYSTEM]})
+    assert pool.pick("prefill", prompt=prompt(SYSTEM + [7, 8, 9])) is w["b"]
+    assert pool.pick("prefill", prompt=prompt(OTHER + [1])) is w["a"]
+    assert pool.uncached(w["b"], prompt(SYSTEM + [7, 8, 9])) == 3
+    assert pool.decisions == {"cache_hit": 2}
+
+
+def test_a_miss_goes_to_the_least_loaded_worker_not_the_biggest_cache():
+    pool, w = pool_holding({"big": [SYSTEM, OTHER], "small": []})
+    w["big"].pending_tokens = 200
+    miss = prompt(list(range(900, 940)))
+    assert pool.pick("prefill", prompt=miss) is w["small"]
+    w["big"].pending_tokens, w["small"].pending_tokens = 0, 200
+    assert pool.pick("prefill", prompt=miss) is w["big"]
+    assert pool.decisions == {"load": 2}
+
+
+def test_a_stream_of_long_cached_prompts_does_not_pin_one_worker_while_another_idles():
+    long = SYSTEM * 4 + [1]  # 257 tokens, 64 pages cached on a
+    pool, w = pool_holding({"a": [long], "b": []})
+    pool.balance_tokens = 100
+    w["a"].pending_tokens, w["a"].inflight = 99, 2
+    assert pool.pick("prefill", prompt=prompt(long)) is w["a"]  # 1 + 99 against 257: the cache wins
+    w["a"].pending_tokens = 100
+    assert pool.pick("prefill", prompt=prompt(long)) is w["b"]  # cheaper on a still, but a is at the guard and b idles
+    w["b"].inflight = 1
+    assert pool.pick("prefill", prompt=prompt(long)) is w["a"]  # nobody idles: cost decides again
+    assert pool.decisions == {"cache_hit": 2, "balanced": 1}
+
+
+def test_a_worker_whose_index_is_silent_is_scored_by_load_alone():
+    pool, w = pool_holding({"a": [SYSTEM], "b": []})
+    pool.kv_index.stale_after_s = 0.0  # every answer is already too old
+    w["b"].pending_tokens = 10
+    assert pool.kv_index.status(w["a"].url, time.monotonic() + 1)[0] == "silent"
+    assert pool.pick("prefill", prompt=prompt(SYSTEM + [1])) is w["a"]  # 65 + 0 against 65 + 10
+    w["a"].pending_tokens = 20
+    assert pool.pick("prefill", prompt=prompt(SYSTEM + [1])) is w["b"]  # its cache no longer counts
+
+
+def test_decode_is_picked_by_load():
+    pool, _ = pool_holding({"a": []})
+    d2 = Worker("http://d2", "decode", healthy=True)
+    pool.static.append(d2)
+    pool.workers("decode")[0].inflight = 2
+    assert pool.pick("decode") is d2
+
+
+def test_the_router_reads_prompts_as_the_workers_tokenise_them(tiny_dirs):
+    tok = Tokenizer.from_path(tiny_dirs["llama"])
+    prompts = PromptTokens(tok)
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello there"}]
+    want = tok.encode(tok.apply_chat_template(messages), add_special_tokens=False)
+    assert prompts.ids("/v1/chat/completions", {"model": "x", "messages": messages}) == want
+    assert prompts.ids("/v1/completions", {"model": "x", "prompt": "hello there"}) == tok.encode("hello there")
+    assert prompts.ids("/v1/completions", {"model": "x", "prompt": [5, 6, 7]}) == [5, 6, 7]
+    assert prompts.ids("/generate", {"input_ids": [1, 2, 3]}) == [1, 2, 3]
+    assert prompts.ids("/generate", {"text": "hello there"}) == tok.encode("hello there")
+    # A body the workers would refuse is routed by load (None), and left for the worker to answer.
+    assert prompts.ids("/v1/chat/completions", {"model": "x", "messages": "not a list"}) is None
+    assert prompts.ids("/generate", {"input_ids": [1], "text": "both"}) is None

@@ -1,0 +1,54 @@
+"""A request's prompt as the workers will tokenise it, for the router's cache-aware choice (`--tokenizer`).
+
+The router parses the body with the workers' own parsers (`server/protocol.py`) and renders a chat with the
+model's template (offered tools included), then names the prompt's whole pages (`mem/kv_events.page_hashes`).
+A body the router cannot read this way gets no names: it is routed by load, and the worker answers it (a bad
+request is the worker's to refuse, with its own message). Routing never changes an answer, only where the
+prompt is computed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from disagg_worker.limits import RequestLimits
+from disagg_worker.model.tokenizer import Tokenizer
+from disagg_worker.server.errors import APIError
+from disagg_worker.server.protocol import parse_chat, parse_completion, parse_generate
+from disagg_worker.server.tool_calls import ChatTools
+
+# The router checks no limits (the workers do): any context length passes here.
+_NO_LIMITS = RequestLimits(max_context_len=1 << 40)
+
+
+class PromptTokens:
+    def __init__(self, tokenizer: Tokenizer):
+        self.tokenizer = tokenizer
+
+    @classmethod
+    def load(cls, path: str) -> PromptTokens:
+        return cls(Tokenizer.from_path(path))
+
+    def ids(self, path: str, body: Any) -> list[int] | None:
+        """The prompt's token ids; None for a body the router does not read (routed by load)."""
+        try:
+            return self._ids(path, body)
+        except (APIError, ValueError, TypeError, KeyError):
+            return None
+
+    def _ids(self, path: str, body: Any) -> list[int] | None:
+        tok = self.tokenizer
+        model = str(body.get("model") or "") if isinstance(body, dict) else ""
+        if path == "/generate":
+            gen = parse_generate(body, _NO_LIMITS)
+            return gen.input_ids if gen.input_ids is not None else tok.encode(gen.text or "")
+        if path == "/v1/completions":
+            prompt = parse_completion(body, model, _NO_LIMITS).prompt
+            return prompt if isinstance(prompt, list) else tok.encode(prompt)
+        if path == "/v1/chat/completions":
+            chat = parse_chat(body, model, _NO_LIMITS)
+            tools = ChatTools.of(chat.tools, tok.chat_template_source)
+            offered = tools.use.template_tools() if tools else None
+            text = tok.apply_chat_template(chat.messages, chat.add_generation_prompt, offered)
+            return tok.encode(text, add_special_tokens=False)
+        return None
