@@ -18,6 +18,23 @@ def run_python(code: str) -> str:
     return done.stdout
 
 
+def test_spawning_the_ranks_of_a_multi_rank_instance_imports_no_torch_in_the_http_process():
+    out = run_python(
+        """
+        import multiprocessing as mp, sys, types
+        started = []
+        proc = types.SimpleNamespace(start=lambda: None)
+        ctx = types.SimpleNamespace(Process=lambda **kw: started.append(kw) or proc)
+        mp.get_context = lambda kind: ctx
+        from disagg_worker.config import DisaggConfig, EngineConfig
+        from disagg_worker.ranks.process import spawn_schedulers
+        spawn_schedulers(EngineConfig("m", disagg=DisaggConfig(tp_size=2)), "ipc:///tmp/a", "ipc:///tmp/b", "info")
+        print(len(started), "torch" in sys.modules)
+        """
+    )
+    assert out.split() == ["2", "False"]
+
+
 def test_the_http_front_end_the_bootstrap_server_and_the_router_import_no_torch():
     out = run_python(
         """
@@ -39,16 +56,18 @@ def test_a_cpu_kv_pool_holds_the_pages_written_not_its_capacity():
             with open("/proc/self/status") as f:
                 return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
 
+        bool(torch.zeros(1 << 20, dtype=torch.bfloat16).any())  # the kernels' code is loaded before measuring
         before = rss()
         pool = KVPool(32, 2048, 16, 8, 64, torch.bfloat16)  # 32 layers x K, V x 32 MiB: 2 GiB
-        allocated = rss()
+        assert not any(bool(b.any()) for b in pool.buffers())  # every page reads as zero...
+        allocated = rss()  # ...without becoming resident
         pool.k_buffer(0)[:1024] = 1.0  # half of one layer's K: 16 MiB written
         written = rss()
         k, v = pool.k_buffer(0), pool.v_buffer(0)
-        assert bool((k[:1024] == 1).all()) and not bool(k[1024:].any()) and not bool(v.any())  # the rest reads as zeros
+        assert bool((k[:1024] == 1).all()) and not bool(k[1024:].any()) and not bool(v.any())
         print(before, allocated, written)
         """
     )
     before, allocated, written = (int(x) for x in out.split())
-    assert allocated - before < 8 * MB, (before, allocated)
+    assert allocated - before < 128 * MB, (before, allocated)  # of 2 GiB (reductions' buffers: ~80 MB measured)
     assert 16 * MB <= written - allocated < 24 * MB, (allocated, written)

@@ -85,7 +85,7 @@ def test_projections_of_widths_the_kernel_does_not_take_keep_their_dtype():
 
 def test_int4_weights_serve_the_logits_of_their_dequantised_values(tiny_dirs, tmp_path):
     """A checkpoint already on Q4_1's grid (as `make serve`'s converted demo model is) gives the bfloat16
-    model's logits in 4 bits: quantising finds the codes again, the kernel computes them."""
+    model's logits in 4 bits, prefill and decode: quantising finds the codes again, the kernel computes them."""
     src = tiny_dirs["llama"]
     weights = load_file(str(src / "model.safetensors"))
     on_grid = {
@@ -104,9 +104,14 @@ def test_int4_weights_serve_the_logits_of_their_dequantised_values(tiny_dirs, tm
     # The tiny MLP's 344 columns are neither whole groups of 32 (down's inputs) nor tiles of 16 (gate's, up's outputs).
     assert not any(isinstance(getattr(layer.mlp, p), Int4Linear) for p in PROJECTIONS[4:])
     assert not isinstance(int4.lm_head, Int4Linear)
-    got, want = last_logits(int4, cfg), last_logits(plain, cfg)
-    torch.testing.assert_close(got, want, atol=0.05, rtol=0)
-    assert got.argmax() == want.argmax()
+    for got, want in zip(prefill_then_decode(int4, cfg), prefill_then_decode(plain, cfg), strict=True):
+        torch.testing.assert_close(got, want, atol=0.05, rtol=0)
+        assert got.argmax() == want.argmax()
+
+
+def test_an_unknown_quantization_is_refused_by_name():
+    with pytest.raises(ConfigError, match="--quantization int8: one of int4"):
+        EngineConfig(model_path="m", dtype="bfloat16", quantization="int8")
 
 
 @pytest.mark.parametrize(("dtype", "device"), [("float32", "cpu"), ("float16", "cpu"), ("bfloat16", "cuda")])
@@ -142,10 +147,14 @@ def is_projection(name: str) -> bool:
     return name.endswith(tuple(f"{p}.weight" for p in PROJECTIONS))
 
 
-def last_logits(model, cfg) -> torch.Tensor:
+def prefill_then_decode(model, cfg) -> list[torch.Tensor]:
+    """Last-token logits of the prompt's prefill, then of two decode steps (each fed the previous argmax)."""
     kv = model_pool(cfg, num_pages=8, page_size=4, dtype=torch.bfloat16)
-    seq = PageAllocator(8).new_seq(len(PROMPT), 4)
-    return model(make_batch([seq], [PROMPT], 4), kv)[0]
+    seq = PageAllocator(8).new_seq(len(PROMPT) + 2, 4)
+    out = [model(make_batch([seq], [PROMPT], 4), kv)[0]]
+    for _ in range(2):
+        out.append(model(make_batch([seq], [[int(out[-1].argmax())]], 4), kv)[0])
+    return out
 
 
 def teacher_forced_logits(path, ids: list[int], dtype: torch.dtype, quantization: str) -> torch.Tensor:

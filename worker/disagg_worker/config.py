@@ -285,6 +285,8 @@ class EngineConfig:
     disagg: DisaggConfig = field(default_factory=DisaggConfig)
 
     def __post_init__(self) -> None:
+        if self.quantization and self.quantization not in QUANTIZATIONS:
+            raise ConfigError(f"--quantization {self.quantization}: one of {', '.join(QUANTIZATIONS)}")
         if self.quantization and (self.dtype != "bfloat16" or self.device != "cpu"):
             raise ConfigError(
                 f"--quantization {self.quantization} runs on a CPU in bfloat16 (torch's CPU int4 kernel takes "

@@ -39,7 +39,10 @@ def _zeroed(count: int, shape: tuple[int, ...], dtype: torch.dtype, device: torc
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     if nbytes == 0:
         return [torch.zeros(shape, dtype=dtype) for _ in range(count)]
-    region = torch.frombuffer(mmap.mmap(-1, nbytes * count), dtype=torch.uint8)
+    # Private: unwritten pages read as the kernel's zero page (a shared map would make them resident on read).
+    region = torch.frombuffer(
+        mmap.mmap(-1, nbytes * count, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS), dtype=torch.uint8
+    )
     return [region[i * nbytes : (i + 1) * nbytes].view(dtype).view(shape) for i in range(count)]
 
 

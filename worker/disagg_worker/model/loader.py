@@ -28,7 +28,7 @@ from disagg_worker.model.decoder import CausalLM, Collectives
 from disagg_worker.model.gguf_meta import open_gguf
 from disagg_worker.model.moe import keeps_fp32
 from disagg_worker.model.parallel import Shard, check_parallel, shard_slice
-from disagg_worker.model.quant import quantize_linears
+from disagg_worker.model.quant import check_int4_kernel, quantize_linears
 from disagg_worker.model.registry import build_model
 from disagg_worker.model.source import find_gguf
 
@@ -73,10 +73,12 @@ def load_model(
     else:
         state = _read_hf_dir(Path(path), cfg, mine, shard, dtype, torch.device(device))
     model.load_state_dict(state, strict=False, assign=True)  # names were checked; a tied head is re-tied
+    del state  # the parameters are its tensors: quantising below frees each 16-bit weight as it goes
     model.tie_weights()
     model = model.to(device).eval().requires_grad_(False)
     model.finish_load()
     if quantization == "int4":
+        check_int4_kernel()
         swapped, kept = quantize_linears(model)
         log.info(
             "int4: %d projections in 4 bits, %d kept in %s (widths the kernel does not take)", swapped, kept, dtype

@@ -2,7 +2,8 @@
 
 A batch-1 decode step reads every weight once: SmolLM2-135M's projections are 212 MB in bfloat16, and
 a 2-core EPYC streams them at ~15-35 GB/s, so the step's matmuls cost ~12 ms whatever the kernel does.
-Four bits per weight read a quarter of that. The scheme is llama.cpp's Q4_1: each group of 32
+Four bits per weight and a 16-bit scale and zero per 32 weights are 0.625 bytes a weight against 2: the
+projections' 212 MB become 66 MB (the bfloat16 LM head, 57 MB, stays). The scheme is llama.cpp's Q4_1: each group of 32
 consecutive input weights of an output row keeps a scale and a minimum, weight = minimum + scale * q
 with q in 0..15 (the minimum and the maximum of the group are exact). torch's CPU int4 kernel
 (`aten._weight_int4pack_mm_for_cpu`, the one torchao's weight-only int4 runs on) computes exactly
@@ -90,16 +91,27 @@ def _quantizable(parent: nn.Module) -> bool:
 def quantize_linears(model: nn.Module) -> tuple[int, int]:
     """Replace the quantisable `nn.Linear`s of `model` (see the module's docstring) with `Int4Linear`s;
     returns (how many were replaced, how many of their kind were kept for shapes the kernel does not take)."""
+    # (parent, name) only: a 16-bit weight is freed as soon as its replacement exists.
     candidates = [
-        (parent, name, child)
+        (parent, name)
         for parent in model.modules()
         if _quantizable(parent)
         for name, child in parent.named_children()
         if type(child) is nn.Linear
     ]
     swapped = 0
-    for parent, name, child in candidates:
+    for parent, name in candidates:
+        child = getattr(parent, name)
         if can_quantize(child):
             setattr(parent, name, Int4Linear(child))
             swapped += 1
+        del child
     return swapped, len(candidates) - swapped
+
+
+def check_int4_kernel() -> None:
+    """Raise ValueError naming the need where this torch has no CPU int4 kernel (it came with torch 2.6)."""
+    if not hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"):
+        raise ValueError(
+            f"--quantization int4 needs torch 2.6 or later (its CPU int4 kernel); this is {torch.__version__}"
+        )

@@ -26,23 +26,7 @@ import torch.distributed as dist
 
 from disagg_worker.model.decoder import Collectives, GroupRows
 from disagg_worker.model.parallel import Shard
-
-
-@dataclass(frozen=True)
-class RankAddress:
-    """Where the ranks of an instance meet (a TCP store on the driver's host)."""
-
-    host: str
-    port: int
-
-    @classmethod
-    def parse(cls, addr: str) -> RankAddress:
-        host, _, port = addr.rpartition(":")
-        return cls(host.strip("[]"), int(port))
-
-    @property
-    def init_method(self) -> str:
-        return f"tcp://{self.host}:{self.port}"
+from disagg_worker.ranks.address import RankAddress
 
 
 def _group(ranks: list[int], timeout: timedelta, backend: str | None = None) -> dist.ProcessGroup | None:

@@ -19,12 +19,13 @@ from typing import TYPE_CHECKING
 
 from disagg_worker.config import EngineConfig
 from disagg_worker.model.parallel import Shard
+from disagg_worker.ranks.address import RankAddress
 
 _PR_SET_PDEATHSIG = 1  # prctl(2)
 
 if TYPE_CHECKING:
     from disagg_worker.engine.engine import Engine
-    from disagg_worker.ranks.dist import Comm, RankAddress
+    from disagg_worker.ranks.dist import Comm
 
 
 def spawn_schedulers(cfg: EngineConfig, recv_addr: str, send_addr: str, log_level: str) -> list[BaseProcess]:
@@ -35,8 +36,6 @@ def spawn_schedulers(cfg: EngineConfig, recv_addr: str, send_addr: str, log_leve
         one = (cfg, recv_addr, send_addr, log_level)
         procs.append(ctx.Process(target=run_scheduler, args=one, name="disagg-scheduler", daemon=True))
     else:
-        from disagg_worker.ranks.dist import RankAddress
-
         d = cfg.disagg
         address = RankAddress.parse(d.dist_init_addr) if d.nnodes > 1 else RankAddress("127.0.0.1", _free_port())
         tp, pp, ep, dp = d.tp_size, d.pp_size, d.ep_size, d.dp_size
