@@ -84,6 +84,12 @@ SPEC_RULES = (
     + [
         (
             "spec",
+            "self.router.policy != 'cache_aware' || !has(self.model.huggingFaceId)",
+            "router.policy cache_aware reads the model's tokenizer from its files: the model must be on a volume "
+            "(model.path) or built in (model.builtin), not downloaded (model.huggingFaceId)",
+        ),
+        (
+            "spec",
             "self.transfer.protocol != 'rdma' || self.transfer.backend == 'mooncake'",
             "transfer.protocol rdma needs transfer.backend mooncake",
         ),

@@ -109,7 +109,13 @@ def router_schema() -> dict:
         {
             "replicas": integer(1, doc="Number of router pods."),
             "policy": string(
-                "How the router picks workers.", 32, enum=["round_robin", "least_load"], default="round_robin"
+                "How the router picks workers. cache_aware: each prefill by the prompt tokens it has not cached "
+                "(the workers' KV events) plus the prefill tokens the router has running there, each decode by "
+                "load; the router reads the model's tokenizer from its files, so the model must be on a volume "
+                "or built in.",
+                32,
+                enum=["round_robin", "least_load", "cache_aware"],
+                default="round_robin",
             ),
             **props,
         },

@@ -35,6 +35,11 @@ def tiny(**spec) -> dict:
 
 VIOLATIONS = [
     ("prefill replicas", tiny(prefill__replicas=-1), "self.prefill.replicas >= 0"),
+    (
+        "cache-aware router with a downloaded model",
+        tiny(router__policy="cache_aware", model={"huggingFaceId": "Qwen/Qwen2.5-0.5B-Instruct"}),
+        "self.router.policy != 'cache_aware'",
+    ),
     ("decode replicas", tiny(decode__replicas=-2), "self.decode.replicas >= 0"),
     ("router replicas", tiny(router__replicas=-1), "self.router.replicas >= 0"),
     ("pipeline sizes", tiny(prefill__ppSize=2, decode__ppSize=3), "decode.ppSize == self.prefill.ppSize"),

@@ -598,3 +598,26 @@ def test_a_dp_attention_decode_gets_its_groups_and_prefill_does_not(tiny):
     assert "--enable-dp-attention" in decode and decode[decode.index("--dp-size") + 1] == "2"
     prefill = container(kids, "StatefulSet", "tiny-prefill")["args"]
     assert "--enable-dp-attention" not in prefill and "--dp-size" not in prefill
+
+
+def test_a_cache_aware_router_reads_the_models_tokenizer_from_the_workers_volume(tiny):
+    tiny["spec"]["router"] = {**tiny["spec"].get("router", {}), "policy": "cache_aware"}
+    children = children_by_kind_name(tiny)
+    router, prefill = (
+        container(children, "Deployment", "tiny-router"),
+        container(children, "StatefulSet", "tiny-prefill"),
+    )
+    args = router["args"]
+    assert args[args.index("--policy") + 1] == "cache_aware"
+    assert args[args.index("--tokenizer") + 1] == prefill["args"][prefill["args"].index("--model") + 1]
+    model_mount = next(m for m in prefill["volumeMounts"] if m["name"] == "model")
+    assert model_mount in router["volumeMounts"] and model_mount["readOnly"] is True
+    pod = children[("Deployment", "tiny-router")]["spec"]["template"]["spec"]
+    worker_pod = children[("StatefulSet", "tiny-prefill")]["spec"]["template"]["spec"]
+    assert next(v for v in pod["volumes"] if v["name"] == "model") == next(
+        v for v in worker_pod["volumes"] if v["name"] == "model"
+    )
+    # The other policies need no model: the router mounts none.
+    tiny["spec"]["router"]["policy"] = "least_load"
+    plain = container(children_by_kind_name(tiny), "Deployment", "tiny-router")
+    assert "--tokenizer" not in plain["args"] and all(m["name"] != "model" for m in plain["volumeMounts"])

@@ -19,6 +19,7 @@ from .common import (
 )
 from .placement import scheduling
 from .secret import api_keys_file, api_keys_volume, auth_token_file, auth_volume
+from .workers import model_volumes
 
 # What a router asks for when its CR says nothing: it is one asyncio process that forwards requests.
 ROUTER_REQUESTS = {"cpu": "250m", "memory": "256Mi"}
@@ -54,7 +55,13 @@ def router_args(spec: ModelSpec, cfg: OperatorConfig) -> list[str]:
         "--auth-token-file",
         auth_token_file(),
         *(["--api-key-file", api_keys_file()] if spec.api_key_secret else []),
+        *(["--tokenizer", spec.model.model_arg] if reads_model(spec) else []),
     ] + list(spec.router.placement.args)
+
+
+def reads_model(spec: ModelSpec) -> bool:
+    """The cache-aware policy tokenises prompts as the workers do: the router mounts the model (its tokenizer)."""
+    return spec.router.policy == "cache_aware"
 
 
 def router_endpoint(spec: ModelSpec) -> str:
@@ -78,6 +85,7 @@ def build_router_deployment(spec: ModelSpec, cfg: OperatorConfig) -> dict[str, A
     r = spec.router
     tmp_vol, tmp_mount = tmp_volume(ROUTER_TMP)
     secrets = [auth_volume(spec)] + ([api_keys_volume(spec.api_key_secret)] if spec.api_key_secret else [])
+    model_vols, model_mounts = model_volumes(spec) if reads_model(spec) else ([], [])
     resources = router_resources(r.placement.resources)
     container = {
         "name": names.ROUTER,
@@ -89,7 +97,7 @@ def build_router_deployment(spec: ModelSpec, cfg: OperatorConfig) -> dict[str, A
         "ports": [{"name": "http", "containerPort": names.HTTP_PORT, "protocol": "TCP"}],
         "resources": resources,
         "securityContext": container_security_context(ipc_lock=False),
-        "volumeMounts": [tmp_mount] + [mount for _, mount in secrets],
+        "volumeMounts": [tmp_mount] + [mount for _, mount in secrets] + model_mounts,
         # Ready from its first verified prefill->decode pair until it drains (/ready): a rollout's gap without a
         # pair is answered with 503 + Retry-After instead of emptying the Service. Alive while it answers (/livez).
         **probes(ready_path="/ready", live_path="/livez"),
@@ -106,7 +114,7 @@ def build_router_deployment(spec: ModelSpec, cfg: OperatorConfig) -> dict[str, A
                 "metadata": {"labels": role_labels(spec, names.ROUTER)},
                 "spec": {
                     "containers": [container],
-                    "volumes": [tmp_vol] + [volume for volume, _ in secrets],
+                    "volumes": [tmp_vol] + [volume for volume, _ in secrets] + model_vols,
                     "securityContext": pod_security_context(),
                     "automountServiceAccountToken": False,
                     "enableServiceLinks": False,
