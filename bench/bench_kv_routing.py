@@ -2,10 +2,10 @@
 cache_aware (`--policy`; the router's index of the prefills' caches from their KV events).
 
 Workload (the same requests under every policy; a fresh stack per policy and round, caches empty):
-- `--conversations` chats (12) of `--turns` turns (4), all opening with one shared system prompt of about 600
-  tokens (the start of `worker/disagg_worker/data/corpus.txt`); each user turn is a different ~40-token passage of
-  the corpus with a question; the assistant's greedy answer (24 tokens) joins the history, so each turn's prompt is
-  the last one plus ~70 tokens;
+- `--conversations` chats (10) of `--turns` turns (6), all opening with one shared system prompt of about 600
+  tokens (the start of `worker/disagg_worker/data/corpus.txt`); each user turn is a different ~70-token passage of
+  the corpus with a question; the assistant's greedy answer (48 tokens) joins the history, so each turn's prompt is
+  the last one plus ~120 tokens;
 - conversations start at Poisson arrivals (mean gap 0.4 s, seeded); a conversation sends its next turn as soon as
   the last answer is complete;
 - "skewed": the same, with conversation 0's system prompt 8x longer (its own text), to see whether one long
@@ -44,6 +44,7 @@ from common import DISAGG, RESULTS, free_port, get_json, machine_info  # noqa: E
 MODEL = ROOT / ".models" / "SmolLM2-135M-Instruct"
 CORPUS = (ROOT / "worker" / "disagg_worker" / "data" / "corpus.txt").read_text().split()
 POLICIES = ("round_robin", "least_load", "cache_aware")
+ANSWER = 48  # tokens per assistant turn
 ENGINE = ("--page-size", "16", "--max-total-tokens", "16384", "--served-model-name", "m", "--log-level", "warning")
 
 
@@ -86,7 +87,8 @@ def start_stack(policy: str) -> tuple[Daemon, list[Daemon], list[Daemon]]:
         prefills.append((Daemon(["prefill", "--model", str(MODEL), "--port", str(port), "--bootstrap-port",
                                  str(bootstrap), *ENGINE], port), bootstrap))  # fmt: skip
     dport = free_port()
-    decode = Daemon(["decode", "--model", str(MODEL), "--port", str(dport), *ENGINE], dport)
+    # A loaded 2-core machine can keep a prompt queued past the default 30 s the decode waits for its KV.
+    decode = Daemon(["decode", "--model", str(MODEL), "--port", str(dport), *ENGINE, "--waiting-timeout", "600"], dport)
     port = free_port()
     targets = [a for p, b in prefills for a in ("--prefill", p.url, str(b))]
     extra = ["--tokenizer", str(MODEL)] if policy == "cache_aware" else []
@@ -107,13 +109,13 @@ def conversations(n: int, turns: int, skewed: bool) -> list[dict]:
     out = []
     for c in range(n):
         own = "You are a careful reader. The story:\n" + words(3000, 8 * 420) if skewed and c == 0 else system
-        user = [f"{words(500 + 97 * (c * turns + t), 30)}\nWhat happens next, in one sentence?" for t in range(turns)]
+        user = [f"{words(500 + 97 * (c * turns + t), 50)}\nWhat happens next? Answer in detail." for t in range(turns)]
         out.append({"system": own, "user": user})
     return out
 
 
 async def chat(session: aiohttp.ClientSession, url: str, messages: list[dict]) -> tuple[float, str]:
-    body = {"model": "m", "messages": messages, "max_tokens": 24, "temperature": 0, "stream": True}
+    body = {"model": "m", "messages": messages, "max_tokens": ANSWER, "temperature": 0, "stream": True}
     t0, ttft, text = time.perf_counter(), None, []
     async with session.post(f"{url}/v1/chat/completions", json=body) as r:
         assert r.status == 200, await r.text()
@@ -206,8 +208,8 @@ def plot(res: dict, path: Path) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--conversations", type=int, default=12)
-    p.add_argument("--turns", type=int, default=4)
+    p.add_argument("--conversations", type=int, default=10)
+    p.add_argument("--turns", type=int, default=6)
     a = p.parse_args()
     if not (MODEL / "config.json").exists():
         raise SystemExit(f"{MODEL} is missing: make demo-model")
