@@ -112,7 +112,8 @@ def router_schema() -> dict:
                 "How the router picks workers. cache_aware: each prefill by the prompt tokens it has not cached "
                 "(the workers' KV events) plus the prefill tokens the router has running there, each decode by "
                 "load; the router reads the model's tokenizer from its files, so the model must be on a volume "
-                "or built in.",
+                "the router's pod can mount too (a hostPath present on its node, a PVC that allows a second "
+                "read-only mount) or built in.",
                 32,
                 enum=["round_robin", "least_load", "cache_aware"],
                 default="round_robin",

@@ -26,7 +26,8 @@ from dataclasses import dataclass, field
 # Name of the hash below, sent with every payload: instances that name pages differently cannot be mixed.
 HASH_SCHEME = "blake2b64-chain-v1"
 ROOT = 0  # the name "before" a prompt's first page
-RING = 4096  # events an EventLog keeps for routers that fell behind
+RING = 4096  # events an EventLog keeps for routers that fell behind...
+RING_NAMES = 1 << 18  # ...and at most this many page names in them (a long prompt's event holds thousands)
 
 Event = tuple[str, list[int]]
 
@@ -49,8 +50,8 @@ def page_hashes(tokens: Sequence[int], page_size: int, parent: int = ROOT) -> li
 
 @dataclass
 class EventLog:
-    """One instance's cache as its HTTP process publishes it (one attention group each under DP attention;
-    a name held by several groups counts once per group)."""
+    """One instance's cache as its HTTP process publishes it (one cache per attention group under DP attention:
+    a name several groups hold is listed once per group in a snapshot, and each group's events are its own)."""
 
     page_size: int
     model: str
@@ -58,6 +59,8 @@ class EventLog:
     seq: int = 0
     held: dict[int, collections.Counter[int]] = field(default_factory=dict)  # group -> name -> 1
     ring: collections.deque[tuple[int, int, Event]] = field(default_factory=lambda: collections.deque(maxlen=RING))
+
+    ring_names: int = 0
 
     def apply(self, group: int, events: Iterable[Event]) -> None:
         held = self.held.setdefault(group, collections.Counter())
@@ -72,10 +75,19 @@ class EventLog:
             elif kind == "cleared":
                 held.clear()
             self.seq += 1
+            if len(self.ring) == self.ring.maxlen:
+                self.ring_names -= len(self.ring[0][2][1])
             self.ring.append((self.seq, group, (kind, list(names))))
+            self.ring_names += len(names)
+            while self.ring_names > RING_NAMES and len(self.ring) > 1:
+                self.ring_names -= len(self.ring.popleft()[2][1])
 
     def names(self) -> set[int]:
         return {n for held in self.held.values() for n in held}
+
+    def holdings(self) -> list[int]:
+        """Every name once per attention group holding it (a snapshot: the router counts holders)."""
+        return [n for held in self.held.values() for n in held]
 
     def header(self) -> dict:
         return {"epoch": self.epoch, "seq": self.seq, "page_size": self.page_size, "model": self.model,
@@ -90,4 +102,4 @@ class EventLog:
             events = [{"seq": s, "group": g, "kind": k, "pages": [f"{n:016x}" for n in names]}
                       for s, g, (k, names) in self.ring if s > seq]  # fmt: skip
             return {**self.header(), "events": events}
-        return {**self.header(), "snapshot": sorted(f"{n:016x}" for n in self.names())}
+        return {**self.header(), "snapshot": [f"{n:016x}" for n in self.holdings()]}

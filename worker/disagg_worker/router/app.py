@@ -233,7 +233,11 @@ class Router:
         room = self.auth.target(p.host, p.bootstrap_port, room_id, pg)
         # Prefill answers with one token, never streamed (stream_options is only valid on a stream).
         prefill_body = body.payload(**choice, **room, **in_group(pg), stream=False, stream_options=None)
-        prefill = asyncio.create_task(self._prefill(p, path, prefill_body, pg, uncached))
+        # Counted before the task starts, so that picks made meanwhile (the other choices of an n > 1 request, a
+        # burst) see it; given back when the task ends, even one cancelled before it ran.
+        p.pending_tokens += uncached
+        prefill = asyncio.create_task(self._prefill(p, path, prefill_body, pg))
+        prefill.add_done_callback(lambda _: p.release_tokens(uncached))
         decode = asyncio.create_task(self._decode(d, path, body.payload(**choice, **room, **in_group(dg)), dg))
         try:
             await asyncio.wait((prefill, decode), return_when=asyncio.FIRST_COMPLETED)
@@ -280,11 +284,8 @@ class Router:
         self._note(d, attempt)
         return attempt
 
-    async def _prefill(
-        self, p: Worker, path: str, payload: JoinedPayload, group: int | None = None, uncached: int = 0
-    ) -> Attempt:
+    async def _prefill(self, p: Worker, path: str, payload: JoinedPayload, group: int | None = None) -> Attempt:
         p.take(group)
-        p.pending_tokens += uncached
         try:
             async with self.session.post(f"{p.url}{path}", data=payload, timeout=self.timeout) as r:
                 attempt = Attempt(r.status, _json_or_error(r.status, await r.read()))
@@ -294,7 +295,6 @@ class Router:
             attempt = Attempt(502, APIError(502, lost("prefill", e).message, type="server_error").body())
         finally:
             p.give_back(group)
-            p.pending_tokens -= uncached
         attempt.worker = p
         self._note(p, attempt)
         return attempt

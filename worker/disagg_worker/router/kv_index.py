@@ -6,6 +6,9 @@ is events, applied in order, or a snapshot that replaces the set (after a gap, a
 first time). An event out of sequence drops the position, so the next round gets a snapshot: the index
 converges after any loss.
 
+Under DP attention each group of a worker has its own cache: a page counts while any group holds it, and the
+request's group is still picked by load, so a hit may land on a group without that prefix (an approximation).
+
 A worker is scored only while its index is good (`usable`): it answered within `stale_after_s` (one that stops
 publishing is "silent", and the router falls back to load for it), and it names pages the router's way (same
 hash scheme, and the same page size and model as the workers already indexed: "mismatch" otherwise). Both
@@ -14,6 +17,7 @@ show in the router's /health.
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -24,7 +28,8 @@ from disagg_worker.mem.kv_events import HASH_SCHEME
 class InstanceIndex:
     epoch: str = ""
     seq: int = -1
-    names: set[int] = field(default_factory=set)
+    # Name -> how many of the worker's attention groups hold it (1 without DP attention).
+    names: collections.Counter[int] = field(default_factory=collections.Counter)
     page_size: int = 0
     model: str = ""
     hash_scheme: str = ""
@@ -41,24 +46,29 @@ class InstanceIndex:
         self.epoch, self.page_size = str(payload.get("epoch", "")), int(payload.get("page_size", 0))
         self.model, self.hash_scheme = str(payload.get("model", "")), str(payload.get("hash_scheme", ""))
         if "snapshot" in payload:
-            self.names = {int(n, 16) for n in payload["snapshot"]}
+            self.names = collections.Counter(int(n, 16) for n in payload["snapshot"])
             self.seq = int(payload["seq"])
             self.snapshots += 1
         else:
             for e in payload.get("events", []):
-                if int(e["seq"]) != self.seq + 1:  # a gap: ask for a snapshot next time
+                # A gap, or a group's cache cleared (which of the names were that group's is not known here): ask
+                # for a snapshot next time, without counting this answer as fresh.
+                if int(e["seq"]) != self.seq + 1 or e["kind"] == "cleared":
                     self.seq = -1
-                    break
-                pages = [int(n, 16) for n in e["pages"]]
-                if e["kind"] == "stored":
-                    self.names.update(pages)
-                elif e["kind"] == "removed":
-                    self.names.difference_update(pages)
-                elif e["kind"] == "cleared":
-                    self.names.clear()
+                    return
+                self._apply(e["kind"], [int(n, 16) for n in e["pages"]])
                 self.seq += 1
                 self.events += 1
         self.updated = now
+
+    def _apply(self, kind: str, pages: list[int]) -> None:
+        if kind == "stored":
+            self.names.update(pages)
+        elif kind == "removed":
+            self.names.subtract(pages)
+            for n in pages:
+                if self.names[n] <= 0:
+                    del self.names[n]
 
     def cached_pages(self, names: Sequence[int]) -> int:
         """How many leading pages of a prompt (its page names, in order) the worker holds."""
@@ -85,8 +95,7 @@ class KVIndex:
 
     def reference(self) -> tuple[int, str] | None:
         """(page size, model) of the first worker indexed with the router's hash scheme: the others must agree."""
-        for url in sorted(self.instances):
-            i = self.instances[url]
+        for _, i in sorted(list(self.instances.items())):  # a copy: a request's thread reads while the loop prunes
             if i.hash_scheme == HASH_SCHEME and i.page_size:
                 return i.page_size, i.model
         return None

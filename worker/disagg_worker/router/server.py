@@ -32,6 +32,7 @@ from disagg_worker.server.body import read_body
 from disagg_worker.server.drain import CUT_GRACE_S, Signals, drain
 from disagg_worker.server.errors import APIError
 from disagg_worker.server.protocol import parse_json
+from disagg_worker.tuning import TUNING
 
 log = logging.getLogger(__name__)
 MAX_N = 16
@@ -151,8 +152,11 @@ async def health(request: web.Request) -> web.Response:
     router = request.app[ROUTER]
     pool, verifier = router.pool, router.verifier
     now = time.monotonic()
-    body: dict = {"workers": [{**w.describe(), "kv_index": pool.kv_index.describe(w.url, now)} for w in pool.workers()]}
+    body: dict = {"workers": [w.describe() for w in pool.workers()]}
     if pool.policy is Policy.CACHE_AWARE:
+        for w, d in zip(pool.workers(), body["workers"], strict=True):
+            if w.role == "prefill":
+                d["kv_index"] = pool.kv_index.describe(w.url, now)
         body["routing"] = dict(pool.decisions)
     if verifier is not None:
         body.update(pairs=verifier.describe(), handoff=verifier.monitor.describe())
@@ -295,7 +299,11 @@ async def serve(ns, auth: RouterAuth, ready: asyncio.Event | None = None) -> Non
     signals = Signals()
     pool = build_pool(ns)
     pool.worker_headers = auth.worker_headers()
-    pool.kv_index.stale_after_s = 3 * ns.health_interval
+    # A health round waits for its slowest worker (up to a /health and a /kv_events timeout): an index is silent
+    # only after it missed more than that.
+    pool.kv_index.stale_after_s = max(
+        3 * ns.health_interval, ns.health_interval + 2 * TUNING.router.health_timeout_s + 1
+    )
     pool.balance_tokens = ns.cache_aware_balance_tokens
     router = Router(
         pool,

@@ -98,6 +98,10 @@ class Worker:
         if group is not None:
             self.group_inflight[group] = self.group_inflight.get(group, 0) + 1
 
+    def release_tokens(self, n: int) -> None:
+        """A prefill of `n` uncached prompt tokens ended here."""
+        self.pending_tokens -= n
+
     def give_back(self, group: int | None) -> None:
         """It ended."""
         self.inflight -= 1
@@ -220,10 +224,10 @@ class WorkerPool:
         best = min(candidates, key=lambda w: (cost[w], w.inflight, w.failures))
         idle = [w for w in candidates if w.pending_tokens == 0 and w.inflight == 0]
         if idle and best not in idle and best.pending_tokens >= self.balance_tokens:
-            self.decisions["balanced"] += 1
+            self.decisions["balanced"] += prompt is not None
             return min(idle, key=lambda w: (cost[w], w.failures))
-        hit = prompt is not None and self.uncached(best, prompt) < prompt.tokens
-        self.decisions["cache_hit" if hit else "load"] += 1
+        if prompt is not None:  # a request's choice (readiness checks pick without a prompt)
+            self.decisions["cache_hit" if self.uncached(best, prompt) < prompt.tokens else "load"] += 1
         return best
 
     async def refresh_dns(self) -> None:
@@ -252,7 +256,7 @@ class WorkerPool:
             w.healthy = ok
             if ok and not w.max_model_len:
                 w.max_model_len = await max_model_len(session, w.url)
-            if ok:
+            if ok and self.policy is Policy.CACHE_AWARE and w.role == "prefill":
                 await self.fetch_kv_events(session, w)
 
         workers = self.workers()
