@@ -35,15 +35,15 @@ def held(url: str) -> tuple[dict, set[int]]:
     return body, {int(n, 16) for n in body["snapshot"]}
 
 
-def router_entry(stack: PDStack, worker_url: str) -> dict:
-    body = requests.get(f"{stack.router.url}/health", timeout=scaled(5)).json()
+def router_entry(router_url: str, worker_url: str) -> dict:
+    body = requests.get(f"{router_url}/health", timeout=scaled(5)).json()
     return next(w for w in body["workers"] if w["url"] == worker_url)
 
 
-def router_index_reaches(stack: PDStack, worker_url: str, pred, what: str) -> dict:
+def router_index_reaches(router_url: str, worker_url: str, pred, what: str) -> dict:
     deadline = time.monotonic() + scaled(15)
     while True:
-        entry = router_entry(stack, worker_url)
+        entry = router_entry(router_url, worker_url)
         if pred(entry["kv_index"]):
             return entry["kv_index"]
         assert time.monotonic() < deadline, f"the router's index never showed {what}: {entry}"
@@ -69,25 +69,30 @@ def test_the_routers_index_follows_the_prefill_instances_cache(stack):
     for ids in prompts:
         assert set(page_hashes(ids[:-1], PAGE)) <= names
 
-    index = router_index_reaches(stack, stack.prefill.url, lambda i: i["pages"] == len(names), f"{len(names)} pages")
+    index = router_index_reaches(
+        stack.router.url, stack.prefill.url, lambda i: i["pages"] == len(names), f"{len(names)} pages"
+    )
     assert index["state"] == "ok"
-    assert "kv_index" not in router_entry(stack, stack.decode.url)  # decode caches no prompts: not polled
+    assert "kv_index" not in router_entry(stack.router.url, stack.decode.url)  # decode caches no prompts: not polled
 
     requests.post(f"{stack.prefill.url}/flush_cache", timeout=scaled(5))
     header, names = settled(stack)
     assert names == set()
-    router_index_reaches(stack, stack.prefill.url, lambda i: i["pages"] == 0, "the flush")
+    router_index_reaches(stack.router.url, stack.prefill.url, lambda i: i["pages"] == 0, "the flush")
 
 
 def test_a_restarted_prefill_instance_is_indexed_afresh(stack):
     generate(stack.router.url, varied_prompts(3)[2], n=2)
-    before = router_index_reaches(stack, stack.prefill.url, lambda i: i["pages"] > 0, "the request's pages")
+    before = router_index_reaches(stack.router.url, stack.prefill.url, lambda i: i["pages"] > 0, "the request's pages")
     port = int(stack.prefill.url.rsplit(":", 1)[1])
     stack.prefill.stop()
     stack.prefill = stack.start_prefill(port).wait_healthy()
     # A new process: a new epoch, so the router's next question gets a snapshot (empty: nothing is cached).
     after = router_index_reaches(
-        stack, stack.prefill.url, lambda i: i["snapshots"] > before["snapshots"] and i["pages"] == 0, "a snapshot"
+        stack.router.url,
+        stack.prefill.url,
+        lambda i: i["snapshots"] > before["snapshots"] and i["pages"] == 0,
+        "a snapshot",
     )
     assert after["state"] == "ok"
 
@@ -128,7 +133,7 @@ def test_cache_aware_routing_sends_a_shared_prefix_where_it_is_cached(two_prefil
     system = list(range(300, 300 + 64))  # 16 pages
     first = generate(router.url, system + [7, 8], n=6)
     holder = caching(prefills, set(page_hashes(system, PAGE)))
-    assert router_index_reaches_any(router, holder.url)
+    router_index_reaches(router.url, holder.url, lambda i: i["state"] == "ok" and i["pages"] > 0, "the prefix's pages")
     other = next(p for p in prefills if p is not holder)
     before = {p.url: hit_tokens(p.url) for p in prefills}
     for suffix in ([9, 10, 11], [12], [13, 14]):
@@ -152,15 +157,3 @@ def caching(prefills: list[Proc], names: set[int]) -> Proc:
             return found[0]
         assert time.monotonic() < deadline, "no prefill instance cached the prompt"
         time.sleep(0.2)
-
-
-def router_index_reaches_any(router: Proc, worker_url: str) -> bool:
-    """Wait until the router's index of this worker is usable and holds pages (False if it never does)."""
-    deadline = time.monotonic() + scaled(10)
-    while time.monotonic() < deadline:
-        body = requests.get(f"{router.url}/health", timeout=scaled(5)).json()
-        index = next(w for w in body["workers"] if w["url"] == worker_url)["kv_index"]
-        if index["state"] == "ok" and index["pages"] > 0:
-            return True
-        time.sleep(0.2)
-    return False

@@ -313,7 +313,8 @@ async def serve(ns, auth: RouterAuth, ready: asyncio.Event | None = None) -> Non
         verifier=build_verifier(ns, pool, auth),
         auth=auth,
         max_body_bytes=ns.max_body_bytes,
-        prompts=PromptTokens.load(ns.tokenizer) if ns.tokenizer else None,
+        # Only cache_aware reads prompts: other policies tokenise nothing, even when given --tokenizer.
+        prompts=PromptTokens.load(ns.tokenizer) if ns.policy == Policy.CACHE_AWARE.value and ns.tokenizer else None,
     )
     await router.start(ns.health_interval)
     admission = Admission(ns.max_inflight, router.body_limit)
