@@ -1,5 +1,7 @@
-"""KV-aware routing: a multi-turn chat on 2 prefill + 1 decode instances under round_robin, least_load and
-cache_aware (`--policy`; the router's index of the prefills' caches from their KV events).
+"""KV-aware routing: a multi-turn chat on 2 prefill + 1 decode instances under round_robin, least_load,
+cache_aware (`--policy`; the router's index of the prefills' caches from their KV events) and cache_aware+decode
+(the same, with decode's prefix cache and conditional disaggregation: `--decode-prefix-cache --local-prefill` on
+decode, `--decode-only-tokens 256` on the router, so that a turn whose history decode holds runs on decode alone).
 
 Workload (the same requests under every policy; a fresh stack per policy and round, caches empty):
 - `--conversations` chats (10) of `--turns` turns (6), all opening with one shared system prompt of about 600
@@ -12,8 +14,13 @@ Workload (the same requests under every policy; a fresh stack per policy and rou
   stream pins a prefill instance.
 
 Reported per policy and workload: TTFT p50 / p90 (streamed /v1/chat/completions, to the first content chunk),
-prompt tokens the prefill instances computed (their /stats: queried minus cache-hit tokens), each prefill's share
-of them, and whether every answer equals round_robin's (routing must never change an answer).
+prompt tokens computed by every instance (their /stats `prompt_tokens_computed`: what neither a cache nor a
+transfer supplied; decode's own included), each prefill's share of the prefills' part, and whether every answer
+equals round_robin's (routing must never change an answer).
+
+"short": 30 one-at-a-time chat requests of a few words (distinct, ~20 tokens with the template, 8 answer tokens),
+TTFT p50 through a monolithic server, the P/D stack (cache_aware) and cache_aware+decode: the handshake's fixed
+cost, and what conditional disaggregation saves of it.
 
 SmolLM2-135M-Instruct (`make demo-model`), float32, one torch thread per instance, page size 16.
 Writes bench/results/kv_routing.json and kv_routing.png.  Usage: python bench/bench_kv_routing.py [--rounds N]
@@ -43,7 +50,8 @@ from common import DISAGG, RESULTS, free_port, get_json, machine_info  # noqa: E
 
 MODEL = ROOT / ".models" / "SmolLM2-135M-Instruct"
 CORPUS = (ROOT / "worker" / "disagg_worker" / "data" / "corpus.txt").read_text().split()
-POLICIES = ("round_robin", "least_load", "cache_aware")
+POLICIES = ("round_robin", "least_load", "cache_aware", "cache_aware+decode")
+DECODE_ONLY_TOKENS = 256
 ANSWER = 48  # tokens per assistant turn
 ENGINE = ("--page-size", "16", "--max-total-tokens", "16384", "--served-model-name", "m", "--log-level", "warning")
 
@@ -80,7 +88,8 @@ class Daemon:
                 os.killpg(self.proc.pid, signal.SIGKILL)
 
 
-def start_stack(policy: str) -> tuple[Daemon, list[Daemon], list[Daemon]]:
+def start_stack(config: str) -> tuple[Daemon, list[Daemon], list[Daemon]]:
+    policy, decode_cache = config.removesuffix("+decode"), config.endswith("+decode")
     prefills = []
     for _ in range(2):
         port, bootstrap = free_port(), free_port()
@@ -88,10 +97,13 @@ def start_stack(policy: str) -> tuple[Daemon, list[Daemon], list[Daemon]]:
                                  str(bootstrap), *ENGINE], port), bootstrap))  # fmt: skip
     dport = free_port()
     # A loaded 2-core machine can keep a prompt queued past the default 30 s the decode waits for its KV.
-    decode = Daemon(["decode", "--model", str(MODEL), "--port", str(dport), *ENGINE, "--waiting-timeout", "600"], dport)
+    own = ["--decode-prefix-cache", "--local-prefill"] if decode_cache else []
+    decode = Daemon(["decode", "--model", str(MODEL), "--port", str(dport), *ENGINE, "--waiting-timeout", "600", *own],
+                    dport)  # fmt: skip
     port = free_port()
     targets = [a for p, b in prefills for a in ("--prefill", p.url, str(b))]
     extra = ["--tokenizer", str(MODEL)] if policy == "cache_aware" else []
+    extra += ["--decode-only-tokens", str(DECODE_ONLY_TOKENS)] if decode_cache else []
     args = ["router", "--port", str(port), "--served-model-name", "m", *targets, "--decode", decode.url]
     router = Daemon([*args, "--policy", policy, "--health-interval", "0.5", "--log-level", "warning", *extra], port)
     for d in [p for p, _ in prefills] + [decode, router]:
@@ -155,8 +167,7 @@ async def run_load(url: str, convs: list[dict], seed: int) -> tuple[list[float],
 
 
 def computed(url: str) -> int:
-    st = get_json(f"{url}/stats")
-    return int(st["cache_query_tokens"]) - int(st["cache_hit_tokens"])
+    return int(get_json(f"{url}/stats")["prompt_tokens_computed"])
 
 
 def measure(policy: str, convs: list[dict], seed: int) -> dict:
@@ -165,6 +176,7 @@ def measure(policy: str, convs: list[dict], seed: int) -> dict:
         ttfts, answers = asyncio.run(run_load(router.url, convs, seed))
         time.sleep(1.0)  # the last reports
         per = [computed(p.url) for p in prefills]
+        on_decode = sum(computed(d.url) for d in decodes)
         routing = get_json(f"{router.url}/health").get("routing", {})
     finally:
         for d in [router, *decodes, *prefills]:
@@ -173,11 +185,66 @@ def measure(policy: str, convs: list[dict], seed: int) -> dict:
     return {
         "ttft_p50_ms": statistics.median(ttfts) * 1e3,
         "ttft_p90_ms": q[8] * 1e3,
-        "prefill_tokens": sum(per),
+        "prompt_tokens": sum(per) + on_decode,
         "max_share": max(per) / max(sum(per), 1),
         "per_prefill": per,
+        "on_decode": on_decode,
         "routing": routing,
         "answers": answers,
+    }
+
+
+def start_mono() -> Daemon:
+    port = free_port()
+    mono = Daemon(["serve", "--model", str(MODEL), "--port", str(port), *ENGINE], port)
+    mono.wait()
+    return mono
+
+
+def short_ttfts(url: str, n: int = 30) -> list[float]:
+    """One at a time: short distinct questions, 8 answer tokens each; TTFT of each."""
+
+    async def go() -> list[float]:
+        out = []
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
+            for i in range(n + 3):
+                messages = [{"role": "user", "content": f"{words(7 * i, 3)}?"}]
+                body = {"model": "m", "messages": messages, "max_tokens": 8, "temperature": 0, "stream": True}
+                t0, ttft = time.perf_counter(), None
+                async with session.post(f"{url}/v1/chat/completions", json=body) as r:
+                    assert r.status == 200, await r.text()
+                    async for line in r.content:
+                        if ttft is None and line.startswith(b"data: ") and b'"content"' in line:
+                            ttft = time.perf_counter() - t0
+                if i >= 3:  # the first few warm the path
+                    out.append(ttft if ttft is not None else time.perf_counter() - t0)
+        return out
+
+    return asyncio.run(go())
+
+
+def measure_short(rounds: int) -> dict:
+    """TTFT p50 of short prompts: monolithic, P/D (cache_aware) and cache_aware+decode, interleaved per round."""
+    runs: dict[str, list[float]] = {"monolithic": [], "cache_aware": [], "cache_aware+decode": []}
+    for r in range(rounds):
+        for name in runs if r % 2 == 0 else list(runs)[::-1]:
+            if name == "monolithic":
+                daemons = [start_mono()]
+                url = daemons[0].url
+            else:
+                router, prefills, decodes = start_stack(name)
+                daemons, url = [router, *decodes, *prefills], router.url
+            try:
+                runs[name].append(statistics.median(short_ttfts(url)) * 1e3)
+            finally:
+                for d in daemons:
+                    d.stop()
+            print(f"short round {r} {name}: TTFT p50 {runs[name][-1]:.1f} ms", flush=True)
+    p50 = {k: statistics.median(v) for k, v in runs.items()}
+    return {
+        "ttft_p50_ms": p50,
+        "rounds_ms": runs,
+        "vs_monolithic": {k: p50[k] / p50["monolithic"] for k in ("cache_aware", "cache_aware+decode")},
     }
 
 
@@ -187,15 +254,19 @@ def plot(res: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(13, 4))
+    fig, axes = plt.subplots(1, 4, figsize=(17, 4))
     for w, workload in enumerate(("even", "skewed")):
         r = res["workloads"][workload]
         x = [i + 0.4 * w for i in range(len(POLICIES))]
         axes[0].bar(x, [r[p]["ttft_p50_ms"] for p in POLICIES], width=0.4, label=workload)
-        axes[1].bar(x, [r[p]["prefill_tokens"] for p in POLICIES], width=0.4, label=workload)
+        axes[1].bar(x, [r[p]["prompt_tokens"] for p in POLICIES], width=0.4, label=workload)
         axes[2].bar(x, [100 * r[p]["max_share"] for p in POLICIES], width=0.4, label=workload)
-    titles = ("TTFT p50 (ms)", "prompt tokens the prefills computed", "largest prefill share (%)")
-    for ax, title in zip(axes, titles, strict=True):
+    short = res["short"]["ttft_p50_ms"]
+    axes[3].bar(list(short), list(short.values()), color="tab:green")
+    axes[3].set_title("short prompts, one at a time: TTFT p50 (ms)", fontsize=9)
+    axes[3].tick_params(axis="x", labelsize=8)
+    titles = ("TTFT p50 (ms)", "prompt tokens computed (all instances)", "largest prefill share (%)")
+    for ax, title in zip(axes[:3], titles, strict=True):
         ax.set_xticks([i + 0.2 for i in range(len(POLICIES))], POLICIES, fontsize=8)
         ax.set_title(title, fontsize=9)
         ax.legend(fontsize=7)
@@ -228,7 +299,7 @@ def main() -> None:
             p: {
                 "ttft_p50_ms": statistics.median(x["ttft_p50_ms"] for x in v),
                 "ttft_p90_ms": statistics.median(x["ttft_p90_ms"] for x in v),
-                "prefill_tokens": statistics.median(x["prefill_tokens"] for x in v),
+                "prompt_tokens": statistics.median(x["prompt_tokens"] for x in v),
                 "max_share": statistics.median(x["max_share"] for x in v),
                 "answers_equal_round_robin": all(x["answers"] == base for x in v),
                 "rounds": [{k: x[k] for k in x if k != "answers"} for x in v],
@@ -236,21 +307,25 @@ def main() -> None:
             for p, v in runs.items()
         }
         w = res["workloads"][workload]
-        rr, ca = w["round_robin"], w["cache_aware"]
-        w["cache_aware_vs_round_robin"] = {
-            "ttft_p50_speedup": rr["ttft_p50_ms"] / ca["ttft_p50_ms"],
-            "prefill_tokens_ratio": ca["prefill_tokens"] / rr["prefill_tokens"],
-        }
+        rr = w["round_robin"]
+        for name in ("cache_aware", "cache_aware+decode"):
+            ca = w[name]
+            w[f"{name}_vs_round_robin"] = {
+                "ttft_p50_speedup": rr["ttft_p50_ms"] / ca["ttft_p50_ms"],
+                "prompt_tokens_ratio": ca["prompt_tokens"] / rr["prompt_tokens"],
+            }
+    res["short"] = measure_short(a.rounds)
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "kv_routing.json").write_text(json.dumps(res, indent=2) + "\n")
     plot(res, RESULTS / "kv_routing.png")
     for workload, w in res["workloads"].items():
         for policy in POLICIES:
             x = w[policy]
-            print(f"{workload:6s} {policy:12s} TTFT p50 {x['ttft_p50_ms']:7.0f} ms p90 {x['ttft_p90_ms']:7.0f} ms | "
-                  f"prefill tokens {x['prefill_tokens']:7.0f} | max share {100 * x['max_share']:4.0f}% | answers "
+            print(f"{workload:6s} {policy:18s} TTFT p50 {x['ttft_p50_ms']:7.0f} ms p90 {x['ttft_p90_ms']:7.0f} ms | "
+                  f"prompt tokens {x['prefill_tokens']:7.0f} | max share {100 * x['max_share']:4.0f}% | answers "
                   f"equal: {x['answers_equal_round_robin']}")  # fmt: skip
-        print(workload, w["cache_aware_vs_round_robin"])
+        print(workload, w["cache_aware_vs_round_robin"], w["cache_aware+decode_vs_round_robin"])
+    print("short", res["short"]["ttft_p50_ms"], res["short"]["vs_monolithic"])
 
 
 if __name__ == "__main__":

@@ -90,6 +90,12 @@ SPEC_RULES = (
         ),
         (
             "spec",
+            "self.router.decodeOnlyTokens == 0 || self.router.policy == 'cache_aware'",
+            "router.decodeOnlyTokens needs router.policy cache_aware: the router must read the prompts to count the "
+            "tokens a decode lacks",
+        ),
+        (
+            "spec",
             "self.transfer.protocol != 'rdma' || self.transfer.backend == 'mooncake'",
             "transfer.protocol rdma needs transfer.backend mooncake",
         ),

@@ -91,11 +91,24 @@ def worker_role_schema(role: str) -> dict:
                 "replicas.",
             ),
             "engine": obj(engine_props(False), f"Engine settings for {role} only, over spec.engine.", default={}),
+            **(_decode_props() if role == names.DECODE else {}),
             **_placement_props(),
         },
         f"The {role} role.",
         default={},
     )
+
+
+def _decode_props() -> dict:
+    return {
+        "prefixCache": {
+            "type": "boolean",
+            "default": False,
+            "description": "Keep finished requests' KV on decode (a prefix cache, off by default): a request whose "
+            "start a decode pod holds receives only the rest from prefill, and with router.decodeOnlyTokens a "
+            "follow-up turn may need no prefill at all. Its pages are published to a cache_aware router.",
+        }
+    }
 
 
 def router_schema() -> dict:
@@ -117,6 +130,13 @@ def router_schema() -> dict:
                 32,
                 enum=["round_robin", "least_load", "cache_aware"],
                 default="round_robin",
+            ),
+            "decodeOnlyTokens": integer(
+                0,
+                0,
+                "Conditional disaggregation (cache_aware only): when the decode pod picked for a request lacks at "
+                "most this many of its prompt tokens (its cache from decode.prefixCache, or a short prompt), it "
+                "computes them itself and no prefill takes part (no handshake, no KV transfer). 0: off.",
             ),
             **props,
         },

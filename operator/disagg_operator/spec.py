@@ -97,6 +97,7 @@ class WorkerRoleSpec:
     ep_size: int = 1
     dp_attention: bool = False
     dp_size: int = 1
+    prefix_cache: bool = False  # decode only: keep finished requests' KV (`--decode-prefix-cache`)
 
 
 @dataclass(frozen=True)
@@ -104,6 +105,8 @@ class RouterSpec:
     replicas: int
     policy: str
     placement: Placement
+    # cache_aware: a decode lacking at most this many prompt tokens computes them itself (0: never).
+    decode_only_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -307,7 +310,10 @@ class ModelSpec:
             prefill=prefill,
             decode=decode,
             router=RouterSpec(
-                int(router.get("replicas", 1)), router.get("policy", "round_robin"), Placement.from_dict(router)
+                int(router.get("replicas", 1)),
+                router.get("policy", "round_robin"),
+                Placement.from_dict(router),
+                int(router.get("decodeOnlyTokens", 0)),
             ),
             auth_secret=spec.get("auth", {}).get("secretName"),
             labels=user_labels(meta.get("labels") or {}),
@@ -336,4 +342,5 @@ def _worker_role(role: str, d: Mapping[str, Any], shared_engine: Mapping[str, An
         int(d.get("epSize", 1)),
         bool(d.get("enableDpAttention", False)),
         int(d.get("dpSize", 1)),
+        bool(d.get("prefixCache", False)),
     )

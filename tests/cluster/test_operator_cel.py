@@ -40,6 +40,11 @@ VIOLATIONS = [
         tiny(router__policy="cache_aware", model={"huggingFaceId": "Qwen/Qwen2.5-0.5B-Instruct"}),
         "self.router.policy != 'cache_aware'",
     ),
+    (
+        "decode-only tokens without the cache-aware router",
+        tiny(router__policy="least_load", router__decodeOnlyTokens=64),
+        "self.router.decodeOnlyTokens == 0",
+    ),
     ("decode replicas", tiny(decode__replicas=-2), "self.decode.replicas >= 0"),
     ("router replicas", tiny(router__replicas=-1), "self.router.replicas >= 0"),
     ("pipeline sizes", tiny(prefill__ppSize=2, decode__ppSize=3), "decode.ppSize == self.prefill.ppSize"),

@@ -23,13 +23,14 @@ class ScriptedReceiver(KVReceiver):
         self.room = room
         self.status = KVPoll.WaitingForInput
         self.pages: list[int] = []
+        self.skip_pages = 0
         self.unsafe = False
 
     def poll(self) -> KVPoll:
         return self.status
 
-    def init(self, dest_pages: list[int], aux_slot: int) -> None:
-        self.pages = list(dest_pages)
+    def init(self, dest_pages: list[int], aux_slot: int, skip_pages: int = 0) -> None:
+        self.pages, self.skip_pages = list(dest_pages), skip_pages
         self.status = KVPoll.Transferring
 
     def abort(self, reason: str = "aborted by decode") -> None:
@@ -56,8 +57,8 @@ class ScriptedKV(KVManager):
         pass
 
 
-def decode_engine(model: str, secret: str = "") -> tuple[Engine, ScriptedKV]:
-    disagg = DisaggConfig(role=Role.DECODE, transfer_backend="fake", auth_token=secret)
+def decode_engine(model: str, secret: str = "", **options: bool) -> tuple[Engine, ScriptedKV]:
+    disagg = DisaggConfig(role=Role.DECODE, transfer_backend="fake", auth_token=secret, **options)
     cfg = EngineConfig(
         model_path=model,
         cache=CacheConfig(page_size=4, max_total_tokens=256),

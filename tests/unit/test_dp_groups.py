@@ -12,9 +12,9 @@ from disagg_worker.config import ConfigError, DisaggConfig
 from disagg_worker.router.auth import RouterAuth
 from disagg_worker.router.payload import SharedBody
 from disagg_worker.router.workers import GroupPolicy, Worker
-from disagg_worker.server.api import bootstrap_of
 from disagg_worker.server.errors import APIError
 from disagg_worker.server.groups import choose_group, group_problem, merge_exposition, merge_stats
+from disagg_worker.server.route_fields import bootstrap_of
 
 BOOT = msg.BootstrapInfo("10.0.0.1", 8998, room=7)
 

@@ -93,3 +93,35 @@ def test_the_router_reads_prompts_as_the_workers_tokenise_them(tiny_dirs):
     # A body the workers would refuse is routed by load (None), and left for the worker to answer.
     assert prompts.ids("/v1/chat/completions", {"model": "x", "messages": "not a list"}) is None
     assert prompts.ids("/generate", {"input_ids": [1], "text": "both"}) is None
+
+
+def index(pool: WorkerPool, w: Worker, prompts: list[list[int]]) -> None:
+    log = EventLog(PAGE, "m")
+    log.apply(0, [("stored", page_hashes(ids, PAGE)) for ids in prompts])
+    pool.kv_index.of(w.url).apply(log.since("", -1), time.monotonic())
+
+
+def test_decode_computes_a_prompt_itself_when_it_lacks_no_more_than_the_threshold():
+    pool, w = pool_holding({"a": [SYSTEM]})
+    d = pool.workers("decode")[0]
+    index(pool, d, [SYSTEM])
+    pool.decode_only_tokens = 8
+    assert pool.pick_pair(prompt=prompt(SYSTEM + list(range(8)))) == (None, d)  # lacks 8: decode alone
+    assert pool.pick_pair(prompt=prompt(SYSTEM + list(range(9)))) == (w["a"], d)  # lacks 9: P/D
+    assert pool.pick_pair(prompt=prompt(list(range(900, 906)))) == (None, d)  # a short prompt, nothing cached
+    assert pool.pick_pair() == (w["a"], d)  # no prompt read (a readiness check): never decode alone
+    assert pool.decisions["decode_only"] == 2
+    pool.decode_only_tokens = 0
+    assert pool.pick_pair(prompt=prompt(list(range(900, 906)))) == (w["a"], d)  # off
+
+
+def test_a_decode_whose_index_is_silent_gets_only_prompts_short_enough_without_its_cache():
+    pool, _ = pool_holding({"a": []})
+    d = pool.workers("decode")[0]
+    index(pool, d, [SYSTEM])
+    pool.decode_only_tokens = 8
+    pool.kv_index.stale_after_s = 0.0
+    time.sleep(0.001)
+    assert pool.pick_pair(prompt=prompt(SYSTEM + [1]))[0] is not None  # its cache no longer counts: P/D
+    assert pool.pick_pair(prompt=prompt([1, 2, 3])) == (None, d)
+    assert pool.indexed(d) and pool.indexed(pool.workers("prefill")[0])

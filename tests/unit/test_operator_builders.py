@@ -621,3 +621,21 @@ def test_a_cache_aware_router_reads_the_models_tokenizer_from_the_workers_volume
     tiny["spec"]["router"]["policy"] = "least_load"
     plain = container(children_by_kind_name(tiny), "Deployment", "tiny-router")
     assert "--tokenizer" not in plain["args"] and all(m["name"] != "model" for m in plain["volumeMounts"])
+
+
+def test_decode_cache_and_conditional_disaggregation_reach_the_decode_pods_and_the_router(tiny):
+    tiny["spec"]["router"] = {**tiny["spec"].get("router", {}), "policy": "cache_aware", "decodeOnlyTokens": 64}
+    tiny["spec"]["decode"] = {**tiny["spec"].get("decode", {}), "prefixCache": True}
+    kids = children_by_kind_name(tiny)
+    router = container(kids, "Deployment", "tiny-router")["args"]
+    decode = container(kids, "StatefulSet", "tiny-decode")["args"]
+    prefill = container(kids, "StatefulSet", "tiny-prefill")["args"]
+    assert router[router.index("--decode-only-tokens") + 1] == "64"
+    assert "--decode-prefix-cache" in decode and "--local-prefill" in decode
+    assert "--decode-prefix-cache" not in prefill and "--local-prefill" not in prefill
+    # Off (the default): no flag, so existing models' pods do not roll on upgrade.
+    tiny["spec"]["router"] = {"policy": "cache_aware"}
+    tiny["spec"]["decode"].pop("prefixCache")
+    kids = children_by_kind_name(tiny)
+    assert "--decode-only-tokens" not in container(kids, "Deployment", "tiny-router")["args"]
+    assert not {"--decode-prefix-cache", "--local-prefill"} & set(container(kids, "StatefulSet", "tiny-decode")["args"])

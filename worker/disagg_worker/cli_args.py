@@ -213,6 +213,16 @@ def add_disagg_args(p: argparse.ArgumentParser) -> None:
         help="decode: requests waiting for their handshake and KV pages beyond this are refused (503)",
     )
     p.add_argument(
+        "--decode-prefix-cache",
+        action="store_true",
+        help="decode: keep finished requests' KV; a request whose prefix decode holds gets only the rest from prefill",
+    )
+    p.add_argument(
+        "--local-prefill",
+        action="store_true",
+        help="decode: compute the prompts the router marks local_prefill itself (conditional disaggregation)",
+    )
+    p.add_argument(
         "--auth-token-file",
         default="",
         help="file holding the model's shared secret (bootstrap token, router-to-worker token, target signing)",
@@ -288,6 +298,8 @@ def server_args_from_cli(
             transfer_ports_per_rank=ns.transfer_ports_per_rank,
             quarantine_timeout_s=ns.quarantine_timeout,
             max_prealloc_queue=ns.max_prealloc_queue,
+            decode_prefix_cache=ns.decode_prefix_cache,
+            local_prefill=ns.local_prefill,
             tcp_lanes=ns.tcp_lanes,
             auth_token=keys.read_secret(ns.auth_token_file, "--auth-token-file") if ns.auth_token_file else "",
             mc_tcp_lanes_per_peer=env.mc_tcp_lanes_per_peer,

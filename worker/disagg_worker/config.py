@@ -111,6 +111,13 @@ class DisaggConfig:
     quarantine_timeout_s: float = 0.0
     # Decode: requests waiting for their handshake and pages beyond this are refused (503).
     max_prealloc_queue: int = 256
+    # Decode: keep finished requests' KV in a prefix cache, so that a request whose prefix decode holds receives
+    # only the pages it lacks from prefill (off by default: without a router sending follow-ups back to the same
+    # decode, its cache only takes pages from the running requests).
+    decode_prefix_cache: bool = False
+    # Decode: compute a prompt itself, with no prefill, when the router marks the request `local_prefill`
+    # (conditional disaggregation: too few tokens lacking to be worth a handshake and a transfer).
+    local_prefill: bool = False
     # Mooncake TCP connections per peer (MC_TCP_LANES_PER_PEER; an explicit env var wins). Each
     # lane carries one write at a time with a round trip, so a request's many small writes (one
     # per page run per layer's K and V) finish sooner over more lanes: 64 writes of 4 KiB took
@@ -259,6 +266,9 @@ class DisaggConfig:
                 "MC_MIN_RPC_PORT/MC_MAX_RPC_PORT are set and so is --transfer-port-base, which sets them per "
                 "rank: keep one of the two"
             )
+        for flag, on in (("--decode-prefix-cache", self.decode_prefix_cache), ("--local-prefill", self.local_prefill)):
+            if on and self.role is not Role.DECODE:
+                raise ConfigError(f"{flag} is a decode instance's option")
 
 
 # Weight formats of `--quantization` (model/quant.py).
@@ -335,8 +345,16 @@ class EngineConfig:
 
     @property
     def uses_prefix_cache(self) -> bool:
-        """Decode never matches prompts (they arrive as KV), so its prefix cache is off."""
-        return self.cache.enable_prefix_cache and self.disagg.role is not Role.DECODE
+        """Decode's prefix cache is off unless asked for (`DisaggConfig.decode_prefix_cache`)."""
+        d = self.disagg
+        return self.cache.enable_prefix_cache and (d.role is not Role.DECODE or d.decode_prefix_cache)
+
+    @property
+    def takes_local_prefill(self) -> bool:
+        """Requests marked `local_prefill` are computed here: always on a monolithic instance, on decode when
+        asked for (`DisaggConfig.local_prefill`), never on prefill."""
+        d = self.disagg
+        return d.role is Role.MONOLITHIC or (d.role is Role.DECODE and d.local_prefill)
 
     @property
     def model_name(self) -> str:

@@ -38,10 +38,12 @@ class BootstrapInfo:
 @dataclass(frozen=True)
 class Route:
     """Where a request runs, as the router (or the client) decided: its P/D bootstrap target, and which of
-    this instance's attention groups takes it (DP attention; None: the instance chooses)."""
+    this instance's attention groups takes it (DP attention; None: the instance chooses). `local_prefill`: the
+    router sends the request to decode alone, which computes the prompt itself (conditional disaggregation)."""
 
     bootstrap: BootstrapInfo | None = None
     dp_rank: int | None = None
+    local_prefill: bool = False
 
 
 NO_ROUTE = Route()
@@ -53,6 +55,7 @@ class GenerateReq:
     input_ids: list[int]
     params: SamplingParams
     bootstrap: BootstrapInfo | None = None
+    local_prefill: bool = False
 
 
 @dataclass(frozen=True)
@@ -113,6 +116,8 @@ class SchedulerStats:
     step_count: int
     cache_pages: int = 0
     cache_refs: int = 0
+    # Prompt tokens this instance computed in forwards so far (not those its cache or a transfer supplied).
+    prompt_tokens_computed: int = 0
     pid: int = 0
     # Prometheus exposition of the scheduler process's own series (KV transfer metrics).
     metrics_text: str = ""

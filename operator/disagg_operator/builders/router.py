@@ -56,6 +56,7 @@ def router_args(spec: ModelSpec, cfg: OperatorConfig) -> list[str]:
         auth_token_file(),
         *(["--api-key-file", api_keys_file()] if spec.api_key_secret else []),
         *(["--tokenizer", spec.model.model_arg] if reads_model(spec) else []),
+        *(["--decode-only-tokens", str(spec.router.decode_only_tokens)] if spec.router.decode_only_tokens else []),
     ] + list(spec.router.placement.args)
 
 

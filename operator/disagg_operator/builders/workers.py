@@ -62,6 +62,8 @@ def worker_args(spec: ModelSpec, role: str) -> list[str]:
         *(["--ep-size", str(w.ep_size)] if w.ep_size > 1 else []),
         *(["--enable-dp-attention"] if w.dp_attention else []),
         *(["--dp-size", str(w.dp_size)] if w.dp_size > 1 else []),
+        *(["--decode-prefix-cache"] if w.prefix_cache else []),
+        *(["--local-prefill"] if role == names.DECODE and spec.router.decode_only_tokens else []),
         "--page-size",
         str(e.page_size),
         "--kv-dtype",

@@ -215,9 +215,10 @@ class KVReceiver(ABC):
         WaitingForInput, Transferring once data flows, Success when every write landed."""
 
     @abstractmethod
-    def init(self, dest_pages: list[int], aux_slot: int) -> None:
-        """Give the destination (one page per prompt page, in order) and the aux slot.
-        Call once; may be called before the handshake finishes (it is sent after it)."""
+    def init(self, dest_pages: list[int], aux_slot: int, skip_pages: int = 0) -> None:
+        """Give the destination (one page per prompt page after the first `skip_pages`, in order: those decode
+        already holds, and prefill does not send) and the aux slot. Call once; may be called before the
+        handshake finishes (it is sent after it)."""
 
     @abstractmethod
     def abort(self, reason: str = "aborted by decode") -> None:

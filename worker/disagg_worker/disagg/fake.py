@@ -107,7 +107,7 @@ class FakeSender(_FakeHandle, KVSender):
 class FakeReceiver(_FakeHandle, KVReceiver):
     inited = False
 
-    def init(self, dest_pages: list[int], aux_slot: int) -> None:
+    def init(self, dest_pages: list[int], aux_slot: int, skip_pages: int = 0) -> None:
         if self.poll() is KVPoll.Failed:
             return
         bad = check_pages(dest_pages, self._mgr.layout.num_pages)

@@ -55,6 +55,9 @@ class RoomRequest:
     num_heads: int = -1
     # Decode ranks that send this prefill rank a request for the room; it starts once all have.
     decode_ranks: int = 1
+    # The room's first pages that decode already holds (its prefix cache): prefill sends only the pages after
+    # them, `dest_pages[i]` receiving prefill's page `skip_pages + i`.
+    skip_pages: int = 0
 
 
 @dataclass(frozen=True)

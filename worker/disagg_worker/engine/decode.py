@@ -4,11 +4,15 @@ Life cycle of a request here:
 1. Prealloc queue: a KVReceiver is created for its room and handshakes with the prefill instance
    (found through its bootstrap server). Once it is ready, pages for the whole prompt and an aux
    slot are preallocated, in arrival order, only while pages remain after reserving room for the
-   running requests' next tokens. A bounded queue, like prefill's bootstrap queue: when full, new
-   requests are refused at once (503).
+   running requests' next tokens. With decode's prefix cache (`--decode-prefix-cache`) the prompt's
+   leading pages this instance already holds are taken from the cache instead, and prefill sends only
+   the pages after them (always the one holding the prompt's last token). A bounded queue, like
+   prefill's bootstrap queue: when full, new requests are refused at once (503).
 2. Transfer queue: the prefill instance writes the prompt's KV straight into those pages; the
    receiver is polled without blocking. Success: the first token is read from the aux slot.
 3. Running batch: the request joins the decode batch directly; its prompt is never recomputed.
+A request the router marks `local_prefill` skips all this (`--local-prefill`): the scheduler computes
+its prompt here like a monolithic instance's, from the prefix cache when it holds the start.
 With the model's shared secret, a request's bootstrap target (the prefill instance to contact)
 is taken only with the router's signature over it: any other is refused (403) before anything is
 contacted. Failure at any point ends the request with a 500 naming the cause. Pages a failed
@@ -122,15 +126,20 @@ class DecodeStage:
     def _preallocate(self, d: DecodeReq) -> bool:
         if not self.free_slots or self.scheduler.num_running + len(self.transfer) >= self.max_running:
             return False
-        need = pages_for(d.req.seq_len, self.page_size)
-        if need + self.scheduler.reserved_pages() > self.allocator.num_free:
-            return False
-        pages = self.allocator.alloc(need)
+        req, radix = d.req, self.scheduler.radix
+        match = radix.match_prefix(req.prompt_ids[: req.seq_len - 1])  # whole pages before the last token's
+        radix.lock(match.node)
+        need = pages_for(req.seq_len, self.page_size) - len(match.pages)
+        pages = None
+        if need + self.scheduler.reserved_pages() <= self.allocator.num_free + radix.evictable_pages:
+            pages = self.scheduler.take_pages(need)
         if pages is None:
+            radix.unlock(match.node)
             return False
-        d.pages = pages
+        req.prefix_node, req.prefix_pages, req.cached_tokens = match.node, len(match.pages), match.num_tokens
+        d.pages = list(match.pages) + pages
         d.aux_slot = self.free_slots.pop()
-        d.receiver.init(d.pages, d.aux_slot)
+        d.receiver.init(pages, d.aux_slot, skip_pages=len(match.pages))
         return True
 
     def _poll_transfer(self) -> None:
@@ -146,6 +155,7 @@ class DecodeStage:
                 self.scheduler.add_running(d.req, d.pages, token, logprob, unpack_top_logprobs(aux))
             elif state is KVPoll.Failed:
                 del self.transfer[rid]
+                self._give_back_prefix(d)  # no transfer writes the held pages: only the others may be unsafe
                 failure = d.receiver.failure()
                 if failure is not None and failure.pages_unsafe:
                     self.quarantine.append(d)
@@ -161,9 +171,17 @@ class DecodeStage:
                 self._free(d)
 
     def _free(self, d: DecodeReq) -> None:
+        self._give_back_prefix(d)
         self.allocator.free(d.pages)
         d.pages = []
         self.free_slots.append(d.aux_slot)
+
+    def _give_back_prefix(self, d: DecodeReq) -> None:
+        """Unlock the cached pages a failed request held (its first `prefix_pages`); `d.pages` keeps the others."""
+        req = d.req
+        if req.prefix_node is not None:
+            self.scheduler.radix.unlock(req.prefix_node)
+        d.pages, req.prefix_node, req.prefix_pages = d.pages[req.prefix_pages :], None, 0
 
     def queue_sizes(self) -> dict[str, int]:
         return {

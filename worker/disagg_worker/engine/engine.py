@@ -150,9 +150,11 @@ class Engine:
             max_context_len=self.max_context_len,
             matcher=matcher,
         )
+        if not problem and m.local_prefill and not self.cfg.takes_local_prefill:
+            problem = f"this {self.cfg.disagg.role.value} instance does not compute prompts for local_prefill"
         if problem:
             self.outbox.reject(req, 400, problem)
-        elif self.stage is not None:
+        elif self.stage is not None and not m.local_prefill:
             self.stage.arrive(req, m.bootstrap)
         else:
             self.scheduler.add(req)
@@ -275,6 +277,7 @@ class Engine:
             step_count=s.step_count,
             cache_pages=self.radix.total_pages,
             cache_refs=self.radix.total_refs(),
+            prompt_tokens_computed=s.prompt_tokens_computed,
             pid=os.getpid(),
             queues=self.queue_sizes(),
             rank_queues=self.rank_queue_sizes(),

@@ -96,6 +96,7 @@ class Scheduler:
         self.running: list[Req] = []
         self.by_rid: dict[str, Req] = {}
         self.step_count = 0
+        self.prompt_tokens_computed = 0  # tokens of prompts computed before their first token (SchedulerStats)
 
     # ---- queue changes -------------------------------------------------------------------
     def add(self, req: Req) -> None:
@@ -225,7 +226,7 @@ class Scheduler:
         if need + self.reserved_pages() > self.allocator.num_free + self.radix.evictable_pages:
             self.radix.unlock(match.node)
             return False
-        pages = self._alloc(need)
+        pages = self.take_pages(need)
         if pages is None:
             self.radix.unlock(match.node)
             return False
@@ -244,15 +245,16 @@ class Scheduler:
         need = self._needs_page(req, n)
         if need == 0:
             return True
-        pages = self._alloc(need)
+        pages = self.take_pages(need)
         while pages is None and self._retract_one([req, *protected]):
-            pages = self._alloc(need)
+            pages = self.take_pages(need)
         if pages is None:
             return False
         req.pages.extend(pages)
         return True
 
-    def _alloc(self, n: int) -> list[int] | None:
+    def take_pages(self, n: int) -> list[int] | None:
+        """`n` free pages, evicting the prefix cache's unused ones if needed; None if there are not enough."""
         short = n - self.allocator.num_free
         if short > 0:
             self.radix.evict(short)
@@ -282,6 +284,7 @@ class Scheduler:
         pos = 0
         for r, n in zip(plan.reqs, plan.extend, strict=True):
             pos += n
+            self.prompt_tokens_computed += n if r.num_generated == 0 else 0
             if r.pending:
                 future.append((pos - 1, r))
             r.num_computed += n  # with a draft, past the known tokens until `process` knows what was kept

@@ -41,6 +41,7 @@ class Init:
     room: int
     pages: list[int]
     aux_slot: int
+    skip_pages: int = 0
 
 
 @dataclass(frozen=True)
@@ -79,7 +80,7 @@ class RankTransfer:
         elif isinstance(cmd, Send) and isinstance(h, KVSender):
             h.send(cmd.pages, cmd.last, cmd.aux or None)
         elif isinstance(cmd, Init) and isinstance(h, KVReceiver):
-            h.init(cmd.pages, cmd.aux_slot)
+            h.init(cmd.pages, cmd.aux_slot, cmd.skip_pages)
         elif isinstance(cmd, Abort):
             h.abort(cmd.reason)
 
@@ -247,8 +248,8 @@ class RankedReceiver(KVReceiver):
     def poll(self) -> KVPoll:
         return self._kv.state(self.room).state
 
-    def init(self, dest_pages: list[int], aux_slot: int) -> None:
-        self._kv.issue(Init(self.room, list(dest_pages), aux_slot))
+    def init(self, dest_pages: list[int], aux_slot: int, skip_pages: int = 0) -> None:
+        self._kv.issue(Init(self.room, list(dest_pages), aux_slot, skip_pages))
 
     def abort(self, reason: str = "aborted by decode") -> None:
         self._kv.issue(Abort(self.room, reason))

@@ -3,7 +3,9 @@
 Path of a request: admission (in-flight bound, body limit: `server.py`) -> parse the JSON ->
 serialise it once (`payload.py`) -> split `n > 1` into n single-choice requests -> for each, pick
 a healthy (prefill, decode) pair and a fresh random 63-bit bootstrap room -> send the request with
-the bootstrap fields to both at once -> stream decode's answer (`stream.py`).
+the bootstrap fields to both at once -> stream decode's answer (`stream.py`). With conditional
+disaggregation (`workers.Policy`), a decode that lacks few of the prompt's tokens gets the request
+alone, marked `local_prefill`, and computes them itself.
 
 Until the first event has been passed on to the client, a failed pair is retried on another pair
 with a new room: a decode that fails, or a prefill that refuses first (5xx, 429, or 503 while it
@@ -81,7 +83,7 @@ class Opened:
 
     resp: aiohttp.ClientResponse
     first: bytes
-    prefill: asyncio.Task
+    prefill: asyncio.Task | None  # None: decode computed the prompt itself
     decode: Worker
     decode_group: int | None = None
 
@@ -136,7 +138,7 @@ class Router:
             self._verify.cancel()
         await self.session.close()
 
-    def pick_pair(self, exclude: set[Worker], prompt: Prompt | None = None) -> tuple[Worker, Worker] | None:
+    def pick_pair(self, exclude: set[Worker], prompt: Prompt | None = None) -> tuple[Worker | None, Worker] | None:
         if self.verifier is not None:
             return self.verifier.pick_pair(exclude, prompt)
         return self.pool.pick_pair(exclude, prompt)
@@ -167,14 +169,19 @@ class Router:
             pair = self.pick_pair(tried, prompt)
             if pair is None or self.cut_reason:
                 break
-            opened = await self._try_pair(path, body, choice, *pair, uncached=self.pool.uncached(pair[0], prompt))
+            p, d = pair
+            self.pool.routes["pd" if p is not None else "decode_only"] += 1
+            if p is None:
+                opened = await self._try_decode_only(path, body, choice, d)
+            else:
+                opened = await self._try_pair(path, body, choice, p, d, uncached=self.pool.uncached(p, prompt))
             if isinstance(opened, Opened):
                 return self._track(opened)
             last = opened
             if not opened.retryable:
                 break
             # Retry without the side that failed: with one prefill, a dead decode is still replaced.
-            tried.update([opened.worker] if opened.worker is not None else pair)
+            tried.update([opened.worker] if opened.worker is not None else [w for w in pair if w is not None])
         if self.cut_reason:
             raise unavailable(self.cut_reason)
         if last is None:
@@ -221,7 +228,8 @@ class Router:
         self.cut_reason = reason
         for o in list(self.opened):
             o.resp.close()
-            o.prefill.cancel()
+            if o.prefill is not None:
+                o.prefill.cancel()
         return len(self.opened)
 
     async def _try_pair(
@@ -255,6 +263,12 @@ class Router:
         if self.verifier is not None:
             self.verifier.passed(p, d)
         return Opened(opened[0], opened[1], prefill, d, dg)
+
+    async def _try_decode_only(self, path: str, body: SharedBody, choice: dict, d: Worker) -> Opened | Attempt:
+        """Conditional disaggregation: decode computes the prompt itself (`local_prefill`), no prefill involved."""
+        dg = d.pick_group(self.pool.group_policy, secrets.randbits(63))
+        opened = await self._decode(d, path, body.payload(**choice, local_prefill=True, **in_group(dg)), dg)
+        return opened if isinstance(opened, Attempt) else Opened(opened[0], opened[1], None, d, dg)
 
     async def _decode(
         self, d: Worker, path: str, payload: JoinedPayload, group: int | None = None

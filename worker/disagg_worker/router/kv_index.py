@@ -88,6 +88,10 @@ class KVIndex:
     def of(self, url: str) -> InstanceIndex:
         return self.instances.setdefault(url, InstanceIndex())
 
+    def known(self, url: str) -> InstanceIndex:
+        """The worker's index as it stands (an empty one, not kept, before its first answer)."""
+        return self.instances.get(url) or InstanceIndex()
+
     def forget(self, keep: set[str]) -> None:
         """Drop the workers no longer in the pool."""
         for url in set(self.instances) - keep:
@@ -123,7 +127,7 @@ class KVIndex:
         return i.cached_pages(names) if i is not None and self.usable(url, now) else 0
 
     def describe(self, url: str, now: float) -> dict:
-        i = self.instances.get(url) or InstanceIndex()
+        i = self.known(url)
         state, why = self.status(url, now)
         d = {"state": state, "pages": len(i.names), "seq": i.seq, "snapshots": i.snapshots}
         return {**d, "why": why} if why else d

@@ -21,7 +21,8 @@ PER_REQUEST = ("n", "seed", "stream", "stream_options")
 # The bootstrap target and the workers' attention groups (DP attention) are the router's alone
 # (`auth.RouterAuth.target`, `app._group`): a client's are dropped.
 BOOTSTRAP = (
-    "bootstrap_host", "bootstrap_port", "bootstrap_room", "bootstrap_sig", "bootstrap_dp_rank", "data_parallel_rank"
+    "bootstrap_host", "bootstrap_port", "bootstrap_room", "bootstrap_sig", "bootstrap_dp_rank", "data_parallel_rank",
+    "local_prefill",
 )  # fmt: skip
 # Writes of the shared bytes go out in slices, so the transport never buffers a whole copy at once.
 WRITE_SLICE = 256 * 1024

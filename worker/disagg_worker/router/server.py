@@ -20,6 +20,7 @@ from disagg_worker.router.app import ROUTER, Opened, Router
 from disagg_worker.router.auth import RouterAuth, add_auth_args
 from disagg_worker.router.fanout import merge_bodies, stream_merged
 from disagg_worker.router.handoff import HandoffMonitor
+from disagg_worker.router.metrics import metrics_handler
 from disagg_worker.router.payload import SharedBody
 from disagg_worker.router.prompt import PromptTokens
 from disagg_worker.router.stream import DONE, UpstreamLost, error_event, relay
@@ -52,6 +53,7 @@ def build_router_app(router: Router, admission: Admission) -> web.Application:
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)
     app.router.add_get("/livez", livez)
+    app.router.add_get("/metrics", metrics_handler(router.pool))
     return app
 
 
@@ -95,7 +97,8 @@ async def proxy_one(
             await out.write(DONE)
         return out
     except asyncio.CancelledError:
-        o.prefill.cancel()  # the client left: abort the prefill side too
+        if o.prefill is not None:
+            o.prefill.cancel()  # the client left: abort the prefill side too
         raise
     finally:
         router.close(o)
@@ -155,9 +158,9 @@ async def health(request: web.Request) -> web.Response:
     body: dict = {"workers": [w.describe() for w in pool.workers()]}
     if pool.policy is Policy.CACHE_AWARE:
         for w, d in zip(pool.workers(), body["workers"], strict=True):
-            if w.role == "prefill":
+            if pool.indexed(w):
                 d["kv_index"] = pool.kv_index.describe(w.url, now)
-        body["routing"] = dict(pool.decisions)
+        body["routing"] = {**pool.decisions, **{f"routed_{k}": n for k, n in pool.routes.items()}}
     if verifier is not None:
         body.update(pairs=verifier.describe(), handoff=verifier.monitor.describe())
     if request.app[ADMISSION].draining:
@@ -234,6 +237,13 @@ def add_router_args(p) -> None:
         help="cache_aware: while a prefill worker is idle, one with this many prompt tokens pending takes no more",
     )
     p.add_argument(
+        "--decode-only-tokens",
+        type=int,
+        default=0,
+        help="cache_aware: a decode lacking at most this many of a prompt's tokens computes them itself, with no "
+        "prefill (conditional disaggregation; decode runs with --local-prefill); 0: off",
+    )
+    p.add_argument(
         "--dp-group-policy",
         default=GroupPolicy.LOAD.value,
         choices=[p.value for p in GroupPolicy],
@@ -305,6 +315,7 @@ async def serve(ns, auth: RouterAuth, ready: asyncio.Event | None = None) -> Non
         3 * ns.health_interval, ns.health_interval + 2 * TUNING.router.health_timeout_s + 1
     )
     pool.balance_tokens = ns.cache_aware_balance_tokens
+    pool.decode_only_tokens = ns.decode_only_tokens
     router = Router(
         pool,
         ns.served_model_name,
@@ -341,4 +352,6 @@ def run(ns) -> None:
     auth = RouterAuth.from_cli(ns)  # before anything starts: a key asked for but missing stops here
     if ns.policy == Policy.CACHE_AWARE.value and not ns.tokenizer:
         raise SystemExit("disagg router: --policy cache_aware needs --tokenizer (the served model's directory or GGUF)")
+    if ns.decode_only_tokens and ns.policy != Policy.CACHE_AWARE.value:
+        raise SystemExit("disagg router: --decode-only-tokens needs --policy cache_aware (which reads the prompts)")
     asyncio.run(serve(ns, auth))

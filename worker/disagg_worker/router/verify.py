@@ -125,6 +125,8 @@ class PairVerifier:
         d = self.pool.pick("decode", set(exclude) | (set(self.pool.workers("decode")) - decodes))
         if d is None:
             return None
+        if self.pool.decode_only(d, prompt):
+            return None, d
         partners = {p for p, dd in usable if dd is d}
         p = self.pool.pick("prefill", set(exclude) | (set(self.pool.workers("prefill")) - partners), prompt)
         return (p, d) if p is not None else None

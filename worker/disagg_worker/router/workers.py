@@ -28,7 +28,11 @@ class Policy(str, Enum):
     least load; prefill by the lowest cost, the prompt's tokens the worker has not cached plus the uncached
     tokens of this router's prefills still running there, so a miss goes to the least loaded worker, not to the
     one that caches most. Guard: while some prefill worker is idle, one with `balance_tokens` or more pending
-    takes no more (a stream of long prompts sharing a prefix does not pin one worker)."""
+    takes no more (a stream of long prompts sharing a prefix does not pin one worker).
+
+    Conditional disaggregation (`WorkerPool.decode_only_tokens` > 0, CACHE_AWARE only): decode is picked first;
+    when the prompt tokens it lacks (its own prefix cache's index) are at most that many, it computes them
+    itself and no prefill takes part (no bootstrap, no transfer)."""
 
     ROUND_ROBIN = "round_robin"
     LEAST_LOAD = "least_load"
@@ -185,7 +189,11 @@ class WorkerPool:
     worker_headers: dict[str, str] = field(default_factory=dict)
     # CACHE_AWARE's guard (see Policy) and its choices so far, by kind (/health).
     balance_tokens: int = 4096
+    # Conditional disaggregation's threshold (see Policy; 0: every request goes through a prefill).
+    decode_only_tokens: int = 0
     decisions: collections.Counter[str] = field(default_factory=collections.Counter)
+    # Requests sent on, by path: "pd" (a prefill and a decode) or "decode_only" (Router.open).
+    routes: collections.Counter[str] = field(default_factory=collections.Counter)
     # One round-robin counter per role: with a shared one, equal numbers of prefill and decode workers made
     # every pick land on the same pair.
     _rr: dict[str, itertools.count] = field(default_factory=lambda: collections.defaultdict(itertools.count))
@@ -208,9 +216,28 @@ class WorkerPool:
 
     def pick_pair(
         self, exclude: frozenset[Worker] | set[Worker] = frozenset(), prompt: Prompt | None = None
-    ) -> tuple[Worker, Worker] | None:
-        p, d = self.pick("prefill", exclude, prompt), self.pick("decode", exclude)
-        return (p, d) if p is not None and d is not None else None
+    ) -> tuple[Worker | None, Worker] | None:
+        """A prefill and a decode; (None, decode) when decode computes the prompt itself (`decode_only`)."""
+        d = self.pick("decode", exclude)
+        if d is None:
+            return None
+        if self.decode_only(d, prompt):
+            return None, d
+        p = self.pick("prefill", exclude, prompt)
+        return (p, d) if p is not None else None
+
+    def decode_only(self, d: Worker, prompt: Prompt | None) -> bool:
+        """Decode `d` lacks few enough of the prompt's tokens to compute them itself (conditional disaggregation);
+        counted as a routing decision."""
+        if prompt is None or self.decode_only_tokens <= 0 or self.uncached(d, prompt) > self.decode_only_tokens:
+            return False
+        self.decisions["decode_only"] += 1
+        return True
+
+    def indexed(self, w: Worker) -> bool:
+        """The router keeps an index of `w`'s prefix cache: prefill under CACHE_AWARE, decode too when it may
+        compute prompts itself."""
+        return self.policy is Policy.CACHE_AWARE and (w.role == "prefill" or self.decode_only_tokens > 0)
 
     def uncached(self, w: Worker, prompt: Prompt | None) -> int:
         """Prompt tokens `w` would compute (at least one: the last token always runs)."""
@@ -256,7 +283,7 @@ class WorkerPool:
             w.healthy = ok
             if ok and not w.max_model_len:
                 w.max_model_len = await max_model_len(session, w.url)
-            if ok and self.policy is Policy.CACHE_AWARE and w.role == "prefill":
+            if ok and self.indexed(w):
                 await self.fetch_kv_events(session, w)
 
         workers = self.workers()

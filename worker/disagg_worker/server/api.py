@@ -21,7 +21,7 @@ from aiohttp import web
 from disagg_worker.engine.params import SamplingParams
 from disagg_worker.env import WorkerEnv, load_env
 from disagg_worker.limits import body_limit_bytes
-from disagg_worker.messages import BootstrapInfo, FlushCacheReq, Route, SchedulerStats
+from disagg_worker.messages import FlushCacheReq, Route, SchedulerStats
 from disagg_worker.server import openai_format as fmt
 from disagg_worker.server.admission import DRAINING, Admission, admission_middleware
 from disagg_worker.server.body import read_body
@@ -31,6 +31,7 @@ from disagg_worker.server.health import health_report
 from disagg_worker.server.kv_events_api import kv_events_handler
 from disagg_worker.server.metrics import PROBE_HEADER
 from disagg_worker.server.protocol import parse_chat, parse_completion, parse_generate, parse_json
+from disagg_worker.server.route_fields import route_of
 from disagg_worker.server.tool_calls import ChatTools, ToolStream, call_deltas
 
 log = logging.getLogger(__name__)
@@ -98,47 +99,6 @@ def build_app(
 async def read_json(request: web.Request):
     raw = await read_body(request, request.app[ADMISSION].body_limit())
     return await request.app[FRONTEND].parse(raw, parse_json)
-
-
-def route_of(body) -> Route:
-    """Where the request runs: the P/D bootstrap target the router adds (absent in monolithic use), and the
-    attention group it names (`data_parallel_rank`, SGLang's field; DP attention)."""
-    dp = body.get("data_parallel_rank") if isinstance(body, dict) else None
-    if dp is not None and not _count(dp):
-        raise APIError(400, "data_parallel_rank must be a non-negative integer", param="data_parallel_rank")
-    return Route(bootstrap_of(body), dp)
-
-
-def _count(v: object) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
-
-
-def bootstrap_of(body) -> BootstrapInfo | None:
-    """P/D fields the router adds to a request body (absent in monolithic use)."""
-    if not isinstance(body, dict) or "bootstrap_room" not in body:
-        return None
-    dp = body.get("bootstrap_dp_rank")
-    if dp is not None and not _count(dp):
-        raise APIError(400, "bootstrap_dp_rank must be a non-negative integer", param="bootstrap_dp_rank")
-    host, port, room = body.get("bootstrap_host"), body.get("bootstrap_port"), body.get("bootstrap_room")
-    sig = body.get("bootstrap_sig", "")
-    if not isinstance(sig, str):
-        raise APIError(400, "bootstrap_sig must be a string", param="bootstrap_sig")
-    if (
-        not isinstance(host, str)
-        or "/" in host  # the signature covers host and group as "host/dp/k": a host holds no "/"
-        or not isinstance(port, int)
-        or not isinstance(room, int)
-        or isinstance(port, bool)
-        or isinstance(room, bool)
-        or not 0 <= room < 2**63
-    ):
-        raise APIError(
-            400,
-            "bootstrap_host (str), bootstrap_port (int) and bootstrap_room (0..2^63-1) are required together",
-            param="bootstrap_room",
-        )
-    return BootstrapInfo(host, port, room, sig, dp)
 
 
 def choice_params(params: SamplingParams, i: int) -> SamplingParams:

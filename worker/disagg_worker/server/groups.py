@@ -87,6 +87,7 @@ def merge_stats(parts: Mapping[int, msg.SchedulerStats]) -> msg.SchedulerStats:
         step_count=max(s.step_count for s in ordered),
         cache_pages=total("cache_pages"),
         cache_refs=total("cache_refs"),
+        prompt_tokens_computed=total("prompt_tokens_computed"),
         metrics_text=merge_exposition({g: parts[g].metrics_text for g in sorted(parts)}),
         queues=queues,
         rank_queues=ranks,

@@ -56,8 +56,8 @@ class DecodeReceiver(KVReceiver):
     def poll(self) -> KVPoll:
         return self._state.cell.get()
 
-    def init(self, dest_pages: list[int], aux_slot: int) -> None:
-        self._mgr.init_room(self._state, list(dest_pages), aux_slot)
+    def init(self, dest_pages: list[int], aux_slot: int, skip_pages: int = 0) -> None:
+        self._mgr.init_room(self._state, list(dest_pages), aux_slot, skip_pages)
 
     def abort(self, reason: str = "aborted by decode") -> None:
         self._mgr.fail(self._state, reason)
@@ -130,7 +130,7 @@ class MooncakeDecodeManager(KVManager):
         self._control.join(timeout=5)
         self.channel.close()
 
-    def init_room(self, state: DecodeRoom, dest: list[int], aux_slot: int) -> None:
+    def init_room(self, state: DecodeRoom, dest: list[int], aux_slot: int, skip_pages: int = 0) -> None:
         """`DecodeReceiver.init`: check the destination, reserve staging if it is fragmented, and
         send it to prefill once the instance is resolved."""
         if state.cell.get() is KVPoll.Failed:
@@ -140,11 +140,14 @@ class MooncakeDecodeManager(KVManager):
             problem = problem or f"aux slot {aux_slot} outside [0, {self.layout.aux_num_slots})"
         if state.inited:
             problem = problem or "init() called twice"
+        if skip_pages < 0:
+            problem = problem or f"skip_pages {skip_pages} is negative"
         if problem:
             self.fail(state, problem)
             return
         with self._lock:
             state.dest_pages, state.aux_slot, state.init_at = dest, aux_slot, time.monotonic()
+            state.skip_pages = skip_pages
             inst = self._instances.get(state.addr)
             if inst is not None and inst.state is InstanceState.READY:
                 self._request(state, inst)
@@ -159,7 +162,7 @@ class MooncakeDecodeManager(KVManager):
                 decode_id=self.decode_id, reply_endpoint=self.channel.endpoint, room=state.room,
                 dest_pages=state.dest_pages, aux_slot=state.aux_slot, staging_offset=offset,
                 src_head=t.heads.src, dst_head=t.heads.dst, num_heads=-1 if t.whole else t.heads.count,
-                decode_ranks=t.decode_ranks,
+                decode_ranks=t.decode_ranks, skip_pages=state.skip_pages,
             )  # fmt: skip
             self.channel.send(_endpoint(t.rank), msg)
 

@@ -39,6 +39,7 @@ class DecodeRoom:
     cell: StatusCell = field(default_factory=StatusCell)
     dest_pages: list[int] = field(default_factory=list)
     aux_slot: int = -1
+    skip_pages: int = 0  # leading prompt pages decode already holds: prefill sends none of them
     init_at: float = 0.0  # when init() gave the destination; 0: not yet
     targets: list[tuple[int, int]] = field(default_factory=list)  # (tp, pp) of prefill ranks asked
     done: set[tuple[int, int]] = field(default_factory=set)

@@ -91,6 +91,8 @@ class DecodePeer:
             )
         if req.decode_ranks < 1:
             return f"decode_ranks={req.decode_ranks}: at least one decode rank sends a request"
+        if req.skip_pages < 0:
+            return f"skip_pages={req.skip_pages}: negative"
         return "" if req.aux_slot >= 0 else f"negative aux slot {req.aux_slot}"
 
     def _check_slice(self, req: RoomRequest, local: KVLayout) -> str:

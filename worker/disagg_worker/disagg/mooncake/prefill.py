@@ -122,16 +122,24 @@ class MooncakePrefillManager(KVManager):
             self.fail(state, f"send() in status {status.name}" + (" after the last chunk" if state.last_queued else ""))
             return
         problem = check_pages(pages, self.layout.num_pages)
-        allocated = len(state.dests[0][1].dest_pages)
+        skip = state.dests[0][1].skip_pages  # the room's first pages, which decode holds already
+        allocated = skip + len(state.dests[0][1].dest_pages)
+        held = min(max(skip - state.sent, 0), len(pages))  # pages of this send that decode holds
         if state.sent + len(pages) > allocated:
             problem = f"{state.sent + len(pages)} pages sent but decode allocated {allocated}"
+        elif last and held == len(pages):
+            problem = f"decode holds the room's last page (it skips {skip}): it must receive the last token's KV"
         aux_limit = min(peer.aux_item_nbytes for peer, _ in state.dests)
         if last and len(aux) > aux_limit:
             problem = f"aux record of {len(aux)} bytes exceeds decode's {aux_limit}"
         if problem:
             self.fail(state, problem)
             return
+        if held == len(pages):
+            state.skip_send(held)
+            return
         first_index = state.queue_send(len(pages), last, aux, self.cfg.waiting_timeout_s, jobs=len(state.dests))
+        first_index, pages = first_index + held - skip, pages[held:]  # from here on, positions in dest_pages
         first = state.cell.advance(KVPoll.Transferring)
         for peer, req in state.dests:
             dst = req.dest_pages[first_index : first_index + len(pages)]

@@ -30,7 +30,7 @@ class PrefillRoom:
     requests: list[RoomRequest] = field(default_factory=list)
     # The accepted ones with their peers; WaitingForInput once all `decode_ranks` of them arrived.
     dests: list[tuple[DecodePeer, RoomRequest]] = field(default_factory=list)
-    sent: int = 0  # destination pages consumed by send() so far
+    sent: int = 0  # the room's pages consumed by send() so far (those decode holds, `skip_pages`, included)
     inflight: int = 0  # jobs (a send to one decode rank) queued or on the wire and not yet settled
     last_queued: bool = False
     nbytes: int = 0
@@ -57,9 +57,17 @@ class PrefillRoom:
             return f"decode ranks announce {first.decode_ranks} and {req.decode_ranks} requests for room {req.room}"
         if len(self.dests) >= first.decode_ranks:
             return f"more requests for room {req.room} than the {first.decode_ranks} decode ranks announced"
-        if len(req.dest_pages) != len(first.dest_pages):
-            return f"decode ranks allocated {len(first.dest_pages)} and {len(req.dest_pages)} pages for one room"
+        if len(req.dest_pages) != len(first.dest_pages) or req.skip_pages != first.skip_pages:
+            return (
+                f"decode ranks allocated {len(first.dest_pages)} and {len(req.dest_pages)} pages after "
+                f"{first.skip_pages} and {req.skip_pages} held pages for one room"
+            )
         return ""
+
+    def skip_send(self, n_pages: int) -> None:
+        """A send of pages decode holds already: counted, nothing written."""
+        with self.lock:
+            self.sent += n_pages
 
     def queue_send(self, n_pages: int, last: bool, aux: bytes, timeout_s: float, jobs: int = 1) -> int:
         """Count one more send of `n_pages` (`jobs` jobs: one per decode rank); returns the

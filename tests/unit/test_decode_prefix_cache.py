@@ -1,0 +1,97 @@
+"""Decode's prefix cache and local prefill in one process (a scripted transfer backend, the tiny model): a
+request marked local_prefill is computed by decode itself; a later request whose start decode holds asks prefill
+only for the pages after it; when that transfer fails, only those pages are quarantined and the held prefix is
+given back to the cache. Without the options, decode refuses local_prefill."""
+
+from __future__ import annotations
+
+import pytest
+
+from disagg_worker import messages as msg
+from disagg_worker.config import ConfigError, DisaggConfig, Role
+from disagg_worker.disagg import KVPoll
+from disagg_worker.engine.loop import Stepper
+from disagg_worker.engine.params import SamplingParams
+from tests.unit.test_decode_quarantine import ROOMS, decode_engine
+
+PAGE = 4  # decode_engine's page size
+PARAMS = SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True)
+
+
+def run_until_done(stepper: Stepper, rid: str) -> list[msg.TokenOut]:
+    outs: list[msg.TokenOut] = []
+    for _ in range(200):
+        stepper.step()
+        outs += stepper.engine.take_outputs()
+        if any(o.rid == rid and o.finish_reason is not None for o in outs):
+            return outs
+    raise AssertionError(f"{rid} never finished: {outs}")
+
+
+def test_a_held_prefix_is_not_transferred_again_and_a_failed_transfer_gives_it_back(tiny_model):
+    engine, kv = decode_engine(tiny_model, decode_prefix_cache=True, local_prefill=True)
+    total = engine.allocator.num_total
+    stepper = Stepper(engine, overlap=False)
+    try:
+        prompt = list(range(10, 30))  # 20 tokens
+        engine.handle(msg.GenerateReq("local", prompt, PARAMS, local_prefill=True))
+        outs = run_until_done(stepper, "local")
+        tokens = [t for o in outs for t in o.token_ids]
+        assert len(tokens) == 4 and not kv.receivers and not any(o.error for o in outs)
+        history = prompt + tokens  # 24 tokens; decode computed 23 of them: 5 whole pages cached
+        assert engine.radix.total_pages == 5
+
+        follow_up = history + list(range(40, 46))  # 30 tokens, 8 pages: 5 held, 3 from prefill
+        engine.handle(msg.GenerateReq("pd", follow_up, PARAMS, msg.BootstrapInfo("10.0.0.7", 8998, next(ROOMS))))
+        stepper.step()
+        (receiver,) = kv.receivers
+        assert receiver.skip_pages == 5 and len(receiver.pages) == 3
+        assert engine.radix.total_refs() > 0  # the held pages are locked while the room lives
+        receiver.status, receiver.unsafe = KVPoll.Failed, True
+        for _ in range(5):
+            stepper.step()
+        assert [o.error_status for o in engine.take_outputs()] == [500]
+        assert engine.allocator.num_free + engine.radix.total_pages == total - 3  # only the 3 written pages held back
+        assert engine.radix.total_refs() == 0
+        receiver.unsafe = False
+        stepper.step()
+        assert engine.allocator.num_free + engine.radix.total_pages == total
+    finally:
+        stepper.pool.shutdown()
+        engine.close()
+
+
+def test_the_last_page_always_comes_from_prefill(tiny_model):
+    engine, kv = decode_engine(tiny_model, decode_prefix_cache=True, local_prefill=True)
+    stepper = Stepper(engine, overlap=False)
+    try:
+        prompt = list(range(10, 34))  # 24 tokens
+        engine.handle(msg.GenerateReq("local", prompt, PARAMS, local_prefill=True))
+        run_until_done(stepper, "local")
+        # The same prompt again: decode holds all 6 of its pages, but the one of the last token is sent.
+        engine.handle(msg.GenerateReq("pd", prompt, PARAMS, msg.BootstrapInfo("10.0.0.7", 8998, next(ROOMS))))
+        stepper.step()
+        (receiver,) = kv.receivers
+        assert receiver.skip_pages == 5 and len(receiver.pages) == 1
+    finally:
+        stepper.pool.shutdown()
+        engine.close()
+
+
+def test_decode_without_local_prefill_refuses_it(tiny_model):
+    engine, kv = decode_engine(tiny_model)
+    stepper = Stepper(engine, overlap=False)
+    try:
+        engine.handle(msg.GenerateReq("x", [1, 2, 3], PARAMS, local_prefill=True))
+        stepper.step()
+        (out,) = engine.take_outputs()
+        assert out.error_status == 400 and "does not compute prompts for local_prefill" in out.error
+    finally:
+        stepper.pool.shutdown()
+        engine.close()
+
+
+@pytest.mark.parametrize("option", ["decode_prefix_cache", "local_prefill"])
+def test_the_decode_options_are_refused_on_prefill(option):
+    with pytest.raises(ConfigError, match="decode instance's option"):
+        DisaggConfig(role=Role.PREFILL, **{option: True}).check()

@@ -1,0 +1,79 @@
+"""The router's GET /metrics (Prometheus text): how it routed requests, its workers as it sees them, and its
+index of their prefix caches (`kv_index.py`).
+
+Read from the pool at each scrape (a collector over the pool), so that the numbers are the ones /health shows
+and nothing here keeps state of its own. Like a worker's /metrics, it takes the client API key when keys are on.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from disagg_worker.router.workers import WorkerPool
+
+# How the cache-aware policy picked a request's prefill, or that decode computed the prompt itself.
+DECISIONS = ("cache_hit", "load", "balanced", "decode_only")
+INDEX_STATES = ("ok", "silent", "mismatch", "unknown")
+
+
+class PoolCollector:
+    def __init__(self, pool: WorkerPool):
+        self.pool = pool
+
+    def collect(self) -> Iterator[Metric]:
+        pool, now = self.pool, time.monotonic()
+        routes = CounterMetricFamily(
+            "disagg_router_requests_routed",
+            "Requests sent to a prefill/decode pair or to decode alone",
+            labels=["path"],
+        )
+        for path in ("pd", "decode_only"):
+            routes.add_metric([path], pool.routes.get(path, 0))
+        decisions = CounterMetricFamily(
+            "disagg_router_cache_aware_decisions", "cache_aware's choices by kind (see Policy)", labels=["kind"]
+        )
+        for kind in DECISIONS:
+            decisions.add_metric([kind], pool.decisions.get(kind, 0))
+        yield from (routes, decisions)
+        labels = ["worker", "role"]
+        healthy = GaugeMetricFamily("disagg_router_worker_healthy", "1 while its /health is 200", labels=labels)
+        inflight = GaugeMetricFamily("disagg_router_worker_inflight", "This router's requests on it", labels=labels)
+        pages = GaugeMetricFamily("disagg_router_kv_index_pages", "Prefix-cache pages indexed", labels=labels)
+        age = GaugeMetricFamily(
+            "disagg_router_kv_index_age_seconds", "Since the worker's KV events were last applied", labels=labels
+        )
+        snapshots = CounterMetricFamily("disagg_router_kv_index_snapshots", "Snapshots taken", labels=labels)
+        events = CounterMetricFamily("disagg_router_kv_index_events", "KV events applied", labels=labels)
+        state = GaugeMetricFamily(
+            "disagg_router_kv_index_state", "1 for the index's state (ok, silent, mismatch)", labels=[*labels, "state"]
+        )
+        for w in pool.workers():
+            key = [w.name, w.role]
+            healthy.add_metric(key, float(w.healthy))
+            inflight.add_metric(key, w.inflight)
+            if not pool.indexed(w):
+                continue
+            i, current = pool.kv_index.known(w.url), pool.kv_index.status(w.url, now)[0]
+            pages.add_metric(key, len(i.names))
+            snapshots.add_metric(key, i.snapshots)
+            events.add_metric(key, i.events)
+            if i.updated is not None:
+                age.add_metric(key, now - i.updated)
+            for s in INDEX_STATES:
+                state.add_metric([*key, s], float(s == current))
+        yield from (healthy, inflight, pages, age, snapshots, events, state)
+
+
+def metrics_handler(pool: WorkerPool):
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(PoolCollector(pool))
+
+    async def metrics(request: web.Request) -> web.Response:
+        return web.Response(body=generate_latest(registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    return metrics
