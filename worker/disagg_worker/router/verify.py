@@ -118,8 +118,9 @@ class PairVerifier:
 
     def pick_pair(
         self, exclude: frozenset[Worker] | set[Worker] = frozenset(), prompt: Prompt | None = None
-    ) -> Pair | None:
-        """A verified pair, each side chosen by the pool's policy among the verified partners of the other."""
+    ) -> tuple[Worker | None, Worker] | None:
+        """A verified pair, each side chosen by the pool's policy among the verified partners of the other; (None,
+        decode) when that decode computes the prompt itself (`WorkerPool.decode_only`)."""
         usable = [(p, d) for p, d in self.states if self.usable(p, d) and p not in exclude and d not in exclude]
         decodes = {d for _, d in usable}
         d = self.pool.pick("decode", set(exclude) | (set(self.pool.workers("decode")) - decodes))
