@@ -293,7 +293,7 @@ def main() -> None:
                 runs[policy].append(measure(policy, convs, seed=r))
                 x = runs[policy][-1]
                 print(f"{workload} round {r} {policy}: TTFT p50 {x['ttft_p50_ms']:.0f} ms, prefill tokens "
-                      f"{x['prefill_tokens']} {x['per_prefill']}, routing {x['routing']}", flush=True)  # fmt: skip
+                      f"{x['prompt_tokens']} {x['per_prefill']}, routing {x['routing']}", flush=True)  # fmt: skip
         base = runs["round_robin"][0]["answers"]
         res["workloads"][workload] = {
             p: {
@@ -322,7 +322,7 @@ def main() -> None:
         for policy in POLICIES:
             x = w[policy]
             print(f"{workload:6s} {policy:18s} TTFT p50 {x['ttft_p50_ms']:7.0f} ms p90 {x['ttft_p90_ms']:7.0f} ms | "
-                  f"prompt tokens {x['prefill_tokens']:7.0f} | max share {100 * x['max_share']:4.0f}% | answers "
+                  f"prompt tokens {x['prompt_tokens']:7.0f} | max share {100 * x['max_share']:4.0f}% | answers "
                   f"equal: {x['answers_equal_round_robin']}")  # fmt: skip
         print(workload, w["cache_aware_vs_round_robin"], w["cache_aware+decode_vs_round_robin"])
     print("short", res["short"]["ttft_p50_ms"], res["short"]["vs_monolithic"])

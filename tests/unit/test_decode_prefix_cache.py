@@ -12,6 +12,7 @@ from disagg_worker.config import ConfigError, DisaggConfig, Role
 from disagg_worker.disagg import KVPoll
 from disagg_worker.engine.loop import Stepper
 from disagg_worker.engine.params import SamplingParams
+from disagg_worker.keys import LOCAL_PREFILL, TARGET, derive, sign_target
 from tests.unit.test_decode_quarantine import ROOMS, decode_engine
 
 PAGE = 4  # decode_engine's page size
@@ -86,6 +87,24 @@ def test_decode_without_local_prefill_refuses_it(tiny_model):
         stepper.step()
         (out,) = engine.take_outputs()
         assert out.error_status == 400 and "does not compute prompts for local_prefill" in out.error
+    finally:
+        stepper.pool.shutdown()
+        engine.close()
+
+
+def test_with_the_models_secret_only_the_routers_local_prefill_is_taken(tiny_model):
+    engine, _ = decode_engine(tiny_model, secret="s3cret", local_prefill=True)
+    stepper = Stepper(engine, overlap=False)
+    key = derive("s3cret", TARGET)
+    try:
+        engine.handle(msg.GenerateReq("forged", [1, 2, 3], PARAMS, local_prefill=True, local_sig="00" * 32))
+        engine.handle(msg.GenerateReq("unsigned", [1, 2, 3], PARAMS, local_prefill=True))
+        signed = sign_target(key, LOCAL_PREFILL, 0, 0)
+        engine.handle(msg.GenerateReq("router", [1, 2, 3], PARAMS, local_prefill=True, local_sig=signed))
+        outs = run_until_done(stepper, "router")
+        refused = {o.rid: o.error_status for o in outs if o.error}
+        assert refused == {"forged": 403, "unsigned": 403}
+        assert len([t for o in outs if o.rid == "router" for t in o.token_ids]) == 4
     finally:
         stepper.pool.shutdown()
         engine.close()

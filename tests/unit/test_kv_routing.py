@@ -104,6 +104,7 @@ def index(pool: WorkerPool, w: Worker, prompts: list[list[int]]) -> None:
 def test_decode_computes_a_prompt_itself_when_it_lacks_no_more_than_the_threshold():
     pool, w = pool_holding({"a": [SYSTEM]})
     d = pool.workers("decode")[0]
+    d.report = {"local_prefill": True}  # its /health says it computes prompts itself
     index(pool, d, [SYSTEM])
     pool.decode_only_tokens = 8
     assert pool.pick_pair(prompt=prompt(SYSTEM + list(range(8)))) == (None, d)  # lacks 8: decode alone
@@ -113,11 +114,28 @@ def test_decode_computes_a_prompt_itself_when_it_lacks_no_more_than_the_threshol
     assert pool.decisions["decode_only"] == 2
     pool.decode_only_tokens = 0
     assert pool.pick_pair(prompt=prompt(list(range(900, 906)))) == (w["a"], d)  # off
+    pool.decode_only_tokens, d.report = 8, {}
+    assert pool.pick_pair(prompt=prompt(list(range(900, 906)))) == (w["a"], d)  # a decode without --local-prefill
+
+
+def test_a_follow_up_goes_back_to_the_decode_that_holds_its_history():
+    pool, w = pool_holding({"a": []})
+    d1 = pool.workers("decode")[0]
+    d2 = Worker("http://d2", "decode", healthy=True)
+    pool.static.append(d2)
+    for d in (d1, d2):
+        d.report = {"local_prefill": True}
+    index(pool, d2, [SYSTEM])
+    pool.decode_only_tokens = 8
+    d2.inflight = 3  # busier, but the only one that can serve it alone
+    assert pool.pick_pair(prompt=prompt(SYSTEM + [1, 2])) == (None, d2)
+    assert pool.pick_pair(prompt=prompt(list(range(700, 764))))[1] is d1  # nobody holds it: P/D, decode by load
 
 
 def test_a_decode_whose_index_is_silent_gets_only_prompts_short_enough_without_its_cache():
     pool, _ = pool_holding({"a": []})
     d = pool.workers("decode")[0]
+    d.report = {"local_prefill": True}
     index(pool, d, [SYSTEM])
     pool.decode_only_tokens = 8
     pool.kv_index.stale_after_s = 0.0

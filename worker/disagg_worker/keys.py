@@ -68,6 +68,11 @@ def sign_target(key: str, host: str, port: int, room: int) -> str:
     return hmac.new(key.encode(), _target(host, port, room), hashlib.sha256).hexdigest()
 
 
+# The "target" the router signs on a request decode computes itself (`local_prefill`): no host is contacted, but
+# only the router may send one (a client reaching decode directly would skip the router's admission).
+LOCAL_PREFILL = "local_prefill"
+
+
 def target_signed(key: str, host: str, port: int, room: int, signature: str) -> bool:
     """Whether `signature` is the router's over this target (constant time)."""
     return hmac.compare_digest(sign_target(key, host, port, room), signature)

@@ -44,6 +44,7 @@ class Route:
     bootstrap: BootstrapInfo | None = None
     dp_rank: int | None = None
     local_prefill: bool = False
+    local_sig: str = ""  # the router's signature on a local_prefill request (`keys.LOCAL_PREFILL`)
 
 
 NO_ROUTE = Route()
@@ -56,6 +57,7 @@ class GenerateReq:
     params: SamplingParams
     bootstrap: BootstrapInfo | None = None
     local_prefill: bool = False
+    local_sig: str = ""
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,7 @@ from disagg_worker.engine.runner import ModelRunner
 from disagg_worker.engine.scheduler import Scheduler
 from disagg_worker.engine.speculative import DraftPlanner
 from disagg_worker.engine.stage import build_kv_manager, build_stage
+from disagg_worker.keys import LOCAL_PREFILL, target_signed
 from disagg_worker.limits import RequestLimits
 from disagg_worker.mem.allocator import PageAllocator
 from disagg_worker.mem.kv_pool import KVKind, KVPool
@@ -152,7 +153,10 @@ class Engine:
         )
         if not problem and m.local_prefill and not self.cfg.takes_local_prefill:
             problem = f"this {self.cfg.disagg.role.value} instance does not compute prompts for local_prefill"
-        if problem:
+        key = self.cfg.disagg.target_key
+        if not problem and m.local_prefill and key and not target_signed(key, LOCAL_PREFILL, 0, 0, m.local_sig):
+            self.outbox.reject(req, 403, "local_prefill not signed by this model's router: refused")
+        elif problem:
             self.outbox.reject(req, 400, problem)
         elif self.stage is not None and not m.local_prefill:
             self.stage.arrive(req, m.bootstrap)

@@ -267,7 +267,7 @@ class Router:
     async def _try_decode_only(self, path: str, body: SharedBody, choice: dict, d: Worker) -> Opened | Attempt:
         """Conditional disaggregation: decode computes the prompt itself (`local_prefill`), no prefill involved."""
         dg = d.pick_group(self.pool.group_policy, secrets.randbits(63))
-        opened = await self._decode(d, path, body.payload(**choice, local_prefill=True, **in_group(dg)), dg)
+        opened = await self._decode(d, path, body.payload(**choice, **self.auth.local_prefill(), **in_group(dg)), dg)
         return opened if isinstance(opened, Attempt) else Opened(opened[0], opened[1], None, d, dg)
 
     async def _decode(

@@ -48,6 +48,13 @@ class RouterAuth:
             out["bootstrap_sig"] = keys.sign_target(self.target_key, signed, port, room)
         return out
 
+    def local_prefill(self) -> dict:
+        """The fields of a request decode computes itself, signed when the model has a secret."""
+        out: dict = {"local_prefill": True}
+        if self.target_key:
+            out["bootstrap_sig"] = keys.sign_target(self.target_key, keys.LOCAL_PREFILL, 0, 0)
+        return out
+
 
 def add_auth_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", default=None, help="clients must send 'Authorization: Bearer KEY' (/health is open)")

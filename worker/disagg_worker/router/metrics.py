@@ -29,7 +29,7 @@ class PoolCollector:
         pool, now = self.pool, time.monotonic()
         routes = CounterMetricFamily(
             "disagg_router_requests_routed",
-            "Requests sent to a prefill/decode pair or to decode alone",
+            "Attempts (a retry counts again) sent to a prefill/decode pair or to decode alone",
             labels=["path"],
         )
         for path in ("pd", "decode_only"):
@@ -50,10 +50,12 @@ class PoolCollector:
         snapshots = CounterMetricFamily("disagg_router_kv_index_snapshots", "Snapshots taken", labels=labels)
         events = CounterMetricFamily("disagg_router_kv_index_events", "KV events applied", labels=labels)
         state = GaugeMetricFamily(
-            "disagg_router_kv_index_state", "1 for the index's state (ok, silent, mismatch)", labels=[*labels, "state"]
+            "disagg_router_kv_index_state",
+            "1 for the index's state (ok, silent, mismatch, unknown)",
+            labels=[*labels, "state"],
         )
         for w in pool.workers():
-            key = [w.name, w.role]
+            key = [w.url, w.role]  # the URL, stable (a pod name appears only once the worker reported)
             healthy.add_metric(key, float(w.healthy))
             inflight.add_metric(key, w.inflight)
             if not pool.indexed(w):

@@ -123,7 +123,7 @@ class PairVerifier:
         decode) when that decode computes the prompt itself (`WorkerPool.decode_only`)."""
         usable = [(p, d) for p, d in self.states if self.usable(p, d) and p not in exclude and d not in exclude]
         decodes = {d for _, d in usable}
-        d = self.pool.pick("decode", set(exclude) | (set(self.pool.workers("decode")) - decodes))
+        d = self.pool.pick_decode(set(exclude) | (set(self.pool.workers("decode")) - decodes), prompt)
         if d is None:
             return None
         if self.pool.decode_only(d, prompt):

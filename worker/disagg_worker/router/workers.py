@@ -214,11 +214,22 @@ class WorkerPool:
             return min(candidates, key=lambda w: (w.inflight, w.failures))
         return candidates[next(self._rr[role]) % len(candidates)]
 
+    def pick_decode(
+        self, exclude: frozenset[Worker] | set[Worker] = frozenset(), prompt: Prompt | None = None
+    ) -> Worker | None:
+        """Decode by the policy; with conditional disaggregation, the least loaded of those that could compute the
+        prompt themselves when there is one (a follow-up turn goes back to the decode that holds its history)."""
+        if self.decode_only_tokens > 0 and prompt is not None:
+            able = [w for w in self.workers("decode") if w.healthy and w not in exclude and self._could(w, prompt)]
+            if able:
+                return min(able, key=lambda w: (w.inflight, self.uncached(w, prompt), w.failures))
+        return self.pick("decode", exclude)
+
     def pick_pair(
         self, exclude: frozenset[Worker] | set[Worker] = frozenset(), prompt: Prompt | None = None
     ) -> tuple[Worker | None, Worker] | None:
         """A prefill and a decode; (None, decode) when decode computes the prompt itself (`decode_only`)."""
-        d = self.pick("decode", exclude)
+        d = self.pick_decode(exclude, prompt)
         if d is None:
             return None
         if self.decode_only(d, prompt):
@@ -229,10 +240,14 @@ class WorkerPool:
     def decode_only(self, d: Worker, prompt: Prompt | None) -> bool:
         """Decode `d` lacks few enough of the prompt's tokens to compute them itself (conditional disaggregation);
         counted as a routing decision."""
-        if prompt is None or self.decode_only_tokens <= 0 or self.uncached(d, prompt) > self.decode_only_tokens:
+        if prompt is None or self.decode_only_tokens <= 0 or not self._could(d, prompt):
             return False
         self.decisions["decode_only"] += 1
         return True
+
+    def _could(self, d: Worker, prompt: Prompt) -> bool:
+        """`d` says it computes prompts itself (`local_prefill` on its /health) and lacks few enough of this one's."""
+        return d.report.get("local_prefill") is True and self.uncached(d, prompt) <= self.decode_only_tokens
 
     def indexed(self, w: Worker) -> bool:
         """The router keeps an index of `w`'s prefix cache: prefill under CACHE_AWARE, decode too when it may

@@ -74,7 +74,9 @@ def build_app(
     health_timeout_s: float = 20.0,
     max_inflight: int = 256,
     identity: WorkerEnv | None = None,
+    local_prefill: bool = False,
 ) -> web.Application:
+    """`local_prefill`: a decode instance that computes the prompts the router marks so (/health says it)."""
     admission = Admission(max_inflight, lambda: body_limit_bytes(frontend.limits.max_context_len))
     # aiohttp's own cap stays as a backstop; read_body enforces the real limit first.
     app = web.Application(
@@ -84,6 +86,7 @@ def build_app(
     app[ADMISSION] = admission
     identity = identity if identity is not None else load_env()  # built once, at start-up
     app[SETTINGS] = {"model": model_name, "health_timeout_s": health_timeout_s, "identity": identity}
+    app[SETTINGS]["local_prefill"] = local_prefill
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/generate", generate)
@@ -312,6 +315,8 @@ async def health(request: web.Request) -> web.Response:
     Either way the body names the pod, its pairing revision, its queues and transfer counters."""
     fe, s, admission = request.app[FRONTEND], request.app[SETTINGS], request.app[ADMISSION]
     report = health_report(fe.stats, s["identity"], fe.group_stats, fe.dp_size)
+    if s["local_prefill"]:  # the router sends such a decode prompts to compute itself (conditional disaggregation)
+        report["local_prefill"] = True
     if admission.draining:
         reason = "the instance is shutting down: it finishes the requests it holds and takes no new ones"
         return web.json_response({"status": DRAINING, "reason": reason, **report}, status=503)

@@ -234,7 +234,9 @@ class Frontend:
         self.inflight[group] += 1
         done = False
         try:
-            await self.send(msg.GenerateReq(rid, input_ids, params, route.bootstrap, route.local_prefill), group)
+            await self.send(
+                msg.GenerateReq(rid, input_ids, params, route.bootstrap, route.local_prefill, route.local_sig), group
+            )
             while not done:
                 out: msg.TokenOut = await q.get()
                 done = out.finish_reason is not None

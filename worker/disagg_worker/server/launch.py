@@ -70,7 +70,8 @@ class EngineServer:
         self.frontend = frontend = Frontend(tokenizer, inboxes, self.from_engine, metrics, prefill=prefill)
         frontend.start()
         await _wait_ready(frontend, self.procs)
-        app = build_app(frontend, a.engine.model_name, a.health_timeout_s, a.inflight_limit)
+        local = a.engine.disagg.local_prefill
+        app = build_app(frontend, a.engine.model_name, a.health_timeout_s, a.inflight_limit, local_prefill=local)
         require_keys(app, accepted_keys(a))
         self.admission = admission = app[ADMISSION]
         frontend.watch(self.procs, on_exit=lambda reason: setattr(admission, "broken", reason))

@@ -19,7 +19,10 @@ def route_of(body) -> Route:
     bootstrap = bootstrap_of(body)
     if local and bootstrap is not None:
         raise APIError(400, "local_prefill and bootstrap_room exclude each other", param="local_prefill")
-    return Route(bootstrap, dp, local)
+    sig = body.get("bootstrap_sig", "") if local else ""
+    if not isinstance(sig, str):
+        raise APIError(400, "bootstrap_sig must be a string", param="bootstrap_sig")
+    return Route(bootstrap, dp, local, sig)
 
 
 def _count(v: object) -> bool:

@@ -127,7 +127,7 @@ class MooncakePrefillManager(KVManager):
         held = min(max(skip - state.sent, 0), len(pages))  # pages of this send that decode holds
         if state.sent + len(pages) > allocated:
             problem = f"{state.sent + len(pages)} pages sent but decode allocated {allocated}"
-        elif last and held == len(pages):
+        elif last and pages and held == len(pages):
             problem = f"decode holds the room's last page (it skips {skip}): it must receive the last token's KV"
         aux_limit = min(peer.aux_item_nbytes for peer, _ in state.dests)
         if last and len(aux) > aux_limit:
