@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build a local Kubernetes control plane from source through the Go module proxy:
 # etcd, kube-apiserver, kube-controller-manager, kube-scheduler, kubectl, kwok,
-# kwokctl and helm. Binaries land in $K8S_BIN_DIR (printed on the last line;
+# kwokctl, helm and the LeaderWorkerSet controller. Binaries land in $K8S_BIN_DIR (printed on the last line;
 # `build.sh --bin-dir` prints it without building).
 #
 # Idempotent: every component has a stamp file named after its version, so a
@@ -12,6 +12,7 @@ set -euo pipefail
 K8S_VERSION="${K8S_VERSION:-v1.36.3}"
 KWOK_VERSION="${KWOK_VERSION:-v0.8.0}"
 HELM_VERSION="${HELM_VERSION:-v3.22.0}"
+LWS_VERSION="${LWS_VERSION:-v0.7.0}"
 # ETCD_VERSION defaults to the go.etcd.io/etcd/server/v3 version that
 # k8s.io/kubernetes itself requires, so apiserver and etcd match.
 ETCD_VERSION="${ETCD_VERSION:-}"
@@ -123,6 +124,20 @@ build_helm() {
   stamp helm "$HELM_VERSION"
 }
 
+# The LeaderWorkerSet controller (lws.sh runs it) and its CRD, from the released module.
+build_lws() {
+  local share
+  share="$(dirname "$BIN_DIR")/share/lws"
+  up_to_date lws "$LWS_VERSION" lws-controller && [[ -f "$share/crd.yaml" ]] && return
+  log "building the LeaderWorkerSet controller $LWS_VERSION"
+  local src
+  src=$(module_dir sigs.k8s.io/lws "$LWS_VERSION")
+  (cd "$src" && go build -trimpath -ldflags "-s -w" -o "$BIN_DIR/lws-controller" ./cmd)
+  rm -rf "$share" && mkdir -p "$share"
+  install -m 0644 "$src/config/crd/bases/leaderworkerset.x-k8s.io_leaderworkersets.yaml" "$share/crd.yaml"
+  stamp lws "$LWS_VERSION"
+}
+
 # Write a wrapper go.mod that requires k8s.io/kubernetes and replaces each
 # staging module (a v0.0.0 requirement in the released go.mod) with its
 # published v0.Y.Z tag.
@@ -171,5 +186,6 @@ build_kwok
 install_kwok_stages
 build_helm
 build_k8s
+build_lws
 log "done in $((SECONDS - start))s"
 echo "$BIN_DIR"

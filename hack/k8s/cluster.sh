@@ -5,7 +5,8 @@
 #   cluster.sh status  exit 0 when it answers /readyz
 #
 # etcd, kube-apiserver, kube-controller-manager and kube-scheduler are the real
-# components built by build.sh; kwok plays the kubelets of fake GPU nodes.
+# components built by build.sh; kwok plays the kubelets of fake GPU nodes;
+# the LeaderWorkerSet controller runs beside them (lws.sh).
 # Pods reach Running/Ready through kwok's fast stages. Labelling a running pod
 # pod-container-running-failed.stage.kwok.x-k8s.io=true makes its containers
 # fail (kwok's chaos stage).
@@ -64,6 +65,7 @@ up() {
   BIN="$(bin_dir)"
   if running; then
     log "reusing running cluster $CLUSTER_NAME"
+    "$HERE/lws.sh" up "$KUBECONFIG_PATH"
     echo "$KUBECONFIG_PATH"
     return
   fi
@@ -95,11 +97,13 @@ up() {
     (( SECONDS - start < limit )) || { log "controller-manager did not start in ${limit}s"; exit 1; }
     sleep 0.5
   done
+  "$HERE/lws.sh" up "$KUBECONFIG_PATH"
   log "cluster $CLUSTER_NAME ready with $NODES nodes in $((SECONDS - start))s"
   echo "$KUBECONFIG_PATH"
 }
 
 down() {
+  "$HERE/lws.sh" down
   BIN="$(bin_dir --no-build)"
   if [[ -x "$BIN/kwokctl" ]]; then
     "$BIN/kwokctl" delete cluster --name "$CLUSTER_NAME" --kubeconfig "$KUBECONFIG_PATH" >&2 || true

@@ -23,6 +23,7 @@ PLURALS = {
     "NetworkPolicy": "networkpolicies",
     names.KIND: names.PLURAL,
     names.SCALER_KIND: names.SCALER_PLURAL,
+    names.LWS_KIND: names.LWS_PLURAL,
 }
 WRITE_VERBS = ("apply", "create", "patch", "patch_status")
 

@@ -133,12 +133,22 @@ SPECULATIVE_RULES = [
     ),
 ]
 
+SPANS = "self.{r}.tpSize * self.{r}.ppSize > self.{r}.gpusPerNode"
+
 IMMUTABLE_RULES = [
     (
         "spec.transfer",
         "self == oldSelf",
         "transfer is immutable: prefill and decode would have to switch at the same moment",
     ),
+] + [
+    (
+        "spec",
+        f"({SPANS.format(r=r)}) == ({SPANS.format(r=r).replace('self.', 'oldSelf.')})",
+        f"{r} cannot switch between instances of one node (a StatefulSet) and instances that span nodes (a "
+        "LeaderWorkerSet): delete the model and create it again",
+    )
+    for r in names.WORKER_ROLES
 ]
 
 SERVED_NAME = "(has({0}.spec.servedModelName) ? {0}.spec.servedModelName : {0}.metadata.name)"

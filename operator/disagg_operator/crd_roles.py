@@ -7,7 +7,8 @@ from .schema import free_obj, integer, obj, string
 from .spec import DEFAULT_ENGINE
 
 DTYPES = ["float32", "bfloat16", "float16"]
-MAX_RANKS_PER_INSTANCE = 8
+MAX_NODES_PER_INSTANCE = 8
+RANKS = "self.{r}.tpSize * self.{r}.ppSize"
 # A role's tensor ranks per attention group (its tpSize without DP attention), in CEL.
 ATTN_TP = "(self.{r}.tpSize / self.{r}.dpSize)"
 
@@ -70,7 +71,16 @@ def worker_role_schema(role: str) -> dict:
         {
             "replicas": integer(1, doc=f"Number of {role} pods."),
             "tpSize": integer(1, 1, "Tensor-parallel size: ranks per pipeline stage, one process (and GPU) each."),
-            "ppSize": integer(1, 1, "Pipeline-parallel size: stages; tpSize * ppSize ranks fit one node (<= 8)."),
+            "ppSize": integer(1, 1, "Pipeline-parallel size: stages; an instance runs tpSize * ppSize ranks."),
+            "gpusPerNode": integer(
+                8,
+                1,
+                "Ranks one node runs (its GPUs). An instance of more ranks (tpSize * ppSize, a multiple of this) "
+                "spans tpSize * ppSize / gpusPerNode pods, run as a group by a LeaderWorkerSet (LWS must be "
+                "installed): pod 0 serves HTTP and bootstrap, the others only their ranks, and a failed pod "
+                "restarts the whole group. On the CPU it splits the ranks the same way (one rank per pod with 1).",
+                maximum=64,
+            ),
             "epSize": integer(
                 1,
                 1,
@@ -150,8 +160,10 @@ RANK_RULES: list[tuple[str, str, str]] = (
     [
         (
             "spec",
-            f"self.{r}.resources.gpus == 0 || self.{r}.resources.gpus == self.{r}.tpSize * self.{r}.ppSize",
-            f"{r}.resources.gpus must be 0 (CPU) or {r}.tpSize * {r}.ppSize (one GPU per rank)",
+            f"self.{r}.resources.gpus == 0 || self.{r}.resources.gpus == ({RANKS.format(r=r)} <= "
+            f"self.{r}.gpusPerNode ? {RANKS.format(r=r)} : self.{r}.gpusPerNode)",
+            f"{r}.resources.gpus (per pod) must be 0 (CPU) or the ranks of one pod: {r}.tpSize * {r}.ppSize, or "
+            f"{r}.gpusPerNode when an instance spans several nodes (one GPU per rank)",
         )
         for r in names.WORKER_ROLES
     ]
@@ -186,12 +198,21 @@ RANK_RULES: list[tuple[str, str, str]] = (
         )
     ]
     + [
-        (
-            "spec",
-            f"self.{r}.tpSize * self.{r}.ppSize <= {MAX_RANKS_PER_INSTANCE}",
-            f"{r}.tpSize * {r}.ppSize must be at most {MAX_RANKS_PER_INSTANCE}: the ranks of a {r} instance run "
-            "in one pod, so they must fit one node (instances span one node until multi-node instances exist)",
-        )
+        rule
         for r in names.WORKER_ROLES
+        for rule in (
+            (
+                "spec",
+                f"{RANKS.format(r=r)} <= self.{r}.gpusPerNode || {RANKS.format(r=r)} % self.{r}.gpusPerNode == 0",
+                f"{r}.tpSize * {r}.ppSize above {r}.gpusPerNode must be a multiple of it: an instance that spans "
+                "nodes runs gpusPerNode ranks on each",
+            ),
+            (
+                "spec",
+                f"{RANKS.format(r=r)} <= self.{r}.gpusPerNode * {MAX_NODES_PER_INSTANCE}",
+                f"{r}.tpSize * {r}.ppSize must be at most {MAX_NODES_PER_INSTANCE} x {r}.gpusPerNode: an instance "
+                f"spans at most {MAX_NODES_PER_INSTANCE} nodes",
+            ),
+        )
     ]
 )

@@ -20,7 +20,7 @@ import kopf
 from . import names, prober
 from .apply import Kube, load_client
 from .config import OperatorConfig
-from .observe import PodInfo, observe_pod
+from .observe import PodInfo, observe_group_set, observe_pod
 from .reconcile import ReconcileError, Runtime
 from .scaling import ScalerObservation, observe_scaler
 from .status import Event, PodProblem, RoleObservation, observe_workload, pod_problem
@@ -36,6 +36,7 @@ CHILD_KINDS = [
     ("", "v1", "services"),
     ("policy", "v1", "poddisruptionbudgets"),
     ("networking.k8s.io", "v1", "networkpolicies"),
+    (names.LWS_GROUP, "v1", names.LWS_PLURAL),  # served only where LWS is installed: kopf waits for its CRD
 ]
 
 
@@ -96,6 +97,11 @@ def worker_sets(namespace: str | None, labels: Mapping[str, str], body: kopf.Bod
     return {_key(namespace, labels): (labels.get(names.ROLE_LABEL), observe_workload(body))}
 
 
+@kopf.index(names.LWS_GROUP, "v1", names.LWS_PLURAL, labels=MANAGED)
+def group_sets(namespace: str | None, labels: Mapping[str, str], body: kopf.Body, **_: Any) -> dict:
+    return {_key(namespace, labels): (labels.get(names.ROLE_LABEL), observe_group_set(body))}
+
+
 @kopf.index("apps", "v1", "deployments", labels=MANAGED)
 def router_sets(namespace: str | None, labels: Mapping[str, str], body: kopf.Body, **_: Any) -> dict:
     return {_key(namespace, labels): (labels.get(names.ROLE_LABEL), observe_workload(body))}
@@ -130,7 +136,8 @@ class Seen:
     def of(cls, key: tuple, kw: Mapping[str, Any], seen: PodProblem | None = None) -> "Seen":
         """`seen`: a failure in the event being handled, which the index may already have dropped when the pod
         was deleted."""
-        observed = dict(kw["worker_sets"].get(key, ())) | dict(kw["router_sets"].get(key, ()))
+        observed = dict(kw["worker_sets"].get(key, ())) | dict(kw["group_sets"].get(key, ()))
+        observed |= dict(kw["router_sets"].get(key, ()))
         problems = list(kw["failing_pods"].get(key, ())) + ([seen] if seen else [])
         return cls(observed, problems, list(kw["pod_infos"].get(key, ())), next(iter(kw["scalers"].get(key, ())), None))
 
@@ -227,7 +234,7 @@ def on_child(
 ) -> None:
     """A child changed: recreate it if it was deleted by hand; a StatefulSet may move the rollout (and prefill's
     the RoleScaler's status); refresh the parent's status."""
-    sets = resource.plural == "statefulsets"
+    sets = resource.plural in ("statefulsets", names.LWS_PLURAL)
     prefill = sets and labels.get(names.ROLE_LABEL) == names.PREFILL
     _on_child(type, namespace, labels, memo, kw, Work(apply_all=True, step=sets, scaler=prefill))
 

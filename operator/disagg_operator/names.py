@@ -35,6 +35,15 @@ ANNOTATION_PREFIX = GROUP
 # On a worker StatefulSet: the hash of the pod template last applied, so a changed template is seen as a new rollout.
 TEMPLATE_HASH_ANNOTATION = f"{GROUP}/template-hash"
 
+# LeaderWorkerSet (sigs.k8s.io/lws), which runs the instances that span nodes.
+LWS_API_VERSION = "leaderworkerset.x-k8s.io/v1"
+LWS_KIND = "LeaderWorkerSet"
+LWS_GROUP, LWS_PLURAL = "leaderworkerset.x-k8s.io", "leaderworkersets"
+LWS_NAME_LABEL = "leaderworkerset.sigs.k8s.io/name"
+LWS_WORKER_INDEX_LABEL = "leaderworkerset.sigs.k8s.io/worker-index"
+# A group pod's template hash as a label (LWS reports no revisions the way a StatefulSet does).
+TEMPLATE_HASH_LABEL = f"{GROUP}/template-hash"
+
 PREFILL = "prefill"
 DECODE = "decode"
 ROUTER = "router"
@@ -47,6 +56,7 @@ BOOTSTRAP_PORT = 8998
 CONTROL_PORT = 9000  # rank i of a pod: CONTROL_PORT + i
 TRANSFER_PORT_BASE = 15000  # rank i's Mooncake ports: the window of TRANSFER_PORTS_PER_RANK from BASE + i * that
 TRANSFER_PORTS_PER_RANK = 8
+DIST_PORT = 29500  # where the ranks of an instance that spans pods meet (its leader pod's TCP store)
 
 # Secrets reach pods as read-only files, only in the pods that use them.
 AUTH_TOKEN_KEY = "token"  # key of the model's shared secret in its Secret
@@ -88,6 +98,13 @@ MAX_NAME_LENGTH = 40
 def child_name(cr_name: str, suffix: str) -> str:
     """The name of a child object: `<cr>-<suffix>` (e.g. `llama-prefill`)."""
     return f"{cr_name}-{suffix}"
+
+
+def group_set_name(cr_name: str, role: str) -> str:
+    """The LeaderWorkerSet of a role whose instances span nodes (`<cr>-decode-group`): its pods are
+    `<cr>-decode-group-<instance>` (the leader) and `...-<instance>-<pod>`, and LWS names its own headless Service
+    (the leaders' addresses, not-ready ones included) after it."""
+    return child_name(cr_name, f"{role}-group")
 
 
 def auth_secret_name(cr_name: str) -> str:

@@ -76,6 +76,22 @@ def observe_workload(obj: Mapping[str, Any]) -> RoleObservation:
     )
 
 
+def observe_group_set(obj: Mapping[str, Any]) -> RoleObservation:
+    """Counts (of groups) from a LeaderWorkerSet's status, and its rollout partition. LWS reports no revisions and
+    no observed generation: the rollout planner reads the pods' template-hash labels instead (rollout.py)."""
+    st, meta = obj.get("status") or {}, obj.get("metadata", {})
+    rolling = ((obj.get("spec") or {}).get("rolloutStrategy") or {}).get("rollingUpdateConfiguration") or {}
+    digest = (meta.get("annotations") or {}).get(names.TEMPLATE_HASH_ANNOTATION, "")
+    return RoleObservation(
+        replicas=st.get("replicas", 0),
+        ready=st.get("readyReplicas", 0),
+        updated=st.get("updatedReplicas", 0),
+        partition=int(rolling.get("partition", 0)),
+        template_hash=digest,
+        update_revision=digest,
+    )
+
+
 def parse_time(stamp: str | None) -> float | None:
     if not stamp:
         return None
@@ -93,7 +109,8 @@ def observe_pod(pod: Mapping[str, Any]) -> PodInfo:
         ready_since=parse_time(ready.get("lastTransitionTime") or "1970-01-01T00:00:00Z")
         if ready.get("status") == "True"
         else None,
-        revision=labels.get(names.CONTROLLER_REVISION_LABEL, ""),
+        # A group pod's template hash (builders/groups.py), else its StatefulSet's revision.
+        revision=labels.get(names.TEMPLATE_HASH_LABEL) or labels.get(names.CONTROLLER_REVISION_LABEL, ""),
         terminating=bool(meta.get("deletionTimestamp")),
     )
 

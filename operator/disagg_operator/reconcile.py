@@ -56,8 +56,16 @@ def now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
+LWS_MISSING = (
+    "LeaderWorkerSet is not installed in this cluster: a role whose instances span nodes (tpSize * ppSize above "
+    "gpusPerNode) runs as one; install LWS (sigs.k8s.io/lws, see the chart's README) or fit each instance on a node"
+)
+
+
 def describe_api_error(obj: Mapping[str, Any], e: ApiException) -> ReconcileError:
     what = f"{obj['kind']} {obj['metadata']['name']}"
+    if obj["kind"] == names.LWS_KIND and e.status == 404:  # the API itself is absent, not the object
+        return ReconcileError(LWS_MISSING, permanent=False)
     permanent = e.status in (400, 403, 422)
     return ReconcileError(f"applying {what} failed ({e.status} {e.reason})", permanent)
 
@@ -187,13 +195,14 @@ class Runtime:
                 self.ensure_auth_secret(spec)
             partitions = self._partitions(spec, self.plan(spec, observed or {}, pods)) if workers else {}
             children = builders.build_children(spec, self.cfg, partitions)
-            worker_sets = {names.child_name(spec.name, r) for r in names.WORKER_ROLES}
+            worker_sets = {builders.worker_set_name(spec, r) for r in names.WORKER_ROLES}
+            kinds = ("StatefulSet", names.LWS_KIND)
             self._apply(
                 spec,
                 [
                     c
                     for c in children
-                    if (workers if c["kind"] == "StatefulSet" and c["metadata"]["name"] in worker_sets else others)
+                    if (workers if c["kind"] in kinds and c["metadata"]["name"] in worker_sets else others)
                 ],
             )
         except ReconcileError as e:
@@ -211,7 +220,7 @@ class Runtime:
             for role in names.WORKER_ROLES
             if (obs := observed.get(role)) is not None and partitions[role] != obs.partition
         ]
-        self._apply(spec, [builders.build_worker_statefulset(spec, r, self.cfg, partitions[r]) for r in moved])
+        self._apply(spec, [builders.build_worker_set(spec, r, self.cfg, partitions[r]) for r in moved])
         return moved
 
     def sync_scaler(

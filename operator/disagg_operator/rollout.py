@@ -90,19 +90,28 @@ def role_rollout(
     if obs.template_hash != desired_hash:  # a new template: every pod is old again
         return RoleRollout(role, n, 0, 0, updating=True)
     released = min(n, max(0, n - obs.partition))
-    sts = names.child_name(spec.name, role)
+    sts = workload_name(spec, role)
     expected = [f"{sts}-{i}" for i in range(n - released, n)]
     new = {p.name: p for p in pods if p.role == role and obs.update_revision and p.revision == obs.update_revision}
     ok = [name for name in expected if name in new and new[name].available(now, spec.rollout.min_ready_s)]
+    if spec.worker(role).nodes > 1:  # groups: every leader (`<lws>-<i>`) on the new template, as its pods say
+        moving = any(f"{sts}-{i}" not in new for i in range(n))
+    else:
+        moving = obs.current_revision != obs.update_revision
     return RoleRollout(
         role,
         n,
         released,
         len(ok),
-        updating=released < n or obs.current_revision != obs.update_revision,
+        updating=released < n or moving,
         settled=obs.current,
         waiting=tuple(name for name in expected if name not in ok),
     )
+
+
+def workload_name(spec: ModelSpec, role: str) -> str:
+    """The StatefulSet or LeaderWorkerSet whose pods (group leaders) are named `<it>-<ordinal>`."""
+    return names.group_set_name(spec.name, role) if spec.worker(role).nodes > 1 else names.child_name(spec.name, role)
 
 
 def _next_role(roles: Mapping[str, RoleRollout], order: tuple[str, str], skew: float) -> str | None:
@@ -133,7 +142,7 @@ def plan_rollout(
         role = _next_role(roles, spec.rollout.order, skew)
         if role is not None:
             r = roles[role]
-            sts = names.child_name(spec.name, role)
+            sts = workload_name(spec, role)
             roles[role] = replace(
                 r, released=r.released + 1, waiting=(f"{sts}-{r.replicas - r.released - 1}", *r.waiting)
             )

@@ -98,6 +98,21 @@ class WorkerRoleSpec:
     dp_attention: bool = False
     dp_size: int = 1
     prefix_cache: bool = False  # decode only: keep finished requests' KV (`--decode-prefix-cache`)
+    # Ranks one node runs (its GPUs): an instance of more ranks spans `nodes` pods, run by a LeaderWorkerSet.
+    gpus_per_node: int = 8
+
+    @property
+    def ranks(self) -> int:
+        return self.tp_size * self.pp_size
+
+    @property
+    def nodes(self) -> int:
+        """Pods one instance spans (1: a pod of a StatefulSet; more: a group of a LeaderWorkerSet)."""
+        return self.ranks // self.gpus_per_node if self.ranks > self.gpus_per_node else 1
+
+    @property
+    def ranks_per_pod(self) -> int:
+        return self.ranks // self.nodes
 
 
 @dataclass(frozen=True)
@@ -343,4 +358,5 @@ def _worker_role(role: str, d: Mapping[str, Any], shared_engine: Mapping[str, An
         bool(d.get("enableDpAttention", False)),
         int(d.get("dpSize", 1)),
         bool(d.get("prefixCache", False)),
+        int(d.get("gpusPerNode", 8)),
     )

@@ -104,11 +104,30 @@ VIOLATIONS = [
     ("prefill gpus", tiny(prefill__tpSize=2, prefill__resources={"gpus": 3}), "self.prefill.resources.gpus"),
     ("decode gpus", tiny(decode__resources={"gpus": 2}), "self.decode.resources.gpus"),
     (
-        "prefill ranks beyond one node",
-        tiny(prefill__tpSize=4, prefill__ppSize=4, decode__ppSize=4, decode__tpSize=2),
-        "self.prefill.tpSize * self.prefill.ppSize <=",
+        "prefill ranks not whole nodes",
+        tiny(prefill__tpSize=12, decode__tpSize=4),
+        "self.prefill.tpSize * self.prefill.ppSize % self.prefill.gpusPerNode == 0",
     ),
-    ("decode ranks beyond one node", tiny(decode__tpSize=16), "self.decode.tpSize * self.decode.ppSize <="),
+    (
+        "decode ranks not whole nodes",
+        tiny(decode__tpSize=4, decode__gpusPerNode=3),
+        "self.decode.tpSize * self.decode.ppSize % self.decode.gpusPerNode == 0",
+    ),
+    (
+        "prefill beyond eight nodes",
+        tiny(prefill__tpSize=4, prefill__ppSize=4, prefill__gpusPerNode=1, decode__ppSize=4, decode__tpSize=2),
+        "self.prefill.tpSize * self.prefill.ppSize <= self.prefill.gpusPerNode * 8",
+    ),
+    (
+        "decode beyond eight nodes",
+        tiny(decode__tpSize=16, decode__gpusPerNode=1),
+        "self.decode.tpSize * self.decode.ppSize <= self.decode.gpusPerNode * 8",
+    ),
+    (
+        "gpus per pod of a group",
+        tiny(decode__tpSize=4, decode__gpusPerNode=2, decode__resources={"gpus": 4}),
+        "self.decode.resources.gpus",
+    ),
     ("rdma needs mooncake", tiny(transfer={"backend": "fake", "protocol": "rdma"}), "protocol != 'rdma'"),
     (
         "ib device needs rdma",

@@ -639,3 +639,42 @@ def test_decode_cache_and_conditional_disaggregation_reach_the_decode_pods_and_t
     kids = children_by_kind_name(tiny)
     assert "--decode-only-tokens" not in container(kids, "Deployment", "tiny-router")["args"]
     assert not {"--decode-prefix-cache", "--local-prefill"} & set(container(kids, "StatefulSet", "tiny-decode")["args"])
+
+
+def test_a_role_whose_instances_span_nodes_is_one_leaderworkerset_of_groups(tiny):
+    tiny["spec"]["decode"] = {**tiny["spec"].get("decode", {}), "replicas": 3, "tpSize": 2, "gpusPerNode": 1}
+    kids = children_by_kind_name(tiny)
+    assert ("StatefulSet", "tiny-decode") not in kids and ("StatefulSet", "tiny-prefill") in kids
+    lws = kids[("LeaderWorkerSet", "tiny-decode-group")]
+    assert lws["apiVersion"] == "leaderworkerset.x-k8s.io/v1" and lws["spec"]["replicas"] == 3
+    group = lws["spec"]["leaderWorkerTemplate"]
+    assert group["size"] == 2 and group["restartPolicy"] == "RecreateGroupOnPodRestart"
+    assert lws["spec"]["startupPolicy"] == "LeaderCreated"  # the leader is Ready only once the workers' ranks met
+    assert lws["spec"]["rolloutStrategy"]["rollingUpdateConfiguration"]["partition"] == 0
+    template = group["workerTemplate"]
+    digest = lws["metadata"]["annotations"][names.TEMPLATE_HASH_ANNOTATION]
+    assert template["metadata"]["labels"][names.TEMPLATE_HASH_LABEL] == digest
+    args = template["spec"]["containers"][0]["args"]
+    assert args[args.index("--nnodes") + 1] == "2" and args[args.index("--tp-size") + 1] == "2"
+    assert args[args.index("--node-rank") + 1] == "$(LWS_WORKER_INDEX)"
+    assert args[args.index("--dist-init-addr") + 1] == f"$(LWS_LEADER_ADDRESS):{names.DIST_PORT}"
+    # The router finds (and the bootstrap Service reaches) only the pods that serve HTTP: the leaders.
+    assert kids[("Service", "tiny-decode")]["spec"]["selector"][names.LWS_WORKER_INDEX_LABEL] == "0"
+    assert names.LWS_WORKER_INDEX_LABEL not in kids[("Service", "tiny-prefill")]["spec"]["selector"]
+    # The group's pods reach one another on any port (the collectives'); nothing else changes.
+    ingress = kids[("NetworkPolicy", "tiny-decode")]["spec"]["ingress"]
+    group = {names.MODEL_LABEL: "tiny", names.ROLE_LABEL: "decode", names.LWS_NAME_LABEL: "tiny-decode-group"}
+    group_rule = {"from": [{"podSelector": {"matchLabels": group}}]}
+    assert ingress[-1] == group_rule and all("ports" in r for r in ingress[:-1])
+    assert all("ports" in r for r in kids[("NetworkPolicy", "tiny-prefill")]["spec"]["ingress"])
+
+
+def test_a_prefill_that_spans_nodes_is_bootstrapped_through_its_leaders(gpu):
+    gpu["spec"]["prefill"] = {**gpu["spec"]["prefill"], "tpSize": 4, "gpusPerNode": 2, "resources": {"gpus": 2}}
+    gpu["spec"]["decode"] = {**gpu["spec"]["decode"], "tpSize": 4, "gpusPerNode": 8, "resources": {"gpus": 4}}
+    kids = children_by_kind_name(gpu)
+    name = gpu["metadata"]["name"]
+    assert kids[("Service", f"{name}-bootstrap")]["spec"]["selector"][names.LWS_WORKER_INDEX_LABEL] == "0"
+    pod = kids[("LeaderWorkerSet", f"{name}-prefill-group")]["spec"]["leaderWorkerTemplate"]["workerTemplate"]
+    assert pod["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 2  # one node's ranks
+    assert ("StatefulSet", f"{name}-decode") in kids  # 4 ranks fit its 8-GPU nodes

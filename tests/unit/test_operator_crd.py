@@ -94,8 +94,10 @@ def test_every_rule_has_a_message_and_sits_where_it_can_see_its_fields():
         ("pageSize", "pageSize"),
         ("kvDtype", "kvDtype"),
         ("immutable", "oldSelf"),
-        ("prefill ranks fit a node", "self.prefill.tpSize * self.prefill.ppSize <= 8"),
-        ("decode ranks fit a node", "self.decode.tpSize * self.decode.ppSize <= 8"),
+        ("prefill ranks in whole nodes", "self.prefill.tpSize * self.prefill.ppSize % self.prefill.gpusPerNode == 0"),
+        ("decode ranks in whole nodes", "self.decode.tpSize * self.decode.ppSize % self.decode.gpusPerNode == 0"),
+        ("prefill nodes", "self.prefill.tpSize * self.prefill.ppSize <= self.prefill.gpusPerNode * 8"),
+        ("decode nodes", "self.decode.tpSize * self.decode.ppSize <= self.decode.gpusPerNode * 8"),
     ],
 )
 def test_the_documented_checks_exist(field, needle):
@@ -103,10 +105,12 @@ def test_the_documented_checks_exist(field, needle):
 
 
 @pytest.mark.parametrize("role", ["prefill", "decode"])
-def test_the_one_node_limit_names_the_role_and_why(role):
-    [message] = [m for _, r, m in crd.RULES if r == f"self.{role}.tpSize * self.{role}.ppSize <= 8"]
-    assert message.startswith(f"{role}.tpSize * {role}.ppSize must be at most 8")
-    assert "one node until multi-node instances exist" in message
+def test_the_node_rules_name_the_role_and_why(role):
+    ranks = f"self.{role}.tpSize * self.{role}.ppSize"
+    [whole] = [m for _, r, m in crd.RULES if r.endswith(f"{ranks} % self.{role}.gpusPerNode == 0")]
+    assert whole.startswith(f"{role}.tpSize * {role}.ppSize above {role}.gpusPerNode must be a multiple of it")
+    [switch] = [m for _, r, m in crd.RULES if "oldSelf" in r and f"self.{role}.gpusPerNode" in r]
+    assert "LeaderWorkerSet" in switch and "delete the model" in switch
 
 
 def _unknown_fields(obj, node, path=""):

@@ -194,3 +194,39 @@ def test_a_role_whose_controller_has_not_caught_up_holds_the_other_role():
     pods = [PodInfo("m-decode-0", "decode", ready_since=0.0, revision="a")]
     plan = plan_rollout(s, {"decode": stale, "prefill": held}, pods, {"prefill": NEW, "decode": NEW}, 10.0)
     assert plan.coordinated and plan.partitions == {"prefill": 1, "decode": 0}
+
+
+def test_groups_roll_by_their_leaders_template_hash():
+    s = ModelSpec.from_cr(
+        {
+            "metadata": {"name": "m", "namespace": "ns", "uid": "u"},
+            "spec": {
+                "model": {"hostPath": "/m", "path": "x"},
+                "image": "img",
+                "prefill": {"replicas": 1},
+                "decode": {"replicas": 2, "tpSize": 2, "gpusPerNode": 1},
+            },
+        }
+    )
+    # Both roles changed; decode is a LeaderWorkerSet whose groups are led by m-decode-group-<i>.
+    observed = {
+        "prefill": RoleObservation(1, 1, 0, partition=1, template_hash=NEW, current_revision="a", update_revision="b"),
+        "decode": RoleObservation(2, 2, 0, partition=1, template_hash=NEW, update_revision=NEW),
+    }
+    pods = [
+        PodInfo("m-prefill-0", "prefill", ready_since=0.0, revision="a"),
+        PodInfo("m-decode-group-0", "decode", ready_since=0.0, revision=OLD),
+        PodInfo("m-decode-group-0-1", "decode", ready_since=0.0, revision=OLD),
+        PodInfo("m-decode-group-1", "decode", ready_since=None, revision=NEW),  # released, not Ready yet
+        PodInfo("m-decode-group-1-1", "decode", ready_since=0.0, revision=NEW),
+    ]
+    plan = plan_rollout(s, observed, pods, {"prefill": NEW, "decode": NEW}, 100.0)
+    assert plan.coordinated and plan.roles["decode"].waiting == ("m-decode-group-1",)
+    assert plan.partitions == {"prefill": 1, "decode": 1}  # no step while the released group's leader is not Ready
+    pods[3] = PodInfo("m-decode-group-1", "decode", ready_since=50.0, revision=NEW)
+    moved = plan_rollout(s, observed, pods, {"prefill": NEW, "decode": NEW}, 100.0)
+    assert moved.roles["decode"].available == 1 and moved.step == plan.step + 1
+    # Every leader on the new template, partition 0: the role is done.
+    done = {"decode": RoleObservation(2, 2, 2, partition=0, template_hash=NEW, update_revision=NEW)}
+    pods[1] = PodInfo("m-decode-group-0", "decode", ready_since=60.0, revision=NEW)
+    assert not plan_rollout(s, done, pods, {"prefill": NEW, "decode": NEW}, 100.0).roles["decode"].updating

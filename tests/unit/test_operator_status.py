@@ -1,5 +1,6 @@
 """Status and conditions as a pure function of what the children report."""
 
+import copy
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -472,3 +473,28 @@ def test_a_reconcile_that_fails_before_the_workers_still_reports_it(runtime):
     assert applied == []  # nothing applied without the Secret
     degraded = conds(runtime.kube.status_writes[-1])["Degraded"]
     assert degraded["reason"] == "ReconcileFailed" and "auth Secret absent not found" in degraded["message"]
+
+
+def test_without_leaderworkerset_in_the_cluster_a_multi_node_role_is_reported_not_retried_forever(runtime):
+    from kubernetes.client.exceptions import ApiException
+
+    from disagg_operator.reconcile import LWS_MISSING, ReconcileError
+
+    applied: list[str] = []
+
+    def apply(obj):
+        if obj["kind"] == "LeaderWorkerSet":  # the API server has no such resource: 404 on the collection
+            raise ApiException(status=404, reason="Not Found")
+        applied.append(obj["kind"])
+
+    runtime.kube.apply = apply
+    spanning = copy.deepcopy(CR)
+    spanning["spec"]["decode"].update(tpSize=2, gpusPerNode=1)
+    with pytest.raises(ReconcileError) as err:
+        runtime.apply_children(spanning)
+    assert str(err.value) == LWS_MISSING and not err.value.permanent  # retried once LWS is installed
+    assert "StatefulSet" in applied  # prefill, a one-node role, went ahead
+    runtime.refresh_status(spanning, {}, [])
+    c = conds(runtime.written["u1"])
+    assert c["Ready"]["status"] == "False" and "LeaderWorkerSet is not installed" in c["Ready"]["message"]
+    assert c["Degraded"]["status"] == "True" and "LeaderWorkerSet is not installed" in c["Degraded"]["message"]

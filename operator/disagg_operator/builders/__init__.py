@@ -6,6 +6,7 @@ from typing import Any
 from .. import names
 from ..config import OperatorConfig
 from ..spec import ModelSpec
+from .groups import build_worker_group_set
 from .policy import build_bootstrap_service, build_network_policies, build_pdb
 from .router import build_router_deployment, build_router_service, router_endpoint
 from .scaler import build_role_scaler, scaler_name
@@ -23,7 +24,9 @@ __all__ = [
     "build_children",
     "build_auth_secret",
     "build_role_scaler",
+    "build_worker_set",
     "build_worker_statefulset",
+    "worker_set_name",
     "new_token",
     "pairing_revision",
     "router_endpoint",
@@ -32,6 +35,18 @@ __all__ = [
     "worker_args",
     "worker_pod_template",
 ]
+
+
+def build_worker_set(spec: ModelSpec, role: str, cfg: OperatorConfig, partition: int = 0) -> dict[str, Any]:
+    """A worker role's workload: a StatefulSet of one pod per instance, or a LeaderWorkerSet of one group of pods
+    per instance when an instance spans nodes (groups.py)."""
+    if spec.worker(role).nodes > 1:
+        return build_worker_group_set(spec, role, cfg, partition)
+    return build_worker_statefulset(spec, role, cfg, partition)
+
+
+def worker_set_name(spec: ModelSpec, role: str) -> str:
+    return names.group_set_name(spec.name, role) if spec.worker(role).nodes > 1 else names.child_name(spec.name, role)
 
 
 def build_children(
@@ -50,7 +65,7 @@ def build_children(
     children.append(build_bootstrap_service(spec))
     children.append(build_router_service(spec))
     for role in names.WORKER_ROLES:
-        children.append(build_worker_statefulset(spec, role, cfg, partitions.get(role, 0)))
+        children.append(build_worker_set(spec, role, cfg, partitions.get(role, 0)))
     children.append(build_router_deployment(spec, cfg))
     children += [build_pdb(spec, role) for role in names.ROLES]
     children += build_network_policies(spec)

@@ -11,6 +11,12 @@ def selector_labels(spec: ModelSpec, role: str) -> dict[str, str]:
     return {names.MODEL_LABEL: spec.name, names.ROLE_LABEL: role}
 
 
+def front_end_labels(spec: ModelSpec, role: str) -> dict[str, str]:
+    """The pods of a role that serve HTTP (and bootstrap): all of them, or the leaders of groups that span nodes."""
+    leaders = {names.LWS_WORKER_INDEX_LABEL: "0"} if role != names.ROUTER and spec.worker(role).nodes > 1 else {}
+    return {**selector_labels(spec, role), **leaders}
+
+
 def labels(spec: ModelSpec, component: str) -> dict[str, str]:
     """The CR's own labels, then the operator's (which win on a clash)."""
     return {

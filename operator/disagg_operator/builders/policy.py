@@ -4,7 +4,7 @@ from typing import Any
 
 from .. import names
 from ..spec import ModelSpec
-from .common import metadata, selector_labels
+from .common import front_end_labels, metadata, selector_labels
 from .ports import Listener, role_listeners
 
 
@@ -16,7 +16,7 @@ def build_bootstrap_service(spec: ModelSpec) -> dict[str, Any]:
         "metadata": metadata(spec, names.bootstrap_service_name(spec.name), "bootstrap", names.PREFILL),
         "spec": {
             "type": "ClusterIP",
-            "selector": selector_labels(spec, names.PREFILL),
+            "selector": front_end_labels(spec, names.PREFILL),
             "ports": [
                 {"name": "bootstrap", "port": names.BOOTSTRAP_PORT, "targetPort": "bootstrap", "protocol": "TCP"}
             ],
@@ -63,9 +63,19 @@ def build_network_policy(spec: ModelSpec, role: str) -> dict[str, Any]:
         "spec": {
             "podSelector": {"matchLabels": selector_labels(spec, role)},
             "policyTypes": ["Ingress"],
-            "ingress": [_ingress_rule(spec, listener) for listener in role_listeners(spec, role)],
+            "ingress": [_ingress_rule(spec, listener) for listener in role_listeners(spec, role)]
+            + _group_rule(spec, role),
         },
     }
+
+
+def _group_rule(spec: ModelSpec, role: str) -> list[dict[str, Any]]:
+    """The pods of a role whose instances span nodes reach one another on every port: the ranks' collectives (gloo,
+    NCCL) connect on ports of their own choosing, after meeting at the leader's `DIST_PORT`."""
+    if role == names.ROUTER or spec.worker(role).nodes == 1:
+        return []
+    group = {**selector_labels(spec, role), names.LWS_NAME_LABEL: names.group_set_name(spec.name, role)}
+    return [{"from": [{"podSelector": {"matchLabels": group}}]}]
 
 
 def build_network_policies(spec: ModelSpec) -> list[dict[str, Any]]:

@@ -13,6 +13,7 @@ from .common import (
     base_env,
     container_security_context,
     drain_on_stop,
+    front_end_labels,
     metadata,
     pod_security_context,
     probes,
@@ -47,6 +48,9 @@ def worker_args(spec: ModelSpec, role: str) -> list[str]:
     ]
     if role == names.PREFILL:
         args += ["--bootstrap-port", str(names.BOOTSTRAP_PORT)]
+    if w.nodes > 1:  # one pod of a group: LWS injects where the leader is and which pod this is (builders/groups.py)
+        args += ["--nnodes", str(w.nodes), "--node-rank", "$(LWS_WORKER_INDEX)"]
+        args += ["--dist-init-addr", f"$(LWS_LEADER_ADDRESS):{names.DIST_PORT}"]
     args += port_flags(spec, role) + ["--auth-token-file", auth_token_file()]
     args += ["--transfer-backend", spec.transfer.backend, "--transfer-protocol", spec.transfer.protocol]
     if spec.transfer.ib_device:
@@ -230,7 +234,7 @@ def build_headless_service(spec: ModelSpec, role: str) -> dict[str, Any]:
         "metadata": metadata(spec, name, role, role),
         "spec": {
             "clusterIP": "None",
-            "selector": selector_labels(spec, role),
+            "selector": front_end_labels(spec, role),
             "ports": ports,
             "publishNotReadyAddresses": False,
         },
