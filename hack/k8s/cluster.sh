@@ -58,7 +58,13 @@ add_nodes() {
   for ((i = 0; i < NODES; i++)); do
     sed "s/NODE_NAME/kwok-gpu-$i/g" "$HERE/node.yaml"; echo "---"
   done | kubectl apply -f - >/dev/null
-  kubectl wait --for=condition=Ready node --all --timeout="$(scaled 60)s" >/dev/null
+  # kubectl wait fails at once, instead of waiting, on a node kwok has not given a status yet: poll it.
+  local limit start=$SECONDS
+  limit=$(scaled 60)
+  until kubectl wait --for=condition=Ready node --all --timeout=5s >/dev/null 2>&1; do
+    (( SECONDS - start < limit )) || { log "nodes not Ready in ${limit}s"; exit 1; }
+    sleep 0.5
+  done
 }
 
 up() {

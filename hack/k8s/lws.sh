@@ -103,13 +103,18 @@ health:
   healthProbeBindAddress: 127.0.0.1:$HEALTH
 YAML
   "$bin/kubectl" --kubeconfig "$kubeconfig" apply --server-side -f "$share/crd.yaml" >/dev/null
-  "$bin/kubectl" --kubeconfig "$kubeconfig" wait --for=condition=Established \
-    crd/leaderworkersets.leaderworkerset.x-k8s.io --timeout="$(scaled 30)s" >/dev/null
+  local limit start=$SECONDS
+  limit=$(scaled 60)
+  # kubectl wait fails at once, instead of waiting, on a CRD without conditions yet: poll it.
+  until "$bin/kubectl" --kubeconfig "$kubeconfig" wait --for=condition=Established \
+      crd/leaderworkersets.leaderworkerset.x-k8s.io --timeout=5s >/dev/null 2>&1; do
+    (( SECONDS - start < limit )) || { log "the LeaderWorkerSet CRD not Established in ${limit}s"; exit 1; }
+    sleep 0.5
+  done
   KUBECONFIG="$kubeconfig" setsid "$bin/lws-controller" --config "$DIR/config.yaml" --zap-log-level=info \
     >"$DIR/controller.log" 2>&1 </dev/null &
   echo $! >"$DIR/pid"
-  local limit start=$SECONDS
-  limit=$(scaled 60)
+  start=$SECONDS
   until curl -fsS "http://127.0.0.1:$HEALTH/readyz" >/dev/null 2>&1; do
     kill -0 "$(<"$DIR/pid")" 2>/dev/null || { log "lws-controller exited:"; tail -20 "$DIR/controller.log" >&2; exit 1; }
     (( SECONDS - start < limit )) || { log "lws-controller not ready in ${limit}s"; exit 1; }

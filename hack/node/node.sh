@@ -6,9 +6,9 @@
 #   node.sh import IMAGE...   copy images from buildah's storage into the node's containerd
 #   node.sh tag IMAGE NAME    give an image in containerd another name (nothing copied)
 #
-# Processes: etcd, kube-apiserver, kube-controller-manager, kube-scheduler (as hack/k8s/build.sh built
-# them), containerd and runc (Debian's), kubelet and kube-proxy (hack/node/build.sh), kube-router's network
-# policy controller, and CoreDNS as a pod. Pods live on the bridge $BRIDGE, which nothing routes out of.
+# Processes: etcd, kube-apiserver, kube-controller-manager, kube-scheduler and the LeaderWorkerSet controller
+# (as hack/k8s/build.sh built them), containerd and runc (Debian's), kubelet and kube-proxy (hack/node/build.sh),
+# kube-router's network policy controller, and CoreDNS as a pod. Pods live on the bridge $BRIDGE, which nothing routes out of.
 # Every setting and its reason: hack/node/README-node.md.
 set -euo pipefail
 
@@ -346,12 +346,18 @@ start_node() {
   wait_for 60 "the default ServiceAccount" kubectl get serviceaccount default
   render coredns.yaml | kubectl apply -f - >/dev/null
   wait_for 120 CoreDNS kubectl -n kube-system wait --for=condition=Available deployment/coredns --timeout=1s
+  lws up "$KUBECONFIG_PATH"
 }
+
+# The LeaderWorkerSet controller beside this control plane (hack/k8s/lws.sh), on ports of its own so that it
+# never meets the kwok cluster's.
+lws() { DISAGG_CLUSTER_DIR="$NODE_DIR" LWS_WEBHOOK_PORT=19444 LWS_HEALTH_PORT=18082 "$REPO/hack/k8s/lws.sh" "$@"; }
 
 up() {
   BIN="$(bin_dir "$@")"
   if running; then
     log "reusing running node $NODE_NAME"
+    lws up "$KUBECONFIG_PATH"
     echo "$KUBECONFIG_PATH"
     return
   fi
@@ -394,6 +400,7 @@ down_locked() {
   stop_containers
   stop containerd
   kill_shims
+  lws down
   for name in kube-scheduler kube-controller-manager kube-apiserver etcd; do stop "$name"; done
   remove_cgroups
   unmount_under "$RUN_DIR" "$NODE_DIR" "$CONTAINERD_ROOT"

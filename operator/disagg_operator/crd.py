@@ -161,6 +161,13 @@ ROOT_RULES = [
     ),
     (
         "",
+        " && ".join(f"!({SPANS.format(r=r).replace('self.', 'self.spec.')})" for r in names.WORKER_ROLES)
+        + f" || self.metadata.name.size() <= {names.MAX_NAME_LENGTH_GROUPS}",
+        f"metadata.name must be at most {names.MAX_NAME_LENGTH_GROUPS} characters when a role spans nodes: "
+        "LeaderWorkerSet's pods carry labels made of it and longer suffixes (at most 63 characters)",
+    ),
+    (
+        "",
         "self.metadata.name.matches('^[a-z]([-a-z0-9]*[a-z0-9])?$')",
         "metadata.name must start with a letter and hold only lowercase letters, digits and '-' (it names Services)",
     ),

@@ -93,6 +93,9 @@ SCALER_PLURAL = "rolescalers"
 SCALER_SINGULAR = "rolescaler"
 
 MAX_NAME_LENGTH = 40
+# With a role whose instances span nodes: LWS names a group's worker StatefulSet `<cr>-<role>-group-<i>`, and the
+# StatefulSet controller labels its pods `controller-revision-hash: <that>-<hash of up to 10>` (63 at most).
+MAX_NAME_LENGTH_GROUPS = 34
 
 
 def child_name(cr_name: str, suffix: str) -> str:

@@ -94,8 +94,9 @@ def role_rollout(
     expected = [f"{sts}-{i}" for i in range(n - released, n)]
     new = {p.name: p for p in pods if p.role == role and obs.update_revision and p.revision == obs.update_revision}
     ok = [name for name in expected if name in new and new[name].available(now, spec.rollout.min_ready_s)]
-    if spec.worker(role).nodes > 1:  # groups: every leader (`<lws>-<i>`) on the new template, as its pods say
-        moving = any(f"{sts}-{i}" not in new for i in range(n))
+    if spec.worker(role).nodes > 1:  # groups: a leader (`<lws>-<i>`) still on another template, as its pods say
+        leaders = {f"{sts}-{i}" for i in range(n)}
+        moving = any(p.name in leaders and p.revision != obs.update_revision and not p.terminating for p in pods)
     else:
         moving = obs.current_revision != obs.update_revision
     return RoleRollout(

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import names
+from .builders.common import front_end_labels
 from .spec import ModelSpec
 
 
@@ -63,7 +64,7 @@ def sync_scaler(spec: ModelSpec, scaler: ScalerObservation, current_replicas: in
         return ScalerSync(model, scaler_replicas, None)  # the status waits for the StatefulSet to settle
     status = {
         "replicas": current_replicas,
-        "selector": f"{names.MODEL_LABEL}={spec.name},{names.ROLE_LABEL}={names.PREFILL}",
+        "selector": ",".join(f"{k}={v}" for k, v in front_end_labels(spec, names.PREFILL).items()),
         "observedGeneration": scaler.generation,
     }
     changed = any(scaler.status.get(k) != v for k, v in status.items())

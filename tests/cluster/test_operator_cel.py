@@ -178,7 +178,7 @@ def test_violation_is_rejected_with_the_rules_message(kube_cluster, crd_installe
 @pytest.mark.parametrize(
     "name,fragment",
     [
-        ("a" * 41, "size() <="),
+        ("a" * 41, "size() <= 40"),
         ("9lives", "matches("),
     ],
 )
@@ -186,6 +186,17 @@ def test_names_that_cannot_name_children_are_rejected(kube_cluster, crd_installe
     cr = load_example("dm-cpu-tcp.yaml", name=name)
     proc = apply_cr(kube_cluster, namespace, cr, check=False)
     assert proc.returncode != 0 and message_of(fragment) in proc.stderr
+
+
+def test_a_role_that_spans_nodes_needs_a_shorter_name(kube_cluster, crd_installed, namespace):
+    cr = load_example("dm-cpu-tcp.yaml", name="a" * 35)
+    apply_cr(kube_cluster, namespace, cr)  # 35 characters: fine for one-node roles
+    cr["spec"]["decode"].update(tpSize=2, gpusPerNode=1)
+    cr["metadata"]["name"] = "b" * 35
+    proc = apply_cr(kube_cluster, namespace, cr, check=False)
+    assert proc.returncode != 0 and message_of("size() <= 34") in proc.stderr
+    cr["metadata"]["name"] = "b" * 34
+    apply_cr(kube_cluster, namespace, cr)
 
 
 @pytest.mark.parametrize(
@@ -214,16 +225,21 @@ def test_the_download_cache_may_change_but_not_the_model(kube_cluster, crd_insta
     assert proc.returncode != 0 and "model is immutable" in proc.stderr
 
 
-def test_eight_ranks_on_eight_gpus_fit_one_node_and_sixteen_do_not(kube_cluster, crd_installed, namespace):
-    def ranks(tp: int, pp: int) -> dict:
-        return {"tpSize": tp, "ppSize": pp, "resources": {"gpus": tp * pp}}
+def test_eight_ranks_fit_an_eight_gpu_node_and_sixteen_span_two(kube_cluster, crd_installed, namespace):
+    def ranks(tp: int, pp: int, gpus: int, **more) -> dict:
+        return {"tpSize": tp, "ppSize": pp, "resources": {"gpus": gpus}, **more}
 
-    too_many = tiny(prefill=ranks(4, 2), decode=ranks(8, 2))
-    proc = apply_cr(kube_cluster, namespace, too_many, check=False)
+    # Sixteen ranks span two eight-GPU nodes: each pod asks for one node's GPUs, not the instance's.
+    whole = tiny(prefill=ranks(4, 2, 8), decode=ranks(8, 2, 16))
+    proc = apply_cr(kube_cluster, namespace, whole, check=False)
     assert proc.returncode != 0
-    assert message_of("self.decode.tpSize * self.decode.ppSize <=") in proc.stderr
-    assert message_of("self.prefill.tpSize * self.prefill.ppSize <=") not in proc.stderr
-    apply_cr(kube_cluster, namespace, tiny(prefill=ranks(4, 2), decode=ranks(8, 1)))
+    assert message_of("self.decode.resources.gpus ==") in proc.stderr
+    assert message_of("self.prefill.resources.gpus ==") not in proc.stderr
+    uneven = tiny(prefill=ranks(4, 2, 8), decode=ranks(8, 2, 6, gpusPerNode=6))
+    proc = apply_cr(kube_cluster, namespace, uneven, check=False)
+    assert proc.returncode != 0
+    assert message_of("self.decode.tpSize * self.decode.ppSize % self.decode.gpusPerNode == 0") in proc.stderr
+    apply_cr(kube_cluster, namespace, tiny(prefill=ranks(4, 2, 8), decode=ranks(8, 2, 8)))
 
 
 @pytest.mark.parametrize("example", ["dm-cpu-tcp.yaml", "dm-rdma-gpu.yaml"])

@@ -53,6 +53,13 @@ def env_of(pod: dict) -> dict[str, str]:
     return {e["name"]: e.get("value", "") for e in pod["spec"]["containers"][0].get("env", [])}
 
 
+def leader_uid(cluster, namespace: str) -> str:
+    """Group 1's leader as it stands now ("" while it is gone or being deleted)."""
+    pods = cluster.get("-n", namespace, "pods", "-l", f"{names.LWS_NAME_LABEL}={GROUP}")["items"]
+    found = [p for p in pods if p["metadata"]["name"] == f"{GROUP}-1" and not p["metadata"].get("deletionTimestamp")]
+    return found[0]["metadata"]["uid"] if found else ""
+
+
 def ready(cluster, namespace: str) -> bool:
     dm = cluster.get("-n", namespace, "dm", "tiny")
     conds = {c["type"]: c for c in dm.get("status", {}).get("conditions", [])}
@@ -98,9 +105,16 @@ def test_a_decode_that_spans_nodes_runs_as_leaderworkerset_groups(kube_cluster, 
     wait_until(lambda: ready(kube_cluster, namespace), 90, POLL_S, what="the model Ready with two decode groups")
     assert kube_cluster.get("-n", namespace, "dm", "tiny")["status"]["decode"]["readyReplicas"] == 2
 
-    # A lost pod takes its whole group down: LWS recreates the leader too; the other group is untouched.
+    # A lost pod takes its whole group down: LWS recreates the leader too; the other group is untouched. A finalizer
+    # holds the deleted pod in its terminating state (kwok would remove it at once) until LWS has acted on it.
     before = {n: p["metadata"]["uid"] for n, p in group_pods(kube_cluster, namespace).items()}
+    hold = '{"metadata":{"finalizers":["disagg.test/hold"]}}'
+    kube_cluster.kubectl("-n", namespace, "patch", "pod", f"{GROUP}-1-1", "--type=merge", "-p", hold)
     kube_cluster.kubectl("-n", namespace, "delete", "pod", f"{GROUP}-1-1", "--wait=false")
+    wait_until(lambda: leader_uid(kube_cluster, namespace) != before[f"{GROUP}-1"], 90, POLL_S,
+               what="LWS deleting the group's leader")  # fmt: skip
+    kube_cluster.kubectl("-n", namespace, "patch", "pod", f"{GROUP}-1-1", "--type=merge",
+                         "-p", '{"metadata":{"finalizers":null}}', check=False)  # fmt: skip
 
     def group_recreated() -> bool:
         now = {n: p["metadata"]["uid"] for n, p in group_pods(kube_cluster, namespace).items()}

@@ -88,7 +88,7 @@ def example(namespace: str, **changes: object) -> dict:
     return cr
 
 
-def model_ready(node: RealNode, namespace: str, name: str, decodes: int = 1) -> dict:
+def model_ready(node: RealNode, namespace: str, name: str, decodes: int = 1, prefills: int = 1) -> dict:
     """The CR once it is Ready and PairingVerified, for its current generation, with every pod Ready; {} before."""
     obj = node.get("-n", namespace, f"disaggregatedmodels/{name}")
     conds = conditions(obj)
@@ -98,18 +98,18 @@ def model_ready(node: RealNode, namespace: str, name: str, decodes: int = 1) -> 
         return {}
     pods = node.get("-n", namespace, "pods", "-l", f"{MODEL_LABEL}={name}")["items"]
     roles = [p["metadata"]["labels"].get(ROLE_LABEL) for p in pods]
-    if sorted(roles) != sorted(["prefill", "router", *["decode"] * decodes]):
+    if sorted(roles) != sorted(["router", *["prefill"] * prefills, *["decode"] * decodes]):
         return {}
     return obj if all(pod_ready(p) for p in pods) else {}
 
 
-def apply_model(node: RealNode, cr: dict, decodes: int = 1) -> Model:
+def apply_model(node: RealNode, cr: dict, decodes: int = 1, prefills: int = 1) -> Model:
     """`kubectl apply` the CR and wait until it is Ready with every pod Ready."""
     namespace, name = cr["metadata"]["namespace"], cr["metadata"]["name"]
     node.kubectl("apply", "-f", "-", input=json.dumps(cr))
     try:
         obj = wait_until(
-            lambda: model_ready(node, namespace, name, decodes),
+            lambda: model_ready(node, namespace, name, decodes, prefills),
             MODEL_READY_S,
             2 * POLL_S,
             what=f"DisaggregatedModel {name} Ready and paired",
@@ -129,13 +129,19 @@ def apply_model(node: RealNode, cr: dict, decodes: int = 1) -> Model:
 
 @contextlib.contextmanager
 def served(
-    node: RealNode, cr: dict, client_image: str, report: Callable[[str], None], what: str, decodes: int = 1
+    node: RealNode,
+    cr: dict,
+    client_image: str,
+    report: Callable[[str], None],
+    what: str,
+    decodes: int = 1,
+    prefills: int = 1,
 ) -> Iterator[Model]:
     """The CR applied and Ready, with a client pod beside it; the time to Ready reported as `what`; the CR and
     its namespace deleted afterwards."""
     try:
         start = time.monotonic()
-        model = apply_model(node, cr, decodes)
+        model = apply_model(node, cr, decodes, prefills)
         report(f"{what} Ready and PairingVerified {time.monotonic() - start:.0f}s after apply")
         client_pod(node, model.namespace, client_image)
         yield model
