@@ -111,8 +111,9 @@ YAML
     (( SECONDS - start < limit )) || { log "the LeaderWorkerSet CRD not Established in ${limit}s"; exit 1; }
     sleep 0.5
   done
+  # Without the callers' lock descriptors (node.sh holds fd 8, build.sh fd 9): the controller outlives them.
   KUBECONFIG="$kubeconfig" setsid "$bin/lws-controller" --config "$DIR/config.yaml" --zap-log-level=info \
-    >"$DIR/controller.log" 2>&1 </dev/null &
+    >"$DIR/controller.log" 2>&1 </dev/null 8>&- 9>&- &
   echo $! >"$DIR/pid"
   start=$SECONDS
   until curl -fsS "http://127.0.0.1:$HEALTH/readyz" >/dev/null 2>&1; do
