@@ -61,9 +61,9 @@ def _decode_child(conn, pool_kw: dict, cfg_kw: dict, tuning: dict) -> None:
     while True:
         cmd, *args = conn.recv()
         if cmd == "recv":
-            room, addr, dest, slot = args
+            room, addr, dest, slot, *skip = args  # skip: the room's first pages decode holds (its cache)
             receivers[room] = mgr.create_receiver(room, addr)
-            receivers[room].init(dest, slot)
+            receivers[room].init(dest, slot, *skip)
             conn.send(True)
         elif cmd == "wait":  # until terminal: (status, reason, pages_unsafe, seconds)
             room, timeout = args
@@ -206,6 +206,40 @@ def test_destination_pages_are_byte_identical(pair, src, dst, chunks):
     want = len(src) * prefill.pool.page_nbytes * 4
     moved = counted(lambda: prefill.mgr.metrics.bytes_total - bytes_before, want, "the room's bytes counted")
     assert moved == want
+
+
+@pytest.mark.parametrize(
+    "skip,chunks,fragmented",
+    [
+        (5, [5, 8, 7], False),  # exactly the first send: it writes nothing
+        (7, [5, 8, 7], False),  # part of the middle send
+        (19, [5, 8, 7], False),  # every page but the last token's
+        (13, [20], True),  # one send, the rest staged on both sides (fragmented destination)
+    ],
+)
+def test_a_room_whose_start_decode_holds_gets_only_the_rest(pair, skip, chunks, fragmented):
+    prefill, decode = pair
+    room = next(_rooms)
+    src = list(range(10, 30))
+    rng = random.Random(skip)
+    dst = rng.sample(range(64), len(src) - skip) if fragmented else list(range(40, 40 + len(src) - skip))
+    bytes_before = prefill.mgr.metrics.bytes_total
+    sender = prefill.mgr.create_sender(room)
+    decode("recv", room, prefill.addr, dst, 3, skip)
+    wait_for(sender, KVPoll.WaitingForInput)
+    offset = 0
+    for i, n in enumerate(chunks):  # prefill sends every page of the room, as it computes them
+        last = i == len(chunks) - 1
+        sender.send(src[offset : offset + n], last=last, aux=pack_first_token(77, -0.5) if last else None)
+        offset += n
+    status, _ = wait_status(sender, 30)
+    assert status is KVPoll.Success, sender.failure_reason()
+    d_status, reason, _, _ = decode.wait(room, 30)
+    assert d_status == KVPoll.Success, reason
+    assert decode("bytes", dst) == prefill.pool.page_bytes(src[skip:])
+    assert unpack_first_token(decode("aux", room)) == (77, -0.5)
+    want = (len(src) - skip) * prefill.pool.page_nbytes * 4  # the pages decode lacked, nothing more
+    assert counted(lambda: prefill.mgr.metrics.bytes_total - bytes_before, want, "the room's bytes") == want
 
 
 def test_decode_abort_fails_prefill_sender_and_releases_pages(pair):

@@ -135,7 +135,7 @@ class MooncakePrefillManager(KVManager):
         if problem:
             self.fail(state, problem)
             return
-        if held == len(pages):
+        if held == len(pages) and not last:  # all held: nothing to write (a last send always writes one page)
             state.skip_send(held)
             return
         first_index = state.queue_send(len(pages), last, aux, self.cfg.waiting_timeout_s, jobs=len(state.dests))
