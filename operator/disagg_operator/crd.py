@@ -11,12 +11,11 @@ from pathlib import Path
 import yaml
 
 from . import names
-from .crd_roles import ATTN_TP, RANK_RULES, engine_props, router_schema, worker_role_schema
+from .crd_roles import ATTN_TP, RANK_RULES, SPAN_RULES, engine_props, router_schema, worker_role_schema
 from .crd_status import status_schema
 from .schema import integer, obj, rule, string
 from .spec import DEFAULT_DRAIN_TIMEOUT, DEFAULT_PROGRESS_DEADLINE, ORDERS
 
-# The ranks of one instance are processes of one pod, so they share a node; a node has at most this many GPUs.
 QUANTITY = "^[0-9]+(\\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|k|M|G|T|P)?$"
 
 
@@ -133,22 +132,12 @@ SPECULATIVE_RULES = [
     ),
 ]
 
-SPANS = "self.{r}.tpSize * self.{r}.ppSize > self.{r}.gpusPerNode"
-
 IMMUTABLE_RULES = [
     (
         "spec.transfer",
         "self == oldSelf",
         "transfer is immutable: prefill and decode would have to switch at the same moment",
     ),
-] + [
-    (
-        "spec",
-        f"({SPANS.format(r=r)}) == ({SPANS.format(r=r).replace('self.', 'oldSelf.')})",
-        f"{r} cannot switch between instances of one node (a StatefulSet) and instances that span nodes (a "
-        "LeaderWorkerSet): delete the model and create it again",
-    )
-    for r in names.WORKER_ROLES
 ]
 
 SERVED_NAME = "(has({0}.spec.servedModelName) ? {0}.spec.servedModelName : {0}.metadata.name)"
@@ -158,13 +147,6 @@ ROOT_RULES = [
         "",
         f"self.metadata.name.size() <= {names.MAX_NAME_LENGTH}",
         f"metadata.name must be at most {names.MAX_NAME_LENGTH} characters: child objects append -prefill etc.",
-    ),
-    (
-        "",
-        " && ".join(f"!({SPANS.format(r=r).replace('self.', 'self.spec.')})" for r in names.WORKER_ROLES)
-        + f" || self.metadata.name.size() <= {names.MAX_NAME_LENGTH_GROUPS}",
-        f"metadata.name must be at most {names.MAX_NAME_LENGTH_GROUPS} characters when a role spans nodes: "
-        "LeaderWorkerSet's pods carry labels made of it and longer suffixes (at most 63 characters)",
     ),
     (
         "",
@@ -178,7 +160,7 @@ ROOT_RULES = [
     ),
 ]
 
-RULES = ROOT_RULES + SPEC_RULES + MODEL_RULES + SPECULATIVE_RULES + IMMUTABLE_RULES
+RULES = ROOT_RULES + SPEC_RULES + MODEL_RULES + SPECULATIVE_RULES + IMMUTABLE_RULES + SPAN_RULES
 
 
 def _rules_at(where: str) -> list[dict]:

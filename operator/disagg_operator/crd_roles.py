@@ -216,3 +216,24 @@ RANK_RULES: list[tuple[str, str, str]] = (
         )
     ]
 )
+
+# Roles whose instances span nodes (LeaderWorkerSets): a role keeps its form, and the model's name leaves room for
+# the suffixes LWS adds to its pods' labels.
+SPANS = "self.{r}.tpSize * self.{r}.ppSize > self.{r}.gpusPerNode"
+SPAN_RULES: list[tuple[str, str, str]] = [
+    (
+        "spec",
+        f"({SPANS.format(r=r)}) == ({SPANS.format(r=r).replace('self.', 'oldSelf.')})",
+        f"{r} cannot switch between instances of one node (a StatefulSet) and instances that span nodes (a "
+        "LeaderWorkerSet): delete the model and create it again",
+    )
+    for r in names.WORKER_ROLES
+] + [
+    (
+        "",
+        " && ".join(f"!({SPANS.format(r=r).replace('self.', 'self.spec.')})" for r in names.WORKER_ROLES)
+        + f" || self.metadata.name.size() <= {names.MAX_NAME_LENGTH_GROUPS}",
+        f"metadata.name must be at most {names.MAX_NAME_LENGTH_GROUPS} characters when a role spans nodes: "
+        "LeaderWorkerSet's pods carry labels made of it and longer suffixes (at most 63 characters)",
+    ),
+]
