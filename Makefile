@@ -24,8 +24,9 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 -include mk/cluster.mk
 -include mk/node.mk
 
-# Debian packages the worker links at run time: Mooncake's wheel needs them but does not ship them.
-SYSTEM_PACKAGES := libibverbs1 libnuma1 libcurl4
+# Debian packages the worker links at run time: Mooncake's wheel needs them but does not ship them; and what the
+# test clusters' LeaderWorkerSet start-up calls (hack/k8s/lws.sh: a CA made with openssl, readiness with curl).
+SYSTEM_PACKAGES := libibverbs1 libnuma1 libcurl4 openssl curl
 
 $(STAMP): pyproject.toml
 	@missing=""; for p in $(SYSTEM_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
