@@ -15,7 +15,7 @@ import requests
 
 from disagg_worker.mem.allocator import pages_for
 from disagg_worker.mem.kv_events import page_hashes
-from tests.integration.procs import PDStack, Proc, idle_now, report_after, scaled, serve
+from tests.integration.procs import PDStack, Proc, idle_now, report_after, scaled, serve, wait_until
 from tests.integration.test_kv_events import held, router_entry
 from tests.integration.test_router_verify import counter
 
@@ -55,20 +55,24 @@ def routed(router: Proc) -> dict:
 def decode_holds(s: PDStack, ids: list[int]) -> None:
     """Wait until decode's cache holds the whole pages of `ids` and the router's index of decode says so."""
     names = set(page_hashes(ids, PAGE))
-    deadline = time.monotonic() + scaled(15)
-    while not (held(s.decode.url)[1] >= names and router_entry(s.router.url, s.decode.url)["kv_index"]["pages"]
-               >= len(names)):  # fmt: skip
-        assert time.monotonic() < deadline, "decode's cache (or the router's index of it) never held the turn"
-        time.sleep(0.2)
+    wait_until(
+        lambda: (
+            held(s.decode.url)[1] >= names
+            and router_entry(s.router.url, s.decode.url)["kv_index"]["pages"] >= len(names)
+        ),
+        15,
+        what="decode's cache (and the router's index of it) holding the turn",
+    )
 
 
 def prefill_bytes_after(s: PDStack, before: float) -> float:
     """The prefill's transfer bytes once they moved past `before` (its report reaches /metrics a moment later)."""
-    deadline = time.monotonic() + scaled(10)
-    while (now := counter(s.prefill, "disagg_kv_transfer_bytes_total")) == before:
-        assert time.monotonic() < deadline, "the prefill's transfer bytes never moved"
-        time.sleep(0.1)
-    return now
+    return wait_until(
+        lambda: (now := counter(s.prefill, "disagg_kv_transfer_bytes_total")) != before and now,
+        10,
+        interval=0.1,
+        what="the prefill's transfer bytes moving",
+    )
 
 
 def test_a_second_turn_receives_only_the_pages_decode_lacks_and_a_third_runs_on_decode_alone(stack):

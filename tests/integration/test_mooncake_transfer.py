@@ -175,6 +175,30 @@ def pair():
     prefill.close()
 
 
+def transfer(pair, src: list[int], dst: list[int], chunks: list[int], skip: int = 0) -> int:
+    """One room from prefill's `src` pages, sent in `chunks` as prefill computes them, to decode's `dst` (after the
+    `skip` pages decode holds), both sides at Success with the aux record through; the bytes prefill counted."""
+    prefill, decode = pair
+    room = next(_rooms)
+    bytes_before = prefill.mgr.metrics.bytes_total
+    sender = prefill.mgr.create_sender(room)
+    decode("recv", room, prefill.addr, dst, 3, skip)
+    wait_for(sender, KVPoll.WaitingForInput)
+    offset = 0
+    for i, n in enumerate(chunks):
+        last = i == len(chunks) - 1
+        sender.send(src[offset : offset + n], last=last, aux=pack_first_token(1234, -0.25) if last else None)
+        offset += n
+    status, _ = wait_status(sender, 30)
+    assert status is KVPoll.Success, sender.failure_reason()
+    d_status, reason, _, _ = decode.wait(room, 30)
+    assert d_status == KVPoll.Success, reason
+    assert unpack_first_token(decode("aux", room)) == (1234, -0.25)
+    # Every page written, of every buffer (K and V of 2 layers), counted once the room succeeded.
+    want = (len(src) - skip) * prefill.pool.page_nbytes * 4
+    return counted(lambda: prefill.mgr.metrics.bytes_total - bytes_before, want, "the room's bytes counted")
+
+
 @pytest.mark.parametrize(
     "src,dst,chunks",
     [
@@ -186,26 +210,9 @@ def pair():
 )
 def test_destination_pages_are_byte_identical(pair, src, dst, chunks):
     prefill, decode = pair
-    room = next(_rooms)
-    bytes_before = prefill.mgr.metrics.bytes_total
-    sender = prefill.mgr.create_sender(room)
-    decode("recv", room, prefill.addr, dst, 3)
-    wait_for(sender, KVPoll.WaitingForInput)
-    offset = 0
-    for i, n in enumerate(chunks):
-        last = i == len(chunks) - 1
-        sender.send(src[offset : offset + n], last=last, aux=pack_first_token(1234, -0.25) if last else None)
-        offset += n
-    status, _ = wait_status(sender, 30)
-    assert status is KVPoll.Success, sender.failure_reason()
-    d_status, reason, _, _ = decode.wait(room, 30)
-    assert d_status == KVPoll.Success, reason
+    moved = transfer(pair, src, dst, chunks)
     assert decode("bytes", dst) == prefill.pool.page_bytes(src)
-    assert unpack_first_token(decode("aux", room)) == (1234, -0.25)
-    # Every page of every buffer (K and V of 2 layers), counted once the room succeeded.
-    want = len(src) * prefill.pool.page_nbytes * 4
-    moved = counted(lambda: prefill.mgr.metrics.bytes_total - bytes_before, want, "the room's bytes counted")
-    assert moved == want
+    assert moved == len(src) * prefill.pool.page_nbytes * 4
 
 
 @pytest.mark.parametrize(
@@ -219,27 +226,12 @@ def test_destination_pages_are_byte_identical(pair, src, dst, chunks):
 )
 def test_a_room_whose_start_decode_holds_gets_only_the_rest(pair, skip, chunks, fragmented):
     prefill, decode = pair
-    room = next(_rooms)
     src = list(range(10, 30))
     rng = random.Random(skip)
     dst = rng.sample(range(64), len(src) - skip) if fragmented else list(range(40, 40 + len(src) - skip))
-    bytes_before = prefill.mgr.metrics.bytes_total
-    sender = prefill.mgr.create_sender(room)
-    decode("recv", room, prefill.addr, dst, 3, skip)
-    wait_for(sender, KVPoll.WaitingForInput)
-    offset = 0
-    for i, n in enumerate(chunks):  # prefill sends every page of the room, as it computes them
-        last = i == len(chunks) - 1
-        sender.send(src[offset : offset + n], last=last, aux=pack_first_token(77, -0.5) if last else None)
-        offset += n
-    status, _ = wait_status(sender, 30)
-    assert status is KVPoll.Success, sender.failure_reason()
-    d_status, reason, _, _ = decode.wait(room, 30)
-    assert d_status == KVPoll.Success, reason
+    moved = transfer(pair, src, dst, chunks, skip)  # prefill sends every page of the room
     assert decode("bytes", dst) == prefill.pool.page_bytes(src[skip:])
-    assert unpack_first_token(decode("aux", room)) == (77, -0.5)
-    want = (len(src) - skip) * prefill.pool.page_nbytes * 4  # the pages decode lacked, nothing more
-    assert counted(lambda: prefill.mgr.metrics.bytes_total - bytes_before, want, "the room's bytes") == want
+    assert moved == (len(src) - skip) * prefill.pool.page_nbytes * 4  # the pages decode lacked, nothing more
 
 
 def test_decode_abort_fails_prefill_sender_and_releases_pages(pair):

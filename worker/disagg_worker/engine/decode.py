@@ -35,7 +35,7 @@ from disagg_worker.engine.request import Req
 from disagg_worker.engine.scheduler import Scheduler, StepOutcome
 from disagg_worker.engine.stage import UNROUTED, Transfers
 from disagg_worker.keys import target_signed
-from disagg_worker.mem.allocator import PageAllocator, pages_for
+from disagg_worker.mem.allocator import PageAllocator
 from disagg_worker.messages import BootstrapInfo
 
 log = logging.getLogger(__name__)
@@ -126,20 +126,12 @@ class DecodeStage:
     def _preallocate(self, d: DecodeReq) -> bool:
         if not self.free_slots or self.scheduler.num_running + len(self.transfer) >= self.max_running:
             return False
-        req, radix = d.req, self.scheduler.radix
-        match = radix.match_prefix(req.prompt_ids[: req.seq_len - 1])  # whole pages before the last token's
-        radix.lock(match.node)
-        need = pages_for(req.seq_len, self.page_size) - len(match.pages)
-        pages = None
-        if need + self.scheduler.reserved_pages() <= self.allocator.num_free + radix.evictable_pages:
-            pages = self.scheduler.take_pages(need)
+        pages = self.scheduler.claim_pages(d.req)  # held pages first (decode's prefix cache), sent by nobody
         if pages is None:
-            radix.unlock(match.node)
             return False
-        req.prefix_node, req.prefix_pages, req.cached_tokens = match.node, len(match.pages), match.num_tokens
-        d.pages = list(match.pages) + pages
+        d.pages = pages
         d.aux_slot = self.free_slots.pop()
-        d.receiver.init(pages, d.aux_slot, skip_pages=len(match.pages))
+        d.receiver.init(pages[d.req.prefix_pages :], d.aux_slot, skip_pages=d.req.prefix_pages)
         return True
 
     def _poll_transfer(self) -> None:

@@ -220,22 +220,28 @@ class Scheduler:
 
     def _admit(self, req: Req) -> bool:
         """Give `req` its prefix pages and private pages for the whole known sequence, or nothing."""
+        claimed = self.claim_pages(req)
+        if claimed is None:
+            return False
+        req.pages = claimed
+        req.num_computed = req.cached_tokens
+        return True
+
+    def claim_pages(self, req: Req) -> list[int] | None:
+        """The pages of `req`'s whole known sequence: the prefix the cache holds (locked, before the last token's
+        page; `req.prefix_node`, `prefix_pages`, `cached_tokens` set) then fresh ones, keeping the running
+        requests' reserve; None, with nothing taken, when they do not fit."""
         match = self.radix.match_prefix(req.fill_ids[: req.seq_len - 1])
         self.radix.lock(match.node)
         need = pages_for(req.seq_len, self.page_size) - len(match.pages)
-        if need + self.reserved_pages() > self.allocator.num_free + self.radix.evictable_pages:
-            self.radix.unlock(match.node)
-            return False
-        pages = self.take_pages(need)
+        pages = None
+        if need + self.reserved_pages() <= self.allocator.num_free + self.radix.evictable_pages:
+            pages = self.take_pages(need)
         if pages is None:
             self.radix.unlock(match.node)
-            return False
-        req.prefix_node = match.node
-        req.prefix_pages = len(match.pages)
-        req.pages = list(match.pages) + pages
-        req.num_computed = match.num_tokens
-        req.cached_tokens = match.num_tokens
-        return True
+            return None
+        req.prefix_node, req.prefix_pages, req.cached_tokens = match.node, len(match.pages), match.num_tokens
+        return list(match.pages) + pages
 
     def _needs_page(self, req: Req, n: int) -> int:
         return max(0, pages_for(req.num_computed + n, self.page_size) - len(req.pages))
