@@ -24,12 +24,14 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 -include mk/cluster.mk
 -include mk/node.mk
 
-# Debian packages the worker links at run time: Mooncake's wheel needs them but does not ship them; and what the
-# test clusters' LeaderWorkerSet start-up calls (hack/k8s/lws.sh: a CA made with openssl, readiness with curl).
-SYSTEM_PACKAGES := libibverbs1 libnuma1 libcurl4 openssl curl
+# Debian packages the worker links at run time: Mooncake's wheel needs them but does not ship them (the worker
+# image installs the same list). TOOL_PACKAGES: what the test clusters' LeaderWorkerSet start-up calls
+# (hack/k8s/lws.sh: a CA made with openssl, readiness with curl); not needed in the image.
+SYSTEM_PACKAGES := libibverbs1 libnuma1 libcurl4
+TOOL_PACKAGES := openssl curl
 
 $(STAMP): pyproject.toml
-	@missing=""; for p in $(SYSTEM_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	@missing=""; for p in $(SYSTEM_PACKAGES) $(TOOL_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
 	if [ -n "$$missing" ]; then echo "installing Debian packages:$$missing"; \
 	  $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq $$missing; fi
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
