@@ -11,8 +11,19 @@ import time
 import pytest
 import requests
 
+from disagg_worker import keys
 from disagg_worker.mem.kv_events import HASH_SCHEME, page_hashes
-from tests.integration.procs import FAST_FAILURE, PDStack, Proc, free_port, idle_now, report_after, scaled, serve
+from tests.integration.procs import (
+    FAST_FAILURE,
+    PDStack,
+    Proc,
+    free_port,
+    idle_now,
+    report_after,
+    scaled,
+    serve,
+    wait_until,
+)
 from tests.integration.test_server import generate, varied_prompts
 
 pytestmark = pytest.mark.integration
@@ -157,3 +168,36 @@ def caching(prefills: list[Proc], names: set[int]) -> Proc:
             return found[0]
         assert time.monotonic() < deadline, "no prefill instance cached the prompt"
         time.sleep(0.2)
+
+
+def test_with_the_models_secret_a_reader_cannot_name_a_prompts_pages_but_the_router_can(tiny_model, tmp_path):
+    secret = tmp_path / "auth-token"
+    secret.write_text("the-models-secret\n")
+    router_flags = ("--policy", "cache_aware", "--tokenizer", tiny_model, "--auth-token-file", str(secret))
+    stack = PDStack(tiny_model, *FLAGS, "--auth-token-file", str(secret), router_flags=router_flags).wait_healthy()
+    key, key_id = keys.kv_names("the-models-secret")
+    worker = {"Authorization": f"Bearer {keys.derive('the-models-secret', keys.WORKER)}"}
+    try:
+        system = list(range(500, 500 + 32))  # 8 pages
+        generate(stack.router.url, system + [1], n=2)
+        keyed = set(page_hashes(system, PAGE, key=key))
+
+        def names() -> tuple[dict, set[int]] | None:
+            r = requests.get(f"{stack.prefill.url}/kv_events", headers=worker, timeout=scaled(5))
+            assert r.status_code == 200, r.text
+            body = r.json()
+            got = {int(n, 16) for n in body["snapshot"]}
+            return (body, got) if got >= keyed else None
+
+        header, got = wait_until(names, timeout=10, what="the prompt's pages among the prefill's names")
+        assert header["key_id"] == key_id
+        assert not got & set(page_hashes(system, PAGE)), "names a reader could compute from a guessed prompt"
+        router_index_reaches(stack.router.url, stack.prefill.url, lambda i: i["pages"] == len(got), "the pages")
+        assert router_entry(stack.router.url, stack.prefill.url)["kv_index"]["state"] == "ok"
+        # The router names the follow-up's pages with the same key: it scores the cached prefix.
+        before = requests.get(f"{stack.router.url}/health", timeout=scaled(5)).json()["routing"].get("cache_hit", 0)
+        generate(stack.router.url, system + [2, 3], n=2)
+        routing = requests.get(f"{stack.router.url}/health", timeout=scaled(5)).json()["routing"]
+        assert routing.get("cache_hit", 0) == before + 1, routing
+    finally:
+        stack.stop()

@@ -11,6 +11,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
+from disagg_worker import keys
 from disagg_worker.mem.allocator import PageAllocator
 from disagg_worker.mem.kv_events import HASH_SCHEME, RING, EventLog, page_hashes
 from disagg_worker.mem.radix import RadixCache
@@ -147,3 +148,27 @@ def test_workers_that_go_silent_or_name_pages_differently_are_flagged():
     payload = {**c.since("", -1), "hash_scheme": "other"}
     index.of("c").apply(payload, now=108.0)
     assert index.status("c", 108.0)[0] == "mismatch" and HASH_SCHEME in index.status("c", 108.0)[1]
+
+
+def test_with_the_models_secret_names_are_keyed_and_a_router_keyed_otherwise_is_told():
+    key, key_id = keys.kv_names("s3cret")
+    assert keys.kv_names("s3cret") == (key, key_id) and keys.kv_names("") == (b"", "")
+    tokens = [5, 6, 7, 8, 9, 10, 11, 12]
+    plain, keyed = page_hashes(tokens, 4), page_hashes(tokens, 4, key=key)
+    # Whoever reads the names without the key cannot compute them for a prompt they guess.
+    assert not set(plain) & set(keyed) and not set(keyed) & set(page_hashes(tokens, 4, key=keys.kv_names("x")[0]))
+    tree = RadixCache(4, PageAllocator(8), record_events=True, names_key=key)
+    tree.insert(tokens, [1, 2])
+    assert tree.page_names() == set(keyed) and tree.take_events() == [("stored", keyed)]
+
+    router = KVIndex(key_id=key_id)
+    for url, log in (("same", EventLog(4, "m", key_id=key_id)), ("plain", EventLog(4, "m"))):
+        log.apply(0, [("stored", keyed)])
+        router.of(url).apply(log.since("", -1), now=1.0)
+    assert router.status("same", 2.0) == ("ok", "") and router.cached_pages("same", keyed, 2.0) == 2
+    state, why = router.status("plain", 2.0)
+    assert state == "mismatch" and "with the model's secret" in why and router.cached_pages("plain", keyed, 2.0) == 0
+    assert router.reference() == (4, "m")
+    unkeyed = KVIndex()
+    unkeyed.of("same").apply(EventLog(4, "m", key_id=key_id).since("", -1), now=1.0)
+    assert unkeyed.status("same", 2.0)[0] == "mismatch" and unkeyed.reference() is None

@@ -200,6 +200,11 @@ class DisaggConfig:
         """Key of the router's signature over a request's bootstrap target ("": targets are not checked)."""
         return keys.derive(self.auth_token, keys.TARGET) if self.auth_token else ""
 
+    @property
+    def kv_names(self) -> tuple[bytes, str]:
+        """The key of the cached pages' names and its id (`keys.kv_names`; unkeyed without a shared secret)."""
+        return keys.kv_names(self.auth_token)
+
     def __post_init__(self) -> None:
         if self.nnodes < 1 or self.num_ranks % self.nnodes:
             raise ConfigError(

@@ -10,6 +10,9 @@ another purpose:
 - `WORKER`: the bearer token the router presents to worker HTTP ports.
 - `TARGET`: the key of the router's signature over a request's bootstrap target (host, port,
   room); decode contacts no prefill instance without a valid one.
+- `KV_NAMES`: the key of the names of cached pages (`mem/kv_events.py`), so that whoever reads an instance's
+  `/kv_events` cannot tell whether a prompt they guess is cached; `KV_NAMES_ID` names that key in each answer
+  (a router keyed otherwise flags the instance instead of missing every page).
 
 A secret or key that is asked for but empty is an error at start-up, never "no authentication".
 """
@@ -23,6 +26,8 @@ from pathlib import Path
 BOOTSTRAP = "bootstrap"
 WORKER = "worker-http"
 TARGET = "bootstrap-target"
+KV_NAMES = "kv-page-names"
+KV_NAMES_ID = "kv-page-names-id"
 
 
 class SecretError(ValueError):
@@ -76,3 +81,11 @@ LOCAL_PREFILL = "local_prefill"
 def target_signed(key: str, host: str, port: int, room: int, signature: str) -> bool:
     """Whether `signature` is the router's over this target (constant time)."""
     return hmac.compare_digest(sign_target(key, host, port, room), signature)
+
+
+def kv_names(secret: str) -> tuple[bytes, str]:
+    """The key of the cached pages' names and the id an instance publishes with them ((b"", "") without a
+    secret: names are then plain hashes of the tokens)."""
+    if not secret:
+        return b"", ""
+    return bytes.fromhex(derive(secret, KV_NAMES)), derive(secret, KV_NAMES_ID)[:16]

@@ -78,7 +78,11 @@ class Engine:
         self.expert_load = ExpertLoad(model if shard.dp_rank == 0 else None, cfg.disagg.ep_size)
         self.allocator = PageAllocator(cache.total_pages)
         self.radix = RadixCache(
-            cache.page_size, self.allocator, enabled=cfg.uses_prefix_cache, record_events=cfg.uses_prefix_cache
+            cache.page_size,
+            self.allocator,
+            enabled=cfg.uses_prefix_cache,
+            record_events=cfg.uses_prefix_cache,
+            names_key=cfg.disagg.kv_names[0],
         )
         self.outbox = Outbox()
         # With several stages a request's next step waits for its token to come back.

@@ -2,7 +2,9 @@
 
 A cached page is named by a chained hash over the token ids of every page up to and including it
 (`page_hashes`): equal names mean equal prefixes, so the longest cached prefix of a prompt is the longest run of
-its page names an instance holds. The radix cache (`radix.py`) records one event per change:
+its page names an instance holds. With the model's shared secret the hash is keyed (`keys.kv_names`): only the
+router and the workers can name a prompt's pages, so the names a reader sees say nothing about which prompts
+were served. The radix cache (`radix.py`) records one event per change:
 
 - `("stored", [name, ...])`: pages now held, a prefix's pages in order (their parents are held);
 - `("removed", [name, ...])`: pages evicted;
@@ -32,18 +34,18 @@ RING_NAMES = 1 << 18  # ...and at most this many page names in them (a long prom
 Event = tuple[str, list[int]]
 
 
-def page_hash(parent: int, tokens: Sequence[int]) -> int:
-    """The name of a page holding `tokens` after the prefix named `parent`."""
-    h = hashlib.blake2b(parent.to_bytes(8, "little"), digest_size=8)
+def page_hash(parent: int, tokens: Sequence[int], key: bytes = b"") -> int:
+    """The name of a page holding `tokens` after the prefix named `parent` (keyed with `key`, if any)."""
+    h = hashlib.blake2b(parent.to_bytes(8, "little"), digest_size=8, key=key)
     h.update(struct.pack(f"<{len(tokens)}q", *tokens))
     return int.from_bytes(h.digest(), "little")
 
 
-def page_hashes(tokens: Sequence[int], page_size: int, parent: int = ROOT) -> list[int]:
+def page_hashes(tokens: Sequence[int], page_size: int, parent: int = ROOT, key: bytes = b"") -> list[int]:
     """Names of the whole pages of `tokens` (a trailing partial page has none), continuing `parent`."""
     names = []
     for start in range(0, len(tokens) - page_size + 1, page_size):
-        parent = page_hash(parent, tokens[start : start + page_size])
+        parent = page_hash(parent, tokens[start : start + page_size], key)
         names.append(parent)
     return names
 
@@ -55,6 +57,7 @@ class EventLog:
 
     page_size: int
     model: str
+    key_id: str = ""  # which key names the pages ("" unkeyed): keys.kv_names
     epoch: str = field(default_factory=lambda: secrets.token_hex(8))
     seq: int = 0
     held: dict[int, collections.Counter[int]] = field(default_factory=dict)  # group -> name -> 1
@@ -91,7 +94,7 @@ class EventLog:
 
     def header(self) -> dict:
         return {"epoch": self.epoch, "seq": self.seq, "page_size": self.page_size, "model": self.model,
-                "hash_scheme": HASH_SCHEME}  # fmt: skip
+                "hash_scheme": HASH_SCHEME, "key_id": self.key_id}  # fmt: skip
 
     def since(self, epoch: str, seq: int) -> dict:
         """What a reader that saw event `seq` of `epoch` lacks: the events after it, or a snapshot."""

@@ -67,7 +67,16 @@ class CacheStats:
 
 
 class RadixCache:
-    def __init__(self, page_size: int, allocator: PageAllocator, enabled: bool = True, record_events: bool = False):
+    def __init__(
+        self,
+        page_size: int,
+        allocator: PageAllocator,
+        enabled: bool = True,
+        record_events: bool = False,
+        names_key: bytes = b"",
+    ):
+        """`record_events`: name every page and record what is stored and evicted (`kv_events.py`), with
+        `names_key` keying the names (the model's secret: `keys.kv_names`)."""
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
         self.page_size = page_size
@@ -79,6 +88,7 @@ class RadixCache:
         self._evictable = 0
         self._protected = 0
         self.record_events = record_events
+        self.names_key = names_key
         self._events: list[Event] = []
 
     def take_events(self) -> list[Event]:
@@ -235,7 +245,7 @@ class RadixCache:
 
     def _add_leaf(self, parent: Node, tokens: Sequence[int], pages: Sequence[int]) -> None:
         names = (
-            page_hashes(tokens, self.page_size, parent.names[-1] if parent.names else ROOT)
+            page_hashes(tokens, self.page_size, parent.names[-1] if parent.names else ROOT, self.names_key)
             if self.record_events
             else []
         )

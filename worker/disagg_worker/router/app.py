@@ -150,7 +150,7 @@ class Router:
         if self.prompts is None or ref is None:
             return None
         ids = self.prompts.ids(path, body)
-        return Prompt(len(ids), page_hashes(ids, ref[0]), ref[0]) if ids else None
+        return Prompt(len(ids), page_hashes(ids, ref[0], key=self.auth.kv_key), ref[0]) if ids else None
 
     def body_limit(self) -> int:
         """--max-body-bytes, else the limit of the largest context a worker reported (`limits.py`)."""

@@ -6,7 +6,10 @@
 - Every request it routes names a bootstrap target (the prefill instance that holds the KV) with
   its signature (`keys.TARGET`): decode contacts no host without one, so a caller who reaches a
   worker cannot make it hand anything to a host of its choosing.
-Without a shared secret (local runs) workers take unsigned targets and no worker token.
+- The cache-aware policy names a prompt's pages with the key the workers name their cached pages with
+  (`keys.kv_names`).
+Without a shared secret (local runs) workers take unsigned targets and no worker token, and pages are named
+unkeyed.
 """
 
 from __future__ import annotations
@@ -22,15 +25,20 @@ class RouterAuth:
     api_keys: tuple[str, ...] = field(default=(), repr=False)
     worker_token: str = field(default="", repr=False)
     target_key: str = field(default="", repr=False)
+    kv_key: bytes = field(default=b"", repr=False)
+    kv_key_id: str = ""
 
     @classmethod
     def from_cli(cls, ns: argparse.Namespace) -> RouterAuth:
         """Read the keys at start-up; a key asked for but empty raises `keys.SecretError`."""
         secret = keys.read_secret(ns.auth_token_file, "--auth-token-file") if ns.auth_token_file else ""
+        kv_key, kv_key_id = keys.kv_names(secret)
         return cls(
             api_keys=keys.read_api_keys(ns.api_key, ns.api_key_file),
             worker_token=keys.derive(secret, keys.WORKER) if secret else "",
             target_key=keys.derive(secret, keys.TARGET) if secret else "",
+            kv_key=kv_key,
+            kv_key_id=kv_key_id,
         )
 
     def worker_headers(self) -> dict[str, str]:

@@ -11,8 +11,8 @@ request's group is still picked by load, so a hit may land on a group without th
 
 A worker is scored only while its index is good (`usable`): it answered within `stale_after_s` (one that stops
 publishing is "silent", and the router falls back to load for it), and it names pages the router's way (same
-hash scheme, and the same page size and model as the workers already indexed: "mismatch" otherwise). Both
-show in the router's /health.
+hash scheme and key, and the same page size and model as the workers already indexed: "mismatch" otherwise).
+Both show in the router's /health.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ class InstanceIndex:
     page_size: int = 0
     model: str = ""
     hash_scheme: str = ""
+    key_id: str = ""
     updated: float | None = None  # monotonic time of the last answer applied
     snapshots: int = 0
     events: int = 0
@@ -45,6 +46,7 @@ class InstanceIndex:
         """One /kv_events answer."""
         self.epoch, self.page_size = str(payload.get("epoch", "")), int(payload.get("page_size", 0))
         self.model, self.hash_scheme = str(payload.get("model", "")), str(payload.get("hash_scheme", ""))
+        self.key_id = str(payload.get("key_id", ""))
         if "snapshot" in payload:
             self.names = collections.Counter(int(n, 16) for n in payload["snapshot"])
             self.seq = int(payload["seq"])
@@ -83,6 +85,7 @@ class InstanceIndex:
 @dataclass
 class KVIndex:
     stale_after_s: float = 6.0
+    key_id: str = ""  # the id of the key the router names pages with (keys.kv_names; "" unkeyed)
     instances: dict[str, InstanceIndex] = field(default_factory=dict)
 
     def of(self, url: str) -> InstanceIndex:
@@ -98,9 +101,10 @@ class KVIndex:
             del self.instances[url]
 
     def reference(self) -> tuple[int, str] | None:
-        """(page size, model) of the first worker indexed with the router's hash scheme: the others must agree."""
+        """(page size, model) of the first worker indexed with the router's hash scheme and key: the others must
+        agree."""
         for _, i in sorted(list(self.instances.items())):  # a copy: a request's thread reads while the loop prunes
-            if i.hash_scheme == HASH_SCHEME and i.page_size:
+            if i.hash_scheme == HASH_SCHEME and i.key_id == self.key_id and i.page_size:
                 return i.page_size, i.model
         return None
 
@@ -111,6 +115,9 @@ class KVIndex:
             return ("silent", i.problem or "no KV events received") if i is not None else ("unknown", "")
         if i.hash_scheme != HASH_SCHEME:
             return "mismatch", f"hash scheme {i.hash_scheme or 'none'}, the router's is {HASH_SCHEME}"
+        if i.key_id != self.key_id:
+            mine = "with the model's secret" if self.key_id else "unkeyed (no --auth-token-file)"
+            return "mismatch", f"pages named with another key than the router's, which names them {mine}"
         ref = self.reference()
         if ref is not None and (i.page_size, i.model) != ref:
             return "mismatch", f"page size {i.page_size} of model {i.model!r}; others: {ref[0]} of {ref[1]!r}"

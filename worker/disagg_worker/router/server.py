@@ -309,6 +309,7 @@ async def serve(ns, auth: RouterAuth, ready: asyncio.Event | None = None) -> Non
     signals = Signals()
     pool = build_pool(ns)
     pool.worker_headers = auth.worker_headers()
+    pool.kv_index.key_id = auth.kv_key_id
     # A health round waits for its slowest worker (up to a /health and a /kv_events timeout): an index is silent
     # only after it missed more than that.
     pool.kv_index.stale_after_s = max(

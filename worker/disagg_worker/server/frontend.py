@@ -70,9 +70,11 @@ class Frontend:
         from_engine: str,
         metrics: ServerMetrics,
         prefill: bool = False,
+        kv_key_id: str = "",
     ):
         """`to_engine`: the scheduler's inbox, or one per attention group (DP attention); `prefill`: this is a
-        prefill instance (a request's group then follows its bootstrap target)."""
+        prefill instance (a request's group then follows its bootstrap target); `kv_key_id`: the id of the key
+        naming the cached pages (`keys.kv_names`)."""
         self.tokenizer = tokenizer
         self.metrics = metrics
         self.prefill = prefill
@@ -93,7 +95,7 @@ class Frontend:
         self.limits = RequestLimits(max_context_len=1)
         self.stats: msg.SchedulerStats | None = None
         # The prefix caches' pages as routers index them (GET /kv_events); page size and model from the info.
-        self.kv_log = EventLog(page_size=0, model="")
+        self.kv_log = EventLog(page_size=0, model="", key_id=kv_key_id)
         self.last_heartbeat = 0.0
         self.ready = asyncio.Event()
         # Why requests can no longer be served ("" while they can): the scheduler died, or a drain cut them.

@@ -2,8 +2,9 @@
 
 `?epoch=E&since=N` (both optional): the events after event N of epoch E, or a snapshot of every page held when
 the reader missed some or names another epoch (an instance restarted, or a reader that never asked). Pages are
-16 hex digits each; the header names the hash scheme, page size and model so that a router can refuse to mix
-instances that would name the same prefix differently.
+16 hex digits each; the header names the hash scheme, the id of the key naming the pages (`key_id`, "" when
+unkeyed), page size and model so that a router can refuse to mix instances that would name the same prefix
+differently.
 """
 
 from __future__ import annotations

@@ -67,7 +67,8 @@ class EngineServer:
         metrics = ServerMetrics(instance=f"{a.host}:{a.port}")
         inboxes = [group_inbox(self.to_engine, g, d.dp_size) for g in range(d.dp_size)]
         prefill = d.role is Role.PREFILL
-        self.frontend = frontend = Frontend(tokenizer, inboxes, self.from_engine, metrics, prefill=prefill)
+        key_id = d.kv_names[1]
+        self.frontend = frontend = Frontend(tokenizer, inboxes, self.from_engine, metrics, prefill, key_id)
         frontend.start()
         await _wait_ready(frontend, self.procs)
         local = a.engine.disagg.local_prefill
