@@ -43,7 +43,12 @@ def held(url: str) -> tuple[dict, set[int]]:
     r = requests.get(f"{url}/kv_events", timeout=scaled(5))
     assert r.status_code == 200, r.text
     body = r.json()
-    return body, {int(n, 16) for n in body["snapshot"]}
+    return body, pages_of(body)
+
+
+def pages_of(body: dict) -> set[int]:
+    """The names a snapshot lists, whichever attention group holds them."""
+    return {int(n, 16) for names in body["snapshot"].values() for n in names}
 
 
 def router_entry(router_url: str, worker_url: str) -> dict:
@@ -186,7 +191,7 @@ def test_with_the_models_secret_a_reader_cannot_name_a_prompts_pages_but_the_rou
             r = requests.get(f"{stack.prefill.url}/kv_events", headers=worker, timeout=scaled(5))
             assert r.status_code == 200, r.text
             body = r.json()
-            got = {int(n, 16) for n in body["snapshot"]}
+            got = pages_of(body)
             return (body, got) if got >= keyed else None
 
         header, got = wait_until(names, timeout=10, what="the prompt's pages among the prefill's names")

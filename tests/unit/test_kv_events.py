@@ -98,18 +98,18 @@ class IndexMachine(RuleBasedStateMachine):
             self.poll()
         assert dict(self.index.names) == self.holders()
         assert set(self.index.names) == self.log.names()
+        for g, tree in enumerate(self.trees):
+            assert self.index.groups.get(g, set()) == tree.page_names()
 
-    @rule(group=GROUP, tokens=TOKENS)
-    def scores_what_a_group_alone_matches(self, group, tokens):
-        """With one group holding pages, the score is exactly what its tree matches (with two, a page counts while
-        either group holds it)."""
+    @rule(tokens=TOKENS)
+    def scores_what_each_group_matches(self, tokens):
+        """A group's score is exactly what its tree matches; the worker's is its best group's."""
         for _ in range(3):
             self.poll()
-        other = self.trees[1 - group]
-        if other.page_names():
-            return
-        want = len(self.trees[group].match_prefix(tokens).pages)
-        assert self.index.cached_pages(page_hashes(tokens, PAGE)) == want
+        names = page_hashes(tokens, PAGE)
+        want = [len(tree.match_prefix(tokens).pages) for tree in self.trees]
+        assert [self.index.cached_pages(names, g) for g in range(len(self.trees))] == want
+        assert self.index.cached_pages(names) == max(want)
 
 
 TestIndexMachine = IndexMachine.TestCase

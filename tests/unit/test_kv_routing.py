@@ -143,3 +143,47 @@ def test_a_decode_whose_index_is_silent_gets_only_prompts_short_enough_without_i
     assert pool.pick_pair(prompt=prompt(SYSTEM + [1]))[0] is not None  # its cache no longer counts: P/D
     assert pool.pick_pair(prompt=prompt([1, 2, 3])) == (None, d)
     assert pool.indexed(d) and pool.indexed(pool.workers("prefill")[0])
+
+
+def index_groups(pool: WorkerPool, w: Worker, groups: list[list[list[int]]]) -> None:
+    """Index `w` as a worker with DP attention whose group g holds the pages of the prompts `groups[g]`."""
+    w.report = {**w.report, "dp_loads": [0] * len(groups)}
+    log = EventLog(PAGE, "m")
+    for g, prompts in enumerate(groups):
+        log.apply(g, [("stored", page_hashes(ids, PAGE)) for ids in prompts])
+    pool.kv_index.of(w.url).apply(log.since("", -1), time.monotonic())
+
+
+def test_under_dp_attention_a_prompt_runs_on_the_group_that_holds_its_prefix():
+    pool, w = pool_holding({"a": []})
+    p = w["a"]
+    index_groups(pool, p, [[OTHER], [SYSTEM], []])
+    follow_up = prompt(SYSTEM + [1, 2])
+    assert pool.uncached(p, follow_up) == 2  # the worker is scored by its best group...
+    assert pool.group_for(p, room=0, prompt=follow_up) == (1, 2)  # ...and the request runs there
+    assert pool.group_for(p, room=0, prompt=prompt(OTHER + [3])) == (0, 1)
+    # A miss goes to the least loaded group, by this router's pending tokens, then by the worker's report.
+    p.add_tokens(30, 0)
+    p.report["dp_loads"] = [0, 0, 5]
+    assert pool.group_for(p, room=0, prompt=prompt([9] * 12)) == (1, 12)
+    # Guard: group 1 at balance_tokens pending takes no more while group 2 idles, even for its own prefix.
+    pool.balance_tokens = 64
+    p.add_tokens(64, 1)
+    assert pool.group_for(p, room=0, prompt=follow_up) == (2, 66)
+    p.release_tokens(64, 1)
+    assert p.group_pending == {0: 30, 1: 0} and p.pending_tokens == 30
+    assert pool.group_for(p, room=0, prompt=follow_up) == (1, 2)
+
+
+def test_under_dp_attention_decode_takes_the_least_loaded_group_unless_it_computes_the_prompt_itself():
+    pool, _ = pool_holding({"a": []})
+    d = pool.workers("decode")[0]
+    d.report = {"local_prefill": True}
+    pool.decode_only_tokens = 8
+    index_groups(pool, d, [[], [SYSTEM]])
+    d.take(1)
+    follow_up = prompt(SYSTEM + [1, 2])
+    assert pool.group_for(d, room=1, prompt=follow_up) == (0, 0)  # KV comes from prefill: load first
+    assert pool.group_for(d, room=1, prompt=follow_up, local=True) == (1, 2)  # decode alone: where its history is
+    d.give_back(1)
+    assert pool.group_for(d, room=0, prompt=follow_up) == (1, 0)  # equal load: the group holding more

@@ -52,8 +52,8 @@ def page_hashes(tokens: Sequence[int], page_size: int, parent: int = ROOT, key: 
 
 @dataclass
 class EventLog:
-    """One instance's cache as its HTTP process publishes it (one cache per attention group under DP attention:
-    a name several groups hold is listed once per group in a snapshot, and each group's events are its own)."""
+    """One instance's cache as its HTTP process publishes it (one cache per attention group under DP attention: a
+    snapshot lists each group's names, and each group's events are its own)."""
 
     page_size: int
     model: str
@@ -88,9 +88,9 @@ class EventLog:
     def names(self) -> set[int]:
         return {n for held in self.held.values() for n in held}
 
-    def holdings(self) -> list[int]:
-        """Every name once per attention group holding it (a snapshot: the router counts holders)."""
-        return [n for held in self.held.values() for n in held]
+    def holdings(self) -> dict[str, list[str]]:
+        """Each attention group's names (a snapshot: the router scores every group)."""
+        return {str(g): [f"{n:016x}" for n in held] for g, held in self.held.items()}
 
     def header(self) -> dict:
         return {"epoch": self.epoch, "seq": self.seq, "page_size": self.page_size, "model": self.model,
@@ -105,4 +105,4 @@ class EventLog:
             events = [{"seq": s, "group": g, "kind": k, "pages": [f"{n:016x}" for n in names]}
                       for s, g, (k, names) in self.ring if s > seq]  # fmt: skip
             return {**self.header(), "events": events}
-        return {**self.header(), "snapshot": [f"{n:016x}" for n in self.holdings()]}
+        return {**self.header(), "snapshot": self.holdings()}

@@ -172,9 +172,9 @@ class Router:
             p, d = pair
             self.pool.routes["pd" if p is not None else "decode_only"] += 1
             if p is None:
-                opened = await self._try_decode_only(path, body, choice, d)
+                opened = await self._try_decode_only(path, body, choice, d, prompt)
             else:
-                opened = await self._try_pair(path, body, choice, p, d, uncached=self.pool.uncached(p, prompt))
+                opened = await self._try_pair(path, body, choice, p, d, prompt)
             if isinstance(opened, Opened):
                 return self._track(opened)
             last = opened
@@ -233,19 +233,19 @@ class Router:
         return len(self.opened)
 
     async def _try_pair(
-        self, path: str, body: SharedBody, choice: dict, p: Worker, d: Worker, uncached: int = 0
+        self, path: str, body: SharedBody, choice: dict, p: Worker, d: Worker, prompt: Prompt | None = None
     ) -> Opened | Attempt:
         room_id = secrets.randbits(63)
         # DP attention: the attention groups each side runs the request on (None: a side runs one group).
-        pg, dg = p.pick_group(self.pool.group_policy, room_id), d.pick_group(self.pool.group_policy, room_id)
+        (pg, uncached), (dg, _) = self.pool.group_for(p, room_id, prompt), self.pool.group_for(d, room_id, prompt)
         room = self.auth.target(p.host, p.bootstrap_port, room_id, pg)
         # Prefill answers with one token, never streamed (stream_options is only valid on a stream).
         prefill_body = body.payload(**choice, **room, **in_group(pg), stream=False, stream_options=None)
         # Counted before the task starts, so that picks made meanwhile (the other choices of an n > 1 request, a
         # burst) see it; given back when the task ends, even one cancelled before it ran.
-        p.pending_tokens += uncached
+        p.add_tokens(uncached, pg)
         prefill = asyncio.create_task(self._prefill(p, path, prefill_body, pg))
-        prefill.add_done_callback(lambda _: p.release_tokens(uncached))
+        prefill.add_done_callback(lambda _: p.release_tokens(uncached, pg))
         decode = asyncio.create_task(self._decode(d, path, body.payload(**choice, **room, **in_group(dg)), dg))
         try:
             await asyncio.wait((prefill, decode), return_when=asyncio.FIRST_COMPLETED)
@@ -264,9 +264,11 @@ class Router:
             self.verifier.passed(p, d)
         return Opened(opened[0], opened[1], prefill, d, dg)
 
-    async def _try_decode_only(self, path: str, body: SharedBody, choice: dict, d: Worker) -> Opened | Attempt:
+    async def _try_decode_only(
+        self, path: str, body: SharedBody, choice: dict, d: Worker, prompt: Prompt | None
+    ) -> Opened | Attempt:
         """Conditional disaggregation: decode computes the prompt itself (`local_prefill`), no prefill involved."""
-        dg = d.pick_group(self.pool.group_policy, secrets.randbits(63))
+        dg, _ = self.pool.group_for(d, secrets.randbits(63), prompt, local=True)
         opened = await self._decode(d, path, body.payload(**choice, **self.auth.local_prefill(), **in_group(dg)), dg)
         return opened if isinstance(opened, Attempt) else Opened(opened[0], opened[1], None, d, dg)
 

@@ -6,8 +6,8 @@ is events, applied in order, or a snapshot that replaces the set (after a gap, a
 first time). An event out of sequence drops the position, so the next round gets a snapshot: the index
 converges after any loss.
 
-Under DP attention each group of a worker has its own cache: a page counts while any group holds it, and the
-request's group is still picked by load, so a hit may land on a group without that prefix (an approximation).
+Under DP attention each group of a worker has its own cache, indexed on its own: a worker is scored by the
+group that holds most of a prompt, and the request runs on a group chosen the same way (`WorkerPool.group_for`).
 
 A worker is scored only while its index is good (`usable`): it answered within `stale_after_s` (one that stops
 publishing is "silent", and the router falls back to load for it), and it names pages the router's way (same
@@ -28,8 +28,10 @@ from disagg_worker.mem.kv_events import HASH_SCHEME
 class InstanceIndex:
     epoch: str = ""
     seq: int = -1
-    # Name -> how many of the worker's attention groups hold it (1 without DP attention).
+    # Name -> how many of the worker's attention groups hold it (1 without DP attention)...
     names: collections.Counter[int] = field(default_factory=collections.Counter)
+    # ...and each group's names (group 0 alone without DP attention).
+    groups: dict[int, set[int]] = field(default_factory=dict)
     page_size: int = 0
     model: str = ""
     hash_scheme: str = ""
@@ -48,7 +50,11 @@ class InstanceIndex:
         self.model, self.hash_scheme = str(payload.get("model", "")), str(payload.get("hash_scheme", ""))
         self.key_id = str(payload.get("key_id", ""))
         if "snapshot" in payload:
-            self.names = collections.Counter(int(n, 16) for n in payload["snapshot"])
+            snapshot = payload["snapshot"]
+            if isinstance(snapshot, list):  # a worker of an earlier release: one list, a name once per group
+                snapshot = {"0": snapshot}
+            self.groups = {int(g): {int(n, 16) for n in names} for g, names in snapshot.items()}
+            self.names = collections.Counter(n for names in self.groups.values() for n in names)
             self.seq = int(payload["seq"])
             self.snapshots += 1
         else:
@@ -58,25 +64,32 @@ class InstanceIndex:
                 if int(e["seq"]) != self.seq + 1 or e["kind"] == "cleared":
                     self.seq = -1
                     return
-                self._apply(e["kind"], [int(n, 16) for n in e["pages"]])
+                self._apply(int(e.get("group", 0)), e["kind"], [int(n, 16) for n in e["pages"]])
                 self.seq += 1
                 self.events += 1
         self.updated = now
 
-    def _apply(self, kind: str, pages: list[int]) -> None:
+    def _apply(self, group: int, kind: str, pages: list[int]) -> None:
+        held = self.groups.setdefault(group, set())
         if kind == "stored":
-            self.names.update(pages)
+            self.names.update(n for n in pages if n not in held)
+            held.update(pages)
         elif kind == "removed":
-            self.names.subtract(pages)
-            for n in pages:
+            gone = [n for n in pages if n in held]
+            held.difference_update(gone)
+            self.names.subtract(gone)
+            for n in gone:
                 if self.names[n] <= 0:
                     del self.names[n]
 
-    def cached_pages(self, names: Sequence[int]) -> int:
-        """How many leading pages of a prompt (its page names, in order) the worker holds."""
+    def cached_pages(self, names: Sequence[int], group: int | None = None) -> int:
+        """How many leading pages of a prompt (its page names, in order) the worker holds: in `group`, or in the
+        group that holds most (a group holding a page holds the pages before it, so that is the run of names any
+        group holds)."""
+        held: collections.Counter[int] | set[int] = self.names if group is None else self.groups.get(group, set())
         n = 0
         for name in names:
-            if name not in self.names:
+            if name not in held:
                 break
             n += 1
         return n
@@ -128,10 +141,11 @@ class KVIndex:
     def usable(self, url: str, now: float) -> bool:
         return self.status(url, now)[0] == "ok"
 
-    def cached_pages(self, url: str, names: Sequence[int], now: float) -> int:
-        """Leading pages of a prompt the worker holds; 0 while its index is not usable (scored by load alone)."""
+    def cached_pages(self, url: str, names: Sequence[int], now: float, group: int | None = None) -> int:
+        """Leading pages of a prompt the worker holds (in `group`, or in its best group); 0 while its index is not
+        usable (scored by load alone)."""
         i = self.instances.get(url)
-        return i.cached_pages(names) if i is not None and self.usable(url, now) else 0
+        return i.cached_pages(names, group) if i is not None and self.usable(url, now) else 0
 
     def describe(self, url: str, now: float) -> dict:
         i = self.known(url)

@@ -76,8 +76,9 @@ class Worker:
     health_timeouts: int = 0
     # DP attention: this router's requests open on each attention group.
     group_inflight: dict[int, int] = field(default_factory=dict)
-    # Prompt tokens this router's running prefills compute here (what their cache did not hold).
+    # Prompt tokens this router's running prefills compute here (what their cache did not hold), and per group.
     pending_tokens: int = 0
+    group_pending: dict[int, int] = field(default_factory=dict)
 
     @property
     def dp_loads(self) -> list[int]:
@@ -102,9 +103,17 @@ class Worker:
         if group is not None:
             self.group_inflight[group] = self.group_inflight.get(group, 0) + 1
 
-    def release_tokens(self, n: int) -> None:
-        """A prefill of `n` uncached prompt tokens ended here."""
+    def add_tokens(self, n: int, group: int | None) -> None:
+        """A prefill of `n` uncached prompt tokens starts here (on `group`)."""
+        self.pending_tokens += n
+        if group is not None:
+            self.group_pending[group] = self.group_pending.get(group, 0) + n
+
+    def release_tokens(self, n: int, group: int | None = None) -> None:
+        """It ended."""
         self.pending_tokens -= n
+        if group is not None:
+            self.group_pending[group] -= n
 
     def give_back(self, group: int | None) -> None:
         """It ended."""
@@ -260,6 +269,29 @@ class WorkerPool:
             return 0
         hit = self.kv_index.cached_pages(w.url, prompt.names, time.monotonic()) * prompt.page_size
         return max(prompt.tokens - hit, 1)
+
+    def group_for(self, w: Worker, room: int, prompt: Prompt | None, local: bool = False) -> tuple[int | None, int]:
+        """The attention group `w` runs a request on (None: it runs one) and the prompt tokens it computes there.
+        With DP attention and an index of `w`'s groups (CACHE_AWARE, group policy LOAD): a prefill, or a decode
+        computing the prompt itself (`local`), takes the group with the lowest cost (uncached tokens plus this
+        router's pending ones there), guarded like the workers (an idle group takes over from one with
+        `balance_tokens` pending); a decode receiving the KV takes the least loaded group, then the one holding
+        most (fewer pages to transfer). Otherwise the group policy alone."""
+        loads = w.dp_loads
+        if not loads or prompt is None or not self.indexed(w) or self.group_policy is not GroupPolicy.LOAD:
+            return w.pick_group(self.group_policy, room), self.uncached(w, prompt)
+        now = time.monotonic()
+        hit = {g: self.kv_index.cached_pages(w.url, prompt.names, now, g) * prompt.page_size for g in range(len(loads))}
+        uncached = {g: max(prompt.tokens - hit[g], 1) for g in hit}
+        inflight, pending = w.group_inflight, w.group_pending
+        if w.role == "decode" and not local:
+            return min(uncached, key=lambda g: (inflight.get(g, 0), loads[g], uncached[g], g)), 0
+        cost = {g: uncached[g] + pending.get(g, 0) for g in uncached}
+        best = min(cost, key=lambda g: (cost[g], inflight.get(g, 0), loads[g], g))
+        idle = [g for g in cost if not pending.get(g) and not inflight.get(g)]
+        if idle and best not in idle and pending.get(best, 0) >= self.balance_tokens:
+            best = min(idle, key=lambda g: (cost[g], loads[g], g))
+        return best, uncached[best]
 
     def _cache_aware(self, candidates: list[Worker], prompt: Prompt | None) -> Worker:
         cost = {w: self.uncached(w, prompt) + w.pending_tokens for w in candidates}
