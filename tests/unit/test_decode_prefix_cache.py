@@ -114,3 +114,26 @@ def test_with_the_models_secret_only_the_routers_local_prefill_is_taken(tiny_mod
 def test_the_decode_options_are_refused_on_prefill(option):
     with pytest.raises(ConfigError, match="decode instance's option"):
         DisaggConfig(role=Role.PREFILL, **{option: True}).check()
+
+
+def test_requests_in_transfer_hold_running_slots_that_local_prefills_do_not_take(tiny_model):
+    engine, kv = decode_engine(tiny_model, local_prefill=True)  # at most 4 running
+    stepper = Stepper(engine, overlap=False)
+    try:
+        for i in range(3):
+            info = msg.BootstrapInfo("10.0.0.7", 8998, next(ROOMS))
+            engine.handle(msg.GenerateReq(f"pd{i}", list(range(10, 30)), PARAMS, info))
+        stepper.step()
+        assert [r.status for r in kv.receivers] == [KVPoll.Transferring] * 3  # their KV is on its way
+        for i in range(3):
+            engine.handle(msg.GenerateReq(f"local{i}", list(range(50, 60)), PARAMS, local_prefill=True))
+        stepper.step()
+        assert engine.scheduler.num_running == 1 and len(engine.scheduler.waiting) == 2  # 3 slots held
+        for r in kv.receivers:
+            r.status = KVPoll.Failed
+        outs = run_until_done(stepper, "local2")
+        assert sorted(o.rid for o in outs if o.error_status == 500) == ["pd0", "pd1", "pd2"]
+        assert {o.rid for o in outs if o.finish_reason and not o.error} == {"local0", "local1", "local2"}
+    finally:
+        stepper.pool.shutdown()
+        engine.close()

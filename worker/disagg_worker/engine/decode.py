@@ -12,7 +12,8 @@ Life cycle of a request here:
    receiver is polled without blocking. Success: the first token is read from the aux slot.
 3. Running batch: the request joins the decode batch directly; its prompt is never recomputed.
 A request the router marks `local_prefill` skips all this (`--local-prefill`): the scheduler computes
-its prompt here like a monolithic instance's, from the prefix cache when it holds the start.
+its prompt here like a monolithic instance's, from the prefix cache when it holds the start, in a running
+slot that no request in transfer holds (those join the running batch without asking).
 With the model's shared secret, a request's bootstrap target (the prefill instance to contact)
 is taken only with the router's signature over it: any other is refused (403) before anything is
 contacted. Failure at any point ends the request with a 500 naming the cause. Pages a failed
@@ -72,6 +73,8 @@ class DecodeStage:
         self.prealloc: dict[str, DecodeReq] = {}
         self.transfer: dict[str, DecodeReq] = {}
         self.quarantine: list[DecodeReq] = []
+        # A request whose KV is on its way holds a running slot: the scheduler admits local prefills around it.
+        scheduler.incoming = lambda: len(self.transfer)
 
     def arrive(self, req: Req, bootstrap: BootstrapInfo | None) -> None:
         if bootstrap is None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from disagg_worker.config import SchedulerConfig
@@ -97,6 +98,8 @@ class Scheduler:
         self.by_rid: dict[str, Req] = {}
         self.step_count = 0
         self.prompt_tokens_computed = 0  # tokens of prompts computed before their first token (SchedulerStats)
+        # Requests another stage will hand to the running batch (decode's transfers): their slots are taken.
+        self.incoming: Callable[[], int] = lambda: 0
 
     # ---- queue changes -------------------------------------------------------------------
     def add(self, req: Req) -> None:
@@ -199,7 +202,7 @@ class Scheduler:
         return budget
 
     def _plan_admissions(self, plan: Plan, budget: int) -> None:
-        while self.waiting and len(self.running) < self.cfg.max_running_requests:
+        while self.waiting and len(self.running) + self.incoming() < self.cfg.max_running_requests:
             if budget <= 0 and plan.reqs:
                 return
             req = self.waiting[0]
