@@ -22,7 +22,7 @@ from . import builders, names
 from .apply import Kube
 from .config import OperatorConfig
 from .observe import PodInfo
-from .rollout import RolloutPlan, plan_rollout
+from .rollout import RolloutPlan, plan_rollout, with_leader_counts
 from .routerview import RouterView
 from .scaling import ScalerObservation, sync_scaler
 from .spec import ModelSpec
@@ -286,7 +286,7 @@ class Runtime:
             return self._refresh(ModelSpec.from_cr(inputs.cr), inputs) if inputs else False
 
     def _refresh(self, spec: ModelSpec, inputs: Inputs) -> bool:
-        cr, observed = inputs.cr, inputs.observed
+        cr, observed = inputs.cr, with_leader_counts(spec, inputs.observed, inputs.pods)
         latched = latch_problems(self.latched.get(spec.uid, {}), inputs.problems, settled_roles(spec, observed))
         self.latched[spec.uid] = latched
         previous = self.written.get(spec.uid) or cr.get("status") or {}

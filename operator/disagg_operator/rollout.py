@@ -110,6 +110,23 @@ def role_rollout(
     )
 
 
+def with_leader_counts(
+    spec: ModelSpec, observed: Mapping[str, RoleObservation | None], pods: Iterable[PodInfo]
+) -> dict[str, RoleObservation | None]:
+    """The roles' observations, a role of groups counting as updated only the groups whose leader carries the
+    template the operator applied: LWS reports no observed generation, so its `updatedReplicas` still counts the
+    old groups until its controller has seen a new template (and the role would look settled meanwhile)."""
+    out = dict(observed)
+    pods = list(pods)
+    for role, obs in observed.items():
+        if obs is None or role == names.ROUTER or spec.worker(role).nodes <= 1:
+            continue
+        leaders = {f"{workload_name(spec, role)}-{i}" for i in range(obs.replicas)}
+        on_template = sum(p.name in leaders and p.revision == obs.template_hash and not p.terminating for p in pods)
+        out[role] = replace(obs, updated=min(obs.updated, on_template))
+    return out
+
+
 def workload_name(spec: ModelSpec, role: str) -> str:
     """The StatefulSet or LeaderWorkerSet whose pods (group leaders) are named `<it>-<ordinal>`."""
     return names.group_set_name(spec.name, role) if spec.worker(role).nodes > 1 else names.child_name(spec.name, role)

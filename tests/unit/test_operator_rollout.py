@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from disagg_operator.observe import PodInfo, RoleObservation
-from disagg_operator.rollout import max_skew, plan_rollout, progressing_condition, rollout_status
+from disagg_operator.rollout import max_skew, plan_rollout, progressing_condition, rollout_status, with_leader_counts
 from disagg_operator.spec import ModelSpec
 
 OLD, NEW = "hash-old", "hash-new"
@@ -196,8 +196,8 @@ def test_a_role_whose_controller_has_not_caught_up_holds_the_other_role():
     assert plan.coordinated and plan.partitions == {"prefill": 1, "decode": 0}
 
 
-def test_groups_roll_by_their_leaders_template_hash():
-    s = ModelSpec.from_cr(
+def group_spec() -> ModelSpec:
+    return ModelSpec.from_cr(
         {
             "metadata": {"name": "m", "namespace": "ns", "uid": "u"},
             "spec": {
@@ -208,6 +208,10 @@ def test_groups_roll_by_their_leaders_template_hash():
             },
         }
     )
+
+
+def test_groups_roll_by_their_leaders_template_hash():
+    s = group_spec()
     # Both roles changed; decode is a LeaderWorkerSet whose groups are led by m-decode-group-<i>.
     observed = {
         "prefill": RoleObservation(1, 1, 0, partition=1, template_hash=NEW, current_revision="a", update_revision="b"),
@@ -230,3 +234,25 @@ def test_groups_roll_by_their_leaders_template_hash():
     done = {"decode": RoleObservation(2, 2, 2, partition=0, template_hash=NEW, update_revision=NEW)}
     pods[1] = PodInfo("m-decode-group-0", "decode", ready_since=60.0, revision=NEW)
     assert not plan_rollout(s, done, pods, {"prefill": NEW, "decode": NEW}, 100.0).roles["decode"].updating
+
+
+def test_a_role_of_groups_counts_as_updated_only_the_groups_whose_leader_runs_the_applied_template():
+    s = group_spec()
+    # The operator applied NEW; the LWS controller has not seen it yet and still counts both groups as updated.
+    lagging = RoleObservation(2, 2, 2, template_hash=NEW, update_revision=NEW)
+    pods = [
+        PodInfo("m-decode-group-0", "decode", ready_since=0.0, revision=OLD),
+        PodInfo("m-decode-group-0-1", "decode", ready_since=0.0, revision=NEW),  # a worker, not a leader
+        PodInfo("m-decode-group-1", "decode", ready_since=0.0, revision=NEW),
+        PodInfo("m-decode-group-2", "decode", ready_since=0.0, revision=NEW),  # beyond the replicas: scaled away
+    ]
+    prefill = RoleObservation(1, 1, 1)
+    counted = with_leader_counts(s, {"prefill": prefill, "decode": lagging, "router": None}, pods)
+    assert counted == {"prefill": prefill, "decode": RoleObservation(2, 2, 1, template_hash=NEW, update_revision=NEW),
+                       "router": None}  # fmt: skip
+    pods[0] = PodInfo("m-decode-group-0", "decode", ready_since=0.0, revision=NEW, terminating=True)
+    assert with_leader_counts(s, {"decode": lagging}, pods)["decode"].updated == 1  # a leader on its way out
+    pods[0] = PodInfo("m-decode-group-0", "decode", ready_since=9.0, revision=NEW)
+    assert with_leader_counts(s, {"decode": lagging}, pods)["decode"].updated == 2
+    # LWS's own count still bounds it (a group whose other pods it has not replaced yet).
+    assert with_leader_counts(s, {"decode": replace(lagging, updated=1)}, pods)["decode"].updated == 1
