@@ -1,7 +1,8 @@
 """Instances that span nodes, on a real API server with the LeaderWorkerSet controller running (hack/k8s/lws.sh):
 a decode of two ranks on one-GPU nodes becomes a LeaderWorkerSet whose groups get the leader's address and their
 pod's index from LWS's webhook; the router's Service finds only the leaders; scaling, an image rollout and a lost
-pod all go through LWS, the last by recreating the whole group.
+pod all go through LWS, the last by recreating the whole group. A prefill that spans nodes follows decode in groups
+under prefillPerDecode, its RoleScaler selecting the leaders.
 
 kwok plays the kubelets: pods are Running and Ready at once (their containers never run).
 """
@@ -140,3 +141,30 @@ def test_a_decode_that_spans_nodes_runs_as_leaderworkerset_groups(kube_cluster, 
     wait_until(lambda: rolled() and ready(kube_cluster, namespace), 180, POLL_S, what="the rollout to finish")
     lws = kube_cluster.get("-n", namespace, "leaderworkersets", GROUP)
     assert lws["spec"]["rolloutStrategy"]["rollingUpdateConfiguration"]["partition"] == 0
+
+
+def test_with_prefill_per_decode_a_prefill_that_spans_nodes_follows_decode_in_groups(kube_cluster, operator, namespace):
+    cr = load_example("dm-cpu-tcp.yaml")
+    cr["spec"]["prefill"].update(replicas=1, tpSize=2, gpusPerNode=1)
+    cr["spec"]["decode"]["replicas"] = 2
+    for role in ("prefill", "decode"):
+        cr["spec"][role].pop("resources", None)
+    cr["spec"]["scaling"] = {"prefillPerDecode": 0.5}
+    apply_cr(kube_cluster, namespace, cr)
+    wait_until(lambda: ready(kube_cluster, namespace), 120, POLL_S, what="the model Ready with one prefill group")
+    prefill = "tiny-prefill-group"
+    assert kube_cluster.get("-n", namespace, "leaderworkersets", prefill)["spec"]["replicas"] == 1
+
+    kube_cluster.kubectl("-n", namespace, "scale", "dm/tiny", "--replicas=4")
+    wait_until(lambda: kube_cluster.get("-n", namespace, "leaderworkersets", prefill)["spec"]["replicas"] == 2, 30,
+               POLL_S, what="two prefill groups for four decodes")  # fmt: skip
+    wait_until(lambda: ready(kube_cluster, namespace), 120, POLL_S, what="the model Ready with two prefill groups")
+    pods = kube_cluster.get("-n", namespace, "pods", "-l", f"{names.LWS_NAME_LABEL}={prefill}")["items"]
+    assert sorted(p["metadata"]["name"] for p in pods) == [f"{prefill}-{g}{w}" for g in (0, 1) for w in ("", "-1")]
+    status = kube_cluster.get("-n", namespace, "dm", "tiny")["status"]
+    assert (status["prefill"]["ready"], status["decode"]["ready"]) == ("2/2", "4/4")
+    # The prefill RoleScaler counts groups: its selector finds the leaders only (an HPA reads it).
+    scaler = kube_cluster.get("-n", namespace, "rolescaler", "tiny-prefill")
+    assert scaler["spec"]["replicas"] == 2 and scaler["status"]["replicas"] == 2
+    leaders = kube_cluster.get("-n", namespace, "pods", "-l", scaler["status"]["selector"])["items"]
+    assert sorted(p["metadata"]["name"] for p in leaders) == [f"{prefill}-0", f"{prefill}-1"]
