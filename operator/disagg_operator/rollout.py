@@ -121,6 +121,8 @@ def with_leader_counts(
     for role, obs in observed.items():
         if obs is None or role == names.ROUTER or spec.worker(role).nodes <= 1:
             continue
+        if not any(p.role == role for p in pods):  # none observed (or none passed): LWS's count stands
+            continue
         leaders = {f"{workload_name(spec, role)}-{i}" for i in range(obs.replicas)}
         on_template = sum(p.name in leaders and p.revision == obs.template_hash and not p.terminating for p in pods)
         out[role] = replace(obs, updated=min(obs.updated, on_template))

@@ -164,7 +164,14 @@ def test_with_prefill_per_decode_a_prefill_that_spans_nodes_follows_decode_in_gr
     status = kube_cluster.get("-n", namespace, "dm", "tiny")["status"]
     assert (status["prefill"]["ready"], status["decode"]["ready"]) == ("2/2", "4/4")
     # The prefill RoleScaler counts groups: its selector finds the leaders only (an HPA reads it).
-    scaler = kube_cluster.get("-n", namespace, "rolescaler", "tiny-prefill")
-    assert scaler["spec"]["replicas"] == 2 and scaler["status"]["replicas"] == 2
+    scaler = wait_until(
+        lambda: (
+            (s := kube_cluster.get("-n", namespace, "rolescaler", "tiny-prefill"))["status"].get("replicas") == 2 and s
+        ),
+        30,
+        POLL_S,
+        what="the prefill RoleScaler's status at two groups",
+    )
+    assert scaler["spec"]["replicas"] == 2
     leaders = kube_cluster.get("-n", namespace, "pods", "-l", scaler["status"]["selector"])["items"]
     assert sorted(p["metadata"]["name"] for p in leaders) == [f"{prefill}-0", f"{prefill}-1"]

@@ -4,6 +4,8 @@ on real processes: a follow-up runs on the group that holds its prefix, as each 
 from __future__ import annotations
 
 import concurrent.futures as cf
+import os
+import signal
 import time
 
 import pytest
@@ -35,6 +37,11 @@ def groups_holding(url: str, prefixes: list[list[int]]) -> list[int] | None:
     return found
 
 
+def bootstrapping(url: str) -> int:
+    """Rooms prefill holds until decode sends their destination pages."""
+    return requests.get(f"{url}/stats", timeout=scaled(5)).json()["queues"].get("prefill_bootstrap", 0)
+
+
 def group_hits(url: str, since: float) -> list[int]:
     st = report_after(url, since, lambda st: len(st.get("groups", [])) == 2, scaled(10), "both groups' reports")
     return [g["cache_hit_tokens"] for g in st["groups"]]
@@ -45,12 +52,24 @@ def test_a_follow_up_runs_on_the_attention_group_that_holds_its_prefix(tmp_path)
     router_flags = ("--policy", "cache_aware", "--tokenizer", model)
     stack = PDStack(model, *FLAGS, prefill_flags=DP2, router_flags=router_flags).wait_healthy()
     try:
-        # Distinct 64-token prefixes sent at once: the router spreads them over both groups (by its open requests).
+        # Distinct 64-token prefixes, all open at once: decode is frozen, so prefill holds every room until it
+        # resumes, and the router places each by the tokens its earlier picks left pending there: 4 per group.
         prefixes = [list(range(100 + 80 * i, 164 + 80 * i)) for i in range(8)]
-        with cf.ThreadPoolExecutor(len(prefixes)) as pool:
-            list(pool.map(lambda ids: generate(stack.router.url, ids + [1], n=2), prefixes))
+        # Until the router has indexed the prefill once it knows no page size and reads no prompt.
+        router_index_reaches(stack.router.url, stack.prefill.url, lambda i: i["state"] == "ok", "the prefill indexed")
+        os.killpg(stack.decode.proc.pid, signal.SIGSTOP)
+        try:
+            with cf.ThreadPoolExecutor(len(prefixes)) as pool:
+                futures = [pool.submit(generate, stack.router.url, ids + [1], 2) for ids in prefixes]
+                wait_until(lambda: bootstrapping(stack.prefill.url) == len(prefixes), timeout=30, interval=0.05,
+                           what="prefill holding every first turn")  # fmt: skip
+                os.killpg(stack.decode.proc.pid, signal.SIGCONT)
+                for f in futures:
+                    f.result()
+        finally:
+            os.killpg(stack.decode.proc.pid, signal.SIGCONT)
         where = wait_until(lambda: groups_holding(stack.prefill.url, prefixes), timeout=10, what="each prefix held")
-        assert set(where) == {0, 1}, f"the concurrent first turns all ran on group {where[0]}"
+        assert sorted(where) == [0] * 4 + [1] * 4, where
         router_index_reaches(stack.router.url, stack.prefill.url, lambda i: i["pages"] >= 8 * 16, "every prefix")
 
         before = group_hits(stack.prefill.url, time.time())

@@ -9,7 +9,7 @@ import time
 from disagg_worker.mem.kv_events import EventLog, page_hashes
 from disagg_worker.model.tokenizer import Tokenizer
 from disagg_worker.router.prompt import PromptTokens
-from disagg_worker.router.workers import Policy, Prompt, Worker, WorkerPool
+from disagg_worker.router.workers import GroupPolicy, Policy, Prompt, Worker, WorkerPool
 
 pytest_plugins = ["tests.unit.conftest_model"]
 PAGE = 4
@@ -187,3 +187,6 @@ def test_under_dp_attention_decode_takes_the_least_loaded_group_unless_it_comput
     assert pool.group_for(d, room=1, prompt=follow_up, local=True) == (1, 2)  # decode alone: where its history is
     d.give_back(1)
     assert pool.group_for(d, room=0, prompt=follow_up) == (1, 0)  # equal load: the group holding more
+    pool.group_policy = GroupPolicy.ROOM
+    assert pool.group_for(d, room=0, prompt=follow_up) == (0, 0)  # the room picks a receiving decode's group...
+    assert pool.group_for(d, room=0, prompt=follow_up, local=True) == (1, 2)  # ...never one computing alone

@@ -254,5 +254,6 @@ def test_a_role_of_groups_counts_as_updated_only_the_groups_whose_leader_runs_th
     assert with_leader_counts(s, {"decode": lagging}, pods)["decode"].updated == 1  # a leader on its way out
     pods[0] = PodInfo("m-decode-group-0", "decode", ready_since=9.0, revision=NEW)
     assert with_leader_counts(s, {"decode": lagging}, pods)["decode"].updated == 2
+    assert with_leader_counts(s, {"decode": lagging}, [])["decode"].updated == 2  # no pods observed: LWS's count
     # LWS's own count still bounds it (a group whose other pods it has not replaced yet).
     assert with_leader_counts(s, {"decode": replace(lagging, updated=1)}, pods)["decode"].updated == 1

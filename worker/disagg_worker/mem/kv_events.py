@@ -25,8 +25,9 @@ import struct
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-# Name of the hash below, sent with every payload: instances that name pages differently cannot be mixed.
-HASH_SCHEME = "blake2b64-chain-v1"
+# Name of the hash below and of the answers' layout (v2: snapshots by attention group, names keyed with the model's
+# secret), sent with every payload: instances that name pages differently cannot be mixed.
+HASH_SCHEME = "blake2b64-chain-v2"
 ROOT = 0  # the name "before" a prompt's first page
 RING = 4096  # events an EventLog keeps for routers that fell behind...
 RING_NAMES = 1 << 18  # ...and at most this many page names in them (a long prompt's event holds thousands)

@@ -105,6 +105,7 @@ class Router:
         self.model_name = model_name
         self.retries = retries
         self.auth = auth or RouterAuth()
+        pool.kv_index.key_id = self.auth.kv_key_id  # the workers' names of cached pages are keyed like the router's
         self.request_timeout_s = request_timeout_s
         self.timeout = aiohttp.ClientTimeout(total=request_timeout_s, sock_connect=5)
         self.max_body_bytes = max_body_bytes

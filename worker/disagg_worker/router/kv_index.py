@@ -50,18 +50,14 @@ class InstanceIndex:
         self.model, self.hash_scheme = str(payload.get("model", "")), str(payload.get("hash_scheme", ""))
         self.key_id = str(payload.get("key_id", ""))
         if "snapshot" in payload:
-            snapshot = payload["snapshot"]
-            if isinstance(snapshot, list):  # a worker of an earlier release: one list, a name once per group
-                snapshot = {"0": snapshot}
-            self.groups = {int(g): {int(n, 16) for n in names} for g, names in snapshot.items()}
+            self.groups = {int(g): {int(n, 16) for n in names} for g, names in payload["snapshot"].items()}
             self.names = collections.Counter(n for names in self.groups.values() for n in names)
             self.seq = int(payload["seq"])
             self.snapshots += 1
         else:
             for e in payload.get("events", []):
-                # A gap, or a group's cache cleared (which of the names were that group's is not known here): ask
-                # for a snapshot next time, without counting this answer as fresh.
-                if int(e["seq"]) != self.seq + 1 or e["kind"] == "cleared":
+                # A gap: ask for a snapshot next time, without counting this answer as fresh.
+                if int(e["seq"]) != self.seq + 1:
                     self.seq = -1
                     return
                 self._apply(int(e.get("group", 0)), e["kind"], [int(n, 16) for n in e["pages"]])
@@ -71,6 +67,8 @@ class InstanceIndex:
 
     def _apply(self, group: int, kind: str, pages: list[int]) -> None:
         held = self.groups.setdefault(group, set())
+        if kind == "cleared":
+            kind, pages = "removed", list(held)
         if kind == "stored":
             self.names.update(n for n in pages if n not in held)
             held.update(pages)

@@ -248,7 +248,8 @@ def add_router_args(p) -> None:
         default=GroupPolicy.LOAD.value,
         choices=[p.value for p in GroupPolicy],
         help="workers with DP attention: pick a request's attention group by load (the fewest of this router's "
-        "requests open on it, then the worker's reported load) or by bootstrap_room %% dp_size",
+        "requests open on it, then the worker's reported load; under --policy cache_aware a prefill's group by "
+        "its cache first) or by bootstrap_room %% dp_size",
     )
     p.add_argument("--retries", type=int, default=2)
     p.add_argument("--health-interval", type=float, default=2.0)
@@ -309,7 +310,6 @@ async def serve(ns, auth: RouterAuth, ready: asyncio.Event | None = None) -> Non
     signals = Signals()
     pool = build_pool(ns)
     pool.worker_headers = auth.worker_headers()
-    pool.kv_index.key_id = auth.kv_key_id
     # A health round waits for its slowest worker (up to a /health and a /kv_events timeout): an index is silent
     # only after it missed more than that.
     pool.kv_index.stale_after_s = max(

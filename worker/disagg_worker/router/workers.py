@@ -52,7 +52,8 @@ class GroupPolicy(str, Enum):
     """How a request's attention group is picked on a worker with DP attention (its /health lists `dp_loads`).
 
     LOAD (the default): the group with the fewest of this router's requests open on it, then the lowest load
-    the worker reported (other routers' requests too). ROOM: `bootstrap_room % dp_size`, blind to load: a
+    the worker reported (other routers' requests too); under CACHE_AWARE a prefill's group by its cache first
+    (`WorkerPool.group_for`). ROOM: `bootstrap_room % dp_size`, blind to load: a
     group that drew long prompts keeps drawing its share, so it is there for comparison and for workers that
     report no loads."""
 
@@ -271,20 +272,27 @@ class WorkerPool:
         return max(prompt.tokens - hit, 1)
 
     def group_for(self, w: Worker, room: int, prompt: Prompt | None, local: bool = False) -> tuple[int | None, int]:
-        """The attention group `w` runs a request on (None: it runs one) and the prompt tokens it computes there.
-        With DP attention and an index of `w`'s groups (CACHE_AWARE, group policy LOAD): a prefill, or a decode
-        computing the prompt itself (`local`), takes the group with the lowest cost (uncached tokens plus this
-        router's pending ones there), guarded like the workers (an idle group takes over from one with
-        `balance_tokens` pending); a decode receiving the KV takes the least loaded group, then the one holding
-        most (fewer pages to transfer). Otherwise the group policy alone."""
+        """The attention group `w` runs a request on (None: it runs one) and the prompt tokens it computes there
+        (0 for a decode receiving the KV). With DP attention and an index of `w`'s groups (CACHE_AWARE): a
+        prefill (group policy LOAD) takes the group with the lowest cost, uncached tokens plus this router's
+        pending ones there, guarded like the workers (an idle group takes over from one with `balance_tokens`
+        pending); a decode computing the prompt itself (`local`, whatever the group policy) the group holding
+        most of it, as judged when it was picked; a decode receiving the KV (group policy LOAD) the least loaded
+        group, then the one holding most (fewer pages to transfer). Otherwise the group policy alone."""
         loads = w.dp_loads
-        if not loads or prompt is None or not self.indexed(w) or self.group_policy is not GroupPolicy.LOAD:
-            return w.pick_group(self.group_policy, room), self.uncached(w, prompt)
+        receives = w.role == "decode" and not local
+        if (
+            not loads
+            or prompt is None
+            or not self.indexed(w)
+            or (self.group_policy is not GroupPolicy.LOAD and not local)
+        ):
+            return w.pick_group(self.group_policy, room), 0 if receives else self.uncached(w, prompt)
         now = time.monotonic()
         hit = {g: self.kv_index.cached_pages(w.url, prompt.names, now, g) * prompt.page_size for g in range(len(loads))}
         uncached = {g: max(prompt.tokens - hit[g], 1) for g in hit}
         inflight, pending = w.group_inflight, w.group_pending
-        if w.role == "decode" and not local:
+        if receives:
             return min(uncached, key=lambda g: (inflight.get(g, 0), loads[g], uncached[g], g)), 0
         cost = {g: uncached[g] + pending.get(g, 0) for g in uncached}
         best = min(cost, key=lambda g: (cost[g], inflight.get(g, 0), loads[g], g))
