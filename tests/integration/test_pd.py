@@ -200,6 +200,10 @@ def test_router_health_lists_workers(stack):
     h = requests.get(f"{stack.router.url}/health", timeout=scaled(5)).json()
     assert h["status"] == "ok"
     assert sorted(w["role"] for w in h["workers"]) == ["decode", "prefill"]
+    # Each worker's load as the router weighs it (other routers' requests included): idle here, its KV all free.
+    for url in (stack.prefill.url, stack.decode.url):
+        load = requests.get(f"{url}/health", timeout=scaled(5)).json()["load"]
+        assert load["requests"] == 0 and load["kv_total"] > 0 and 0 <= load["kv_used"] <= load["kv_total"], load
     m = requests.get(f"{stack.prefill.url}/metrics", timeout=scaled(5)).text
     for name in (
         'queue="prefill_bootstrap"',

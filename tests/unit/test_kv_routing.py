@@ -74,10 +74,20 @@ def test_a_worker_whose_index_is_silent_is_scored_by_load_alone():
 
 def test_decode_is_picked_by_load():
     pool, _ = pool_holding({"a": []})
-    d2 = Worker("http://d2", "decode", healthy=True)
+    d1, d2 = pool.workers("decode")[0], Worker("http://d2", "decode", healthy=True)
     pool.static.append(d2)
-    pool.workers("decode")[0].inflight = 2
+    d1.inflight = 2
     assert pool.pick("decode") is d2
+    # Another router's requests, as d2's /health reports them: more than this router has open on d1.
+    d2.report = {"load": {"requests": 3, "kv_used": 10, "kv_total": 100}}
+    assert d2.busy == 3 and pool.pick("decode") is d1
+    # Equal requests held: the one with less of its KV in use.
+    d1.report = {"load": {"requests": 3, "kv_used": 50, "kv_total": 100}}
+    assert pool.pick("decode") is d2
+    d2.report = {"load": {"requests": 3, "kv_used": 80, "kv_total": 100}}
+    assert pool.pick("decode") is d1
+    d1.report = {"load": {"requests": "3", "kv_used": True}}  # a malformed report counts as nothing
+    assert (d1.busy, d1.kv_use) == (2, 0.0) and pool.pick("decode") is d1
 
 
 def test_the_router_reads_prompts_as_the_workers_tokenise_them(tiny_dirs):

@@ -33,7 +33,8 @@ from disagg_worker.router.payload import JoinedPayload, SharedBody
 from disagg_worker.router.prompt import PromptTokens
 from disagg_worker.router.stream import lost
 from disagg_worker.router.verify import PairVerifier
-from disagg_worker.router.workers import Prompt, Worker, WorkerPool, in_group
+from disagg_worker.router.worker import Worker, in_group
+from disagg_worker.router.workers import Prompt, WorkerPool
 from disagg_worker.server.admission import DRAINING, RETRY_AFTER_S
 from disagg_worker.server.errors import APIError, unavailable
 

@@ -1,4 +1,4 @@
-"""KV handoff health as the router sees it, from the reports the workers give on /health (router/workers.py
+"""KV handoff health as the router sees it, from the reports the workers give on /health (router/worker.py
 stores them): bootstrap and transfer failures per worker over a recent window, and handoff queues that hold
 requests without progress.
 
@@ -15,7 +15,7 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from disagg_worker.router.workers import Worker
+from disagg_worker.router.worker import Worker
 
 HANDOFF_QUEUES = ("prefill_bootstrap", "prefill_inflight", "decode_prealloc", "decode_transfer")
 

@@ -28,7 +28,8 @@ import aiohttp
 
 from disagg_worker.router.auth import RouterAuth
 from disagg_worker.router.handoff import HandoffMonitor
-from disagg_worker.router.workers import GroupPolicy, Prompt, Worker, WorkerPool, in_group
+from disagg_worker.router.worker import GroupPolicy, Worker, in_group
+from disagg_worker.router.workers import Prompt, WorkerPool
 from disagg_worker.server.metrics import PROBE_HEADER
 
 log = logging.getLogger(__name__)

@@ -7,28 +7,29 @@ from __future__ import annotations
 import asyncio
 import collections
 import itertools
-import json
 import logging
 import socket
 import time
 from dataclasses import dataclass, field
 from enum import Enum
-from urllib.parse import urlsplit
 
 import aiohttp
 
 from disagg_worker.router.kv_index import KVIndex
+from disagg_worker.router.worker import GroupPolicy, Worker
 from disagg_worker.tuning import TUNING
 
 log = logging.getLogger(__name__)
 
 
 class Policy(str, Enum):
-    """How a prefill and a decode are picked. CACHE_AWARE (`router/kv_index.py`, needs `--tokenizer`): decode by
-    least load; prefill by the lowest cost, the prompt's tokens the worker has not cached plus the uncached
-    tokens of this router's prefills still running there, so a miss goes to the least loaded worker, not to the
-    one that caches most. Guard: while some prefill worker is idle, one with `balance_tokens` or more pending
-    takes no more (a stream of long prompts sharing a prefix does not pin one worker).
+    """How a prefill and a decode are picked. LEAST_LOAD: the worker holding the fewest requests (`Worker.busy`:
+    this router's open ones, or more when the worker reports more, other routers' included), then the lowest share
+    of its KV pages in use. CACHE_AWARE (`router/kv_index.py`, needs `--tokenizer`): decode by least load; prefill
+    by the lowest cost, the prompt's tokens the worker has not cached plus the uncached tokens of this router's
+    prefills still running there, so a miss goes to the least loaded worker, not to the one that caches most. Guard:
+    while some prefill worker is idle, one with `balance_tokens` or more pending takes no more (a stream of long
+    prompts sharing a prefix does not pin one worker).
 
     Conditional disaggregation (`WorkerPool.decode_only_tokens` > 0, CACHE_AWARE only): decode is picked first;
     when the prompt tokens it lacks (its own prefix cache's index) are at most that many, it computes them
@@ -46,116 +47,6 @@ class Prompt:
     tokens: int
     names: list[int]
     page_size: int
-
-
-class GroupPolicy(str, Enum):
-    """How a request's attention group is picked on a worker with DP attention (its /health lists `dp_loads`).
-
-    LOAD (the default): the group with the fewest of this router's requests open on it, then the lowest load
-    the worker reported (other routers' requests too); under CACHE_AWARE a prefill's group by its cache first
-    (`WorkerPool.group_for`). ROOM: `bootstrap_room % dp_size`, blind to load: a
-    group that drew long prompts keeps drawing its share, so it is there for comparison and for workers that
-    report no loads."""
-
-    LOAD = "load"
-    ROOM = "room"
-
-
-@dataclass(eq=False)
-class Worker:
-    url: str
-    role: str  # "prefill" | "decode"
-    bootstrap_port: int = 0
-    healthy: bool = False
-    inflight: int = 0
-    failures: int = 0
-    # The latest /health body: pod name, pairing revision, handoff queues and counters (server/health.py).
-    report: dict = field(default_factory=dict)
-    # The context the worker serves (its /v1/models `max_model_len`); 0 until it answered.
-    max_model_len: int = 0
-    # Health probes in a row that timed out (see RouterTuning.health_timeouts_to_unhealthy).
-    health_timeouts: int = 0
-    # DP attention: this router's requests open on each attention group.
-    group_inflight: dict[int, int] = field(default_factory=dict)
-    # Prompt tokens this router's running prefills compute here (what their cache did not hold), and per group.
-    pending_tokens: int = 0
-    group_pending: dict[int, int] = field(default_factory=dict)
-
-    @property
-    def dp_loads(self) -> list[int]:
-        """The load of each attention group as the worker last reported it ([] without DP attention)."""
-        loads = self.report.get("dp_loads")
-        if not isinstance(loads, list) or not all(isinstance(n, int) and not isinstance(n, bool) for n in loads):
-            return []
-        return loads if len(loads) > 1 else []
-
-    def pick_group(self, policy: GroupPolicy, room: int) -> int | None:
-        """The attention group for a request (None: the worker runs one)."""
-        loads = self.dp_loads
-        if not loads:
-            return None
-        if policy is GroupPolicy.ROOM:
-            return room % len(loads)
-        return min(range(len(loads)), key=lambda g: (self.group_inflight.get(g, 0), loads[g], g))
-
-    def take(self, group: int | None) -> None:
-        """A request of this router opens on this worker (on `group`)."""
-        self.inflight += 1
-        if group is not None:
-            self.group_inflight[group] = self.group_inflight.get(group, 0) + 1
-
-    def add_tokens(self, n: int, group: int | None) -> None:
-        """A prefill of `n` uncached prompt tokens starts here (on `group`)."""
-        self.pending_tokens += n
-        if group is not None:
-            self.group_pending[group] = self.group_pending.get(group, 0) + n
-
-    def release_tokens(self, n: int, group: int | None = None) -> None:
-        """It ended."""
-        self.pending_tokens -= n
-        if group is not None:
-            self.group_pending[group] -= n
-
-    def give_back(self, group: int | None) -> None:
-        """It ended."""
-        self.inflight -= 1
-        if group is not None:
-            self.group_inflight[group] -= 1
-
-    @property
-    def host(self) -> str:
-        return urlsplit(self.url).hostname or ""
-
-    @property
-    def name(self) -> str:
-        """The pod name the worker reports, or its URL."""
-        return str(self.report.get("pod") or self.url)
-
-    @property
-    def revision(self) -> str:
-        """Pairing revision: only a prefill and a decode of the same revision are paired."""
-        return str(self.report.get("revision") or "")
-
-    def take_report(self, body: bytes) -> None:
-        try:
-            report = json.loads(body)
-        except ValueError:
-            return
-        if isinstance(report, dict):
-            self.report = report
-
-    def describe(self) -> dict:
-        d: dict = {"url": self.url, "role": self.role, "healthy": self.healthy, "inflight": self.inflight}
-        if self.role == "prefill":
-            d["bootstrap_port"] = self.bootstrap_port
-        if self.report.get("pod") or self.revision:
-            d.update(pod=self.name, revision=self.revision)
-        return d
-
-
-def in_group(group: int | None) -> dict:
-    """The request field naming a worker's attention group (none for a worker of one group)."""
-    return {} if group is None else {"data_parallel_rank": group}
 
 
 @dataclass(frozen=True)
@@ -221,7 +112,7 @@ class WorkerPool:
         if self.policy is Policy.CACHE_AWARE and role == "prefill":
             return self._cache_aware(candidates, prompt)
         if self.policy in (Policy.LEAST_LOAD, Policy.CACHE_AWARE):
-            return min(candidates, key=lambda w: (w.inflight, w.failures))
+            return min(candidates, key=lambda w: (w.busy, w.kv_use, w.failures))
         return candidates[next(self._rr[role]) % len(candidates)]
 
     def pick_decode(
@@ -232,7 +123,7 @@ class WorkerPool:
         if self.decode_only_tokens > 0 and prompt is not None:
             able = [w for w in self.workers("decode") if w.healthy and w not in exclude and self._could(w, prompt)]
             if able:
-                return min(able, key=lambda w: (w.inflight, self.uncached(w, prompt), w.failures))
+                return min(able, key=lambda w: (w.busy, self.uncached(w, prompt), w.failures))
         return self.pick("decode", exclude)
 
     def pick_pair(

@@ -1,6 +1,7 @@
-"""What a worker's `/health` says beyond "ok": who it is (pod name, pairing revision) and how its KV handoff goes
-(P/D queue sizes and the transfer counters of its scheduler process). The router reads it to pair only workers of
-the same revision and to notice handoffs that fail or stall (router/handoff.py)."""
+"""What a worker's `/health` says beyond "ok": who it is (pod name, pairing revision), how its KV handoff goes
+(P/D queue sizes and the transfer counters of its scheduler process) and its load (requests held, KV pages in use).
+The router reads it to pair only workers of the same revision, to notice handoffs that fail or stall
+(router/handoff.py) and to weigh load that other routers sent (router/worker.py)."""
 
 from __future__ import annotations
 
@@ -37,12 +38,14 @@ def health_report(
     groups: Mapping[int, msg.SchedulerStats] | None = None,
     dp_size: int = 1,
 ) -> dict:
-    """The fields /health adds to its status: identity always, queues and counters once the scheduler reported,
-    and with DP attention each attention group's load (`dp_loads`, by group; the router picks groups by it)."""
+    """The fields /health adds to its status: identity always, queues, counters and load once the scheduler
+    reported, and with DP attention each attention group's load (`dp_loads`, by group; the router picks groups by
+    it)."""
     report: dict = {"pod": identity.pod_name, "revision": identity.revision}
     if stats is not None:
         report["queues"] = dict(stats.queues)
         report["transfer"] = transfer_counts(stats.metrics_text)
+        report["load"] = {"requests": load(stats), "kv_used": stats.pages_used, "kv_total": stats.pages_total}
     if groups is not None and dp_size > 1:
         report["dp_loads"] = [load(groups[g]) if g in groups else 0 for g in range(dp_size)]
     return report
