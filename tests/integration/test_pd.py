@@ -9,7 +9,7 @@ import re
 import pytest
 import requests
 
-from tests.integration.procs import PDStack, idle_and_flushed, scaled, serve
+from tests.integration.procs import PDStack, idle_and_flushed, scaled, serve, wait_until
 from tests.integration.test_server import generate, varied_prompts
 
 pytestmark = pytest.mark.integration
@@ -200,10 +200,15 @@ def test_router_health_lists_workers(stack):
     h = requests.get(f"{stack.router.url}/health", timeout=scaled(5)).json()
     assert h["status"] == "ok"
     assert sorted(w["role"] for w in h["workers"]) == ["decode", "prefill"]
-    # Each worker's load as the router weighs it (other routers' requests included): idle here, its KV all free.
+    # Each worker's load as the router weighs it (other routers' requests included): it comes down to none once
+    # the earlier tests' requests and the router's pair probes have ended (reports come every half second).
     for url in (stack.prefill.url, stack.decode.url):
-        load = requests.get(f"{url}/health", timeout=scaled(5)).json()["load"]
-        assert load["requests"] == 0 and load["kv_total"] > 0 and 0 <= load["kv_used"] <= load["kv_total"], load
+        load = wait_until(
+            lambda u=url: (d := requests.get(f"{u}/health", timeout=scaled(5)).json()["load"])["requests"] == 0 and d,
+            timeout=20,
+            what=f"{url} reporting no request held",
+        )
+        assert load["kv_total"] > 0 and 0 <= load["kv_used"] <= load["kv_total"], load
     m = requests.get(f"{stack.prefill.url}/metrics", timeout=scaled(5)).text
     for name in (
         'queue="prefill_bootstrap"',
