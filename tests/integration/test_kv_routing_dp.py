@@ -16,6 +16,7 @@ from disagg_worker.model.tiny import make_tiny
 from tests.integration.procs import PDStack, report_after, scaled, wait_until
 from tests.integration.test_kv_events import router_index_reaches
 from tests.integration.test_pd import FLAGS
+from tests.integration.test_pd_quarantine import bootstrapping
 from tests.integration.test_server import generate
 
 pytestmark = pytest.mark.integration
@@ -35,11 +36,6 @@ def groups_holding(url: str, prefixes: list[list[int]]) -> list[int] | None:
             return None
         found.append(where[0])
     return found
-
-
-def bootstrapping(url: str) -> int:
-    """Rooms prefill holds until decode sends their destination pages."""
-    return requests.get(f"{url}/stats", timeout=scaled(5)).json()["queues"].get("prefill_bootstrap", 0)
 
 
 def group_hits(url: str, since: float) -> list[int]:
