@@ -5,7 +5,8 @@ map it (`mapping`: which prefill ranks, heads and layers feed this rank; a misma
 instance's rooms at once with its message), send a `DecodeHello` to each target rank, then watch
 it with heartbeats. Per room: send each target rank a `RoomRequest` (with the head slice wanted
 from it) after `init()` and the handshake; apply `RoomUpdate`s from prefill; Success once every
-target reported it. Threads: `control` (zmq updates, waiting timeouts), a resolver pool (blocking
+target reported it; its waiting timeout counts from that request (resolving the instance has a
+deadline of its own, as long). Threads: `control` (zmq updates, waiting timeouts), a resolver pool (blocking
 HTTP), heartbeat.
 
 A room whose destination is fragmented is staged (`staging`): prefill writes it into a range of
@@ -155,6 +156,7 @@ class MooncakeDecodeManager(KVManager):
     def _request(self, state: DecodeRoom, inst: DecodeInstance) -> None:
         """Send the destination to every target rank (under the lock, once)."""
         state.targets = [(t.tp_rank, t.pp_rank) for t in inst.targets]
+        state.asked_at = time.monotonic()
         offsets, state.staged = reserve_staging(inst.targets, self.layout, state.dest_pages, self.staging.alloc)
         for t, offset in zip(inst.targets, offsets, strict=True):
             self._greet_if_stale(inst, _endpoint(t.rank))
@@ -349,7 +351,7 @@ class MooncakeDecodeManager(KVManager):
     def _sweep(self, now: float) -> None:
         limit = self.cfg.waiting_timeout_s
         for _, state in self.rooms.snapshot():
-            if state.init_at and now - state.init_at > limit and not state.cell.get().terminal:
+            if state.asked_at and now - state.asked_at > limit and not state.cell.get().terminal:
                 self.fail(state, f"no KV from prefill within {limit:g}s (waiting timeout)")
         self._expire_quarantine(now)
 

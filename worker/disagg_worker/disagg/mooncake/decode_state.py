@@ -41,6 +41,7 @@ class DecodeRoom:
     aux_slot: int = -1
     skip_pages: int = 0  # leading prompt pages decode already holds: prefill sends none of them
     init_at: float = 0.0  # when init() gave the destination; 0: not yet
+    asked_at: float = 0.0  # when the destination went to prefill: the waiting timeout counts from here
     targets: list[tuple[int, int]] = field(default_factory=list)  # (tp, pp) of prefill ranks asked
     done: set[tuple[int, int]] = field(default_factory=set)
     quiesced: set[tuple[int, int]] = field(default_factory=set)
