@@ -176,10 +176,13 @@ def test_under_dp_attention_a_prompt_runs_on_the_group_that_holds_its_prefix():
     p.add_tokens(30, 0)
     p.report["dp_loads"] = [0, 0, 5]
     assert pool.group_for(p, room=0, prompt=prompt([9] * 12)) == (1, 12)
-    # Guard: group 1 at balance_tokens pending takes no more while group 2 idles, even for its own prefix.
+    # Guard: group 1 at balance_tokens pending takes no more while group 2 idles, even for its own prefix; the
+    # worker's choice, counted a cache hit, is then counted as balanced.
     pool.balance_tokens = 64
     p.add_tokens(64, 1)
+    assert pool.pick("prefill", prompt=follow_up) is p and pool.decisions == {"cache_hit": 1}
     assert pool.group_for(p, room=0, prompt=follow_up) == (2, 66)
+    assert pool.decisions == {"cache_hit": 0, "balanced": 1}
     p.release_tokens(64, 1)
     assert p.group_pending == {0: 30, 1: 0} and p.pending_tokens == 30
     assert pool.group_for(p, room=0, prompt=follow_up) == (1, 2)

@@ -189,7 +189,13 @@ class WorkerPool:
         best = min(cost, key=lambda g: (cost[g], inflight.get(g, 0), loads[g], g))
         idle = [g for g in cost if not pending.get(g) and not inflight.get(g)]
         if idle and best not in idle and pending.get(best, 0) >= self.balance_tokens:
-            best = min(idle, key=lambda g: (cost[g], loads[g], g))
+            moved = min(idle, key=lambda g: (cost[g], loads[g], g))
+            # `pick` counted a cache hit the request no longer gets: taken back in the same step of the event
+            # loop as the pick (no await between), so a scrape of the counter never sees it go down
+            if hit[moved] == 0 < max(hit.values()):
+                self.decisions["cache_hit"] -= 1
+                self.decisions["balanced"] += 1
+            best = moved
         return best, uncached[best]
 
     def _cache_aware(self, candidates: list[Worker], prompt: Prompt | None) -> Worker:
