@@ -176,9 +176,19 @@ def add_disagg_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bootstrap-port", type=int, default=d.bootstrap_port)
     p.add_argument("--advertise-host", default=d.advertise_host)
     p.add_argument("--bootstrap-timeout", type=float, default=d.bootstrap_timeout_s)
-    p.add_argument("--waiting-timeout", type=float, default=d.waiting_timeout_s)
+    p.add_argument(
+        "--waiting-timeout",
+        type=float,
+        default=d.waiting_timeout_s,
+        help="decode: seconds a request's KV may take to arrive once prefill was asked for it",
+    )
     p.add_argument("--heartbeat-interval", type=float, default=d.heartbeat_interval_s)
-    p.add_argument("--heartbeat-max-misses", type=int, default=d.heartbeat_max_misses)
+    p.add_argument(
+        "--heartbeat-max-misses",
+        type=int,
+        default=d.heartbeat_max_misses,
+        help="decode: unanswered checks in a row that fail a prefill's requests (one refused connection does)",
+    )
     p.add_argument(
         "--max-bootstrap-queue",
         type=int,
