@@ -290,9 +290,9 @@ def test_incompatible_page_size_fails_rooms_with_both_values():
 
 
 def test_heartbeat_loss_fails_receiver_within_interval_times_misses():
-    # The first refused check declares the instance gone, however many misses silence needs: the bound below does
-    # not grow with `misses`, which is high so that a live but slow bootstrap server (a check waits at most one
-    # interval) is not taken for a lost one before the test stops it.
+    # A check waits at most one interval for /health. `misses` is high so that a live but slow bootstrap server
+    # (this test process is busy) is not taken for a lost one before the test stops it: the instance is lost once
+    # the checks fail `misses` times in a row, the last ones refused after the stop.
     interval, misses = scaled(0.3), 8
     prefill = Prefill(SMALL)
     decode = DecodeProc(SMALL, heartbeat_interval_s=interval, heartbeat_max_misses=misses, waiting_timeout_s=scaled(60))
@@ -304,10 +304,33 @@ def test_heartbeat_loss_fails_receiver_within_interval_times_misses():
         prefill.server.stop()  # the port now refuses connections: the instance counts as gone
         status, reason, unsafe, took = decode.wait(room, 20)
         assert status == KVPoll.Failed and prefill.addr in reason and "connection refused" in reason
-        assert took < interval * 2 + scaled(1.5), took  # a check in flight at the stop, then the refused one
+        assert took < interval * (misses + 1) + scaled(1.5), took
         assert unsafe is False, "a refused port is taken as a dead instance: pages are released"
     finally:
         decode.close()
+        prefill.close()
+
+
+def test_a_prefill_rank_decode_cannot_reach_fails_its_rooms_at_once():
+    # The topology is valid but names a rank address zmq refuses: the error fails the room (it used to leave it
+    # waiting, the resolver's error unread); the waiting timeout is far away.
+    from dataclasses import replace
+
+    from disagg_worker.disagg.bootstrap_client import register_rank
+
+    prefill = Prefill(SMALL)
+    server = BootstrapServer(0, host="127.0.0.1").start()
+    register_rank(server.url, replace(prefill.mgr.registration(), rank_ip="bad host!"))
+    decode = DecodeProc(SMALL, waiting_timeout_s=scaled(60))
+    try:
+        room = next(_rooms)
+        decode("recv", room, f"127.0.0.1:{server.port}", [0], 0)
+        status, reason, unsafe, took = decode.wait(room, 10)
+        assert status == KVPoll.Failed and "bad host!" in reason and not unsafe, reason
+        assert took < scaled(5), took
+    finally:
+        decode.close()
+        server.stop()
         prefill.close()
 
 

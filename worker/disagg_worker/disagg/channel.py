@@ -66,7 +66,11 @@ class ControlChannel:
                 sock = self._ctx.socket(zmq.PUSH)
                 sock.setsockopt(zmq.LINGER, 0)
                 sock.setsockopt(zmq.SNDHWM, 10000)
-                sock.connect(endpoint)
+                try:
+                    sock.connect(endpoint)
+                except zmq.ZMQError:
+                    sock.close(0)
+                    raise
                 self._push[endpoint] = sock
             try:
                 sock.send(frame, zmq.NOBLOCK)

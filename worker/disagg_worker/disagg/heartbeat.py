@@ -1,9 +1,8 @@
 """Decode-side liveness check of prefill instances: `GET /health` of each bootstrap server.
 
-After `max_misses` consecutive failed checks, at the first refused connection (nothing listens:
-a full accept queue drops a connection, it does not refuse it), or when the server reports another
-instance id (the instance restarted), `on_lost(addr, reason, dead)` is called once and the address
-is no longer watched. `dead` is True when the old instance is known to write nothing more: it
+After `max_misses` consecutive failed checks, or when the server reports another instance
+id (the instance restarted), `on_lost(addr, reason, dead)` is called once and the address is
+no longer watched. `dead` is True when the old instance is known to write nothing more: it
 restarted, or its port refuses connections; a silent (frozen) instance is not known dead.
 A silent instance stays on probation: `on_dead(addr)` is called if it later refuses or comes
 back with another instance id, so pages held for it are not quarantined forever; if it comes
@@ -76,7 +75,7 @@ class HeartbeatMonitor:
             if addr not in self._watched:
                 return
             misses = 0 if answered else self._watched[addr][1] + 1
-            lost = refused or misses >= self._max_misses or (answered and seen != instance_id)
+            lost = misses >= self._max_misses or (answered and seen != instance_id)
             if lost:
                 del self._watched[addr]
             else:

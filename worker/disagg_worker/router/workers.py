@@ -190,9 +190,9 @@ class WorkerPool:
         idle = [g for g in cost if not pending.get(g) and not inflight.get(g)]
         if idle and best not in idle and pending.get(best, 0) >= self.balance_tokens:
             moved = min(idle, key=lambda g: (cost[g], loads[g], g))
-            # `pick` counted a cache hit the request no longer gets: taken back in the same step of the event
-            # loop as the pick (no await between), so a scrape of the counter never sees it go down
-            if hit[moved] == 0 < max(hit.values()):
+            # A prefill's `pick` counted a cache hit the request no longer gets: taken back in the same step of the
+            # event loop as the pick (no await between), so a scrape of the counter never sees it go down.
+            if not local and uncached[moved] >= prompt.tokens > min(uncached.values()):
                 self.decisions["cache_hit"] -= 1
                 self.decisions["balanced"] += 1
             best = moved

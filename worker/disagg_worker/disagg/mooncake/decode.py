@@ -104,7 +104,7 @@ class MooncakeDecodeManager(KVManager):
             inst = self._instances.get(bootstrap_addr)
             if inst is None:
                 inst = self._instances[bootstrap_addr] = DecodeInstance(bootstrap_addr)
-                self._resolver.submit(self._resolve, inst)
+                self._resolver.submit(self._resolve_or_fail, inst)
             inst.rooms.add(room)
             if inst.state is InstanceState.READY:
                 state.cell.advance(KVPoll.WaitingForInput)
@@ -194,7 +194,7 @@ class MooncakeDecodeManager(KVManager):
         self.rooms.retire(state.room, "failed")
         with self._lock:
             targets = inst.targets if inst is not None and inst.state is InstanceState.READY else []
-        if state.init_at:
+        if state.asked_at:
             self.metrics.transfer_failed()
         else:
             self.metrics.bootstrap_failed()
@@ -205,6 +205,14 @@ class MooncakeDecodeManager(KVManager):
                 )
 
     # ---- instance handling -------------------------------------------------------------
+    def _resolve_or_fail(self, inst: DecodeInstance) -> None:
+        """`_resolve` on the resolver pool, whose futures nobody reads: an error fails the instance's rooms."""
+        try:
+            self._resolve(inst)
+        except Exception as e:  # a registration this process cannot connect to, a bug: never a room left waiting
+            log.exception("resolving prefill instance %s failed", inst.addr)
+            self._fail_instance(inst.addr, f"prefill instance {inst.addr}: {e!r}", dead=False)
+
     def _resolve(self, inst: DecodeInstance) -> None:
         deadline = time.monotonic() + self.cfg.waiting_timeout_s
         error = f"prefill bootstrap server {inst.addr} not ready within {self.cfg.waiting_timeout_s:g}s"
@@ -327,7 +335,7 @@ class MooncakeDecodeManager(KVManager):
                 if inst is not None:
                     inst.rooms.discard(state.room)
             nbytes = len(state.dest_pages) * self.layout.page_nbytes * len(self.layout.buffer_ptrs)
-            self.metrics.transfer_done(nbytes, time.monotonic() - state.init_at)
+            self.metrics.transfer_done(nbytes, time.monotonic() - state.asked_at)
 
     def _unstage(self, state: DecodeRoom) -> None:
         """Scatter a staged room into its destination pages and free its staging ranges."""
@@ -351,8 +359,12 @@ class MooncakeDecodeManager(KVManager):
     def _sweep(self, now: float) -> None:
         limit = self.cfg.waiting_timeout_s
         for _, state in self.rooms.snapshot():
-            if state.asked_at and now - state.asked_at > limit and not state.cell.get().terminal:
+            if state.cell.get().terminal:
+                continue
+            if state.asked_at and now - state.asked_at > limit:
                 self.fail(state, f"no KV from prefill within {limit:g}s (waiting timeout)")
+            elif not state.asked_at and state.init_at and now - state.init_at > 2 * limit:  # backstop: resolving
+                self.fail(state, f"prefill instance {state.addr} could not be asked for the KV within {2 * limit:g}s")
         self._expire_quarantine(now)
 
     def _expire_quarantine(self, now: float) -> None:
