@@ -103,9 +103,9 @@ class Proc:
         return self.proc.wait(scaled(timeout))
 
 
-def serve(model: str, *extra: str, port: int | None = None) -> Proc:
+def serve(model: str, *extra: str, port: int | None = None, env: dict | None = None) -> Proc:
     port = port or free_port()
-    return Proc(["serve", "--model", model, "--port", str(port), *extra], port)
+    return Proc(["serve", "--model", model, "--port", str(port), *extra], port, env)
 
 
 def report_after(url: str, since: float, pred: Callable[[dict], bool], timeout: float, what: str) -> dict:
@@ -161,7 +161,7 @@ class PDStack:
     """A router in front of one prefill and `decodes` decode instances, each its own process.
 
     `prefill_flags` / `decode_flags` come after the shared flags and win over them; `router_flags`
-    are added to the router's command line."""
+    are added to the router's command line; `env` is added to the workers' environment."""
 
     def __init__(
         self,
@@ -171,8 +171,10 @@ class PDStack:
         decode_flags: tuple[str, ...] = (),
         router_flags: tuple[str, ...] = (),
         decodes: int = 1,
+        env: dict | None = None,
     ):
         self.model = model
+        self.env = env
         # Workers serve the model under the router's name, as `serve --local` and the operator start them, so a
         # client sending the listed model (the openai client always does) reaches them under that name.
         self.flags = ["--served-model-name", "tiny", *engine_flags, *FAST_FAILURE]
@@ -223,11 +225,13 @@ class PDStack:
                 *self.prefill_flags,
             ],
             port,
+            self.env,
         )
 
     def start_decode(self, port: int | None = None) -> Proc:
         port = port or free_port()
-        return Proc(["decode", "--model", self.model, "--port", str(port), *self.flags, *self.decode_flags], port)
+        args = ["decode", "--model", self.model, "--port", str(port), *self.flags, *self.decode_flags]
+        return Proc(args, port, self.env)
 
     def wait_healthy(self) -> PDStack:
         """Every process serves; if one does not, all are stopped (a failed start leaves nothing running)."""

@@ -335,8 +335,8 @@ def test_an_unsupported_architecture_stops_the_start_up_naming_it(models, tmp_pa
 
 def test_a_dp_group_whose_scheduler_dies_fails_the_whole_instance_at_once(models):
     """Requests run in both attention groups; the second group's scheduler is killed: every request of either
-    group ends with a 503 naming the exit within a bound (the other group cannot step alone: its MLPs need the
-    dead one), /health says why, and new requests are refused."""
+    group ends with a 500 (instance_failed) naming the exit within a bound (the other group cannot step alone: its
+    MLPs need the dead one), /health says why, and new requests are refused."""
     server = serve(models["deepseek_v3"], *FLAGS, "--tp-size", "2", *DP2).wait_healthy()
     try:
         body = {"input_ids": list(range(100, 120)), "sampling_params": {"max_new_tokens": 3000, "ignore_eos": True}}
@@ -358,8 +358,9 @@ def test_a_dp_group_whose_scheduler_dies_fails_the_whole_instance_at_once(models
             os.kill(st["groups"][1]["pid"], signal.SIGKILL)
             answers = [f.result(timeout=scaled(30)) for f in held]
             answered = time.monotonic()
-        assert [a.status_code for a in answers] == [503] * 4
+        assert [a.status_code for a in answers] == [500] * 4
         assert all("scheduler process" in a.json()["error"]["message"] for a in answers)
+        assert all(a.json()["error"]["code"] == "instance_failed" for a in answers)
         assert answered - killed < scaled(2.0), f"failed {answered - killed:.2f} s after the kill"
         health = requests.get(f"{server.url}/health", timeout=scaled(5))
         assert health.status_code == 503 and "exited unexpectedly" in health.json()["reason"]

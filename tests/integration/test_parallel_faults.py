@@ -1,9 +1,10 @@
 """A rank of a multi-rank instance dies: the instance says so at once and the router stops using it.
 
 One rank alone cannot serve (its peers would wait for it in their next collective), so the HTTP
-process watches every rank's process: when one exits, every request it holds ends with a 503
-naming the exit, /health turns 503 with the same reason, and the router takes the instance out of
-rotation on its next health check. The peer decode instance is left clean.
+process watches every rank's process: when one exits, every request it holds ends with a 500
+(instance_failed, not retried on another pair) naming the exit, /health turns 503 with the same
+reason, and the router takes the instance out of rotation on its next health check.
+The peer decode instance is left clean.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ def rank_processes(instance: Proc) -> list[psutil.Process]:
 
 @pytest.mark.parametrize("moment", ["busy", "idle"])
 def test_a_dead_rank_of_a_tp2_prefill_fails_its_requests_at_once_and_leaves_rotation(mqa_model, moment):  # noqa: F811
-    """Busy: requests held by prefill end with a 503 naming the exit. Idle: no collective is under
+    """Busy: requests held by prefill end with a 500 naming the exit. Idle: no collective is under
     way to notice the loss, yet /health says so within seconds (the HTTP process watches every rank)."""
     hold = {**HOLD, "prefill_flags": (*HOLD["prefill_flags"], "--tp-size", "2")}
     stack = PDStack(mqa_model, *FLAGS, **hold).wait_healthy()

@@ -1,5 +1,6 @@
 """The HTTP front end's gate, over real sockets in one process: body limits (413 before the body is
-read), the in-flight bound (429), draining (503 with Retry-After), the drain's cut, 500 bodies."""
+read), bodies read before a slot is taken (408 for a stalled upload, a budget of body bytes: 429), the
+in-flight bound (429), draining (503 with Retry-After), the drain's cut, 500 bodies."""
 
 from __future__ import annotations
 
@@ -13,9 +14,8 @@ from aiohttp.test_utils import TestServer
 
 from disagg_worker.config import DisaggConfig, EngineConfig, Role, SchedulerConfig, ServerArgs
 from disagg_worker.limits import BODY_OVERHEAD_BYTES, body_limit_bytes
-from disagg_worker.server.admission import Admission, admission_middleware
+from disagg_worker.server.admission import Admission, admission_middleware, body_of
 from disagg_worker.server.api import error_middleware
-from disagg_worker.server.body import read_body
 from disagg_worker.server.drain import drain
 
 LIMIT = 1000
@@ -25,7 +25,7 @@ def app_with(admission: Admission, release: asyncio.Event | None = None) -> web.
     """/generate echoes the length of the body it read; with `release`, it holds the request until set."""
 
     async def generate(request: web.Request) -> web.Response:
-        body = await read_body(request, admission.body_limit())
+        body = body_of(request)
         if release is not None:
             await release.wait()
         return web.json_response({"read": len(body)})
@@ -85,6 +85,45 @@ def test_a_chunked_body_is_cut_off_at_the_limit():
     over, under = run(go())
     assert over[0] == 413
     assert under[0] == 200 and b'"read": 512' in under[2]
+
+
+def test_a_stalled_upload_holds_no_slot_and_ends_with_408():
+    async def go():
+        admission = Admission(1, lambda: LIMIT, body_timeout_s=0.5)
+        async with TestServer(app_with(admission)) as srv:
+            stalled_head = b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\n\r\n{}"
+            stalled = asyncio.create_task(raw_exchange(srv.port, stalled_head))  # 8 bytes never come
+            while admission.body_bytes < 10:
+                await asyncio.sleep(0.01)
+            full = await raw_exchange(srv.port, b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}")
+            return full, await stalled, admission.body_bytes, admission.inflight
+
+    full, stalled, held, inflight = run(go())
+    assert full[0] == 200  # the only slot was free: the stalled upload was not admitted
+    assert stalled[0] == 408 and json.loads(stalled[2])["error"]["code"] == "request_timeout"
+    assert (held, inflight) == (0, 0)
+
+
+def test_body_bytes_beyond_the_budget_get_429_until_they_are_released():
+    async def go():
+        release = asyncio.Event()
+        admission = Admission(8, lambda: LIMIT, body_budget=1500)
+        async with TestServer(app_with(admission, release)) as srv:
+            head = b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Length: 900\r\n\r\n" + b"x" * 900
+            held = asyncio.create_task(raw_exchange(srv.port, head))
+            while admission.inflight < 1:
+                await asyncio.sleep(0.01)
+            refused = await raw_exchange(srv.port, head)
+            chunked = b"POST /generate HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+            part = b"100\r\n" + b"x" * 0x100 + b"\r\n"
+            refused_chunked = await raw_exchange(srv.port, chunked, [part, part, part, b"0\r\n\r\n"])
+            release.set()
+            return refused, refused_chunked, (await held)[0], await raw_exchange(srv.port, head)
+
+    refused, refused_chunked, first, again = run(go())
+    assert refused[0] == 429 and "request bodies" in json.loads(refused[2])["error"]["message"]
+    assert refused_chunked[0] == 429  # 512 bytes fit beside the 900 held, the next 256 do not
+    assert first == 200 and again[0] == 200
 
 
 def test_requests_beyond_the_inflight_bound_get_429_then_are_admitted_again():

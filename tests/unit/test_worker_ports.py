@@ -52,12 +52,21 @@ def test_rdma_engines_get_their_window_too_since_the_handshake_uses_the_rpc_port
     assert mooncake_environ(cfg) == {"MC_MIN_RPC_PORT": "20000", "MC_MAX_RPC_PORT": "20003"}
 
 
+def test_an_address_others_reach_with_the_models_secret_starts(tmp_path):
+    secret = tmp_path / "token"
+    secret.write_text("s")
+    assert disagg("--advertise-host", "10.1.2.3", "--auth-token-file", str(secret)).advertise_host == "10.1.2.3"
+    assert disagg("--advertise-host", "::1").advertise_host == "::1"
+
+
 @pytest.mark.parametrize(
     "argv,environ,message",
     [
         (["--transfer-port-base", "15000"], {"MC_MIN_RPC_PORT": "16000"}, "keep one of the two"),
         (["--transfer-ports-per-rank", "1"], {}, "at least 2"),
         (["--control-port", "80"], {}, "--control-port 80"),
+        (["--advertise-host", "10.1.2.3"], {}, "--advertise-host 10.1.2.3 is reachable from other hosts"),
+        (["--advertise-host", "decode-0.decode"], {}, "pass the model's secret (--auth-token-file)"),
         (["--tp-size", "4", "--transfer-port-base", "65530"], {}, "the 32 port(s) of 4 rank(s)"),
     ],
 )

@@ -4,6 +4,7 @@ configuration chain of `config.py` out (`server_args_from_cli`), the environment
 from __future__ import annotations
 
 import argparse
+import ipaddress
 from pathlib import Path
 
 from disagg_worker import keys
@@ -332,8 +333,10 @@ def server_args_from_cli(
         cache=cache,
         scheduler=sched,
         disagg=disagg,
+        fault_grammar_pattern=env.fault_grammar_pattern,
     )
     check_model(engine)
+    check_exposure(engine.disagg)
     return ServerArgs(
         engine=engine,
         host=ns.host,
@@ -344,6 +347,22 @@ def server_args_from_cli(
         max_inflight_requests=ns.max_inflight_requests,
         drain_timeout_s=ns.drain_timeout,
     )
+
+
+def check_exposure(d: DisaggConfig) -> None:
+    """A prefill or decode instance that others can reach must know the model's secret: without it, its KV
+    control frames are not authenticated (`keys.control_key`) and its bootstrap server takes anyone's word."""
+    if d.role is Role.MONOLITHIC or d.auth_token:
+        return
+    try:
+        loopback = ipaddress.ip_address(d.advertise_host).is_loopback
+    except ValueError:
+        loopback = d.advertise_host == "localhost"
+    if not loopback:
+        raise ConfigError(
+            f"--advertise-host {d.advertise_host} is reachable from other hosts: pass the model's secret "
+            "(--auth-token-file), without which anyone who reaches this instance could steer its KV transfers"
+        )
 
 
 def check_model(engine: EngineConfig) -> None:

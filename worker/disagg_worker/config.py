@@ -276,8 +276,7 @@ class DisaggConfig:
                 raise ConfigError(f"{flag} is a decode instance's option")
 
 
-# Weight formats of `--quantization` (model/quant.py).
-QUANTIZATIONS = ("int4",)
+QUANTIZATIONS = ("int4",)  # weight formats of `--quantization` (model/quant.py)
 
 
 @dataclass(frozen=True)
@@ -298,6 +297,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     disagg: DisaggConfig = field(default_factory=DisaggConfig)
+    fault_grammar_pattern: str = ""  # tests only: compiling this regex raises an unexpected exception (`env`)
 
     def __post_init__(self) -> None:
         if self.quantization and self.quantization not in QUANTIZATIONS:

@@ -14,7 +14,8 @@ reads only those it also sets, so that the user's values are known:
 The worker's own variables: `DISAGG_POD_NAME` and `DISAGG_REVISION` (set by the operator from the
 pod's name and its `disagg.dev/revision` label; reported on /health), and a test hook,
 `DISAGG_FAULT_FAIL_SENDERS_ON_STAGE=N`, which makes the prefill ranks of pipeline stage N fail every
-new KV sender locally (the fault tests of parallel ranks).
+new KV sender locally (the fault tests of parallel ranks), and `DISAGG_FAULT_GRAMMAR_PATTERN=P`, which
+makes compiling the regex P raise an exception of a type no compiler raises (the isolation tests).
 Others reach Mooncake untouched: `MC_LOG_LEVEL` (`serve --local` and the worker image default it to
 WARNING) and the engine's timeouts (`MC_TRANSFER_TIMEOUT`, `MC_TCP_PROGRESS_TIMEOUT_SEC`).
 """
@@ -38,6 +39,9 @@ class WorkerEnv:
     # Fault injection for tests (DISAGG_FAULT_FAIL_SENDERS_ON_STAGE): prefill ranks of this pipeline
     # stage fail every new KV sender at once, locally, telling nobody. -1: off.
     fault_fail_senders_on_stage: int = -1
+    # Fault injection for tests (DISAGG_FAULT_GRAMMAR_PATTERN): compiling this regex raises an unexpected
+    # exception type. "": off.
+    fault_grammar_pattern: str = ""
     # MC_MIN_RPC_PORT and MC_MAX_RPC_PORT as the user set them (None: not set).
     mc_rpc_port_range: tuple[str | None, str | None] = (None, None)
 
@@ -49,5 +53,6 @@ def load_env(environ: Mapping[str, str] | None = None) -> WorkerEnv:
         revision=env.get("DISAGG_REVISION", "").strip(),
         mc_tcp_lanes_per_peer=env.get("MC_TCP_LANES_PER_PEER"),
         fault_fail_senders_on_stage=int(env.get("DISAGG_FAULT_FAIL_SENDERS_ON_STAGE", "-1")),
+        fault_grammar_pattern=env.get("DISAGG_FAULT_GRAMMAR_PATTERN", ""),
         mc_rpc_port_range=(env.get("MC_MIN_RPC_PORT"), env.get("MC_MAX_RPC_PORT")),
     )

@@ -10,6 +10,8 @@ another purpose:
 - `WORKER`: the bearer token the router presents to worker HTTP ports.
 - `TARGET`: the key of the router's signature over a request's bootstrap target (host, port,
   room); decode contacts no prefill instance without a valid one.
+- `CONTROL`: the key of the HMAC on every frame of the KV control channel between prefill and decode ranks
+  (`disagg/channel.py`): a frame without a valid one is dropped, so only the model's own ranks steer a room.
 - `KV_NAMES`: the key of the names of cached pages (`mem/kv_events.py`), so that whoever reads an instance's
   `/kv_events` cannot tell whether a prompt they guess is cached; `KV_NAMES_ID` names that key in each answer
   (a router keyed otherwise flags the instance instead of missing every page).
@@ -26,6 +28,7 @@ from pathlib import Path
 BOOTSTRAP = "bootstrap"
 WORKER = "worker-http"
 TARGET = "bootstrap-target"
+CONTROL = "kv-control-frames"
 KV_NAMES = "kv-page-names"
 KV_NAMES_ID = "kv-page-names-id"
 
@@ -62,6 +65,12 @@ def read_api_keys(key: str | None, key_file: str) -> tuple[str, ...]:
 def derive(secret: str, purpose: str) -> str:
     """The key for `purpose` (hex), derived from the model's shared secret."""
     return hmac.new(secret.encode(), purpose.encode(), hashlib.sha256).hexdigest()
+
+
+def control_key(secret: str) -> bytes:
+    """The key of the control channel's frames; without a secret a fixed one (frames are then checked for
+    integrity, not origin: such an instance listens on loopback only, `disagg.mooncake.environ`)."""
+    return bytes.fromhex(derive(secret or "no-secret", CONTROL))
 
 
 def _target(host: str, port: int, room: int) -> bytes:

@@ -17,14 +17,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from disagg_worker.engine.params import SamplingParams
+from disagg_worker.engine.params import MAX_TOKEN_ID, SamplingParams
 from disagg_worker.server.errors import bad_request
 
 if TYPE_CHECKING:
     from disagg_worker.messages import EngineInfo
 
-# Token ids are checked against the vocabulary when its size is known, else against this bound.
-MAX_TOKEN_ID = 2**31
+# Token ids are checked against the vocabulary when its size is known, else against MAX_TOKEN_ID.
 CONTEXT_EXCEEDED = "context_length_exceeded"
 # JSON bytes one context token may take in a request body. A token id in a list takes at most 12
 # ("2147483647, "); text averages 3-5 bytes per token, and the heaviest real text (CJK written as

@@ -83,6 +83,8 @@ class TokenOut:
     cached_tokens: int = 0
     error: str = ""
     error_status: int = 0
+    # OpenAI's error `code` (`server.errors`): the router does not retry an `internal_error` or `instance_failed`.
+    error_code: str = ""
 
 
 @dataclass(frozen=True)
@@ -129,6 +131,8 @@ class SchedulerStats:
     dp_rank: int = 0  # the attention group whose scheduler sent it (DP attention)
     # What the prefix cache stored and evicted since the last report (mem/kv_events.py), in order.
     kv_events: tuple[tuple[str, list[int]], ...] = ()
+    # Why the instance can no longer serve though its scheduler runs ("" while it can): /health says it.
+    broken: str = ""
 
 
 @dataclass(frozen=True)

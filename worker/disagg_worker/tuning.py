@@ -27,6 +27,14 @@ class EngineTuning:
     # A multi-rank instance with nothing to do still runs an empty step this often, so every rank hears from
     # the others: a dead rank breaks it at once, a hung one within --dist-timeout (`ranks/dist.py`).
     rank_heartbeat_s: float = 1.0
+    # Compiling a request's grammar runs on a thread beside the loop; a request whose grammar is not compiled
+    # within this limit is refused (400). Real schemas compile in milliseconds to ~1 s (xgrammar); the limit
+    # stops a pathological one from holding its request for ever. A compilation cannot be cancelled: it goes
+    # on, and its grammar is refused at once from then on.
+    grammar_compile_limit_s: float = 10.0
+    # Compiled grammars kept for reuse (least recently used dropped first): a compiled JSON schema holds up
+    # to a few MB of token masks, so the bound keeps clients' schemas from growing the process without end.
+    grammar_cache_entries: int = 128
 
 
 @dataclass(frozen=True)

@@ -11,8 +11,10 @@ Backends implement `KVManager` and are listed in `backends.BACKENDS`; handles ne
 
 from __future__ import annotations
 
+import logging
 import math
 import struct
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -22,6 +24,8 @@ from disagg_worker.disagg.metrics import TransferMetrics
 from disagg_worker.disagg.poll import KVPoll, StatusCell
 from disagg_worker.engine.params import MAX_LOGPROBS
 from disagg_worker.mem.kv_pool import KVKind
+
+log = logging.getLogger(__name__)
 
 _FIRST_TOKEN = struct.Struct("<qd")
 _TOP_COUNT = struct.Struct("<I")
@@ -253,6 +257,25 @@ class KVManager(ABC):
         self.rank = rank
         self.metrics = metrics
         self.on_change: Callable[[], None] = _nothing  # set by the scheduler loop: wakes it up
+        # Why this manager can no longer move KV ("" while it can): a background thread ended. The instance then
+        # reports itself unhealthy (/health 503) instead of failing every room silently.
+        self.broken = ""
+
+    def supervise(self, loop: Callable[[], None], name: str) -> threading.Thread:
+        """Start a daemon thread running `loop`; if it ends by an exception, `broken` says so. The loop itself
+        keeps one message's failure from ending it; this catches what escapes."""
+
+        def run() -> None:
+            try:
+                loop()
+            except BaseException as e:
+                log.critical("the %s thread stopped", name, exc_info=True)
+                self.broken = f"the KV transfer's {name} thread stopped ({type(e).__name__}); restart the instance"
+                self.on_change()
+
+        thread = threading.Thread(target=run, name=name, daemon=True)
+        thread.start()
+        return thread
 
     def new_cell(self, initial: KVPoll = KVPoll.Bootstrapping) -> StatusCell:
         """A status cell whose every move calls `on_change` (from whichever thread moved it)."""

@@ -11,19 +11,47 @@ peer that is gone (a later send opens a new one).
 The PULL socket listens on a configured port (`DisaggConfig.control_port_of`, what the
 operator's NetworkPolicy opens) or, with port 0, on any free port (local runs). It binds the
 advertised address when that is an IP address, else every interface.
+
+Whoever reaches the port is not trusted: every frame carries an HMAC-SHA256 of its body under a key
+derived from the model's secret (`keys.control_key`), and is at most MAX_FRAME_BYTES. A frame that fails
+either check, or does not decode, is dropped and counted (`disagg_kv_control_frames_rejected_total`), never
+acted on. zmq itself drops a peer that sends a frame beyond ZMQ_MAX_FRAME_BYTES before it is held.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import ipaddress
 import logging
 import threading
 
 import zmq
+from prometheus_client import Counter
 
 from disagg_worker.disagg.messages import CodecError, Message, decode, encode
 
 log = logging.getLogger(__name__)
+
+# The largest control frame: a RoomRequest's page list for a 1M-token prompt in pages of one token is ~8 MB.
+MAX_FRAME_BYTES = 16 << 20
+ZMQ_MAX_FRAME_BYTES = 4 * MAX_FRAME_BYTES
+MAC_BYTES = 32
+REJECTED = Counter(
+    "disagg_kv_control_frames_rejected_total",
+    "Control frames dropped unread: oversized, unauthenticated (a bad HMAC) or malformed",
+    ["reason"],
+)
+
+
+def seal(key: bytes, body: bytes) -> bytes:
+    return hmac.new(key, body, hashlib.sha256).digest() + body
+
+
+def unseal(key: bytes, frame: bytes) -> bytes | None:
+    """The body of an authentic frame; None when its MAC does not match."""
+    mac, body = frame[:MAC_BYTES], frame[MAC_BYTES:]
+    return body if hmac.compare_digest(mac, hmac.new(key, body, hashlib.sha256).digest()) else None
 
 
 def bind_host(advertise_host: str) -> str:
@@ -36,10 +64,13 @@ def bind_host(advertise_host: str) -> str:
 
 
 class ControlChannel:
-    def __init__(self, advertise_host: str, port: int = 0):
+    def __init__(self, advertise_host: str, port: int = 0, key: bytes = b""):
+        """`key`: the frames' HMAC key (`keys.control_key`), the same on every rank of the model."""
+        self._key = key
         self._ctx = zmq.Context()
         self._pull = self._ctx.socket(zmq.PULL)
         self._pull.setsockopt(zmq.LINGER, 0)
+        self._pull.setsockopt(zmq.MAXMSGSIZE, ZMQ_MAX_FRAME_BYTES)
         host = bind_host(advertise_host)
         if port:
             try:
@@ -59,7 +90,7 @@ class ControlChannel:
 
     def send(self, endpoint: str, msg: Message) -> bool:
         """Queue `msg` for `endpoint`; False if it was dropped (peer queue full)."""
-        frame = encode(msg)
+        frame = seal(self._key, encode(msg))
         with self._lock:
             sock = self._push.get(endpoint)
             if sock is None:
@@ -93,8 +124,8 @@ class ControlChannel:
             return len(self._push)
 
     def recv(self, timeout_ms: int) -> list[Message]:
-        """Messages that arrive within `timeout_ms` (all queued ones); malformed frames are
-        logged and dropped."""
+        """Authentic messages that arrive within `timeout_ms` (all queued ones); any other frame is
+        counted and dropped."""
         out: list[Message] = []
         if not self._poller.poll(timeout_ms):
             return out
@@ -103,10 +134,23 @@ class ControlChannel:
                 frame = self._pull.recv(zmq.NOBLOCK)
             except zmq.Again:
                 return out
-            try:
-                out.append(decode(frame))
-            except CodecError as e:
-                log.warning("dropped malformed control frame: %s", e)
+            m = self._open(frame)
+            if m is not None:
+                out.append(m)
+
+    def _open(self, frame: bytes) -> Message | None:
+        if len(frame) > MAX_FRAME_BYTES + MAC_BYTES:
+            _reject("oversized", f"{len(frame)} bytes")
+            return None
+        body = unseal(self._key, frame)
+        if body is None:
+            _reject("unauthenticated", "its HMAC does not match this model's key")
+            return None
+        try:
+            return decode(body)
+        except (CodecError, RecursionError, TypeError) as e:
+            _reject("malformed", str(e)[:200])
+            return None
 
     def close(self) -> None:
         with self._lock:
@@ -115,3 +159,8 @@ class ControlChannel:
             self._push.clear()
         self._pull.close(0)
         self._ctx.term()
+
+
+def _reject(reason: str, detail: str) -> None:
+    REJECTED.labels(reason).inc()
+    log.warning("dropped a control frame (%s): %s", reason, detail)

@@ -1,4 +1,4 @@
-"""What the scheduler hands the model runner for one step, and what comes back."""
+"""What the scheduler hands the model runner for one step, and what comes back from it and from the scheduler."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from disagg_worker.engine.outbox import TopLogprobs
 from disagg_worker.engine.request import Req
 from disagg_worker.model.batch import ForwardBatch
 
@@ -39,12 +40,37 @@ class ScheduledBatch:
 @dataclass
 class StepResult:
     """Per request of the batch: the sampled token (or -1 where it did not sample). A request that verified a
-    draft may have more: `extra[i]` lists its accepted tokens after the first, with their logprobs."""
+    draft may have more: `extra[i]` lists its accepted tokens after the first, with their logprobs. `failed`
+    holds the requests whose own sampling step raised (their token is a placeholder): they fail alone."""
 
     tokens: list[int]
     logprobs: list[float | None]
     top_logprobs: list[list[tuple[int, float]] | None]
     extra: dict[int, list[tuple[int, float | None, list[tuple[int, float]] | None]]] = field(default_factory=dict)
+    failed: set[int] = field(default_factory=set)
+
+
+@dataclass(frozen=True)
+class Sampled:
+    req: Req
+    token: int
+    logprob: float | None
+    top: TopLogprobs | None
+
+
+@dataclass
+class StepOutcome:
+    """What one processed step did.
+
+    `chunks`: prompt chunks that completed without sampling, as (request, tokens whose KV is now
+    computed); `num_computed` may already count a later step still in flight. `handed_off`: the
+    last token of `handoff` requests, which now belong to the caller with their pages.
+    """
+
+    sampled: list[Sampled] = field(default_factory=list)
+    chunks: list[tuple[Req, int]] = field(default_factory=list)
+    handed_off: list[Sampled] = field(default_factory=list)
+    failed: list[Req] = field(default_factory=list)
 
 
 def build_forward(

@@ -30,10 +30,11 @@ from dataclasses import dataclass, field
 
 from disagg_worker.config import EngineConfig
 from disagg_worker.disagg import KVPoll, KVReceiver, unpack_draft, unpack_first_token, unpack_top_logprobs
+from disagg_worker.engine.batch import StepOutcome
 from disagg_worker.engine.drafting import received_draft
-from disagg_worker.engine.outbox import Outbox
+from disagg_worker.engine.outbox import Outbox, transfer_error
 from disagg_worker.engine.request import Req
-from disagg_worker.engine.scheduler import Scheduler, StepOutcome
+from disagg_worker.engine.scheduler import Scheduler
 from disagg_worker.engine.stage import UNROUTED, Transfers
 from disagg_worker.keys import target_signed
 from disagg_worker.mem.allocator import PageAllocator
@@ -117,7 +118,8 @@ class DecodeStage:
             state = d.receiver.poll()
             if state is KVPoll.Failed:
                 del self.prealloc[rid]
-                self.outbox.reject(d.req, 500, f"KV transfer handshake failed: {d.receiver.failure_reason()}")
+                why = transfer_error(d.req.rid, "KV transfer handshake failed", d.receiver.failure_reason())
+                self.outbox.reject(d.req, 500, why)
                 continue
             if state is KVPoll.Bootstrapping:
                 continue
@@ -156,7 +158,8 @@ class DecodeStage:
                     self.quarantine.append(d)
                 else:
                     self._free(d)
-                self.outbox.reject(d.req, 500, f"KV transfer failed: {d.receiver.failure_reason()}")
+                why = transfer_error(d.req.rid, "KV transfer failed", d.receiver.failure_reason())
+                self.outbox.reject(d.req, 500, why)
 
     def _poll_quarantine(self) -> None:
         for d in list(self.quarantine):

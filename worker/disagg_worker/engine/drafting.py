@@ -2,7 +2,7 @@
 STANDALONE (a smaller model with the target's tokenizer), as chains of `num_steps` tokens.
 
 The draft's KV lives at the target's page indices (the request's page table serves both), in pool layers of
-its own (`engine.build_kv_pool`): so prefill sends it with the target's pages and decode drafts from its
+its own (`engine.pools.build_kv_pool`): so prefill sends it with the target's pages and decode drafts from its
 first step without running the prompt again. A request's draft state (`DraftState`, on the request):
 the draft KV holds positions [0, valid); the target computed [0, end); EAGLE keeps the target's hidden states
 of [valid, end) until the token after each is known, since draft position i reads (token i+1, hidden i).

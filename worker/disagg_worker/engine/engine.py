@@ -21,14 +21,17 @@ import torch
 from prometheus_client import REGISTRY, generate_latest
 
 from disagg_worker import messages as msg
-from disagg_worker.config import ConfigError, EngineConfig, Role
+from disagg_worker.config import EngineConfig, Role
 from disagg_worker.disagg import KVManager
 from disagg_worker.engine.batch import ScheduledBatch, StepResult
-from disagg_worker.engine.drafting import Draft, ModelDrafter, PoolLayers, load_draft
+from disagg_worker.engine.drafting import Draft, load_draft
 from disagg_worker.engine.expert_load import ExpertLoad
 from disagg_worker.engine.grammar import Grammars
+from disagg_worker.engine.grammar_wait import GrammarWait
 from disagg_worker.engine.memory import return_freed_memory
-from disagg_worker.engine.outbox import Outbox
+from disagg_worker.engine.outbox import Outbox, internal_error
+from disagg_worker.engine.params import SamplingParams
+from disagg_worker.engine.pools import DTYPES, build_drafter, build_kv_pool
 from disagg_worker.engine.request import Req
 from disagg_worker.engine.runner import ModelRunner
 from disagg_worker.engine.scheduler import Scheduler
@@ -37,16 +40,16 @@ from disagg_worker.engine.stage import build_kv_manager, build_stage
 from disagg_worker.keys import LOCAL_PREFILL, target_signed
 from disagg_worker.limits import RequestLimits
 from disagg_worker.mem.allocator import PageAllocator
-from disagg_worker.mem.kv_pool import KVKind, KVPool
 from disagg_worker.mem.radix import RadixCache
 from disagg_worker.model.batch import ForwardBatch
 from disagg_worker.model.config import ModelConfig
-from disagg_worker.model.layers import KVCacheView
 from disagg_worker.model.loader import load_model
 from disagg_worker.model.parallel import Shard
 from disagg_worker.ranks.dist import Comm
 from disagg_worker.ranks.group import Launched, RankGroup, StageWork
 from disagg_worker.ranks.kv import RankedKV, RankTransfer
+from disagg_worker.server.errors import INTERNAL_ERROR
+from disagg_worker.tuning import TUNING
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +58,6 @@ RANK_QUEUE_NAMES = {
     Role.PREFILL: {"bootstrap": "prefill_bootstrap", "inflight": "prefill_inflight"},
     Role.DECODE: {"bootstrap": "decode_prealloc", "inflight": "decode_transfer"},
 }
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class Engine:
@@ -112,7 +114,10 @@ class Engine:
         self.stage = build_stage(cfg, kv, self.scheduler, self.allocator, self.outbox)
         self.limits = RequestLimits(self.max_context_len, model_cfg.vocab_size, cache.capacity_tokens)
         self.eos_ids = frozenset(model_cfg.eos_token_ids)
-        self.grammars = Grammars(cfg.model_path, model_cfg.vocab_size, sorted(self.eos_ids))
+        self.grammars = Grammars(
+            cfg.model_path, model_cfg.vocab_size, sorted(self.eos_ids), fault_pattern=cfg.fault_grammar_pattern
+        )
+        self.grammar_wait = GrammarWait(self.grammars, TUNING.engine.grammar_compile_limit_s)
 
     @classmethod
     def from_config(cls, cfg: EngineConfig, comm: Comm | None = None) -> Engine:
@@ -128,8 +133,14 @@ class Engine:
 
     # ---- messages from the HTTP process -------------------------------------------------------
     def handle(self, m: msg.Message) -> None:
+        """Act on one message. Taking a request is that request's business: if it raises, the request alone
+        fails (a 500 naming its id, the traceback in the log) and the instance goes on."""
         if isinstance(m, msg.GenerateReq):
-            self.arrive(m)
+            try:
+                self.arrive(m)
+            except Exception:
+                log.exception("request %s: taking it failed", m.rid)
+                self.refuse(m, internal_error(m.rid, "taking the request"))
         elif isinstance(m, msg.AbortReq):
             self.abort(m.rid)
         elif isinstance(m, msg.FlushCacheReq):
@@ -141,12 +152,32 @@ class Engine:
 
     def arrive(self, m: msg.GenerateReq) -> None:
         problem = self.limits.kv_problem(len(m.input_ids))  # it would wait for pages forever
-        matcher = None
-        if not problem and m.params.grammar is not None:
+        if not problem:
+            problem = params_problem(m.params, self.model_cfg.vocab_size)
+        if not problem and m.params.grammar is not None:  # the request waits for its grammar (`tick`)
+            self.grammar_wait.add(m)
+            return
+        self.enter(m, None, problem)
+
+    def refuse(self, m: msg.GenerateReq, message: str) -> None:
+        """End a request that never entered a queue with an internal error of its own (500)."""
+        req = Req(rid=m.rid, prompt_ids=list(m.input_ids), params=SamplingParams())
+        self.outbox.reject(req, 500, message, INTERNAL_ERROR)
+
+    def _take_compiled(self) -> None:
+        """Requests whose grammar wait is over go on to their queue, or are refused."""
+        for r in self.grammar_wait.poll():
+            if r.failed:
+                self.refuse(r.m, internal_error(r.m.rid, "compiling its grammar"))
+                continue
             try:
-                matcher = self.grammars.matcher(m.params.grammar)
-            except ValueError as e:
-                problem = str(e)
+                self.enter(r.m, r.matcher, r.problem)
+            except Exception:
+                log.exception("request %s: taking it failed", r.m.rid)
+                self.refuse(r.m, internal_error(r.m.rid, "taking the request"))
+
+    def enter(self, m: msg.GenerateReq, matcher: object, problem: str) -> None:
+        """A request with its grammar's matcher (if any) to its queue, or refused with `problem` (400)."""
         req = Req(
             rid=m.rid,
             prompt_ids=list(m.input_ids),
@@ -168,12 +199,16 @@ class Engine:
             self.scheduler.add(req)
 
     def abort(self, rid: str) -> None:
+        if self.grammar_wait.abort(rid):
+            return
         if self.stage is None or not self.stage.abort(rid):
             self.scheduler.abort(rid)
 
     # ---- stepping (engine.loop) ---------------------------------------------------------------
     def tick(self) -> None:
-        """Advance whatever does not need the model (P/D queues); called before each schedule."""
+        """Advance whatever does not need the model (grammars, P/D queues); called before each schedule."""
+        if self.grammar_wait:
+            self._take_compiled()
         if self.stage is not None:
             self.stage.tick()
 
@@ -251,10 +286,11 @@ class Engine:
     @property
     def idle(self) -> bool:
         """Nothing to do until a message arrives."""
-        return self.scheduler.idle and not self.waiting_on_transfers
+        return self.scheduler.idle and not self.waiting_on_transfers and not self.grammar_wait
 
     def set_wakeup(self, wake: Callable[[], None]) -> None:
-        """`wake` is called, from any thread, when a KV transfer this engine waits on moves."""
+        """`wake` is called, from any thread, when a KV transfer or a grammar this engine waits on moves."""
+        self.grammar_wait.wake = wake
         if self.stage is not None:
             self.stage.set_wakeup(wake)
 
@@ -292,6 +328,7 @@ class Engine:
             metrics_text=own_metrics(),
             dp_rank=self.shard.dp_rank,
             kv_events=tuple(self.radix.take_events()),
+            broken=self.manager.broken if self.manager is not None else "",
         )
 
     def queue_sizes(self) -> dict[str, int]:
@@ -317,6 +354,7 @@ class Engine:
 
     def close(self) -> None:
         """Stop the other ranks and release what the engine holds outside this process."""
+        self.grammars.close()
         if self.ranks is not None:
             self.ranks.stop()
         if self.stage is not None:
@@ -330,58 +368,20 @@ class Engine:
         )
 
 
+def params_problem(params: SamplingParams, vocab_size: int) -> str:
+    """What is wrong with a request's sampling parameters ("" if nothing): the HTTP process checked them with
+    the same rules; a request that reaches the engine otherwise is refused, never sampled."""
+    try:
+        params.validate(vocab_size)
+    except ValueError as e:
+        return str(e)
+    return ""
+
+
 def empty_forward() -> ForwardBatch:
     """A forward over no tokens: an attention group without requests still runs the MLPs' collectives."""
     none = torch.zeros(0, dtype=torch.long)
     return ForwardBatch(input_ids=none, positions=none, out_slots=none, extend_lens=[], seq_lens=[], kv_slots=[])
-
-
-def build_kv_pool(cfg: EngineConfig, model_cfg: ModelConfig, shard: Shard, draft: Draft | None = None) -> KVPool:
-    """This rank's KV pool: its stage's layers, its KV heads, every page; and after them a draft model's
-    layers when their KV has the same shape (so that it travels with the model's pages)."""
-    cache = cfg.cache
-    heads = len(shard.kv_heads(model_cfg))
-    extra = draft.num_layers if draft is not None and draft_shares_pool(draft, model_cfg, heads) else 0
-    return KVPool(
-        num_layers=len(shard.layer_range(model_cfg.num_layers)) + extra,
-        num_pages=cache.total_pages,
-        page_size=cache.page_size,
-        num_kv_heads=heads,
-        head_dim=model_cfg.kv_head_dim,
-        dtype=DTYPES[cache.kv_dtype],
-        device=cfg.device,
-        kind=KVKind.MLA if model_cfg.mla else KVKind.MHA,
-    )
-
-
-def draft_shares_pool(draft: Draft, model_cfg: ModelConfig, heads: int) -> bool:
-    """The draft's KV pages have the model's shape: its layers go in the model's pool."""
-    return model_cfg.mla is None and (draft.num_kv_heads, draft.head_dim) == (heads, model_cfg.kv_head_dim)
-
-
-def build_drafter(cfg: EngineConfig, draft: Draft, pool: KVPool, model_cfg: ModelConfig) -> ModelDrafter:
-    """The draft model's runner: its KV in the model's pool after the model's layers, or in a pool of its own
-    (monolithic only: a prefill could not send it with the model's pages)."""
-    if draft_shares_pool(draft, model_cfg, pool.num_kv_heads):
-        kv: KVCacheView = PoolLayers(pool, pool.num_layers - draft.num_layers)
-    elif cfg.disagg.role is not Role.MONOLITHIC:
-        raise ConfigError(
-            f"--speculative-draft-model-path {cfg.scheduler.speculative.draft_model_path}: its KV "
-            f"({draft.num_kv_heads} heads x {draft.head_dim}) differs in shape from the model's "
-            f"({pool.num_kv_heads} x {pool.head_dim}), so a prefill instance could not send it with the model's "
-            "pages; use a draft of the same KV shape, or EAGLE"
-        )
-    else:
-        kv = KVPool(
-            num_layers=draft.num_layers,
-            num_pages=pool.num_pages,
-            page_size=pool.page_size,
-            num_kv_heads=draft.num_kv_heads,
-            head_dim=draft.head_dim,
-            dtype=pool.dtype,
-            device=pool.device,
-        )
-    return ModelDrafter(draft.model, kv, pool.page_size, cfg.scheduler.speculative.eagle_topk)
 
 
 def own_metrics() -> str:

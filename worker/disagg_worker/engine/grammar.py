@@ -10,43 +10,120 @@ owns. Each step the sampler masks the logits of rows with a matcher to the token
 (`mask_rows`) and feeds it the chosen token (`accept_rows`); the grammar allows end-of-sequence only
 where its text is complete, so the request stops there. Under P/D prefill samples the first token under
 the mask and decode's matcher accepts that token (`SamplingState.resume_after`) before its own steps.
+
+Compiling runs on a thread beside the scheduler loop (`Grammars.submit`), as SGLang's and vLLM's grammar
+backends do: the engine holds the request until its grammar is ready, refuses it (400) when compiling
+fails or takes longer than `grammar_compile_limit_s`, and fails it alone (500) when the compiler raises
+anything else.
 """
 
 from __future__ import annotations
 
 import json
+import threading
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from functools import cache
 from typing import Any
 
 import torch
 
+from disagg_worker.tuning import TUNING
+
+
+class CompileFault(Exception):
+    """Raised by an injected fault (`EngineConfig.fault_grammar_pattern`): a type no compiler raises."""
+
 
 class Grammars:
-    """Compiles response formats for one model's tokenizer; the tokenizer is read on first use."""
+    """Compiles response formats for one model's tokenizer; the tokenizer is read on first use.
 
-    def __init__(self, model_path: str, vocab_size: int, stop_ids: Sequence[int]):
+    `submit` compiles on a thread of its own (`compile_threads`), so a slow grammar never stalls the
+    scheduler's steps; compiled grammars are kept in a bounded LRU cache. A grammar that did not compile
+    within the loop's limit is remembered (`give_up`) and refused at once afterwards."""
+
+    def __init__(
+        self,
+        model_path: str,
+        vocab_size: int,
+        stop_ids: Sequence[int],
+        cache_entries: int = TUNING.engine.grammar_cache_entries,
+        fault_pattern: str = "",
+    ):
         self.model_path, self.vocab_size, self.stop_ids = model_path, vocab_size, list(stop_ids)
-        self._compiled: dict[str, Any] = {}
+        self.cache_entries = cache_entries
+        self.fault_pattern = fault_pattern
+        self._compiled: OrderedDict[str, Any] = OrderedDict()
+        self._too_slow: OrderedDict[str, None] = OrderedDict()
+        self._lock = threading.Lock()
         self._compiler: Any = None
+        self._pool: ThreadPoolExecutor | None = None
+
+    def submit(self, grammar: str) -> Future:
+        """A future of `matcher(grammar)`, compiled on the grammar thread (at once when cached)."""
+        with self._lock:
+            cached = grammar in self._compiled or grammar in self._too_slow
+        if cached:
+            done: Future = Future()
+            try:
+                done.set_result(self.matcher(grammar))
+            except Exception as e:
+                done.set_exception(e)
+            return done
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
+        return self._pool.submit(self.matcher, grammar)
+
+    def give_up(self, grammar: str) -> str:
+        """`grammar` did not compile in time: refuse it at once from now on; the 400's message."""
+        with self._lock:
+            self._too_slow[grammar] = None
+            while len(self._too_slow) > self.cache_entries:
+                self._too_slow.popitem(last=False)
+        return self._too_slow_message(grammar)
 
     def matcher(self, grammar: str) -> Any:
-        """A fresh `xgrammar.GrammarMatcher` for `grammar`; ValueError naming the request field if it won't compile."""
+        """A fresh `xgrammar.GrammarMatcher` for `grammar`; ValueError naming the request field if it won't
+        compile (the client's error). Any other exception is a failure of the compiler, not of the request."""
         import xgrammar as xgr
 
-        compiled = self._compiled.get(grammar)
+        with self._lock:
+            if grammar in self._too_slow:
+                raise ValueError(self._too_slow_message(grammar))
+            compiled = self._compiled.get(grammar)
+            if compiled is not None:
+                self._compiled.move_to_end(grammar)
         if compiled is None:
-            spec = json.loads(grammar)
-            kind = spec.get("type")
-            if kind not in _KINDS:
-                raise ValueError(f"grammar: unknown type {str(kind)[:40]!r}")
-            param, compile_spec = _KINDS[kind]
-            try:
-                compiled = compile_spec(self.compiler(), spec)
-            except (RuntimeError, ValueError) as e:
-                raise ValueError(f"{param}: {_WHAT[kind]} cannot be used: {str(e)[:300]}") from None
-            self._compiled[grammar] = compiled
+            compiled = self._compile(grammar)
+            with self._lock:
+                self._compiled[grammar] = compiled
+                while len(self._compiled) > self.cache_entries:
+                    self._compiled.popitem(last=False)
         return xgr.GrammarMatcher(compiled)
+
+    def _compile(self, grammar: str) -> Any:
+        spec = json.loads(grammar)
+        kind = spec.get("type")
+        if kind not in _KINDS:
+            raise ValueError(f"grammar: unknown type {str(kind)[:40]!r}")
+        if self.fault_pattern and kind == "regex" and spec.get("pattern") == self.fault_pattern:
+            raise CompileFault("injected grammar compiler fault")
+        param, compile_spec = _KINDS[kind]
+        try:
+            return compile_spec(self.compiler(), spec)
+        except (RuntimeError, ValueError) as e:
+            raise ValueError(f"{param}: {_WHAT[kind]} cannot be used: {str(e)[:300]}") from None
+
+    def _too_slow_message(self, grammar: str) -> str:
+        kind = json.loads(grammar).get("type")
+        param = _KINDS[kind][0] if kind in _KINDS else "grammar"
+        limit = TUNING.engine.grammar_compile_limit_s
+        return f"{param}: {_WHAT.get(kind, 'the grammar')} did not compile within {limit:g} s; simplify it"
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
 
     def compiler(self) -> Any:
         if self._compiler is None:

@@ -6,10 +6,25 @@ takes what accumulated after each step and sends it as one `BatchOut`.
 
 from __future__ import annotations
 
+import logging
+
 from disagg_worker.engine.request import Req
 from disagg_worker.messages import TokenOut
 
+log = logging.getLogger(__name__)
 TopLogprobs = list[tuple[int, float]]
+
+
+def transfer_error(rid: str, what: str, reason: str) -> str:
+    """A client's message for a failed KV transfer: what failed, not the reason, which names rooms, peers and
+    addresses (it is logged here under the request id)."""
+    log.warning("request %s: %s: %s", rid, what, reason)
+    return f"{what}; the server log has the details under request id {rid}."
+
+
+def internal_error(rid: str, what: str) -> str:
+    """A client's message for a request that failed on its own: where to look, never the exception."""
+    return f"Internal error while {what}; the server log has the details under request id {rid}."
 
 
 class Outbox:
@@ -29,6 +44,7 @@ class Outbox:
                 cached_tokens=req.cached_tokens,
                 error=req.error,
                 error_status=req.error_status,
+                error_code=req.error_code,
             )
         )
 
@@ -51,12 +67,13 @@ class Outbox:
                 cached_tokens=req.cached_tokens,
                 error=req.error,
                 error_status=req.error_status,
+                error_code=req.error_code,
             )
         )
 
-    def reject(self, req: Req, status: int, message: str) -> None:
+    def reject(self, req: Req, status: int, message: str, code: str = "") -> None:
         """End `req` with an error (it holds no pages)."""
-        req.fail(status, message)
+        req.fail(status, message, code)
         self.emit(req, [])
 
     def take(self) -> list[TokenOut]:

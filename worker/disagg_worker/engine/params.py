@@ -14,6 +14,13 @@ MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
 # Characters of one stop string: the detokenizer holds back up to this much text while it decides.
 MAX_STOP_STRING_CHARS = 1024
+# Stop token ids of one request: each generated token is checked against them.
+MAX_STOP_TOKEN_IDS = 128
+# logit_bias: at most this many tokens, each biased by a value in [-LOGIT_BIAS_BOUND, LOGIT_BIAS_BOUND] (OpenAI's).
+MAX_LOGIT_BIAS = 1024
+LOGIT_BIAS_BOUND = 100.0
+# A token id that fits every tensor the sampler builds; the vocabulary bounds it further where it is known.
+MAX_TOKEN_ID = 2**31
 # Temperatures below this are treated as greedy (dividing by them would overflow).
 GREEDY_EPS = 1e-5
 # Best tokens considered by top-k/top-p before falling back to sorting the whole vocabulary.
@@ -48,6 +55,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
+    # (token id, value added to its logit) pairs, applied after the penalties (OpenAI's logit_bias).
+    logit_bias: tuple[tuple[int, float], ...] = ()
     ignore_eos: bool = False
     min_new_tokens: int = 0
     # None: no logprobs; 0: the chosen token's; N: plus the top-N alternatives.
@@ -62,17 +71,30 @@ class SamplingParams:
     def is_greedy(self) -> bool:
         return self.temperature < GREEDY_EPS
 
-    def validate(self) -> None:
-        """Raise ValueError("<field>: <what is wrong>") for the first out-of-range field."""
+    def validate(self, vocab_size: int | None = None) -> None:
+        """Raise ValueError("<field>: <what is wrong>") for the first out-of-range field; with `vocab_size`,
+        token ids (top_k, stop_token_ids, logit_bias) are also checked against the vocabulary."""
         for f in fields(self):
             problem = _CHECKS[f.name](getattr(self, f.name))
             if problem:
                 raise ValueError(f"{f.name}: {problem}")
+        self._check_vocab(vocab_size)
         if self.min_new_tokens > self.max_new_tokens:
             raise ValueError(
                 "min_new_tokens: must not exceed the maximum number of new tokens "
                 f"({self.max_new_tokens}), got {_fmt(self.min_new_tokens)}"
             )
+
+    def _check_vocab(self, vocab: int | None) -> None:
+        if self.top_k > (vocab or MAX_TOKEN_ID):
+            size = f" ({vocab})" if vocab else ""
+            raise ValueError(f"top_k: must be at most the vocabulary size{size} or -1, got {_fmt(self.top_k)}")
+        if vocab is None:
+            return
+        for name, ids in (("stop_token_ids", self.stop_token_ids), ("logit_bias", [t for t, _ in self.logit_bias])):
+            bad = next((t for t in ids if t >= vocab), None)
+            if bad is not None:
+                raise ValueError(f"{name}: token id {bad} is outside the vocabulary [0, {vocab})")
 
 
 def _fmt(v: object) -> str:
@@ -130,15 +152,30 @@ def _check_grammar(v: object) -> str | None:
 
 
 def _check_stop_ids(v: object) -> str | None:
-    if not isinstance(v, tuple) or not all(_is_int(t) and 0 <= t < 2**31 for t in v):
+    if not isinstance(v, tuple) or not all(_is_int(t) and 0 <= t < MAX_TOKEN_ID for t in v):
         return "must be a tuple of non-negative token ids"
+    if len(v) > MAX_STOP_TOKEN_IDS:
+        return f"at most {MAX_STOP_TOKEN_IDS} stop token ids, got {len(v)}"
+    return None
+
+
+def _check_logit_bias(v: object) -> str | None:
+    if not isinstance(v, tuple) or not all(isinstance(p, tuple) and len(p) == 2 for p in v):
+        return "must be a map of token ids to biases"
+    if len(v) > MAX_LOGIT_BIAS:
+        return f"at most {MAX_LOGIT_BIAS} tokens, got {len(v)}"
+    for token, bias in v:
+        if not _is_int(token) or not 0 <= token < MAX_TOKEN_ID:
+            return f"keys must be token ids (non-negative integers), got {_fmt(token)}"
+        if not _is_real(bias) or abs(bias) > LOGIT_BIAS_BOUND:
+            return f"the bias of token {token} must be a number in [-100, 100], got {_fmt(bias)}"
     return None
 
 
 def _check_top_k(v: object) -> str | None:
     if not _is_int(v) or v < -1:
         return f"must be -1 (disabled), 0 (disabled) or a positive integer, got {_fmt(v)}"
-    return None
+    return None  # its upper bound is the vocabulary's (`SamplingParams._check_vocab`)
 
 
 _CHECKS = {
@@ -153,6 +190,7 @@ _CHECKS = {
     "repetition_penalty": _real_range(0.0, math.inf, lo_open=True),
     "stop": _check_stop,
     "stop_token_ids": _check_stop_ids,
+    "logit_bias": _check_logit_bias,
     "ignore_eos": _check_bool,
     "min_new_tokens": _int_range(0, None),
     "logprobs": _int_range(0, MAX_LOGPROBS, optional=True),

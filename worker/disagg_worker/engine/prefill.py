@@ -20,9 +20,10 @@ from dataclasses import dataclass, replace
 
 from disagg_worker.config import DisaggConfig
 from disagg_worker.disagg import KVPoll, KVSender, pack_aux
-from disagg_worker.engine.outbox import Outbox
+from disagg_worker.engine.batch import Sampled, StepOutcome
+from disagg_worker.engine.outbox import Outbox, transfer_error
 from disagg_worker.engine.request import Req
-from disagg_worker.engine.scheduler import Sampled, Scheduler, StepOutcome
+from disagg_worker.engine.scheduler import Scheduler
 from disagg_worker.engine.stage import UNROUTED, Transfers
 from disagg_worker.mem.allocator import pages_for
 from disagg_worker.messages import BootstrapInfo
@@ -104,13 +105,18 @@ class PrefillStage:
                 p.sent_pages = full
         for s in outcome.handed_off:
             self._start_transfer(s)
+        for req in outcome.failed:  # ended by the scheduler (500, pages released): decode stops waiting
+            p = self.prefilling.pop(req.rid, None)
+            if p is not None:
+                p.sender.abort("the request failed on the prefill instance")
 
     def _poll_bootstrapping(self) -> None:
         for rid, p in list(self.bootstrapping.items()):
             state = p.sender.poll()
             if state is KVPoll.Failed:
                 del self.bootstrapping[rid]
-                self.outbox.reject(p.req, 500, f"KV transfer bootstrap failed: {p.sender.failure_reason()}")
+                why = transfer_error(p.req.rid, "KV transfer bootstrap failed", p.sender.failure_reason())
+                self.outbox.reject(p.req, 500, why)
             elif state >= KVPoll.WaitingForInput:
                 del self.bootstrapping[rid]
                 self.prefilling[rid] = p
@@ -139,7 +145,8 @@ class PrefillStage:
             if state is KVPoll.Success and p.first is not None:
                 self.outbox.emit(p.req, [p.first.token], p.first.logprob)
             else:
-                self.outbox.reject(p.req, 500, f"KV transfer failed: {p.sender.failure_reason()}")
+                why = transfer_error(p.req.rid, "KV transfer failed", p.sender.failure_reason())
+                self.outbox.reject(p.req, 500, why)
 
     def queue_sizes(self) -> dict[str, int]:
         return {

@@ -44,6 +44,7 @@ class Req:
     finish_reason: FinishReason | None = None
     error: str = ""
     error_status: int = 0
+    error_code: str = ""
     sampling: SamplingState = field(init=False, repr=False)
     # Prefill in a P/D deployment: when the last token is sampled, the scheduler hands the request
     # with its pages to the caller (which sends the KV) instead of releasing it.
@@ -111,7 +112,8 @@ class Req:
         if n >= self.params.max_new_tokens or len(self.prompt_ids) + n >= self.max_context_len:
             self.finish_reason = FinishReason.LENGTH
 
-    def fail(self, status: int, message: str) -> None:
+    def fail(self, status: int, message: str, code: str = "") -> None:
         self.finish_reason = FinishReason.ERROR
         self.error_status = status
         self.error = message
+        self.error_code = code

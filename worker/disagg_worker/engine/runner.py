@@ -1,7 +1,14 @@
-"""Runs one scheduled batch: the model forward over the paged KV cache, then sampling."""
+"""Runs one scheduled batch: the model forward over the paged KV cache, then sampling.
+
+The forward is batch-wide: if it raises, the step fails and the instance with it. Sampling is each
+request's own (its parameters, its grammar, its draft): when a batch's sampling raises, its requests
+are sampled again one by one, and only those whose own sampling raises fail (`StepResult.failed`).
+"""
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Sequence
 from itertools import accumulate
 
 import torch
@@ -9,11 +16,13 @@ import torch
 from disagg_worker.engine.batch import ScheduledBatch, StepResult
 from disagg_worker.engine.drafting import ModelDrafter
 from disagg_worker.engine.request import Req
-from disagg_worker.engine.sampling import Sampler
-from disagg_worker.engine.speculative import verify
+from disagg_worker.engine.sampling import Sampler, SamplingState
+from disagg_worker.engine.speculative import Emitted, verify
 from disagg_worker.mem.kv_pool import KVPool
 from disagg_worker.model.batch import ForwardBatch
 from disagg_worker.model.decoder import CausalLM
+
+log = logging.getLogger(__name__)
 
 
 class ModelRunner:
@@ -78,15 +87,21 @@ class ModelRunner:
                 self._follow(batch, result)
             return result
         first = [0, *accumulate(batch.forward.num_logits or [1] * n)]  # each request's first logits row
-        emitted = verify(
-            self.sampler,
-            logits,
-            [first[i] for i in rows],
-            [batch.reqs[i].sampling for i in rows],
-            outputs,
-            [batch.draft(i) for i in rows],
-        )
+        starts, drafts = [first[i] for i in rows], [batch.draft(i) for i in rows]
+        states = [batch.reqs[i].sampling for i in rows]
+        try:
+            emitted: Sequence[Emitted | None] = verify(self.sampler, logits, starts, states, outputs, drafts)
+        except Exception:
+            log.warning("sampling a batch of %d requests failed; sampling them one by one", len(rows), exc_info=True)
+            rids = [batch.reqs[i].rid for i in rows]
+            emitted = [
+                self._verify_one(logits, *row) for row in zip(rids, starts, states, outputs, drafts, strict=True)
+            ]
         for i, e in zip(rows, emitted, strict=True):
+            if e is None:
+                result.failed.add(i)
+                self._last[id(batch.reqs[i])] = 0  # a placeholder input for a step already scheduled with it
+                continue
             result.tokens[i], result.logprobs[i], result.top_logprobs[i] = e.tokens[0], e.logprobs[0], e.tops[0]
             if len(e.tokens) > 1:
                 result.extra[i] = list(zip(e.tokens[1:], e.logprobs[1:], e.tops[1:], strict=True))
@@ -94,6 +109,17 @@ class ModelRunner:
         if self.drafter is not None:
             self._follow(batch, result)
         return result
+
+    def _verify_one(
+        self, logits: torch.Tensor, rid: str, start: int, state: SamplingState, outputs: list[int], draft: list[int]
+    ) -> Emitted | None:
+        """One request's sampling alone; None (logged) when it raises. A seeded request of a batch that failed
+        may have drawn once already: its output is still valid, only not the one its seed alone would give."""
+        try:
+            return verify(self.sampler, logits, [start], [state], [outputs], [draft])[0]
+        except Exception:
+            log.exception("request %s: sampling failed", rid)
+            return None
 
     def _follow(self, batch: ScheduledBatch, result: StepResult) -> None:
         """The draft model's part after a verified step: what the target kept, and a prefill's hand-off."""

@@ -5,7 +5,7 @@ the model runner calls `Sampler.sample(logits, states, outputs)` once per forwar
 row per request that samples. Per row, in this order:
 
 1. penalties: repetition (HF/vLLM style, over prompt + output tokens), then frequency and
-   presence (OpenAI style, over output tokens only);
+   presence (OpenAI style, over output tokens only), then the request's logit_bias;
 2. greedy rows (temperature ~ 0) take the argmax and use no randomness at all;
 3. the other rows are divided by their temperature, filtered by top-k, top-p (on the top-k
    renormalised distribution) and min-p, and sampled with an exponential race
@@ -148,6 +148,19 @@ def apply_penalties(
     return flat.view_as(logits)
 
 
+def apply_logit_bias(logits: torch.Tensor, reqs: Sequence[SamplingState]) -> torch.Tensor:
+    """`logits` with each row's `logit_bias` values added to their tokens (a copy when any row has a bias)."""
+    rows = [(i, r.params.logit_bias) for i, r in enumerate(reqs) if r.params.logit_bias]
+    if not rows:
+        return logits
+    vocab, out = logits.shape[1], logits.clone()
+    for i, bias in rows:
+        kept = [(t, b) for t, b in bias if t < vocab]
+        ids = torch.tensor([t for t, _ in kept], dtype=torch.long, device=out.device)
+        out[i, ids] += torch.tensor([b for _, b in kept], dtype=out.dtype, device=out.device)
+    return out
+
+
 def filter_mask(logits: torch.Tensor, reqs: Sequence[SamplingState]) -> torch.Tensor:
     """True where min-p, top-k or top-p removes a token. `logits` are temperature-scaled."""
     vocab = logits.shape[1]
@@ -171,7 +184,7 @@ def _top_k_top_p_mask(logits: torch.Tensor, reqs: Sequence[SamplingState]) -> to
     TOP_P_CANDIDATES tokens and only rows whose cut-off lies beyond them are sorted in full.
     """
     vocab, dev = logits.shape[1], logits.device
-    ks = torch.tensor([r.params.top_k if r.params.top_k > 0 else vocab for r in reqs], device=dev)
+    ks = torch.tensor([min(r.params.top_k, vocab) if r.params.top_k > 0 else vocab for r in reqs], device=dev)
     ps = _column(reqs, "top_p", dev)
     active_k = [k for k in ks.tolist() if k < vocab]
     cand = min(vocab, max([TOP_P_CANDIDATES, *active_k]))
@@ -229,7 +242,7 @@ class Sampler:
             raise ValueError(f"{logits.shape[0]} logits rows for {len(reqs)} requests")
         raw = logits[:, : self.vocab_size].float()
         matchers = [r.matcher for r in reqs]
-        processed = mask_rows(apply_penalties(raw, reqs, outputs), matchers)
+        processed = mask_rows(apply_logit_bias(apply_penalties(raw, reqs, outputs), reqs), matchers)
         tokens = processed.argmax(dim=-1)
         rows = [i for i, r in enumerate(reqs) if not r.params.is_greedy]
         if rows:

@@ -23,12 +23,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from disagg_worker.config import SchedulerConfig
-from disagg_worker.engine.batch import ScheduledBatch, StepResult, build_forward
-from disagg_worker.engine.outbox import Outbox, TopLogprobs
+from disagg_worker.engine.batch import Sampled, ScheduledBatch, StepOutcome, StepResult, build_forward
+from disagg_worker.engine.outbox import Outbox, TopLogprobs, internal_error
 from disagg_worker.engine.request import FinishReason, Req
 from disagg_worker.engine.speculative import DraftPlanner
 from disagg_worker.mem.allocator import PageAllocator, pages_for
 from disagg_worker.mem.radix import RadixCache
+from disagg_worker.server.errors import INTERNAL_ERROR
 
 log = logging.getLogger(__name__)
 
@@ -36,28 +37,6 @@ log = logging.getLogger(__name__)
 def decode_reserve_pages(running: list[Req], reserve_tokens: int, page_size: int) -> int:
     """Pages kept free for the next decode steps of `running` before new prompts are admitted."""
     return sum(pages_for(min(r.remaining_new_tokens(), reserve_tokens), page_size) for r in running)
-
-
-@dataclass(frozen=True)
-class Sampled:
-    req: Req
-    token: int
-    logprob: float | None
-    top: TopLogprobs | None
-
-
-@dataclass
-class StepOutcome:
-    """What one processed step did.
-
-    `chunks`: prompt chunks that completed without sampling, as (request, tokens whose KV is now
-    computed); `num_computed` may already count a later step still in flight. `handed_off`: the
-    last token of `handoff` requests, which now belong to the caller with their pages.
-    """
-
-    sampled: list[Sampled] = field(default_factory=list)
-    chunks: list[tuple[Req, int]] = field(default_factory=list)
-    handed_off: list[Sampled] = field(default_factory=list)
 
 
 @dataclass
@@ -312,22 +291,38 @@ class Scheduler:
         self.step_count += 1
         outcome = StepOutcome()
         for i, r in enumerate(batch.reqs):
-            if not batch.samples[i]:
-                if not r.finished:
-                    outcome.chunks.append((r, batch.forward.seq_lens[i]))
-                continue
-            r.pending -= 1
-            extra = result.extra.get(i, [])
-            draft = batch.draft(i)
-            r.num_computed -= len(draft) - len(extra)  # the rejected drafts' slots are written again later
-            if r.finished:
-                continue  # aborted or finished while this step was in flight: its token is dropped
-            s = Sampled(r, result.tokens[i], result.logprobs[i], result.top_logprobs[i])
-            if draft:
-                outcome.sampled += self._accept_run(s, [Sampled(r, *x) for x in extra], len(draft))
-            else:
-                (outcome.handed_off if self._accept(s) else outcome.sampled).append(s)
+            try:
+                self._process_one(batch, result, i, outcome)
+            except Exception:
+                log.exception("request %s: processing its step failed", r.rid)
+                result.failed.add(i)
+            if i in result.failed and not r.finished:
+                self.fail(r, "producing its next token")
+                outcome.failed.append(r)
         return outcome
+
+    def fail(self, req: Req, what: str) -> None:
+        """End `req` alone after a failure of its own: a 500 naming its id, its pages released."""
+        req.fail(500, internal_error(req.rid, what), INTERNAL_ERROR)
+        self._finish(req)
+
+    def _process_one(self, batch: ScheduledBatch, result: StepResult, i: int, outcome: StepOutcome) -> None:
+        r = batch.reqs[i]
+        if not batch.samples[i]:
+            if not r.finished:
+                outcome.chunks.append((r, batch.forward.seq_lens[i]))
+            return
+        r.pending -= 1
+        extra = result.extra.get(i, [])
+        draft = batch.draft(i)
+        r.num_computed -= len(draft) - len(extra)  # the rejected drafts' slots are written again later
+        if r.finished or i in result.failed:
+            return  # aborted or finished while this step was in flight (its token is dropped), or failed
+        s = Sampled(r, result.tokens[i], result.logprobs[i], result.top_logprobs[i])
+        if draft:
+            outcome.sampled += self._accept_run(s, [Sampled(r, *x) for x in extra], len(draft))
+        else:
+            (outcome.handed_off if self._accept(s) else outcome.sampled).append(s)
 
     def _accept_run(self, first: Sampled, kept: list[Sampled], drafted: int) -> list[Sampled]:
         """The tokens of a verified draft: appended up to the first that ends the request (EOS, a stop token,

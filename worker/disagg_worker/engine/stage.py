@@ -13,10 +13,11 @@ from typing import Protocol
 
 from disagg_worker.config import EngineConfig, Role
 from disagg_worker.disagg import AUX_ITEM_NBYTES, KVLayout, KVManager, KVReceiver, KVSender, RankInfo, create_kv_manager
+from disagg_worker.engine.batch import StepOutcome
 from disagg_worker.engine.drafting import draft_head_nbytes
 from disagg_worker.engine.outbox import Outbox
 from disagg_worker.engine.request import Req
-from disagg_worker.engine.scheduler import Scheduler, StepOutcome
+from disagg_worker.engine.scheduler import Scheduler
 from disagg_worker.mem.allocator import PageAllocator
 from disagg_worker.mem.kv_pool import KVPool
 from disagg_worker.messages import BootstrapInfo

@@ -12,8 +12,8 @@ import logging
 import torch
 
 from disagg_worker.config import EngineConfig
-from disagg_worker.engine.engine import DTYPES, build_kv_pool
 from disagg_worker.engine.memory import return_freed_memory
+from disagg_worker.engine.pools import DTYPES, build_kv_pool
 from disagg_worker.engine.runner import ModelRunner
 from disagg_worker.engine.stage import build_kv_manager
 from disagg_worker.model.loader import load_model

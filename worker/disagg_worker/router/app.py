@@ -36,7 +36,7 @@ from disagg_worker.router.verify import PairVerifier
 from disagg_worker.router.worker import Worker, in_group
 from disagg_worker.router.workers import Prompt, WorkerPool
 from disagg_worker.server.admission import DRAINING, RETRY_AFTER_S
-from disagg_worker.server.errors import APIError, unavailable
+from disagg_worker.server.errors import INSTANCE_FAILED, NOT_RETRIED, APIError, unavailable
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +59,8 @@ class Attempt:
 
     @property
     def retryable(self) -> bool:
-        return self.status >= 500 or self.status == 429
+        """A failure another pair may not repeat: not a request's own error, nor one that took its instance down."""
+        return (self.status >= 500 and self.code not in NOT_RETRIED) or self.status == 429
 
     @property
     def code(self) -> str | None:
@@ -180,6 +181,9 @@ class Router:
             if isinstance(opened, Opened):
                 return self._track(opened)
             last = opened
+            if opened.code == INSTANCE_FAILED:
+                self.pool.failed_instances += 1
+                log.warning("a request was held by %s when it failed: not retried elsewhere", opened.worker)
             if not opened.retryable:
                 break
             # Retry without the side that failed: with one prefill, a dead decode is still replaced.

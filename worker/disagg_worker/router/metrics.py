@@ -39,7 +39,12 @@ class PoolCollector:
         )
         for kind in DECISIONS:
             decisions.add_metric([kind], pool.decisions.get(kind, 0))
-        yield from (routes, decisions)
+        failed = CounterMetricFamily(
+            "disagg_router_requests_failed_instance",
+            "Requests held by an instance when it failed: answered 500, not retried on another instance",
+        )
+        failed.add_metric([], pool.failed_instances)
+        yield from (routes, decisions, failed)
         labels = ["worker", "role"]
         healthy = GaugeMetricFamily("disagg_router_worker_healthy", "1 while its /health is 200", labels=labels)
         inflight = GaugeMetricFamily("disagg_router_worker_inflight", "This router's requests on it", labels=labels)

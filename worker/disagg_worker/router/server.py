@@ -1,9 +1,10 @@
 """HTTP handlers of the router, and its entry point.
 
 Generation requests pass the same admission gate as a worker's (`server/admission.py`: 503 while
-the router drains, 429 beyond --max-inflight, 413 beyond the body limit, checked before the body
-is read). On SIGTERM the router drains (`server/drain.py`): /health and /ready fail, new requests get 503,
-open streams finish within --drain-timeout, then it exits.
+the router drains, 429 beyond --max-inflight or the bytes of bodies held at once, 413 beyond the body
+limit; the body is read, within a time limit, before the request takes a slot). On SIGTERM the router
+drains (`server/drain.py`): /health and /ready fail, new requests get 503, open streams finish within
+--drain-timeout, then it exits.
 """
 
 from __future__ import annotations
@@ -26,10 +27,9 @@ from disagg_worker.router.prompt import PromptTokens
 from disagg_worker.router.stream import DONE, UpstreamLost, error_event, relay
 from disagg_worker.router.verify import PairVerifier
 from disagg_worker.router.workers import DnsSource, GroupPolicy, Policy, Prompt, Worker, WorkerPool
-from disagg_worker.server.admission import DRAINING, Admission, admission_middleware
+from disagg_worker.server.admission import DRAINING, Admission, admission_middleware, body_of
 from disagg_worker.server.api import error_middleware
 from disagg_worker.server.auth import require_keys
-from disagg_worker.server.body import read_body
 from disagg_worker.server.drain import CUT_GRACE_S, Signals, drain
 from disagg_worker.server.errors import APIError
 from disagg_worker.server.protocol import parse_json
@@ -68,7 +68,7 @@ def parse_request(raw: bytes, router: Router, path: str) -> tuple[SharedBody, An
 def make_handler(path: str):
     async def handler(request: web.Request) -> web.StreamResponse:
         router = request.app[ROUTER]
-        raw = await read_body(request, request.app[ADMISSION].body_limit())
+        raw = body_of(request)
         # A large body is parsed, serialised (and tokenised) on a thread: the loop keeps serving the other streams.
         inline = len(raw) <= INLINE_BODY_BYTES and router.prompts is None
         args = (raw, router, path)

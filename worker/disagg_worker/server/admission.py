@@ -1,12 +1,16 @@
 """Admission of generation requests at an HTTP front end: a worker's or the router's.
 
-One gate in front of the generation handlers, passed before the body is read, in this order:
+One gate in front of the generation handlers, in this order:
 - the instance cannot serve (its scheduler process died): 503 with the reason;
 - it drains (SIGTERM): 503 with Retry-After, so the client or the router goes elsewhere;
 - it already holds `max_inflight` requests: 429 with Retry-After;
-- the announced body is beyond the body limit: 413.
+- the announced body is beyond the body limit: 413;
+- then the body is read (`body.read_body`: 413 past the limit, 408 past its time limit) before the request
+  takes a slot, so that slow uploads cannot hold every slot; the bytes of the bodies being read or held by
+  admitted requests are bounded together (`body_budget`: 429 past it), so that many large bodies at once
+  cannot exhaust the process's memory; the checks above are made again once it has arrived.
 An admitted request is counted until its handler returns (a stream: after its last event), so
-`wait_idle` tells a drain when everything admitted has finished.
+`wait_idle` tells a drain when everything admitted has finished. Handlers find the body with `body_of`.
 """
 
 from __future__ import annotations
@@ -17,19 +21,37 @@ from contextlib import contextmanager
 
 from aiohttp import web
 
-from disagg_worker.server.body import check_length
+from disagg_worker.server.body import BODY_READ_TIMEOUT_S, check_length, read_body
 from disagg_worker.server.errors import APIError, too_many_requests, unavailable
 
 GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/generate"})
 RETRY_AFTER_S = 1
 DRAINING = "draining"
+# Bytes of request bodies one front end holds at once (being read, or held by admitted requests). Parsed, a body
+# takes up to ~5x its bytes (a list of token ids), so 128 MiB keeps them well inside a 1 GiB router or worker.
+BODY_BUDGET_BYTES = 128 << 20
+_BODY = web.RequestKey("body", bytes)
+
+
+def body_of(request: web.Request) -> bytes:
+    """The body the admission read (given once: the handler then holds the only reference)."""
+    return request.pop(_BODY)
 
 
 class Admission:
-    def __init__(self, max_inflight: int, body_limit: Callable[[], int]):
+    def __init__(
+        self,
+        max_inflight: int,
+        body_limit: Callable[[], int],
+        body_budget: int = BODY_BUDGET_BYTES,
+        body_timeout_s: float = BODY_READ_TIMEOUT_S,
+    ):
         self.max_inflight = max_inflight
         # A function: the router learns its limit from the workers after it starts.
         self.body_limit = body_limit
+        self.body_budget = body_budget
+        self.body_timeout_s = body_timeout_s
+        self.body_bytes = 0
         self.inflight = 0
         self.draining = False
         # Why this instance cannot serve at all ("" while it can).
@@ -47,6 +69,28 @@ class Admission:
         if self.inflight >= self.max_inflight:
             return too_many_requests(self.max_inflight, RETRY_AFTER_S)
         return None
+
+    @contextmanager
+    def holding_body(self) -> Iterator[Callable[[int], None]]:
+        """Count a body's bytes against the budget while it is read and its request runs: yields `take(n)`,
+        which refuses (429) the request whose next `n` bytes would pass the budget."""
+        held = 0
+
+        def take(n: int) -> None:
+            nonlocal held
+            if self.body_bytes + n > self.body_budget:
+                message = (
+                    f"This server holds {self.body_bytes >> 20} MiB of request bodies, its limit; retry in "
+                    f"{RETRY_AFTER_S} s."
+                )
+                raise APIError(429, message, "requests", code="rate_limit_exceeded", retry_after=RETRY_AFTER_S)
+            self.body_bytes += n
+            held += n
+
+        try:
+            yield take
+        finally:
+            self.body_bytes -= held
 
     @contextmanager
     def admitted(self) -> Iterator[None]:
@@ -85,8 +129,17 @@ def admission_middleware(admission: Admission, paths: frozenset[str] = GENERATIO
         refusal = admission.refusal()
         if refusal is not None:
             raise refusal
-        check_length(request, admission.body_limit())
-        with admission.admitted():
-            return await handler(request)
+        limit = admission.body_limit()
+        check_length(request, limit)
+        with admission.holding_body() as take:
+            if request.content_length:
+                take(request.content_length)  # all at once: refused before a byte is read
+            counted = take if not request.content_length else lambda n: None
+            request[_BODY] = await read_body(request, limit, counted, admission.body_timeout_s)
+            refusal = admission.refusal()  # the state may have changed while the body arrived
+            if refusal is not None:
+                raise refusal
+            with admission.admitted():
+                return await handler(request)
 
     return admit

@@ -23,8 +23,7 @@ from disagg_worker.env import WorkerEnv, load_env
 from disagg_worker.limits import body_limit_bytes
 from disagg_worker.messages import FlushCacheReq, Route, SchedulerStats
 from disagg_worker.server import openai_format as fmt
-from disagg_worker.server.admission import DRAINING, Admission, admission_middleware
-from disagg_worker.server.body import read_body
+from disagg_worker.server.admission import DRAINING, Admission, admission_middleware, body_of
 from disagg_worker.server.errors import APIError, internal_error
 from disagg_worker.server.frontend import Delta, Frontend
 from disagg_worker.server.health import health_report
@@ -100,8 +99,7 @@ def build_app(
 
 
 async def read_json(request: web.Request):
-    raw = await read_body(request, request.app[ADMISSION].body_limit())
-    return await request.app[FRONTEND].parse(raw, parse_json)
+    return await request.app[FRONTEND].parse(body_of(request), parse_json)
 
 
 def choice_params(params: SamplingParams, i: int) -> SamplingParams:
@@ -320,8 +318,9 @@ async def health(request: web.Request) -> web.Response:
     if admission.draining:
         reason = "the instance is shutting down: it finishes the requests it holds and takes no new ones"
         return web.json_response({"status": DRAINING, "reason": reason, **report}, status=503)
-    if fe.failed:
-        return web.json_response({"status": "unhealthy", "reason": fe.failed, **report}, status=503)
+    failed = fe.failed or next((g.broken for g in fe.group_stats.values() if g.broken), "")
+    if failed:
+        return web.json_response({"status": "unhealthy", "reason": failed, **report}, status=503)
     if fe.healthy(s["health_timeout_s"]):
         return web.json_response({"status": "ok", **report})
     reason = "the scheduler has not reported recently"

@@ -77,7 +77,14 @@ def too_large(limit: int) -> APIError:
     return APIError(413, message, "invalid_request_error", code="request_too_large")
 
 
+# Codes of 500s the router must not retry on another instance: the request failed on its own (a retry would
+# fail the same way), or the instance failed while holding it (a retry could fail the next one too).
+INTERNAL_ERROR = "internal_error"
+INSTANCE_FAILED = "instance_failed"
+NOT_RETRIED = frozenset({INTERNAL_ERROR, INSTANCE_FAILED})
+
+
 def internal_error(ref: str) -> APIError:
     """A bug: the message names where the details are, never the exception itself."""
     message = f"Internal error while handling the request; the server log has the details under id {ref}."
-    return APIError(500, message, "server_error", code="internal_error")
+    return APIError(500, message, "server_error", code=INTERNAL_ERROR)

@@ -10,9 +10,10 @@ multi-megabyte prompt cannot stall /health or other streams.
 An instance with DP attention has one scheduler process per attention group: each request goes to one
 of them (`groups.choose_group`), its aborts to the same one, and their reports are merged (`groups`).
 
-The scheduler process is watched: when it exits, every waiting request fails at once with a 503
-and the instance refuses new ones (`failed` says why); `fail_all` is also how a drain that timed
-out ends the requests it still holds.
+The scheduler process is watched: when it exits, every request it held fails at once with a 500
+coded `instance_failed` (the router does not retry those elsewhere: one of them may be what killed
+it) and the instance refuses new ones with a 503 (`failed` says why); `fail_all` is also how a drain
+that timed out ends the requests it still holds (503).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from disagg_worker.limits import RequestLimits
 from disagg_worker.mem.kv_events import EventLog
 from disagg_worker.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from disagg_worker.server.admission import RETRY_AFTER_S
-from disagg_worker.server.errors import APIError, unavailable
+from disagg_worker.server.errors import INSTANCE_FAILED, APIError, unavailable
 from disagg_worker.server.groups import choose_group, group_problem, merge_stats
 from disagg_worker.server.metrics import ServerMetrics
 
@@ -134,7 +135,10 @@ class Frontend:
                 "this instance cannot serve until it is restarted."
             )
             log.error("%s", reason)
-            self.fail_all(reason)
+            held = (
+                f"{reason} The request it held is not retried on another instance: it may be what made this one fail."
+            )
+            self.fail_all(reason, held, 500, INSTANCE_FAILED)
             on_exit(reason)
 
         loop = asyncio.get_running_loop()
@@ -148,14 +152,15 @@ class Frontend:
             loop.remove_reader(proc.sentinel)
         self._watched = []
 
-    def fail_all(self, reason: str) -> int:
-        """End every waiting request with a 503 naming `reason` and refuse new ones; returns how many.
+    def fail_all(self, reason: str, held: str = "", status: int = 503, code: str = "") -> int:
+        """Refuse new requests naming `reason`, and end every waiting one with `held` (default: `reason`),
+        `status` and `code`; returns how many.
 
         Each stream then aborts its request in the scheduler, if that is still alive (`token_stream`).
         """
         self.failed = reason
         for rid, q in list(self.queues.items()):
-            q.put_nowait(msg.TokenOut(rid, [], error=reason, error_status=503))
+            q.put_nowait(msg.TokenOut(rid, [], error=held or reason, error_status=status, error_code=code))
         return len(self.queues)
 
     async def _recv_loop(self) -> None:
@@ -247,6 +252,7 @@ class Frontend:
                         out.error_status or 500,
                         out.error,
                         type="invalid_request_error" if out.error_status < 500 else "server_error",
+                        code=out.error_code or None,
                         retry_after=RETRY_AFTER_S if out.error_status == 503 else None,
                     )
                 yield out

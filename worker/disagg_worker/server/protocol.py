@@ -19,8 +19,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from disagg_worker.engine.params import SamplingParams
-from disagg_worker.limits import MAX_TOKEN_ID, RequestLimits
+from disagg_worker.engine.params import MAX_LOGIT_BIAS, MAX_TOKEN_ID, SamplingParams
+from disagg_worker.limits import RequestLimits
 from disagg_worker.server.constraints import parse_native_grammar, parse_openai_grammar
 from disagg_worker.server.errors import bad_request, model_not_found
 from disagg_worker.server.tool_calls import ToolUse, message_tool_calls, parse_tool_use
@@ -141,6 +141,20 @@ def _token_ids(v: Any, param: str, limits: RequestLimits) -> tuple[int, ...]:
     return tuple(ids)
 
 
+def _logit_bias(v: Any, param: str) -> tuple[tuple[int, float], ...]:
+    """OpenAI's logit_bias: an object mapping token ids (as strings) to biases; the ranges are SamplingParams'."""
+    if not isinstance(v, dict):
+        raise bad_request(f"{param}: must be an object mapping token ids to biases", param)
+    if len(v) > MAX_LOGIT_BIAS:
+        raise bad_request(f"{param}: at most {MAX_LOGIT_BIAS} tokens, got {len(v)}", param)
+    pairs = []
+    for key, bias in v.items():
+        if not (key.isascii() and key.isdigit() and len(key) <= 10):
+            raise bad_request(f"{param}: keys must be token ids, got {_show(key)}", param)
+        pairs.append((int(key), _real(bias, f"{param}.{key}")))
+    return tuple(sorted(pairs))
+
+
 def _show(v: Any) -> str:
     if isinstance(v, int) and not isinstance(v, bool) and abs(v) >= 10**40:
         return "a huge integer"
@@ -183,9 +197,12 @@ def _sampling(
     ids = body.get("stop_token_ids")
     if ids is not None:
         values["stop_token_ids"] = _token_ids(ids, prefix + "stop_token_ids", limits)
+    bias = body.get("logit_bias")
+    if bias is not None:
+        values["logit_bias"] = _logit_bias(bias, prefix + "logit_bias")
     params = SamplingParams(**values)
     try:
-        params.validate()
+        params.validate(limits.vocab_size)
     except ValueError as e:
         fld, _, what = str(e).partition(": ")
         param = prefix + names.get(fld, _SAMPLING_FIELDS.get(fld, (fld,))[0])

@@ -29,6 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from disagg_worker import keys
 from disagg_worker.config import DisaggConfig
 from disagg_worker.disagg.base import KVLayout, KVManager, KVReceiver, RankInfo, TransferFailure, check_pages
 from disagg_worker.disagg.bootstrap import RankRegistration
@@ -78,9 +79,8 @@ class MooncakeDecodeManager(KVManager):
         self.engine, self._buffers, self.staging = open_registered(cfg, layout)
         self.aux = torch.zeros(layout.aux_num_slots * layout.aux_item_nbytes, dtype=torch.uint8)
         self.decode_id = uuid.uuid4().hex
-        self.channel = ControlChannel(
-            cfg.advertise_host, cfg.control_port_of(cfg.rank_index(rank.tp_rank, rank.pp_rank, rank.dp_rank))
-        )
+        port = cfg.control_port_of(cfg.rank_index(rank.tp_rank, rank.pp_rank, rank.dp_rank))
+        self.channel = ControlChannel(cfg.advertise_host, port, keys.control_key(cfg.auth_token))
         self.rooms: RoomTable[DecodeRoom] = RoomTable()
         self._quarantine: dict[int, DecodeRoom] = {}  # failed rooms whose pages prefill may still write
         self._instances: dict[str, DecodeInstance] = {}
@@ -91,8 +91,7 @@ class MooncakeDecodeManager(KVManager):
         self.heartbeat = HeartbeatMonitor(
             cfg.heartbeat_interval_s, cfg.heartbeat_max_misses, self._on_lost, self.confirm_instance_dead
         )
-        self._control = threading.Thread(target=self._control_loop, name="kv-decode-control", daemon=True)
-        self._control.start()
+        self._control = self.supervise(self._control_loop, "kv-decode-control")
 
     # ---- scheduler-facing ------------------------------------------------------------
     def create_receiver(self, room: int, bootstrap_addr: str) -> KVReceiver:
@@ -281,8 +280,11 @@ class MooncakeDecodeManager(KVManager):
         next_sweep = 0.0
         while not self._stop.is_set():
             for msg in self.channel.recv(timeout_ms=interval_ms):
-                if isinstance(msg, RoomUpdate):
-                    self._on_update(msg)
+                try:
+                    if isinstance(msg, RoomUpdate):
+                        self._on_update(msg)
+                except Exception:  # one message's failure never ends the thread every room depends on
+                    log.exception("handling a %s failed", type(msg).__name__)
             now = time.monotonic()
             if now >= next_sweep:
                 self._sweep(now)

@@ -32,6 +32,7 @@ import logging
 import threading
 import time
 
+from disagg_worker import keys
 from disagg_worker.config import DisaggConfig
 from disagg_worker.disagg.base import KVLayout, KVManager, KVSender, RankInfo, check_pages
 from disagg_worker.disagg.bootstrap import RankRegistration
@@ -77,17 +78,15 @@ class MooncakePrefillManager(KVManager):
             self.engine, layout, buffers, staging,
             on_failed=self._write_failed, on_notice=self._still_transferring, on_settled=self._send_settled,
         )  # fmt: skip
-        self.channel = ControlChannel(
-            cfg.advertise_host, cfg.control_port_of(cfg.rank_index(rank.tp_rank, rank.pp_rank, rank.dp_rank))
-        )
+        port = cfg.control_port_of(cfg.rank_index(rank.tp_rank, rank.pp_rank, rank.dp_rank))
+        self.channel = ControlChannel(cfg.advertise_host, port, keys.control_key(cfg.auth_token))
         self.rooms: RoomTable[PrefillRoom] = RoomTable()
         self._peers = PeerBook()  # decode ranks by decode id, from hellos (control thread)
         self._early: dict[int, tuple[float, list[RoomRequest]]] = {}  # requests that came before their sender
         self._early_lock = threading.Lock()
         self._stop = threading.Event()
         self.registered = threading.Event()
-        self._control = threading.Thread(target=self._control_loop, name="kv-prefill-control", daemon=True)
-        self._control.start()
+        self._control = self.supervise(self._control_loop, "kv-prefill-control")
 
     def registration(self) -> RankRegistration:
         cfg, lay = self.cfg, self.layout
@@ -196,7 +195,10 @@ class MooncakePrefillManager(KVManager):
             if not self.registered.is_set() and now >= next_register:
                 next_register = now + self._try_register()
             for msg in self.channel.recv(timeout_ms=interval_ms):
-                self._on_message(msg)
+                try:
+                    self._on_message(msg)
+                except Exception:  # one message's failure never ends the thread every room depends on
+                    log.exception("handling a %s failed", type(msg).__name__)
             now = time.monotonic()
             if now >= next_sweep:
                 self._sweep(now)
