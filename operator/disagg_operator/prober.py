@@ -15,6 +15,7 @@ from collections.abc import Mapping
 import aiohttp
 
 from . import names
+from .probe_auth import ProbeTokens
 from .reconcile import Runtime
 from .routerview import RouterView, merge_reports
 
@@ -22,23 +23,30 @@ log = logging.getLogger(__name__)
 MISSES_BEFORE_FORGETTING = 3
 
 
-async def fetch_health(session: aiohttp.ClientSession, ip: str) -> dict | None:
-    """A router pod's /health report (it answers 503 with the same body when it has no verified pair)."""
+async def fetch_health(session: aiohttp.ClientSession, ip: str, token: str = "") -> dict | None:
+    """A router pod's /health report (it answers 503 with the same body when it has no verified pair); `token`
+    (probe_auth.py) shows the details to the operator when the router has API keys."""
     host = f"[{ip}]" if ":" in ip else ip
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
     try:
-        async with session.get(f"http://{host}:{names.HTTP_PORT}/health") as r:
+        async with session.get(f"http://{host}:{names.HTTP_PORT}/health", headers=headers) as r:
             body = json.loads(await r.read())
     except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError):
         return None
     return body if isinstance(body, dict) else None
 
 
-async def read_routers(targets: Mapping[str, Mapping[str, str]], timeout_s: float) -> dict[str, dict]:
-    """uid -> {router pod: report or None}, every pod probed at once."""
+async def read_routers(
+    targets: Mapping[str, Mapping[str, str]], timeout_s: float, tokens: Mapping[str, str] | None = None
+) -> dict[str, dict]:
+    """uid -> {router pod: report or None}, every pod probed at once (with the CR's token, when known)."""
     timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=timeout_s)
+    tokens = tokens or {}
     async with aiohttp.ClientSession(timeout=timeout) as session:
         keys = [(uid, pod) for uid, pods in targets.items() for pod in pods]
-        answers = await asyncio.gather(*(fetch_health(session, targets[uid][pod]) for uid, pod in keys))
+        answers = await asyncio.gather(
+            *(fetch_health(session, targets[uid][pod], tokens.get(uid, "")) for uid, pod in keys)
+        )
     out: dict[str, dict] = {uid: {} for uid in targets}
     for (uid, pod), answer in zip(keys, answers, strict=True):
         out[uid][pod] = answer
@@ -61,12 +69,18 @@ async def run(runtime: Runtime) -> None:
     """Until cancelled: probe the routers (when enabled), then tick every known CR in a worker thread."""
     cfg = runtime.cfg
     misses: dict[str, int] = {}
+    tokens = ProbeTokens(runtime.kube)
     while True:
         await asyncio.sleep(cfg.tick_s)
         try:
             if cfg.router_probe:
                 targets = runtime.router_pods()
-                reports = await read_routers(targets, cfg.router_probe_timeout_s)
+                crs = {uid: i.cr for uid, i in list(runtime.inputs.items()) if uid in targets}
+                known = await asyncio.to_thread(tokens.for_crs, crs)
+                reports = await read_routers(targets, cfg.router_probe_timeout_s, known)
+                for uid, by_pod in reports.items():  # a plain answer to a token: a stale token (a new Secret)
+                    if uid in known and any(r is not None and "workers" not in r for r in by_pod.values()):
+                        tokens.forget(crs[uid])
                 for uid, by_pod in reports.items():
                     runtime.views[uid] = keep_or_replace(runtime.views.get(uid), merge_reports(by_pod), misses, uid)
         except Exception:  # one failed round must not stop the clock

@@ -62,6 +62,22 @@ LWS_MISSING = (
 )
 
 
+def owned_by(obj: Mapping[str, Any], spec: ModelSpec) -> bool:
+    """Whether the operator made `obj` for this model: an owner reference to this CR. (What an earlier CR of the
+    same name owned is the garbage collector's to remove; until it has, the new one reports it.)"""
+    return any(r.get("uid") == spec.uid for r in obj.get("metadata", {}).get("ownerReferences") or [])
+
+
+def not_ours(objs: list[Mapping[str, Any]]) -> ReconcileError:
+    what = ", ".join(f"{o['kind']} {o['metadata']['name']}" for o in objs)
+    one = len(objs) == 1
+    return ReconcileError(
+        f"{what} already exist{'s' if one else ''} and {'was' if one else 'were'} not created by this model (no "
+        f"owner reference to it): left untouched; delete or rename {'it' if one else 'them'}, or rename the model",
+        permanent=False,
+    )
+
+
 def describe_api_error(obj: Mapping[str, Any], e: ApiException) -> ReconcileError:
     what = f"{obj['kind']} {obj['metadata']['name']}"
     if obj["kind"] == names.LWS_KIND and e.status == 404:  # the API itself is absent, not the object
@@ -102,6 +118,9 @@ class Runtime:
     scaler_sent: dict[str, dict[str, Any]] = field(default_factory=dict)  # the RoleScaler writes made, per CR
     # A copy of a kopf handler's context (it holds kopf's event queue), for the clock's ticks to run in.
     handler_context: contextvars.Context | None = None
+    # (CR uid, kind, name) of the children seen to carry the CR's owner reference (or created by it): the operator
+    # never server-side applies over an object it did not create, and reads each one only until it knows.
+    owned: set[tuple[str, str, str]] = field(default_factory=set)
     _hashes: dict[str, dict[str, str]] = field(default_factory=dict)
     _locks: dict[str, threading.RLock] = field(default_factory=dict)
     _guard: threading.Lock = field(default_factory=threading.Lock)
@@ -121,6 +140,7 @@ class Runtime:
             cache.pop(uid, None)
         for key in [k for k in self.partitions if k[0] == uid]:
             self.partitions.pop(key, None)
+        self.owned -= {k for k in self.owned if k[0] == uid}
 
     def ensure_auth_secret(self, spec: ModelSpec) -> None:
         ref = spec.api_key_secret
@@ -135,7 +155,8 @@ class Runtime:
             return
         secret = builders.build_auth_secret(spec, builders.new_token())
         try:
-            self.kube.create_if_absent(secret)
+            if not self.kube.create_if_absent(secret):  # one of this name was there: is it this model's?
+                self._check_ours(spec, secret)
         except ApiException as e:
             raise self._failed(spec, secret, e) from e
 
@@ -171,12 +192,34 @@ class Runtime:
             self.terminating.add(spec.namespace)
         return describe_api_error(obj, e)
 
+    def _ours(self, spec: ModelSpec, obj: Mapping[str, Any]) -> bool:
+        """False when an object with `obj`'s name exists and is not this model's (it is then never written)."""
+        key = (spec.uid, obj["kind"], obj["metadata"]["name"])
+        if key in self.owned:
+            return True
+        found = self.kube.get(obj["apiVersion"], obj["kind"], spec.namespace, obj["metadata"]["name"])
+        if found is not None and not owned_by(found, spec):
+            return False
+        self.owned.add(key)
+        return True
+
+    def _check_ours(self, spec: ModelSpec, obj: Mapping[str, Any]) -> None:
+        if not self._ours(spec, obj):
+            raise not_ours([obj])
+
     def _apply(self, spec: ModelSpec, objs: Iterable[Mapping[str, Any]]) -> None:
+        """Server-side apply each of `objs`, except those whose name another object holds (then reported)."""
+        foreign = []
         for obj in objs:
             try:
+                if not self._ours(spec, obj):
+                    foreign.append(obj)
+                    continue
                 self.kube.apply(obj)
             except ApiException as e:
                 raise self._failed(spec, obj, e) from e
+        if foreign:
+            raise not_ours(foreign)
 
     def apply_children(
         self,

@@ -317,6 +317,34 @@ def test_a_missing_auth_secret_is_reported_as_degraded(kube_cluster, operator, n
     wait_ready(kube_cluster, namespace, "tiny", timeout=120)
 
 
+def test_an_object_with_a_childs_name_that_the_model_did_not_create_is_left_alone(kube_cluster, operator, namespace):
+    """A Service someone made under the router's name: never applied over (nor owned, so never garbage-collected
+    with the model); Degraded names it; once its owner deletes it, the model's own takes its place."""
+    kube_cluster.kubectl("-n", namespace, "create", "service", "clusterip", "tiny-router", "--tcp=80:8080")
+    before = kube_cluster.get("-n", namespace, "service", "tiny-router")
+    apply_cr(kube_cluster, namespace, load_example("dm-cpu-tcp.yaml"))
+    degraded = wait_until(
+        lambda: (lambda c: c if c.get("status") == "True" and "tiny-router" in c.get("message", "") else None)(
+            condition(kube_cluster, namespace, "tiny", "Degraded")
+        ),
+        60,
+        interval=POLL_S,
+        what="Degraded=True naming the Service",
+    )
+    assert "Service tiny-router already exists and was not created by this model" in degraded["message"]
+    after = kube_cluster.get("-n", namespace, "service", "tiny-router")
+    assert after["metadata"].get("ownerReferences") is None
+    assert (after["spec"]["ports"], after["metadata"]["labels"]) == (
+        before["spec"]["ports"],
+        before["metadata"]["labels"],
+    )
+    assert after["metadata"]["resourceVersion"] == before["metadata"]["resourceVersion"]
+    kube_cluster.kubectl("-n", namespace, "delete", "service", "tiny-router")
+    wait_ready(kube_cluster, namespace, "tiny", timeout=120)
+    owners = kube_cluster.get("-n", namespace, "service", "tiny-router")["metadata"]["ownerReferences"]
+    assert [o["kind"] for o in owners] == [names.KIND]
+
+
 def test_policies_and_secret_files_are_what_the_api_server_keeps(kube_cluster, operator, namespace):
     """The per-role NetworkPolicies and the Secret volumes pass the API server's validation unchanged, and no
     pod gets a secret through its environment."""

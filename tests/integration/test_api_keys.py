@@ -53,5 +53,10 @@ def test_serve_local_puts_the_key_on_its_router(tiny_model):
         auth = {"Authorization": "Bearer local-key"}
         r = requests.post(f"{stack.url}/v1/completions", json=BODY, headers=auth, timeout=scaled(60))
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4, r.text
+        # /health answers anyone, but lists the workers (their addresses, pod names, errors) only to a key holder.
+        plain = requests.get(f"{stack.url}/health", timeout=scaled(30))
+        assert plain.status_code == 200 and plain.json() == {"status": "ok"}, plain.text
+        detailed = requests.get(f"{stack.url}/health", headers=auth, timeout=scaled(30)).json()
+        assert detailed["status"] == "ok" and {w["role"] for w in detailed["workers"]} == {"prefill", "decode"}
     finally:
         stack.stop()

@@ -89,11 +89,12 @@ def test_a_grammar_compiler_raising_an_unexpected_error_fails_that_request_with_
     assert len(tokens_of(outs["ok"])) == GREEDY.max_new_tokens
 
 
-def test_a_grammar_that_does_not_compile_in_time_is_a_400_and_refused_at_once_afterwards(tiny_model):
+def test_a_grammar_whose_compilation_runs_past_the_limit_is_a_400_and_refused_at_once_afterwards(tiny_model):
     engine = make_engine(tiny_model)
     engine.grammar_wait.limit_s = 0.05
     real_submit = engine.grammars.submit
     engine.grammars.submit = lambda grammar: Future()  # type: ignore[method-assign] # a compilation that never ends
+    engine.grammars.compiling_for = lambda grammar: 1.0  # type: ignore[method-assign] # running for a second
     slow = dataclasses.replace(GREEDY, grammar='{"pattern": "a+", "type": "regex"}')
     outs = run(
         engine, True, lambda e: [e.handle(msg.GenerateReq(r, [5, 6, 7], p)) for r, p in (("s", slow), ("ok", GREEDY))]
@@ -104,6 +105,29 @@ def test_a_grammar_that_does_not_compile_in_time_is_a_400_and_refused_at_once_af
     engine.grammars.submit = real_submit  # type: ignore[method-assign]
     again = run(engine, True, lambda e: e.handle(msg.GenerateReq("s2", [5, 6, 7], slow)))
     assert again["s2"][-1].error_status == 400 and "did not compile within" in again["s2"][-1].error
+
+
+def test_a_grammar_queued_behind_slow_ones_is_a_503_and_not_held_against_it(tiny_model):
+    engine = make_engine(tiny_model)
+    engine.grammar_wait.limit_s = 0.05
+    real_submit = engine.grammars.submit
+    engine.grammars.submit = lambda grammar: Future()  # type: ignore[method-assign] # never given a thread
+    queued = dataclasses.replace(GREEDY, grammar='{"pattern": "b+", "type": "regex"}')
+    outs = run(engine, True, lambda e: e.handle(msg.GenerateReq("q", [5, 6, 7], queued)))
+    assert outs["q"][-1].error_status == 503 and "busy" in outs["q"][-1].error
+    engine.grammars.submit = real_submit  # type: ignore[method-assign]
+    again = run(engine, True, lambda e: e.handle(msg.GenerateReq("q2", [5, 6, 7], queued)))
+    assert again["q2"][-1].error_status == 0 and again["q2"][-1].finish_reason in ("stop", "length")
+    assert tokens_of(again["q2"])  # the grammar compiled this time: the 503 held nothing against it
+
+
+def test_requests_with_the_same_grammar_share_one_compilation(tiny_model):
+    engine = make_engine(tiny_model)
+    grammar = '{"pattern": "ab+", "type": "regex"}'
+    first, second = engine.grammars.submit(grammar), engine.grammars.submit(grammar)
+    assert first is second
+    first.result(timeout=60)
+    assert engine.grammars.submit(grammar).done()  # cached from now on
 
 
 def test_the_compiled_grammar_cache_is_bounded(tiny_model):

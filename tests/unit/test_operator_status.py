@@ -282,6 +282,40 @@ def test_auth_secret_is_generated_once_and_children_applied(runtime):
     assert "StatefulSet/m-decode" in runtime.kube.applied and len(runtime.kube.applied) == 26  # 13 children, twice
 
 
+def test_an_object_the_model_did_not_create_is_left_alone_and_reported(runtime):
+    """A Service someone else made under the router's name, and an auth Secret of the default name that is not
+    the model's: neither is written (nor owned, nor garbage-collected with the model); Degraded names both."""
+    from disagg_operator.reconcile import ReconcileError
+
+    theirs = {"metadata": {"name": "m-router", "ownerReferences": [{"kind": "Deployment", "name": "x", "uid": "u"}]}}
+    runtime.kube.objects[("Service", "m-router")] = {"kind": "Service", **theirs}
+    runtime.kube.objects[("Secret", "m-auth")] = {"kind": "Secret", "metadata": {"name": "m-auth"}}
+    with pytest.raises(ReconcileError) as err:
+        runtime.apply_children(CR)
+    assert "Secret m-auth already exists and was not created by this model" in str(err.value)
+    runtime.kube.objects.pop(("Secret", "m-auth"))
+    with pytest.raises(ReconcileError) as err:
+        runtime.apply_children(CR)
+    assert "Service m-router" not in runtime.kube.applied and "Service/m-router" not in runtime.kube.applied
+    assert "StatefulSet/m-decode" in runtime.kube.applied  # the other children are applied
+    runtime.refresh_status(CR, ALL_READY, [])
+    degraded = conds(runtime.kube.status_writes[-1])["Degraded"]
+    assert degraded["status"] == "True" and "Service m-router already exists" in degraded["message"]
+
+
+def test_a_child_of_an_earlier_model_of_the_same_name_waits_for_the_garbage_collector(runtime):
+    """Only an owner reference to this CR's uid makes an object the model's: a forged or stale one does not."""
+    from disagg_operator.reconcile import ReconcileError
+
+    before = {"kind": "DisaggregatedModel", "name": CR["metadata"]["name"], "uid": "an-earlier-uid"}
+    runtime.kube.objects[("Service", "m-router")] = {"kind": "Service", "metadata": {"ownerReferences": [before]}}
+    with pytest.raises(ReconcileError, match="Service m-router already exists"):
+        runtime.apply_children(CR)
+    runtime.kube.objects.pop(("Service", "m-router"))  # collected
+    runtime.apply_children(CR)
+    assert "Service/m-router" in runtime.kube.applied
+
+
 def test_missing_named_secret_degrades_with_a_message(runtime):
     from disagg_operator.reconcile import ReconcileError
 

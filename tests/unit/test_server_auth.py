@@ -65,3 +65,37 @@ def test_no_keys_changes_nothing_and_an_empty_key_is_never_accepted():
     for keys in [("",), ("k", "")]:
         with pytest.raises(ValueError):
             auth_middleware(keys)
+
+
+def test_the_routers_health_details_are_for_key_holders_and_the_operator():
+    from disagg_operator.probe_auth import health_token
+    from disagg_worker import keys
+    from disagg_worker.router.auth import RouterAuth
+
+    operator_token = health_token("the-secret")
+    assert operator_token == keys.derive("the-secret", keys.HEALTH)  # the operator derives what the router accepts
+    auth = RouterAuth(api_keys=("client-key",), health_token=keys.derive("the-secret", keys.HEALTH))
+    assert auth.shows_health_details("Bearer client-key")
+    assert auth.shows_health_details(f"Bearer {operator_token}")
+    assert not auth.shows_health_details("")
+    assert not auth.shows_health_details(f"Bearer {keys.derive('the-secret', keys.WORKER)}")
+    assert RouterAuth().shows_health_details("")  # without API keys, /health is as open as it always was
+
+
+def test_the_operator_reads_each_models_secret_once_for_its_probe_token():
+    import base64
+
+    from disagg_operator.probe_auth import ProbeTokens, health_token
+    from tests.unit.test_operator_status import CR
+
+    reads = []
+
+    class Kube:
+        def get(self, api_version, kind, namespace, name):
+            reads.append((namespace, name))
+            return {"data": {"token": base64.b64encode(b"s3cret\n").decode()}} if name == "m-auth" else None
+
+    tokens = ProbeTokens(Kube())
+    assert tokens.for_crs({"u1": CR}) == {"u1": health_token("s3cret")}
+    assert tokens.for_crs({"u1": CR}) == {"u1": health_token("s3cret")}
+    assert reads == [(CR["metadata"]["namespace"], "m-auth")]

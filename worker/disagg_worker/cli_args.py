@@ -354,10 +354,10 @@ def check_exposure(d: DisaggConfig) -> None:
     control frames are not authenticated (`keys.control_key`) and its bootstrap server takes anyone's word."""
     if d.role is Role.MONOLITHIC or d.auth_token:
         return
-    try:
+    try:  # a host name (even localhost) makes the control channel listen on every interface (`bind_host`)
         loopback = ipaddress.ip_address(d.advertise_host).is_loopback
     except ValueError:
-        loopback = d.advertise_host == "localhost"
+        loopback = False
     if not loopback:
         raise ConfigError(
             f"--advertise-host {d.advertise_host} is reachable from other hosts: pass the model's secret "

@@ -8,6 +8,8 @@ another purpose:
 - `BOOTSTRAP`: the bootstrap server's bearer token (prefill ranks register, decode asks where a
   rank is); decode sends it only to prefill instances the router vouched for.
 - `WORKER`: the bearer token the router presents to worker HTTP ports.
+- `HEALTH`: with API keys set, what the operator presents to see a router's detailed `/health` (workers,
+  pairs); without a key, a caller gets the plain status (the kubelet's probes need no more).
 - `TARGET`: the key of the router's signature over a request's bootstrap target (host, port,
   room); decode contacts no prefill instance without a valid one.
 - `CONTROL`: the key of the HMAC on every frame of the KV control channel between prefill and decode ranks
@@ -27,6 +29,7 @@ from pathlib import Path
 
 BOOTSTRAP = "bootstrap"
 WORKER = "worker-http"
+HEALTH = "router-health"
 TARGET = "bootstrap-target"
 CONTROL = "kv-control-frames"
 KV_NAMES = "kv-page-names"

@@ -33,9 +33,12 @@ from disagg_worker.disagg.messages import CodecError, Message, decode, encode
 
 log = logging.getLogger(__name__)
 
-# The largest control frame: a RoomRequest's page list for a 1M-token prompt in pages of one token is ~8 MB.
-MAX_FRAME_BYTES = 16 << 20
-ZMQ_MAX_FRAME_BYTES = 4 * MAX_FRAME_BYTES
+# The largest control frame: a RoomRequest's page list for a 1M-token prompt in pages of 16 tokens is ~0.5 MB.
+MAX_FRAME_BYTES = 8 << 20
+# zmq drops (and disconnects) a peer sending a frame beyond this before holding it; frames between the two limits
+# are read and counted as oversized. At most RCVHWM frames per peer wait unread (legit bursts queue at the sender).
+ZMQ_MAX_FRAME_BYTES = MAX_FRAME_BYTES + (1 << 20)
+RCVHWM = 16
 MAC_BYTES = 32
 REJECTED = Counter(
     "disagg_kv_control_frames_rejected_total",
@@ -71,6 +74,7 @@ class ControlChannel:
         self._pull = self._ctx.socket(zmq.PULL)
         self._pull.setsockopt(zmq.LINGER, 0)
         self._pull.setsockopt(zmq.MAXMSGSIZE, ZMQ_MAX_FRAME_BYTES)
+        self._pull.setsockopt(zmq.RCVHWM, RCVHWM)
         host = bind_host(advertise_host)
         if port:
             try:

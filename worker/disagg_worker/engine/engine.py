@@ -171,13 +171,13 @@ class Engine:
                 self.refuse(r.m, internal_error(r.m.rid, "compiling its grammar"))
                 continue
             try:
-                self.enter(r.m, r.matcher, r.problem)
+                self.enter(r.m, r.matcher, r.problem, r.status)
             except Exception:
                 log.exception("request %s: taking it failed", r.m.rid)
                 self.refuse(r.m, internal_error(r.m.rid, "taking the request"))
 
-    def enter(self, m: msg.GenerateReq, matcher: object, problem: str) -> None:
-        """A request with its grammar's matcher (if any) to its queue, or refused with `problem` (400)."""
+    def enter(self, m: msg.GenerateReq, matcher: object, problem: str, status: int = 400) -> None:
+        """A request with its grammar's matcher (if any) to its queue, or refused with `problem` (`status`)."""
         req = Req(
             rid=m.rid,
             prompt_ids=list(m.input_ids),
@@ -192,7 +192,7 @@ class Engine:
         if not problem and m.local_prefill and key and not target_signed(key, LOCAL_PREFILL, 0, 0, m.local_sig):
             self.outbox.reject(req, 403, "local_prefill not signed by this model's router: refused")
         elif problem:
-            self.outbox.reject(req, 400, problem)
+            self.outbox.reject(req, status, problem)
         elif self.stage is not None and not m.local_prefill:
             self.stage.arrive(req, m.bootstrap)
         else:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -31,6 +32,16 @@ import torch
 
 from disagg_worker.tuning import TUNING
 
+# Threads compiling grammars: one pathological grammar (compilation cannot be cancelled) leaves the other to serve.
+GRAMMAR_THREADS = 2
+
+
+def new_matcher(compiled: Any) -> Any:
+    """A request's own matcher of a compiled grammar (cheap: the masks are the compiled grammar's)."""
+    import xgrammar as xgr
+
+    return xgr.GrammarMatcher(compiled)
+
 
 class CompileFault(Exception):
     """Raised by an injected fault (`EngineConfig.fault_grammar_pattern`): a type no compiler raises."""
@@ -39,9 +50,10 @@ class CompileFault(Exception):
 class Grammars:
     """Compiles response formats for one model's tokenizer; the tokenizer is read on first use.
 
-    `submit` compiles on a thread of its own (`compile_threads`), so a slow grammar never stalls the
-    scheduler's steps; compiled grammars are kept in a bounded LRU cache. A grammar that did not compile
-    within the loop's limit is remembered (`give_up`) and refused at once afterwards."""
+    `submit` compiles on threads of their own (GRAMMAR_THREADS), so a slow grammar never stalls the scheduler's
+    steps; requests with the same grammar share one compilation, and compiled grammars are kept in a bounded LRU
+    cache. A grammar whose compilation ran past the loop's limit is remembered (`give_up`) and refused at once
+    afterwards."""
 
     def __init__(
         self,
@@ -56,24 +68,49 @@ class Grammars:
         self.fault_pattern = fault_pattern
         self._compiled: OrderedDict[str, Any] = OrderedDict()
         self._too_slow: OrderedDict[str, None] = OrderedDict()
+        self._pending: dict[str, Future] = {}  # compilations queued or running, shared by their requests
+        self._started: dict[str, float] = {}  # when a running compilation began (after the tokenizer was read)
         self._lock = threading.Lock()
         self._compiler: Any = None
+        self._compiler_lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
 
     def submit(self, grammar: str) -> Future:
-        """A future of `matcher(grammar)`, compiled on the grammar thread (at once when cached)."""
+        """A future of `grammar` compiled (`new_matcher` makes each request's matcher of it): done at once when
+        cached or refused, shared with the requests already waiting for the same grammar."""
         with self._lock:
-            cached = grammar in self._compiled or grammar in self._too_slow
-        if cached:
+            compiled = self._compiled.get(grammar)
+            if compiled is not None:
+                self._compiled.move_to_end(grammar)
+            pending = self._pending.get(grammar)
+            too_slow = grammar in self._too_slow
+        if compiled is not None or too_slow:
             done: Future = Future()
-            try:
-                done.set_result(self.matcher(grammar))
-            except Exception as e:
-                done.set_exception(e)
+            if too_slow:
+                done.set_exception(ValueError(self._too_slow_message(grammar)))
+            else:
+                done.set_result(compiled)
             return done
+        if pending is not None:
+            return pending
         if self._pool is None:
-            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
-        return self._pool.submit(self.matcher, grammar)
+            self._pool = ThreadPoolExecutor(max_workers=GRAMMAR_THREADS, thread_name_prefix="grammar")
+        future = self._pool.submit(self.compiled, grammar)
+        with self._lock:
+            self._pending[grammar] = future
+        future.add_done_callback(lambda _: self._forget_pending(grammar))
+        return future
+
+    def _forget_pending(self, grammar: str) -> None:
+        with self._lock:
+            self._pending.pop(grammar, None)
+            self._started.pop(grammar, None)
+
+    def compiling_for(self, grammar: str) -> float | None:
+        """Seconds `grammar`'s compilation has been running; None while it waits for a thread."""
+        with self._lock:
+            started = self._started.get(grammar)
+        return None if started is None else time.monotonic() - started
 
     def give_up(self, grammar: str) -> str:
         """`grammar` did not compile in time: refuse it at once from now on; the 400's message."""
@@ -84,34 +121,39 @@ class Grammars:
         return self._too_slow_message(grammar)
 
     def matcher(self, grammar: str) -> Any:
-        """A fresh `xgrammar.GrammarMatcher` for `grammar`; ValueError naming the request field if it won't
-        compile (the client's error). Any other exception is a failure of the compiler, not of the request."""
-        import xgrammar as xgr
+        """A fresh `xgrammar.GrammarMatcher` for `grammar`, compiled here if needed; ValueError naming the request
+        field if it won't compile (the client's error). Any other exception is a failure of the compiler."""
+        return new_matcher(self.compiled(grammar))
 
+    def compiled(self, grammar: str) -> Any:
+        """`grammar` compiled (from the cache, or now on this thread)."""
         with self._lock:
             if grammar in self._too_slow:
                 raise ValueError(self._too_slow_message(grammar))
             compiled = self._compiled.get(grammar)
             if compiled is not None:
                 self._compiled.move_to_end(grammar)
-        if compiled is None:
-            compiled = self._compile(grammar)
-            with self._lock:
-                self._compiled[grammar] = compiled
-                while len(self._compiled) > self.cache_entries:
-                    self._compiled.popitem(last=False)
-        return xgr.GrammarMatcher(compiled)
+                return compiled
+        compiled = self._compile(grammar)
+        with self._lock:
+            self._compiled[grammar] = compiled
+            while len(self._compiled) > self.cache_entries:
+                self._compiled.popitem(last=False)
+        return compiled
 
     def _compile(self, grammar: str) -> Any:
         spec = json.loads(grammar)
         kind = spec.get("type")
         if kind not in _KINDS:
             raise ValueError(f"grammar: unknown type {str(kind)[:40]!r}")
+        compiler = self.compiler()  # the first use reads the tokenizer: not the grammar's time
+        with self._lock:
+            self._started[grammar] = time.monotonic()
         if self.fault_pattern and kind == "regex" and spec.get("pattern") == self.fault_pattern:
             raise CompileFault("injected grammar compiler fault")
         param, compile_spec = _KINDS[kind]
         try:
-            return compile_spec(self.compiler(), spec)
+            return compile_spec(compiler, spec)
         except (RuntimeError, ValueError) as e:
             raise ValueError(f"{param}: {_WHAT[kind]} cannot be used: {str(e)[:300]}") from None
 
@@ -126,26 +168,30 @@ class Grammars:
             self._pool.shutdown(wait=False, cancel_futures=True)
 
     def compiler(self) -> Any:
-        if self._compiler is None:
-            import xgrammar as xgr
-
-            from disagg_worker.model.tokenizer import Tokenizer
-
-            tok = Tokenizer.from_path(self.model_path).tok
-            vocab = [""] * self.vocab_size  # ids past the tokenizer's (padding rows) are never allowed
-            for piece, i in tok.get_vocab(with_added_tokens=True).items():
-                if i < self.vocab_size:
-                    vocab[i] = piece
-            kind, prefix_space = vocab_type(json.loads(tok.to_str()))
-            info = xgr.TokenizerInfo(
-                vocab,
-                getattr(xgr.VocabType, kind),
-                vocab_size=self.vocab_size,
-                stop_token_ids=self.stop_ids,
-                add_prefix_space=prefix_space,
-            )
-            self._compiler = xgr.GrammarCompiler(info)
+        with self._compiler_lock:  # two grammar threads may ask for it first at once
+            if self._compiler is None:
+                self._compiler = self._make_compiler()
         return self._compiler
+
+    def _make_compiler(self) -> Any:
+        import xgrammar as xgr
+
+        from disagg_worker.model.tokenizer import Tokenizer
+
+        tok = Tokenizer.from_path(self.model_path).tok
+        vocab = [""] * self.vocab_size  # ids past the tokenizer's (padding rows) are never allowed
+        for piece, i in tok.get_vocab(with_added_tokens=True).items():
+            if i < self.vocab_size:
+                vocab[i] = piece
+        kind, prefix_space = vocab_type(json.loads(tok.to_str()))
+        info = xgr.TokenizerInfo(
+            vocab,
+            getattr(xgr.VocabType, kind),
+            vocab_size=self.vocab_size,
+            stop_token_ids=self.stop_ids,
+            add_prefix_space=prefix_space,
+        )
+        return xgr.GrammarCompiler(info)
 
 
 def _json(compiler: Any, schema: dict) -> Any:

@@ -1,9 +1,11 @@
 """Requests waiting for their grammar before they enter a queue.
 
-A request with a grammar is held here while the grammar thread compiles it (`Grammars.submit`), so a slow
+A request with a grammar is held here while a grammar thread compiles it (`Grammars.submit`), so a slow
 schema never stalls the steps of the others. `poll` hands back each request whose wait is over: with its
-matcher; refused (400) when its grammar does not compile or did not compile within the limit (that grammar
-is then refused at once, `Grammars.give_up`); or failed alone (500) when the compiler raised anything else.
+matcher; refused (400) when its grammar does not compile, or when its compilation has run past the limit
+(that grammar is then refused at once, `Grammars.give_up`); refused with a 503 (retry later, nothing
+remembered against the grammar) when it waited for a thread past QUEUED_LIMITS times the limit behind slow
+ones; or failed alone (500) when the compiler raised anything else.
 """
 
 from __future__ import annotations
@@ -15,26 +17,29 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
-from disagg_worker.engine.grammar import Grammars
+from disagg_worker.engine.grammar import Grammars, new_matcher
 from disagg_worker.messages import GenerateReq
 
 log = logging.getLogger(__name__)
+# A request waits at most this many times the compile limit in all (queued behind other compilations included).
+QUEUED_LIMITS = 3
 
 
 @dataclass(frozen=True)
 class Waiting:
     m: GenerateReq
-    matcher: Future
-    deadline: float  # time.monotonic()
+    compiled: Future
+    since: float  # time.monotonic()
 
 
 @dataclass(frozen=True)
 class Ready:
-    """A request whose wait is over: `matcher` when compiled; else `problem` (a 400's message), or `failed`."""
+    """A request whose wait is over: `matcher` when compiled; else `problem` with its `status`, or `failed`."""
 
     m: GenerateReq
     matcher: Any = None
     problem: str = ""
+    status: int = 400
     failed: bool = False
 
 
@@ -43,7 +48,7 @@ class GrammarWait:
         self.grammars = grammars
         self.limit_s = limit_s
         self.waiting: dict[str, Waiting] = {}
-        # Called from the grammar thread when a compilation ends (the loop's wake-up).
+        # Called from a grammar thread when a compilation ends (the loop's wake-up).
         self.wake: Callable[[], None] = lambda: None
 
     def __len__(self) -> int:
@@ -53,27 +58,34 @@ class GrammarWait:
         grammar = m.params.grammar
         if grammar is None:
             raise ValueError("a request without a grammar does not wait for one")
-        matcher = self.grammars.submit(grammar)
-        matcher.add_done_callback(lambda _: self.wake())
-        self.waiting[m.rid] = Waiting(m, matcher, time.monotonic() + self.limit_s)
+        compiled = self.grammars.submit(grammar)
+        compiled.add_done_callback(lambda _: self.wake())
+        self.waiting[m.rid] = Waiting(m, compiled, time.monotonic())
 
     def abort(self, rid: str) -> bool:
         return self.waiting.pop(rid, None) is not None
 
     def poll(self) -> list[Ready]:
-        now, ready = time.monotonic(), []
+        ready = []
         for rid, w in list(self.waiting.items()):
-            if w.matcher.done() or now >= w.deadline:
+            outcome = self._outcome(w)
+            if outcome is not None:
                 del self.waiting[rid]
-                ready.append(self._outcome(w))
+                ready.append(outcome)
         return ready
 
-    def _outcome(self, w: Waiting) -> Ready:
-        if not w.matcher.done():
-            return Ready(w.m, problem=self.grammars.give_up(w.m.params.grammar or ""))
-        error = w.matcher.exception()
+    def _outcome(self, w: Waiting) -> Ready | None:
+        grammar = w.m.params.grammar or ""
+        if not w.compiled.done():
+            running = self.grammars.compiling_for(grammar)
+            if running is not None and running >= self.limit_s:
+                return Ready(w.m, problem=self.grammars.give_up(grammar))
+            if time.monotonic() - w.since >= QUEUED_LIMITS * self.limit_s:
+                return Ready(w.m, problem="the grammar compiler is busy with other grammars; retry", status=503)
+            return None
+        error = w.compiled.exception()
         if error is None:
-            return Ready(w.m, matcher=w.matcher.result())
+            return Ready(w.m, matcher=new_matcher(w.compiled.result()))
         if isinstance(error, ValueError):
             return Ready(w.m, problem=str(error))
         log.error("request %s: compiling its grammar failed", w.m.rid, exc_info=error)

@@ -94,8 +94,10 @@ class ModelRunner:
         except Exception:
             log.warning("sampling a batch of %d requests failed; sampling them one by one", len(rows), exc_info=True)
             rids = [batch.reqs[i].rid for i in rows]
+            each = zip(rids, starts, states, outputs, drafts, strict=True)
+            # A drafted request with a grammar may have advanced it in a round before the failure: it fails too.
             emitted = [
-                self._verify_one(logits, *row) for row in zip(rids, starts, states, outputs, drafts, strict=True)
+                None if row[4] and row[2].matcher is not None else self._verify_one(logits, *row) for row in each
             ]
         for i, e in zip(rows, emitted, strict=True):
             if e is None:
@@ -126,7 +128,7 @@ class ModelRunner:
         assert self.drafter is not None
         self.drafter.observe(batch, result, getattr(self.model, "hidden", None))
         for i, req in enumerate(batch.reqs):
-            if req.handoff and batch.samples[i]:
+            if req.handoff and batch.samples[i] and i not in result.failed:
                 req.draft_aux = self.drafter.handoff(req, result.tokens[i])
 
     def _outputs_so_far(self, req: Req, generated: int) -> list[int]:

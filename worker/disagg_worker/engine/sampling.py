@@ -250,8 +250,8 @@ class Sampler:
             idx = torch.tensor(rows, device=raw.device)
             tokens[idx] = self._draw(processed[idx] / _column(sub, "temperature", raw.device), sub)
         token_ids = tokens.tolist()
-        accept_rows(matchers, token_ids)
         logprobs, top = self._logprobs(raw, tokens, reqs)
+        accept_rows(matchers, token_ids)  # last: a sample that raises before it leaves every grammar where it was
         return SampleOutput(token_ids=token_ids, logprobs=logprobs, top_logprobs=top)
 
     def _draw(self, scaled: torch.Tensor, reqs: Sequence[SamplingState]) -> torch.Tensor:

@@ -296,7 +296,8 @@ class Scheduler:
             except Exception:
                 log.exception("request %s: processing its step failed", r.rid)
                 result.failed.add(i)
-            if i in result.failed and not r.finished:
+            # Still held here (not ended, not handed off): a failure may strike after its last token was taken.
+            if i in result.failed and self.by_rid.get(r.rid) is r:
                 self.fail(r, "producing its next token")
                 outcome.failed.append(r)
         return outcome

@@ -1,6 +1,8 @@
 """What the router holds to authenticate its clients, itself to the workers, and the targets it names.
 
-- Clients present one of the API keys (`--api-key`, `--api-key-file`; `server.auth`).
+- Clients present one of the API keys (`--api-key`, `--api-key-file`; `server.auth`). With keys set, the
+  detailed /health (worker addresses, pod names, pair errors) is shown only to a key holder or to the operator
+  (its key derived from the shared secret, `keys.HEALTH`); others get the plain status.
 - Every call to a worker carries the worker token derived from the model's shared secret
   (`--auth-token-file`, `keys.WORKER`).
 - Every request it routes names a bootstrap target (the prefill instance that holds the KV) with
@@ -18,6 +20,7 @@ import argparse
 from dataclasses import dataclass, field
 
 from disagg_worker import keys
+from disagg_worker.server.auth import authorized
 
 
 @dataclass(frozen=True)
@@ -27,6 +30,7 @@ class RouterAuth:
     target_key: str = field(default="", repr=False)
     kv_key: bytes = field(default=b"", repr=False)
     kv_key_id: str = ""
+    health_token: str = field(default="", repr=False)  # the operator's key to the detailed /health (`keys.HEALTH`)
 
     @classmethod
     def from_cli(cls, ns: argparse.Namespace) -> RouterAuth:
@@ -39,7 +43,16 @@ class RouterAuth:
             target_key=keys.derive(secret, keys.TARGET) if secret else "",
             kv_key=kv_key,
             kv_key_id=kv_key_id,
+            health_token=keys.derive(secret, keys.HEALTH) if secret else "",
         )
+
+    def shows_health_details(self, authorization: str) -> bool:
+        """Whether /health may list workers and pairs to this caller: always without API keys; with them, to a
+        caller presenting one, or the operator's health token."""
+        if not self.api_keys:
+            return True
+        accepted = [k.encode() for k in (*self.api_keys, self.health_token) if k]
+        return authorized(authorization, tuple(accepted))
 
     def worker_headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.worker_token}"} if self.worker_token else {}

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Any
 
 from aiohttp import web
 
@@ -30,7 +31,7 @@ DRAINING = "draining"
 # Bytes of request bodies one front end holds at once (being read, or held by admitted requests). Parsed, a body
 # takes up to ~5x its bytes (a list of token ids), so 128 MiB keeps them well inside a 1 GiB router or worker.
 BODY_BUDGET_BYTES = 128 << 20
-_BODY = web.RequestKey("body", bytes)
+_BODY: Any = web.RequestKey("body", bytes) if hasattr(web, "RequestKey") else "disagg.body"  # aiohttp < 3.12
 
 
 def body_of(request: web.Request) -> bytes:
@@ -131,11 +132,8 @@ def admission_middleware(admission: Admission, paths: frozenset[str] = GENERATIO
             raise refusal
         limit = admission.body_limit()
         check_length(request, limit)
-        with admission.holding_body() as take:
-            if request.content_length:
-                take(request.content_length)  # all at once: refused before a byte is read
-            counted = take if not request.content_length else lambda n: None
-            request[_BODY] = await read_body(request, limit, counted, admission.body_timeout_s)
+        with admission.holding_body() as take:  # counted as the bytes arrive: a stalled upload holds what it sent
+            request[_BODY] = await read_body(request, limit, take, admission.body_timeout_s)
             refusal = admission.refusal()  # the state may have changed while the body arrived
             if refusal is not None:
                 raise refusal

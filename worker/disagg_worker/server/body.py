@@ -37,16 +37,19 @@ async def read_body(
     arrived within `timeout_s`."""
     check_length(request, limit)
     chunks: list[bytes] = []
-    size = 0
+
+    async def read() -> None:
+        size = 0
+        async for chunk in request.content.iter_any():
+            size += len(chunk)
+            if size > limit:
+                raise too_large(limit)
+            take(len(chunk))
+            chunks.append(chunk)
+
     try:
-        async with asyncio.timeout(timeout_s):
-            async for chunk in request.content.iter_any():
-                size += len(chunk)
-                if size > limit:
-                    raise too_large(limit)
-                take(len(chunk))
-                chunks.append(chunk)
-    except TimeoutError:
+        await asyncio.wait_for(read(), timeout_s)
+    except asyncio.TimeoutError:
         message = f"The request body did not arrive within {timeout_s:g} s; send it at once."
         raise APIError(408, message, code="request_timeout") from None
     return b"".join(chunks)
