@@ -7,9 +7,11 @@ instances stay healthy, and each counts the frames it dropped."""
 from __future__ import annotations
 
 import concurrent.futures as cf
+import ipaddress
 import random
 import threading
 
+import psutil
 import pytest
 import requests
 import zmq
@@ -17,7 +19,7 @@ import zmq
 from disagg_worker import keys
 from disagg_worker.disagg.channel import MAX_FRAME_BYTES, seal
 from disagg_worker.disagg.messages import DecodeHello, RoomUpdate, encode
-from tests.integration.procs import PDStack, free_port, greedy, wait_until
+from tests.integration.procs import PDStack, Proc, free_port, greedy, wait_until
 from tests.integration.test_pd import FLAGS
 from tests.timing import scaled
 
@@ -105,3 +107,25 @@ def test_forged_control_frames_change_no_answer_and_are_counted(stack):
             timeout=10,
             what=f"{instance.url} counting the dropped frames",
         )
+
+
+def test_a_local_stack_listens_on_loopback_only_but_for_mooncakes_own_ports(tiny_model):
+    """`serve --local`: the router, the workers' HTTP ports, the bootstrap server and the KV control channels listen
+    on loopback. Mooncake 0.3.13 binds its two ports per engine (RPC/handshake, TCP data) on every interface
+    whatever address it is given (`MC_TCP_BIND_ADDRESS` only sets the one it advertises): they are the only
+    exception, found in the window the test gives Mooncake, and the README says so."""
+    low, high = 26000, 26100
+    port = free_port()
+    env = {"MC_MIN_RPC_PORT": str(low), "MC_MAX_RPC_PORT": str(high)}
+    stack = Proc(["serve", "--local", "--model", tiny_model, "--port", str(port)], port, env)
+    try:
+        stack.wait_healthy()
+        tree = [psutil.Process(stack.proc.pid), *psutil.Process(stack.proc.pid).children(recursive=True)]
+        listening = {
+            (c.laddr.ip, c.laddr.port) for p in tree for c in p.net_connections("tcp") if c.status == psutil.CONN_LISTEN
+        }
+        exposed = {(ip, p) for ip, p in listening if not ipaddress.ip_address(ip).is_loopback}
+        assert len(listening) > len(exposed) >= 2, listening  # the loopback ones are there too
+        assert all(low <= p <= high for _, p in exposed), f"listening outside loopback: {sorted(exposed)}"
+    finally:
+        stack.stop()

@@ -24,6 +24,7 @@ from aiohttp import web
 
 from disagg_worker.config import Role, ServerArgs
 from disagg_worker.disagg.bootstrap import BootstrapServer
+from disagg_worker.disagg.channel import bind_host
 from disagg_worker.model.tokenizer import Tokenizer
 from disagg_worker.ranks.process import group_inbox, spawn_schedulers
 from disagg_worker.server.admission import Admission
@@ -56,8 +57,10 @@ class EngineServer:
         a = self.args
         if a.engine.disagg.role is Role.PREFILL:
             d = a.engine.disagg
+            # On the advertised address, as the control channel: loopback in a local run, the pod's IP on Kubernetes.
+            host = bind_host(d.advertise_host)
             self.bootstrap = BootstrapServer(
-                d.bootstrap_port, d.attn_tp_size, d.pp_size, d.bootstrap_token, dp_size=d.dp_size
+                d.bootstrap_port, d.attn_tp_size, d.pp_size, d.bootstrap_token, host=host, dp_size=d.dp_size
             ).start()
         self.procs = spawn_schedulers(a.engine, self.to_engine, self.from_engine, a.log_level)
         d = a.engine.disagg
