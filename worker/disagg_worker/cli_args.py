@@ -4,7 +4,6 @@ configuration chain of `config.py` out (`server_args_from_cli`), the environment
 from __future__ import annotations
 
 import argparse
-import ipaddress
 from pathlib import Path
 
 from disagg_worker import keys
@@ -20,6 +19,7 @@ from disagg_worker.config import (
     ServerArgs,
     SpeculativeConfig,
 )
+from disagg_worker.disagg.channel import is_loopback
 from disagg_worker.env import WorkerEnv, load_env
 from disagg_worker.model.config import ModelConfig
 from disagg_worker.model.parallel import check_parallel
@@ -354,11 +354,7 @@ def check_exposure(d: DisaggConfig) -> None:
     control frames are not authenticated (`keys.control_key`) and its bootstrap server takes anyone's word."""
     if d.role is Role.MONOLITHIC or d.auth_token:
         return
-    try:  # a host name (even localhost) makes the control channel listen on every interface (`bind_host`)
-        loopback = ipaddress.ip_address(d.advertise_host).is_loopback
-    except ValueError:
-        loopback = False
-    if not loopback:
+    if not is_loopback(d.advertise_host):  # a host name (even localhost) listens on every interface (`bind_host`)
         raise ConfigError(
             f"--advertise-host {d.advertise_host} is reachable from other hosts: pass the model's secret "
             "(--auth-token-file), without which anyone who reaches this instance could steer its KV transfers"

@@ -57,6 +57,14 @@ def unseal(key: bytes, frame: bytes) -> bytes | None:
     return body if hmac.compare_digest(mac, hmac.new(key, body, hashlib.sha256).digest()) else None
 
 
+def is_loopback(host: str) -> bool:
+    """An IP address of the loopback interface (a host name is not: it may resolve anywhere)."""
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 def bind_host(advertise_host: str) -> str:
     """The address to listen on: the advertised one when it is an IP address, else all of them."""
     try:

@@ -24,7 +24,7 @@ from aiohttp import web
 
 from disagg_worker.config import Role, ServerArgs
 from disagg_worker.disagg.bootstrap import BootstrapServer
-from disagg_worker.disagg.channel import bind_host
+from disagg_worker.disagg.channel import is_loopback
 from disagg_worker.model.tokenizer import Tokenizer
 from disagg_worker.ranks.process import group_inbox, spawn_schedulers
 from disagg_worker.server.admission import Admission
@@ -57,8 +57,9 @@ class EngineServer:
         a = self.args
         if a.engine.disagg.role is Role.PREFILL:
             d = a.engine.disagg
-            # On the advertised address, as the control channel: loopback in a local run, the pod's IP on Kubernetes.
-            host = bind_host(d.advertise_host)
+            # Loopback only in a local run (advertised on loopback); on every interface otherwise, since this instance's
+            # own ranks register at 127.0.0.1 and decode comes through the pod's address (NetworkPolicy guards it).
+            host = d.advertise_host if is_loopback(d.advertise_host) else "0.0.0.0"
             self.bootstrap = BootstrapServer(
                 d.bootstrap_port, d.attn_tp_size, d.pp_size, d.bootstrap_token, host=host, dp_size=d.dp_size
             ).start()
