@@ -27,7 +27,7 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 # Debian packages the worker links at run time: Mooncake's wheel needs them but does not ship them (the worker
 # image installs the same list). TOOL_PACKAGES: what the test clusters' LeaderWorkerSet start-up calls
 # (hack/k8s/lws.sh: a CA made with openssl, readiness with curl); not needed in the image.
-SYSTEM_PACKAGES := libibverbs1 libnuma1 libcurl4
+SYSTEM_PACKAGES := libibverbs1 ibverbs-providers libnuma1 libcurl4
 TOOL_PACKAGES := openssl curl
 
 $(STAMP): pyproject.toml

@@ -56,7 +56,7 @@ def test_worker_image_runs_disagg_and_ships_the_libraries_mooncake_links():
     text = (REPO / "Dockerfile.worker").read_text()
     assert re.search(r'^ENTRYPOINT \["disagg"\]$', text, re.M)
     packages = re.search(r"^SYSTEM_PACKAGES := (.+)$", (REPO / "Makefile").read_text(), re.M).group(1).split()
-    assert {"libibverbs1", "libnuma1", "libcurl4"} <= set(packages)
+    assert {"libibverbs1", "ibverbs-providers", "libnuma1", "libcurl4"} <= set(packages)
     installed = re.search(r"apt-get install -y --no-install-recommends ([^\\]+)", text).group(1).split()
     assert set(packages) <= set(installed), installed
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -113,3 +115,19 @@ def test_directory_without_weights_is_a_clear_error(tiny_dirs, tmp_path):
     shutil.copytree(tiny_dirs["llama"], path, ignore=shutil.ignore_patterns("*.safetensors"))
     with pytest.raises(FileNotFoundError, match="model.safetensors"):
         load_model(path, "float32", "cpu")
+
+
+def test_a_hugging_face_model_loads_and_tokenizes_without_gguf(tiny_model):
+    """gguf (llama.cpp's format) is needed for GGUF files only: an image or machine without it serves a Hugging
+    Face directory. Any import of gguf raises in this process."""
+    code = f"""
+import sys
+sys.modules["gguf"] = None
+from disagg_worker.model.loader import load_model
+from disagg_worker.model.tokenizer import Tokenizer
+model, cfg = load_model({tiny_model!r}, "float32", "cpu")
+print(cfg.vocab_size, len(Tokenizer.from_path({tiny_model!r}).encode("hello")) > 0)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == [str(load_model(tiny_model, "float32", "cpu")[1].vocab_size), "True"]

@@ -140,3 +140,18 @@ def test_a_sliced_send_is_as_few_writes_as_a_whole_page_send():
     dst = SliceSide([1 << 40, 1 << 41], list(range(20, 28)), shape.slice_nbytes(2) * 1, token)
     assert len(slice_writes(gathered, dst, PAGE_SIZE, token)) == 2
     assert len(slice_writes(src, dst, PAGE_SIZE, token)) == 8 * PAGE_SIZE * 2
+
+
+def test_the_layout_of_a_pool_carries_its_buffers_as_byte_tensors_on_the_pools_device():
+    """Staged and head-sliced pages are gathered and scattered through these (tensor operations on the pool's
+    device), not through views of raw addresses, which the CPU cannot make of device memory."""
+    from disagg_worker.disagg.base import KVLayout
+    from disagg_worker.mem.kv_pool import KVPool
+
+    pool = KVPool(num_layers=2, num_pages=4, page_size=2, num_kv_heads=2, head_dim=4, dtype=torch.float32)
+    layout = KVLayout.from_pool(pool, "float32")
+    assert len(layout.buffers) == len(pool.buffers()) == len(layout.buffer_ptrs)
+    for view, buf in zip(layout.buffers, pool.buffers(), strict=True):
+        assert view.dtype == torch.uint8 and view.device == buf.device and view.data_ptr() == buf.data_ptr()
+        view[:4] = torch.tensor([0, 0, 128, 63], dtype=torch.uint8)  # 1.0f, little-endian: written into the pool
+        assert buf.reshape(-1)[0].item() == 1.0

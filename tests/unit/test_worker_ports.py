@@ -66,6 +66,7 @@ def test_an_address_others_reach_with_the_models_secret_starts(tmp_path):
         (["--transfer-ports-per-rank", "1"], {}, "at least 2"),
         (["--control-port", "80"], {}, "--control-port 80"),
         (["--advertise-host", "10.1.2.3"], {}, "--advertise-host 10.1.2.3 is reachable from other hosts"),
+        (["--device", "cuda"], {}, "the installed Mooncake build (mooncake-transfer-engine-non-cuda) cannot read"),
         (["--advertise-host", "decode-0.decode"], {}, "pass the model's secret (--auth-token-file)"),
         (["--tp-size", "4", "--transfer-port-base", "65530"], {}, "the 32 port(s) of 4 rank(s)"),
     ],

@@ -20,6 +20,7 @@ from disagg_worker.config import (
     SpeculativeConfig,
 )
 from disagg_worker.disagg.channel import is_loopback
+from disagg_worker.disagg.mooncake.environ import device_problem
 from disagg_worker.env import WorkerEnv, load_env
 from disagg_worker.model.config import ModelConfig
 from disagg_worker.model.parallel import check_parallel
@@ -337,6 +338,9 @@ def server_args_from_cli(
     )
     check_model(engine)
     check_exposure(engine.disagg)
+    problem = device_problem(engine.disagg, engine.device)
+    if problem:
+        raise ConfigError(problem)
     return ServerArgs(
         engine=engine,
         host=ns.host,

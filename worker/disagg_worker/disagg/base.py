@@ -17,7 +17,10 @@ import struct
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
 
 from disagg_worker.config import DisaggConfig, Role
 from disagg_worker.disagg.metrics import TransferMetrics
@@ -62,6 +65,9 @@ class KVLayout:
     # A draft model's KV kept after the model's layers (EAGLE/STANDALONE speculation), named so that both
     # sides of a transfer check they hold the same: "" for none.
     draft_kv: str = ""
+    # The buffers themselves as flat uint8 tensors on the pool's device (`from_pool`), for gathering and
+    # scattering staged or head-sliced pages with tensor operations there; () for a layout made of addresses.
+    buffers: tuple[Any, ...] = field(default=(), compare=False, repr=False)
 
     def __post_init__(self) -> None:
         per_layer = self.kind.buffers_per_layer
@@ -98,6 +104,7 @@ class KVLayout:
             raise ValueError(f"KV heads {kv_heads} are not the pool's {pool.num_kv_heads} heads")
         bufs = pool.buffers()
         return cls(
+            buffers=tuple(b.reshape(-1).view(torch.uint8) for b in bufs),
             buffer_ptrs=[b.data_ptr() for b in bufs],
             buffer_nbytes=[b.numel() * b.element_size() for b in bufs],
             page_nbytes=pool.page_nbytes,

@@ -265,6 +265,8 @@ class Engine:
     def process(self, batch: ScheduledBatch, result: StepResult) -> None:
         outcome = self.scheduler.process(batch, result)
         if self.stage is not None:
+            if outcome.chunks or outcome.handed_off:  # pages about to go to the transfer: written first
+                self.runner.wait_kv_written()
             self.stage.on_step(outcome)
 
     def take_outputs(self) -> list[msg.TokenOut]:

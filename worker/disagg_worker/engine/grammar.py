@@ -287,7 +287,8 @@ def mask_rows(logits: torch.Tensor, matchers: Sequence[Any]) -> torch.Tensor:
     bitmask = _bitmask(len(matchers), out.shape[1])
     for i in rows:
         matchers[i].fill_next_token_bitmask(bitmask, i)
-    xgr.apply_token_bitmask_inplace(out, bitmask, indices=rows)
+    # The masks are filled on the CPU (xgrammar's matchers write host memory); applied where the logits are.
+    xgr.apply_token_bitmask_inplace(out, bitmask.to(out.device, non_blocking=True), indices=rows)
     return out
 
 

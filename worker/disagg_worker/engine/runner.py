@@ -56,6 +56,7 @@ class ModelRunner:
         self.device = device
         self.sampler = Sampler(vocab_size, device=device)
         self._last: dict[int, int] = {}
+        self._kv_written: torch.cuda.Event | None = None  # the last forward's, on a CUDA device
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> StepResult:
@@ -71,7 +72,17 @@ class ModelRunner:
         """This rank's part of the forward: logits on the last stage, hidden states before it."""
         if self.model is None:  # no-op forward: measures everything but the model
             return torch.zeros(fwd.num_logit_rows, self.vocab_size)
-        return self.model(fwd, self.kv_pool, hidden)
+        out = self.model(fwd, self.kv_pool, hidden)
+        if self.kv_pool.device.type == "cuda":  # the KV this forward writes is there once the event is
+            self._kv_written = torch.cuda.Event()
+            self._kv_written.record()
+        return out
+
+    def wait_kv_written(self) -> None:
+        """Block until the KV of the forwards run so far is in the pool (a device's kernels run after their launch:
+        pages handed to the transfer before would send what is not written yet). Nothing to wait for on a CPU."""
+        if self._kv_written is not None:
+            self._kv_written.synchronize()
 
     @torch.inference_mode()
     def sample(self, batch: ScheduledBatch, logits: torch.Tensor) -> StepResult:

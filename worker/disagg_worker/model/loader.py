@@ -15,22 +15,23 @@ import json
 import logging
 import re
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
-from gguf import GGUFReader
 from safetensors import safe_open
 from tqdm import tqdm
 
-from disagg_worker.model import gguf_model
 from disagg_worker.model.config import ModelConfig
 from disagg_worker.model.cpu_linear import can_pack, pack_linears
 from disagg_worker.model.decoder import CausalLM, Collectives
-from disagg_worker.model.gguf_meta import open_gguf
 from disagg_worker.model.moe import keeps_fp32
 from disagg_worker.model.parallel import Shard, check_parallel, shard_slice
 from disagg_worker.model.quant import check_int4_kernel, quantize_linears
 from disagg_worker.model.registry import build_model
 from disagg_worker.model.source import find_gguf
+
+if TYPE_CHECKING:
+    from gguf import GGUFReader
 
 log = logging.getLogger(__name__)
 PROGRESS_MIN_BYTES = 200 * 1024 * 1024
@@ -60,7 +61,7 @@ def load_model(
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     shard = shard or Shard()
     gguf_file = find_gguf(path)
-    reader = open_gguf(gguf_file) if gguf_file is not None else None
+    reader = _open_gguf(gguf_file) if gguf_file is not None else None
     cfg = gguf_config(reader) if reader is not None else ModelConfig.from_hf_dir(Path(path))
     problem = check_parallel(cfg, shard.tp_size, shard.pp_size, shard.ep_size, shard.dp_size)
     if problem:
@@ -91,7 +92,7 @@ def load_model(
 def model_config(path: str | Path) -> ModelConfig:
     """The config of the model at `path` (a Hugging Face directory or a GGUF file), without its weights."""
     gguf_file = find_gguf(path)
-    return gguf_config(open_gguf(gguf_file)) if gguf_file is not None else ModelConfig.from_hf_dir(Path(path))
+    return gguf_config(_open_gguf(gguf_file)) if gguf_file is not None else ModelConfig.from_hf_dir(Path(path))
 
 
 def weight_files(path: Path) -> list[Path]:
@@ -121,8 +122,16 @@ def _read_hf_dir(
     return _read(names_by_file, mine, cfg, shard, dtype, device)
 
 
+def _open_gguf(path: Path) -> GGUFReader:
+    from disagg_worker.model.gguf_meta import open_gguf  # gguf is needed for GGUF files only
+
+    return open_gguf(path)
+
+
 def gguf_config(reader: GGUFReader) -> ModelConfig:
     """The model config of an open GGUF file."""
+    from disagg_worker.model import gguf_model
+
     return ModelConfig.from_hf_dict(gguf_model.hf_config(reader))
 
 
@@ -138,6 +147,8 @@ def read_gguf(
     """The dequantised weights of an open GGUF file (the parameters in `mine`, each sliced to what `shard`
     holds; default: all of them, whole); quantisation types and tensor names are checked before anything
     is dequantised."""
+    from disagg_worker.model import gguf_model
+
     gguf_model.check_tensor_types(reader, path)
     expected = _expected_names(cfg)
     _check_names(expected, set(gguf_model.tensor_names(reader).values()), cfg)

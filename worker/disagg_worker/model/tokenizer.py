@@ -21,8 +21,6 @@ import jinja2.ext
 import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from disagg_worker.model.gguf_meta import end_of_turn_ids, open_gguf
-from disagg_worker.model.gguf_tokenizer import tokenizer_from_gguf
 from disagg_worker.model.source import find_gguf
 
 
@@ -56,6 +54,9 @@ class Tokenizer:
     @classmethod
     def from_gguf(cls, path: str | Path) -> Tokenizer:
         """Rebuild the tokenizer from a GGUF file's metadata (see `gguf_tokenizer.py`)."""
+        from disagg_worker.model.gguf_meta import end_of_turn_ids, open_gguf  # gguf: for GGUF files only
+        from disagg_worker.model.gguf_tokenizer import tokenizer_from_gguf
+
         reader = open_gguf(path)
         tok, tcfg = tokenizer_from_gguf(reader)
         return cls.from_parts(tok, tcfg, end_of_turn_ids(reader), tcfg.get("chat_template"))

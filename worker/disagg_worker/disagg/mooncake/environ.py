@@ -8,8 +8,16 @@ library code never writes `os.environ`.
 
 from __future__ import annotations
 
+from importlib import metadata
+
 from disagg_worker.config import DisaggConfig, Role
 
+# The Mooncake builds on PyPI, by distribution name, and whether their engine reads device (CUDA) memory.
+BUILDS = {
+    "mooncake-transfer-engine-non-cuda": False,
+    "mooncake-transfer-engine": True,  # CUDA 12
+    "mooncake-transfer-engine-cuda13": True,  # CUDA 13, as PyPI's torch
+}
 TCP_LANES = "MC_TCP_LANES_PER_PEER"
 MIN_PORT = "MC_MIN_RPC_PORT"
 MAX_PORT = "MC_MAX_RPC_PORT"
@@ -40,3 +48,27 @@ def mooncake_environ(cfg: DisaggConfig, rank: int = 0) -> dict[str, str]:
         elif cfg.tcp_lanes > 0:
             out[TCP_LANES] = str(cfg.tcp_lanes)
     return out
+
+
+def installed_build() -> str | None:
+    """The distribution name of the installed Mooncake build (None: none is installed)."""
+    for name in BUILDS:
+        try:
+            metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+        return name
+    return None
+
+
+def device_problem(cfg: DisaggConfig, device: str) -> str:
+    """Why this instance's KV on `device` cannot be sent or received by the installed Mooncake ("" if it can)."""
+    if device == "cpu" or cfg.role is Role.MONOLITHIC or cfg.transfer_backend != "mooncake":
+        return ""
+    build = installed_build()
+    if build is not None and BUILDS[build]:
+        return ""
+    return (
+        f"--device {device}: the installed Mooncake build ({build or 'none'}) cannot read device memory, so it could "
+        "not move this instance's KV; install the mooncake-cuda13 extra (mooncake-transfer-engine-cuda13)"
+    )

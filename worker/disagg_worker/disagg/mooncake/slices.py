@@ -119,7 +119,7 @@ def gather_heads(pool: torch.Tensor, shape: PageShape, first: int, count: int, p
     src, dst = _views(pool, out, shape, first, count)
     runs = _few_runs(pages)
     if runs is None:
-        torch.index_select(src, 0, torch.tensor(pages, dtype=torch.int64), out=dst)
+        torch.index_select(src, 0, torch.tensor(pages, dtype=torch.int64, device=src.device), out=dst)
         return
     for p, k, n in runs:
         dst[k : k + n].copy_(src[p : p + n])
@@ -131,7 +131,7 @@ def scatter_heads(block: torch.Tensor, shape: PageShape, first: int, count: int,
     dst, src = _views(pool, block, shape, first, count)
     runs = _few_runs(pages)
     if runs is None:
-        dst.index_copy_(0, torch.tensor(pages, dtype=torch.int64), src)
+        dst.index_copy_(0, torch.tensor(pages, dtype=torch.int64, device=dst.device), src)
         return
     for p, k, n in runs:
         dst[p : p + n].copy_(src[k : k + n])

@@ -48,21 +48,21 @@ def _as_pages(pool: torch.Tensor, block: torch.Tensor, page_nbytes: int) -> tupl
 def gather(buffer: torch.Tensor, page_nbytes: int, pages: list[int], out: torch.Tensor) -> None:
     """Copy `pages` of `buffer` (uint8) into `out` (uint8, len(pages) pages), in order."""
     src, dst = _as_pages(buffer, out, page_nbytes)
-    torch.index_select(src, 0, torch.tensor(pages, dtype=torch.int64), out=dst)
+    torch.index_select(src, 0, torch.tensor(pages, dtype=torch.int64, device=src.device), out=dst)
 
 
 def scatter(block: torch.Tensor, page_nbytes: int, buffer: torch.Tensor, pages: list[int]) -> None:
     """Copy page `k` of `block` (uint8) to page `pages[k]` of `buffer` (uint8)."""
     dst, src = _as_pages(buffer, block, page_nbytes)
-    dst.index_copy_(0, torch.tensor(pages, dtype=torch.int64), src)
+    dst.index_copy_(0, torch.tensor(pages, dtype=torch.int64, device=dst.device), src)
 
 
 class StagingArea:
     """A byte region (registered with the transfer engine by its owner) handed out in
-    aligned ranges, first fit. Thread-safe."""
+    aligned ranges, first fit, on the KV pool's device (staging copies run there). Thread-safe."""
 
-    def __init__(self, nbytes: int = TUNING.transfer.staging_nbytes):
-        self.tensor = torch.empty(nbytes, dtype=torch.uint8)
+    def __init__(self, nbytes: int = TUNING.transfer.staging_nbytes, device: torch.device | str = "cpu"):
+        self.tensor = torch.empty(nbytes, dtype=torch.uint8, device=device)
         self.nbytes = nbytes
         self._free: list[tuple[int, int]] = [(0, nbytes)]  # (offset, nbytes), sorted by offset
         self._lock = threading.Lock()
@@ -100,11 +100,14 @@ class StagingArea:
 
 def open_registered(cfg: DisaggConfig, layout: KVLayout) -> tuple[MooncakeEngine, list[torch.Tensor], StagingArea]:
     """A transfer engine with the KV buffers and a fresh staging area registered once, plus byte
-    views of the KV buffers (for gathering and scattering staged rooms). Both managers start so."""
+    views of the KV buffers (for gathering and scattering staged rooms), on the pool's device: the
+    layout's own tensors; raw views of its addresses only for a layout made of host addresses. Both
+    managers start so."""
     engine = MooncakeEngine(cfg.advertise_host, cfg.transfer_protocol, cfg.ib_device)
     buffers = list(zip(layout.buffer_ptrs, layout.buffer_nbytes, strict=True))
     for ptr, n in buffers:
         engine.register(ptr, n)
-    staging = StagingArea()
+    views = list(layout.buffers) if layout.buffers else [raw_bytes(ptr, n) for ptr, n in buffers]
+    staging = StagingArea(device=views[0].device if views else "cpu")
     engine.register(staging.ptr, staging.nbytes)
-    return engine, [raw_bytes(ptr, n) for ptr, n in buffers], staging
+    return engine, views, staging
