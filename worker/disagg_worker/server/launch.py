@@ -24,7 +24,6 @@ from aiohttp import web
 
 from disagg_worker.config import Role, ServerArgs
 from disagg_worker.disagg.bootstrap import BootstrapServer
-from disagg_worker.disagg.channel import is_loopback
 from disagg_worker.model.tokenizer import Tokenizer
 from disagg_worker.ranks.process import group_inbox, spawn_schedulers
 from disagg_worker.server.admission import Admission
@@ -35,6 +34,7 @@ from disagg_worker.server.frontend import Frontend
 from disagg_worker.server.metrics import ServerMetrics
 
 log = logging.getLogger(__name__)
+LOCAL_HOST = "127.0.0.1"
 
 STARTUP_TIMEOUT_S = 600.0
 
@@ -57,9 +57,10 @@ class EngineServer:
         a = self.args
         if a.engine.disagg.role is Role.PREFILL:
             d = a.engine.disagg
-            # Loopback only in a local run (advertised on loopback); on every interface otherwise, since this instance's
-            # own ranks register at 127.0.0.1 and decode comes through the pod's address (NetworkPolicy guards it).
-            host = d.advertise_host if is_loopback(d.advertise_host) else "0.0.0.0"
+            # This instance's own ranks register at 127.0.0.1 (`DisaggConfig.leader_host`): loopback only in a local run
+            # (advertised there too); every interface otherwise, decode coming through the pod's address (NetworkPolicy
+            # guards it).
+            host = LOCAL_HOST if d.advertise_host == LOCAL_HOST else "0.0.0.0"
             self.bootstrap = BootstrapServer(
                 d.bootstrap_port, d.attn_tp_size, d.pp_size, d.bootstrap_token, host=host, dp_size=d.dp_size
             ).start()
