@@ -30,6 +30,7 @@ from disagg_operator.builders.ports import role_listeners
 from disagg_operator.config import OperatorConfig
 from disagg_operator.names import REVISION_LABEL
 from disagg_operator.observe import RoleObservation
+from disagg_operator.probe_auth import health_token
 from disagg_operator.prober import read_routers
 from disagg_operator.routerview import (
     PairResult,
@@ -218,9 +219,13 @@ def test_the_operator_reads_the_verified_path_from_the_launched_router(launched)
         {**yaml.safe_load(EXAMPLE.read_text()), "metadata": {"name": "tiny", "namespace": "default"}}
     )
 
-    def view():
-        reports = asyncio.run(read_routers({"uid": {"tiny-router-0": POD_IPS["router"]}}, scaled(5.0)))["uid"]
-        return merge_reports(reports)
+    operator = {"uid": health_token(TOKEN)}
+
+    def view(tokens: dict[str, str] | None = None):
+        # With API keys on the router (the CR's apiKeySecret), the details are for the operator's key.
+        tokens = operator if tokens is None else tokens
+        targets = {"uid": {"tiny-router-0": POD_IPS["router"]}}
+        return merge_reports(asyncio.run(read_routers(targets, scaled(5.0), tokens))["uid"])
 
     def both_workers_read():
         # The router reads each worker's /health on its own schedule: one may be in its report before the other.
@@ -237,6 +242,8 @@ def test_the_operator_reads_the_verified_path_from_the_launched_router(launched)
     assert handoff_condition(seen)[:2] == ("False", "Flowing")
     assert transfer_status(seen)["decode"] == {"bootstrapFailures": 0, "transferFailures": 0}
     assert sorted(w.pod for w in seen.workers) == ["tiny-decode-0", "tiny-prefill-0"]
+    anonymous = view({})
+    assert anonymous.reached == 1 and not anonymous.workers and not anonymous.pairs  # the status alone
     unreachable = merge_reports(asyncio.run(read_routers({"uid": {"tiny-router-1": "127.0.0.99"}}, 1.0))["uid"])
     assert unreachable.reached == 0 and pairing_condition(spec, RoleObservation(1, 0, 1), unreachable)[0] == "Unknown"
 

@@ -190,3 +190,17 @@ def test_logit_bias_moves_a_token_in_or_out_of_reach():
     none = SamplingState.create(SamplingParams(temperature=0.0), [1, 2])
     out = Sampler(VOCAB).sample(logits.expand(3, VOCAB).clone(), [pick, ban, none])
     assert out.token_ids[0] == 3 and out.token_ids[1] != 9 and out.token_ids[2] == 9
+
+
+def test_a_transfer_failure_tells_the_client_its_cause_but_no_peer_room_or_address():
+    from disagg_worker.engine.outbox import transfer_error
+
+    reason = (
+        "prefill instance 10.1.2.3:8998 (tiny-prefill-0.tiny-prefill:8998): room 4242 aborted by decode "
+        "0123456789abcdef"
+    )
+    message = transfer_error("r1", "KV transfer failed", reason)
+    assert message == (
+        "KV transfer failed: prefill instance <address> (<address>): room <id> aborted by decode <id> "
+        "(the server log has the details under request id r1)"
+    )

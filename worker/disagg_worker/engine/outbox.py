@@ -7,6 +7,7 @@ takes what accumulated after each step and sends it as one `BatchOut`.
 from __future__ import annotations
 
 import logging
+import re
 
 from disagg_worker.engine.request import Req
 from disagg_worker.messages import TokenOut
@@ -15,11 +16,29 @@ log = logging.getLogger(__name__)
 TopLogprobs = list[tuple[int, float]]
 
 
+# What a transfer's failure reason may name that a client must not learn (a forgery would need it): addresses and
+# endpoints, room ids, decode and instance ids. The words around them (the cause) stay.
+_IDENTIFIERS = (
+    (re.compile(r"\b[a-z]+://\S+"), "<endpoint>"),
+    (re.compile(r"\[?[0-9a-fA-F:]*:[0-9a-fA-F:]+\]?:\d+|\b\d{1,3}(\.\d{1,3}){3}(:\d+)?"), "<address>"),
+    (re.compile(r"\b[\w.-]*[a-zA-Z][\w.-]*:\d{2,5}\b"), "<address>"),  # host name:port
+    (re.compile(r"\b(room|rooms)\s+\d+"), r"\1 <id>"),
+    (re.compile(r"\b[0-9a-f]{16,}\b"), "<id>"),
+)
+
+
+def redact(reason: str) -> str:
+    """`reason` without the identifiers a client must not learn."""
+    for pattern, replacement in _IDENTIFIERS:
+        reason = pattern.sub(replacement, reason)
+    return reason
+
+
 def transfer_error(rid: str, what: str, reason: str) -> str:
-    """A client's message for a failed KV transfer: what failed, not the reason, which names rooms, peers and
-    addresses (it is logged here under the request id)."""
+    """A client's message for a failed KV transfer: what failed and why, without the rooms, peers and addresses the
+    reason names (logged whole here, under the request id)."""
     log.warning("request %s: %s: %s", rid, what, reason)
-    return f"{what}; the server log has the details under request id {rid}."
+    return f"{what}: {redact(reason)} (the server log has the details under request id {rid})"
 
 
 def internal_error(rid: str, what: str) -> str:
