@@ -9,11 +9,10 @@ import json
 import pytest
 import torch
 
-from disagg_worker import messages as msg
 from disagg_worker.config import CacheConfig, EngineConfig, SchedulerConfig
 from disagg_worker.engine.engine import Engine
-from disagg_worker.engine.loop import Stepper
 from disagg_worker.engine.sampling import SamplingParams
+from tests.unit.test_engine import run_all, tokens_of
 
 GREEDY = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
 PROMPTS = [list(range(20 + 13 * i, 20 + 13 * i + 5 + 9 * i)) for i in range(8)]
@@ -30,24 +29,11 @@ def engine(model: str, device: str, max_running: int = 64) -> Engine:
 
 
 def run(e: Engine, requests: list[tuple[list[int], SamplingParams]]) -> list[list[int]]:
-    stepper = Stepper(e, overlap=True)
-    for i, (ids, params) in enumerate(requests):
-        e.handle(msg.GenerateReq(str(i), ids, params))
-    outs: dict[str, list[msg.TokenOut]] = {}
-    steps = 0
-    while stepper.busy:
-        stepper.step()
-        steps += 1
-        assert steps < 20_000, "the engine did not finish"
-        for o in e.take_outputs():
-            outs.setdefault(o.rid, []).append(o)
-    stepper.close()
-    for o in e.take_outputs():
-        outs.setdefault(o.rid, []).append(o)
-    assert e.pages_accounted()
+    """Each request's tokens (run_all: overlap on, every page accounted for afterwards); none may fail."""
+    outs = run_all(e, requests, overlap=True)
     for rid, got in outs.items():
         assert not got[-1].error, (rid, got[-1].error)
-    return [[t for o in outs[str(i)] for t in o.token_ids] for i in range(len(requests))]
+    return [tokens_of(outs[str(i)]) for i in range(len(requests))]
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3"])
