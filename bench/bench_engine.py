@@ -33,12 +33,12 @@ from pathlib import Path
 import aiohttp
 import torch
 
-from disagg_worker import messages as msg
 from disagg_worker.bench import serve as serve_bench
 from disagg_worker.config import EngineConfig, SchedulerConfig
 from disagg_worker.engine.engine import Engine
-from disagg_worker.engine.loop import Stepper
 from disagg_worker.engine.sampling import SamplingParams
+from disagg_worker.instance.loop import Stepper
+from disagg_worker.request import messages as msg
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import DISAGG, LATENCY_KEYS, RESULTS, Serve, bench_args, machine_info, pick  # noqa: E402

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import pytest
 
-from disagg_worker import messages as msg
 from disagg_worker.config import ConfigError, DisaggConfig, Role
 from disagg_worker.disagg import KVPoll
-from disagg_worker.engine.loop import Stepper
-from disagg_worker.engine.params import SamplingParams
+from disagg_worker.instance.loop import Stepper
 from disagg_worker.keys import LOCAL_PREFILL, TARGET, derive, sign_target
+from disagg_worker.request import messages as msg
+from disagg_worker.request.params import SamplingParams
 from tests.unit.test_decode_quarantine import ROOMS, decode_engine
 
 PAGE = 4  # decode_engine's page size

@@ -7,13 +7,13 @@ from __future__ import annotations
 import itertools
 from dataclasses import replace
 
-from disagg_worker import messages as msg
 from disagg_worker.config import CacheConfig, DisaggConfig, EngineConfig, Role, SchedulerConfig
 from disagg_worker.disagg import KVManager, KVPoll, KVReceiver, TransferFailure
 from disagg_worker.engine.engine import Engine
-from disagg_worker.engine.loop import Stepper
-from disagg_worker.engine.params import SamplingParams
+from disagg_worker.instance.loop import Stepper
 from disagg_worker.keys import TARGET, derive, sign_target
+from disagg_worker.request import messages as msg
+from disagg_worker.request.params import SamplingParams
 
 ROOMS = itertools.count(7000)
 

@@ -7,14 +7,14 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from disagg_worker import keys
-from disagg_worker import messages as msg
 from disagg_worker.config import ConfigError, DisaggConfig
+from disagg_worker.request import messages as msg
+from disagg_worker.request.errors import APIError
+from disagg_worker.request.route import bootstrap_of
 from disagg_worker.router.auth import RouterAuth
 from disagg_worker.router.payload import SharedBody
 from disagg_worker.router.workers import GroupPolicy, Worker
-from disagg_worker.server.errors import APIError
 from disagg_worker.server.groups import choose_group, group_problem, merge_exposition, merge_stats
-from disagg_worker.server.route_fields import bootstrap_of
 
 BOOT = msg.BootstrapInfo("10.0.0.1", 8998, room=7)
 

@@ -13,16 +13,16 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from disagg_worker import messages as msg
 from disagg_worker.config import CacheConfig, ConfigError, DisaggConfig, EngineConfig, Role, SchedulerConfig
 from disagg_worker.config import SpeculativeConfig as Spec
 from disagg_worker.engine import drafting
 from disagg_worker.engine.engine import Engine
-from disagg_worker.engine.loop import Stepper
 from disagg_worker.engine.sampling import Sampler, SamplingParams, SamplingState
 from disagg_worker.engine.speculative import ACCEPTED, DRAFTED, verify
+from disagg_worker.instance.loop import Stepper
 from disagg_worker.model.eagle import make_eagle_head
 from disagg_worker.model.tiny import make_tiny
+from disagg_worker.request import messages as msg
 from tests.unit.test_speculative import answer, assert_same_answer, requests, run
 
 STEPS = 3  # page size 4: a step's drafts and its last known token fill one page

@@ -11,11 +11,11 @@ import threading
 
 import pytest
 
-from disagg_worker import messages as msg
 from disagg_worker.config import CacheConfig, EngineConfig, SchedulerConfig
 from disagg_worker.engine.engine import Engine
-from disagg_worker.engine.loop import Stepper
 from disagg_worker.engine.sampling import SamplingParams
+from disagg_worker.instance.loop import Stepper
+from disagg_worker.request import messages as msg
 
 
 def make_engine(

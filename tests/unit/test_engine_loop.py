@@ -8,7 +8,7 @@ import time
 
 import zmq
 
-from disagg_worker.engine.loop import EngineLoop
+from disagg_worker.instance.loop import EngineLoop
 from tests.timing import scaled
 
 

@@ -14,12 +14,12 @@ from concurrent.futures import Future
 import pytest
 import torch
 
-from disagg_worker import messages as msg
 from disagg_worker.engine.engine import Engine
-from disagg_worker.engine.params import MAX_STOP_TOKEN_IDS, SamplingParams
 from disagg_worker.engine.sampling import Sampler, SamplingState
-from disagg_worker.limits import RequestLimits
-from disagg_worker.server.errors import APIError
+from disagg_worker.request import messages as msg
+from disagg_worker.request.errors import APIError
+from disagg_worker.request.limits import RequestLimits
+from disagg_worker.request.params import MAX_STOP_TOKEN_IDS, SamplingParams
 from disagg_worker.server.protocol import parse_chat, parse_completion
 from tests.unit.test_engine import GREEDY, assert_idle_accounting, make_engine, tokens_of, varied_prompts
 
@@ -37,7 +37,7 @@ class ExplodingMatcher:
 
 
 def run(engine: Engine, overlap: bool, prepare=lambda engine: None) -> dict[str, list[msg.TokenOut]]:
-    from disagg_worker.engine.loop import Stepper
+    from disagg_worker.instance.loop import Stepper
 
     stepper = Stepper(engine, overlap)
     prepare(engine)

@@ -27,7 +27,7 @@ def test_spawning_the_ranks_of_a_multi_rank_instance_imports_no_torch_in_the_htt
         ctx = types.SimpleNamespace(Process=lambda **kw: started.append(kw) or proc)
         mp.get_context = lambda kind: ctx
         from disagg_worker.config import DisaggConfig, EngineConfig
-        from disagg_worker.ranks.process import spawn_schedulers
+        from disagg_worker.instance.process import spawn_schedulers
         spawn_schedulers(EngineConfig("m", disagg=DisaggConfig(tp_size=2)), "ipc:///tmp/a", "ipc:///tmp/b", "info")
         print(len(started), "torch" in sys.modules)
         """

@@ -8,11 +8,11 @@ from dataclasses import replace
 
 import pytest
 
-from disagg_worker import messages as msg
 from disagg_worker.config import CacheConfig, DisaggConfig, EngineConfig, Role, SchedulerConfig
 from disagg_worker.engine.engine import Engine
-from disagg_worker.engine.loop import Stepper
-from disagg_worker.engine.params import SamplingParams
+from disagg_worker.instance.loop import Stepper
+from disagg_worker.request import messages as msg
+from disagg_worker.request.params import SamplingParams
 
 ROOMS = itertools.count(1000)
 

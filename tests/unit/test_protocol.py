@@ -9,8 +9,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from disagg_worker.engine.sampling import SamplingParams
-from disagg_worker.limits import RequestLimits
-from disagg_worker.server.errors import APIError
+from disagg_worker.request.errors import APIError
+from disagg_worker.request.limits import RequestLimits
 from disagg_worker.server.protocol import (
     ChatRequest,
     CompletionRequest,

@@ -3,8 +3,8 @@
 import pytest
 
 from disagg_worker.config import EngineConfig
+from disagg_worker.instance.process import rank_config
 from disagg_worker.model.parallel import Shard
-from disagg_worker.ranks.process import rank_config
 
 
 def shards(tp: int, pp: int) -> list[Shard]:

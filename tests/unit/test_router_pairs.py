@@ -12,10 +12,10 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
+from disagg_worker.request.errors import APIError, unavailable
 from disagg_worker.router.app import Opened, Router
 from disagg_worker.router.payload import SharedBody
 from disagg_worker.router.workers import Worker, WorkerPool
-from disagg_worker.server.errors import APIError, unavailable
 
 BODY = SharedBody.of({"prompt": "hi", "max_tokens": 2})
 

@@ -11,7 +11,6 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from disagg_worker import messages as msg
 from disagg_worker.config import (
     CacheConfig,
     ConfigError,
@@ -22,7 +21,6 @@ from disagg_worker.config import (
     SpeculativeConfig,
 )
 from disagg_worker.engine.engine import Engine
-from disagg_worker.engine.loop import Stepper
 from disagg_worker.engine.sampling import SamplingParams
 from disagg_worker.engine.speculative import (
     ACCEPTED,
@@ -32,6 +30,8 @@ from disagg_worker.engine.speculative import (
     DraftPlanner,
     propose_ngram,
 )
+from disagg_worker.instance.loop import Stepper
+from disagg_worker.request import messages as msg
 from tests.unit.test_engine import assert_idle_accounting
 
 NGRAM = SpeculativeConfig(algorithm="NGRAM", num_draft_tokens=4, min_match=2, max_match=6)

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from disagg_worker.engine.grammar import Grammars
 from disagg_worker.engine.sampling import Sampler
 from disagg_worker.model.tokenizer import Tokenizer, _compile
-from disagg_worker.server.errors import APIError
+from disagg_worker.request.errors import APIError
 from disagg_worker.server.tool_calls import (
     HERMES,
     LLAMA3,

@@ -17,7 +17,7 @@ from disagg_worker.disagg import (
     unpack_top_logprobs,
 )
 from disagg_worker.disagg.fake import FakeKVManager
-from disagg_worker.engine.params import MAX_LOGPROBS
+from disagg_worker.request.params import MAX_LOGPROBS
 
 LAYOUT = KVLayout([0x1000, 0x9000], [4096, 4096], page_nbytes=512, page_size=4, kv_dtype="float32", num_pages=8)
 _rooms = itertools.count(1 << 40)

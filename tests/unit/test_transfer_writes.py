@@ -144,7 +144,7 @@ def test_the_scheduler_process_sets_the_engine_environment_before_it_builds_the_
     import torch
 
     from disagg_worker.config import EngineConfig
-    from disagg_worker.ranks import process
+    from disagg_worker.instance import process
 
     class Built(Exception):
         pass

@@ -3,7 +3,7 @@
 They are not CLI flags: a user has no reason to change them, and each one carries the reason it
 has its value (measured on the project's CI machine, 2 cores, loopback TCP, unless a comment
 says otherwise). `TUNING` is the one instance the code reads. `Tuning` has one part per
-subsystem: `engine` for the scheduler process's loop (`engine/loop.py`), `transfer` for KV
+subsystem: `engine` for the scheduler process's loop (`instance/loop.py`), `transfer` for KV
 transfer (`disagg_worker.disagg`).
 """
 
@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 @dataclass(frozen=True)
 class EngineTuning:
-    """The scheduler process's loop (`engine/loop.py`)."""
+    """The scheduler process's loop (`instance/loop.py`)."""
 
     # How often the loop reports its queues, pages and metrics to the HTTP process (/stats,
     # /metrics, /health's heartbeat), and the longest it sleeps on its inbox when idle: twice a

@@ -25,8 +25,8 @@ import torch
 from disagg_worker.config import DisaggConfig, Role
 from disagg_worker.disagg.metrics import TransferMetrics
 from disagg_worker.disagg.poll import KVPoll, StatusCell
-from disagg_worker.engine.params import MAX_LOGPROBS
 from disagg_worker.mem.kv_pool import KVKind
+from disagg_worker.request.params import MAX_LOGPROBS
 
 log = logging.getLogger(__name__)
 

@@ -28,7 +28,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from disagg_worker.config import EngineConfig
+from disagg_worker.config import DisaggConfig
 from disagg_worker.disagg import KVPoll, KVReceiver, unpack_draft, unpack_first_token, unpack_top_logprobs
 from disagg_worker.engine.batch import StepOutcome
 from disagg_worker.engine.drafting import received_draft
@@ -38,7 +38,7 @@ from disagg_worker.engine.scheduler import Scheduler
 from disagg_worker.engine.stage import UNROUTED, Transfers
 from disagg_worker.keys import target_signed
 from disagg_worker.mem.allocator import PageAllocator
-from disagg_worker.messages import BootstrapInfo
+from disagg_worker.request.messages import BootstrapInfo
 
 log = logging.getLogger(__name__)
 
@@ -54,18 +54,20 @@ class DecodeReq:
 class DecodeStage:
     def __init__(
         self,
-        cfg: EngineConfig,
+        cfg: DisaggConfig,
+        page_size: int,
         scheduler: Scheduler,
         allocator: PageAllocator,
         outbox: Outbox,
         kv: Transfers,
         aux_slots: int,
+        draft_model: bool = False,
     ):
-        self.page_size = cfg.cache.page_size
-        self.target_key = cfg.disagg.target_key
-        self.max_running = cfg.scheduler.max_running_requests
-        self.max_prealloc = cfg.disagg.max_prealloc_queue
-        self.draft_model = cfg.scheduler.speculative.uses_draft_model
+        self.page_size = page_size
+        self.target_key = cfg.target_key
+        self.max_prealloc = cfg.max_prealloc_queue
+        self.draft_model = draft_model
+        self.max_running = scheduler.cfg.max_running_requests
         self.scheduler = scheduler
         self.allocator = allocator
         self.outbox = outbox

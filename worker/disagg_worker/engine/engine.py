@@ -1,13 +1,13 @@
 """The engine of one instance: model runner, KV pool, prefix cache, scheduler, and its role stage.
 
 Every role runs the same engine; a prefill or decode instance adds a role stage (`engine.stage`)
-that owns the KV transfer queues. The loop (`engine.loop`) drives it through `handle` (requests
+that owns the KV transfer queues. The loop (`instance.loop`) drives it through `handle` (requests
 and aborts) and the step methods (`tick`, `schedule`, `run`/`launch`, `process`); the engine
 routes each to the part that owns it.
 
 In a multi-rank instance this engine is the driver (tensor rank 0 of pipeline stage 0): it holds
 its slice of the model and KV, schedules for every rank, and runs each step on all of them through
-`ranks.group`; the other ranks run `ranks.follower`.
+`ranks.group`; the other ranks run `instance.follower`.
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ from collections.abc import Callable
 import torch
 from prometheus_client import REGISTRY, generate_latest
 
-from disagg_worker import messages as msg
 from disagg_worker.config import EngineConfig, Role
 from disagg_worker.disagg import KVManager
+from disagg_worker.engine.assemble import build_kv_manager, build_stage
 from disagg_worker.engine.batch import ScheduledBatch, StepResult
 from disagg_worker.engine.drafting import Draft, load_draft
 from disagg_worker.engine.expert_load import ExpertLoad
@@ -30,15 +30,12 @@ from disagg_worker.engine.grammar import Grammars
 from disagg_worker.engine.grammar_wait import GrammarWait
 from disagg_worker.engine.memory import return_freed_memory
 from disagg_worker.engine.outbox import Outbox, internal_error
-from disagg_worker.engine.params import SamplingParams
 from disagg_worker.engine.pools import DTYPES, build_drafter, build_kv_pool
 from disagg_worker.engine.request import Req
 from disagg_worker.engine.runner import ModelRunner
 from disagg_worker.engine.scheduler import Scheduler
 from disagg_worker.engine.speculative import DraftPlanner
-from disagg_worker.engine.stage import build_kv_manager, build_stage
 from disagg_worker.keys import LOCAL_PREFILL, target_signed
-from disagg_worker.limits import RequestLimits
 from disagg_worker.mem.allocator import PageAllocator
 from disagg_worker.mem.radix import RadixCache
 from disagg_worker.model.batch import ForwardBatch
@@ -48,7 +45,10 @@ from disagg_worker.model.parallel import Shard
 from disagg_worker.ranks.dist import Comm
 from disagg_worker.ranks.group import Launched, RankGroup, StageWork
 from disagg_worker.ranks.kv import RankedKV, RankTransfer
-from disagg_worker.server.errors import INTERNAL_ERROR
+from disagg_worker.request import messages as msg
+from disagg_worker.request.errors import INTERNAL_ERROR
+from disagg_worker.request.limits import RequestLimits
+from disagg_worker.request.params import SamplingParams
 from disagg_worker.tuning import TUNING
 
 log = logging.getLogger(__name__)
@@ -204,7 +204,7 @@ class Engine:
         if self.stage is None or not self.stage.abort(rid):
             self.scheduler.abort(rid)
 
-    # ---- stepping (engine.loop) ---------------------------------------------------------------
+    # ---- stepping (instance.loop) -------------------------------------------------------------
     def tick(self) -> None:
         """Advance whatever does not need the model (grammars, P/D queues); called before each schedule."""
         if self.grammar_wait:

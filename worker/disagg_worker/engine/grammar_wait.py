@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from disagg_worker.engine.grammar import Grammars, new_matcher
-from disagg_worker.messages import GenerateReq
+from disagg_worker.request.messages import GenerateReq
 
 log = logging.getLogger(__name__)
 # A request waits at most this many times the compile limit in all (queued behind other compilations included).

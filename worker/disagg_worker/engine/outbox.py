@@ -10,7 +10,7 @@ import logging
 import re
 
 from disagg_worker.engine.request import Req
-from disagg_worker.messages import TokenOut
+from disagg_worker.request.messages import TokenOut
 
 log = logging.getLogger(__name__)
 TopLogprobs = list[tuple[int, float]]

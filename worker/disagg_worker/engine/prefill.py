@@ -26,7 +26,7 @@ from disagg_worker.engine.request import Req
 from disagg_worker.engine.scheduler import Scheduler
 from disagg_worker.engine.stage import UNROUTED, Transfers
 from disagg_worker.mem.allocator import pages_for
-from disagg_worker.messages import BootstrapInfo
+from disagg_worker.request.messages import BootstrapInfo
 
 log = logging.getLogger(__name__)
 

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from disagg_worker.engine.grammar import accept_rows, mask_rows
-from disagg_worker.engine.params import (  # noqa: F401 - re-exported for the engine
+from disagg_worker.request.params import (  # noqa: F401 - re-exported for the engine
     GREEDY_EPS,
     MAX_LOGPROBS,
     MAX_STOP_STRINGS,

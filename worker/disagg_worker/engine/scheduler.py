@@ -29,7 +29,7 @@ from disagg_worker.engine.request import FinishReason, Req
 from disagg_worker.engine.speculative import DraftPlanner
 from disagg_worker.mem.allocator import PageAllocator, pages_for
 from disagg_worker.mem.radix import RadixCache
-from disagg_worker.server.errors import INTERNAL_ERROR
+from disagg_worker.request.errors import INTERNAL_ERROR
 
 log = logging.getLogger(__name__)
 

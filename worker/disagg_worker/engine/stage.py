@@ -3,7 +3,7 @@
 An engine in a P/D role owns one stage beside its scheduler. The engine hands it the requests
 that arrive and the aborts, calls `tick` before each schedule (poll KV transfers) and `on_step`
 after each processed forward (send the KV it computed); the loop asks `waiting_on_transfers` to
-decide how long it may sleep. A monolithic engine has no stage.
+decide how long it may sleep. A monolithic engine has no stage. `engine.assemble` builds the stage of a role.
 """
 
 from __future__ import annotations
@@ -11,18 +11,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Protocol
 
-from disagg_worker.config import EngineConfig, Role
-from disagg_worker.disagg import AUX_ITEM_NBYTES, KVLayout, KVManager, KVReceiver, KVSender, RankInfo, create_kv_manager
+from disagg_worker.disagg import KVReceiver, KVSender
 from disagg_worker.engine.batch import StepOutcome
-from disagg_worker.engine.drafting import draft_head_nbytes
-from disagg_worker.engine.outbox import Outbox
 from disagg_worker.engine.request import Req
-from disagg_worker.engine.scheduler import Scheduler
-from disagg_worker.mem.allocator import PageAllocator
-from disagg_worker.mem.kv_pool import KVPool
-from disagg_worker.messages import BootstrapInfo
-from disagg_worker.model.config import ModelConfig
-from disagg_worker.model.parallel import Shard
+from disagg_worker.request.messages import BootstrapInfo
 
 UNROUTED = "a {role} instance serves requests routed with bootstrap_room; send requests through the router"
 
@@ -62,61 +54,3 @@ class RoleStage(Protocol):
 
     def close(self) -> None:
         """Release what the stage holds outside this process (the transfer engine)."""
-
-
-def aux_slots(cfg: EngineConfig) -> int:
-    """First-token slots of a decode instance's KV layout (the same on every rank)."""
-    return 2 * cfg.scheduler.max_running_requests
-
-
-def build_kv_manager(
-    cfg: EngineConfig, kv_pool: KVPool, shard: Shard, model_cfg: ModelConfig, draft_fingerprint: str = ""
-) -> KVManager | None:
-    """This rank's KV transfer manager for its slice of the pool (its KV heads, its stage's
-    layers; under DP attention, as a rank of its attention group); None for a monolithic engine."""
-    d = cfg.disagg
-    layers = shard.layer_range(model_cfg.num_layers)
-    start_layer, heads = layers.start, shard.kv_heads(model_cfg)
-    spec = cfg.scheduler.speculative
-    extra = kv_pool.num_layers - len(layers)  # a draft model's layers after the model's
-    draft_kv = ""
-    if extra:
-        layers_of = f"{extra} layer{'s' if extra > 1 else ''} of {kv_pool.page_nbytes}-byte pages"
-        draft_kv = f"{spec.algorithm} ({layers_of}, draft {draft_fingerprint})"
-    if d.role is Role.PREFILL:
-        layout = KVLayout.from_pool(
-            kv_pool, cfg.cache.kv_dtype, start_layer=start_layer, kv_heads=heads, draft_kv=draft_kv
-        )
-        url = f"http://{d.leader_host}:{d.bootstrap_port}"  # pod 0's bootstrap server
-        rank = RankInfo(shard.attn_tp_rank, shard.pp_rank, url, shard.dp_rank)
-        return create_kv_manager(d, layout, rank)
-    if d.role is Role.DECODE:
-        layout = KVLayout.from_pool(
-            kv_pool,
-            cfg.cache.kv_dtype,
-            start_layer=start_layer,
-            kv_heads=heads,
-            aux_num_slots=aux_slots(cfg),
-            aux_item_nbytes=AUX_ITEM_NBYTES
-            + (draft_head_nbytes(spec.eagle_topk, model_cfg.hidden_size) if extra else 0),
-            draft_kv=draft_kv,
-        )
-        return create_kv_manager(d, layout, RankInfo(shard.attn_tp_rank, shard.pp_rank, dp_rank=shard.dp_rank))
-    return None
-
-
-def build_stage(
-    cfg: EngineConfig, kv: Transfers | None, scheduler: Scheduler, allocator: PageAllocator, outbox: Outbox
-) -> RoleStage | None:
-    """The stage of `cfg`'s role over `kv` (this rank's manager, or every rank's agreement);
-    None for a monolithic engine."""
-    if kv is None:
-        return None
-    if cfg.disagg.role is Role.PREFILL:
-        from disagg_worker.engine.prefill import PrefillStage
-
-        whole = cfg.scheduler.speculative.uses_draft_model
-        return PrefillStage(cfg.disagg, cfg.cache.page_size, scheduler, outbox, kv, whole_prompt=whole)
-    from disagg_worker.engine.decode import DecodeStage
-
-    return DecodeStage(cfg, scheduler, allocator, outbox, kv, aux_slots(cfg))

@@ -26,17 +26,18 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from disagg_worker.limits import body_limit_bytes
 from disagg_worker.mem.kv_events import page_hashes
+from disagg_worker.request import route
+from disagg_worker.request.errors import INSTANCE_FAILED, NOT_RETRIED, APIError, unavailable
+from disagg_worker.request.limits import body_limit_bytes
 from disagg_worker.router.auth import RouterAuth
 from disagg_worker.router.payload import JoinedPayload, SharedBody
 from disagg_worker.router.prompt import PromptTokens
 from disagg_worker.router.stream import lost
 from disagg_worker.router.verify import PairVerifier
-from disagg_worker.router.worker import Worker, in_group
+from disagg_worker.router.worker import Worker
 from disagg_worker.router.workers import Prompt, WorkerPool
 from disagg_worker.server.admission import DRAINING, RETRY_AFTER_S
-from disagg_worker.server.errors import INSTANCE_FAILED, NOT_RETRIED, APIError, unavailable
 
 log = logging.getLogger(__name__)
 
@@ -156,7 +157,7 @@ class Router:
         return Prompt(len(ids), page_hashes(ids, ref[0], key=self.auth.kv_key), ref[0]) if ids else None
 
     def body_limit(self) -> int:
-        """--max-body-bytes, else the limit of the largest context a worker reported (`limits.py`)."""
+        """--max-body-bytes, else the limit of the largest context a worker reported (`request/limits.py`)."""
         if self.max_body_bytes > 0:
             return self.max_body_bytes
         known = [w.max_model_len for w in self.pool.workers() if w.max_model_len]
@@ -246,13 +247,15 @@ class Router:
         (pg, uncached), (dg, _) = self.pool.group_for(p, room_id, prompt), self.pool.group_for(d, room_id, prompt)
         room = self.auth.target(p.host, p.bootstrap_port, room_id, pg)
         # Prefill answers with one token, never streamed (stream_options is only valid on a stream).
-        prefill_body = body.payload(**choice, **room, **in_group(pg), stream=False, stream_options=None)
+        prefill_body = body.payload(**choice, **room, **route.group_fields(pg), stream=False, stream_options=None)
         # Counted before the task starts, so that picks made meanwhile (the other choices of an n > 1 request, a
         # burst) see it; given back when the task ends, even one cancelled before it ran.
         p.add_tokens(uncached, pg)
         prefill = asyncio.create_task(self._prefill(p, path, prefill_body, pg))
         prefill.add_done_callback(lambda _: p.release_tokens(uncached, pg))
-        decode = asyncio.create_task(self._decode(d, path, body.payload(**choice, **room, **in_group(dg)), dg))
+        decode = asyncio.create_task(
+            self._decode(d, path, body.payload(**choice, **room, **route.group_fields(dg)), dg)
+        )
         try:
             await asyncio.wait((prefill, decode), return_when=asyncio.FIRST_COMPLETED)
             if not decode.done() and prefill.result().status != 200:
@@ -275,7 +278,9 @@ class Router:
     ) -> Opened | Attempt:
         """Conditional disaggregation: decode computes the prompt itself (`local_prefill`), no prefill involved."""
         dg, _ = self.pool.group_for(d, secrets.randbits(63), prompt, local=True)
-        opened = await self._decode(d, path, body.payload(**choice, **self.auth.local_prefill(), **in_group(dg)), dg)
+        opened = await self._decode(
+            d, path, body.payload(**choice, **self.auth.local_prefill(), **route.group_fields(dg)), dg
+        )
         return opened if isinstance(opened, Attempt) else Opened(opened[0], opened[1], None, d, dg)
 
     async def _decode(

@@ -20,6 +20,7 @@ import argparse
 from dataclasses import dataclass, field
 
 from disagg_worker import keys
+from disagg_worker.request import route
 from disagg_worker.server.auth import authorized
 
 
@@ -58,23 +59,12 @@ class RouterAuth:
         return {"Authorization": f"Bearer {self.worker_token}"} if self.worker_token else {}
 
     def target(self, host: str, port: int, room: int, dp_rank: int | None = None) -> dict:
-        """The bootstrap fields of one routed request (with DP attention, the prefill's attention group), signed
-        when the model has a secret (the group with the host: `messages.BootstrapInfo.signed_host`)."""
-        out: dict = {"bootstrap_host": host, "bootstrap_port": port, "bootstrap_room": room}
-        signed = host
-        if dp_rank is not None:
-            out["bootstrap_dp_rank"] = dp_rank
-            signed = f"{host}/dp/{dp_rank}"
-        if self.target_key:
-            out["bootstrap_sig"] = keys.sign_target(self.target_key, signed, port, room)
-        return out
+        """The bootstrap fields of one routed request, signed when the model has a secret."""
+        return route.target_fields(self.target_key, host, port, room, dp_rank)
 
     def local_prefill(self) -> dict:
         """The fields of a request decode computes itself, signed when the model has a secret."""
-        out: dict = {"local_prefill": True}
-        if self.target_key:
-            out["bootstrap_sig"] = keys.sign_target(self.target_key, keys.LOCAL_PREFILL, 0, 0)
-        return out
+        return route.local_prefill_fields(self.target_key)
 
 
 def add_auth_args(p: argparse.ArgumentParser) -> None:

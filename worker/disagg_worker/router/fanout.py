@@ -14,9 +14,9 @@ from collections.abc import Callable
 
 from aiohttp import web
 
+from disagg_worker.request.errors import APIError
 from disagg_worker.router.app import Opened
 from disagg_worker.router.stream import DONE, UPSTREAM_ERROR, UpstreamLost, choice_events
-from disagg_worker.server.errors import APIError
 
 
 def merge_bodies(bodies: list[dict]) -> dict:

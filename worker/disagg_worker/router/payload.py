@@ -16,14 +16,10 @@ from typing import Any
 from aiohttp.abc import AbstractStreamWriter
 from aiohttp.payload import Payload
 
+from disagg_worker.request import route
+
 # Fields the router sets per upstream request; never part of the shared bytes.
 PER_REQUEST = ("n", "seed", "stream", "stream_options")
-# The bootstrap target and the workers' attention groups (DP attention) are the router's alone
-# (`auth.RouterAuth.target`, `app._group`): a client's are dropped.
-BOOTSTRAP = (
-    "bootstrap_host", "bootstrap_port", "bootstrap_room", "bootstrap_sig", "bootstrap_dp_rank", "data_parallel_rank",
-    "local_prefill",
-)  # fmt: skip
 # Writes of the shared bytes go out in slices, so the transport never buffers a whole copy at once.
 WRITE_SLICE = 256 * 1024
 
@@ -45,7 +41,7 @@ class SharedBody:
 
     @classmethod
     def of(cls, body: dict[str, Any]) -> SharedBody:
-        rest = {k: v for k, v in body.items() if k not in PER_REQUEST and k not in BOOTSTRAP}
+        rest = {k: v for k, v in body.items() if k not in PER_REQUEST and k not in route.FIELDS}
         return cls(_dumps(rest)[1:], {k: body[k] for k in PER_REQUEST if k in body})
 
     def payload(self, **fields: Any) -> JoinedPayload:

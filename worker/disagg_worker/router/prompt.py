@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from disagg_worker.limits import RequestLimits
 from disagg_worker.model.tokenizer import Tokenizer
+from disagg_worker.request.limits import RequestLimits
 from disagg_worker.server.protocol import parse_chat, parse_completion, parse_generate
 from disagg_worker.server.tool_calls import ChatTools
 

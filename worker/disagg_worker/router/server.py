@@ -17,6 +17,7 @@ from typing import Any
 
 from aiohttp import web
 
+from disagg_worker.request.errors import APIError
 from disagg_worker.router.app import ROUTER, Opened, Router
 from disagg_worker.router.auth import RouterAuth, add_auth_args
 from disagg_worker.router.fanout import merge_bodies, stream_merged
@@ -31,7 +32,6 @@ from disagg_worker.server.admission import DRAINING, Admission, admission_middle
 from disagg_worker.server.api import error_middleware
 from disagg_worker.server.auth import require_keys
 from disagg_worker.server.drain import CUT_GRACE_S, Signals, drain
-from disagg_worker.server.errors import APIError
 from disagg_worker.server.protocol import parse_json
 from disagg_worker.tuning import TUNING
 

@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator
 import aiohttp
 from aiohttp import web
 
-from disagg_worker.server.errors import APIError
+from disagg_worker.request.errors import APIError
 
 DONE = b"data: [DONE]\n\n"
 UPSTREAM_ERROR = "upstream_error"

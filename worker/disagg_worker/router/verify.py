@@ -26,9 +26,10 @@ from dataclasses import dataclass
 
 import aiohttp
 
+from disagg_worker.request import route
 from disagg_worker.router.auth import RouterAuth
 from disagg_worker.router.handoff import HandoffMonitor
-from disagg_worker.router.worker import GroupPolicy, Worker, in_group
+from disagg_worker.router.worker import GroupPolicy, Worker
 from disagg_worker.router.workers import Prompt, WorkerPool
 from disagg_worker.server.metrics import PROBE_HEADER
 
@@ -185,8 +186,8 @@ class PairVerifier:
             **self.auth.target(p.host, p.bootstrap_port, room, pg),
             "stream": False,
         }
-        to_p = asyncio.create_task(self._post(session, p, {**body, **in_group(pg)}))
-        to_d = asyncio.create_task(self._post(session, d, {**body, **in_group(dg)}))
+        to_p = asyncio.create_task(self._post(session, p, {**body, **route.group_fields(pg)}))
+        to_d = asyncio.create_task(self._post(session, d, {**body, **route.group_fields(dg)}))
         await asyncio.wait((to_p, to_d), return_when=asyncio.FIRST_COMPLETED)
         if to_d.done() and to_d.result()[0] != 200 and not to_p.done():
             # Decode refused (a handshake mismatch, say): prefill would only wait out its bootstrap timeout.

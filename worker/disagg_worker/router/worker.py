@@ -131,8 +131,3 @@ class Worker:
         if self.report.get("pod") or self.revision:
             d.update(pod=self.name, revision=self.revision)
         return d
-
-
-def in_group(group: int | None) -> dict:
-    """The request field naming a worker's attention group (none for a worker of one group)."""
-    return {} if group is None else {"data_parallel_rank": group}

@@ -22,8 +22,8 @@ from typing import Any
 
 from aiohttp import web
 
+from disagg_worker.request.errors import APIError, too_many_requests, unavailable
 from disagg_worker.server.body import BODY_READ_TIMEOUT_S, check_length, read_body
-from disagg_worker.server.errors import APIError, too_many_requests, unavailable
 
 GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/generate"})
 RETRY_AFTER_S = 1

@@ -18,19 +18,19 @@ from dataclasses import asdict, replace
 
 from aiohttp import web
 
-from disagg_worker.engine.params import SamplingParams
 from disagg_worker.env import WorkerEnv, load_env
-from disagg_worker.limits import body_limit_bytes
-from disagg_worker.messages import FlushCacheReq, Route, SchedulerStats
+from disagg_worker.request.errors import APIError, internal_error
+from disagg_worker.request.limits import body_limit_bytes
+from disagg_worker.request.messages import FlushCacheReq, Route, SchedulerStats
+from disagg_worker.request.params import SamplingParams
+from disagg_worker.request.route import route_of
 from disagg_worker.server import openai_format as fmt
 from disagg_worker.server.admission import DRAINING, Admission, admission_middleware, body_of
-from disagg_worker.server.errors import APIError, internal_error
 from disagg_worker.server.frontend import Delta, Frontend
 from disagg_worker.server.health import health_report
 from disagg_worker.server.kv_events_api import kv_events_handler
 from disagg_worker.server.metrics import PROBE_HEADER
 from disagg_worker.server.protocol import parse_chat, parse_completion, parse_generate, parse_json
-from disagg_worker.server.route_fields import route_of
 from disagg_worker.server.tool_calls import ChatTools, ToolStream, call_deltas
 
 log = logging.getLogger(__name__)

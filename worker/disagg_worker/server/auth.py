@@ -17,7 +17,7 @@ import hmac
 
 from aiohttp import web
 
-from disagg_worker.server.errors import APIError
+from disagg_worker.request.errors import APIError
 
 OPEN_PATHS = frozenset({"/health", "/ready", "/livez"})
 

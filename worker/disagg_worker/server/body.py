@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 from aiohttp import web
 
-from disagg_worker.server.errors import APIError, too_large
+from disagg_worker.request.errors import APIError, too_large
 
 # The longest a client may take to send its body. A body is read before the request takes an admission slot,
 # so a slow upload holds no slot; the limit ends it instead of letting it hold its connection and bytes for ever.

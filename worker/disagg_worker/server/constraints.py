@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from disagg_worker.server.errors import bad_request
+from disagg_worker.request.errors import bad_request
 
 # Longest regex or EBNF text accepted; compiling is the scheduler's time, so it is bounded.
 MAX_GRAMMAR_CHARS = 64 * 1024

@@ -19,7 +19,7 @@ from dataclasses import replace
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.utils import floatToGoString
 
-from disagg_worker import messages as msg
+from disagg_worker.request import messages as msg
 
 
 def choose_group(route: msg.Route, dp_size: int, inflight: Sequence[int], prefill: bool) -> int:

@@ -9,8 +9,8 @@ from collections.abc import Mapping
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from disagg_worker import messages as msg
 from disagg_worker.env import WorkerEnv
+from disagg_worker.request import messages as msg
 from disagg_worker.server.groups import load
 
 # Samples of the scheduler's own series, summed over instances, by the name /health reports them under.

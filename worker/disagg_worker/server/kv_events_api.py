@@ -14,7 +14,7 @@ from collections.abc import Awaitable, Callable
 from aiohttp import web
 
 from disagg_worker.mem.kv_events import EventLog
-from disagg_worker.server.errors import APIError
+from disagg_worker.request.errors import APIError
 
 
 def kv_events_handler(log: Callable[[], EventLog]) -> Callable[[web.Request], Awaitable[web.Response]]:

@@ -24,8 +24,8 @@ from aiohttp import web
 
 from disagg_worker.config import Role, ServerArgs
 from disagg_worker.disagg.bootstrap import BootstrapServer
+from disagg_worker.instance.process import group_inbox, spawn_schedulers
 from disagg_worker.model.tokenizer import Tokenizer
-from disagg_worker.ranks.process import group_inbox, spawn_schedulers
 from disagg_worker.server.admission import Admission
 from disagg_worker.server.api import ADMISSION, build_app
 from disagg_worker.server.auth import require_keys

@@ -19,10 +19,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from disagg_worker.engine.params import MAX_LOGIT_BIAS, MAX_TOKEN_ID, SamplingParams
-from disagg_worker.limits import RequestLimits
+from disagg_worker.request.errors import bad_request, model_not_found
+from disagg_worker.request.limits import RequestLimits
+from disagg_worker.request.params import MAX_LOGIT_BIAS, MAX_TOKEN_ID, SamplingParams
 from disagg_worker.server.constraints import parse_native_grammar, parse_openai_grammar
-from disagg_worker.server.errors import bad_request, model_not_found
 from disagg_worker.server.tool_calls import ToolUse, message_tool_calls, parse_tool_use
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16

@@ -24,7 +24,7 @@ import string
 from dataclasses import dataclass, field
 from typing import Any
 
-from disagg_worker.server.errors import bad_request
+from disagg_worker.request.errors import bad_request
 
 NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
 HERMES, LLAMA3 = "hermes", "llama3_json"

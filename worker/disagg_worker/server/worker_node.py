@@ -1,5 +1,5 @@
 """A pod of a multi-node instance other than pod 0 (`--node-rank` above 0): it runs its share of the ranks and
-nothing else. Its ranks follow the driver on pod 0 (`ranks/follower.py`), meet the others at
+nothing else. Its ranks follow the driver on pod 0 (`instance/follower.py`), meet the others at
 `--dist-init-addr`, and register with pod 0's bootstrap server on prefill.
 
 `GET /health` on its port answers 200 while every one of its ranks runs, 503 once one has ended; the process
@@ -20,7 +20,7 @@ from multiprocessing.process import BaseProcess
 from aiohttp import web
 
 from disagg_worker.config import ServerArgs
-from disagg_worker.ranks.process import spawn_schedulers
+from disagg_worker.instance.process import spawn_schedulers
 
 log = logging.getLogger(__name__)
 EXIT_AFTER_S = 2.0

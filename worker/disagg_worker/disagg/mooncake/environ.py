@@ -2,7 +2,7 @@
 
 Mooncake reads its settings from environment variables when its transports start, not from
 arguments. `mooncake_environ(cfg, rank)` says which variables and values; the scheduler process
-entry point (`ranks.process.run_scheduler`) applies them once before the engine is built, and
+entry point (`instance.process.run_scheduler`) applies them once before the engine is built, and
 library code never writes `os.environ`.
 """
 

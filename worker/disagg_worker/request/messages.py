@@ -9,7 +9,7 @@ from __future__ import annotations
 import pickle
 from dataclasses import dataclass, field
 
-from disagg_worker.engine.params import SamplingParams
+from disagg_worker.request.params import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -83,7 +83,7 @@ class TokenOut:
     cached_tokens: int = 0
     error: str = ""
     error_status: int = 0
-    # OpenAI's error `code` (`server.errors`): the router does not retry an `internal_error` or `instance_failed`.
+    # OpenAI's error `code` (`request.errors`): the router does not retry an `internal_error` or `instance_failed`.
     error_code: str = ""
 
 

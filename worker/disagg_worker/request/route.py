@@ -1,10 +1,44 @@
-"""The routing fields a request body may carry: the P/D bootstrap target the router adds, the attention group
-(DP attention) and `local_prefill` (decode computes the prompt itself). Absent in monolithic use."""
+"""The routing fields of a request body, written by the router and read by the workers, in one place: the P/D
+bootstrap target (signed with the model's target key), the attention group (DP attention) and `local_prefill`
+(decode computes the prompt itself). Absent in monolithic use."""
 
 from __future__ import annotations
 
-from disagg_worker.messages import BootstrapInfo, Route
-from disagg_worker.server.errors import APIError
+from disagg_worker import keys
+from disagg_worker.request.errors import APIError
+from disagg_worker.request.messages import BootstrapInfo, Route
+
+# Every field the router sets; a client's own values for them are dropped (`router/payload.py`).
+FIELDS = (
+    "bootstrap_host", "bootstrap_port", "bootstrap_room", "bootstrap_sig", "bootstrap_dp_rank", "data_parallel_rank",
+    "local_prefill",
+)  # fmt: skip
+
+
+def target_fields(key: str, host: str, port: int, room: int, dp_rank: int | None = None) -> dict:
+    """The bootstrap fields of one routed request (with DP attention, the prefill's attention group), signed
+    when the model has a target key (the group with the host: `BootstrapInfo.signed_host`)."""
+    out: dict = {"bootstrap_host": host, "bootstrap_port": port, "bootstrap_room": room}
+    signed = host
+    if dp_rank is not None:
+        out["bootstrap_dp_rank"] = dp_rank
+        signed = f"{host}/dp/{dp_rank}"
+    if key:
+        out["bootstrap_sig"] = keys.sign_target(key, signed, port, room)
+    return out
+
+
+def local_prefill_fields(key: str) -> dict:
+    """The fields of a request decode computes itself, signed when the model has a target key."""
+    out: dict = {"local_prefill": True}
+    if key:
+        out["bootstrap_sig"] = keys.sign_target(key, keys.LOCAL_PREFILL, 0, 0)
+    return out
+
+
+def group_fields(group: int | None) -> dict:
+    """The field naming a worker's attention group (none for a worker of one group)."""
+    return {} if group is None else {"data_parallel_rank": group}
 
 
 def route_of(body) -> Route:

@@ -12,10 +12,10 @@ import logging
 import torch
 
 from disagg_worker.config import EngineConfig
+from disagg_worker.engine.assemble import build_kv_manager
 from disagg_worker.engine.memory import return_freed_memory
 from disagg_worker.engine.pools import DTYPES, build_kv_pool
 from disagg_worker.engine.runner import ModelRunner
-from disagg_worker.engine.stage import build_kv_manager
 from disagg_worker.model.loader import load_model
 from disagg_worker.ranks.dist import Comm
 from disagg_worker.ranks.group import StageWork, follow

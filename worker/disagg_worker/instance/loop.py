@@ -26,10 +26,10 @@ from typing import Protocol
 
 import zmq
 
-from disagg_worker import messages as msg
 from disagg_worker.engine.batch import ScheduledBatch, StepResult
 from disagg_worker.engine.engine import Engine
 from disagg_worker.ranks.group import Launched
+from disagg_worker.request import messages as msg
 from disagg_worker.tuning import TUNING
 
 log = logging.getLogger(__name__)

@@ -2,7 +2,7 @@
 
 A single-rank instance runs one: `run_scheduler`. A multi-rank instance runs one per rank
 (`run_rank`): rank 0 is the driver, which talks to the HTTP process and schedules for every rank;
-the others follow it (ranks/follower.py).
+the others follow it (instance/follower.py).
 """
 
 from __future__ import annotations
@@ -94,7 +94,7 @@ def run_rank(
         if shard.pp_rank == 0 and shard.attn_tp_rank == 0:
             _serve(build_engine(cfg, comm), cfg, recv_addr, send_addr, peers or [])
         else:
-            from disagg_worker.ranks.follower import run_follower
+            from disagg_worker.instance.follower import run_follower
 
             run_follower(cfg, comm)
     finally:
@@ -145,7 +145,7 @@ def _die_with_parent() -> None:
 
 
 def _serve(engine: Engine, cfg: EngineConfig, recv_addr: str, send_addr: str, peers: list[str] | None = None) -> None:
-    from disagg_worker.engine.loop import EngineLoop
+    from disagg_worker.instance.loop import EngineLoop
 
     loop = EngineLoop(engine, recv_addr, send_addr, overlap=cfg.overlap, peers=peers or [])
     signal.signal(signal.SIGUSR1, lambda *_: setattr(loop, "stopped", True))

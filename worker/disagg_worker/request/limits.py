@@ -17,11 +17,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from disagg_worker.engine.params import MAX_TOKEN_ID, SamplingParams
-from disagg_worker.server.errors import bad_request
+from disagg_worker.request.errors import bad_request
+from disagg_worker.request.params import MAX_TOKEN_ID, SamplingParams
 
 if TYPE_CHECKING:
-    from disagg_worker.messages import EngineInfo
+    from disagg_worker.request.messages import EngineInfo
 
 # Token ids are checked against the vocabulary when its size is known, else against MAX_TOKEN_ID.
 CONTEXT_EXCEEDED = "context_length_exceeded"
