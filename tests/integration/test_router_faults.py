@@ -1,12 +1,12 @@
 """What a client of the router sees when it is overloaded, sent too much, or an upstream fails.
 
-One prefill and two decode instances (decode A and B; round-robin alternates between them), the
-router bounded at 4 requests in flight with a 45 s per-request timeout. Fault tests wait until the
-streams they interrupt have produced tokens and B reports them running, kill or freeze decode B,
-and require every stream to end with [DONE], the interrupted ones with an error event; then B is
-restarted (or thawed) and fresh greedy requests must give the answers the stack gave before.
-Answers are long (1000+ tokens, seconds even on a quiet machine), so B is still producing them
-when the fault lands.
+One prefill and two decode instances (decode A and B; round-robin alternates between them), the router
+bounded at 4 requests in flight with a 45 s per-request timeout and no migration (`--migration-limit 0`: a
+stream whose decode fails ends). Fault tests wait until the streams they interrupt have produced tokens and
+B reports them running, kill or freeze decode B, and require every stream to end with [DONE], the
+interrupted ones with an error event; then B is restarted (or thawed) and fresh greedy requests must give
+the answers the stack gave before. Answers are long (1000+ tokens, seconds even on a quiet machine), so B is
+still producing them when the fault lands.
 """
 
 from __future__ import annotations
@@ -38,7 +38,15 @@ def stack(tiny_model):
         tiny_model,
         *FLAGS,
         decodes=2,
-        router_flags=("--max-inflight", str(MAX_INFLIGHT), "--request-timeout", f"{REQUEST_TIMEOUT:g}"),
+        # Without migration (tests/integration/test_migration.py has it): a stream whose decode fails ends.
+        router_flags=(
+            "--max-inflight",
+            str(MAX_INFLIGHT),
+            "--request-timeout",
+            f"{REQUEST_TIMEOUT:g}",
+            "--migration-limit",
+            "0",
+        ),
     ).wait_healthy()
     every_pair_verified(s)
     s.before = reference(s.router.url)

@@ -138,7 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
         sp.set_defaults(func=cmd_role(role))
 
     router = sub.add_parser("router", help="route requests to prefill/decode pairs (OpenAI-compatible)")
-    from disagg_worker.router.server import add_router_args
+    from disagg_worker.router.args import add_router_args
 
     add_router_args(router)
     router.set_defaults(func=cmd_router)

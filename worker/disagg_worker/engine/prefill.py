@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from disagg_worker.config import DisaggConfig
 from disagg_worker.disagg import KVPoll, KVSender, pack_aux
@@ -68,8 +68,7 @@ class PrefillStage:
         elif len(self.bootstrapping) >= self.cfg.max_bootstrap_queue:
             self.outbox.reject(req, 503, "the prefill bootstrap queue is full; retry later")
         else:  # prefill computes the prompt and its first token, then hands the request off
-            one = replace(req.params, max_new_tokens=1, min_new_tokens=0)
-            req = replace(req, params=one, handoff=True)
+            req.hand_off_after_first_token()
             self.bootstrapping[req.rid] = PrefillReq(req, self.kv.create_sender(bootstrap.room))
 
     def abort(self, rid: str) -> bool:

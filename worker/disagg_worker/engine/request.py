@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Any
 
@@ -111,6 +111,13 @@ class Req:
                 return
         if n >= self.params.max_new_tokens or len(self.prompt_ids) + n >= self.max_context_len:
             self.finish_reason = FinishReason.LENGTH
+
+    def hand_off_after_first_token(self) -> None:
+        """Prefill in a P/D deployment: compute the prompt, sample one token, then hand the request with its pages
+        to the caller. The sampling state stays as it is (a migrated request's draws and grammar moved on)."""
+        self.params = replace(self.params, max_new_tokens=1, min_new_tokens=0)
+        self.sampling.params = self.params
+        self.handoff = True
 
     def fail(self, status: int, message: str, code: str = "") -> None:
         self.finish_reason = FinishReason.ERROR

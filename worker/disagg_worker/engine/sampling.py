@@ -77,9 +77,16 @@ class SamplingState:
     def resume_after(self, first_token: int) -> None:
         """Go on with a request whose first token another instance sampled (decode after prefill): skip
         that instance's draw, and move the grammar past the token."""
-        self.draws_elsewhere = 1
+        self.skip([first_token])
+
+    def skip(self, tokens: list[int]) -> None:
+        """Go on after `tokens` sampled elsewhere, one draw each (decode after prefill; a request migrated from
+        an instance that failed): a seeded request draws next what it would have drawn after them, and its
+        grammar stands past them."""
+        self.draws_elsewhere += len(tokens)
         if self.matcher is not None:
-            accept_rows([self.matcher], [first_token])
+            for token in tokens:
+                accept_rows([self.matcher], [token])
 
     def prompt_tensor(self, device: torch.device) -> torch.Tensor:
         if self._prompt_tensor is None or self._prompt_tensor.device != device:

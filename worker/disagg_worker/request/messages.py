@@ -45,6 +45,10 @@ class Route:
     dp_rank: int | None = None
     local_prefill: bool = False
     local_sig: str = ""  # the router's signature on a local_prefill request (`keys.LOCAL_PREFILL`)
+    # A request the router migrated from an instance that failed: the tokens it generated there (the prompt goes
+    # on with them), and how many characters of their text the client already has.
+    resume: tuple[int, ...] = ()
+    resume_chars: int = 0
 
 
 NO_ROUTE = Route()
@@ -58,6 +62,9 @@ class GenerateReq:
     bootstrap: BootstrapInfo | None = None
     local_prefill: bool = False
     local_sig: str = ""
+    # A migrated request: the last `resumed` of `input_ids` are tokens it generated on an instance that failed.
+    # It samples on as if it had generated them here (its seed's draws and its grammar moved past them).
+    resumed: int = 0
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ from disagg_worker.request.messages import BootstrapInfo, Route
 # Every field the router sets; a client's own values for them are dropped (`router/payload.py`).
 FIELDS = (
     "bootstrap_host", "bootstrap_port", "bootstrap_room", "bootstrap_sig", "bootstrap_dp_rank", "data_parallel_rank",
-    "local_prefill",
+    "local_prefill", "resume_token_ids", "resume_text_chars",
 )  # fmt: skip
 
 
@@ -56,7 +56,24 @@ def route_of(body) -> Route:
     sig = body.get("bootstrap_sig", "") if local else ""
     if not isinstance(sig, str):
         raise APIError(400, "bootstrap_sig must be a string", param="bootstrap_sig")
-    return Route(bootstrap, dp, local, sig)
+    resume, chars = resume_of(body)
+    return Route(bootstrap, dp, local, sig, resume, chars)
+
+
+def resume_fields(token_ids: list[int], text_chars: int) -> dict:
+    """The fields of a migrated request: the tokens it generated before its instance failed, and how many
+    characters of their text its client has (the rest of their text is still to send)."""
+    return {"resume_token_ids": token_ids, "resume_text_chars": text_chars}
+
+
+def resume_of(body) -> tuple[tuple[int, ...], int]:
+    ids = body.get("resume_token_ids", []) if isinstance(body, dict) else []
+    if not isinstance(ids, list) or not all(_count(t) for t in ids):
+        raise APIError(400, "resume_token_ids must be a list of token ids", param="resume_token_ids")
+    chars = body.get("resume_text_chars", 0) if isinstance(body, dict) else 0
+    if not _count(chars):
+        raise APIError(400, "resume_text_chars must be a non-negative integer", param="resume_text_chars")
+    return tuple(ids), chars
 
 
 def _count(v: object) -> bool:

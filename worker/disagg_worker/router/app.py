@@ -20,7 +20,6 @@ import asyncio
 import json
 import logging
 import secrets
-from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
@@ -28,8 +27,9 @@ from aiohttp import web
 
 from disagg_worker.mem.kv_events import page_hashes
 from disagg_worker.request import route
-from disagg_worker.request.errors import INSTANCE_FAILED, NOT_RETRIED, APIError, unavailable
+from disagg_worker.request.errors import INSTANCE_FAILED, APIError, unavailable
 from disagg_worker.request.limits import body_limit_bytes
+from disagg_worker.router.attempt import Attempt, Opened, json_or_error
 from disagg_worker.router.auth import RouterAuth
 from disagg_worker.router.payload import JoinedPayload, SharedBody
 from disagg_worker.router.prompt import PromptTokens
@@ -50,47 +50,6 @@ FALLBACK_CONTEXT = 131072
 NO_PAIR = "No healthy prefill/decode pair is available; retry later."
 
 
-@dataclass
-class Attempt:
-    """What one pair answered before anything reached the client; `worker` is the side that failed."""
-
-    status: int
-    body: dict
-    worker: Worker | None = None
-
-    @property
-    def retryable(self) -> bool:
-        """A failure another pair may not repeat: not a request's own error, nor one that took its instance down."""
-        return (self.status >= 500 and self.code not in NOT_RETRIED) or self.status == 429
-
-    @property
-    def code(self) -> str | None:
-        return self.body.get("error", {}).get("code")
-
-    def error(self) -> APIError:
-        e = self.body.get("error", {})
-        retry_after = RETRY_AFTER_S if self.status in (429, 503) else None
-        return APIError(
-            self.status,
-            e.get("message", "request failed"),
-            type=e.get("type", "server_error"),
-            param=e.get("param"),
-            code=e.get("code"),
-            retry_after=retry_after,
-        )
-
-
-@dataclass(eq=False)
-class Opened:
-    """A decode stream that started answering, and the prefill request beside it."""
-
-    resp: aiohttp.ClientResponse
-    first: bytes
-    prefill: asyncio.Task | None  # None: decode computed the prompt itself
-    decode: Worker
-    decode_group: int | None = None
-
-
 class Router:
     def __init__(
         self,
@@ -102,6 +61,8 @@ class Router:
         auth: RouterAuth | None = None,
         max_body_bytes: int = 0,
         prompts: PromptTokens | None = None,
+        migration_limit: int = 0,
+        stall_s: float | None = None,
     ):
         self.pool = pool
         self.prompts = prompts  # the cache-aware policy's tokenizer
@@ -112,6 +73,10 @@ class Router:
         self.request_timeout_s = request_timeout_s
         self.timeout = aiohttp.ClientTimeout(total=request_timeout_s, sock_connect=5)
         self.max_body_bytes = max_body_bytes
+        # A streamed choice whose decode fails goes on on another pair this many times (`migrate.py`); a stream
+        # that sends nothing for `stall_s` counts as failed (None: only the request timeout ends it).
+        self.migration_limit = migration_limit
+        self.stall_s = stall_s
         # Decode streams open now; a drain that times out closes them (`cut`).
         self.opened: set[Opened] = set()
         self.cut_reason = ""
@@ -164,10 +129,17 @@ class Router:
         return body_limit_bytes(max(known) if known else FALLBACK_CONTEXT)
 
     # ---- one choice -----------------------------------------------------------------------
-    async def open(self, path: str, body: SharedBody, choice: dict[str, Any], prompt: Prompt | None = None) -> Opened:
+    async def open(
+        self,
+        path: str,
+        body: SharedBody,
+        choice: dict[str, Any],
+        prompt: Prompt | None = None,
+        avoid: set[Worker] | None = None,
+    ) -> Opened:
         """Find a pair that starts answering choice `choice` (its n and seed) of `body` (whose `prompt` the
-        cache-aware policy scores, when the router read it)."""
-        tried: set[Worker] = set()
+        cache-aware policy scores, when the router read it), `avoid`'s workers left out."""
+        tried: set[Worker] = set(avoid or ())
         last: Attempt | None = None
         for _ in range(self.retries + 1):
             pair = self.pick_pair(tried, prompt)
@@ -315,7 +287,7 @@ class Router:
         p.take(group)
         try:
             async with self.session.post(f"{p.url}{path}", data=payload, timeout=self.timeout) as r:
-                attempt = Attempt(r.status, _json_or_error(r.status, await r.read()))
+                attempt = Attempt(r.status, json_or_error(r.status, await r.read()))
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
             log.warning("prefill %s failed: %r", p.url, e)
             p.failures += 1
@@ -349,7 +321,7 @@ class Router:
     @staticmethod
     def _error_in(status: int, first: bytes) -> Attempt | None:
         if status != 200:
-            return Attempt(status, _json_or_error(status, first))
+            return Attempt(status, json_or_error(status, first))
         text = first.decode(errors="replace").strip()
         if not text:
             return Attempt(502, APIError(502, lost("decode", None).message, type="server_error").body())
@@ -383,13 +355,3 @@ class Router:
 
 
 ROUTER = web.AppKey("router", Router)
-
-
-def _json_or_error(status: int, data: bytes) -> dict:
-    try:
-        body = json.loads(data)
-        if isinstance(body, dict):
-            return body
-    except ValueError:
-        pass
-    return APIError(status, data.decode(errors="replace")[:500] or f"HTTP {status}", type="server_error").body()

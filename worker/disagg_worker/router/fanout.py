@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 
 from aiohttp import web
 
 from disagg_worker.request.errors import APIError
-from disagg_worker.router.app import Opened
-from disagg_worker.router.stream import DONE, UPSTREAM_ERROR, UpstreamLost, choice_events
+from disagg_worker.router.stream import DONE, UPSTREAM_ERROR, UpstreamLost
 
 
 def merge_bodies(bodies: list[dict]) -> dict:
@@ -74,26 +73,28 @@ class Merger:
 
 
 async def stream_merged(
-    out: web.StreamResponse, opened: list[Opened], cut_reason: Callable[[], str] = lambda: ""
+    out: web.StreamResponse, streams: list[AsyncIterator[dict]], cut_reason: Callable[[], str] = lambda: ""
 ) -> None:
-    """Write the merged stream of `opened` to `out`, ending with [DONE] whatever each choice does.
+    """Write the merged events of `streams` (one a choice) to `out`, ending with [DONE] whatever each choice does.
 
     `cut_reason()` names why the router closed the upstreams, if it did (a drain that timed out)."""
     queue: asyncio.Queue[dict | None] = asyncio.Queue()
     merger = Merger()
 
-    async def pump(i: int, o: Opened) -> None:
+    async def pump(i: int, events: AsyncIterator[dict]) -> None:
         try:
-            async for event in choice_events(o.first, o.resp):
+            async for event in events:
                 relabelled = merger.relabel(i, event)
                 if relabelled is not None:
                     queue.put_nowait(relabelled)
         except UpstreamLost as e:
             queue.put_nowait(choice_error(i, cut_reason() or e.message))
+        except APIError as e:  # no pair took the choice's migration
+            queue.put_nowait(choice_error(i, e.message))
         finally:
             queue.put_nowait(None)
 
-    tasks = [asyncio.create_task(pump(i, o)) for i, o in enumerate(opened)]
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
     try:
         remaining = len(tasks)
         while remaining:

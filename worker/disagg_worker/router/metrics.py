@@ -19,6 +19,7 @@ from disagg_worker.router.workers import WorkerPool
 # How the cache-aware policy picked a request's prefill, or that decode computed the prompt itself.
 DECISIONS = ("cache_hit", "load", "balanced", "decode_only")
 INDEX_STATES = ("ok", "silent", "mismatch", "unknown")
+MIGRATION_CAUSES = ("connection", "ended", "stall", "timeout", "error_event")
 
 
 class PoolCollector:
@@ -44,7 +45,16 @@ class PoolCollector:
             "Requests held by an instance when it failed: answered 500, not retried on another instance",
         )
         failed.add_metric([], pool.failed_instances)
-        yield from (routes, decisions, failed)
+        migrations = CounterMetricFamily(
+            "disagg_router_migrations",
+            "Streamed choices that went on on another pair when their decode failed, by cause (connection: it "
+            "dropped; ended: its stream stopped before [DONE]; stall: it sent nothing within --stream-stall-timeout; "
+            "timeout: --request-timeout; error_event: it sent an error the request did not cause)",
+            labels=["cause"],
+        )
+        for cause in MIGRATION_CAUSES:
+            migrations.add_metric([cause], pool.migrations.get(cause, 0))
+        yield from (routes, decisions, failed, migrations)
         labels = ["worker", "role"]
         healthy = GaugeMetricFamily("disagg_router_worker_healthy", "1 while its /health is 200", labels=labels)
         inflight = GaugeMetricFamily("disagg_router_worker_inflight", "This router's requests on it", labels=labels)

@@ -19,13 +19,14 @@ from aiohttp import web
 
 from disagg_worker.request.errors import APIError
 from disagg_worker.router.app import ROUTER, Opened, Router
-from disagg_worker.router.auth import RouterAuth, add_auth_args
+from disagg_worker.router.auth import RouterAuth
 from disagg_worker.router.fanout import merge_bodies, stream_merged
 from disagg_worker.router.handoff import HandoffMonitor
 from disagg_worker.router.metrics import metrics_handler
+from disagg_worker.router.migrate import MigratingChoice, migrates, with_token_ids
 from disagg_worker.router.payload import SharedBody
 from disagg_worker.router.prompt import PromptTokens
-from disagg_worker.router.stream import DONE, UpstreamLost, error_event, relay
+from disagg_worker.router.stream import DONE, UpstreamLost, choice_events, error_event, relay
 from disagg_worker.router.verify import PairVerifier
 from disagg_worker.router.workers import DnsSource, GroupPolicy, Policy, Prompt, Worker, WorkerPool
 from disagg_worker.server.admission import DRAINING, Admission, admission_middleware, body_of
@@ -84,6 +85,8 @@ def make_handler(path: str):
 async def proxy_one(
     request: web.Request, router: Router, path: str, body: SharedBody, prompt: Prompt | None = None
 ) -> web.StreamResponse:
+    if migrates(router, path, body):
+        return await proxy_migrating(request, router, path, body, prompt)
     o = await router.open(path, body, {}, prompt)
     try:
         if not o.resp.headers.get("Content-Type", "").startswith("text/event-stream"):
@@ -104,6 +107,31 @@ async def proxy_one(
         router.close(o)
 
 
+async def proxy_migrating(
+    request: web.Request, router: Router, path: str, body: SharedBody, prompt: Prompt | None = None
+) -> web.StreamResponse:
+    """One streamed choice that goes on on another pair when its decode fails (`migrate.py`)."""
+    choice = with_token_ids(router, path, body, {})
+    c = MigratingChoice(router, path, body, choice, await router.open(path, body, choice, prompt), prompt)
+    try:
+        out = await sse_response(request)
+        try:
+            async for event in c.events():
+                await out.write(f"data: {json.dumps(event)}\n\n".encode())
+        except UpstreamLost as e:
+            log.warning("%s: %s", c.response_id or "a stream", e.message)
+            await out.write(error_event(router.cut_reason or e.message))
+        except APIError as e:  # no pair took the migrated request
+            await out.write(error_event(e.message))
+        await out.write(DONE)
+        return out
+    except asyncio.CancelledError:
+        c.cancel()
+        raise
+    finally:
+        c.close()
+
+
 async def sse_response(request: web.Request) -> web.StreamResponse:
     out = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await out.prepare(request)
@@ -119,10 +147,14 @@ def choice_fields(body: SharedBody, i: int) -> dict[str, Any]:
 async def fan_out(
     request: web.Request, router: Router, path: str, body: SharedBody, n: int, prompt: Prompt | None = None
 ) -> web.StreamResponse:
-    """n choices = n single-choice requests, each on its own pair and bootstrap room."""
-    opened = await asyncio.gather(
-        *(router.open(path, body, choice_fields(body, i), prompt) for i in range(n)), return_exceptions=True
-    )
+    """n choices = n single-choice requests, each on its own pair and bootstrap room (each migrating alone)."""
+    choices = [with_token_ids(router, path, body, choice_fields(body, i)) for i in range(n)]
+    opened = await asyncio.gather(*(router.open(path, body, c, prompt) for c in choices), return_exceptions=True)
+    migrating = [
+        MigratingChoice(router, path, body, c, o, prompt)
+        for c, o in zip(choices, opened, strict=True)
+        if isinstance(o, Opened) and migrates(router, path, body)
+    ]
     try:
         ok = [o for o in opened if isinstance(o, Opened)]
         failed = next((o for o in opened if isinstance(o, BaseException)), None)
@@ -131,11 +163,14 @@ async def fan_out(
         if body.fields.get("stream") is not True:
             return web.json_response(merge_bodies([json.loads(o.first) for o in ok]))
         out = await sse_response(request)
-        await stream_merged(out, ok, lambda: router.cut_reason)
+        streams = [c.events() for c in migrating] or [choice_events(o.first, o.resp) for o in ok]
+        await stream_merged(out, streams, lambda: router.cut_reason)
         return out
     finally:
+        for c in migrating:
+            c.close()
         for o in opened:
-            if isinstance(o, Opened):
+            if isinstance(o, Opened) and not migrating:
                 router.close(o)
 
 
@@ -209,98 +244,6 @@ def build_pool(ns) -> WorkerPool:
     return WorkerPool(static=static, dns=dns, policy=Policy(ns.policy), group_policy=GroupPolicy(ns.dp_group_policy))
 
 
-def add_router_args(p) -> None:
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--served-model-name", default="default")
-    p.add_argument(
-        "--prefill",
-        nargs="+",
-        action="append",
-        metavar=("URL", "BOOTSTRAP_PORT"),
-        help="a prefill instance and its bootstrap port (repeatable)",
-    )
-    p.add_argument("--decode", nargs=1, action="append", metavar="URL", help="a decode instance (repeatable)")
-    p.add_argument("--prefill-dns", default="", help="HOST:PORT of a headless Service of prefill pods")
-    p.add_argument("--decode-dns", default="", help="HOST:PORT of a headless Service of decode pods")
-    p.add_argument("--bootstrap-port", type=int, default=8998)
-    p.add_argument(
-        "--policy",
-        default=Policy.ROUND_ROBIN.value,
-        choices=[p.value for p in Policy],
-        help="cache_aware: prefill by the prompt tokens a worker has not cached plus this router's prefill tokens "
-        "running there (the workers' GET /kv_events), decode by least load; needs --tokenizer",
-    )
-    p.add_argument("--tokenizer", default="", help="the model (directory or GGUF) whose tokenizer cache_aware uses")
-    p.add_argument(
-        "--cache-aware-balance-tokens",
-        type=int,
-        default=4096,
-        help="cache_aware: while a prefill worker is idle, one with this many prompt tokens pending takes no more",
-    )
-    p.add_argument(
-        "--decode-only-tokens",
-        type=int,
-        default=0,
-        help="cache_aware: a decode lacking at most this many of a prompt's tokens computes them itself, with no "
-        "prefill (conditional disaggregation; decode runs with --local-prefill); 0: off",
-    )
-    p.add_argument(
-        "--dp-group-policy",
-        default=GroupPolicy.LOAD.value,
-        choices=[p.value for p in GroupPolicy],
-        help="workers with DP attention: pick a request's attention group by load (the fewest of this router's "
-        "requests open on it, then the worker's reported load; under --policy cache_aware a prefill's group by "
-        "its cache first) or by bootstrap_room %% dp_size",
-    )
-    p.add_argument("--retries", type=int, default=2)
-    p.add_argument("--health-interval", type=float, default=2.0)
-    p.add_argument("--log-level", default="info")
-    add_auth_args(p)
-    p.add_argument(
-        "--verify-interval",
-        type=float,
-        default=10.0,
-        help="seconds between synthetic one-token requests that re-verify an idle prefill->decode pair; 0 turns "
-        "verification off (then the router is ready while any prefill and decode are healthy)",
-    )
-    p.add_argument("--verify-timeout", type=float, default=60.0, help="seconds a pair verification may take")
-    p.add_argument("--handoff-window", type=float, default=300.0, help="seconds of KV handoff failures /health counts")
-    p.add_argument(
-        "--stall-after",
-        type=float,
-        default=60.0,
-        help="seconds a worker's handoff queue may hold requests without progress before /health calls it stalled",
-    )
-    p.add_argument(
-        "--max-inflight",
-        type=int,
-        default=1024,
-        help="client requests held at once; more get 429 with Retry-After",
-    )
-    p.add_argument(
-        "--request-timeout",
-        type=float,
-        default=600.0,
-        help="seconds one upstream request may take, its whole stream included; a choice that takes longer "
-        "ends with an error event",
-    )
-    p.add_argument(
-        "--drain-timeout",
-        type=float,
-        default=30.0,
-        help="on SIGTERM, seconds to finish open requests (new ones get 503) before cutting them short "
-        "(the operator sets the pod's termination grace period from it)",
-    )
-    p.add_argument(
-        "--max-body-bytes",
-        type=int,
-        default=0,
-        help="request bodies beyond this get 413 (0: derived from the largest max_model_len the workers report "
-        "on /v1/models, as the workers derive their own)",
-    )
-
-
 def build_verifier(ns, pool: WorkerPool, auth: RouterAuth) -> PairVerifier | None:
     if ns.verify_interval <= 0:
         return None
@@ -327,6 +270,8 @@ async def serve(ns, auth: RouterAuth, ready: asyncio.Event | None = None) -> Non
         verifier=build_verifier(ns, pool, auth),
         auth=auth,
         max_body_bytes=ns.max_body_bytes,
+        migration_limit=ns.migration_limit,
+        stall_s=ns.stream_stall_timeout or None,
         # Only cache_aware reads prompts: other policies tokenise nothing, even when given --tokenizer.
         prompts=PromptTokens.load(ns.tokenizer) if ns.policy == Policy.CACHE_AWARE.value and ns.tokenizer else None,
     )

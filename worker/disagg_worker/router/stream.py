@@ -24,22 +24,26 @@ UPSTREAM_ERROR = "upstream_error"
 
 
 class UpstreamLost(Exception):
-    """The upstream stream ended before its [DONE]; the message says how, in words for the client."""
+    """The upstream stream ended before its [DONE]; the message says how, in words for the client, and `cause`
+    in one word (`timeout`, `stall`, `ended`, `connection`, `error_event`) for the router's metrics."""
 
-    def __init__(self, message: str):
+    def __init__(self, message: str, cause: str = "connection"):
         super().__init__(message)
         self.message = message
+        self.cause = cause
 
 
-def lost(role: str, e: BaseException | None) -> UpstreamLost:
+def lost(role: str, e: BaseException | None, stalled: bool = False) -> UpstreamLost:
     """Name the way an upstream failed without echoing the exception itself."""
-    if isinstance(e, asyncio.TimeoutError):
-        how = "did not finish within the router's request timeout"
+    if stalled:
+        how, cause = "sent nothing for longer than the router waits for a stream's next event", "stall"
+    elif isinstance(e, asyncio.TimeoutError):
+        how, cause = "did not finish within the router's request timeout", "timeout"
     elif e is None:
-        how = "ended its stream before it was complete"
+        how, cause = "ended its stream before it was complete", "ended"
     else:
-        how = "closed the connection in the middle of the answer"
-    return UpstreamLost(f"The {role} instance {how}; the answer is incomplete, retry the request.")
+        how, cause = "closed the connection in the middle of the answer", "connection"
+    return UpstreamLost(f"The {role} instance {how}; the answer is incomplete, retry the request.", cause)
 
 
 def error_event(message: str, code: str = UPSTREAM_ERROR) -> bytes:
@@ -47,11 +51,14 @@ def error_event(message: str, code: str = UPSTREAM_ERROR) -> bytes:
     return f"data: {json.dumps(body)}\n\n".encode()
 
 
-async def read_chunk(resp: aiohttp.ClientResponse) -> bytes:
+async def read_chunk(resp: aiohttp.ClientResponse, stall_s: float | None = None) -> bytes:
+    """The next bytes of `resp`; UpstreamLost when it fails, ends, or (with `stall_s`) sends nothing that long."""
+    deadline = asyncio.timeout(stall_s)
     try:
-        chunk = await resp.content.readany()
+        async with deadline:
+            chunk = await resp.content.readany()
     except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-        raise lost("decode", e) from e
+        raise lost("decode", e, stalled=deadline.expired()) from e
     if not chunk:
         raise lost("decode", None)
     return chunk
@@ -70,7 +77,9 @@ async def relay(out: web.StreamResponse, first: bytes, resp: aiohttp.ClientRespo
         buf += await read_chunk(resp)
 
 
-async def choice_events(first: bytes, resp: aiohttp.ClientResponse) -> AsyncIterator[dict]:
+async def choice_events(
+    first: bytes, resp: aiohttp.ClientResponse, stall_s: float | None = None
+) -> AsyncIterator[dict]:
     """The JSON events of one upstream stream, up to its [DONE]; raises UpstreamLost if that never comes."""
     buf = first
     while True:
@@ -86,4 +95,4 @@ async def choice_events(first: bytes, resp: aiohttp.ClientResponse) -> AsyncIter
             except ValueError:
                 raise UpstreamLost("The decode instance sent an event that is not JSON; retry the request.") from None
             yield data
-        buf += await read_chunk(resp)
+        buf += await read_chunk(resp, stall_s)

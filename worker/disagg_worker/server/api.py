@@ -181,8 +181,24 @@ async def completions(request: web.Request) -> web.StreamResponse:
         ids = await fe.encode(req.prompt)
         params = fe.limits.admit(ids, req.sampling, req.max_tokens_set)
     return await respond(
-        request, ids, params, req.n, route_of(body), req.stream, req.stream_options_include_usage, chat=False
+        request,
+        ids,
+        params,
+        req.n,
+        route_of(body),
+        req.stream,
+        req.stream_options_include_usage,
+        chat=False,
+        token_ids=wants_token_ids(body),
     )
+
+
+def wants_token_ids(body: dict) -> bool:
+    """vLLM's `return_token_ids`: each choice (and each streamed chunk) carries its token ids."""
+    value = body.get("return_token_ids", False)
+    if not isinstance(value, bool):
+        raise APIError(400, "return_token_ids must be a boolean", param="return_token_ids")
+    return value
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -200,7 +216,10 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     params = fe.limits.admit(ids, sampling, req.max_tokens_set, key, "messages")
     usage = req.stream_options_include_usage
-    return await respond(request, ids, params, req.n, route_of(body), req.stream, usage, chat=True, tools=tools)
+    route, token_ids = route_of(body), wants_token_ids(body)
+    return await respond(
+        request, ids, params, req.n, route, req.stream, usage, chat=True, tools=tools, token_ids=token_ids
+    )
 
 
 async def respond(
@@ -213,6 +232,7 @@ async def respond(
     include_usage: bool,
     chat: bool,
     tools: ChatTools | None = None,
+    token_ids: bool = False,
 ) -> web.StreamResponse:
     """Run n choices and answer as a completion or chat completion, whole or streamed (SSE); with tools, a
     chat answer's calls are parsed out of its text (`tool_calls.py`)."""
@@ -223,11 +243,15 @@ async def respond(
         body = (fmt.chat_body if chat else fmt.completion_body)(rid, model, choices, tok, len(ids))
         if tools is not None:
             body["choices"] = [tools.answer(c) for c in body["choices"]]
+        if token_ids:
+            for c, answer in zip(choices, body["choices"], strict=True):
+                answer["token_ids"] = c.token_ids
         return web.json_response(body)
     resp = await sse_response(request)
     choices = [fmt.Choice(i) for i in range(n)]
     calls = [tools.stream() for _ in range(n)] if tools is not None else None
-    started: set[int] = set()
+    # A migrated request's stream goes on from where the client is: its role came with the first stream.
+    started: set[int] = set(range(n)) if route.resume else set()
     async with ends_stream(request, resp):
         async for i, d in merged([fe.complete(ids, choice_params(params, i), route) for i in range(n)]):
             if chat:  # the role comes with the first token: a stream's first event is output or an error
@@ -237,6 +261,8 @@ async def respond(
                     end_with_calls(chunk, calls[i])
             else:
                 chunk = fmt.completion_chunk(rid, model, i, d, tok, len(choices[i].text))
+            if token_ids:
+                chunk["choices"][0]["token_ids"] = d.token_ids
             await send_event(resp, chunk)
             started.add(i)
             choices[i].add(d)

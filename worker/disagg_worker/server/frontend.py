@@ -241,9 +241,10 @@ class Frontend:
         self.inflight[group] += 1
         done = False
         try:
-            await self.send(
-                msg.GenerateReq(rid, input_ids, params, route.bootstrap, route.local_prefill, route.local_sig), group
+            req = msg.GenerateReq(
+                rid, input_ids, params, route.bootstrap, route.local_prefill, route.local_sig, len(route.resume)
             )
+            await self.send(req, group)
             while not done:
                 out: msg.TokenOut = await q.get()
                 done = out.finish_reason is not None
@@ -273,11 +274,24 @@ class Frontend:
         detok = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=params.skip_special_tokens)
         stopper = StopChecker(params.stop)
         timer = self.metrics.request_timer(len(input_ids), probe)
-        completion = 0
-        stream = self.token_stream(input_ids, params, route)
+        resumed = len(route.resume)
+        completion = resumed
+        # A migrated request goes on from the tokens it generated elsewhere: their text the client lacks comes
+        # first (what a stop string held back there), and they count against max_tokens and in the usage.
+        held = "".join(detok.push(t) for t in route.resume)[route.resume_chars :]
+        if resumed:
+            params = replace(
+                params,
+                max_new_tokens=max(1, params.max_new_tokens - resumed),
+                min_new_tokens=max(0, params.min_new_tokens - resumed),
+            )
+        stream = self.token_stream(input_ids + list(route.resume), params, route)
         try:
             async for out in stream:
                 text, hit, used = "", False, 0
+                if held:
+                    text, hit = stopper.push(held)
+                    held = ""
                 for tok in out.token_ids:
                     piece, hit = stopper.push(detok.push(tok))
                     text += piece
@@ -298,7 +312,7 @@ class Frontend:
                     (out.logprobs or [])[:used],
                     (out.top_logprobs or [])[:used],
                     finish,
-                    out.prompt_tokens,
+                    max(0, out.prompt_tokens - resumed),
                     completion,
                     out.cached_tokens,
                 )

@@ -1,0 +1,148 @@
+"""A migrated request goes on where it stopped: the engine given the tokens a request generated elsewhere
+(`GenerateReq.resumed`) samples next what the uninterrupted request would have sampled, greedy, seeded and under
+a grammar, on one instance and through a prefill/decode hand-off; and what the router keeps of a stream."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import time
+
+import pytest
+
+from disagg_worker.config import CacheConfig, DisaggConfig, EngineConfig, Role, SchedulerConfig
+from disagg_worker.engine.engine import Engine
+from disagg_worker.engine.sampling import SamplingParams
+from disagg_worker.instance.loop import Stepper
+from disagg_worker.request import messages as msg
+from disagg_worker.router.migrate import Progress, failure_of
+from tests.timing import scaled
+from tests.unit.test_engine import assert_idle_accounting, make_engine
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"ok": {"type": "boolean"}, "colour": {"enum": ["red", "green", "blue"]}},
+    "required": ["ok", "colour"],
+    "additionalProperties": False,
+}
+KINDS = {
+    "greedy": SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True),
+    "seeded": SamplingParams(max_new_tokens=24, temperature=1.0, top_p=0.9, seed=1234, ignore_eos=True),
+    "schema": SamplingParams(
+        max_new_tokens=64, temperature=1.0, seed=7, grammar=json.dumps({"type": "json_schema", "schema": SCHEMA})
+    ),
+}
+PROMPT = list(range(30, 61))
+ROOMS = itertools.count(1)
+
+
+def step_until_done(engines: list[Engine], rid: str) -> list[int]:
+    """Step `engines` until they are idle; the tokens `rid` got."""
+    steppers = [Stepper(e, overlap=True) for e in engines]
+    got: list[int] = []
+    deadline = time.monotonic() + scaled(60)
+    while any(s.busy for s in steppers):
+        assert time.monotonic() < deadline, "the engines did not finish"
+        if not any(s.computing for s in steppers):
+            time.sleep(0.002)  # a grammar compiling, a transfer moving: nothing to step yet
+        for s in steppers:
+            s.step()
+        for e in engines:
+            got += [t for o in e.take_outputs() if o.rid == rid and not o.error for t in o.token_ids]
+    for s in steppers:
+        s.close()
+    return got
+
+
+def resumed(params: SamplingParams, tokens: list[int], k: int) -> tuple[list[int], SamplingParams]:
+    """The prompt and parameters of a request migrated after its first `k` tokens, as the HTTP side makes them."""
+    return PROMPT + tokens[:k], SamplingParams(**{**params.__dict__, "max_new_tokens": params.max_new_tokens - k})
+
+
+@pytest.fixture(scope="module")
+def mono(tiny_model):
+    return make_engine(tiny_model)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_request_resumed_on_one_instance_goes_on_as_if_never_interrupted(mono, kind):
+    params = KINDS[kind]
+    mono.handle(msg.GenerateReq("whole", PROMPT, params))
+    whole = step_until_done([mono], "whole")
+    k = 5
+    assert len(whole) > k + 3, whole
+    ids, rest = resumed(params, whole, k)
+    mono.handle(msg.GenerateReq("rest", ids, rest, resumed=k))
+    assert step_until_done([mono], "rest") == whole[k:]
+    assert_idle_accounting(mono)
+    if kind == "schema":
+        assert whole[-1] in mono.eos_ids  # the grammar ended the JSON on both runs
+
+
+def pd_config(model: str, role: Role) -> EngineConfig:
+    return EngineConfig(
+        model_path=model,
+        cache=CacheConfig(page_size=4, max_total_tokens=2048),
+        scheduler=SchedulerConfig(chunk_size=8, max_running_requests=8),
+        disagg=DisaggConfig(role=role, transfer_backend="fake"),
+    )
+
+
+@pytest.fixture(scope="module")
+def pd(tiny_model):
+    p, d = (Engine.from_config(pd_config(tiny_model, role)) for role in (Role.PREFILL, Role.DECODE))
+    yield p, d
+    p.close()
+    d.close()
+
+
+def held_by_prefill(p: Engine, rid: str) -> None:
+    """Step `p` until `rid` is in its stage (a request with a grammar waits for its compilation first)."""
+    stepper = Stepper(p, overlap=True)
+    deadline = time.monotonic() + scaled(60)
+    while not any(rid in getattr(p.stage, q) for q in ("bootstrapping", "prefilling", "inflight")):
+        assert time.monotonic() < deadline, "prefill never took the request"
+        stepper.step()
+        time.sleep(0.002)
+    stepper.close()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_prefill_samples_the_token_after_the_resumed_ones(mono, pd, kind):
+    """Prefill samples the next token after the resumed ones (the seed's draws and the grammar moved past them),
+    and decode hands it on first. (The fake transfer moves no KV bytes: the tokens decode computes after it are
+    checked through a real transfer in tests/integration/test_migration.py.)"""
+    params = KINDS[kind]
+    mono.handle(msg.GenerateReq("whole", PROMPT, params))
+    whole = step_until_done([mono], "whole")
+    p, d = pd
+    k = 7
+    ids, rest = resumed(params, whole, k)
+    room = msg.BootstrapInfo("127.0.0.1", 1, next(ROOMS))
+    p.handle(msg.GenerateReq("p", ids, rest, room, resumed=k))
+    held_by_prefill(p, "p")  # the fake transfer pairs a receiver only with a sender that exists already
+    d.handle(msg.GenerateReq("d", ids, rest, room, resumed=k))
+    got = step_until_done([p, d], "d")
+    assert got[0] == whole[k]
+    assert len(got) == len(whole) - k or kind == "schema"  # max_tokens counts the resumed tokens
+
+
+def test_the_router_keeps_a_streams_token_ids_text_and_end():
+    progress = Progress()
+    progress.note({"choices": [{"index": 0, "delta": {"role": "assistant", "content": "Hé"}, "token_ids": [5, 6]}]})
+    progress.note({"choices": [{"index": 0, "text": "llo", "token_ids": [7]}]})
+    assert (progress.token_ids, progress.chars, progress.finished) == ([5, 6, 7], 5, False)
+    progress.note({"choices": [{"index": 0, "delta": {}, "token_ids": [], "finish_reason": "length"}]})
+    assert progress.finished
+
+
+def test_only_an_error_the_request_did_not_cause_migrates_a_stream():
+    def event(type_: str, code: str | None) -> dict:
+        return {"error": {"message": "m", "type": type_, "param": None, "code": code}}
+
+    assert failure_of(event("server_error", "service_unavailable")) is not None  # a decode that drained too long
+    assert failure_of(event("server_error", None)) is not None
+    assert failure_of(event("server_error", "internal_error")) is None  # the request's own failure
+    assert failure_of(event("server_error", "instance_failed")) is None  # it may be what took the decode down
+    assert failure_of(event("invalid_request_error", None)) is None
+    assert failure_of({"choices": [{"index": 0, "delta": {"content": "x"}}]}) is None

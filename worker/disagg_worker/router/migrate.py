@@ -1,0 +1,152 @@
+"""Migration: a stream whose decode fails goes on on another pair, and its client sees one unbroken answer.
+
+The router asks the workers for each streamed chunk's token ids (`return_token_ids`, stripped again unless the
+client asked for them too) and keeps, per choice, the ids sent so far and how many characters of text the
+client got. When the decode serving the choice fails (the connection drops or the stream ends before [DONE],
+no event comes within `stall_s`, or an error event that is not the request's own), the router re-issues the
+choice to another pair, the failed decode left out: the same body plus `resume_token_ids` and
+`resume_text_chars` (`request/route.py`). The new pair goes on from there (`server/frontend.py`): the prompt is
+extended by those ids (never by re-tokenised text), max_tokens counts them, a seeded request's generator and a
+structured output's grammar are moved past them (`engine/sampling.py`), and the usage counts each token once.
+The client's stream continues with the next token, under the first response's id. Each choice migrates at most
+`limit` times; the next failure ends it with an error event, as a stream ends without migration.
+
+A failure the request caused (`internal_error`) or one that took the instance down while it held the request
+(`instance_failed`) is not migrated: the request could do the same to the next instance.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from disagg_worker.request import route
+from disagg_worker.request.errors import NOT_RETRIED
+from disagg_worker.router.app import Router
+from disagg_worker.router.attempt import Opened
+from disagg_worker.router.payload import SharedBody
+from disagg_worker.router.stream import UpstreamLost, choice_events
+from disagg_worker.router.workers import Prompt
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Progress:
+    """What the client has of one choice: its token ids, the characters of its text, whether it finished."""
+
+    token_ids: list[int] = field(default_factory=list)
+    chars: int = 0
+    finished: bool = False
+    migrations: int = 0
+
+    def note(self, event: dict) -> None:
+        for c in event.get("choices", []):
+            self.token_ids += c.get("token_ids") or []
+            delta = c.get("delta")
+            text = delta.get("content") if isinstance(delta, dict) else c.get("text")
+            self.chars += len(text) if isinstance(text, str) else 0
+            self.finished = self.finished or c.get("finish_reason") is not None
+
+
+def failure_of(event: dict) -> UpstreamLost | None:
+    """An error event that another pair may not repeat, as a lost stream; None for any other event."""
+    error = event.get("error")
+    if event.get("choices") or not isinstance(error, dict):
+        return None
+    if error.get("type") != "server_error" or error.get("code") in NOT_RETRIED:
+        return None
+    return UpstreamLost(str(error.get("message", "the decode instance failed")), "error_event")
+
+
+class MigratingChoice:
+    """The events of one streamed choice, across the pairs it migrates to; `close` gives back the last one."""
+
+    def __init__(
+        self,
+        router: Router,
+        path: str,
+        body: SharedBody,
+        choice: dict[str, Any],
+        opened: Opened,
+        prompt: Prompt | None = None,
+    ):
+        self.router, self.path, self.body, self.choice, self.prompt = router, path, body, choice, prompt
+        self.opened: Opened | None = opened
+        self.progress = Progress()
+        self.client_ids = body.fields.get("return_token_ids") is True
+        self.response_id: str | None = None
+
+    async def events(self) -> AsyncIterator[dict]:
+        """The choice's JSON events up to its [DONE]; UpstreamLost once it cannot migrate any more."""
+        while True:
+            o = self.opened
+            if o is None:
+                return
+            try:
+                async for event in choice_events(o.first, o.resp, self.router.stall_s):
+                    lost = failure_of(event)
+                    if lost is not None:
+                        raise lost
+                    self.progress.note(event)
+                    yield self._as_sent(event)
+                return
+            except UpstreamLost as e:
+                if self.progress.finished:  # every token arrived: only the end of the stream was lost
+                    return
+                if self.progress.migrations >= self.router.migration_limit or self.router.cut_reason:
+                    raise
+                await self._migrate(o, e)
+
+    async def _migrate(self, o: Opened, e: UpstreamLost) -> None:
+        failed, p = o.decode, self.progress
+        self.router.pool.migrations[e.cause] += 1
+        self.close()
+        p.migrations += 1
+        resume = route.resume_fields(p.token_ids, p.chars)
+        opened = await self.router.open(self.path, self.body, {**self.choice, **resume}, self.prompt, {failed})
+        self.opened = opened
+        log.info(
+            "%s: migrated from decode %s (%s) after %d tokens to decode %s (migration %d of at most %d)",
+            self.response_id or "a stream",
+            failed.url,
+            e.cause,
+            len(p.token_ids),
+            opened.decode.url,
+            p.migrations,
+            self.router.migration_limit,
+        )
+
+    def _as_sent(self, event: dict) -> dict:
+        """The event as the client gets it: the first response's id, token ids only if it asked for them."""
+        if "id" in event:
+            self.response_id = self.response_id or event["id"]
+            event["id"] = self.response_id
+        if not self.client_ids:
+            for c in event.get("choices", []):
+                c.pop("token_ids", None)
+        return event
+
+    def close(self) -> None:
+        """Give the current pair's stream back (once)."""
+        if self.opened is not None:
+            self.router.close(self.opened)
+            self.opened = None
+
+    def cancel(self) -> None:
+        """The client left: abort the prefill side too."""
+        if self.opened is not None and self.opened.prefill is not None:
+            self.opened.prefill.cancel()
+
+
+def migrates(router: Router, path: str, body: SharedBody) -> bool:
+    """Whether a request's streams migrate: OpenAI's streamed completions and chat, with a limit above 0."""
+    streamed = body.fields.get("stream") is True
+    return router.migration_limit > 0 and streamed and path in ("/v1/completions", "/v1/chat/completions")
+
+
+def with_token_ids(router: Router, path: str, body: SharedBody, choice: dict[str, Any]) -> dict[str, Any]:
+    """The choice's fields, asking the worker for token ids when its stream may migrate."""
+    return {**choice, "return_token_ids": True} if migrates(router, path, body) else choice
