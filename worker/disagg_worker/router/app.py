@@ -48,6 +48,8 @@ EXPLAIN_WAIT_S = 0.5
 # The body limit before any worker has said its context (`--max-body-bytes` 0): a 128k-token model.
 FALLBACK_CONTEXT = 131072
 NO_PAIR = "No healthy prefill/decode pair is available; retry later."
+# The pause before a request's first retry on another pair; each further retry waits twice as long.
+RETRY_BACKOFF_S = 0.05
 
 
 class Router:
@@ -141,7 +143,10 @@ class Router:
         cache-aware policy scores, when the router read it), `avoid`'s workers left out."""
         tried: set[Worker] = set(avoid or ())
         last: Attempt | None = None
-        for _ in range(self.retries + 1):
+        for attempt in range(self.retries + 1):
+            if last is not None:  # a retry, after a pause that doubles: failures do not become a burst of retries
+                self.pool.retries[last.worker.role if last.worker is not None else "pair"] += 1
+                await asyncio.sleep(RETRY_BACKOFF_S * 2 ** (attempt - 1))
             pair = self.pick_pair(tried, prompt)
             if pair is None or self.cut_reason:
                 break

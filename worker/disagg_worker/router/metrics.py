@@ -54,7 +54,15 @@ class PoolCollector:
         )
         for cause in MIGRATION_CAUSES:
             migrations.add_metric([cause], pool.migrations.get(cause, 0))
-        yield from (routes, decisions, failed, migrations)
+        retries = CounterMetricFamily(
+            "disagg_router_retries",
+            "Requests tried again on another pair before their first token, by the side that failed (prefill: it "
+            "refused or failed first, and decode's half was cancelled at once; decode; pair: both)",
+            labels=["side"],
+        )
+        for side in ("prefill", "decode", "pair"):
+            retries.add_metric([side], pool.retries.get(side, 0))
+        yield from (routes, decisions, failed, migrations, retries)
         labels = ["worker", "role"]
         healthy = GaugeMetricFamily("disagg_router_worker_healthy", "1 while its /health is 200", labels=labels)
         inflight = GaugeMetricFamily("disagg_router_worker_inflight", "This router's requests on it", labels=labels)

@@ -97,6 +97,8 @@ class WorkerPool:
     routes: collections.Counter[str] = field(default_factory=collections.Counter)
     # Requests held by an instance when it failed (Router.open): answered 500 and not retried on another.
     failed_instances: int = 0
+    # Requests tried again on another pair before anything reached the client, by the side that failed (Router.open).
+    retries: collections.Counter[str] = field(default_factory=collections.Counter)
     # Streams that went on on another pair when their decode failed, by cause (router/migrate.py).
     migrations: collections.Counter[str] = field(default_factory=collections.Counter)
     # One round-robin counter per role: with a shared one, equal numbers of prefill and decode workers made
