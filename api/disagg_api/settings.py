@@ -2,8 +2,10 @@
 
 `disagg serve` takes `ENGINE`, `disagg prefill|decode` take `ENGINE` and `DISAGG`, in this order in --help. The
 worker builds its parser from these tuples and fills its configuration chain from the parsed flags: each field of
-the chain names the setting it comes from and takes its default (`disagg_worker.flags`). A new setting is a
-line here, the config field that names it, its use and its test.
+the chain names the setting it comes from and takes its default (`disagg_worker.flags`). The operator writes the
+workers' command lines with them (`disagg_operator.builders.workers`), and the engine block of its CRD names them
+(`disagg_operator.engine_fields`). A new setting is a line here, the config field that names it, its use and its
+test (and a CRD field where users set it on a cluster).
 
 `sglang` records SGLang's flag for the same setting, so that its documentation and recipes translate. Where its
 values also mean the same here (`accepts_sglang`) the worker takes that flag too, unlisted in --help; not, for
