@@ -77,8 +77,8 @@ images:
 
 # ruff (lint and format check) and mypy, configured in pyproject.toml.
 lint: venv
-	$(VENV)/bin/ruff check worker operator tests bench hack
-	$(VENV)/bin/ruff format --check worker operator tests bench hack
+	$(VENV)/bin/ruff check worker operator api tests bench hack
+	$(VENV)/bin/ruff format --check worker operator api tests bench hack
 	$(VENV)/bin/mypy
 
 # What a cluster admin is handed, through kube-score and kubeconform (strict, offline schemas): the chart with

@@ -32,7 +32,7 @@ def git_head(checkout: Path) -> str:
 
 def one_run(model: str, checkout: Path, args: argparse.Namespace) -> float:
     """Output tokens/s of `disagg serve` from `checkout` under the bench load."""
-    env = {"PYTHONPATH": f"{checkout / 'worker'}:{checkout / 'operator'}"}
+    env = {"PYTHONPATH": f"{checkout / 'worker'}:{checkout / 'operator'}:{checkout / 'api'}"}
     with Serve(model, env=env, name="ab") as s:
         report = Path(tempfile.mkstemp(suffix=".json")[1])
         load = ["--num-prompts", str(args.num_prompts), "--max-concurrency", str(args.concurrency)]

@@ -8,7 +8,7 @@ OUT=${OUT:-/tmp/gpu-out}
 mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   || { echo "installing the carried wheels failed" | tee "$OUT/error.txt"; exit 1; }
-export PYTHONPATH=/tmp/site:$PWD/worker:$PWD/operator:$PWD
+export PYTHONPATH=/tmp/site:$PWD/worker:$PWD/operator:$PWD/api:$PWD
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/device.csv"
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)" | tee -a "$OUT/device.csv"
 timeout "${GPU_TIER_TIMEOUT_S:-420}" python3 -m pytest -q -p no:cacheprovider -o addopts= tests/gpu \

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import yaml
 
+from disagg_api import settings as S
+
 from . import names
 from .crd_roles import ATTN_TP, RANK_RULES, SPAN_RULES, engine_props, router_schema, worker_role_schema
 from .crd_status import status_schema
@@ -224,7 +226,7 @@ def _speculative() -> dict:
                 "one-layer draft head fed with the model's hidden states; STANDALONE: from a smaller model with the "
                 "same tokenizer. Drafts are verified in the request's next decode step: answers stay token-identical.",
                 16,
-                enum=["NGRAM", "EAGLE", "STANDALONE"],
+                enum=list(S.SPECULATIVE_ALGORITHMS),
             ),
             "numDraftTokens": integer(8, 1, "NGRAM: draft tokens verified with a decode step, at most.", 16),
             "numSteps": integer(3, 1, "EAGLE and STANDALONE: draft tokens per request and decode step.", 16),
@@ -271,8 +273,8 @@ def spec_schema() -> dict:
     )
     transfer = obj(
         {
-            "backend": string("KV transfer backend.", 16, enum=["mooncake", "fake"], default="mooncake"),
-            "protocol": string("Transport of the mooncake backend.", 8, enum=["tcp", "rdma"], default="tcp"),
+            "backend": string("KV transfer backend.", 16, enum=list(S.TRANSFER_BACKENDS), default="mooncake"),
+            "protocol": string("Transport of the mooncake backend.", 8, enum=list(S.TRANSFER_PROTOCOLS), default="tcp"),
             "ibDevice": string("InfiniBand device name(s) for rdma, e.g. mlx5_0.", 128),
         },
         "How KV pages move from prefill to decode.",

@@ -1,12 +1,9 @@
 """Schema of the CRD's role blocks (spec.prefill, spec.decode, spec.router) and of the engine settings."""
 
-from typing import Any
-
 from . import names
+from .engine_fields import ENGINE_FIELDS
 from .schema import free_obj, integer, obj, string
-from .spec import DEFAULT_ENGINE
 
-DTYPES = ["float32", "bfloat16", "float16"]
 MAX_NODES_PER_INSTANCE = 8
 RANKS = "self.{r}.tpSize * self.{r}.ppSize"
 # A role's tensor ranks per attention group (its tpSize without DP attention), in CEL.
@@ -14,20 +11,8 @@ ATTN_TP = "(self.{r}.tpSize / self.{r}.dpSize)"
 
 
 def engine_props(with_defaults: bool) -> dict:
-    d: dict[str, Any] = DEFAULT_ENGINE if with_defaults else {}
-    return {
-        "pageSize": integer(d.get("pageSize"), 1, "Tokens per KV page; prefill and decode must agree."),
-        "kvDtype": string(
-            "KV cache dtype; prefill and decode must agree.",
-            16,
-            enum=DTYPES,
-            **({"default": d["kvDtype"]} if d else {}),
-        ),
-        "dtype": string("Model weights dtype.", 16, enum=DTYPES, **({"default": d["dtype"]} if d else {})),
-        "chunkSize": integer(d.get("chunkSize"), 1, "Chunked-prefill size in tokens."),
-        "maxTotalTokens": integer(d.get("maxTotalTokens"), 1, "KV cache capacity in tokens."),
-        "maxRunningRequests": integer(d.get("maxRunningRequests"), 1, "Requests running at once."),
-    }
+    """The engine block's fields (`engine_fields`); the CRD's defaults only where `with_defaults` (spec.engine)."""
+    return {f.name: f.schema(with_defaults) for f in ENGINE_FIELDS}
 
 
 def _placement_props() -> dict:

@@ -9,17 +9,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from . import names
+from disagg_api import settings as S
+from disagg_api.setting import Setting
 
-DEFAULT_ENGINE = {
-    "pageSize": 16,
-    "kvDtype": "bfloat16",
-    "dtype": "bfloat16",
-    "chunkSize": 4096,
-    "maxTotalTokens": 65536,
-    "maxRunningRequests": 64,
-}
-ENGINE_KEYS = tuple(DEFAULT_ENGINE)
+from . import names
+from .engine_fields import DEFAULT_ENGINE, ENGINE_FIELDS
+
 DEFAULT_DRAIN_TIMEOUT = 30
 DEFAULT_PROGRESS_DEADLINE = 600
 ORDERS = {"DecodeFirst": (names.DECODE, names.PREFILL), "PrefillFirst": (names.PREFILL, names.DECODE)}
@@ -31,20 +26,27 @@ OPERATOR_LABEL_KEYS = frozenset(
 
 @dataclass(frozen=True)
 class EngineSpec:
-    page_size: int
-    kv_dtype: str
-    dtype: str
-    chunk_size: int
-    max_total_tokens: int
-    max_running_requests: int
+    """A role's engine settings (`engine_fields.ENGINE_FIELDS`), by CRD field."""
+
+    values: Mapping[str, Any]
 
     @classmethod
     def merged(cls, shared: Mapping[str, Any], override: Mapping[str, Any]) -> "EngineSpec":
         """The role's engine settings: the role's `engine` block over the CR's `engine` block over defaults."""
         v = {**DEFAULT_ENGINE, **shared, **override}
-        return cls(
-            v["pageSize"], v["kvDtype"], v["dtype"], v["chunkSize"], v["maxTotalTokens"], v["maxRunningRequests"]
-        )
+        return cls({f.name: v[f.name] for f in ENGINE_FIELDS})
+
+    @property
+    def page_size(self) -> int:
+        return self.values["pageSize"]
+
+    @property
+    def kv_dtype(self) -> str:
+        return self.values["kvDtype"]
+
+    def settings(self) -> list[tuple[Setting, Any]]:
+        """Each worker setting with its value, in the order of `ENGINE_FIELDS`."""
+        return [(f.setting, self.values[f.name]) for f in ENGINE_FIELDS]
 
 
 @dataclass(frozen=True)
@@ -189,25 +191,19 @@ class SpeculativeSpec:
             return None
         return f"{names.MODEL_MOUNT}/{self.draft_model_path.lstrip('/')}".rstrip("/")
 
-    def args(self) -> list[str]:
+    def settings(self) -> list[tuple[Setting, Any]]:
+        """The worker settings of the algorithm: its draft model's, or NGRAM's."""
         if self.draft_arg is not None:
             return [
-                "--speculative-algorithm",
-                self.algorithm,
-                "--speculative-draft-model-path",
-                self.draft_arg,
-                "--speculative-num-steps",
-                str(self.num_steps),
+                (S.SPECULATIVE_ALGORITHM, self.algorithm),
+                (S.SPECULATIVE_DRAFT_MODEL_PATH, self.draft_arg),
+                (S.SPECULATIVE_NUM_STEPS, self.num_steps),
             ]
         return [
-            "--speculative-algorithm",
-            self.algorithm,
-            "--speculative-num-draft-tokens",
-            str(self.num_draft_tokens),
-            "--speculative-ngram-min-match-window-size",
-            str(self.ngram_min_match),
-            "--speculative-ngram-max-match-window-size",
-            str(self.ngram_max_match),
+            (S.SPECULATIVE_ALGORITHM, self.algorithm),
+            (S.SPECULATIVE_NUM_DRAFT_TOKENS, self.num_draft_tokens),
+            (S.SPECULATIVE_NGRAM_MIN_MATCH_WINDOW_SIZE, self.ngram_min_match),
+            (S.SPECULATIVE_NGRAM_MAX_MATCH_WINDOW_SIZE, self.ngram_max_match),
         ]
 
 

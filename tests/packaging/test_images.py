@@ -50,6 +50,15 @@ def test_operator_image_installs_no_torch():
     assert re.search(r'^ENTRYPOINT \["disagg-operator"\]$', text, re.M)
 
 
+def test_both_images_install_the_package_the_worker_and_the_operator_share():
+    """The operator writes the workers' command lines from `disagg_api` (the engine settings' declaration): an
+    operator image without it would not start."""
+    for name in DOCKERFILES:
+        assert re.search(r"^COPY api/ api/$", (REPO / name).read_text(), re.M), name
+    pyproject = (REPO / "pyproject.toml").read_text()
+    assert re.search(r'^where = \[.*"api".*\]$', pyproject, re.M), "setuptools must find disagg_api"
+
+
 def test_worker_image_runs_disagg_and_ships_the_libraries_mooncake_links():
     """What `make venv` installs on a machine for the worker to run (Mooncake's wheel links libibverbs, libnuma
     and libcurl without shipping them), the image installs too: a pod without libnuma crashed at start."""

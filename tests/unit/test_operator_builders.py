@@ -6,11 +6,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from disagg_operator import names
+from disagg_operator import crd, names
 from disagg_operator.builders import build_auth_secret, build_children
 from disagg_operator.builders.router import router_args
 from disagg_operator.builders.workers import worker_args
 from disagg_operator.config import OperatorConfig
+from disagg_operator.engine_fields import ENGINE_FIELDS
 from disagg_operator.spec import ModelSpec
 
 REPO = Path(__file__).resolve().parents[2]
@@ -678,3 +679,109 @@ def test_a_prefill_that_spans_nodes_is_bootstrapped_through_its_leaders(gpu):
     pod = kids[("LeaderWorkerSet", f"{name}-prefill-group")]["spec"]["leaderWorkerTemplate"]["workerTemplate"]
     assert pod["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 2  # one node's ranks
     assert ("StatefulSet", f"{name}-decode") in kids  # 4 ranks fit its 8-GPU nodes
+
+
+def _variants() -> list[dict]:
+    """The CPU example, and the same with each setting the workers' command lines carry changed."""
+
+    def spec_with(**changes) -> dict:
+        cr = load_example("dm-cpu-tcp.yaml")
+        for path, value in changes.items():
+            *parents, key = path.split("__")
+            node = cr["spec"]
+            for p in parents:
+                node = node.setdefault(p, {})
+            if value is None:
+                node.pop(key, None)
+            else:
+                node[key] = value
+        return cr
+
+    volume = {"model__pvc": "models", "model__hostPath": None}
+    return [
+        load_example("dm-cpu-tcp.yaml"),
+        load_example("dm-rdma-gpu.yaml"),
+        spec_with(engine={}, decode__engine={"chunkSize": 128, "dtype": "float16"}, prefill__engine={"pageSize": 64}),
+        spec_with(speculative={"algorithm": "NGRAM", "numDraftTokens": 6, "ngramMaxMatchWindowSize": 12}),
+        spec_with(**volume, speculative={"algorithm": "EAGLE", "draftModelPath": "/eagle/", "numSteps": 4}),
+        spec_with(decode__tpSize=4, decode__epSize=4, decode__enableDpAttention=True, decode__dpSize=2),
+        spec_with(decode__prefixCache=True, router__policy="cache_aware", router__decodeOnlyTokens=64),
+        spec_with(
+            transfer={"backend": "mooncake", "protocol": "rdma", "ibDevice": "mlx5_0"}, drain={"timeoutSeconds": 45}
+        ),
+        spec_with(transfer={"backend": "fake"}, servedModelName=None),
+    ]
+
+
+# The CRD's engine fields and the worker's flags that carry them, spelled out apart from the operator's table.
+ENGINE_FLAGS = {
+    "pageSize": "page_size",
+    "kvDtype": "kv_dtype",
+    "dtype": "dtype",
+    "chunkSize": "chunk_size",
+    "maxTotalTokens": "max_total_tokens",
+    "maxRunningRequests": "max_running_requests",
+}
+
+
+def _speculative_values(d: dict | None, role: str) -> dict:
+    if not d or (role == names.PREFILL and "draftModelPath" not in d):
+        return {"algorithm": ""}
+    if "draftModelPath" in d:
+        path = f"{names.MODEL_MOUNT}/{d['draftModelPath'].strip('/')}"
+        return {"algorithm": d["algorithm"], "draft_model_path": path, "num_steps": d.get("numSteps", 3)}
+    windows = (d.get("ngramMinMatchWindowSize", 2), d.get("ngramMaxMatchWindowSize", 8))
+    return {"algorithm": d["algorithm"], "num_draft_tokens": d.get("numDraftTokens", 8), "windows": windows}
+
+
+def _parsed_speculative(ns, expected: dict) -> dict:
+    parsed = {
+        "algorithm": ns.speculative_algorithm,
+        "draft_model_path": ns.speculative_draft_model_path,
+        "num_steps": ns.speculative_num_steps,
+        "num_draft_tokens": ns.speculative_num_draft_tokens,
+        "windows": (ns.speculative_ngram_min_match_window_size, ns.speculative_ngram_max_match_window_size),
+    }
+    return {k: parsed[k] for k in expected}
+
+
+@pytest.mark.parametrize("cr", _variants())
+def test_the_worker_parses_the_command_line_into_the_crs_values(cr):
+    """Every setting the operator sends reaches the worker as the CR says (the defaults as the API server fills
+    them in), read by the worker's own parser."""
+    from disagg_worker.cli import build_parser
+
+    spec = cr["spec"]
+    engine_schema = crd.build_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    defaults = {k: v["default"] for k, v in engine_schema["properties"]["engine"]["properties"].items()}
+    for role in names.WORKER_ROLES:
+        ns = build_parser().parse_args(worker_args(ModelSpec.from_cr(cr), role))
+        r = spec.get(role, {})
+        engine = {**defaults, **spec.get("engine", {}), **r.get("engine", {})}
+        assert {field: getattr(ns, dest) for field, dest in ENGINE_FLAGS.items()} == engine
+        assert (ns.command, ns.served_model_name) == (role, spec.get("servedModelName") or cr["metadata"]["name"])
+        sizes = (r.get("tpSize", 1), r.get("ppSize", 1), r.get("epSize", 1), r.get("dpSize", 1))
+        assert (ns.tp_size, ns.pp_size, ns.ep_size, ns.dp_size) == sizes
+        assert ns.enable_dp_attention == r.get("enableDpAttention", False)
+        assert ns.decode_prefix_cache == r.get("prefixCache", False)
+        assert ns.local_prefill == (role == names.DECODE and spec["router"].get("decodeOnlyTokens", 0) > 0)
+        transfer = spec.get("transfer", {})
+        assert ns.transfer_backend == transfer.get("backend", "mooncake")
+        assert (ns.transfer_protocol, ns.ib_device) == (transfer.get("protocol", "tcp"), transfer.get("ibDevice", ""))
+        assert ns.drain_timeout == spec.get("drain", {}).get("timeoutSeconds", 30)
+        expected = _speculative_values(spec.get("speculative"), role)
+        assert _parsed_speculative(ns, expected) == expected
+
+
+def test_every_value_the_crds_engine_block_accepts_is_one_the_worker_takes():
+    """A value the worker refused would fail in a pod's log instead of at `kubectl apply`."""
+    from disagg_worker.cli import build_parser
+
+    props = crd.build_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    engine = props["properties"]["engine"]["properties"]
+    assert list(engine) == [f.name for f in ENGINE_FIELDS]
+    for f in ENGINE_FIELDS:
+        node = engine[f.name]
+        for value in node.get("enum", [node.get("minimum"), node["default"]]):
+            ns = build_parser().parse_args(["decode", "--model", "m", *f.setting.args(value)])
+            assert getattr(ns, f.setting.dest) == value

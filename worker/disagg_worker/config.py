@@ -1,8 +1,9 @@
 """One frozen configuration chain, built once from the command line.
 
 ServerArgs (what the CLI parses) -> EngineConfig (what the scheduler and model runner need)
--> CacheConfig / SchedulerConfig / DisaggConfig. Derived values are properties. Every CLI flag
-maps 1:1 onto a field; environment variables are read only in `disagg_worker.env`.
+-> CacheConfig / SchedulerConfig / DisaggConfig. Derived values are properties. A field a flag fills
+names its setting (`from_flag`: `disagg_api.settings` declares each flag, its type, default and help once)
+and takes its default; environment variables are read only in `disagg_worker.env`.
 """
 
 from __future__ import annotations
@@ -10,11 +11,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
+from disagg_api import settings as S
 from disagg_worker import keys
 from disagg_worker.errors import ConfigError as ConfigError
+from disagg_worker.flags import from_flag
 from disagg_worker.model.source import served_name
 from disagg_worker.speculative_config import DRAFT_MODEL_ALGORITHMS as DRAFT_MODEL_ALGORITHMS
-from disagg_worker.speculative_config import SPECULATIVE_ALGORITHMS as SPECULATIVE_ALGORITHMS
 from disagg_worker.speculative_config import SpeculativeConfig as SpeculativeConfig
 
 
@@ -26,12 +28,12 @@ class Role(str, Enum):
 
 @dataclass(frozen=True)
 class CacheConfig:
-    page_size: int = 16
+    page_size: int = from_flag(S.PAGE_SIZE)
     # Number of KV pages; 0 means "derive from max_total_tokens".
-    num_pages: int = 0
-    max_total_tokens: int = 16384
-    kv_dtype: str = "float32"
-    enable_prefix_cache: bool = True
+    num_pages: int = from_flag(S.NUM_PAGES)
+    max_total_tokens: int = from_flag(S.MAX_TOTAL_TOKENS)
+    kv_dtype: str = "float32"  # --kv-dtype, or --dtype without it
+    enable_prefix_cache: bool = from_flag(S.DISABLE_PREFIX_CACHE, negated=True)
 
     @property
     def total_pages(self) -> int:
@@ -44,12 +46,12 @@ class CacheConfig:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    max_running_requests: int = 64
+    max_running_requests: int = from_flag(S.MAX_RUNNING_REQUESTS)
     # Tokens computed in one forward across all requests (prefill chunks + decode tokens).
-    max_batch_tokens: int = 2048
+    max_batch_tokens: int = from_flag(S.MAX_BATCH_TOKENS)
     # Largest prefill chunk of one request; 0 disables chunking.
-    chunk_size: int = 512
-    enable_overlap: bool = True
+    chunk_size: int = from_flag(S.CHUNK_SIZE)
+    enable_overlap: bool = from_flag(S.DISABLE_OVERLAP, negated=True)
     # Pages reserved per running request for its next decode steps before admitting new prefills.
     decode_reserve_tokens: int = 64
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
@@ -64,37 +66,37 @@ class SchedulerConfig:
 @dataclass(frozen=True)
 class DisaggConfig:
     role: Role = Role.MONOLITHIC
-    transfer_backend: str = "mooncake"  # mooncake | fake
-    transfer_protocol: str = "tcp"  # tcp | rdma
-    ib_device: str = ""
-    bootstrap_port: int = 8998
+    transfer_backend: str = from_flag(S.TRANSFER_BACKEND)  # mooncake | fake
+    transfer_protocol: str = from_flag(S.TRANSFER_PROTOCOL)  # tcp | rdma
+    ib_device: str = from_flag(S.IB_DEVICE)
+    bootstrap_port: int = from_flag(S.BOOTSTRAP_PORT)
     # Address other instances use to reach this one (pod IP on Kubernetes).
-    advertise_host: str = "127.0.0.1"
+    advertise_host: str = from_flag(S.ADVERTISE_HOST)
     # Ranks of the instance (every role, monolithic too): tensor ranks per stage, pipeline stages.
-    tp_size: int = 1
-    pp_size: int = 1
+    tp_size: int = from_flag(S.TP_SIZE)
+    pp_size: int = from_flag(S.PP_SIZE)
     # Expert parallelism: 1, or tp_size (the stage's tensor ranks share out the routed experts).
-    ep_size: int = 1
+    ep_size: int = from_flag(S.EP_SIZE)
     # DP attention: the tensor ranks split into `dp_size` attention groups of tp_size / dp_size ranks, each
     # with its own scheduler, requests and KV pool; the MLP/MoE layers run over all tp_size ranks on every
     # group's tokens, gathered before and split after. Whole-replica data parallelism is more instances.
-    enable_dp_attention: bool = False
-    dp_size: int = 1
+    enable_dp_attention: bool = from_flag(S.ENABLE_DP_ATTENTION)
+    dp_size: int = from_flag(S.DP_SIZE)
     # An instance across pods (larger than one node): `nnodes` pods run `num_ranks // nnodes` consecutive ranks
     # each, pod `node_rank` those from `node_rank * ranks_per_node`. Pod 0 runs rank 0 (the driver), the HTTP
     # front end and, on prefill, the bootstrap server; the ranks meet at `dist_init_addr`, pod 0's host:port.
-    nnodes: int = 1
-    node_rank: int = 0
-    dist_init_addr: str = ""
+    nnodes: int = from_flag(S.NNODES)
+    node_rank: int = from_flag(S.NODE_RANK)
+    dist_init_addr: str = from_flag(S.DIST_INIT_ADDR)
     # The longest a rank waits for the others in one collective (an all-reduce of a forward, the driver's next
     # step) before it fails the instance. Idle ranks exchange an empty step every second (`LOOP`), so only a
     # hung or unreachable rank makes another wait that long.
-    dist_timeout_s: float = 300.0
-    bootstrap_timeout_s: float = 30.0
-    waiting_timeout_s: float = 30.0
-    heartbeat_interval_s: float = 2.0
-    heartbeat_max_misses: int = 2
-    max_bootstrap_queue: int = 256
+    dist_timeout_s: float = from_flag(S.DIST_TIMEOUT)
+    bootstrap_timeout_s: float = from_flag(S.BOOTSTRAP_TIMEOUT)
+    waiting_timeout_s: float = from_flag(S.WAITING_TIMEOUT)
+    heartbeat_interval_s: float = from_flag(S.HEARTBEAT_INTERVAL)
+    heartbeat_max_misses: int = from_flag(S.HEARTBEAT_MAX_MISSES)
+    max_bootstrap_queue: int = from_flag(S.MAX_BOOTSTRAP_QUEUE)
     # Listening ports (each must sit where the operator's NetworkPolicy opens it). Rank i of an
     # instance (i = pp_rank * tp_size + tp_rank) listens for control messages on control_port + i
     # (0: any free port, for local runs), and its Mooncake engine takes its two ports (RPC and
@@ -102,27 +104,27 @@ class DisaggConfig:
     # own range, MC_MIN_RPC_PORT..MC_MAX_RPC_PORT, 15000-17000 unless set). A window holds more
     # than two ports because a killed engine's ports stay in TIME_WAIT for ~60 s and Mooncake cannot
     # bind them again: a restarted rank takes two others.
-    control_port: int = 0
-    transfer_port_base: int = 0
-    transfer_ports_per_rank: int = 8
+    control_port: int = from_flag(S.CONTROL_PORT)
+    transfer_port_base: int = from_flag(S.TRANSFER_PORT_BASE)
+    transfer_ports_per_rank: int = from_flag(S.TRANSFER_PORTS_PER_RANK)
     # Decode: pages of a failed room stay out of the free list while prefill may still write them
     # (quarantine), but not longer than this: a prefill that stays silent is then declared dead and
     # the pages come back. 0: four times the longest of the waiting timeout and the heartbeat window.
-    quarantine_timeout_s: float = 0.0
+    quarantine_timeout_s: float = from_flag(S.QUARANTINE_TIMEOUT)
     # Decode: requests waiting for their handshake and pages beyond this are refused (503).
-    max_prealloc_queue: int = 256
+    max_prealloc_queue: int = from_flag(S.MAX_PREALLOC_QUEUE)
     # Decode: keep finished requests' KV in a prefix cache, so that a request whose prefix decode holds receives
     # only the pages it lacks from prefill (off by default: without a router sending follow-ups back to the same
     # decode, its cache only takes pages from the running requests).
-    decode_prefix_cache: bool = False
+    decode_prefix_cache: bool = from_flag(S.DECODE_PREFIX_CACHE)
     # Decode: compute a prompt itself, with no prefill, when the router marks the request `local_prefill`
     # (conditional disaggregation: too few tokens lacking to be worth a handshake and a transfer).
-    local_prefill: bool = False
+    local_prefill: bool = from_flag(S.LOCAL_PREFILL)
     # Mooncake TCP connections per peer (MC_TCP_LANES_PER_PEER; an explicit env var wins). Each
     # lane carries one write at a time with a round trip, so a request's many small writes (one
     # per page run per layer's K and V) finish sooner over more lanes: 64 writes of 4 KiB took
     # 4.0 ms with Mooncake's default of 4 lanes and 2.3 ms with 16 on loopback here.
-    tcp_lanes: int = 16
+    tcp_lanes: int = from_flag(S.TCP_LANES)
     # The model's shared secret, read from --auth-token-file at start-up ("": no authentication,
     # local runs only), kept out of repr so that it is never logged. Each use has its own key
     # derived from it (`keys`): the bootstrap server's bearer token, the token the router presents
@@ -276,32 +278,29 @@ class DisaggConfig:
                 raise ConfigError(f"{flag} is a decode instance's option")
 
 
-QUANTIZATIONS = ("int4",)  # weight formats of `--quantization` (model/quant.py)
-
-
 @dataclass(frozen=True)
 class EngineConfig:
-    model_path: str
-    served_model_name: str = ""
-    dtype: str = "float32"
+    model_path: str = from_flag(S.MODEL)
+    served_model_name: str = from_flag(S.SERVED_MODEL_NAME)
+    dtype: str = from_flag(S.DTYPE)
     # "int4": weight-only 4-bit projections (model/quant.py; bfloat16 on a CPU); "": the weights in `dtype`.
-    quantization: str = ""
-    device: str = "cpu"
-    seed: int = 0
-    max_context_len: int = 0  # 0: the model's max_position_embeddings
+    quantization: str = from_flag(S.QUANTIZATION)
+    device: str = from_flag(S.DEVICE)
+    seed: int = from_flag(S.SEED)
+    max_context_len: int = from_flag(S.MAX_CONTEXT_LEN)  # 0: the model's max_position_embeddings
     # "model" runs the real forward; "noop" skips it (scheduler-overhead benchmark only).
-    forward: str = "model"
+    forward: str = from_flag(S.FORWARD)
     # Intra-op threads of each scheduler process; 0: half the cores on CPU (the HTTP process and
     # the forward share the machine) split over the ranks, torch's default on an accelerator.
-    torch_threads: int = 0
+    torch_threads: int = from_flag(S.TORCH_THREADS)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     disagg: DisaggConfig = field(default_factory=DisaggConfig)
     fault_grammar_pattern: str = ""  # tests only: compiling this regex raises an unexpected exception (`env`)
 
     def __post_init__(self) -> None:
-        if self.quantization and self.quantization not in QUANTIZATIONS:
-            raise ConfigError(f"--quantization {self.quantization}: one of {', '.join(QUANTIZATIONS)}")
+        if self.quantization and self.quantization not in S.QUANTIZATIONS:
+            raise ConfigError(f"--quantization {self.quantization}: one of {', '.join(S.QUANTIZATIONS)}")
         if self.quantization and (self.dtype != "bfloat16" or self.device != "cpu"):
             raise ConfigError(
                 f"--quantization {self.quantization} runs on a CPU in bfloat16 (torch's CPU int4 kernel takes "
@@ -369,18 +368,18 @@ class EngineConfig:
 @dataclass(frozen=True)
 class ServerArgs:
     engine: EngineConfig
-    host: str = "127.0.0.1"
-    port: int = 8000
-    log_level: str = "info"
+    host: str = from_flag(S.HOST)
+    port: int = from_flag(S.PORT)
+    log_level: str = from_flag(S.LOG_LEVEL)
     # Seconds without a scheduler heartbeat after which /health fails.
-    health_timeout_s: float = 20.0
+    health_timeout_s: float = from_flag(S.HEALTH_TIMEOUT)
     # Bearer tokens clients must present (--api-key, --api-key-file; empty: no API keys). /health
     # stays open. Kept out of repr so that they are never logged.
     api_keys: tuple[str, ...] = field(default=(), repr=False)
     # Generation requests the HTTP front end holds at once (more get 429); 0: `inflight_limit` derives it.
-    max_inflight_requests: int = 0
+    max_inflight_requests: int = from_flag(S.MAX_INFLIGHT_REQUESTS)
     # On SIGTERM: seconds to finish admitted requests before cutting them short and exiting.
-    drain_timeout_s: float = 30.0
+    drain_timeout_s: float = from_flag(S.DRAIN_TIMEOUT)
 
     @property
     def inflight_limit(self) -> int:

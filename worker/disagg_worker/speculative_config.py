@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from disagg_api import settings as S
 from disagg_worker.errors import ConfigError
+from disagg_worker.flags import from_flag
 
-SPECULATIVE_ALGORITHMS = ("NGRAM", "EAGLE", "STANDALONE")  # SGLang's names
 DRAFT_MODEL_ALGORITHMS = ("EAGLE", "STANDALONE")
 
 
@@ -21,13 +22,13 @@ class SpeculativeConfig:
     one forward of the draft each, as one chain (`eagle_topk` 1). Every draft is verified in the request's
     next forward."""
 
-    algorithm: str = ""  # "": off
-    num_draft_tokens: int = 8
-    min_match: int = 2
-    max_match: int = 8
-    num_steps: int = 3
-    eagle_topk: int = 1
-    draft_model_path: str = ""
+    algorithm: str = from_flag(S.SPECULATIVE_ALGORITHM)  # "": off
+    num_draft_tokens: int = from_flag(S.SPECULATIVE_NUM_DRAFT_TOKENS)
+    min_match: int = from_flag(S.SPECULATIVE_NGRAM_MIN_MATCH_WINDOW_SIZE)
+    max_match: int = from_flag(S.SPECULATIVE_NGRAM_MAX_MATCH_WINDOW_SIZE)
+    num_steps: int = from_flag(S.SPECULATIVE_NUM_STEPS)
+    eagle_topk: int = from_flag(S.SPECULATIVE_EAGLE_TOPK)
+    draft_model_path: str = from_flag(S.SPECULATIVE_DRAFT_MODEL_PATH)
 
     @property
     def enabled(self) -> bool:
@@ -43,8 +44,8 @@ class SpeculativeConfig:
         return self.num_steps if self.uses_draft_model else self.num_draft_tokens
 
     def __post_init__(self) -> None:
-        if self.algorithm and self.algorithm not in SPECULATIVE_ALGORITHMS:
-            raise ConfigError(f"--speculative-algorithm {self.algorithm}: one of {', '.join(SPECULATIVE_ALGORITHMS)}")
+        if self.algorithm and self.algorithm not in S.SPECULATIVE_ALGORITHMS:
+            raise ConfigError(f"--speculative-algorithm {self.algorithm}: one of {', '.join(S.SPECULATIVE_ALGORITHMS)}")
         if not self.algorithm:
             return
         if not 1 <= self.num_draft_tokens <= 16:

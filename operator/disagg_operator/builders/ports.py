@@ -1,6 +1,6 @@
 """Every port a pod of the model listens on, and who may connect to it.
 
-One table per role, from which the workers' command-line flags and the NetworkPolicies are both built, so
+One table per role, from which the workers' port settings and the NetworkPolicies are both built, so
 that what a pod listens on and what the policy opens cannot drift apart. Directions, as the worker makes its
 connections:
 - router -> prefill and decode HTTP (requests, health checks); any client -> router HTTP (the API).
@@ -15,6 +15,9 @@ TRANSFER_PORTS_PER_RANK ports for Mooncake's two (its RPC port and the TCP data 
 """
 
 from dataclasses import dataclass
+
+from disagg_api import settings as S
+from disagg_api.setting import Setting
 
 from .. import names
 from ..spec import ModelSpec
@@ -52,16 +55,13 @@ def role_listeners(spec: ModelSpec, role: str) -> tuple[Listener, ...]:
     return tuple(out)
 
 
-def port_flags(spec: ModelSpec, role: str) -> list[str]:
-    """The worker flags that put its control channel and Mooncake engines where `role_listeners` says."""
+def port_settings(spec: ModelSpec, role: str) -> list[tuple[Setting, int]]:
+    """The worker settings that put its control channel and Mooncake engines where `role_listeners` says."""
     by_name = {listener.name: listener for listener in role_listeners(spec, role)}
     if "control" not in by_name:
         return []
     return [
-        "--control-port",
-        str(by_name["control"].first),
-        "--transfer-port-base",
-        str(by_name["transfer"].first),
-        "--transfer-ports-per-rank",
-        str(names.TRANSFER_PORTS_PER_RANK),
+        (S.CONTROL_PORT, by_name["control"].first),
+        (S.TRANSFER_PORT_BASE, by_name["transfer"].first),
+        (S.TRANSFER_PORTS_PER_RANK, names.TRANSFER_PORTS_PER_RANK),
     ]

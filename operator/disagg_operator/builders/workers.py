@@ -5,6 +5,9 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
+from disagg_api import settings as S
+from disagg_api.setting import Setting, command_line
+
 from .. import names
 from ..config import OperatorConfig
 from ..spec import ModelSpec, WorkerRoleSpec
@@ -22,73 +25,51 @@ from .common import (
     tmp_volume,
 )
 from .placement import scheduling
-from .ports import port_flags
+from .ports import port_settings
 from .secret import auth_token_file, auth_volume
 
 
 def worker_args(spec: ModelSpec, role: str) -> list[str]:
-    """`disagg prefill|decode ...` arguments (after the `disagg` entrypoint), the CR's extra args last.
+    """`disagg prefill|decode ...` arguments (after the `disagg` entrypoint), the CR's extra args last."""
+    return [role, *command_line(worker_settings(spec, role)), *spec.worker(role).placement.args]
+
+
+def worker_settings(spec: ModelSpec, role: str) -> list[tuple[Setting, Any]]:
+    """What a worker of `role` is told, in the order of its command line: a flag that moved, or that every pod
+    gained, would change every pod template and roll every existing model's pods on upgrade.
 
     A role with GPUs runs its ranks on CUDA (the worker then joins them with NCCL), one without on the CPU (gloo).
     """
     w = spec.worker(role)
-    e = w.engine
-    args = [
-        role,
-        "--model",
-        spec.model.model_arg,
-        "--served-model-name",
-        spec.served_model_name,
-        "--host",
-        "0.0.0.0",
-        "--port",
-        str(names.HTTP_PORT),
-        "--advertise-host",
-        "$(POD_IP)",
+    out: list[tuple[Setting, Any]] = [
+        (S.MODEL, spec.model.model_arg),
+        (S.SERVED_MODEL_NAME, spec.served_model_name),
+        (S.HOST, "0.0.0.0"),
+        (S.PORT, names.HTTP_PORT),
+        (S.ADVERTISE_HOST, "$(POD_IP)"),
     ]
     if role == names.PREFILL:
-        args += ["--bootstrap-port", str(names.BOOTSTRAP_PORT)]
+        out.append((S.BOOTSTRAP_PORT, names.BOOTSTRAP_PORT))
     if w.nodes > 1:  # one pod of a group: LWS injects where the leader is and which pod this is (builders/groups.py)
-        args += ["--nnodes", str(w.nodes), "--node-rank", "$(LWS_WORKER_INDEX)"]
-        args += ["--dist-init-addr", f"$(LWS_LEADER_ADDRESS):{names.DIST_PORT}"]
-    args += port_flags(spec, role) + ["--auth-token-file", auth_token_file()]
-    args += ["--transfer-backend", spec.transfer.backend, "--transfer-protocol", spec.transfer.protocol]
+        out += [(S.NNODES, w.nodes), (S.NODE_RANK, "$(LWS_WORKER_INDEX)")]
+        out.append((S.DIST_INIT_ADDR, f"$(LWS_LEADER_ADDRESS):{names.DIST_PORT}"))
+    out += port_settings(spec, role) + [(S.AUTH_TOKEN_FILE, auth_token_file())]
+    out += [(S.TRANSFER_BACKEND, spec.transfer.backend), (S.TRANSFER_PROTOCOL, spec.transfer.protocol)]
     if spec.transfer.ib_device:
-        args += ["--ib-device", spec.transfer.ib_device]
-    args += [
-        "--device",
-        "cuda" if w.placement.resources.gpus else "cpu",
-        "--tp-size",
-        str(w.tp_size),
-        "--pp-size",
-        str(w.pp_size),
-        # Only when set: a flag every pod gained would roll every existing model's pods on upgrade.
-        *(["--ep-size", str(w.ep_size)] if w.ep_size > 1 else []),
-        *(["--enable-dp-attention"] if w.dp_attention else []),
-        *(["--dp-size", str(w.dp_size)] if w.dp_size > 1 else []),
-        *(["--decode-prefix-cache"] if w.prefix_cache else []),
-        *(["--local-prefill"] if role == names.DECODE and spec.router.decode_only_tokens else []),
-        "--page-size",
-        str(e.page_size),
-        "--kv-dtype",
-        e.kv_dtype,
-        "--dtype",
-        e.dtype,
-        "--chunk-size",
-        str(e.chunk_size),
-        "--max-total-tokens",
-        str(e.max_total_tokens),
-        "--max-running-requests",
-        str(e.max_running_requests),
-        "--drain-timeout",
-        str(spec.drain_timeout_s),
-    ]
+        out.append((S.IB_DEVICE, spec.transfer.ib_device))
+    out += [(S.DEVICE, "cuda" if w.placement.resources.gpus else "cpu"), (S.TP_SIZE, w.tp_size), (S.PP_SIZE, w.pp_size)]
+    # Only when set: a flag every pod gained would roll every existing model's pods on upgrade.
+    local_prefill = role == names.DECODE and bool(spec.router.decode_only_tokens)
+    optional = [(S.EP_SIZE, w.ep_size), (S.ENABLE_DP_ATTENTION, w.dp_attention), (S.DP_SIZE, w.dp_size)]
+    optional += [(S.DECODE_PREFIX_CACHE, w.prefix_cache), (S.LOCAL_PREFILL, local_prefill)]
+    out += [(setting, value) for setting, value in optional if value != setting.default]
+    out += w.engine.settings() + [(S.DRAIN_TIMEOUT, spec.drain_timeout_s)]
     s = spec.speculative
     if s is not None and (role == names.DECODE or s.draft_arg is not None):
         # Decode drafts; prefill runs a draft model over the prompt, and needs nothing for NGRAM (a flag it
         # ignored would only roll its pods). Only when set, like --ep-size.
-        args += s.args()
-    return args + list(w.placement.args)
+        out += s.settings()
+    return out
 
 
 def _digest(obj: Any, length: int) -> str:

@@ -1,0 +1,335 @@
+"""Every setting of the engine commands, declared once: its flag, type, default and help, and SGLang's flag for it.
+
+`disagg serve` takes `ENGINE`, `disagg prefill|decode` take `ENGINE` and `DISAGG`, in this order in --help. The
+worker builds its parser from these tuples and fills its configuration chain from the parsed flags: each field of
+the chain names the setting it comes from and takes its default (`disagg_worker.flags`). The operator writes the
+workers' command lines with them (`disagg_operator.builders.workers`), and the engine block of its CRD names them
+(`disagg_operator.engine_fields`). A new setting is a line here, the config field that names it, its use and its
+test (and a CRD field where users set it on a cluster).
+
+`sglang` records SGLang's flag for the same setting, so that its documentation and recipes translate. Where its
+values also mean the same here (`accepts_sglang`) the worker takes that flag too, unlisted in --help; not, for
+instance, `--chunked-prefill-size` (-1 turns chunking off there, 0 here) nor `--kv-cache-dtype` (auto, fp8_e4m3...).
+"""
+
+from __future__ import annotations
+
+from disagg_api.setting import Setting
+
+DTYPES = ("float32", "bfloat16", "float16")
+QUANTIZATIONS = ("int4",)  # weight formats of `--quantization` (disagg_worker/model/quant.py)
+SPECULATIVE_ALGORITHMS = ("NGRAM", "EAGLE", "STANDALONE")  # SGLang's names
+TRANSFER_BACKENDS = ("mooncake", "fake")
+TRANSFER_PROTOCOLS = ("tcp", "rdma")
+
+
+# The engine: model, weights, KV cache, scheduling, speculative decoding, ranks, HTTP front end.
+MODEL = Setting(
+    "--model",
+    default=None,
+    required=True,
+    help="Hugging Face model directory, or a GGUF file (or a directory of one)",
+    sglang="--model-path",
+)
+SERVED_MODEL_NAME = Setting("--served-model-name", sglang="--served-model-name")
+DTYPE = Setting("--dtype", default="float32", choices=DTYPES, sglang="--dtype")
+QUANTIZATION = Setting(
+    "--quantization",
+    choices=("", *QUANTIZATIONS),
+    help="int4: attention and MLP projections as 4-bit weights with a scale and minimum per 32 (llama.cpp's "
+    "Q4_1) for torch's CPU int4 kernel; needs --dtype bfloat16. The projections read 0.625 bytes a weight "
+    "instead of 2 (concurrency 1 on SmolLM2: 1.36x bfloat16's tok/s in bench/bench_cpu_chat.py); answers are "
+    "the bfloat16 engine's up to the weights' rounding",
+    sglang="--quantization",
+)
+DEVICE = Setting("--device", default="cpu", sglang="--device")
+SEED = Setting("--seed", int, 0, sglang="--random-seed", accepts_sglang=True)
+MAX_CONTEXT_LEN = Setting("--max-context-len", int, 0, sglang="--context-length", accepts_sglang=True)
+FORWARD = Setting("--forward", default="model", choices=("model", "noop"))
+TORCH_THREADS = Setting("--torch-threads", int, 0, help="0: half the cores on CPU")
+PAGE_SIZE = Setting("--page-size", int, 16, sglang="--page-size")
+NUM_PAGES = Setting("--num-pages", int, 0)
+MAX_TOTAL_TOKENS = Setting("--max-total-tokens", int, 16384, sglang="--max-total-tokens")
+KV_DTYPE = Setting("--kv-dtype", help="defaults to --dtype", sglang="--kv-cache-dtype")
+DISABLE_PREFIX_CACHE = Setting(
+    "--disable-prefix-cache", bool, False, sglang="--disable-radix-cache", accepts_sglang=True
+)
+MAX_RUNNING_REQUESTS = Setting("--max-running-requests", int, 64, sglang="--max-running-requests")
+MAX_BATCH_TOKENS = Setting("--max-batch-tokens", int, 2048)
+CHUNK_SIZE = Setting("--chunk-size", int, 512, sglang="--chunked-prefill-size")
+DISABLE_OVERLAP = Setting("--disable-overlap", bool, False, sglang="--disable-overlap-schedule", accepts_sglang=True)
+SPECULATIVE_ALGORITHM = Setting(
+    "--speculative-algorithm",
+    str.upper,
+    choices=("", *SPECULATIVE_ALGORITHMS),
+    help="speculative decoding: NGRAM drafts from n-gram matches in the request's own tokens (no draft "
+    "model); EAGLE from a one-layer draft head fed with the model's hidden states; STANDALONE from a smaller "
+    "model with the same tokenizer (both: --speculative-draft-model-path, single-rank instances). Greedy and "
+    "seeded answers stay token-identical. Turns overlap scheduling off",
+    sglang="--speculative-algorithm",
+)
+SPECULATIVE_DRAFT_MODEL_PATH = Setting(
+    "--speculative-draft-model-path",
+    help="EAGLE: the draft head (SGLang's EAGLE checkpoint layout); STANDALONE: the draft model",
+    sglang="--speculative-draft-model-path",
+)
+SPECULATIVE_NUM_STEPS = Setting(
+    "--speculative-num-steps",
+    int,
+    3,
+    help="EAGLE/STANDALONE: draft tokens per request and step (one draft forward each)",
+    sglang="--speculative-num-steps",
+)
+SPECULATIVE_EAGLE_TOPK = Setting(
+    "--speculative-eagle-topk",
+    int,
+    1,
+    help="EAGLE/STANDALONE: drafts per position; 1 (a chain) is what is supported",
+    sglang="--speculative-eagle-topk",
+)
+SPECULATIVE_NUM_DRAFT_TOKENS = Setting(
+    "--speculative-num-draft-tokens",
+    int,
+    8,
+    help="NGRAM: draft tokens verified with a request's decode step, at most",
+    sglang="--speculative-num-draft-tokens",
+)
+SPECULATIVE_NGRAM_MIN_MATCH_WINDOW_SIZE = Setting(
+    "--speculative-ngram-min-match-window-size",
+    int,
+    2,
+    help="NGRAM: shortest suffix of the request's tokens that must have occurred before to propose a draft",
+    sglang="--speculative-ngram-min-match-window-size",
+)
+SPECULATIVE_NGRAM_MAX_MATCH_WINDOW_SIZE = Setting(
+    "--speculative-ngram-max-match-window-size",
+    int,
+    8,
+    help="NGRAM: longest suffix matched (the longest one that occurred before proposes the draft)",
+    sglang="--speculative-ngram-max-match-window-size",
+)
+TP_SIZE = Setting("--tp-size", int, 1, help="tensor parallel ranks (one scheduler process each)", sglang="--tp-size")
+PP_SIZE = Setting("--pp-size", int, 1, help="pipeline parallel stages (one scheduler process each)", sglang="--pp-size")
+EP_SIZE = Setting(
+    "--ep-size",
+    int,
+    1,
+    help="expert parallel ranks for MoE models: 1, or --tp-size (each tensor rank then holds its share of the "
+    "routed experts whole, and tokens go to them by all-to-all)",
+    sglang="--ep-size",
+)
+ENABLE_DP_ATTENTION = Setting(
+    "--enable-dp-attention",
+    bool,
+    False,
+    help="split the tensor ranks into --dp-size attention groups, each with its own requests and KV "
+    "(MLA models: the latent is then cached once per group instead of on every rank); MLP/MoE layers still "
+    "run over all --tp-size ranks",
+    sglang="--enable-dp-attention",
+)
+DP_SIZE = Setting(
+    "--dp-size",
+    int,
+    1,
+    help="attention groups with --enable-dp-attention (must divide --tp-size); whole-model data parallelism "
+    "is more instances",
+    sglang="--dp-size",
+)
+NNODES = Setting(
+    "--nnodes",
+    int,
+    1,
+    help="pods the instance's ranks span (an instance larger than a node; LeaderWorkerSet runs one group)",
+    sglang="--nnodes",
+)
+NODE_RANK = Setting(
+    "--node-rank",
+    int,
+    0,
+    help="this pod's place among --nnodes: pod 0 serves HTTP and runs rank 0, the others only their ranks",
+    sglang="--node-rank",
+)
+DIST_INIT_ADDR = Setting(
+    "--dist-init-addr", help="HOST:PORT of pod 0, where the ranks meet (--nnodes > 1)", sglang="--dist-init-addr"
+)
+DIST_TIMEOUT = Setting(
+    "--dist-timeout",
+    float,
+    300.0,
+    help="seconds a rank waits for the others in one collective before the instance fails",
+    sglang="--dist-timeout",
+)
+HOST = Setting("--host", default="127.0.0.1", sglang="--host")
+PORT = Setting("--port", int, 8000, sglang="--port")
+LOG_LEVEL = Setting("--log-level", default="info", sglang="--log-level")
+HEALTH_TIMEOUT = Setting(
+    "--health-timeout", float, 20.0, help="seconds without a scheduler report after which /health fails"
+)
+API_KEY = Setting(
+    "--api-key",
+    default=None,
+    help="clients must send 'Authorization: Bearer KEY' (/health is open)",
+    sglang="--api-key",
+)
+API_KEY_FILE = Setting("--api-key-file", help="a file of API keys, one a line (a mounted Secret)")
+MAX_INFLIGHT_REQUESTS = Setting(
+    "--max-inflight-requests",
+    int,
+    0,
+    help="generation requests held at once, more get 429 (0: what the engine can hold: running requests "
+    "plus the prefill bootstrap or decode prealloc queue; 4x --max-running-requests for serve)",
+)
+DRAIN_TIMEOUT = Setting(
+    "--drain-timeout",
+    float,
+    30.0,
+    help="on SIGTERM, seconds to finish admitted requests (new ones get 503) before cutting them short "
+    "(the operator sets the pod's termination grace period from it)",
+)
+
+ENGINE = (
+    MODEL,
+    SERVED_MODEL_NAME,
+    DTYPE,
+    QUANTIZATION,
+    DEVICE,
+    SEED,
+    MAX_CONTEXT_LEN,
+    FORWARD,
+    TORCH_THREADS,
+    PAGE_SIZE,
+    NUM_PAGES,
+    MAX_TOTAL_TOKENS,
+    KV_DTYPE,
+    DISABLE_PREFIX_CACHE,
+    MAX_RUNNING_REQUESTS,
+    MAX_BATCH_TOKENS,
+    CHUNK_SIZE,
+    DISABLE_OVERLAP,
+    SPECULATIVE_ALGORITHM,
+    SPECULATIVE_DRAFT_MODEL_PATH,
+    SPECULATIVE_NUM_STEPS,
+    SPECULATIVE_EAGLE_TOPK,
+    SPECULATIVE_NUM_DRAFT_TOKENS,
+    SPECULATIVE_NGRAM_MIN_MATCH_WINDOW_SIZE,
+    SPECULATIVE_NGRAM_MAX_MATCH_WINDOW_SIZE,
+    TP_SIZE,
+    PP_SIZE,
+    EP_SIZE,
+    ENABLE_DP_ATTENTION,
+    DP_SIZE,
+    NNODES,
+    NODE_RANK,
+    DIST_INIT_ADDR,
+    DIST_TIMEOUT,
+    HOST,
+    PORT,
+    LOG_LEVEL,
+    HEALTH_TIMEOUT,
+    API_KEY,
+    API_KEY_FILE,
+    MAX_INFLIGHT_REQUESTS,
+    DRAIN_TIMEOUT,
+)
+
+# Prefill and decode: the KV transfer, the bootstrap handshake, their queues and listening ports, the shared secret.
+TRANSFER_BACKEND = Setting(
+    "--transfer-backend",
+    default="mooncake",
+    choices=TRANSFER_BACKENDS,
+    sglang="--disaggregation-transfer-backend",
+    accepts_sglang=True,
+)
+TRANSFER_PROTOCOL = Setting("--transfer-protocol", default="tcp", choices=TRANSFER_PROTOCOLS)
+IB_DEVICE = Setting("--ib-device", sglang="--disaggregation-ib-device", accepts_sglang=True)
+BOOTSTRAP_PORT = Setting("--bootstrap-port", int, 8998, sglang="--disaggregation-bootstrap-port", accepts_sglang=True)
+ADVERTISE_HOST = Setting("--advertise-host", default="127.0.0.1")
+BOOTSTRAP_TIMEOUT = Setting("--bootstrap-timeout", float, 30.0)
+WAITING_TIMEOUT = Setting(
+    "--waiting-timeout",
+    float,
+    30.0,
+    help="decode: seconds a request's KV may take to arrive once prefill was asked for it (and resolving the "
+    "prefill may take); prefill: seconds a request's KV writes may take to land",
+)
+HEARTBEAT_INTERVAL = Setting("--heartbeat-interval", float, 2.0)
+HEARTBEAT_MAX_MISSES = Setting(
+    "--heartbeat-max-misses",
+    int,
+    2,
+    help="decode: failed checks of a prefill's bootstrap server in a row (no answer, an error, a refused "
+    "connection) that fail the requests it serves",
+)
+MAX_BOOTSTRAP_QUEUE = Setting(
+    "--max-bootstrap-queue",
+    int,
+    256,
+    help="prefill: requests waiting for decode's handshake beyond this are refused (503)",
+)
+CONTROL_PORT = Setting(
+    "--control-port", int, 0, help="rank i listens for control messages on this port + i (0: any free port)"
+)
+TRANSFER_PORT_BASE = Setting(
+    "--transfer-port-base",
+    int,
+    0,
+    help="rank i's Mooncake engine listens in [BASE + i*N, BASE + (i+1)*N - 1], N = --transfer-ports-per-rank "
+    "(0: MC_MIN_RPC_PORT..MC_MAX_RPC_PORT)",
+)
+TRANSFER_PORTS_PER_RANK = Setting("--transfer-ports-per-rank", int, 8)
+QUARANTINE_TIMEOUT = Setting(
+    "--quarantine-timeout",
+    float,
+    0.0,
+    help="decode: longest wait for a silent prefill to confirm a failed room's writes stopped, before its "
+    "pages are reused (0: 4x the waiting timeout or heartbeat window)",
+)
+MAX_PREALLOC_QUEUE = Setting(
+    "--max-prealloc-queue",
+    int,
+    256,
+    help="decode: requests waiting for their handshake and KV pages beyond this are refused (503)",
+)
+DECODE_PREFIX_CACHE = Setting(
+    "--decode-prefix-cache",
+    bool,
+    False,
+    help="decode: keep finished requests' KV; a request whose prefix decode holds gets only the rest from prefill",
+    sglang="--disaggregation-decode-enable-radix-cache",
+    accepts_sglang=True,
+)
+LOCAL_PREFILL = Setting(
+    "--local-prefill",
+    bool,
+    False,
+    help="decode: compute the prompts the router marks local_prefill itself (conditional disaggregation)",
+)
+AUTH_TOKEN_FILE = Setting(
+    "--auth-token-file",
+    help="file holding the model's shared secret (bootstrap token, router-to-worker token, target signing)",
+)
+TCP_LANES = Setting(
+    "--tcp-lanes", int, 16, help="Mooncake TCP connections per peer (MC_TCP_LANES_PER_PEER, which wins if set)"
+)
+
+DISAGG = (
+    TRANSFER_BACKEND,
+    TRANSFER_PROTOCOL,
+    IB_DEVICE,
+    BOOTSTRAP_PORT,
+    ADVERTISE_HOST,
+    BOOTSTRAP_TIMEOUT,
+    WAITING_TIMEOUT,
+    HEARTBEAT_INTERVAL,
+    HEARTBEAT_MAX_MISSES,
+    MAX_BOOTSTRAP_QUEUE,
+    CONTROL_PORT,
+    TRANSFER_PORT_BASE,
+    TRANSFER_PORTS_PER_RANK,
+    QUARANTINE_TIMEOUT,
+    MAX_PREALLOC_QUEUE,
+    DECODE_PREFIX_CACHE,
+    LOCAL_PREFILL,
+    AUTH_TOKEN_FILE,
+    TCP_LANES,
+)
