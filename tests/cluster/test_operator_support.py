@@ -234,7 +234,8 @@ class CountingProxy:
 
 def install_chart(cluster, *extra: str) -> None:
     """`helm upgrade --install` the chart (idempotent across test modules and benchmark runs). Helm installs CRDs
-    only on first install: they are also applied, as the README says to after an upgrade, for a reused cluster."""
+    only on first install: they are also applied, as operator/README-operator.md says to after an upgrade, for a
+    reused cluster."""
     cluster.helm("upgrade", "--install", RELEASE, str(CHART), "--namespace", OPERATOR_NS, "--create-namespace", *extra)
     cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(REPO / "crds"))
     for crd in ("disaggregatedmodels.disagg.dev", "rolescalers.disagg.dev"):

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.e2e import readme
 from tests.timing import scaled, wait_until
 
 REPO = Path(__file__).resolve().parents[2]
@@ -193,8 +194,9 @@ OPERATOR_RELEASE = "disagg-operator"
 def operator_release(
     real_node: RealNode, operator_image: str, tmp_path_factory: pytest.TempPathFactory, report: Callable[[str], None]
 ) -> Iterator[str]:
-    """The chart installed with `helm install`, as the README says, at the chart's HA setting (two replicas, one
-    active): the operator runs as pods of the imported image."""
+    """The chart installed by the README's `helm install` line (its release, chart and namespace), as `helm upgrade
+    --install` so that a reused node takes it too, at the chart's HA setting (two replicas, one active): the
+    operator runs as pods of the imported image, never pulled."""
     start = time.monotonic()
     home = tmp_path_factory.mktemp("helm")
     env = {
@@ -206,13 +208,16 @@ def operator_release(
     }
     helm = str(real_node.bin_dir / "helm")
     repository, tag = operator_image.rsplit(":", 1)
-    install = [helm, "upgrade", "--install", OPERATOR_RELEASE, str(REPO / "charts" / "disagg-operator")]
-    install += ["--namespace", OPERATOR_NS, "--create-namespace", "--set", "replicas=2"]
+    shown = readme.helm_install()
+    assert shown[:2] == [OPERATOR_RELEASE, "charts/disagg-operator"], shown
+    assert "--create-namespace" in shown and shown[shown.index("-n") + 1] == OPERATOR_NS, shown
+    install = [helm, "upgrade", "--install", *shown, "--set", "replicas=2"]
     install += ["--set", f"image.repository={repository}", "--set", f"image.tag={tag}"]
     install += ["--set", "image.pullPolicy=Never"]
-    proc = subprocess.run(install, env=env, capture_output=True, text=True, timeout=scaled(180))
+    proc = subprocess.run(install, cwd=REPO, env=env, capture_output=True, text=True, timeout=scaled(180))
     assert proc.returncode == 0, f"helm install failed:\n{proc.stdout}{proc.stderr}"
-    # Helm installs CRDs only on a first install; on a reused node they follow the chart as the README says.
+    # Helm installs CRDs only on a first install; on a reused node they follow the chart as
+    # operator/README-operator.md says.
     real_node.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(REPO / "crds"))
     real_node.kubectl("wait", "--for=condition=Established", "crd/disaggregatedmodels.disagg.dev", "--timeout=60s")
     if "REVISION: 1\n" not in proc.stdout:

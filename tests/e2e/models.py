@@ -103,10 +103,15 @@ def model_ready(node: RealNode, namespace: str, name: str, decodes: int = 1, pre
     return obj if all(pod_ready(p) for p in pods) else {}
 
 
-def apply_model(node: RealNode, cr: dict, decodes: int = 1, prefills: int = 1) -> Model:
-    """`kubectl apply` the CR and wait until it is Ready with every pod Ready."""
+def apply_model(
+    node: RealNode, cr: dict, decodes: int = 1, prefills: int = 1, apply: Callable[[], object] | None = None
+) -> Model:
+    """`kubectl apply` the CR (or call `apply`, which applies it) and wait until it is Ready with every pod Ready."""
     namespace, name = cr["metadata"]["namespace"], cr["metadata"]["name"]
-    node.kubectl("apply", "-f", "-", input=json.dumps(cr))
+    if apply is None:
+        node.kubectl("apply", "-f", "-", input=json.dumps(cr))
+    else:
+        apply()
     try:
         obj = wait_until(
             lambda: model_ready(node, namespace, name, decodes, prefills),
@@ -136,12 +141,13 @@ def served(
     what: str,
     decodes: int = 1,
     prefills: int = 1,
+    apply: Callable[[], object] | None = None,
 ) -> Iterator[Model]:
-    """The CR applied and Ready, with a client pod beside it; the time to Ready reported as `what`; the CR and
-    its namespace deleted afterwards."""
+    """The CR applied (by `apply` if given) and Ready, with a client pod beside it; the time to Ready reported as
+    `what`; the CR and its namespace deleted afterwards."""
     try:
         start = time.monotonic()
-        model = apply_model(node, cr, decodes, prefills)
+        model = apply_model(node, cr, decodes, prefills, apply)
         report(f"{what} Ready and PairingVerified {time.monotonic() - start:.0f}s after apply")
         client_pod(node, model.namespace, client_image)
         yield model
@@ -174,7 +180,7 @@ def client_pod(node: RealNode, namespace: str, image: str) -> str:
     return "client"
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -183,7 +189,7 @@ def _free_port() -> int:
 @contextlib.contextmanager
 def port_forward(node: RealNode, namespace: str, service: str, port: int) -> Iterator[str]:
     """`kubectl port-forward svc/...` to a free local port; yields the local base URL."""
-    local = _free_port()
+    local = free_port()
     proc = subprocess.Popen(
         [str(node.bin_dir / "kubectl"), "--kubeconfig", str(node.kubeconfig), "-n", namespace]
         + ["port-forward", f"svc/{service}", f"{local}:{port}"],

@@ -1,5 +1,6 @@
 """The demo model served on the real node, as a user runs it: the chart installs the operator as pods (two
-replicas, one active), `examples/dm-smollm2-cpu.yaml` is applied, and the model answers OpenAI chat requests
+replicas, one active), the README's Kubernetes block runs as written (it applies `examples/dm-smollm2-cpu.yaml`,
+waits for Ready and asks the router through a port-forward), and the model answers OpenAI chat requests
 through the router's Service, from this machine (port-forward, the official `openai` client) and from a pod
 (Service DNS). Then day two on the same pods: NetworkPolicies enforced both ways, a decode pod deleted under
 streaming load, an image change under streaming load, and the active operator replica deleted while the model
@@ -17,9 +18,12 @@ from collections.abc import Callable, Iterator
 import openai
 import pytest
 import requests
+import yaml
 
+from tests.e2e import readme
 from tests.e2e.conftest import OPERATOR_NS, OPERATOR_RELEASE, RealNode, new_namespace
 from tests.e2e.models import (
+    EXAMPLE,
     MODEL_LABEL,
     OPERATOR_SELECTOR,
     POLL_S,
@@ -30,7 +34,7 @@ from tests.e2e.models import (
     chat_from_pod,
     conditions,
     diagnostics,
-    example,
+    free_port,
     in_flight_at,
     model_ready,
     outcomes_since,
@@ -50,13 +54,57 @@ pytestmark = pytest.mark.timeout(scaled(2400))
 
 
 @pytest.fixture(scope="module")
-def model(
-    real_node: RealNode, operator_release: str, worker_image: str, operator_image: str, report: Callable[[str], None]
-) -> Iterator[Model]:
-    cr = example(new_namespace(real_node, "e2e-model"))
-    assert cr["spec"]["image"] == worker_image
-    with served(real_node, cr, operator_image, report, "examples/dm-smollm2-cpu.yaml") as m:
-        yield m
+def readme_block(
+    real_node: RealNode,
+    operator_release: str,
+    worker_image: str,
+    operator_image: str,
+    report: Callable[[str], None],
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[tuple[Model, str]]:
+    """The README's Kubernetes block after its helm line (which installed the session's operator), run as written
+    in a fresh namespace, and what it printed; the model it applied serves every test of the module."""
+    namespace = new_namespace(real_node, "e2e-model")
+    assert readme.applied() == EXAMPLE
+    cr = yaml.safe_load(EXAMPLE.read_text())
+    cr["metadata"]["namespace"] = namespace  # where the block's kubeconfig puts it
+    assert cr["spec"]["image"] == worker_image  # imported into the node's containerd: IfNotPresent pulls nothing
+    printed: list[str] = []
+
+    def run() -> None:
+        workdir = tmp_path_factory.mktemp("readme")
+        try:
+            printed.append(readme.run(real_node.kubeconfig, real_node.bin_dir, namespace, free_port(), workdir, 900))
+        except AssertionError as e:
+            raise AssertionError(f"{e}\n{diagnostics(real_node, namespace)}") from None
+
+    what = "examples/dm-smollm2-cpu.yaml, applied by the README's block (its first answer included),"
+    with served(real_node, cr, operator_image, report, what, apply=run) as m:
+        yield m, printed[0]
+
+
+@pytest.fixture(scope="module")
+def model(readme_block: tuple[Model, str]) -> Model:
+    return readme_block[0]
+
+
+def test_the_readmes_kubernetes_block_runs_as_written(readme_block: tuple[Model, str]) -> None:
+    """What the block printed: the wait's condition met, `kubectl get dm` as the README shows it, the answer. It
+    ran in a namespace of its own and with a free local port for the port-forward, otherwise as written."""
+    model, printed = readme_block
+    lines = printed.splitlines()
+    assert f"disaggregatedmodel.disagg.dev/{model.name} condition met" in lines, printed
+    # `kubectl get dm` prints what the README shows under it; only the namespace in the endpoint and the age differ.
+    header, row = readme.shown_table()
+    rows = [line.split() for line in lines]
+    assert header in rows, printed
+    got = rows[rows.index(header) + 1]
+    assert got[:-1] == [*row[:-2], row[-2].replace(".default.", f".{model.namespace}.")], printed
+    assert got[-2] == model.endpoint
+    # The block ends with the first request through the router: its answer, as JSON.
+    answer = json.loads("\n".join(lines[rows.index(header) + 2 :]))
+    assert answer["model"] == model.served_name
+    assert "Paris" in answer["choices"][0]["message"]["content"], answer
 
 
 def test_chat_through_port_forward_with_the_openai_client(

@@ -113,7 +113,7 @@ def test_a_local_stack_listens_on_loopback_only_but_for_mooncakes_own_ports(tiny
     """`serve --local`: the router, the workers' HTTP ports, the bootstrap server and the KV control channels listen
     on loopback. Mooncake 0.3.13 binds its two ports per engine (RPC/handshake, TCP data) on every interface
     whatever address it is given (`MC_TCP_BIND_ADDRESS` only sets the one it advertises): they are the only
-    exception, found in the window the test gives Mooncake, and the README says so."""
+    exception, found in the window the test gives Mooncake, and docs/security.md says so."""
     low, high = 26000, 26100
     port = free_port()
     env = {"MC_MIN_RPC_PORT": str(low), "MC_MAX_RPC_PORT": str(high)}

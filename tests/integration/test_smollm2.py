@@ -1,7 +1,8 @@
 """SmolLM2-135M-Instruct, the demo model: the tokenizer and the greedy answers to eight chat prompts
 equal transformers' (its own GGUF loader, dequantised to float32), monolithic (served from the GGUF file)
 and through router + prefill + decode over Mooncake TCP (what `make serve` runs: the GGUF converted
-once, `disagg serve --local` on the directory); and the README's first example answers as shown.
+once, `disagg serve --local` on the directory); the README's first example answers as shown, and every example
+request of the README and of docs/ works on what `make serve` starts.
 
 Real weights on a CPU: marked `real_model`. The servers start before transformers loads its copy, so
 the loads overlap, and each server gets the eight prompts at once; about a minute on 2 cores.
@@ -208,17 +209,20 @@ def test_readme_first_example_answers_as_shown(make_serve):
     assert answer["model"] == shown["model"] == SERVED_NAME
 
 
-def readme_requests() -> list[str]:
-    text = (ROOT / "README.md").read_text()
-    blocks = re.findall(r"```(?:bash|sh)\n(.*?)```", text, re.S)
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+def documented_requests() -> list[str]:
+    """The example requests of the README and of the pages of docs/: every `bash` or `sh` block that is a curl."""
+    blocks = [b for page in DOCS for b in re.findall(r"```(?:bash|sh)\n(.*?)```", page.read_text(), re.S)]
     return [b for b in blocks if b.lstrip().startswith("curl")]
 
 
-def test_every_readme_example_works_on_make_serve(make_serve):
-    """Every curl example of the README against what `make serve` starts, the model the README names (its
-    /generate example is in SmolLM2's token ids)."""
-    examples = readme_requests()
-    assert len(examples) >= 5, "the README shows fewer example requests than it did"
+def test_every_documented_example_works_on_make_serve(make_serve):
+    """Every curl example of the README and docs/ against what `make serve` starts, the model the README names
+    (the /generate example of docs/api.md is in SmolLM2's token ids)."""
+    examples = documented_requests()
+    assert len(examples) >= 5, "the README and docs/ show fewer example requests than they did"
     for ex in examples:
         cmd = ex.replace("localhost:8000", f"127.0.0.1:{make_serve.port}")
         out = subprocess.run(
