@@ -133,6 +133,14 @@ def router_schema() -> dict:
                 "most this many of its prompt tokens (its cache from decode.prefixCache, or a short prompt), it "
                 "computes them itself and no prefill takes part (no handshake, no KV transfer). 0: off.",
             ),
+            "migrationLimit": integer(
+                None,
+                0,
+                "Times a streamed answer whose decode pod fails goes on on another prefill/decode pair from its last "
+                "token, the client's stream continuing (the router's --migration-limit; 3 when unset). 0: such a "
+                "stream ends with an error event.",
+                maximum=100,
+            ),
             **props,
         },
         "The router that receives requests and pairs a prefill with a decode worker.",

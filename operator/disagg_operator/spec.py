@@ -124,6 +124,8 @@ class RouterSpec:
     placement: Placement
     # cache_aware: a decode lacking at most this many prompt tokens computes them itself (0: never).
     decode_only_tokens: int = 0
+    # Times a stream whose decode fails migrates to another pair; None: the router's default.
+    migration_limit: int | None = None
 
 
 @dataclass(frozen=True)
@@ -325,6 +327,7 @@ class ModelSpec:
                 router.get("policy", "round_robin"),
                 Placement.from_dict(router),
                 int(router.get("decodeOnlyTokens", 0)),
+                None if router.get("migrationLimit") is None else int(router["migrationLimit"]),
             ),
             auth_secret=spec.get("auth", {}).get("secretName"),
             labels=user_labels(meta.get("labels") or {}),

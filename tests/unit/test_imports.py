@@ -12,7 +12,7 @@ NAME = PACKAGE.name
 # under the engine, the ranks' machinery under the engine, the processes that run an engine above it, the HTTP
 # side above those, the router (which reuses the HTTP side's parts) above that, the command line on top.
 FLOORS = [
-    ("errors", "env", "keys", "tuning", "mem", "model", "bench"),
+    ("errors", "env", "keys", "tuning", "flags", "mem", "model", "bench"),
     ("request",),
     ("speculative_config",),
     ("config",),

@@ -785,3 +785,16 @@ def test_every_value_the_crds_engine_block_accepts_is_one_the_worker_takes():
         for value in node.get("enum", [node.get("minimum"), node["default"]]):
             ns = build_parser().parse_args(["decode", "--model", "m", *f.setting.args(value)])
             assert getattr(ns, f.setting.dest) == value
+
+
+def test_a_migration_limit_the_cr_sets_reaches_the_router_and_none_is_added_otherwise(tiny):
+    import argparse
+
+    from disagg_worker.router.args import add_router_args
+
+    assert "--migration-limit" not in router_args(ModelSpec.from_cr(tiny), CFG), "an unset field rolls no router"
+    parser = argparse.ArgumentParser()
+    add_router_args(parser)
+    for limit in (0, 5):
+        tiny["spec"]["router"] = {**tiny["spec"].get("router", {}), "migrationLimit": limit}
+        assert parser.parse_args(router_args(ModelSpec.from_cr(tiny), CFG)[1:]).migration_limit == limit

@@ -57,6 +57,8 @@ def router_args(spec: ModelSpec, cfg: OperatorConfig) -> list[str]:
         *(["--api-key-file", api_keys_file()] if spec.api_key_secret else []),
         *(["--tokenizer", spec.model.model_arg] if reads_model(spec) else []),
         *(["--decode-only-tokens", str(spec.router.decode_only_tokens)] if spec.router.decode_only_tokens else []),
+        # Only when set, like --decode-only-tokens: a flag every router gained would roll them all on upgrade.
+        *(["--migration-limit", str(spec.router.migration_limit)] if spec.router.migration_limit is not None else []),
     ] + list(spec.router.placement.args)
 
 
