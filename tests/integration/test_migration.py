@@ -1,5 +1,6 @@
 """A stream survives the loss of the decode serving it: the router migrates it to another pair, and the client
-reads the answer an uninterrupted run gives, with one [DONE] and the same usage.
+reads the answer an uninterrupted run gives, with one [DONE] and the same usage. And a client that leaves before
+its first token frees both legs at once.
 
 One prefill and two decodes (X and Y) behind a router. Only one decode runs when the streams start, so that
 all eight are on it; once every stream has passed its tenth token the decode is frozen (its streams can neither
@@ -10,14 +11,18 @@ of the same requests on the same stack.
 
 from __future__ import annotations
 
+import asyncio
 import os
+import random
 import re
 import signal
+import time
 
+import aiohttp
 import pytest
 import requests
 
-from tests.integration.procs import PDStack, Stream, scaled, wait_until
+from tests.integration.procs import PDStack, Stream, idle, report_after, scaled, wait_until
 
 pytestmark = pytest.mark.integration
 STREAMS = 8
@@ -46,6 +51,44 @@ def stack(tiny_model):
     wait_until(lambda: not healthy(s, s.decodes[1].url), what="the router sees decode Y gone")
     yield s
     s.stop()
+
+
+def stats(url: str) -> dict:
+    return requests.get(f"{url}/stats", timeout=scaled(5)).json()
+
+
+def test_clients_that_leave_before_their_first_token_free_both_legs_at_once(stack):
+    """Eight long prompts: prefill computes them one after another while decode holds pages for them. Once both
+    sides hold some, every client leaves: within 1.5 s (scaled) prefill holds nothing and decode no page. The
+    scheduler reports every 0.5 s, which bounds what this can see: on a quiet 2-core machine the first report
+    made 0.5 s after the leave already shows both sides clear."""
+    decode = next(d for d in stack.decodes if d.proc.poll() is None)
+    rng = random.Random(5)
+    prompts = [[rng.randrange(10, 2000) for _ in range(3000)] for _ in range(STREAMS)]
+
+    async def leave_early() -> float:
+        async with aiohttp.ClientSession() as session:
+            url = f"{stack.router.url}/v1/completions"
+            calls = [asyncio.create_task(session.post(url, json={"prompt": p, "max_tokens": 50})) for p in prompts]
+            deadline = time.monotonic() + scaled(60)
+            while not (busy(stats(stack.prefill.url)) and stats(decode.url)["pages_used"] > 0):
+                assert time.monotonic() < deadline and not any(c.done() for c in calls), "no leg held the requests"
+                await asyncio.sleep(0.02)
+            left = time.time()
+            for c in calls:
+                c.cancel()
+            await asyncio.gather(*calls, return_exceptions=True)
+            return left
+
+    left = asyncio.run(leave_early())
+    bound = scaled(1.5)
+    freed = report_after(decode.url, left, lambda st: idle(st) and st["pages_used"] == 0, bound, "every page free")
+    cleared = report_after(stack.prefill.url, left, idle, bound, "nothing held")
+    print(f"after the clients left: decode freed {freed['time'] - left:.2f} s, prefill {cleared['time'] - left:.2f} s")
+
+
+def busy(st: dict) -> bool:
+    return bool(st["queues"].get("prefill_forward") or st["running"])
 
 
 def healthy(stack: PDStack, url: str) -> bool:
