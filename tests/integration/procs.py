@@ -158,7 +158,7 @@ FAST_FAILURE = [
 
 
 class PDStack:
-    """A router in front of one prefill and `decodes` decode instances, each its own process.
+    """A router in front of `prefills` prefill and `decodes` decode instances, each its own process.
 
     `prefill_flags` / `decode_flags` come after the shared flags and win over them; `router_flags`
     are added to the router's command line; `env` is added to the workers' environment."""
@@ -172,6 +172,7 @@ class PDStack:
         router_flags: tuple[str, ...] = (),
         decodes: int = 1,
         env: dict | None = None,
+        prefills: int = 1,
     ):
         self.model = model
         self.env = env
@@ -179,10 +180,14 @@ class PDStack:
         # client sending the listed model (the openai client always does) reaches them under that name.
         self.flags = ["--served-model-name", "tiny", *engine_flags, *FAST_FAILURE]
         self.prefill_flags, self.decode_flags = list(prefill_flags), list(decode_flags)
-        self.bootstrap_port = free_port()
-        self.prefill = self.start_prefill()
+        self.bootstrap_ports = [free_port() for _ in range(prefills)]
+        self.bootstrap_port = self.bootstrap_ports[0]
+        self.prefills = [self.start_prefill(bootstrap_port=b) for b in self.bootstrap_ports]
         self.decodes = [self.start_decode() for _ in range(decodes)]
         port = free_port()
+        prefill_args = [
+            a for p, b in zip(self.prefills, self.bootstrap_ports, strict=True) for a in ("--prefill", p.url, str(b))
+        ]
         decode_args = [a for d in self.decodes for a in ("--decode", d.url)]
         self.router = Proc(
             [
@@ -191,9 +196,7 @@ class PDStack:
                 str(port),
                 "--served-model-name",
                 "tiny",
-                "--prefill",
-                self.prefill.url,
-                str(self.bootstrap_port),
+                *prefill_args,
                 *decode_args,
                 "--health-interval",
                 "0.5",
@@ -203,6 +206,14 @@ class PDStack:
         )
 
     @property
+    def prefill(self) -> Proc:
+        return self.prefills[0]
+
+    @prefill.setter
+    def prefill(self, proc: Proc) -> None:
+        self.prefills[0] = proc
+
+    @property
     def decode(self) -> Proc:
         return self.decodes[0]
 
@@ -210,7 +221,7 @@ class PDStack:
     def decode(self, proc: Proc) -> None:
         self.decodes[0] = proc
 
-    def start_prefill(self, port: int | None = None) -> Proc:
+    def start_prefill(self, port: int | None = None, bootstrap_port: int | None = None) -> Proc:
         port = port or free_port()
         return Proc(
             [
@@ -220,7 +231,7 @@ class PDStack:
                 "--port",
                 str(port),
                 "--bootstrap-port",
-                str(self.bootstrap_port),
+                str(bootstrap_port or self.bootstrap_port),
                 *self.flags,
                 *self.prefill_flags,
             ],
@@ -236,7 +247,8 @@ class PDStack:
     def wait_healthy(self) -> PDStack:
         """Every process serves; if one does not, all are stopped (a failed start leaves nothing running)."""
         try:
-            self.prefill.wait_healthy()
+            for p in self.prefills:
+                p.wait_healthy()
             for d in self.decodes:
                 d.wait_healthy()
             self.router.wait_healthy()
@@ -246,7 +258,7 @@ class PDStack:
         return self
 
     def stop(self) -> None:
-        for p in (self.router, *self.decodes, self.prefill):
+        for p in (self.router, *self.decodes, *self.prefills):
             p.stop()
 
 
