@@ -275,6 +275,10 @@ class Frontend:
         stopper = StopChecker(params.stop)
         timer = self.metrics.request_timer(len(input_ids), probe)
         resumed = len(route.resume)
+        if resumed:
+            self.limits.check_token_ids(route.resume, "resume_token_ids")
+            if resumed >= params.max_new_tokens:
+                raise APIError(400, "resume_token_ids: as many tokens as max_tokens or more", param="resume_token_ids")
         completion = resumed
         # A migrated request goes on from the tokens it generated elsewhere: their text the client lacks comes
         # first (what a stop string held back there), and they count against max_tokens and in the usage.
