@@ -1,5 +1,7 @@
 """Schema of the CRD's role blocks (spec.prefill, spec.decode, spec.router) and of the engine settings."""
 
+from disagg_api.router_settings import POLICIES as ROUTER_POLICIES
+
 from . import names
 from .engine_fields import ENGINE_FIELDS
 from .schema import free_obj, integer, obj, string
@@ -123,7 +125,7 @@ def router_schema() -> dict:
                 "the router's pod can mount too (a hostPath present on its node, a PVC that allows a second "
                 "read-only mount) or built in.",
                 32,
-                enum=["round_robin", "least_load", "cache_aware"],
+                enum=list(ROUTER_POLICIES),
                 default="round_robin",
             ),
             "decodeOnlyTokens": integer(

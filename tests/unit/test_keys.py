@@ -13,7 +13,8 @@ import pytest
 from disagg_worker import cli, keys
 from disagg_worker.cli_args import add_disagg_args, add_engine_args, server_args_from_cli
 from disagg_worker.config import Role
-from disagg_worker.router.auth import RouterAuth, add_auth_args
+from disagg_worker.router.args import add_router_args
+from disagg_worker.router.auth import RouterAuth
 from disagg_worker.router.payload import SharedBody
 
 
@@ -88,7 +89,7 @@ def test_the_router_replaces_what_a_client_says_about_targets_and_signs_its_own(
     secret = tmp_path / "token"
     secret.write_text("s3cret")
     p = argparse.ArgumentParser()
-    add_auth_args(p)
+    add_router_args(p)
     auth = RouterAuth.from_cli(p.parse_args(["--auth-token-file", str(secret)]))
     body = {"prompt": "x", "bootstrap_host": "evil", "bootstrap_port": 1, "bootstrap_sig": "forged"}
     routed = json.loads(SharedBody.of(body).payload(**auth.target("10.0.0.7", 8998, 5)).decode())

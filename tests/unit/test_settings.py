@@ -123,3 +123,16 @@ def test_a_command_line_sets_each_setting_and_a_switch_only_when_on():
     assert words == ["--page-size", "64", "--local-prefill", "--kv-dtype", ""]
     ns = parse(["decode", "--model", "m", *words])
     assert (ns.page_size, ns.decode_prefix_cache, ns.local_prefill) == (64, False, True)
+
+
+def test_the_routers_flags_come_from_its_declaration_and_its_policies_are_the_declared_ones():
+    from disagg_api import router_settings as R
+    from disagg_worker.router.worker import GroupPolicy
+    from disagg_worker.router.workers import Policy
+
+    router = subparser("router")
+    flags = {s for a in router._actions for s in a.option_strings if s.startswith("--")}
+    assert {s.flag for s in R.ROUTER_HEAD + R.ROUTER} | {"--prefill", "--decode", "--help"} == flags
+    assert {p.value for p in Policy} == set(R.POLICIES) and {g.value for g in GroupPolicy} == set(R.GROUP_POLICIES)
+    ns = router.parse_args(command_line([(R.MIGRATION_LIMIT, 0), (R.POLICY, "cache_aware"), (S.PORT, 9)]))
+    assert (ns.migration_limit, ns.policy, ns.port, ns.retries) == (0, "cache_aware", 9, R.RETRIES.default)

@@ -2,6 +2,10 @@
 
 from typing import Any
 
+from disagg_api import router_settings as R
+from disagg_api import settings as S
+from disagg_api.setting import Setting, command_line
+
 from .. import names
 from ..config import OperatorConfig
 from ..spec import ModelSpec, Resources
@@ -34,32 +38,28 @@ def router_args(spec: ModelSpec, cfg: OperatorConfig) -> list[str]:
     """`disagg router ...` arguments (after the `disagg` entrypoint), the CR's extra args last."""
     prefill = service_fqdn(spec, names.child_name(spec.name, names.PREFILL), cfg)
     decode = service_fqdn(spec, names.child_name(spec.name, names.DECODE), cfg)
-    return [
-        names.ROUTER,
-        "--host",
-        "0.0.0.0",
-        "--port",
-        str(names.HTTP_PORT),
-        "--served-model-name",
-        spec.served_model_name,
-        "--policy",
-        spec.router.policy,
-        "--prefill-dns",
-        f"{prefill}:{names.HTTP_PORT}",
-        "--decode-dns",
-        f"{decode}:{names.HTTP_PORT}",
-        "--bootstrap-port",
-        str(names.BOOTSTRAP_PORT),
-        "--drain-timeout",
-        str(spec.drain_timeout_s),
-        "--auth-token-file",
-        auth_token_file(),
-        *(["--api-key-file", api_keys_file()] if spec.api_key_secret else []),
-        *(["--tokenizer", spec.model.model_arg] if reads_model(spec) else []),
-        *(["--decode-only-tokens", str(spec.router.decode_only_tokens)] if spec.router.decode_only_tokens else []),
-        # Only when set, like --decode-only-tokens: a flag every router gained would roll them all on upgrade.
-        *(["--migration-limit", str(spec.router.migration_limit)] if spec.router.migration_limit is not None else []),
-    ] + list(spec.router.placement.args)
+    r = spec.router
+    values: list[tuple[Setting, Any]] = [
+        (S.HOST, "0.0.0.0"),
+        (S.PORT, names.HTTP_PORT),
+        (R.SERVED_MODEL_NAME, spec.served_model_name),
+        (R.POLICY, r.policy),
+        (R.PREFILL_DNS, f"{prefill}:{names.HTTP_PORT}"),
+        (R.DECODE_DNS, f"{decode}:{names.HTTP_PORT}"),
+        (R.BOOTSTRAP_PORT, names.BOOTSTRAP_PORT),
+        (R.DRAIN_TIMEOUT, spec.drain_timeout_s),
+        (R.AUTH_TOKEN_FILE, auth_token_file()),
+    ]
+    if spec.api_key_secret:
+        values.append((S.API_KEY_FILE, api_keys_file()))
+    if reads_model(spec):
+        values.append((R.TOKENIZER, spec.model.model_arg))
+    # Only when set: a flag every router gained would roll them all on upgrade.
+    if r.decode_only_tokens:
+        values.append((R.DECODE_ONLY_TOKENS, r.decode_only_tokens))
+    if r.migration_limit is not None:
+        values.append((R.MIGRATION_LIMIT, r.migration_limit))
+    return [names.ROUTER, *command_line(values), *r.placement.args]
 
 
 def reads_model(spec: ModelSpec) -> bool:

@@ -65,13 +65,3 @@ class RouterAuth:
     def local_prefill(self) -> dict:
         """The fields of a request decode computes itself, signed when the model has a secret."""
         return route.local_prefill_fields(self.target_key)
-
-
-def add_auth_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--api-key", default=None, help="clients must send 'Authorization: Bearer KEY' (/health is open)")
-    p.add_argument("--api-key-file", default="", help="a file of API keys, one a line (a mounted Secret)")
-    p.add_argument(
-        "--auth-token-file",
-        default="",
-        help="file holding the model's shared secret (authenticates the router to workers, signs bootstrap targets)",
-    )

@@ -263,6 +263,23 @@ class Frontend:
             if not done:
                 await self.send(msg.AbortReq(rid), group)
 
+    def resume(
+        self, route: msg.Route, params: SamplingParams, detok: IncrementalDetokenizer
+    ) -> tuple[SamplingParams, str]:
+        """A migrated request goes on from the tokens it generated elsewhere (`route.resume`): they count against
+        max_tokens (the parameters returned), and the text of theirs the client lacks (what a stop string held
+        back there) comes first (the text returned). `detok` has read them."""
+        if not route.resume:
+            return params, ""
+        self.limits.check_token_ids(route.resume, "resume_token_ids")
+        n = len(route.resume)
+        if n >= params.max_new_tokens:
+            raise APIError(400, "resume_token_ids: as many tokens as max_tokens or more", param="resume_token_ids")
+        held = "".join(detok.push(t) for t in route.resume)[route.resume_chars :]
+        return replace(
+            params, max_new_tokens=params.max_new_tokens - n, min_new_tokens=max(0, params.min_new_tokens - n)
+        ), held
+
     async def complete(
         self,
         input_ids: list[int],
@@ -275,20 +292,8 @@ class Frontend:
         stopper = StopChecker(params.stop)
         timer = self.metrics.request_timer(len(input_ids), probe)
         resumed = len(route.resume)
-        if resumed:
-            self.limits.check_token_ids(route.resume, "resume_token_ids")
-            if resumed >= params.max_new_tokens:
-                raise APIError(400, "resume_token_ids: as many tokens as max_tokens or more", param="resume_token_ids")
+        params, held = self.resume(route, params, detok)
         completion = resumed
-        # A migrated request goes on from the tokens it generated elsewhere: their text the client lacks comes
-        # first (what a stop string held back there), and they count against max_tokens and in the usage.
-        held = "".join(detok.push(t) for t in route.resume)[route.resume_chars :]
-        if resumed:
-            params = replace(
-                params,
-                max_new_tokens=max(1, params.max_new_tokens - resumed),
-                min_new_tokens=max(0, params.min_new_tokens - resumed),
-            )
         stream = self.token_stream(input_ids + list(route.resume), params, route)
         try:
             async for out in stream:

@@ -1,0 +1,135 @@
+"""Every setting of `disagg router`, declared once (as `settings` declares the engine's).
+
+The router makes its parser from `ROUTER` (`disagg_worker.router.args`; its static worker lists, `--prefill URL
+PORT` and `--decode URL`, are the two flags spelled there); the operator writes the router's command line with
+these (`disagg_operator.builders.router`) and its CRD's policy enum from `POLICIES`. Flags the engine commands
+take with the same meaning (`--host`, `--port`, `--log-level`, the API keys) are the engine's own settings.
+"""
+
+from __future__ import annotations
+
+from disagg_api import settings as engine
+from disagg_api.setting import Setting
+
+POLICIES = ("round_robin", "least_load", "cache_aware")
+GROUP_POLICIES = ("load", "room")
+
+SERVED_MODEL_NAME = Setting("--served-model-name", default="default")
+PREFILL_DNS = Setting("--prefill-dns", help="HOST:PORT of a headless Service of prefill pods")
+DECODE_DNS = Setting("--decode-dns", help="HOST:PORT of a headless Service of decode pods")
+BOOTSTRAP_PORT = Setting("--bootstrap-port", int, 8998)
+POLICY = Setting(
+    "--policy",
+    default="round_robin",
+    choices=POLICIES,
+    help="cache_aware: prefill by the prompt tokens a worker has not cached plus this router's prefill tokens "
+    "running there (the workers' GET /kv_events), decode by least load; needs --tokenizer",
+)
+TOKENIZER = Setting("--tokenizer", help="the model (directory or GGUF) whose tokenizer cache_aware uses")
+CACHE_AWARE_BALANCE_TOKENS = Setting(
+    "--cache-aware-balance-tokens",
+    int,
+    4096,
+    help="cache_aware: while a prefill worker is idle, one with this many prompt tokens pending takes no more",
+)
+DECODE_ONLY_TOKENS = Setting(
+    "--decode-only-tokens",
+    int,
+    0,
+    help="cache_aware: a decode lacking at most this many of a prompt's tokens computes them itself, with no "
+    "prefill (conditional disaggregation; decode runs with --local-prefill); 0: off",
+)
+DP_GROUP_POLICY = Setting(
+    "--dp-group-policy",
+    default="load",
+    choices=GROUP_POLICIES,
+    help="workers with DP attention: pick a request's attention group by load (the fewest of this router's "
+    "requests open on it, then the worker's reported load; under --policy cache_aware a prefill's group by "
+    "its cache first) or by bootstrap_room %% dp_size",
+)
+RETRIES = Setting("--retries", int, 2)
+MIGRATION_LIMIT = Setting(
+    "--migration-limit",
+    int,
+    3,
+    help="times a streamed choice whose decode fails goes on on another pair, from its last token (the client's "
+    "stream continues); 0: such a stream ends with an error event",
+)
+STREAM_STALL_TIMEOUT = Setting(
+    "--stream-stall-timeout",
+    float,
+    60.0,
+    help="seconds a decode stream may send nothing before the router counts its decode as failed (and migrates "
+    "the stream); 0: only --request-timeout ends it",
+)
+HEALTH_INTERVAL = Setting("--health-interval", float, 2.0)
+AUTH_TOKEN_FILE = Setting(
+    "--auth-token-file",
+    help="file holding the model's shared secret (authenticates the router to workers, signs bootstrap targets)",
+)
+VERIFY_INTERVAL = Setting(
+    "--verify-interval",
+    float,
+    10.0,
+    help="seconds between synthetic one-token requests that re-verify an idle prefill->decode pair; 0 turns "
+    "verification off (then the router is ready while any prefill and decode are healthy)",
+)
+VERIFY_TIMEOUT = Setting("--verify-timeout", float, 60.0, help="seconds a pair verification may take")
+HANDOFF_WINDOW = Setting("--handoff-window", float, 300.0, help="seconds of KV handoff failures /health counts")
+STALL_AFTER = Setting(
+    "--stall-after",
+    float,
+    60.0,
+    help="seconds a worker's handoff queue may hold requests without progress before /health calls it stalled",
+)
+MAX_INFLIGHT = Setting("--max-inflight", int, 1024, help="client requests held at once; more get 429 with Retry-After")
+REQUEST_TIMEOUT = Setting(
+    "--request-timeout",
+    float,
+    600.0,
+    help="seconds one upstream request may take, its whole stream included; a choice that takes longer "
+    "ends with an error event",
+)
+DRAIN_TIMEOUT = Setting(
+    "--drain-timeout",
+    float,
+    30.0,
+    help="on SIGTERM, seconds to finish open requests (new ones get 503) before cutting them short "
+    "(the operator sets the pod's termination grace period from it)",
+)
+MAX_BODY_BYTES = Setting(
+    "--max-body-bytes",
+    int,
+    0,
+    help="request bodies beyond this get 413 (0: derived from the largest max_model_len the workers report "
+    "on /v1/models, as the workers derive their own)",
+)
+
+# Before the static worker lists in --help, then the rest, in --help's order.
+ROUTER_HEAD = (engine.HOST, engine.PORT, SERVED_MODEL_NAME)
+ROUTER = (
+    PREFILL_DNS,
+    DECODE_DNS,
+    BOOTSTRAP_PORT,
+    POLICY,
+    TOKENIZER,
+    CACHE_AWARE_BALANCE_TOKENS,
+    DECODE_ONLY_TOKENS,
+    DP_GROUP_POLICY,
+    RETRIES,
+    MIGRATION_LIMIT,
+    STREAM_STALL_TIMEOUT,
+    HEALTH_INTERVAL,
+    engine.LOG_LEVEL,
+    engine.API_KEY,
+    engine.API_KEY_FILE,
+    AUTH_TOKEN_FILE,
+    VERIFY_INTERVAL,
+    VERIFY_TIMEOUT,
+    HANDOFF_WINDOW,
+    STALL_AFTER,
+    MAX_INFLIGHT,
+    REQUEST_TIMEOUT,
+    DRAIN_TIMEOUT,
+    MAX_BODY_BYTES,
+)
