@@ -183,6 +183,7 @@ class Frontend:
                     self.info = self.infos[0]
                     self.limits = RequestLimits.from_info(self.info)
                     self.kv_log.page_size, self.kv_log.model = self.info.page_size, self.info.model_name
+                    self.metrics.observe_info(self.info.page_size, sum(i.total_pages for i in self.infos.values()))
                     self.ready.set()
 
     @property

@@ -48,6 +48,7 @@ class ServerMetrics:
             instance
         )
         self.requests = Counter("disagg_requests", "Requests finished", labels, registry=r).labels(instance)
+        self.gie = PickerGauges(r, instance)
         self.probes = Counter(
             "disagg_probe_requests", "Router pair probes served (not in the request metrics)", labels, registry=r
         ).labels(instance)
@@ -60,10 +61,14 @@ class ServerMetrics:
         self.pages_free.set(s.pages_total - s.pages_used)
         if s.cache_query_tokens:
             self.hit_rate.set(s.cache_hit_tokens / s.cache_query_tokens)
+        self.gie.observe(s)
         ranks = s.rank_queues or {(0, 0): s.queues}
         for (tp, pp), queues in ranks.items():
             for name, size in queues.items():
                 self.queue.labels(self.instance, name, str(tp), str(pp)).set(size)
+
+    def observe_info(self, page_size: int, num_pages: int) -> None:
+        self.gie.cache_config.labels(self.instance, str(page_size), str(num_pages)).set(1)
 
     def request_timer(self, prompt_tokens: int, probe: bool = False) -> RequestTimer:
         """Times one request; a router's probe only counts as a probe."""
@@ -75,6 +80,32 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry) + self.scheduler_text.encode()
+
+
+class PickerGauges:
+    """The gauges the Gateway API Inference Extension's model-server protocol reads, under the names its endpoint
+    pickers (and llm-d's) use for SGLang, so that they score these pods unchanged: requests queued (waiting for
+    admission, and in P/D for the KV handshake: prefill's bootstrap queue, decode's prealloc queue), requests
+    running, the share of KV pages in use, and the KV cache's shape."""
+
+    QUEUED = ("prefill_bootstrap", "decode_prealloc")
+
+    def __init__(self, r: CollectorRegistry, instance: str):
+        self.queued = Gauge("sglang:num_queue_reqs", "Requests queued (SGLang's name)", ["instance"], registry=r)
+        self.running = Gauge("sglang:num_running_reqs", "Requests running (SGLang's name)", ["instance"], registry=r)
+        self.usage = Gauge("sglang:token_usage", "Share of KV pages in use (SGLang's name)", ["instance"], registry=r)
+        self.cache_config = Gauge(
+            "sglang:cache_config_info",
+            "The KV cache's page size and pages",
+            ["instance", "page_size", "num_pages"],
+            registry=r,
+        )
+        self.instance = instance
+
+    def observe(self, s: msg.SchedulerStats) -> None:
+        self.queued.labels(self.instance).set(s.waiting + sum(s.queues.get(q, 0) for q in self.QUEUED))
+        self.running.labels(self.instance).set(s.running)
+        self.usage.labels(self.instance).set(s.pages_used / s.pages_total if s.pages_total else 0.0)
 
 
 class RequestTimer:
