@@ -26,6 +26,7 @@ from disagg_worker.request.params import SamplingParams
 from disagg_worker.request.route import route_of
 from disagg_worker.server import openai_format as fmt
 from disagg_worker.server.admission import DRAINING, Admission, admission_middleware, body_of
+from disagg_worker.server.chat_input import chat_input
 from disagg_worker.server.frontend import Delta, Frontend
 from disagg_worker.server.health import health_report
 from disagg_worker.server.kv_events_api import kv_events_handler
@@ -205,16 +206,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     fe, s = request.app[FRONTEND], request.app[SETTINGS]
     body = await read_json(request)
     req = parse_chat(body, s["model"], fe.limits)
-    tools = ChatTools.of(req.tools, fe.tokenizer.chat_template_source)
-    sampling = replace(req.sampling, grammar=tools.grammar(req.sampling.grammar)) if tools else req.sampling
-    try:
-        offered = tools.use.template_tools() if tools else None
-        text = await fe.render_chat(req.messages, req.add_generation_prompt, offered)
-    except ValueError as e:
-        raise APIError(400, f"cannot render the chat template: {e}", param="messages") from e
-    ids = await fe.encode(text, add_special_tokens=False)
     key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    params = fe.limits.admit(ids, sampling, req.max_tokens_set, key, "messages")
+    ids, params, tools = await chat_input(fe, req, key)
     usage = req.stream_options_include_usage
     route, token_ids = route_of(body), wants_token_ids(body)
     return await respond(
