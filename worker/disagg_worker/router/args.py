@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from disagg_worker.router.auth import add_auth_args
 from disagg_worker.router.workers import GroupPolicy, Policy
+from disagg_worker.server.response_store import DEFAULT_MAX_AGE_S, DEFAULT_MAX_ENTRIES
 
 
 def add_router_args(p) -> None:
@@ -57,6 +58,19 @@ def add_router_args(p) -> None:
         default=3,
         help="times a streamed choice whose decode fails goes on on another pair, from its last token (the client's "
         "stream continues); 0: such a stream ends with an error event",
+    )
+    p.add_argument(
+        "--responses-store-size",
+        type=int,
+        default=DEFAULT_MAX_ENTRIES,
+        help="Responses API answers kept for previous_response_id and GET /v1/responses/{id} (the oldest go first; "
+        "0 keeps none); each router replica keeps its own",
+    )
+    p.add_argument(
+        "--responses-store-ttl",
+        type=float,
+        default=DEFAULT_MAX_AGE_S,
+        help="seconds a stored Responses API answer is kept",
     )
     p.add_argument(
         "--stream-stall-timeout",

@@ -32,6 +32,9 @@ from disagg_worker.server.health import health_report
 from disagg_worker.server.kv_events_api import kv_events_handler
 from disagg_worker.server.metrics import PROBE_HEADER
 from disagg_worker.server.protocol import parse_chat, parse_completion, parse_generate, parse_json
+from disagg_worker.server.response_store import ResponseStore
+from disagg_worker.server.responses_api import add_response_routes
+from disagg_worker.server.tokenize_api import add_tokenize_routes
 from disagg_worker.server.tool_calls import ChatTools, ToolStream, call_deltas
 
 log = logging.getLogger(__name__)
@@ -75,8 +78,10 @@ def build_app(
     max_inflight: int = 256,
     identity: WorkerEnv | None = None,
     local_prefill: bool = False,
+    responses: ResponseStore | None = None,
 ) -> web.Application:
-    """`local_prefill`: a decode instance that computes the prompts the router marks so (/health says it)."""
+    """`local_prefill`: a decode instance that computes the prompts the router marks so (/health says it);
+    `responses`: where a monolithic server keeps its Responses API answers (a P/D worker keeps none)."""
     admission = Admission(max_inflight, lambda: body_limit_bytes(frontend.limits.max_context_len))
     # aiohttp's own cap stays as a backstop; read_body enforces the real limit first.
     app = web.Application(
@@ -96,6 +101,8 @@ def build_app(
     app.router.add_get("/stats", stats)
     app.router.add_post("/flush_cache", flush_cache)
     app.router.add_get("/kv_events", kv_events_handler(lambda: frontend.kv_log))
+    add_tokenize_routes(app, lambda request: request.app[FRONTEND], model_name)
+    add_response_routes(app, lambda request: request.app[FRONTEND], model_name, responses)
     return app
 
 
