@@ -62,6 +62,16 @@ STREAM_STALL_TIMEOUT = Setting(
     help="seconds a decode stream may send nothing before the router counts its decode as failed (and migrates "
     "the stream); 0: only --request-timeout ends it",
 )
+RESPONSES_STORE_SIZE = Setting(
+    "--responses-store-size",
+    int,
+    1000,
+    help="Responses API answers kept for previous_response_id and GET /v1/responses/{id} (the oldest go first; "
+    "0 keeps none); each router replica keeps its own",
+)
+RESPONSES_STORE_TTL = Setting(
+    "--responses-store-ttl", float, 3600.0, help="seconds a stored Responses API answer is kept"
+)
 HEALTH_INTERVAL = Setting("--health-interval", float, 2.0)
 AUTH_TOKEN_FILE = Setting(
     "--auth-token-file",
@@ -118,6 +128,8 @@ ROUTER = (
     DP_GROUP_POLICY,
     RETRIES,
     MIGRATION_LIMIT,
+    RESPONSES_STORE_SIZE,
+    RESPONSES_STORE_TTL,
     STREAM_STALL_TIMEOUT,
     HEALTH_INTERVAL,
     engine.LOG_LEVEL,

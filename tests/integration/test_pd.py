@@ -97,6 +97,19 @@ def test_tools_and_unknown_response_formats_are_a_400_through_the_router(stack):
         assert says in r.json()["error"]["message"]
 
 
+def test_a_forced_tool_call_through_the_router_on_a_template_without_tools(stack):
+    tool = {"type": "function", "function": {"name": "weather", "parameters": SCHEMA}}
+    chat = {"messages": [{"role": "user", "content": "Weather in Paris?"}], "max_tokens": 200, "tools": [tool]}
+    r = requests.post(
+        f"{stack.router.url}/v1/chat/completions", json={**chat, "tool_choice": "required"}, timeout=scaled(60)
+    )
+    assert r.status_code == 200, r.text
+    (call,) = r.json()["choices"][0]["message"]["tool_calls"]
+    assert call["function"]["name"] == "weather"
+    args = json.loads(call["function"]["arguments"])
+    assert isinstance(args["ok"], bool) and args["colour"] in ("red", "green", "blue") and len(args) == 2
+
+
 SCHEMA = {
     "type": "object",
     "properties": {"ok": {"type": "boolean"}, "colour": {"enum": ["red", "green", "blue"]}},

@@ -2,7 +2,9 @@
 equal transformers' (its own GGUF loader, dequantised to float32), monolithic (served from the GGUF file)
 and through router + prefill + decode over Mooncake TCP (what `make serve` runs: the GGUF converted
 once, `disagg serve --local` on the directory); the README's first example answers as shown, and every example
-request of the README and of docs/ works on what `make serve` starts.
+request of the README and of docs/ works on what `make serve` starts; and today's clients get what a user
+expects: the official client's Responses API (an answer, a follow-up by `previous_response_id`, a forced
+function call), instructor's default tools mode and the OpenAI Agents SDK.
 
 Real weights on a CPU: marked `real_model`. The servers start before transformers loads its copy, so
 the loads overlap, and each server gets the eight prompts at once; about a minute on 2 cores.
@@ -10,12 +12,15 @@ the loads overlap, and each server gets the eight prompts at once; about a minut
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures as cf
 import json
 import re
 import subprocess
 from pathlib import Path
 
+import openai
+import pydantic
 import pytest
 import requests
 import torch
@@ -233,3 +238,75 @@ def test_every_documented_example_works_on_make_serve(make_serve):
         )
         assert out.returncode == 0, f"{ex}\n{out.stderr}"
         assert out.stdout.strip(), ex
+
+
+def client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=scaled(300))
+
+
+def test_the_responses_api_answers_and_continues_a_conversation_monolithic_and_pd(mono, make_serve):
+    for url in (mono.url, make_serve.url):
+        c = client(url)
+        first = c.responses.create(model=SERVED_NAME, input="What is the capital of France?", temperature=0)
+        assert first.status == "completed" and "Paris" in first.output_text
+        second = c.responses.create(
+            model=SERVED_NAME, input="And of Germany?", previous_response_id=first.id, temperature=0
+        )
+        assert "Berlin" in second.output_text
+        city = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"]}
+        weather = {"type": "function", "name": "get_weather", "parameters": city}
+        asked = c.responses.create(
+            model=SERVED_NAME,
+            input="What is the weather in Paris?",
+            tools=[weather],
+            tool_choice="required",
+            temperature=0,
+        )
+        assert [(o.type, o.name, json.loads(o.arguments)) for o in asked.output] == [
+            ("function_call", "get_weather", {"city": "Paris"})
+        ]
+
+
+class Person(pydantic.BaseModel):
+    name: str
+    age: int
+
+
+def test_instructor_in_its_default_tools_mode_returns_its_object_through_the_router(make_serve):
+    """instructor forces a named tool (`tool_choice`), which needs no tool support in SmolLM2's template."""
+    instructor = pytest.importorskip("instructor")
+    c = instructor.from_openai(client(make_serve.url))
+    for text, person in (("John Smith is 31 years old.", Person(name="John Smith", age=31)),
+                         ("Maria is a 25 year old engineer from Madrid.", Person(name="Maria", age=25))):  # fmt: skip
+        got = c.chat.completions.create(
+            model=SERVED_NAME,
+            response_model=Person,
+            messages=[{"role": "user", "content": f"Extract the person: {text}"}],
+            temperature=0,
+            max_tokens=100,
+        )
+        assert got.model_dump() == person.model_dump()
+
+
+def test_the_agents_sdk_calls_a_function_tool_through_the_router(make_serve):
+    """The SDK's default model (the Responses API): the agent's first turn calls the tool, whose result ends the run."""
+    agents = pytest.importorskip("agents")
+    asked: list[str] = []
+
+    @agents.function_tool
+    def get_weather(city: str) -> str:
+        """The weather in a city."""
+        asked.append(city)
+        return f"It rains in {city}."
+
+    agents.set_tracing_disabled(True)
+    agents.set_default_openai_client(openai.AsyncOpenAI(base_url=f"{make_serve.url}/v1", api_key="unused"))
+    agent = agents.Agent(
+        name="weather",
+        tools=[get_weather],
+        model=SERVED_NAME,
+        model_settings=agents.ModelSettings(tool_choice="required", temperature=0, max_tokens=60),
+        tool_use_behavior="stop_on_first_tool",  # auto (the next turn) needs a template with tools: SmolLM2's has none
+    )
+    result = asyncio.run(agents.Runner.run(agent, "What is the weather in Paris?"))
+    assert asked == ["Paris"] and result.final_output == "It rains in Paris."

@@ -1,8 +1,9 @@
 """Tool calling with the official `openai` client, monolithic and through router -> prefill -> decode, on
 the tiny model given a Hermes-style (Qwen2.5/Qwen3) chat template. The random model never calls a tool
 on its own, so what is checked end to end is the forced call ("required" and a named function), the
-answer's shape, P/D == monolithic, streaming, the second turn, and the refusal for a template without
-tools; `tests/unit/test_tool_calls.py` checks the parsing of free answers."""
+answer's shape, P/D == monolithic, streaming, the second turn, a forced call on a template without tools
+(the tools written into the prompt) and the refusal of "auto" there; `tests/unit/test_tool_calls.py` checks
+the parsing of free answers."""
 
 from __future__ import annotations
 
@@ -122,10 +123,23 @@ def test_auto_offers_the_tools_and_answers_text_when_the_model_calls_none(server
         assert offered.choices[0].finish_reason in ("length", "stop") and offered.choices[0].message.content
 
 
-def test_a_model_whose_template_has_no_tools_refuses_them_naming_tools(servers):
+def test_a_model_whose_template_has_no_tools_refuses_auto_naming_tools(servers):
     with pytest.raises(openai.BadRequestError) as e:
         call(servers["plain"], max_tokens=4)
     assert "tools" in e.value.message and "chat template" in e.value.message
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_a_forced_call_needs_no_template_support(servers, choice):
+    """The tools go into the prompt as text; the call's arguments still follow the function's schema."""
+    r = call(servers["plain"], tool_choice=choice, max_tokens=200, temperature=0)
+    c = r.choices[0]
+    assert c.finish_reason == "tool_calls" and len(c.message.tool_calls) == 1
+    name, args = calls_of(c.message)[0]
+    assert name == "get_weather" or choice == "required"
+    jsonschema.validate(args, TOOLS[0 if name == "get_weather" else 1]["function"]["parameters"])
+    plain = call(servers["plain"], tool_choice="none", max_tokens=1)
+    assert r.usage.prompt_tokens > plain.usage.prompt_tokens  # the tools are in the prompt
     with pytest.raises(openai.BadRequestError) as e:
         call(servers["mono"], tool_choice="required", response_format={"type": "json_object"}, max_tokens=4)
     assert "tool_choice" in e.value.message

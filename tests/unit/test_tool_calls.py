@@ -101,6 +101,29 @@ def test_the_call_format_comes_from_the_template():
         assert e.value.param == "tools" and "chat template" in e.value.message
 
 
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "weather"}}])
+def test_a_forced_call_needs_no_template_support(choice):
+    """The tools go into the prompt as text when the template cannot render them; the call is a bare JSON one."""
+    use = parse_tool_use({"tools": TOOLS, "tool_choice": choice})
+    plain = ChatTools.of(use, "{{ messages }}")
+    assert plain is not None and plain.style == LLAMA3 and plain.offered() is None
+    call = {"id": "c1", "type": "function", "function": {"name": "weather", "arguments": {"city": "Oslo"}}}
+    history = [{"role": "user", "content": "Oslo?"}, {"role": "assistant", "content": "", "tool_calls": [call]}]
+    system, user, assistant = plain.messages(history)
+    assert (
+        system["role"] == "system" and '"name": "weather"' in system["content"] and "Weather now" in system["content"]
+    )
+    assert user == history[0] and json.loads(assistant["content"]) == {
+        "name": "weather",
+        "parameters": {"city": "Oslo"},
+    }
+    own = plain.messages([{"role": "system", "content": "Be brief."}, *history[:1]])
+    assert len(own) == 2 and own[0]["content"].startswith("Be brief.\n\n")
+    rendering = ChatTools.of(use, "{% if tools %}{{ tools }}{% endif %}")  # renders tools, in a format unknown here
+    assert rendering is not None and rendering.style == LLAMA3 and rendering.offered() == use.template_tools()
+    assert json.loads(plain.grammar(None) or "")["begin"] == ""
+
+
 @pytest.mark.parametrize("name", ["hermes", "llama3_json"])
 def test_templates_render_tools_and_a_tool_turn(name):
     call = {"id": "c1", "type": "function", "function": {"name": "weather", "arguments": {"city": "Oslo", "unit": "c"}}}

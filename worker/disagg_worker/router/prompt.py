@@ -47,7 +47,7 @@ class PromptTokens:
         if path == "/v1/chat/completions":
             chat = parse_chat(body, model, _NO_LIMITS)
             tools = ChatTools.of(chat.tools, tok.chat_template_source)
-            offered = tools.use.template_tools() if tools else None
-            text = tok.apply_chat_template(chat.messages, chat.add_generation_prompt, offered)
+            messages, offered = (tools.messages(chat.messages), tools.offered()) if tools else (chat.messages, None)
+            text = tok.apply_chat_template(messages, chat.add_generation_prompt, offered)
             return tok.encode(text, add_special_tokens=False)
         return None

@@ -24,8 +24,10 @@ from disagg_worker.router.fanout import merge_bodies, stream_merged
 from disagg_worker.router.handoff import HandoffMonitor
 from disagg_worker.router.metrics import metrics_handler
 from disagg_worker.router.migrate import MigratingChoice, migrates, with_token_ids
+from disagg_worker.router.passthrough import add_pass_through
 from disagg_worker.router.payload import SharedBody
 from disagg_worker.router.prompt import PromptTokens
+from disagg_worker.router.responses import add_responses
 from disagg_worker.router.stream import DONE, UpstreamLost, choice_events, error_event, relay
 from disagg_worker.router.verify import PairVerifier
 from disagg_worker.router.workers import DnsSource, GroupPolicy, Policy, Prompt, Worker, WorkerPool
@@ -34,6 +36,7 @@ from disagg_worker.server.api import error_middleware
 from disagg_worker.server.auth import require_keys
 from disagg_worker.server.drain import CUT_GRACE_S, Signals, drain
 from disagg_worker.server.protocol import parse_json
+from disagg_worker.server.response_store import ResponseStore
 from disagg_worker.tuning import TUNING
 
 log = logging.getLogger(__name__)
@@ -42,7 +45,7 @@ INLINE_BODY_BYTES = 64 * 1024
 ADMISSION = web.AppKey("admission", Admission)
 
 
-def build_router_app(router: Router, admission: Admission) -> web.Application:
+def build_router_app(router: Router, admission: Admission, responses: ResponseStore | None = None) -> web.Application:
     app = web.Application(
         middlewares=[error_middleware, admission_middleware(admission)], client_max_size=64 * 1024 * 1024
     )
@@ -50,6 +53,8 @@ def build_router_app(router: Router, admission: Admission) -> web.Application:
     app[ADMISSION] = admission
     for path in ("/v1/completions", "/v1/chat/completions", "/generate"):
         app.router.add_post(path, make_handler(path))
+    add_pass_through(app)
+    add_responses(app, responses if responses is not None else ResponseStore())
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)
@@ -277,7 +282,7 @@ async def serve(ns, auth: RouterAuth, ready: asyncio.Event | None = None) -> Non
     )
     await router.start(ns.health_interval)
     admission = Admission(ns.max_inflight, router.body_limit)
-    app = build_router_app(router, admission)
+    app = build_router_app(router, admission, ResponseStore(ns.responses_store_size, ns.responses_store_ttl))
     require_keys(app, auth.api_keys)
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=CUT_GRACE_S)
     await runner.setup()

@@ -26,11 +26,15 @@ from disagg_worker.request.params import SamplingParams
 from disagg_worker.request.route import route_of
 from disagg_worker.server import openai_format as fmt
 from disagg_worker.server.admission import DRAINING, Admission, admission_middleware, body_of
+from disagg_worker.server.chat_input import chat_input
 from disagg_worker.server.frontend import Delta, Frontend
 from disagg_worker.server.health import health_report
 from disagg_worker.server.kv_events_api import kv_events_handler
 from disagg_worker.server.metrics import PROBE_HEADER
 from disagg_worker.server.protocol import parse_chat, parse_completion, parse_generate, parse_json
+from disagg_worker.server.response_store import ResponseStore
+from disagg_worker.server.responses_api import add_response_routes
+from disagg_worker.server.tokenize_api import add_tokenize_routes
 from disagg_worker.server.tool_calls import ChatTools, ToolStream, call_deltas
 
 log = logging.getLogger(__name__)
@@ -74,8 +78,10 @@ def build_app(
     max_inflight: int = 256,
     identity: WorkerEnv | None = None,
     local_prefill: bool = False,
+    responses: ResponseStore | None = None,
 ) -> web.Application:
-    """`local_prefill`: a decode instance that computes the prompts the router marks so (/health says it)."""
+    """`local_prefill`: a decode instance that computes the prompts the router marks so (/health says it);
+    `responses`: where a monolithic server keeps its Responses API answers (a P/D worker keeps none)."""
     admission = Admission(max_inflight, lambda: body_limit_bytes(frontend.limits.max_context_len))
     # aiohttp's own cap stays as a backstop; read_body enforces the real limit first.
     app = web.Application(
@@ -95,6 +101,8 @@ def build_app(
     app.router.add_get("/stats", stats)
     app.router.add_post("/flush_cache", flush_cache)
     app.router.add_get("/kv_events", kv_events_handler(lambda: frontend.kv_log))
+    add_tokenize_routes(app, lambda request: request.app[FRONTEND], model_name)
+    add_response_routes(app, lambda request: request.app[FRONTEND], model_name, responses)
     return app
 
 
@@ -205,16 +213,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     fe, s = request.app[FRONTEND], request.app[SETTINGS]
     body = await read_json(request)
     req = parse_chat(body, s["model"], fe.limits)
-    tools = ChatTools.of(req.tools, fe.tokenizer.chat_template_source)
-    sampling = replace(req.sampling, grammar=tools.grammar(req.sampling.grammar)) if tools else req.sampling
-    try:
-        offered = tools.use.template_tools() if tools else None
-        text = await fe.render_chat(req.messages, req.add_generation_prompt, offered)
-    except ValueError as e:
-        raise APIError(400, f"cannot render the chat template: {e}", param="messages") from e
-    ids = await fe.encode(text, add_special_tokens=False)
     key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    params = fe.limits.admit(ids, sampling, req.max_tokens_set, key, "messages")
+    ids, params, tools = await chat_input(fe, req, key)
     usage = req.stream_options_include_usage
     route, token_ids = route_of(body), wants_token_ids(body)
     return await respond(

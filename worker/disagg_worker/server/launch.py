@@ -32,6 +32,7 @@ from disagg_worker.server.auth import require_keys
 from disagg_worker.server.drain import CUT_GRACE_S, DrainReport, Signals, drain
 from disagg_worker.server.frontend import Frontend
 from disagg_worker.server.metrics import ServerMetrics
+from disagg_worker.server.response_store import ResponseStore
 
 log = logging.getLogger(__name__)
 LOCAL_HOST = "127.0.0.1"
@@ -77,7 +78,16 @@ class EngineServer:
         frontend.start()
         await _wait_ready(frontend, self.procs)
         local = a.engine.disagg.local_prefill
-        app = build_app(frontend, a.engine.model_name, a.health_timeout_s, a.inflight_limit, local_prefill=local)
+        # A monolithic server keeps its Responses API answers; in P/D the router does.
+        responses = ResponseStore() if d.role is Role.MONOLITHIC else None
+        app = build_app(
+            frontend,
+            a.engine.model_name,
+            a.health_timeout_s,
+            a.inflight_limit,
+            local_prefill=local,
+            responses=responses,
+        )
         require_keys(app, accepted_keys(a))
         self.admission = admission = app[ADMISSION]
         frontend.watch(self.procs, on_exit=lambda reason: setattr(admission, "broken", reason))

@@ -6,8 +6,10 @@ Two call formats are recognised from the chat template's source:
   block per call, after optional text;
 - "llama3_json" (Llama 3.1/3.2): the whole answer is `{"name": ..., "parameters": {...}}` (optionally after
   `<|python_tag|>`), several separated by `;`.
-A template that never mentions `tools` cannot offer them: a request with tools is a 400 there, as is
-one whose template uses a format not listed here.
+A template that never mentions `tools` cannot offer them: a request that lets the model choose ("auto")
+is a 400 there, as is one whose template uses a format not listed here. A forced call needs no template
+support: it is written in the Llama 3 format, the tools put into the prompt when the template cannot
+render them (`tool_prompt.py`).
 
 `tool_choice`: "none" offers no tools and parses nothing; "auto" offers them and parses what the
 model wrote; "required" and a named function also constrain the output (`grammar`, compiled by
@@ -25,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from disagg_worker.request.errors import bad_request
+from disagg_worker.server.tool_prompt import messages_with_tools
 
 NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
 HERMES, LLAMA3 = "hermes", "llama3_json"
@@ -303,14 +306,29 @@ class ToolStream:
 
 @dataclass(frozen=True)
 class ChatTools:
-    """Tools offered by one chat request to a template that writes calls in `style`."""
+    """Tools offered by one chat request to a template that writes calls in `style`; `in_prompt`: the
+    template cannot render them, so they go into the prompt as text (a forced call only)."""
 
     use: ToolUse
     style: str
+    in_prompt: bool = False
 
     @classmethod
     def of(cls, use: ToolUse | None, template_source: str | None) -> ChatTools | None:
-        return None if use is None else cls(use, check_style(template_style(template_source)))
+        if use is None:
+            return None
+        style = template_style(template_source)
+        if use.choice != "auto" and style in (None, "unknown"):  # constrained: no template support needed
+            return cls(use, LLAMA3, in_prompt=style is None)
+        return cls(use, check_style(style))
+
+    def offered(self) -> list[dict] | None:
+        """The tools the template renders (None when they are in the prompt as text)."""
+        return None if self.in_prompt else self.use.template_tools()
+
+    def messages(self, messages: list[dict]) -> list[dict]:
+        """The chat as the template gets it: with the tools written in, when it cannot render them."""
+        return messages_with_tools(messages, self.use.template_tools()) if self.in_prompt else messages
 
     def grammar(self, other: str | None) -> str | None:
         """The request's grammar: the forcing one for "required" or a named tool, else `other`."""
