@@ -252,3 +252,55 @@ def test_a_stream_with_usage_through_the_router(stack, mono):
     assert (
         text == requests.post(f"{mono.url}/v1/completions", json=body, timeout=scaled(60)).json()["choices"][0]["text"]
     )
+
+
+# Echoed prompt logprobs against transformers' log-softmax on the same float32 weights. Measured on this CPU:
+# equal (max |diff| 0.0); the tolerance leaves room for kernels that sum in another order.
+PROMPT_LOGPROB_TOLERANCE = 1e-4
+
+
+def echoed(url: str, prompt: str, stream: bool = False, **extra) -> dict:
+    body = {"prompt": prompt, "echo": True, "logprobs": 2, "max_tokens": 0, "stream": stream, **extra}
+    r = requests.post(f"{url}/v1/completions", json=body, timeout=scaled(60), stream=stream)
+    assert r.status_code == 200, r.text
+    if not stream:
+        return r.json()["choices"][0]
+    events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith(b"data: {")]
+    return events[0]["choices"][0]
+
+
+def test_echoed_prompt_logprobs_equal_transformers_monolithic_and_pd(stack, mono, tiny_model):
+    """Through P/D the prompt's logprobs come from prefill (a prompt over several 32-token chunks); a second
+    request for the same prompt is computed again, not read from the prefix cache."""
+    import torch
+    import transformers
+
+    from disagg_worker.model.tokenizer import Tokenizer
+
+    prompt = (
+        "Once upon a time, in a small village by the sea, there lived an old fisherman and his three daughters. " * 3
+    )
+    ids = Tokenizer.from_path(tiny_model).encode(prompt)
+    assert len(ids) > 64
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        lps = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
+    expected = lps[:-1].gather(1, torch.tensor(ids[1:])[:, None])[:, 0].tolist()
+    best = lps[:-1].topk(2, dim=-1).indices.tolist()
+    for url, stream in ((mono.url, False), (stack.router.url, False), (stack.router.url, True), (mono.url, False)):
+        c = echoed(url, prompt, stream)
+        assert c["text"] == prompt and c["finish_reason"] == "length"
+        got = c["logprobs"]["token_logprobs"]
+        assert len(got) == len(ids) and got[0] is None and c["logprobs"]["top_logprobs"][0] is None
+        diff = max(abs(a - b) for a, b in zip(got[1:], expected, strict=True))
+        print(f"echoed prompt logprobs vs transformers, {url} stream={stream}: max |diff| {diff:.2e}")
+        assert diff < PROMPT_LOGPROB_TOLERANCE
+        # Two alternatives that decode to the same text (bytes of one character) are one entry of OpenAI's map.
+        assert all(1 <= len(t) <= 2 for t in c["logprobs"]["top_logprobs"][1:])
+        tok = Tokenizer.from_path(tiny_model)
+        assert [set(t) for t in c["logprobs"]["top_logprobs"][1:5]] == [
+            {tok.decode([i], skip_special_tokens=False) for i in b} for b in best[:4]
+        ]
+    more = echoed(stack.router.url, prompt, max_tokens=3, temperature=0)
+    assert more["text"].startswith(prompt) and len(more["logprobs"]["token_logprobs"]) == len(ids) + 3
+    assert more["logprobs"]["token_logprobs"][1:4] == pytest.approx(expected[:3], abs=PROMPT_LOGPROB_TOLERANCE)

@@ -272,12 +272,34 @@ class Person(pydantic.BaseModel):
     age: int
 
 
+PEOPLE = (
+    ("John Smith is 31 years old.", Person(name="John Smith", age=31)),
+    ("Maria is a 25 year old engineer from Madrid.", Person(name="Maria", age=25)),
+)
+
+
+def test_a_named_tool_choice_returns_the_object_instructor_asks_for_through_the_router(make_serve):
+    """instructor's default tools mode forces a named tool (`tool_choice`), which needs no tool support in
+    SmolLM2's template: the request it sends. instructor itself is tried below where it is installed (its pins
+    of jiter, rich and openai conflict with this project's test environment, so it is no test dependency)."""
+    tool = {"type": "function", "function": {"name": "Person", "parameters": Person.model_json_schema()}}
+    for text, person in PEOPLE:
+        r = client(make_serve.url).chat.completions.create(
+            model=SERVED_NAME,
+            messages=[{"role": "user", "content": f"Extract the person: {text}"}],
+            tools=[tool],
+            tool_choice={"type": "function", "function": {"name": "Person"}},
+            temperature=0,
+            max_tokens=100,
+        )
+        (call,) = r.choices[0].message.tool_calls
+        assert Person.model_validate_json(call.function.arguments) == person
+
+
 def test_instructor_in_its_default_tools_mode_returns_its_object_through_the_router(make_serve):
-    """instructor forces a named tool (`tool_choice`), which needs no tool support in SmolLM2's template."""
     instructor = pytest.importorskip("instructor")
     c = instructor.from_openai(client(make_serve.url))
-    for text, person in (("John Smith is 31 years old.", Person(name="John Smith", age=31)),
-                         ("Maria is a 25 year old engineer from Madrid.", Person(name="Maria", age=25))):  # fmt: skip
+    for text, person in PEOPLE:
         got = c.chat.completions.create(
             model=SERVED_NAME,
             response_model=Person,
@@ -310,3 +332,28 @@ def test_the_agents_sdk_calls_a_function_tool_through_the_router(make_serve):
     )
     result = asyncio.run(agents.Runner.run(agent, "What is the weather in Paris?"))
     assert asked == ["Paris"] and result.final_output == "It rains in Paris."
+
+
+# Echoed prompt logprobs against transformers' log-softmax on the same (dequantised) weights. Measured on this
+# CPU: equal (max |diff| 0.0); the tolerance leaves room for kernels that sum in another order (GPUs, bf16 aside).
+PROMPT_LOGPROB_TOLERANCE = 1e-3
+
+
+def test_echoed_prompt_logprobs_equal_transformers_monolithic_and_pd(ours, reference, mono, make_serve):
+    """Log-likelihood scoring as evaluation harnesses do it: `echo` with `logprobs` and `max_tokens: 0`."""
+    _, model = reference
+    prompt = "The capital of France is Paris. The capital of Germany is Berlin. The capital of Italy is Rome."
+    ids = ours.encode(prompt)
+    with torch.inference_mode():
+        lps = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
+    expected = lps[:-1].gather(1, torch.tensor(ids[1:])[:, None])[:, 0].tolist()
+    for url in (mono.url, make_serve.url):
+        body = {"model": SERVED_NAME, "prompt": prompt, "echo": True, "logprobs": 1, "max_tokens": 0}
+        r = requests.post(f"{url}/v1/completions", json=body, timeout=scaled(300))
+        assert r.status_code == 200, r.text
+        c = r.json()["choices"][0]
+        got = c["logprobs"]["token_logprobs"]
+        assert c["text"] == prompt and got[0] is None and len(got) == len(ids)
+        diff = max(abs(a - b) for a, b in zip(got[1:], expected, strict=True))
+        print(f"SmolLM2 echoed prompt logprobs vs transformers, {url}: max |diff| {diff:.2e}")
+        assert diff < PROMPT_LOGPROB_TOLERANCE

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from disagg_worker.engine.outbox import TopLogprobs
+from disagg_worker.engine.prompt_logprobs import PromptScores, wants_rows
 from disagg_worker.engine.request import Req
 from disagg_worker.model.batch import ForwardBatch
 
@@ -48,6 +49,7 @@ class StepResult:
     top_logprobs: list[list[tuple[int, float]] | None]
     extra: dict[int, list[tuple[int, float | None, list[tuple[int, float]] | None]]] = field(default_factory=dict)
     failed: set[int] = field(default_factory=set)
+    prompt: dict[int, PromptScores] = field(default_factory=dict)  # prompt chunks' logprobs (`prompt_logprobs.py`)
 
 
 @dataclass(frozen=True)
@@ -106,5 +108,14 @@ def build_forward(
         extend_lens=list(extend),
         seq_lens=ends,
         kv_slots=[slots[i, :e] for i, e in enumerate(ends)],
-        num_logits=[1 + len(d) for d in drafts] if drafts and any(drafts) else None,
+        num_logits=_num_logits(reqs, starts, extend, drafts),
     )
+
+
+def _num_logits(
+    reqs: list[Req], starts: list[int], extend: list[int], drafts: list[list[int]] | None
+) -> list[int] | None:
+    """Rows of logits per request: a draft's positions and the one before, a scored prompt chunk's every position."""
+    counts = [1 + len(d) for d in drafts] if drafts else [1] * len(reqs)
+    counts = [n if wants_rows(r, s) else c for r, s, n, c in zip(reqs, starts, extend, counts, strict=True)]
+    return counts if any(c != 1 for c in counts) else None

@@ -54,6 +54,7 @@ class Outbox:
         """Queue `tokens` (new since the last emit) of `req`; its last emit carries the finish reason."""
         self._outs.append(
             TokenOut(
+                **_prompt_scores(req),
                 rid=req.rid,
                 token_ids=tokens,
                 logprobs=[logprob] if logprob is not None else None,
@@ -77,6 +78,7 @@ class Outbox:
         """Queue several tokens of `req` sampled in one step (a verified speculative draft) as one output."""
         self._outs.append(
             TokenOut(
+                **_prompt_scores(req),
                 rid=req.rid,
                 token_ids=tokens,
                 logprobs=[lp for lp in logprobs if lp is not None] if logprobs else None,
@@ -98,3 +100,11 @@ class Outbox:
     def take(self) -> list[TokenOut]:
         outs, self._outs = self._outs, []
         return outs
+
+
+def _prompt_scores(req: Req) -> dict:
+    """The prompt's logprobs, with the request's first output (then forgotten: sent once)."""
+    if not req.prompt_logprobs:
+        return {}
+    scores, req.prompt_logprobs = req.prompt_logprobs, []
+    return {"prompt_logprobs": [lp for lp, _ in scores], "prompt_top_logprobs": [top for _, top in scores]}

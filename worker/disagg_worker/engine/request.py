@@ -53,6 +53,9 @@ class Req:
     # decode in the aux record.
     draft: Any = field(default=None, repr=False)
     draft_aux: bytes = field(default=b"", repr=False)
+    # The prompt's logprobs as its chunks are computed (`SamplingParams.prompt_logprobs`): (logprob, top-N) of
+    # prompt tokens 1.., sent with the first output.
+    prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
         self.sampling = SamplingState.create(self.params, self.prompt_ids, self.output_ids)

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from dataclasses import replace
 from itertools import accumulate
 
 import torch
 
 from disagg_worker.engine.batch import ScheduledBatch, StepResult
 from disagg_worker.engine.drafting import ModelDrafter
+from disagg_worker.engine.prompt_logprobs import split
 from disagg_worker.engine.request import Req
 from disagg_worker.engine.sampling import Sampler, SamplingState
 from disagg_worker.engine.speculative import Emitted, verify
@@ -87,7 +89,18 @@ class ModelRunner:
     @torch.inference_mode()
     def sample(self, batch: ScheduledBatch, logits: torch.Tensor) -> StepResult:
         """Sample the requests of `batch` that take a token from their rows of `logits`: one row each, or
-        a drafted request's rows from its last known token on, verified (`speculative.verify`)."""
+        a drafted request's rows from its last known token on, verified (`speculative.verify`). A scored prompt
+        chunk's rows are taken out first (`prompt_logprobs.split`)."""
+        fwd = batch.forward
+        if fwd.num_logits is not None and any(r.params.prompt_logprobs for r in batch.reqs):
+            logits, counts, scores = split(batch.reqs, fwd.extend_lens, fwd.seq_lens, fwd.num_logits, logits)
+            batch.forward = replace(fwd, num_logits=counts)  # from here on, the rows sampling reads
+            result = self._sample(batch, logits)
+            result.prompt = scores
+            return result
+        return self._sample(batch, logits)
+
+    def _sample(self, batch: ScheduledBatch, logits: torch.Tensor) -> StepResult:
         rows = [i for i, s in enumerate(batch.samples) if s]
         n = len(batch.reqs)
         result = StepResult(tokens=[-1] * n, logprobs=[None] * n, top_logprobs=[None] * n)

@@ -213,7 +213,8 @@ class Scheduler:
         """The pages of `req`'s whole known sequence: the prefix the cache holds (locked, before the last token's
         page; `req.prefix_node`, `prefix_pages`, `cached_tokens` set) then fresh ones, keeping the running
         requests' reserve; None, with nothing taken, when they do not fit."""
-        match = self.radix.match_prefix(req.fill_ids[: req.seq_len - 1])
+        # A request scoring its prompt computes all of it: a cached position has no logits.
+        match = self.radix.match_prefix(req.fill_ids[: req.seq_len - 1] if not req.params.prompt_logprobs else [])
         self.radix.lock(match.node)
         need = pages_for(req.seq_len, self.page_size) - len(match.pages)
         pages = None
@@ -309,6 +310,9 @@ class Scheduler:
 
     def _process_one(self, batch: ScheduledBatch, result: StepResult, i: int, outcome: StepOutcome) -> None:
         r = batch.reqs[i]
+        if i in result.prompt:  # by position: a chunk computed again (after a retraction) replaces its scores
+            start, scores = result.prompt[i]
+            r.prompt_logprobs[start:] = scores
         if not batch.samples[i]:
             if not r.finished:
                 outcome.chunks.append((r, batch.forward.seq_lens[i]))

@@ -92,6 +92,10 @@ class TokenOut:
     error_status: int = 0
     # OpenAI's error `code` (`request.errors`): the router does not retry an `internal_error` or `instance_failed`.
     error_code: str = ""
+    # With the first tokens of a request that asked (`SamplingParams.prompt_logprobs`): the logprob of each prompt
+    # token after the first, given the ones before it, and its top-N alternatives (empty lists without top-N).
+    prompt_logprobs: list[float] | None = None
+    prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 @dataclass(frozen=True)

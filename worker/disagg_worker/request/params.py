@@ -62,6 +62,9 @@ class SamplingParams:
     # None: no logprobs; 0: the chosen token's; N: plus the top-N alternatives.
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    # The prompt's own logprobs (completions' echo): every prompt position gets logits, computed without the
+    # prefix cache; `logprobs` alternatives (top-N) too.
+    prompt_logprobs: bool = False
     # Constrained output (`engine/grammar.py`): a canonical JSON string such as {"type": "json_object"},
     # {"type": "json_schema", "schema": {...}}, {"type": "regex", "pattern": ...} or {"type": "ebnf",
     # "grammar": ...}; None: free text.
@@ -195,6 +198,7 @@ _CHECKS = {
     "min_new_tokens": _int_range(0, None),
     "logprobs": _int_range(0, MAX_LOGPROBS, optional=True),
     "skip_special_tokens": _check_bool,
+    "prompt_logprobs": _check_bool,
     "grammar": _check_grammar,
 }
 

@@ -143,7 +143,7 @@ class MigratingChoice:
 
 def migrates(router: Router, path: str, body: SharedBody) -> bool:
     """Whether a request's streams migrate: OpenAI's streamed completions and chat, with a limit above 0."""
-    streamed = body.fields.get("stream") is True
+    streamed = body.fields.get("stream") is True and body.fields.get("echo") is not True  # a resumed echo repeats
     return router.migration_limit > 0 and streamed and path in ("/v1/completions", "/v1/chat/completions")
 
 

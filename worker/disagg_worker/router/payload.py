@@ -19,7 +19,8 @@ from aiohttp.payload import Payload
 from disagg_worker.request import route
 
 # Fields the router sets per upstream request; never part of the shared bytes.
-PER_REQUEST = ("n", "seed", "stream", "stream_options", "return_token_ids")
+# `echo` and `logprobs` are read by the router (`echo.py`), not changed.
+PER_REQUEST = ("n", "seed", "stream", "stream_options", "return_token_ids", "echo", "logprobs")
 # Writes of the shared bytes go out in slices, so the transport never buffers a whole copy at once.
 WRITE_SLICE = 256 * 1024
 

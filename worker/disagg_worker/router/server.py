@@ -20,6 +20,7 @@ from aiohttp import web
 from disagg_worker.request.errors import APIError
 from disagg_worker.router.app import ROUTER, Opened, Router
 from disagg_worker.router.auth import RouterAuth
+from disagg_worker.router.echo import scores_prompt, with_prompt_logprobs
 from disagg_worker.router.fanout import merge_bodies, stream_merged
 from disagg_worker.router.handoff import HandoffMonitor
 from disagg_worker.router.metrics import metrics_handler
@@ -94,6 +95,8 @@ async def proxy_one(
         return await proxy_migrating(request, router, path, body, prompt)
     o = await router.open(path, body, {}, prompt)
     try:
+        if scores_prompt(path, body):
+            await with_prompt_logprobs(o, router.request_timeout_s)
         if not o.resp.headers.get("Content-Type", "").startswith("text/event-stream"):
             return web.Response(body=o.first, status=o.resp.status, content_type="application/json")
         out = await sse_response(request)
@@ -165,6 +168,8 @@ async def fan_out(
         failed = next((o for o in opened if isinstance(o, BaseException)), None)
         if failed is not None:
             raise failed
+        if scores_prompt(path, body):
+            await asyncio.gather(*(with_prompt_logprobs(o, router.request_timeout_s) for o in ok))
         if body.fields.get("stream") is not True:
             return web.json_response(merge_bodies([json.loads(o.first) for o in ok]))
         out = await sse_response(request)

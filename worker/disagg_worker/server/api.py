@@ -27,8 +27,10 @@ from disagg_worker.request.route import route_of
 from disagg_worker.server import openai_format as fmt
 from disagg_worker.server.admission import DRAINING, Admission, admission_middleware, body_of
 from disagg_worker.server.chat_input import chat_input
+from disagg_worker.server.echo import Echo, prompt_text
 from disagg_worker.server.frontend import Delta, Frontend
 from disagg_worker.server.health import health_report
+from disagg_worker.server.interleave import merged
 from disagg_worker.server.kv_events_api import kv_events_handler
 from disagg_worker.server.metrics import PROBE_HEADER
 from disagg_worker.server.protocol import parse_chat, parse_completion, parse_generate, parse_json
@@ -117,35 +119,6 @@ def choice_params(params: SamplingParams, i: int) -> SamplingParams:
     return replace(params, seed=params.seed + i)
 
 
-async def merged(streams: list[AsyncIterator[Delta]]) -> AsyncIterator[tuple[int, Delta]]:
-    """Interleave the deltas of several choices as they come."""
-    q: asyncio.Queue = asyncio.Queue()
-
-    async def pump(i: int, s: AsyncIterator[Delta]) -> None:
-        try:
-            async for d in s:
-                await q.put((i, d))
-            await q.put((i, None))
-        except BaseException as e:  # noqa: BLE001 - handed to the consumer
-            await q.put((i, e))
-
-    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
-    open_ = len(tasks)
-    try:
-        while open_:
-            i, item = await q.get()
-            if item is None:
-                open_ -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield i, item
-    finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-
-
 async def run_choices(frontend: Frontend, ids, params, n, route: Route) -> list[fmt.Choice]:
     choices = [fmt.Choice(i) for i in range(n)]
     streams = [frontend.complete(ids, choice_params(params, i), route) for i in range(n)]
@@ -198,6 +171,9 @@ async def completions(request: web.Request) -> web.StreamResponse:
         req.stream_options_include_usage,
         chat=False,
         token_ids=wants_token_ids(body),
+        echo=Echo(ids, prompt_text(fe.tokenizer, req.prompt), req.echo_only, params.logprobs is not None)
+        if req.echo
+        else None,
     )
 
 
@@ -233,6 +209,7 @@ async def respond(
     chat: bool,
     tools: ChatTools | None = None,
     token_ids: bool = False,
+    echo: Echo | None = None,
 ) -> web.StreamResponse:
     """Run n choices and answer as a completion or chat completion, whole or streamed (SSE); with tools, a
     chat answer's calls are parsed out of its text (`tool_calls.py`)."""
@@ -243,6 +220,9 @@ async def respond(
         body = (fmt.chat_body if chat else fmt.completion_body)(rid, model, choices, tok, len(ids))
         if tools is not None:
             body["choices"] = [tools.answer(c) for c in body["choices"]]
+        if echo is not None:
+            body["choices"] = [echo.whole(tok, answer, c) for answer, c in zip(body["choices"], choices, strict=True)]
+            echo.usage(body)
         if token_ids:
             for c, answer in zip(choices, body["choices"], strict=True):
                 answer["token_ids"] = c.token_ids
@@ -260,7 +240,10 @@ async def respond(
                 if calls is not None and d.finish_reason is not None:
                     end_with_calls(chunk, calls[i])
             else:
-                chunk = fmt.completion_chunk(rid, model, i, d, tok, len(choices[i].text))
+                offset = len(choices[i].text) + (len(echo.prompt_text) if echo is not None else 0)
+                chunk = fmt.completion_chunk(rid, model, i, d, tok, offset)
+                if echo is not None and i not in started:
+                    echo.first_chunk(tok, chunk["choices"][0], d)
             if token_ids:
                 chunk["choices"][0]["token_ids"] = d.token_ids
             await send_event(resp, chunk)
@@ -268,7 +251,10 @@ async def respond(
             choices[i].add(d)
         if include_usage:
             obj = "chat.completion.chunk" if chat else "text_completion"
-            await send_event(resp, fmt.usage_chunk(rid, model, obj, choices, len(ids)))
+            last = fmt.usage_chunk(rid, model, obj, choices, len(ids))
+            if echo is not None:
+                echo.usage(last)
+            await send_event(resp, last)
     return resp
 
 

@@ -61,6 +61,9 @@ class Delta:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    # The prompt's logprobs (tokens 1..), with the first delta of a request that asked for them.
+    prompt_logprobs: list[float] | None = None
+    prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 class Frontend:
@@ -325,6 +328,8 @@ class Frontend:
                     max(0, out.prompt_tokens - resumed),
                     completion,
                     out.cached_tokens,
+                    out.prompt_logprobs,
+                    out.prompt_top_logprobs,
                 )
                 if finish is not None:
                     break

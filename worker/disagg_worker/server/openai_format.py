@@ -23,8 +23,12 @@ class Choice:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    prompt_logprobs: list[float] | None = None
+    prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
 
     def add(self, d: Delta) -> None:
+        if d.prompt_logprobs is not None:
+            self.prompt_logprobs, self.prompt_top_logprobs = d.prompt_logprobs, d.prompt_top_logprobs
         self.text += d.text
         self.token_ids += d.token_ids
         self.logprobs += d.logprobs

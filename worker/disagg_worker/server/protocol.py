@@ -43,6 +43,7 @@ class CompletionRequest:
     user: str | None = None
     # False when max_new_tokens is the default, which `RequestLimits.fit` may shrink.
     max_tokens_set: bool = False
+    echo_only: bool = False  # `max_tokens: 0` with echo (log-likelihood scoring): the prompt is the answer
 
 
 @dataclass(frozen=True)
@@ -210,16 +211,18 @@ def _sampling(
     return params
 
 
-def _max_tokens(body: dict, key: str, default: int, limits: RequestLimits, prefix: str = "") -> tuple[int, bool]:
-    """(max_new_tokens, whether the client set it); a default is capped at the context."""
+def _max_tokens(
+    body: dict, key: str, default: int, limits: RequestLimits, prefix: str = "", least: int = 1
+) -> tuple[int, bool]:
+    """(max_new_tokens, whether the client set it); a default is capped at the context. `least` 0 (echo): 0 runs as 1
+    and the token is dropped (`server/echo.py`)."""
     v = body.get(key)
     if v is None:
         return min(default, limits.max_context_len), False
     param = prefix + key
-    n = _int(v, param)
-    if n < 1:
-        raise bad_request(f"{param}: must be at least 1, got {_show(n)}", param)
-    limits.check_max_tokens(n, param)
+    if (n := _int(v, param)) < least:
+        raise bad_request(f"{param}: must be at least {least}, got {_show(n)}", param)
+    limits.check_max_tokens(n := max(n, 1), param)
     return n, True
 
 
@@ -281,21 +284,23 @@ def parse_completion(body: Any, served_model: str, limits: RequestLimits) -> Com
     if "prompt" not in body or body["prompt"] is None:
         raise bad_request("prompt: is required", "prompt")
     prompt = _prompt(body["prompt"], limits)
-    if _opt(body, "echo", _bool, False):
-        raise bad_request("echo: is not supported", "echo")
+    echo = _opt(body, "echo", _bool, False)
     stream, usage = _stream(body)
     n = _n(body)
     user = _opt(body, "user", _text, None)
-    max_new, explicit = _max_tokens(body, "max_tokens", DEFAULT_COMPLETION_MAX_TOKENS, limits)
+    max_new, explicit = _max_tokens(body, "max_tokens", DEFAULT_COMPLETION_MAX_TOKENS, limits, least=int(not echo))
+    logprobs = _opt(body, "logprobs", _int, None)
     extra = {
         "max_new_tokens": max_new,
-        "logprobs": _opt(body, "logprobs", _int, None),
+        "logprobs": logprobs,
         "grammar": parse_openai_grammar(body),
+        "prompt_logprobs": echo and logprobs is not None,
     }
     sampling = _sampling(body, extra, {"max_new_tokens": "max_tokens"}, limits)
     if isinstance(prompt, list):
         sampling = limits.admit(prompt, sampling, explicit)
-    return CompletionRequest(model, prompt, sampling, stream, usage, False, n, user, explicit)
+    echo_only = echo and body.get("max_tokens") == 0
+    return CompletionRequest(model, prompt, sampling, stream, usage, echo, n, user, explicit, echo_only)
 
 
 def _content(v: Any, role: str, param: str) -> str:
