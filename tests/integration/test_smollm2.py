@@ -280,8 +280,7 @@ PEOPLE = (
 
 def test_a_named_tool_choice_returns_the_object_instructor_asks_for_through_the_router(make_serve):
     """instructor's default tools mode forces a named tool (`tool_choice`), which needs no tool support in
-    SmolLM2's template: the request it sends. instructor itself is tried below where it is installed (its pins
-    of jiter, rich and openai conflict with this project's test environment, so it is no test dependency)."""
+    SmolLM2's template: the request it sends; instructor itself below."""
     tool = {"type": "function", "function": {"name": "Person", "parameters": Person.model_json_schema()}}
     for text, person in PEOPLE:
         r = client(make_serve.url).chat.completions.create(
@@ -297,7 +296,8 @@ def test_a_named_tool_choice_returns_the_object_instructor_asks_for_through_the_
 
 
 def test_instructor_in_its_default_tools_mode_returns_its_object_through_the_router(make_serve):
-    instructor = pytest.importorskip("instructor")
+    import instructor  # installed by the Makefile beside its pins (see INSTRUCTOR there)
+
     c = instructor.from_openai(client(make_serve.url))
     for text, person in PEOPLE:
         got = c.chat.completions.create(
@@ -312,7 +312,8 @@ def test_instructor_in_its_default_tools_mode_returns_its_object_through_the_rou
 
 def test_the_agents_sdk_calls_a_function_tool_through_the_router(make_serve):
     """The SDK's default model (the Responses API): the agent's first turn calls the tool, whose result ends the run."""
-    agents = pytest.importorskip("agents")
+    import agents  # openai-agents, a test dependency
+
     asked: list[str] = []
 
     @agents.function_tool
