@@ -28,6 +28,10 @@ SCHEMA = {
 KINDS = {
     "greedy": SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True),
     "seeded": SamplingParams(max_new_tokens=24, temperature=1.0, top_p=0.9, seed=1234, ignore_eos=True),
+    # The frequency and presence penalties count the resumed tokens as the output they are.
+    "penalised": SamplingParams(
+        max_new_tokens=24, temperature=0.0, frequency_penalty=1.5, presence_penalty=0.5, ignore_eos=True
+    ),
     "schema": SamplingParams(
         max_new_tokens=64, temperature=1.0, seed=7, grammar=json.dumps({"type": "json_schema", "schema": SCHEMA})
     ),

@@ -188,6 +188,7 @@ class Engine:
         )
         if m.resumed:
             req.sampling.skip(list(m.input_ids[-m.resumed :]))
+            req.sampling.resumed = m.resumed
         if not problem and m.local_prefill and not self.cfg.takes_local_prefill:
             problem = f"this {self.cfg.disagg.role.value} instance does not compute prompts for local_prefill"
         key = self.cfg.disagg.target_key

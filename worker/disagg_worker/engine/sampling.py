@@ -54,6 +54,9 @@ class SamplingState:
     # whose first token prefill sampled): the sampler makes and discards as many before its next draw,
     # so a seeded request samples the same tokens through prefill + decode as on one instance.
     draws_elsewhere: int = 0
+    # A migrated request's last `resumed` prompt tokens are ones it generated on the instance that failed: the
+    # frequency and presence penalties count them as output (`apply_penalties`).
+    resumed: int = 0
     # The request's grammar (an xgrammar GrammarMatcher) when it asked for structured output.
     matcher: Any = None
     # Prompt ids as a tensor, built on first use by the repetition penalty (prompts never change).
@@ -87,6 +90,11 @@ class SamplingState:
         if self.matcher is not None:
             for token in tokens:
                 accept_rows([self.matcher], [token])
+
+    @property
+    def resumed_ids(self) -> list[int]:
+        """The tokens a migrated request generated before it moved here (the end of its prompt)."""
+        return self.prompt_ids[len(self.prompt_ids) - self.resumed :] if self.resumed else []
 
     def prompt_tensor(self, device: torch.device) -> torch.Tensor:
         if self._prompt_tensor is None or self._prompt_tensor.device != device:
@@ -139,6 +147,10 @@ def apply_penalties(
     vocab, dev = logits.shape[1], logits.device
     flat = logits.clone().view(-1)
     so_far = [r.output_ids for r in reqs] if outputs is None else outputs
+    so_far = [
+        [*r.prompt_ids[len(r.prompt_ids) - r.resumed :], *o] if r.resumed else o
+        for r, o in zip(reqs, so_far, strict=True)
+    ]
     out_ids = [torch.tensor(list(o), dtype=torch.long, device=dev) for o in so_far]
     if rep:
         seen = [torch.cat([r.prompt_tensor(dev), out]) for r, out in zip(reqs, out_ids, strict=True)]

@@ -98,6 +98,8 @@ class MigratingChoice:
                     return
                 if self.progress.migrations >= self.router.migration_limit or self.router.cut_reason:
                     raise
+                if self.progress.chars and not self.progress.token_ids:  # a worker that sends no token ids (an
+                    raise  # older revision): a resume would repeat the answer from its start
                 await self._migrate(o, e)
 
     async def _migrate(self, o: Opened, e: UpstreamLost) -> None:

@@ -12,7 +12,7 @@ from aiohttp import web
 
 from disagg_worker.request.errors import APIError, unavailable
 from disagg_worker.router.app import ROUTER
-from disagg_worker.server.admission import RETRY_AFTER_S
+from disagg_worker.server.admission import RETRY_AFTER_S, body_of
 
 log = logging.getLogger(__name__)
 PATHS = ("/tokenize", "/detokenize")
@@ -23,7 +23,7 @@ async def pass_through(request: web.Request) -> web.Response:
     worker = router.pool.pick("decode") or router.pool.pick("prefill")
     if worker is None:
         raise unavailable("No healthy worker is available; retry later.", retry_after=RETRY_AFTER_S)
-    body = await request.read()
+    body = body_of(request)  # read by the admission, within its time limit and byte budget
     headers = {"Content-Type": request.headers.get("Content-Type", "application/json")}
     try:
         async with router.session.post(

@@ -70,7 +70,9 @@ async def _relay(router: Router, out: web.StreamResponse, o: Opened, on_final: C
                 await out.write(complete)
                 if complete.endswith(DONE):
                     return
-            buf += await read_chunk(o.resp, router.stall_s)
+            # No stall deadline: a Responses stream does not migrate, and one writing a function call sends
+            # nothing until the call is whole.
+            buf += await read_chunk(o.resp)
     except UpstreamLost as e:
         log.warning("decode %s: %s", o.decode.url, e.message)
         error = {"type": "error", "code": "upstream_error", "message": router.cut_reason or e.message, "param": None}

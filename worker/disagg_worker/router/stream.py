@@ -53,12 +53,13 @@ def error_event(message: str, code: str = UPSTREAM_ERROR) -> bytes:
 
 async def read_chunk(resp: aiohttp.ClientResponse, stall_s: float | None = None) -> bytes:
     """The next bytes of `resp`; UpstreamLost when it fails, ends, or (with `stall_s`) sends nothing that long."""
-    deadline = asyncio.timeout(stall_s)
+    loop = asyncio.get_running_loop()
+    start = loop.time()
     try:
-        async with deadline:
-            chunk = await resp.content.readany()
+        chunk = await asyncio.wait_for(resp.content.readany(), stall_s)
     except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-        raise lost("decode", e, stalled=deadline.expired()) from e
+        stalled = stall_s is not None and isinstance(e, asyncio.TimeoutError) and loop.time() - start >= stall_s
+        raise lost("decode", e, stalled=stalled) from e
     if not chunk:
         raise lost("decode", None)
     return chunk

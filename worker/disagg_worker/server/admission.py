@@ -25,7 +25,10 @@ from aiohttp import web
 from disagg_worker.request.errors import APIError, too_many_requests, unavailable
 from disagg_worker.server.body import BODY_READ_TIMEOUT_S, check_length, read_body
 
-GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses", "/generate"})
+# Requests whose bodies are read within a time limit and a byte budget before they take an in-flight slot.
+GENERATION_PATHS = frozenset(
+    {"/v1/completions", "/v1/chat/completions", "/v1/responses", "/generate", "/tokenize", "/detokenize"}
+)
 RETRY_AFTER_S = 1
 DRAINING = "draining"
 # Bytes of request bodies one front end holds at once (being read, or held by admitted requests). Parsed, a body

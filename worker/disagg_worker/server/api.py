@@ -227,6 +227,7 @@ async def respond(
             for c, answer in zip(choices, body["choices"], strict=True):
                 answer["token_ids"] = c.token_ids
         return web.json_response(body)
+    fe.check_resume(route, params)  # a 400, before the stream's 200
     resp = await sse_response(request)
     choices = [fmt.Choice(i) for i in range(n)]
     calls = [tools.stream() for _ in range(n)] if tools is not None else None
@@ -240,7 +241,8 @@ async def respond(
                 if calls is not None and d.finish_reason is not None:
                     end_with_calls(chunk, calls[i])
             else:
-                offset = len(choices[i].text) + (len(echo.prompt_text) if echo is not None else 0)
+                # A migrated stream's text goes on after what the client has (`resume_chars`).
+                offset = route.resume_chars + len(choices[i].text) + (len(echo.prompt_text) if echo is not None else 0)
                 chunk = fmt.completion_chunk(rid, model, i, d, tok, offset)
                 if echo is not None and i not in started:
                     echo.first_chunk(tok, chunk["choices"][0], d)
@@ -286,6 +288,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
         ids = await fe.encode(req.text or "")
         params = fe.limits.admit(ids, req.sampling, req.max_tokens_set, "sampling_params.max_new_tokens", "text")
     route = route_of(body)
+    fe.check_resume(route, params)
     choice = fmt.Choice(0)
     if not req.stream:
         async for d in fe.complete(ids, params, route, probe=PROBE_HEADER in request.headers):

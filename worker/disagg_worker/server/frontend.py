@@ -267,6 +267,14 @@ class Frontend:
             if not done:
                 await self.send(msg.AbortReq(rid), group)
 
+    def check_resume(self, route: msg.Route, params: SamplingParams) -> None:
+        """A resume names tokens of the vocabulary, fewer than max_tokens: else a 400 naming resume_token_ids."""
+        if not route.resume:
+            return
+        self.limits.check_token_ids(route.resume, "resume_token_ids")
+        if len(route.resume) >= params.max_new_tokens:
+            raise APIError(400, "resume_token_ids: as many tokens as max_tokens or more", param="resume_token_ids")
+
     def resume(
         self, route: msg.Route, params: SamplingParams, detok: IncrementalDetokenizer
     ) -> tuple[SamplingParams, str]:
@@ -275,10 +283,8 @@ class Frontend:
         back there) comes first (the text returned). `detok` has read them."""
         if not route.resume:
             return params, ""
-        self.limits.check_token_ids(route.resume, "resume_token_ids")
+        self.check_resume(route, params)
         n = len(route.resume)
-        if n >= params.max_new_tokens:
-            raise APIError(400, "resume_token_ids: as many tokens as max_tokens or more", param="resume_token_ids")
         held = "".join(detok.push(t) for t in route.resume)[route.resume_chars :]
         return replace(
             params, max_new_tokens=params.max_new_tokens - n, min_new_tokens=max(0, params.min_new_tokens - n)

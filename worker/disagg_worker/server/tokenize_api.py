@@ -17,6 +17,7 @@ from aiohttp import web
 from disagg_worker.model.tokenizer import Tokenizer
 from disagg_worker.request.errors import APIError, bad_request, model_not_found
 from disagg_worker.request.limits import RequestLimits
+from disagg_worker.server.admission import body_of
 from disagg_worker.server.frontend import Frontend
 from disagg_worker.server.protocol import parse_chat, parse_json
 from disagg_worker.server.tool_calls import ChatTools
@@ -71,7 +72,7 @@ def detokenize_body(tok: Tokenizer, body: Any) -> dict:
 def add_tokenize_routes(app: web.Application, frontend: Callable[[web.Request], Frontend], model: str) -> None:
     async def tokenize(request: web.Request) -> web.Response:
         fe = frontend(request)
-        body = await fe.parse(await request.read(), parse_json)
+        body = await fe.parse(body_of(request), parse_json)
         _check_model(body, model)
         size = len(str(body.get("prompt") or "")) + len(str(body.get("messages") or ""))
         answer = await fe.off_loop(size, tokenize_body, fe.tokenizer, body, model, fe.limits.max_context_len)
@@ -79,9 +80,10 @@ def add_tokenize_routes(app: web.Application, frontend: Callable[[web.Request], 
 
     async def detokenize(request: web.Request) -> web.Response:
         fe = frontend(request)
-        body = await fe.parse(await request.read(), parse_json)
+        body = await fe.parse(body_of(request), parse_json)
         _check_model(body, model)
-        return web.json_response(detokenize_body(fe.tokenizer, body))
+        size = len(str(body.get("tokens") or ""))
+        return web.json_response(await fe.off_loop(size, detokenize_body, fe.tokenizer, body))
 
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/detokenize", detokenize)
