@@ -26,8 +26,9 @@ PAGE = 16
 @pytest.fixture(scope="module")
 def stack(tiny_model):
     flags = ("--page-size", str(PAGE), "--max-total-tokens", "32768")
-    # Prefill computes the prompt 16 tokens a forward: about two seconds, against scheduler reports 0.5 s apart.
-    slow = ("--chunk-size", "16", "--max-batch-tokens", "16")
+    # Prefill computes the prompt 4 tokens a forward (750 forwards): seconds, against scheduler reports 0.5 s apart,
+    # so that the prefill a report shows computing is still computing when it is killed.
+    slow = ("--chunk-size", "4", "--max-batch-tokens", "4")
     s = PDStack(tiny_model, *flags, prefills=2, prefill_flags=slow, router_flags=("--verify-interval", "0"))
     s.wait_healthy()
     yield s
