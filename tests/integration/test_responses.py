@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import shutil
-from pathlib import Path
 from typing import Literal
 
 import jsonschema
@@ -23,10 +21,10 @@ import requests
 
 from disagg_worker.model.tokenizer import Tokenizer
 from tests.integration.procs import PDStack, scaled, serve
+from tests.integration.test_tools import hermes_model  # noqa: F401  (the tiny model with a tool-calling template)
 
 pytestmark = pytest.mark.integration
 FLAGS = ("--page-size", "4", "--max-total-tokens", "8192", "--served-model-name", "tiny")
-TEMPLATE = Path(__file__).resolve().parents[1] / "data" / "chat_templates" / "hermes.jinja"
 CITY = {
     "type": "object",
     "properties": {"city": {"type": "string", "pattern": "^[A-Z][a-z]{1,9}$"}, "unit": {"enum": ["c", "f"]}},
@@ -37,18 +35,7 @@ WEATHER = {"type": "function", "name": "get_weather", "description": "Weather in
 
 
 @pytest.fixture(scope="module")
-def hermes_model(tiny_model, tmp_path_factory) -> str:
-    out = tmp_path_factory.mktemp("tiny-hermes") / "model"
-    shutil.copytree(tiny_model, out)
-    cfg_path = out / "tokenizer_config.json"
-    cfg = json.loads(cfg_path.read_text())
-    cfg["chat_template"] = TEMPLATE.read_text()
-    cfg_path.write_text(json.dumps(cfg))
-    return str(out)
-
-
-@pytest.fixture(scope="module")
-def servers(hermes_model):
+def servers(hermes_model):  # noqa: F811
     mono = serve(hermes_model, *FLAGS)
     stack = PDStack(hermes_model, *FLAGS)
     for p in (mono, stack):
@@ -62,7 +49,7 @@ def client(url: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=scaled(60))
 
 
-def test_tokenize_and_detokenize_answer_as_vllm_does(servers, hermes_model):
+def test_tokenize_and_detokenize_answer_as_vllm_does(servers, hermes_model):  # noqa: F811
     tok = Tokenizer.from_path(hermes_model)
     chat = [{"role": "user", "content": "Hello there"}]
     for url in servers.values():
