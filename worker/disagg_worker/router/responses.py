@@ -21,7 +21,7 @@ from aiohttp import web
 
 from disagg_worker.router.app import ROUTER, Opened, Router
 from disagg_worker.router.payload import SharedBody
-from disagg_worker.router.stream import DONE, UpstreamLost, read_chunk
+from disagg_worker.router.stream import DONE, UpstreamLost, read_chunk, sse_response
 from disagg_worker.server.admission import body_of
 from disagg_worker.server.protocol import parse_json
 from disagg_worker.server.response_store import ResponseStore
@@ -46,8 +46,7 @@ async def create(request: web.Request) -> web.StreamResponse:
             if o.resp.status == 200:
                 store.put(json.loads(o.first), conversation)
             return web.Response(body=o.first, status=o.resp.status, content_type="application/json")
-        out = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        await out.prepare(request)
+        out = await sse_response(request)
         await _relay(router, out, o, lambda r: store.put(r, conversation))
         return out
     except asyncio.CancelledError:

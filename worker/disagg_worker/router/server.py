@@ -29,7 +29,7 @@ from disagg_worker.router.passthrough import add_pass_through
 from disagg_worker.router.payload import SharedBody
 from disagg_worker.router.prompt import PromptTokens
 from disagg_worker.router.responses import add_responses
-from disagg_worker.router.stream import DONE, UpstreamLost, choice_events, error_event, relay
+from disagg_worker.router.stream import DONE, UpstreamLost, choice_events, error_event, relay, sse_response
 from disagg_worker.router.verify import PairVerifier
 from disagg_worker.router.workers import DnsSource, GroupPolicy, Policy, Prompt, Worker, WorkerPool
 from disagg_worker.server.admission import DRAINING, Admission, admission_middleware, body_of
@@ -138,12 +138,6 @@ async def proxy_migrating(
         raise
     finally:
         c.close()
-
-
-async def sse_response(request: web.Request) -> web.StreamResponse:
-    out = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-    await out.prepare(request)
-    return out
 
 
 def choice_fields(body: SharedBody, i: int) -> dict[str, Any]:

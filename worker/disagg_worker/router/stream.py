@@ -51,6 +51,13 @@ def error_event(message: str, code: str = UPSTREAM_ERROR) -> bytes:
     return f"data: {json.dumps(body)}\n\n".encode()
 
 
+async def sse_response(request: web.Request) -> web.StreamResponse:
+    """The client's stream, its headers sent."""
+    out = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await out.prepare(request)
+    return out
+
+
 async def read_chunk(resp: aiohttp.ClientResponse, stall_s: float | None = None) -> bytes:
     """The next bytes of `resp`; UpstreamLost when it fails, ends, or (with `stall_s`) sends nothing that long."""
     loop = asyncio.get_running_loop()
