@@ -16,7 +16,7 @@ from . import names
 from .crd_roles import ATTN_TP, RANK_RULES, SPAN_RULES, engine_props, router_schema, worker_role_schema
 from .crd_status import status_schema
 from .schema import integer, obj, rule, string
-from .spec import DEFAULT_DRAIN_TIMEOUT, DEFAULT_PROGRESS_DEADLINE, ORDERS
+from .spec import DEFAULT_DRAIN_TIMEOUT, DEFAULT_MAX_SURGE, DEFAULT_PROGRESS_DEADLINE, ORDERS
 
 QUANTITY = "^[0-9]+(\\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|k|M|G|T|P)?$"
 
@@ -200,8 +200,15 @@ def _rollout() -> dict:
                 DEFAULT_PROGRESS_DEADLINE, 1, "A rollout without progress for this long is reported as stalled."
             ),
             "minReadySeconds": integer(0, 0, "Seconds a new pod must stay Ready before the rollout moves on."),
+            "maxSurge": integer(
+                DEFAULT_MAX_SURGE,
+                0,
+                "Pods per role started on the new template beside the old ones before any old pod leaves, so a "
+                "new pair serves while the old pods drain; 0 replaces pods in place (no spare capacity needed). "
+                "Surge pods that cannot be scheduled within progressDeadlineSeconds fall back to in place.",
+            ),
         },
-        "Coordinated rollout of prefill and decode.",
+        "Rollout of prefill and decode: beside the old pods (maxSurge) or in place, in a coordinated order.",
         default={},
     )
 

@@ -32,6 +32,11 @@ def _rollout_status() -> dict:
             names.PREFILL: progress,
             names.DECODE: progress,
             "lastProgressTime": {"type": "string", "format": "date-time"},
+            "inPlace": {
+                "type": "array",
+                "items": {"type": "string"},
+                "description": "Surge pods no node was found for: this rollout replaces pods in place instead.",
+            },
         },
         "Present while the worker pods move to a new template.",
     )

@@ -19,9 +19,10 @@ import kopf
 
 from . import names, prober
 from .apply import Kube, load_client
+from .apply_errors import ReconcileError
 from .config import OperatorConfig
 from .observe import PodInfo, observe_group_set, observe_pod
-from .reconcile import ReconcileError, Runtime
+from .reconcile import Runtime
 from .scaling import ScalerObservation, observe_scaler
 from .status import Event, PodProblem, RoleObservation, observe_workload, pod_problem
 

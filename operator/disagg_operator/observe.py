@@ -35,6 +35,7 @@ class RoleObservation:
     template_hash: str = ""
     current_revision: str = ""
     update_revision: str = ""
+    desired: int | None = None  # the replicas its spec asks for (`replicas` counts the pods that exist)
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,7 @@ class PodInfo:
     ready_since: float | None = None  # epoch seconds of the Ready condition's transition; None when not Ready
     revision: str = ""  # the StatefulSet's controller-revision-hash
     terminating: bool = False
+    unschedulable_since: float | None = None  # epoch seconds since the scheduler found no node for it
 
     def available(self, now: float, min_ready_s: float) -> bool:
         return self.ready_since is not None and not self.terminating and now - self.ready_since >= min_ready_s
@@ -67,6 +69,7 @@ def observe_workload(obj: Mapping[str, Any]) -> RoleObservation:
     return RoleObservation(
         replicas=st.get("replicas", 0),
         ready=st.get("readyReplicas", 0),
+        desired=int((obj.get("spec") or {}).get("replicas", 1)),
         updated=st.get("updatedReplicas", 0),
         current=st.get("observedGeneration", 0) >= meta.get("generation", 0),
         partition=int(rolling.get("partition", 0)),
@@ -102,6 +105,7 @@ def observe_pod(pod: Mapping[str, Any]) -> PodInfo:
     meta, st = pod.get("metadata", {}), pod.get("status") or {}
     labels = meta.get("labels") or {}
     ready: Mapping[str, Any] = next((c for c in st.get("conditions") or [] if c.get("type") == "Ready"), {})
+    scheduled: Mapping[str, Any] = next((c for c in st.get("conditions") or [] if c.get("type") == "PodScheduled"), {})
     return PodInfo(
         name=meta.get("name", ""),
         role=labels.get(names.ROLE_LABEL, ""),
@@ -112,6 +116,9 @@ def observe_pod(pod: Mapping[str, Any]) -> PodInfo:
         # A group pod's template hash (builders/groups.py), else its StatefulSet's revision.
         revision=labels.get(names.TEMPLATE_HASH_LABEL) or labels.get(names.CONTROLLER_REVISION_LABEL, ""),
         terminating=bool(meta.get("deletionTimestamp")),
+        unschedulable_since=parse_time(scheduled.get("lastTransitionTime") or "1970-01-01T00:00:00Z")
+        if scheduled.get("status") == "False" and scheduled.get("reason") == "Unschedulable"
+        else None,
     )
 
 

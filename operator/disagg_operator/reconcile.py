@@ -20,9 +20,10 @@ from kubernetes.client.exceptions import ApiException
 
 from . import builders, names
 from .apply import Kube
+from .apply_errors import ReconcileError, describe_api_error, not_ours, owned_by
 from .config import OperatorConfig
 from .observe import PodInfo
-from .rollout import RolloutPlan, plan_rollout, with_leader_counts
+from .rollout import RolloutPlan, given_up, plan_rollout, with_leader_counts
 from .routerview import RouterView
 from .scaling import ScalerObservation, sync_scaler
 from .spec import ModelSpec
@@ -44,46 +45,8 @@ EventSink = Callable[[Mapping[str, Any], Event], None]
 Observed = Mapping[str, RoleObservation | None]
 
 
-class ReconcileError(Exception):
-    """A failure a user must fix (`permanent`) or one worth retrying."""
-
-    def __init__(self, message: str, permanent: bool):
-        super().__init__(message)
-        self.permanent = permanent
-
-
 def now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-LWS_MISSING = (
-    "LeaderWorkerSet is not installed in this cluster: a role whose instances span nodes (tpSize * ppSize above "
-    "gpusPerNode) runs as one; install LWS (sigs.k8s.io/lws, see the chart's README) or fit each instance on a node"
-)
-
-
-def owned_by(obj: Mapping[str, Any], spec: ModelSpec) -> bool:
-    """Whether the operator made `obj` for this model: an owner reference to this CR. (What an earlier CR of the
-    same name owned is the garbage collector's to remove; until it has, the new one reports it.)"""
-    return any(r.get("uid") == spec.uid for r in obj.get("metadata", {}).get("ownerReferences") or [])
-
-
-def not_ours(objs: list[Mapping[str, Any]]) -> ReconcileError:
-    what = ", ".join(f"{o['kind']} {o['metadata']['name']}" for o in objs)
-    one = len(objs) == 1
-    return ReconcileError(
-        f"{what} already exist{'s' if one else ''} and {'was' if one else 'were'} not created by this model (no "
-        f"owner reference to it): left untouched; delete or rename {'it' if one else 'them'}, or rename the model",
-        permanent=False,
-    )
-
-
-def describe_api_error(obj: Mapping[str, Any], e: ApiException) -> ReconcileError:
-    what = f"{obj['kind']} {obj['metadata']['name']}"
-    if obj["kind"] == names.LWS_KIND and e.status == 404:  # the API itself is absent, not the object
-        return ReconcileError(LWS_MISSING, permanent=False)
-    permanent = e.status in (400, 403, 422)
-    return ReconcileError(f"applying {what} failed ({e.status} {e.reason})", permanent)
 
 
 @dataclass(frozen=True)
@@ -114,6 +77,8 @@ class Runtime:
     # (uid, role) -> (template hash, partition) last applied: within one template a partition only goes down,
     # even when a handler plans from an index that has not yet seen the latest apply.
     partitions: dict[tuple[str, str], tuple[str, int]] = field(default_factory=dict)
+    # (uid, pairing revision) -> the surge pods a rollout gave up (it rolls in place); status.rollout keeps them too.
+    in_place: dict[tuple[str, str], tuple[str, ...]] = field(default_factory=dict)
     gone: set[str] = field(default_factory=set)  # uids of deleted CRs (a uid is never reused)
     scaler_sent: dict[str, dict[str, Any]] = field(default_factory=dict)  # the RoleScaler writes made, per CR
     # A copy of a kopf handler's context (it holds kopf's event queue), for the clock's ticks to run in.
@@ -140,6 +105,8 @@ class Runtime:
             cache.pop(uid, None)
         for key in [k for k in self.partitions if k[0] == uid]:
             self.partitions.pop(key, None)
+        for key in [k for k in self.in_place if k[0] == uid]:
+            self.in_place.pop(key, None)
         self.owned -= {k for k in self.owned if k[0] == uid}
 
     def ensure_auth_secret(self, spec: ModelSpec) -> None:
@@ -172,8 +139,17 @@ class Runtime:
             }
         return self._hashes[key]
 
-    def plan(self, spec: ModelSpec, observed: Observed, pods: Iterable[PodInfo]) -> RolloutPlan:
-        return plan_rollout(spec, observed, pods, self.hashes(spec), time.time())
+    def plan(
+        self, spec: ModelSpec, observed: Observed, pods: Iterable[PodInfo], status: Mapping[str, Any] | None
+    ) -> RolloutPlan:
+        """The rollout's next step; `status` is the CR's (a surge given up before stays given up)."""
+        key = (spec.uid, builders.pairing_revision(spec))
+        written = (self.written.get(spec.uid) or status or {}).get("rollout")
+        gave_up = self.in_place.get(key) or given_up(written, key[1])
+        plan = plan_rollout(spec, observed, pods, self.hashes(spec), time.time(), gave_up)
+        if plan.in_place:
+            self.in_place[key] = plan.in_place
+        return plan
 
     def _partitions(self, spec: ModelSpec, plan: RolloutPlan) -> dict[str, int]:
         """The plan's partitions, never above one already applied for the same template; remembered."""
@@ -236,8 +212,9 @@ class Runtime:
         try:
             if others:
                 self.ensure_auth_secret(spec)
-            partitions = self._partitions(spec, self.plan(spec, observed or {}, pods)) if workers else {}
-            children = builders.build_children(spec, self.cfg, partitions)
+            plan = self.plan(spec, observed or {}, pods, cr.get("status"))
+            partitions = self._partitions(spec, plan) if workers else {}
+            children = builders.build_children(spec, self.cfg, partitions, plan.surges)
             worker_sets = {builders.worker_set_name(spec, r) for r in names.WORKER_ROLES}
             kinds = ("StatefulSet", names.LWS_KIND)
             self._apply(
@@ -255,15 +232,17 @@ class Runtime:
         self.terminating.discard(spec.namespace)
 
     def step_rollout(self, cr: Mapping[str, Any], observed: Observed, pods: Iterable[PodInfo]) -> list[str]:
-        """Apply the worker StatefulSets whose partition the planner moved; returns the roles applied."""
+        """Apply the worker StatefulSets whose partition or surge the planner moved; returns the roles applied."""
         spec = ModelSpec.from_cr(cr)
-        partitions = self._partitions(spec, self.plan(spec, observed, pods))
+        plan = self.plan(spec, observed, pods, cr.get("status"))
+        partitions, surges = self._partitions(spec, plan), plan.surges
         moved = [
             role
             for role in names.WORKER_ROLES
-            if (obs := observed.get(role)) is not None and partitions[role] != obs.partition
+            if (obs := observed.get(role)) is not None
+            and (partitions[role] != obs.partition or obs.desired not in (None, plan.replicas[role]))
         ]
-        self._apply(spec, [builders.build_worker_set(spec, r, self.cfg, partitions[r]) for r in moved])
+        self._apply(spec, [builders.build_worker_set(spec, r, self.cfg, partitions[r], surges[r]) for r in moved])
         return moved
 
     def sync_scaler(
@@ -334,7 +313,9 @@ class Runtime:
         self.latched[spec.uid] = latched
         previous = self.written.get(spec.uid) or cr.get("status") or {}
         findings = Findings(
-            self.plan(spec, observed, inputs.pods), builders.pairing_revision(spec), self.views.get(spec.uid)
+            self.plan(spec, observed, inputs.pods, cr.get("status")),
+            builders.pairing_revision(spec),
+            self.views.get(spec.uid),
         )
         new = compute_status(
             spec,

@@ -1,15 +1,26 @@
 """Coordinated prefill/decode rollouts: a pure planner from what the worker StatefulSets and their pods report to
-the partitions to apply next, and the Progressing condition and `status.rollout` that describe it.
+the replicas and partitions to apply next, and the Progressing condition and `status.rollout` that describe it.
 
 Each worker StatefulSet rolls with `updateStrategy.rollingUpdate.partition`: pods with an ordinal at or above the
-partition run the latest template. When a change alters both roles' templates (image, engine settings, labels ...)
-the planner releases one pod at a time: the `order` role first whenever that keeps the released fractions
-(released / replicas) of the two roles within `maxSkew`, the other role otherwise, and only once every pod released
-so far runs the new template and has been Ready for `minReadySeconds`. `maxSkew` is at least one pod's worth of the
-smaller role; with that bound stepping the lagging role always fits, so a rollout never deadlocks (one replica per
-role included). A change to one role only rolls that role straight away (partition 0), as a plain StatefulSet
-would. Pods carry a pairing revision (builders.pairing_revision) and the router pairs only equal revisions, so no
-request crosses from an old prefill to a new decode whose KV layout may differ.
+partition run the latest template.
+
+Surge (`spec.rollout.maxSurge`, one pod per role by default). A StatefulSet cannot run two templates side by side
+except through its partition, so a rollout first grows each role by its surge with the partition held at the old
+size: the added ordinals start on the new template beside the old pods, and the router pairs new with new as soon
+as they verify (it pairs only pods of one pairing revision). Only once those surge pods are available do old pods
+go, one step at a time as below, each draining what it holds while the new pairs serve; when every pod runs the new
+template the role shrinks back, and the highest ordinals (new pods) drain and leave. Surge pods the scheduler finds
+no node for within `progressDeadlineSeconds` are given up: the model reports Progressing=False/SurgeUnschedulable
+and rolls in place, as `maxSurge: 0` does (groups spanning nodes, LeaderWorkerSets, always roll in place).
+
+Steps. When a change alters both roles' templates (image, engine settings, labels ...) the planner releases one
+pod at a time: the `order` role first whenever that keeps the released fractions (released / pods) of the two roles
+within `maxSkew`, the other role otherwise, and only once every pod released so far runs the new template and has
+been Ready for `minReadySeconds`. `maxSkew` is at least one pod's worth of the smaller role; with that bound stepping
+the lagging role always fits, so a rollout never deadlocks (one replica per role included). A change to one role
+only rolls that role straight away (partition 0, once its surge pods are available), as a plain StatefulSet would.
+Pods carry a pairing revision (builders.pairing_revision) and the router pairs only equal revisions, so no request
+crosses from an old prefill to a new decode whose KV layout may differ.
 
 A rollout that makes no progress (no pod released or becoming available) for `progressDeadlineSeconds` is reported
 as Progressing=False/ProgressDeadlineExceeded; the planner simply keeps waiting for the released pods, it never
@@ -27,8 +38,9 @@ from .spec import ModelSpec
 
 @dataclass(frozen=True)
 class RoleRollout:
-    """Where one worker role stands: `released` pods may run the new template, `available` of them do and have
-    been Ready for minReadySeconds; `waiting` names the released pods that are not there yet."""
+    """Where one worker role stands: of its `pods` (replicas plus the surge), `released` may run the new template,
+    `available` of them do and have been Ready for minReadySeconds; `waiting` names the released pods that are not
+    there yet, `unschedulable` the surge pods the scheduler has found no node for since the progress deadline."""
 
     role: str
     replicas: int
@@ -37,6 +49,12 @@ class RoleRollout:
     updating: bool  # its pods are moving to a new template (what status shows)
     settled: bool = True  # its controller has seen the latest spec, so its revisions can be trusted
     waiting: tuple[str, ...] = ()
+    surge: int = 0
+    unschedulable: tuple[str, ...] = ()
+
+    @property
+    def pods(self) -> int:
+        return self.replicas + self.surge
 
     @property
     def rolling(self) -> bool:
@@ -45,7 +63,7 @@ class RoleRollout:
 
     @property
     def fraction(self) -> float:
-        return self.released / self.replicas if self.replicas else 1.0
+        return self.released / self.pods if self.pods else 1.0
 
     @property
     def step_done(self) -> bool:
@@ -58,6 +76,16 @@ class RolloutPlan:
     partitions: Mapping[str, int]
     coordinated: bool
     max_skew: float
+    in_place: tuple[str, ...] = ()  # the surge pods given up (unschedulable): the rollout runs in place
+
+    @property
+    def replicas(self) -> dict[str, int]:
+        """Each worker set's replicas: its role's, plus the surge while the role rolls."""
+        return {name: r.pods for name, r in self.roles.items()}
+
+    @property
+    def surges(self) -> dict[str, int]:
+        return {name: r.surge for name, r in self.roles.items()}
 
     @property
     def active(self) -> bool:
@@ -69,7 +97,7 @@ class RolloutPlan:
 
     @property
     def steps(self) -> int:
-        return sum(r.replicas for r in self.roles.values())
+        return sum(r.pods for r in self.roles.values())
 
 
 def max_skew(spec: ModelSpec) -> float:
@@ -81,17 +109,33 @@ def max_skew(spec: ModelSpec) -> float:
     return max(floor, asked)
 
 
+def surge_of(spec: ModelSpec, role: str) -> int:
+    """Pods a role adds beside its old ones while it rolls: none for groups spanning nodes (LWS) or no replicas."""
+    if spec.replicas(role) == 0 or spec.worker(role).nodes > 1:
+        return 0
+    return spec.rollout.max_surge
+
+
 def role_rollout(
-    spec: ModelSpec, role: str, obs: RoleObservation | None, pods: Iterable[PodInfo], desired_hash: str, now: float
+    spec: ModelSpec,
+    role: str,
+    obs: RoleObservation | None,
+    pods: Iterable[PodInfo],
+    desired_hash: str,
+    now: float,
+    surge: int = 0,
 ) -> RoleRollout:
     n = spec.replicas(role)
     if obs is None or n == 0:  # nothing exists to roll yet, or nothing to roll
         return RoleRollout(role, n, n, n, updating=False)
-    if obs.template_hash != desired_hash:  # a new template: every pod is old again
-        return RoleRollout(role, n, 0, 0, updating=True)
-    released = min(n, max(0, n - obs.partition))
     sts = workload_name(spec, role)
-    expected = [f"{sts}-{i}" for i in range(n - released, n)]
+    if obs.template_hash != desired_hash:  # a new template: every pod is old again, the surge pods start new
+        surging = tuple(f"{sts}-{i}" for i in range(n, n + surge))
+        return RoleRollout(role, n, surge, 0, updating=True, waiting=surging, surge=surge)
+    total = n + surge
+    released = min(total, max(0, total - obs.partition))
+    expected = [f"{sts}-{i}" for i in range(total - released, total)]
+    pods = list(pods)
     new = {p.name: p for p in pods if p.role == role and obs.update_revision and p.revision == obs.update_revision}
     ok = [name for name in expected if name in new and new[name].available(now, spec.rollout.min_ready_s)]
     if spec.worker(role).nodes > 1:  # groups: a leader (`<lws>-<i>`) still on another template, as its pods say
@@ -99,14 +143,29 @@ def role_rollout(
         moving = any(p.name in leaders and p.revision != obs.update_revision and not p.terminating for p in pods)
     else:
         moving = obs.current_revision != obs.update_revision
+    updating = released < total or moving
+    shrunk = (obs.desired or 0) <= n  # the surge pods were never asked for, or are already going
+    if surge and not updating and (shrunk or (obs.current and len(ok) == total)):
+        # Every pod runs the new template and is available: the surge pods go.
+        return role_rollout(spec, role, obs, pods, desired_hash, now)
+    extra = {f"{sts}-{i}" for i in range(n, total)}
+    deadline = spec.rollout.progress_deadline_s
     return RoleRollout(
         role,
         n,
         released,
         len(ok),
-        updating=released < n or moving,
+        updating=updating,
         settled=obs.current,
         waiting=tuple(name for name in expected if name not in ok),
+        surge=surge,
+        unschedulable=tuple(
+            sorted(
+                p.name
+                for p in pods
+                if p.name in extra and p.unschedulable_since is not None and now - p.unschedulable_since > deadline
+            )
+        ),
     )
 
 
@@ -138,7 +197,7 @@ def _next_role(roles: Mapping[str, RoleRollout], order: tuple[str, str], skew: f
     for role in order:
         r = roles[role]
         other = roles[order[1] if role == order[0] else order[0]]
-        if r.released < r.replicas and abs((r.released + 1) / r.replicas - other.fraction) <= skew + 1e-9:
+        if r.released < r.pods and abs((r.released + 1) / r.pods - other.fraction) <= skew + 1e-9:
             return role
     return None
 
@@ -149,25 +208,32 @@ def plan_rollout(
     pods: Iterable[PodInfo],
     desired_hashes: Mapping[str, str],
     now: float,
+    in_place: tuple[str, ...] = (),
 ) -> RolloutPlan:
-    """The partitions to apply now. Idempotent: planning again from the same observation gives the same answer."""
+    """The replicas and partitions to apply now. Idempotent: planning again from the same observation gives the
+    same answer. `in_place` names the surge pods already given up for this rollout (then none is started)."""
     pods = list(pods)
     roles = {
-        r: role_rollout(spec, r, observed.get(r), pods, desired_hashes.get(r, ""), now) for r in names.WORKER_ROLES
+        r: role_rollout(
+            spec, r, observed.get(r), pods, desired_hashes.get(r, ""), now, 0 if in_place else surge_of(spec, r)
+        )
+        for r in names.WORKER_ROLES
     }
+    unschedulable = tuple(p for r in roles.values() for p in r.unschedulable)
+    if unschedulable:  # the surge cannot be placed: roll in place instead
+        return plan_rollout(spec, observed, pods, desired_hashes, now, unschedulable)
     skew = max_skew(spec)
     if sum(r.rolling for r in roles.values()) < 2:  # one role (or none) changes: it rolls on its own
-        return RolloutPlan(roles, {r: 0 for r in roles}, coordinated=False, max_skew=skew)
+        partitions = {name: 0 if r.step_done else r.pods - r.released for name, r in roles.items()}
+        return RolloutPlan(roles, partitions, coordinated=False, max_skew=skew, in_place=in_place)
     if all(r.step_done for r in roles.values()):
         role = _next_role(roles, spec.rollout.order, skew)
         if role is not None:
             r = roles[role]
             sts = workload_name(spec, role)
-            roles[role] = replace(
-                r, released=r.released + 1, waiting=(f"{sts}-{r.replicas - r.released - 1}", *r.waiting)
-            )
-    partitions = {name: r.replicas - r.released for name, r in roles.items()}
-    return RolloutPlan(roles, partitions, coordinated=True, max_skew=skew)
+            roles[role] = replace(r, released=r.released + 1, waiting=(f"{sts}-{r.pods - r.released - 1}", *r.waiting))
+    partitions = {name: r.pods - r.released for name, r in roles.items()}
+    return RolloutPlan(roles, partitions, coordinated=True, max_skew=skew, in_place=in_place)
 
 
 def rollout_status(plan: RolloutPlan, revision: str, previous: Mapping[str, Any] | None, now: str) -> dict | None:
@@ -183,11 +249,18 @@ def rollout_status(plan: RolloutPlan, revision: str, previous: Mapping[str, Any]
         "steps": plan.steps,
         **progress,
         "lastProgressTime": now if moved or not prev.get("lastProgressTime") else prev["lastProgressTime"],
+        **({"inPlace": list(plan.in_place)} if plan.in_place else {}),
     }
 
 
+def given_up(status: Mapping[str, Any] | None, revision: str) -> tuple[str, ...]:
+    """The surge pods a rollout to `revision` gave up, as its `status.rollout` records them."""
+    status = status or {}
+    return tuple(status.get("inPlace") or ()) if status.get("revision") == revision else ()
+
+
 def _progress_text(spec: ModelSpec, plan: RolloutPlan) -> str:
-    counts = ", ".join(f"{r} {x.available}/{x.replicas}" for r, x in plan.roles.items() if x.updating)
+    counts = ", ".join(f"{r} {x.available}/{x.pods}" for r, x in plan.roles.items() if x.updating)
     if not plan.coordinated:
         return f"updating {counts} pods on the new template"
     first = spec.rollout.order[0]
@@ -213,5 +286,12 @@ def progressing_condition(
             "ProgressDeadlineExceeded",
             f"no progress for over {deadline} s (spec.rollout.progressDeadlineSeconds): "
             f"{', '.join(waiting[:6]) or 'pods'} not available on the new template; {_progress_text(spec, plan)}",
+        )
+    if plan.in_place and spec.rollout.max_surge:
+        return (
+            False,
+            "SurgeUnschedulable",
+            f"no node for {', '.join(plan.in_place[:6])} within {deadline} s (spec.rollout.progressDeadlineSeconds): "
+            f"rolling in place instead, old pods leave before new ones start; {_progress_text(spec, plan)}{pending}",
         )
     return True, "RollingOut", _progress_text(spec, plan) + pending

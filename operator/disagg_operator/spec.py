@@ -17,6 +17,7 @@ from .engine_fields import DEFAULT_ENGINE, ENGINE_FIELDS
 
 DEFAULT_DRAIN_TIMEOUT = 30
 DEFAULT_PROGRESS_DEADLINE = 600
+DEFAULT_MAX_SURGE = 1  # one pod per role: a rollout starts a new pair before an old pod leaves
 ORDERS = {"DecodeFirst": (names.DECODE, names.PREFILL), "PrefillFirst": (names.PREFILL, names.DECODE)}
 # Label keys the operator sets itself: a CR's own value for one of them is not copied to its children.
 OPERATOR_LABEL_KEYS = frozenset(
@@ -211,12 +212,13 @@ class SpeculativeSpec:
 
 @dataclass(frozen=True)
 class RolloutSpec:
-    """How a change that touches both worker roles is rolled out (see rollout.py)."""
+    """How a change of the worker pods rolls out: beside the old pods or in place, in which order (rollout.py)."""
 
     order: tuple[str, str] = ORDERS["DecodeFirst"]
     max_skew_percent: int | None = None  # None: one pod's worth
     progress_deadline_s: int = DEFAULT_PROGRESS_DEADLINE
     min_ready_s: int = 0
+    max_surge: int = DEFAULT_MAX_SURGE  # pods per role started beside the old ones; 0 rolls in place
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "RolloutSpec":
@@ -226,6 +228,7 @@ class RolloutSpec:
             int(str(skew).rstrip("%")) if skew is not None else None,
             int(d.get("progressDeadlineSeconds", DEFAULT_PROGRESS_DEADLINE)),
             int(d.get("minReadySeconds", 0)),
+            int(d.get("maxSurge", DEFAULT_MAX_SURGE)),
         )
 
 

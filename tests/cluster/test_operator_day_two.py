@@ -1,5 +1,6 @@
-"""Day two on a real API server: coordinated P/D rollouts (sampled on every StatefulSet change), a stalled rollout,
-scaling prefill through its RoleScaler and with prefillPerDecode, labels and defaults, drain settings, the HPA example.
+"""Day two on a real API server: coordinated P/D rollouts in place and with a surge (sampled on every StatefulSet
+change), a stalled rollout, a surge that finds no node, scaling prefill through its RoleScaler and with
+prefillPerDecode, labels and defaults, drain settings, the HPA example.
 
 kwok plays the kubelets: new pods become Ready at once, and its chaos stage fails pods labelled for it.
 """
@@ -100,6 +101,7 @@ class SetWatcher:
             role = sts.metadata.labels["disagg.dev/role"]
             self.latest[role] = {
                 "replicas": sts.spec.replicas,
+                "ready": sts.status.ready_replicas or 0,
                 "partition": sts.spec.update_strategy.rolling_update.partition,
                 "updated": sts.status.updated_replicas or 0,
                 "current": (sts.status.observed_generation or 0) >= sts.metadata.generation,
@@ -119,12 +121,15 @@ def rollout_samples(samples: list[dict[str, dict]], image: str) -> Iterator[tupl
 
 
 @pytest.mark.parametrize("prefill,decode", [(2, 4), (1, 1)])
-def test_an_image_change_rolls_decode_first_within_the_skew_bound(kube_cluster, operator, namespace, prefill, decode):
-    apply_cr(kube_cluster, namespace, tiny(prefill, decode))
+def test_an_image_change_in_place_rolls_decode_first_within_the_skew_bound(
+    kube_cluster, operator, namespace, prefill, decode
+):
+    in_place = {"maxSurge": 0}
+    apply_cr(kube_cluster, namespace, tiny(prefill, decode, rollout=in_place))
     wait_ready(kube_cluster, namespace)
     image = "ghcr.io/disagg/worker:0.2.0"
     with SetWatcher(kube_cluster, namespace) as watcher:
-        apply_cr(kube_cluster, namespace, tiny(prefill, decode, image=image))
+        apply_cr(kube_cluster, namespace, tiny(prefill, decode, image=image, rollout=in_place))
 
         def finished() -> bool:
             dm = kube_cluster.get("-n", namespace, "dm", "tiny")
@@ -169,7 +174,7 @@ def test_an_image_change_rolls_decode_first_within_the_skew_bound(kube_cluster, 
 def test_a_rollout_whose_new_pods_fail_is_reported_by_its_deadline_and_goes_no_further(
     kube_cluster, operator, namespace
 ):
-    rollout = {"progressDeadlineSeconds": 15, "minReadySeconds": 5}
+    rollout = {"progressDeadlineSeconds": 15, "minReadySeconds": 5, "maxSurge": 0}
     apply_cr(kube_cluster, namespace, tiny(1, 2, rollout=rollout))
     wait_ready(kube_cluster, namespace)
     broken = tiny(1, 2, rollout=rollout, image="ghcr.io/disagg/worker:broken")
@@ -204,6 +209,89 @@ def test_a_rollout_whose_new_pods_fail_is_reported_by_its_deadline_and_goes_no_f
         what="the Warning Event (posted after the status)",
     )
     assert warnings[0]["type"] == "Warning"
+
+
+def rolled(cluster, namespace: str) -> bool:
+    dm = cluster.get("-n", namespace, "dm", "tiny")
+    ready = next(c for c in dm["status"]["conditions"] if c["type"] == "Ready")["status"] == "True"
+    return (
+        ready and dm["status"]["observedGeneration"] == dm["metadata"]["generation"] and "rollout" not in dm["status"]
+    )
+
+
+@pytest.mark.parametrize("prefill,decode", [(1, 1), (2, 3)])
+def test_an_image_change_with_a_surge_starts_new_pods_beside_the_old_and_never_runs_a_role_short(
+    kube_cluster, operator, namespace, prefill, decode
+):
+    apply_cr(kube_cluster, namespace, tiny(prefill, decode))  # maxSurge left to its default: one pod per role
+    wait_ready(kube_cluster, namespace)
+    wanted = {"prefill": prefill, "decode": decode}
+    image = "ghcr.io/disagg/worker:0.2.0"
+    with SetWatcher(kube_cluster, namespace) as watcher:
+        apply_cr(kube_cluster, namespace, tiny(prefill, decode, image=image))
+        wait_until(lambda: rolled(kube_cluster, namespace), 120, interval=POLL_S, what="the rollout to finish")
+        wait_until(
+            lambda: all(
+                r["image"] == image and r["replicas"] == r["updated"] == wanted[k] and r["current"]
+                for k, r in watcher.samples[-1].items()
+            ),
+            30,
+            what="the watch to see the surge pods go",
+        )
+    new = [s for s in watcher.samples if all(r["image"] == image for r in s.values())]
+    # Each role grew by one pod on the new template, and no old pod was released before both had one.
+    assert {k: max(s[k]["replicas"] for s in new) for k in wanted} == {k: n + 1 for k, n in wanted.items()}
+    first_release = next((i for i, s in enumerate(new) if any(s[k]["partition"] < wanted[k] for k in wanted)), len(new))
+    assert first_release < len(new), "no old pod was ever released"
+    assert all(s[k]["replicas"] == wanted[k] + 1 for s in new[first_release : first_release + 1] for k in wanted)
+    # From then on no role had fewer Ready pods than its replicas (kwok makes a created pod Ready at once).
+    short = [s for s in watcher.samples if any(s[k]["current"] and s[k]["ready"] < wanted[k] for k in wanted)]
+    assert not short, short[:3]
+    pods = kube_cluster.get("-n", namespace, "pods", "-l", "disagg.dev/model=tiny,disagg.dev/role in (prefill,decode)")
+    live = [p for p in pods["items"] if not p["metadata"].get("deletionTimestamp")]
+    assert {p["spec"]["containers"][0]["image"] for p in live} == {image}
+    assert sorted(p["metadata"]["name"] for p in live) == sorted(
+        f"tiny-{k}-{i}" for k, n in wanted.items() for i in range(n)
+    )
+
+
+def test_surge_pods_without_a_node_are_reported_and_the_rollout_goes_on_in_place(kube_cluster, operator, namespace):
+    rollout = {"progressDeadlineSeconds": 15}
+    apply_cr(kube_cluster, namespace, tiny(1, 1, rollout=rollout))
+    wait_ready(kube_cluster, namespace)
+    nodes = [n["metadata"]["name"] for n in kube_cluster.get("nodes")["items"]]
+    image = "ghcr.io/disagg/worker:0.3.0"
+    try:
+        for node in nodes:  # no node takes a new pod: the surge pods stay Pending
+            kube_cluster.kubectl("cordon", node)
+        with SetWatcher(kube_cluster, namespace) as watcher:
+            apply_cr(kube_cluster, namespace, tiny(1, 1, image=image, rollout=rollout))
+
+            def reported() -> dict | None:
+                c = condition(kube_cluster, namespace, "tiny", "Progressing")
+                return c if c.get("reason") == "SurgeUnschedulable" else None
+
+            said = wait_until(reported, 60, interval=POLL_S, what="Progressing=False/SurgeUnschedulable")
+            assert said["status"] == "False" and "tiny-prefill-1" in said["message"], said
+            assert "tiny-decode-1" in said["message"] and "in place" in said["message"], said
+            status = kube_cluster.get("-n", namespace, "dm", "tiny")["status"]
+            assert sorted(status["rollout"]["inPlace"]) == ["tiny-decode-1", "tiny-prefill-1"]
+            wait_until(
+                lambda: all(s["replicas"] == 1 for s in watcher.samples[-1].values()),
+                30,
+                what="both StatefulSets back to one replica",
+            )
+            fell = len(watcher.samples) - 1
+            for node in nodes:
+                kube_cluster.kubectl("uncordon", node)
+            wait_until(lambda: rolled(kube_cluster, namespace), 120, interval=POLL_S, what="the in-place rollout")
+        grew = [s for s in watcher.samples[fell:] if any(r["replicas"] > 1 for r in s.values())]
+        assert not grew, "the rollout surged again after giving up"
+    finally:
+        for node in nodes:
+            kube_cluster.kubectl("uncordon", node, check=False)
+    pods = kube_cluster.get("-n", namespace, "pods", "-l", "disagg.dev/model=tiny,disagg.dev/role in (prefill,decode)")
+    assert {p["spec"]["containers"][0]["image"] for p in pods["items"]} == {image}
 
 
 def test_prefill_scales_through_its_role_scaler(kube_cluster, operator, namespace):

@@ -3,8 +3,8 @@ replicas, one active), the README's Kubernetes block runs as written (it applies
 waits for Ready and asks the router through a port-forward), and the model answers OpenAI chat requests
 through the router's Service, from this machine (port-forward, the official `openai` client) and from a pod
 (Service DNS). Then day two on the same pods: NetworkPolicies enforced both ways, a decode pod deleted under
-streaming load, an image change under streaming load, and the active operator replica deleted while the model
-is scaled.
+streaming load, an image change under streaming load in place and then with a surge, and the active operator
+replica deleted while the model is scaled.
 
 One DisaggregatedModel serves every test of the module, in file order: each leaves it Ready.
 """
@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import openai
 import pytest
@@ -370,33 +371,36 @@ def _images(node: RealNode, model: Model) -> dict[str, list[str]]:
     return out
 
 
-def test_an_image_change_under_load_rolls_decode_first_and_cuts_no_stream(
-    real_node: RealNode, model: Model, worker_image: str, report: Callable[[str], None]
-) -> None:
+@dataclass
+class Rolled:
+    """An image change under streaming load, as the clients saw it."""
+
+    results: list[dict]
+    changed: float  # when the patch was applied
+    finished: float  # when every pod ran the new image and the model was Ready again
+    order: list[str]  # the roles in the order their first pod took the new image
+    held: list[dict]  # the streams in flight at the change
+
+
+def _change_image_under_load(
+    real_node: RealNode, model: Model, image: str, rollout: dict, watch: Callable[[dict[str, list[str]]], None]
+) -> Rolled:
+    """Patch the model's image (and `spec.rollout`) while 8 clients stream; `watch` sees each role's images."""
     ns = ("-n", model.namespace)
-    retagged = f"{worker_image}-e2e"  # the same image under another name: a change of spec.image
-    real_node.tag(worker_image, retagged)
-    cr = real_node.get(*ns, f"disaggregatedmodels/{model.name}")
-    max_skew = cr["spec"].get("rollout", {}).get("maxSkew", "default (one pod's worth)")
     first_new: dict[str, float] = {}
     with Load(real_node, model) as load:
         _decode_holds(real_node, model, 8)
         changed = time.time()
-        patch = json.dumps({"spec": {"image": retagged}})
+        patch = json.dumps({"spec": {"image": image, "rollout": rollout}})
         real_node.kubectl(*ns, "patch", "disaggregatedmodels", model.name, "--type=merge", "-p", patch)
 
         def rolled() -> bool:
             images = _images(real_node, model)
             for role, names in images.items():
-                if retagged in names:
+                if image in names:
                     first_new.setdefault(role, time.time())
-            if retagged in images.get("prefill", []):
-                # Decode first: by the time a prefill pod runs the new image, every decode pod runs it, Ready.
-                decodes = model.pods(real_node, "decode")
-                assert decodes and all(
-                    d["spec"]["containers"][0]["image"] == retagged and pod_ready(d) for d in decodes
-                ), "a prefill pod took the new image before every decode pod was on it and Ready"
-            done = all(set(names) == {retagged} for names in images.values())
+            watch(images)
+            done = all(set(names) == {image} for names in images.values())
             return done and bool(model_ready(real_node, model.namespace, model.name))
 
         try:
@@ -406,22 +410,66 @@ def test_an_image_change_under_load_rolls_decode_first_and_cuts_no_stream(
         finished = time.time()
         wait_until(lambda: _answered_after(load, finished), 300, POLL_S, what="a request answered afterwards")
         results = load.stop()
-
-    held = in_flight_at(results, changed)
     order = sorted(first_new, key=first_new.__getitem__)
+    return Rolled(results, changed, finished, order, in_flight_at(results, changed))
+
+
+def test_an_image_change_in_place_under_load_rolls_decode_first_and_cuts_no_stream(
+    real_node: RealNode, model: Model, worker_image: str, report: Callable[[str], None]
+) -> None:
+    retagged = f"{worker_image}-e2e"  # the same image under another name: a change of spec.image
+    real_node.tag(worker_image, retagged)
+
+    def decode_first(images: dict[str, list[str]]) -> None:
+        if retagged in images.get("prefill", []):
+            # Decode first: by the time a prefill pod runs the new image, every decode pod runs it, Ready.
+            decodes = model.pods(real_node, "decode")
+            assert decodes and all(d["spec"]["containers"][0]["image"] == retagged and pod_ready(d) for d in decodes), (
+                "a prefill pod took the new image before every decode pod was on it and Ready"
+            )
+
+    rolled = _change_image_under_load(real_node, model, retagged, {"maxSurge": 0}, decode_first)
+    results = rolled.results
     report(
-        f"image change under load: every pod on the new image and Ready {finished - changed:.0f}s after the patch, "
-        f"roles in the order {order}, maxSkew {max_skew}; {len(held)} streams in flight at the change; "
-        + summary(results)
+        f"image change in place (maxSurge 0) under load: every pod on the new image and Ready "
+        f"{rolled.finished - rolled.changed:.0f}s after the patch, roles in the order {rolled.order}, maxSkew default "
+        f"(one pod's worth); {len(rolled.held)} streams in flight at the change; " + summary(results)
     )
-    assert len(held) >= 8, summary(results)
+    assert len(rolled.held) >= 8, summary(results)
     # Every stream that started ended with [DONE]: pods left the Services before they stopped, and each
     # finished what it held; a request that found no decode was refused before it started, with Retry-After.
     assert all(r["end"] == "done" for r in results if r["status"] == 200), [
         r for r in results if r["status"] == 200 and r["end"] != "done"
     ]
     others = [r for r in results if not (r["status"] == 200 or refused(r))]
-    assert not others, outcomes_since(others, changed)
+    assert not others, outcomes_since(others, rolled.changed)
+
+
+def test_an_image_change_with_a_surge_under_load_refuses_no_one(
+    real_node: RealNode, model: Model, worker_image: str, report: Callable[[str], None]
+) -> None:
+    most: dict[str, int] = {}
+
+    def count(images: dict[str, list[str]]) -> None:
+        for role, names in images.items():
+            most[role] = max(most.get(role, 0), len(names))
+
+    # Back to the original tag, with maxSurge at its default (one pod per role).
+    rolled = _change_image_under_load(real_node, model, worker_image, {"maxSurge": None}, count)
+    results = rolled.results
+    report(
+        f"image change with a surge (maxSurge default, one pod per role) under load: every pod on the new image "
+        f"and Ready {rolled.finished - rolled.changed:.0f}s after the patch, at most {most} pods per role; "
+        f"{len(rolled.held)} streams in flight at the change; " + summary(results)
+    )
+    assert len(rolled.held) >= 8, summary(results)
+    assert most.get("prefill", 0) >= 2 and most.get("decode", 0) >= 2, most  # the new pods ran beside the old
+    # A new pair served while each old pod drained: nothing refused, every stream ended with [DONE].
+    assert all(r["status"] == 200 for r in results), outcomes_since(
+        [r for r in results if r["status"] != 200], rolled.changed
+    )
+    assert all(r["end"] == "done" for r in results), [r for r in results if r["end"] != "done"]
+    assert {len(model.pods(real_node, role)) for role in ("prefill", "decode")} == {1}
 
 
 def _active_operator(node: RealNode) -> str:

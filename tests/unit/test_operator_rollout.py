@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 from dataclasses import dataclass, field, replace
 
 import pytest
@@ -9,13 +11,22 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from disagg_operator.observe import PodInfo, RoleObservation
-from disagg_operator.rollout import max_skew, plan_rollout, progressing_condition, rollout_status, with_leader_counts
+from disagg_operator.rollout import (
+    given_up,
+    max_skew,
+    plan_rollout,
+    progressing_condition,
+    rollout_status,
+    with_leader_counts,
+)
 from disagg_operator.spec import ModelSpec
 
 OLD, NEW = "hash-old", "hash-new"
 
 
 def spec(prefill: int, decode: int, **rollout) -> ModelSpec:
+    """A model whose rollouts replace pods in place unless the test asks for a surge."""
+    rollout.setdefault("maxSurge", 0)
     return ModelSpec.from_cr(
         {
             "metadata": {"name": "m", "namespace": "ns", "uid": "u"},
@@ -32,8 +43,10 @@ def spec(prefill: int, decode: int, **rollout) -> ModelSpec:
 
 @dataclass
 class FakeSet:
-    """A StatefulSet and its pods: pods at or above the partition move to the new template, one per tick, and a
-    new pod becomes Ready `ready_after` seconds after it is created (kwok does it at once)."""
+    """A StatefulSet and its pods: pods at or above the partition move to the new template, one at a time while
+    the others are Ready; pods
+    it scales up to start on the template their ordinal's side of the partition says, and the highest ordinals go
+    on a scale-down; a new pod becomes Ready `ready_after` seconds after it is created (kwok does it at once)."""
 
     role: str
     replicas: int
@@ -45,10 +58,18 @@ class FakeSet:
     def __post_init__(self) -> None:
         self.pods = {i: (OLD, 0.0) for i in range(self.replicas)}
 
-    def apply(self, template: str, partition: int) -> None:
+    def apply(self, template: str, partition: int, replicas: int | None = None) -> None:
         self.template, self.partition = template, partition
+        self.replicas = self.replicas if replicas is None else replicas
 
     def tick(self, now: float) -> None:
+        for i in [i for i in self.pods if i >= self.replicas]:
+            del self.pods[i]
+        for i in range(self.replicas):
+            if i not in self.pods:
+                self.pods[i] = (self.template if i >= self.partition else OLD, now + self.ready_after)
+        if any(at is None or at > now for _, at in self.pods.values()):
+            return  # the controller updates a pod only while every other is Ready
         for i in sorted(self.pods, reverse=True):
             rev, _ = self.pods[i]
             if i >= self.partition and rev != self.template:
@@ -63,24 +84,37 @@ class FakeSet:
             for i, (rev, at) in self.pods.items()
         ]
         updated = sum(rev == self.template for rev, _ in self.pods.values())
-        done = updated == self.replicas and self.partition == 0
+        done = updated == len(self.pods) and self.partition == 0
         obs = RoleObservation(
-            self.replicas,
+            len(self.pods),
             sum(p.ready_since is not None for p in pods),
             updated,
             partition=self.partition,
             template_hash=self.template,
             current_revision=self.template if done else OLD,
             update_revision=self.template,
+            desired=self.replicas,
         )
         return obs, pods
 
+    def ready(self, now: float) -> int:
+        return sum(at is not None and at <= now for _, at in self.pods.values())
+
     def updated_fraction(self) -> float:
-        return sum(rev == self.template for rev, _ in self.pods.values()) / self.replicas
+        return sum(rev == self.template for rev, _ in self.pods.values()) / len(self.pods)
 
 
-def roll(s: ModelSpec, ready_after: float = 1.0, max_ticks: int = 400) -> list[tuple[float, float]]:
-    """Run a rollout of both roles to the end; returns (prefill, decode) updated fractions at every tick."""
+def snapshot(fs: FakeSet) -> FakeSet:
+    out = copy.copy(fs)
+    out.pods = dict(fs.pods)
+    return out
+
+
+def roll(
+    s: ModelSpec, ready_after: float = 1.0, max_ticks: int = 400, seen: list[dict[str, FakeSet]] | None = None
+) -> list[tuple[float, float]]:
+    """Run a rollout of both roles to the end; returns (prefill, decode) updated fractions at every tick (and
+    calls `seen` with the sets after each)."""
     sets = {r: FakeSet(r, s.replicas(r), ready_after=ready_after) for r in ("prefill", "decode")}
     samples, now = [], 0.0
     for _ in range(max_ticks):
@@ -90,10 +124,12 @@ def roll(s: ModelSpec, ready_after: float = 1.0, max_ticks: int = 400) -> list[t
             pods += role_pods
         plan = plan_rollout(s, observed, pods, {"prefill": NEW, "decode": NEW}, now)
         for r, fs in sets.items():
-            fs.apply(NEW, plan.partitions[r])
+            fs.apply(NEW, plan.partitions[r], plan.replicas[r])
             fs.tick(now)
         samples.append((sets["prefill"].updated_fraction(), sets["decode"].updated_fraction()))
-        if not plan.active and now > 0:
+        if seen is not None:
+            seen.append({r: snapshot(fs) for r, fs in sets.items()})
+        if not plan.active and now > 0 and all(len(fs.pods) == s.replicas(r) for r, fs in sets.items()):
             return samples
         now += 0.5
     raise AssertionError(f"the rollout did not finish: {samples[-5:]}")
@@ -205,6 +241,7 @@ def group_spec() -> ModelSpec:
                 "image": "img",
                 "prefill": {"replicas": 1},
                 "decode": {"replicas": 2, "tpSize": 2, "gpusPerNode": 1},
+                "rollout": {"maxSurge": 0},  # prefill's StatefulSet too rolls in place, as the groups do
             },
         }
     )
@@ -257,3 +294,93 @@ def test_a_role_of_groups_counts_as_updated_only_the_groups_whose_leader_runs_th
     assert with_leader_counts(s, {"decode": lagging}, [])["decode"].updated == 2  # no pods observed: LWS's count
     # LWS's own count still bounds it (a group whose other pods it has not replaced yet).
     assert with_leader_counts(s, {"decode": replace(lagging, updated=1)}, pods)["decode"].updated == 1
+
+
+@pytest.mark.parametrize("prefill,decode,surge", [(1, 1, 1), (2, 4, 1), (3, 2, 1), (3, 3, 2)])
+def test_with_a_surge_no_role_drops_below_its_replicas_and_old_pods_leave_only_after_new_ones_serve(
+    prefill, decode, surge
+):
+    s = spec(prefill, decode, maxSurge=surge)
+    seen: list[dict[str, FakeSet]] = []
+    samples = roll(s, seen=seen)
+    assert samples[-1] == (1.0, 1.0)
+    wanted = {"prefill": prefill, "decode": decode}
+    for at, sets in enumerate(seen):
+        now = at * 0.5
+        for role, fs in sets.items():
+            assert fs.ready(now) >= wanted[role], (at, role, fs.pods)  # old pods stay until new ones are Ready
+            old = sum(rev == OLD for rev, _ in fs.pods.values())
+            if old < wanted[role]:  # an old pod has gone: a new pair serves already
+                new_ready = [
+                    sum(rev == NEW and t is not None and t <= now for rev, t in other.pods.values())
+                    for other in sets.values()
+                ]
+                assert min(new_ready) >= 1, (at, sets)
+    assert max(len(fs.pods) for sets in seen for fs in sets.values()) == max(prefill, decode) + surge
+    assert {r: len(fs.pods) for r, fs in seen[-1].items()} == wanted  # the surge pods left at the end
+
+
+def test_surge_pods_without_a_node_by_the_deadline_give_way_to_an_in_place_rollout():
+    s = spec(1, 1, maxSurge=1, progressDeadlineSeconds=60)
+    observed = {
+        r: RoleObservation(
+            1, 1, 0, partition=1, template_hash=NEW, current_revision="a", update_revision="b", desired=2
+        )
+        for r in ("prefill", "decode")
+    }
+    pods = [
+        PodInfo("m-prefill-0", "prefill", ready_since=0.0, revision="a"),
+        PodInfo("m-prefill-1", "prefill", revision="b", unschedulable_since=10.0),
+        PodInfo("m-decode-0", "decode", ready_since=0.0, revision="a"),
+        PodInfo("m-decode-1", "decode", revision="b", unschedulable_since=10.0),
+    ]
+    hashes = {"prefill": NEW, "decode": NEW}
+    waiting = plan_rollout(s, observed, pods, hashes, 60.0)
+    assert waiting.replicas == {"prefill": 2, "decode": 2} and waiting.partitions == {"prefill": 1, "decode": 1}
+    assert not waiting.in_place
+    status = rollout_status(waiting, "rev2", None, "2026-01-01T00:00:00Z")
+    assert progressing_condition(s, waiting, status, "2026-01-01T00:00:50Z")[:2] == (True, "RollingOut")
+    # Past the deadline: back to one pod per role, replaced in place, decode first.
+    fell = plan_rollout(s, observed, pods, hashes, 71.0)
+    assert fell.in_place == ("m-prefill-1", "m-decode-1")
+    assert fell.replicas == {"prefill": 1, "decode": 1} and fell.partitions == {"prefill": 1, "decode": 0}
+    status = rollout_status(fell, "rev2", status, "2026-01-01T00:01:11Z")
+    assert status["inPlace"] == ["m-prefill-1", "m-decode-1"]
+    said = progressing_condition(s, fell, status, "2026-01-01T00:01:11Z")
+    assert said[:2] == (False, "SurgeUnschedulable") and "m-prefill-1, m-decode-1" in said[2] and "60 s" in said[2]
+    # The surge pods are gone: the rollout stays in place, as its status records.
+    assert given_up(status, "rev2") == fell.in_place and given_up(status, "rev3") == ()
+    gone = plan_rollout(s, observed, [pods[0], pods[2]], hashes, 72.0, given_up(status, "rev2"))
+    assert gone.replicas == {"prefill": 1, "decode": 1} and gone.in_place == fell.in_place
+
+
+def test_a_change_to_one_role_with_a_surge_replaces_its_old_pods_once_the_new_one_is_available():
+    s = spec(2, 2, maxSurge=1)
+    observed = {
+        "prefill": RoleObservation(2, 2, 2, template_hash=OLD, current_revision="a", update_revision="a", desired=2),
+        "decode": RoleObservation(
+            3, 2, 1, partition=2, template_hash=NEW, current_revision="a", update_revision="b", desired=3
+        ),
+    }
+    hashes = {"prefill": OLD, "decode": NEW}
+    starting = [PodInfo("m-decode-2", "decode", revision="b")]
+    plan = plan_rollout(s, observed, starting, hashes, 5.0)
+    assert not plan.coordinated and plan.partitions == {"prefill": 0, "decode": 2}
+    assert plan.replicas == {"prefill": 2, "decode": 3}
+    serving = [PodInfo("m-decode-2", "decode", ready_since=4.0, revision="b")]
+    assert plan_rollout(s, observed, serving, hashes, 5.0).partitions == {"prefill": 0, "decode": 0}
+    # Every decode pod on the new template: the surge pod goes.
+    done = {**observed, "decode": RoleObservation(3, 3, 3, template_hash=NEW, current_revision="b",
+                                                  update_revision="b", desired=3)}  # fmt: skip
+    assert plan_rollout(s, done, serving, hashes, 9.0).replicas["decode"] == 3  # two decode pods not Ready yet
+    serving += [PodInfo(f"m-decode-{i}", "decode", ready_since=8.0, revision="b") for i in (0, 1)]
+    end = plan_rollout(s, done, serving, hashes, 9.0)
+    assert end.replicas == {"prefill": 2, "decode": 2} and not end.active
+
+
+def test_the_default_surge_is_one_pod_per_role():
+    s = ModelSpec.from_cr(
+        {"metadata": {"name": "m", "namespace": "ns", "uid": "u"},
+         "spec": {"model": {"hostPath": "/m", "path": "x"}, "image": "img"}}
+    )  # fmt: skip
+    assert s.rollout.max_surge == 1

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from disagg_operator.reconcile import ReconcileError
+from disagg_operator.apply_errors import ReconcileError
 from tests.unit.test_operator_status import CR, runtime  # noqa: F401 - the fixture
 
 

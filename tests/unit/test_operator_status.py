@@ -141,10 +141,11 @@ def test_one_event_per_transition_with_warnings_for_bad_news():
 def test_observe_workload_reads_counts_and_generation():
     sts = {
         "metadata": {"generation": 4},
+        "spec": {"replicas": 4},
         "status": {"replicas": 3, "readyReplicas": 2, "updatedReplicas": 3, "observedGeneration": 3},
     }
-    assert observe_workload(sts) == RoleObservation(3, 2, 3, current=False)
-    assert observe_workload({"metadata": {"generation": 1}}) == RoleObservation(0, 0, 0, current=False)
+    assert observe_workload(sts) == RoleObservation(3, 2, 3, current=False, desired=4)
+    assert observe_workload({"metadata": {"generation": 1}}) == RoleObservation(0, 0, 0, current=False, desired=1)
 
 
 @pytest.mark.parametrize(
@@ -285,7 +286,7 @@ def test_auth_secret_is_generated_once_and_children_applied(runtime):
 def test_an_object_the_model_did_not_create_is_left_alone_and_reported(runtime):
     """A Service someone else made under the router's name, and an auth Secret of the default name that is not
     the model's: neither is written (nor owned, nor garbage-collected with the model); Degraded names both."""
-    from disagg_operator.reconcile import ReconcileError
+    from disagg_operator.apply_errors import ReconcileError
 
     theirs = {"metadata": {"name": "m-router", "ownerReferences": [{"kind": "Deployment", "name": "x", "uid": "u"}]}}
     runtime.kube.objects[("Service", "m-router")] = {"kind": "Service", **theirs}
@@ -305,7 +306,7 @@ def test_an_object_the_model_did_not_create_is_left_alone_and_reported(runtime):
 
 def test_a_child_of_an_earlier_model_of_the_same_name_waits_for_the_garbage_collector(runtime):
     """Only an owner reference to this CR's uid makes an object the model's: a forged or stale one does not."""
-    from disagg_operator.reconcile import ReconcileError
+    from disagg_operator.apply_errors import ReconcileError
 
     before = {"kind": "DisaggregatedModel", "name": CR["metadata"]["name"], "uid": "an-earlier-uid"}
     runtime.kube.objects[("Service", "m-router")] = {"kind": "Service", "metadata": {"ownerReferences": [before]}}
@@ -317,7 +318,7 @@ def test_a_child_of_an_earlier_model_of_the_same_name_waits_for_the_garbage_coll
 
 
 def test_missing_named_secret_degrades_with_a_message(runtime):
-    from disagg_operator.reconcile import ReconcileError
+    from disagg_operator.apply_errors import ReconcileError
 
     cr = {**CR, "spec": {**CR["spec"], "auth": {"secretName": "absent"}}}
     with pytest.raises(ReconcileError) as err:
@@ -357,7 +358,7 @@ def test_a_failed_pod_being_deleted_still_counts_but_a_normal_shutdown_does_not(
 def test_a_terminating_namespace_is_remembered_until_a_reconcile_succeeds(runtime):
     from kubernetes.client.exceptions import ApiException
 
-    from disagg_operator.reconcile import ReconcileError
+    from disagg_operator.apply_errors import ReconcileError
 
     def refuse(obj):
         raise ApiException(status=403, reason="Forbidden")
@@ -424,19 +425,37 @@ def test_pairing_and_stalls_speak_through_events_only_when_they_go_bad_or_recove
 
 
 def test_a_template_change_steps_decode_first_and_applies_only_what_moved(runtime):
-    changed = {**CR, "spec": {**CR["spec"], "image": "img:2"}}
+    in_place = {**CR["spec"], "rollout": {"maxSurge": 0}}
+    changed = {**CR, "spec": {**in_place, "image": "img:2"}}
     applied = []
     runtime.kube.apply = applied.append
     runtime.step_rollout(changed, ALL_READY, [])
     partitions = {o["metadata"]["name"]: o["spec"]["updateStrategy"]["rollingUpdate"]["partition"] for o in applied}
     assert partitions == {"m-prefill": 1, "m-decode": 1}  # prefill held whole, decode's last pod released
+    assert {o["metadata"]["name"]: o["spec"]["replicas"] for o in applied} == {"m-prefill": 1, "m-decode": 2}
     assert {o["spec"]["template"]["spec"]["containers"][0]["image"] for o in applied} == {"img:2"}
     applied.clear()
-    runtime.step_rollout(CR, ALL_READY, [])
+    runtime.step_rollout({**CR, "spec": in_place}, ALL_READY, [])
     assert applied == []
     runtime.refresh_status(changed, ALL_READY, [])
     written = runtime.kube.status_writes[-1]
     assert written["rollout"]["decode"] == {"released": 1, "updatedReady": 0}
+    assert conds(written)["Progressing"]["reason"] == "RollingOut"
+
+
+def test_a_template_change_first_starts_one_new_pod_per_role_beside_the_old_ones(runtime):
+    changed = {**CR, "spec": {**CR["spec"], "image": "img:2"}}
+    applied = []
+    runtime.kube.apply = applied.append
+    runtime.step_rollout(changed, ALL_READY, [])
+    # One more pod per role, on the new template (the partition keeps every old ordinal on the old one).
+    assert {o["metadata"]["name"]: o["spec"]["replicas"] for o in applied} == {"m-prefill": 2, "m-decode": 3}
+    partitions = {o["metadata"]["name"]: o["spec"]["updateStrategy"]["rollingUpdate"]["partition"] for o in applied}
+    assert partitions == {"m-prefill": 1, "m-decode": 2}
+    runtime.refresh_status(changed, ALL_READY, [])
+    written = runtime.kube.status_writes[-1]
+    assert written["rollout"]["prefill"] == written["rollout"]["decode"] == {"released": 1, "updatedReady": 0}
+    assert "inPlace" not in written["rollout"]
     assert conds(written)["Progressing"]["reason"] == "RollingOut"
 
 
@@ -497,7 +516,7 @@ def test_role_scaler_writes_are_made_once_while_the_index_lags(runtime):
 
 def test_a_reconcile_that_fails_before_the_workers_still_reports_it(runtime):
     from disagg_operator.handlers import Seen, Work, converge
-    from disagg_operator.reconcile import ReconcileError
+    from disagg_operator.apply_errors import ReconcileError
 
     cr = {**CR, "spec": {**CR["spec"], "auth": {"secretName": "absent"}}}
     applied = []
@@ -512,7 +531,7 @@ def test_a_reconcile_that_fails_before_the_workers_still_reports_it(runtime):
 def test_without_leaderworkerset_in_the_cluster_a_multi_node_role_is_reported_not_retried_forever(runtime):
     from kubernetes.client.exceptions import ApiException
 
-    from disagg_operator.reconcile import LWS_MISSING, ReconcileError
+    from disagg_operator.apply_errors import LWS_MISSING, ReconcileError
 
     applied: list[str] = []
 

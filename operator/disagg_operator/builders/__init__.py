@@ -37,12 +37,14 @@ __all__ = [
 ]
 
 
-def build_worker_set(spec: ModelSpec, role: str, cfg: OperatorConfig, partition: int = 0) -> dict[str, Any]:
-    """A worker role's workload: a StatefulSet of one pod per instance, or a LeaderWorkerSet of one group of pods
-    per instance when an instance spans nodes (groups.py)."""
+def build_worker_set(
+    spec: ModelSpec, role: str, cfg: OperatorConfig, partition: int = 0, surge: int = 0
+) -> dict[str, Any]:
+    """A worker role's workload: a StatefulSet of one pod per instance (plus `surge` pods while it rolls), or a
+    LeaderWorkerSet of one group of pods per instance when an instance spans nodes (groups.py; it rolls in place)."""
     if spec.worker(role).nodes > 1:
         return build_worker_group_set(spec, role, cfg, partition)
-    return build_worker_statefulset(spec, role, cfg, partition)
+    return build_worker_statefulset(spec, role, cfg, partition, surge)
 
 
 def worker_set_name(spec: ModelSpec, role: str) -> str:
@@ -50,22 +52,26 @@ def worker_set_name(spec: ModelSpec, role: str) -> str:
 
 
 def build_children(
-    spec: ModelSpec, cfg: OperatorConfig, partitions: Mapping[str, int] | None = None
+    spec: ModelSpec,
+    cfg: OperatorConfig,
+    partitions: Mapping[str, int] | None = None,
+    surges: Mapping[str, int] | None = None,
 ) -> list[dict[str, Any]]:
     """Every child the operator applies on each reconcile, Services before the workloads that use them.
 
-    `partitions` are the worker StatefulSets' rollout partitions (rollout.py decides them; 0 when absent).
+    `partitions` and `surges` are the worker StatefulSets' rollout partitions and surge pods (rollout.py decides
+    them; 0 when absent).
     The auth Secret and the RoleScaler are not here: they are created once (`build_auth_secret`,
     `build_role_scaler`) so the token never changes and the scaler's replicas stay its scaler's.
     """
-    partitions = partitions or {}
+    partitions, surges = partitions or {}, surges or {}
     children: list[dict[str, Any]] = []
     for role in names.WORKER_ROLES:
         children.append(build_headless_service(spec, role))
     children.append(build_bootstrap_service(spec))
     children.append(build_router_service(spec))
     for role in names.WORKER_ROLES:
-        children.append(build_worker_set(spec, role, cfg, partitions.get(role, 0)))
+        children.append(build_worker_set(spec, role, cfg, partitions.get(role, 0), surges.get(role, 0)))
     children.append(build_router_deployment(spec, cfg))
     children += [build_pdb(spec, role) for role in names.ROLES]
     children += build_network_policies(spec)

@@ -176,11 +176,14 @@ def worker_pod_template(spec: ModelSpec, role: str, cfg: OperatorConfig) -> dict
     }
 
 
-def build_worker_statefulset(spec: ModelSpec, role: str, cfg: OperatorConfig, partition: int = 0) -> dict[str, Any]:
+def build_worker_statefulset(
+    spec: ModelSpec, role: str, cfg: OperatorConfig, partition: int = 0, surge: int = 0
+) -> dict[str, Any]:
     """The StatefulSet of one worker role; pods start in parallel and are found through the headless Service.
 
     Pods with an ordinal at or above `partition` run the current template; the rollout planner lowers it step by
-    step. The template's hash is recorded so that a changed template is recognised as a new rollout.
+    step, and adds `surge` pods during a rollout. The template's hash is recorded so that a changed template is
+    recognised as a new rollout.
     """
     name = names.child_name(spec.name, role)
     template = worker_pod_template(spec, role, cfg)
@@ -191,7 +194,7 @@ def build_worker_statefulset(spec: ModelSpec, role: str, cfg: OperatorConfig, pa
         "kind": "StatefulSet",
         "metadata": meta,
         "spec": {
-            "replicas": spec.worker(role).replicas,
+            "replicas": spec.worker(role).replicas + surge,
             "serviceName": name,
             "podManagementPolicy": "Parallel",
             "selector": {"matchLabels": selector_labels(spec, role)},
