@@ -24,7 +24,7 @@ from .apply_errors import ReconcileError, describe_api_error, not_ours, owned_by
 from .config import OperatorConfig
 from .observe import PodInfo
 from .rollout import RolloutPlan, given_up, plan_rollout, with_leader_counts
-from .routerview import RouterView
+from .routerview import RouterView, verified_pairs
 from .scaling import ScalerObservation, sync_scaler
 from .spec import ModelSpec
 from .status import (
@@ -146,7 +146,8 @@ class Runtime:
         key = (spec.uid, builders.pairing_revision(spec))
         written = (self.written.get(spec.uid) or status or {}).get("rollout")
         gave_up = self.in_place.get(key) or given_up(written, key[1])
-        plan = plan_rollout(spec, observed, pods, self.hashes(spec), time.time(), gave_up)
+        verified = verified_pairs(self.views.get(spec.uid), key[1])
+        plan = plan_rollout(spec, observed, pods, self.hashes(spec), time.time(), gave_up, verified)
         if plan.in_place:
             self.in_place[key] = plan.in_place
         return plan

@@ -7,11 +7,14 @@ partition run the latest template.
 Surge (`spec.rollout.maxSurge`, one pod per role by default). A StatefulSet cannot run two templates side by side
 except through its partition, so a rollout first grows each role by its surge with the partition held at the old
 size: the added ordinals start on the new template beside the old pods, and the router pairs new with new as soon
-as they verify (it pairs only pods of one pairing revision). Only once those surge pods are available do old pods
-go, one step at a time as below, each draining what it holds while the new pairs serve; when every pod runs the new
-template the role shrinks back, and the highest ordinals (new pods) drain and leave. Surge pods the scheduler finds
-no node for within `progressDeadlineSeconds` are given up: the model reports Progressing=False/SurgeUnschedulable
-and rolls in place, as `maxSurge: 0` does (groups spanning nodes, LeaderWorkerSets, always roll in place).
+as they verify (it pairs only pods of one pairing revision). Only once those surge pods are available, and the
+routers (as the operator reads their /health) have verified a pair of the new revision without the pod about to
+leave, do old pods go, one step at a time as below, each draining what it holds while the new pairs serve; when
+every pod runs the new template and a pair of the remaining pods is verified, the role shrinks back and the highest
+ordinals (new pods) drain and leave. Without router reports (probing off) readiness alone decides. Surge pods the
+scheduler finds no node for within `progressDeadlineSeconds` are given up: the model reports
+Progressing=False/SurgeUnschedulable and rolls in place, as `maxSurge: 0` does (groups spanning nodes,
+LeaderWorkerSets, always roll in place).
 
 Steps. When a change alters both roles' templates (image, engine settings, labels ...) the planner releases one
 pod at a time: the `order` role first whenever that keeps the released fractions (released / pods) of the two roles
@@ -34,6 +37,15 @@ from typing import Any
 from . import names
 from .observe import PodInfo, RoleObservation, parse_time
 from .spec import ModelSpec
+
+# The (prefill, decode) pods of the new pairing revision the routers verified; None when they cannot be read.
+Verified = frozenset[tuple[str, str]] | None
+
+
+def serving_without(verified: Verified, leaving: Iterable[str]) -> bool:
+    """Whether a verified pair of the new revision serves without the `leaving` pods (unknown counts as yes)."""
+    gone = set(leaving)
+    return verified is None or any(p not in gone and d not in gone for p, d in verified)
 
 
 @dataclass(frozen=True)
@@ -124,6 +136,7 @@ def role_rollout(
     desired_hash: str,
     now: float,
     surge: int = 0,
+    verified: Verified = None,
 ) -> RoleRollout:
     n = spec.replicas(role)
     if obs is None or n == 0:  # nothing exists to roll yet, or nothing to roll
@@ -144,11 +157,11 @@ def role_rollout(
     else:
         moving = obs.current_revision != obs.update_revision
     updating = released < total or moving
-    shrunk = (obs.desired or 0) <= n  # the surge pods were never asked for, or are already going
-    if surge and not updating and (shrunk or (obs.current and len(ok) == total)):
-        # Every pod runs the new template and is available: the surge pods go.
-        return role_rollout(spec, role, obs, pods, desired_hash, now)
     extra = {f"{sts}-{i}" for i in range(n, total)}
+    shrunk = (obs.desired or 0) <= n  # the surge pods were never asked for, or are already going
+    if surge and not updating and (shrunk or (obs.current and len(ok) == total and serving_without(verified, extra))):
+        # Every pod runs the new template and is available, and a pair of the others serves: the surge pods go.
+        return role_rollout(spec, role, obs, pods, desired_hash, now)
     deadline = spec.rollout.progress_deadline_s
     return RoleRollout(
         role,
@@ -209,13 +222,22 @@ def plan_rollout(
     desired_hashes: Mapping[str, str],
     now: float,
     in_place: tuple[str, ...] = (),
+    verified: Verified = None,
 ) -> RolloutPlan:
     """The replicas and partitions to apply now. Idempotent: planning again from the same observation gives the
-    same answer. `in_place` names the surge pods already given up for this rollout (then none is started)."""
+    same answer. `in_place` names the surge pods already given up for this rollout (then none is started);
+    with a surge, no pod leaves before the routers have `verified` a pair of the new revision without it."""
     pods = list(pods)
     roles = {
         r: role_rollout(
-            spec, r, observed.get(r), pods, desired_hashes.get(r, ""), now, 0 if in_place else surge_of(spec, r)
+            spec,
+            r,
+            observed.get(r),
+            pods,
+            desired_hashes.get(r, ""),
+            now,
+            0 if in_place else surge_of(spec, r),
+            verified,
         )
         for r in names.WORKER_ROLES
     }
@@ -224,16 +246,26 @@ def plan_rollout(
         return plan_rollout(spec, observed, pods, desired_hashes, now, unschedulable)
     skew = max_skew(spec)
     if sum(r.rolling for r in roles.values()) < 2:  # one role (or none) changes: it rolls on its own
-        partitions = {name: 0 if r.step_done else r.pods - r.released for name, r in roles.items()}
+        partitions = {name: _alone(spec, r, verified) for name, r in roles.items()}
         return RolloutPlan(roles, partitions, coordinated=False, max_skew=skew, in_place=in_place)
     if all(r.step_done for r in roles.values()):
         role = _next_role(roles, spec.rollout.order, skew)
         if role is not None:
             r = roles[role]
-            sts = workload_name(spec, role)
-            roles[role] = replace(r, released=r.released + 1, waiting=(f"{sts}-{r.pods - r.released - 1}", *r.waiting))
+            leaving = f"{workload_name(spec, role)}-{r.pods - r.released - 1}"
+            if not r.surge or serving_without(verified, [leaving]):
+                roles[role] = replace(r, released=r.released + 1, waiting=(leaving, *r.waiting))
     partitions = {name: r.pods - r.released for name, r in roles.items()}
     return RolloutPlan(roles, partitions, coordinated=True, max_skew=skew, in_place=in_place)
+
+
+def _alone(spec: ModelSpec, r: RoleRollout, verified: Verified) -> int:
+    """The partition of a role that rolls on its own: 0 (its controller replaces the old pods one by one), once
+    its surge pods are available and a verified pair serves without its old pods."""
+    old = [f"{workload_name(spec, r.role)}-{i}" for i in range(r.replicas)]
+    if r.step_done and (not r.surge or r.released >= r.pods or serving_without(verified, old)):
+        return 0
+    return r.pods - r.released
 
 
 def rollout_status(plan: RolloutPlan, revision: str, previous: Mapping[str, Any] | None, now: str) -> dict | None:

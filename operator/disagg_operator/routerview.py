@@ -27,6 +27,7 @@ class PairResult:
     decode: str
     verified: bool
     error: str = ""
+    revision: str = ""  # the pairing revision both pods report
 
 
 @dataclass(frozen=True)
@@ -52,7 +53,11 @@ class RouterView:
 
 def _pair(p: Mapping[str, Any]) -> PairResult:
     return PairResult(
-        str(p.get("prefill", "?")), str(p.get("decode", "?")), bool(p.get("verified")), str(p.get("error") or "")
+        str(p.get("prefill", "?")),
+        str(p.get("decode", "?")),
+        bool(p.get("verified")),
+        str(p.get("error") or ""),
+        str(p.get("revision") or ""),
     )
 
 
@@ -97,6 +102,14 @@ def merge_reports(reports: Mapping[str, Mapping[str, Any] | None]) -> RouterView
         workers=tuple(workers[k] for k in sorted(workers)),
         window_s=window,
     )
+
+
+def verified_pairs(view: RouterView | None, revision: str) -> frozenset[tuple[str, str]] | None:
+    """The (prefill, decode) pods of `revision` every router that answered has verified; None when no router
+    answered (the operator cannot tell, so a rollout goes by the pods' readiness alone)."""
+    if view is None or not view.reached:
+        return None
+    return frozenset((p.prefill, p.decode) for p in view.pairs if p.verified and p.revision == revision)
 
 
 def _named(items: list[str]) -> str:

@@ -251,22 +251,33 @@ def worker_get(node: RealNode, namespace: str, pod: str, path: str) -> str:
     return node.kubectl("-n", namespace, "exec", pod, "--", *script).stdout
 
 
-# Run in the router pod: its /health (200 or 503), which lists every worker and every pair it verified.
-ROUTER_HEALTH = """
-import urllib.error, urllib.request
+# Run in the router pod: GET a path of its own server (its /health answers 200 or 503, with the same body).
+ROUTER_GET = """
+import sys, urllib.error, urllib.request
 try:
-    print(urllib.request.urlopen("http://127.0.0.1:8000/health", timeout=10).read().decode())
+    print(urllib.request.urlopen("http://127.0.0.1:8000" + sys.argv[1], timeout=10).read().decode())
 except urllib.error.HTTPError as e:
     print(e.read().decode())
 """
 
 
-def verified_decodes(node: RealNode, model: Model) -> set[str]:
-    """The decode pods the router has verified a pair with (and so sends requests to)."""
+def router_get(node: RealNode, model: Model, path: str) -> str:
     (router,) = model.pods(node, "router")
-    cmd = ("exec", router["metadata"]["name"], "--", "python3", "-c", ROUTER_HEALTH)
-    health = json.loads(node.kubectl("-n", model.namespace, *cmd).stdout)
+    cmd = ("exec", router["metadata"]["name"], "--", "python3", "-c", ROUTER_GET, path)
+    return node.kubectl("-n", model.namespace, *cmd).stdout
+
+
+def verified_decodes(node: RealNode, model: Model) -> set[str]:
+    """The decode pods the router has verified a pair with (and so sends requests to): its /health lists every
+    worker and every pair it verified."""
+    health = json.loads(router_get(node, model, "/health"))
     return {p["decode"] for p in health.get("pairs", []) if p["verified"]}
+
+
+def router_migrations(node: RealNode, model: Model) -> float:
+    """The router's `disagg_router_migrations_total`, every cause together."""
+    text = router_get(node, model, "/metrics")
+    return sum(float(v) for v in re.findall(r"^disagg_router_migrations_total\{[^}]*\} ([0-9.e+]+)$", text, re.M))
 
 
 def wait_all_decodes_paired(node: RealNode, model: Model) -> list[str]:

@@ -14,9 +14,11 @@ seconds: the rest wait in decode's prealloc queue and prefill's bootstrap queue 
 from __future__ import annotations
 
 import concurrent.futures as cf
+import itertools
 import os
 import random
 import signal
+import threading
 import time
 
 import pytest
@@ -148,6 +150,49 @@ def test_kill_prefill_mid_bootstrap(stack):
         interval=1,
         what="a request through the restarted prefill",
     )
+    assert reference(stack.router.url) == before
+    assert_clean(stack.prefill.url, stack.decode.url)
+
+
+def test_a_prefill_restarted_on_its_address_under_load_is_a_new_peer_to_decode(stack):
+    """kill -9 of prefill while clients keep sending, and a new prefill process on the same address at once: decode
+    drops what it knew of the old one (sessions, buffer addresses, rooms), so every request that starts once the
+    router is healthy again is answered, and the answers are the ones the stack gave before."""
+    before = reference(stack.router.url)
+    stop = threading.Event()
+    seen: list[tuple[float, tuple]] = []  # (start, outcome) of every request
+
+    def client(k: int) -> None:
+        for i in itertools.count():
+            if stop.is_set():
+                return
+            start = time.monotonic()
+            seen.append((start, request(stack.router.url, 5000 + 100 * k + i % 7)))
+
+    with cf.ThreadPoolExecutor(6) as pool:
+        clients = [pool.submit(client, k) for k in range(6)]
+        wait_until(
+            lambda: decode_waiting_on_prefill(stack.decode.url, 4), timeout=30, interval=0.02, what="decode waiting"
+        )
+        stack.prefill.kill()
+        stack.prefill = stack.start_prefill(stack.prefill.port).wait_healthy()
+        wait_router_healthy(stack)
+        healthy = time.monotonic()
+        wait_until(
+            lambda: sum(start > healthy and r[0] == "ok" for start, r in list(seen)) >= 12,
+            timeout=120,
+            interval=0.5,
+            what="12 requests answered through the new prefill while the load goes on",
+        )
+        stop.set()
+        for c in clients:
+            c.result(timeout=CLIENT_TIMEOUT + scaled(10))
+    results = [r for _, r in seen]
+    assert not [r for r in results if r[0] in ("timeout", "dropped")], [r for r in results if r[0] != "ok"][:3]
+    assert any(r[0] == "error" for r in results), "the kill interrupted nothing"
+    assert all(r[1] >= 500 and r[2] for r in results if r[0] == "error"), [r for r in results if r[0] == "error"]
+    after = [r for start, r in seen if start > healthy]
+    assert all(r == ("ok", TOKENS) for r in after), [r for r in after if r[0] != "ok"][:3]
     assert reference(stack.router.url) == before
     assert_clean(stack.prefill.url, stack.decode.url)
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-
 from dataclasses import dataclass, field, replace
 
 import pytest
@@ -384,3 +383,31 @@ def test_the_default_surge_is_one_pod_per_role():
          "spec": {"model": {"hostPath": "/m", "path": "x"}, "image": "img"}}
     )  # fmt: skip
     assert s.rollout.max_surge == 1
+
+
+def test_with_a_surge_no_pod_leaves_until_the_routers_verified_a_new_pair_without_it():
+    s = spec(1, 1, maxSurge=1)
+    moving = {"template_hash": NEW, "current_revision": "a", "update_revision": "b", "desired": 2}
+    surging = {r: RoleObservation(2, 2, 1, partition=1, **moving) for r in ("prefill", "decode")}
+    pods = [
+        PodInfo("m-prefill-0", "prefill", ready_since=0.0, revision="a"),
+        PodInfo("m-prefill-1", "prefill", ready_since=5.0, revision="b"),
+        PodInfo("m-decode-0", "decode", ready_since=0.0, revision="a"),
+        PodInfo("m-decode-1", "decode", ready_since=5.0, revision="b"),
+    ]
+    hashes = {"prefill": NEW, "decode": NEW}
+    # The surge pods are Ready, but no router has verified them yet: every old pod stays.
+    assert plan_rollout(s, surging, pods, hashes, 9.0, verified=frozenset()).partitions == {"prefill": 1, "decode": 1}
+    verified = frozenset({("m-prefill-1", "m-decode-1")})
+    assert plan_rollout(s, surging, pods, hashes, 9.0, verified=verified).partitions == {"prefill": 1, "decode": 0}
+    # No router reports (probing off): readiness alone decides.
+    assert plan_rollout(s, surging, pods, hashes, 9.0).partitions == {"prefill": 1, "decode": 0}
+    # Every pod on the new template: the surge pods go only once a pair of the others is verified.
+    done = {
+        r: RoleObservation(2, 2, 2, template_hash=NEW, current_revision="b", update_revision="b", desired=2)
+        for r in ("prefill", "decode")
+    }
+    new = [replace(p, revision="b", ready_since=6.0) for p in pods]
+    assert plan_rollout(s, done, new, hashes, 9.0, verified=verified).replicas == {"prefill": 2, "decode": 2}
+    both = verified | {("m-prefill-0", "m-decode-0")}
+    assert plan_rollout(s, done, new, hashes, 9.0, verified=both).replicas == {"prefill": 1, "decode": 1}

@@ -515,8 +515,8 @@ def test_role_scaler_writes_are_made_once_while_the_index_lags(runtime):
 
 
 def test_a_reconcile_that_fails_before_the_workers_still_reports_it(runtime):
-    from disagg_operator.handlers import Seen, Work, converge
     from disagg_operator.apply_errors import ReconcileError
+    from disagg_operator.handlers import Seen, Work, converge
 
     cr = {**CR, "spec": {**CR["spec"], "auth": {"secretName": "absent"}}}
     applied = []
