@@ -23,7 +23,8 @@ ARGS ?=
 PYTEST_ARGS ?=
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: venv serve serve-mono serve-tiny test test-fast test-stress lint lint-manifests images tiny-model demo-model clean
+.PHONY: venv serve serve-mono serve-tiny test test-fast test-stress lint lint-manifests prometheus-bin images tiny-model \
+	demo-model clean
 
 -include mk/cluster.mk
 -include mk/node.mk
@@ -96,9 +97,15 @@ lint-manifests: venv k8s-bin
 	rm -rf $(MANIFESTS) && $(PY) hack/manifests/render.py --out $(MANIFESTS) --helm $(K8S_BIN_DIR)/helm >/dev/null && \
 	$(PY) hack/manifests/lint.py --tools "$$tools" --kept hack/manifests/kept-findings.yaml $(MANIFESTS)/*.yaml
 
+# Prometheus and promtool (built through the Go module proxy, cached under ~/.cache/disagg/prometheus): the chart's
+# alert rules run through `promtool test rules` and the dashboard's queries through a real server
+# (tests/packaging/test_alert_rules.py, tests/integration/test_observability.py).
+prometheus-bin:
+	hack/prometheus/build.sh
+
 # Lint first: a tree that does not pass it is not tested.
 # node-packages: the e2e tier (tests/e2e) runs pods on a real node, built and started by its fixture.
-test: lint lint-manifests node-packages
+test: lint lint-manifests node-packages prometheus-bin
 	$(VENV)/bin/pytest $(PYTEST_ARGS) tests
 
 test-fast: venv
@@ -108,7 +115,7 @@ test-fast: venv
 # runs, so that a test racing the machine's speed fails here before CI finds it. The tests' deadlines
 # stretch by STRESS_TIME_FACTOR (tests/timing.py); nothing else is relaxed.
 STRESS_TIME_FACTOR ?= 2
-test-stress: venv
+test-stress: venv prometheus-bin
 	@command -v stress-ng >/dev/null || { $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq stress-ng; }
 	stress-ng --cpu $$(nproc) --quiet & load=$$!; trap 'kill $$load' EXIT; \
 	DISAGG_TEST_TIME_FACTOR=$(STRESS_TIME_FACTOR) $(VENV)/bin/pytest $(PYTEST_ARGS) tests/integration

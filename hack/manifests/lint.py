@@ -2,7 +2,8 @@
 
 - kubeconform -strict, offline: Kubernetes objects against the strict schemas of the Kubernetes version the
   product targets, custom resources against JSON schemas converted from the project's own CRDs (and the chart's
-  kopf peering CRD) by kubeconform's openapi2jsonschema.py. A missing schema is an error.
+  kopf peering CRD, and the Prometheus operator's PrometheusRule CRD that tools.sh fetches) by kubeconform's
+  openapi2jsonschema.py. A missing schema is an error.
 - kube-score, each file on its own, with `OPTIONAL_CHECKS` on too, and the checks of checks.py (kube-linter's
   unhealthy-pod eviction policy among them). Every finding must match an entry of the
   kept-findings file (check id, the finding's summary, and an object pattern), and every entry must still match
@@ -42,8 +43,8 @@ class Finding:
 
 
 def crd_schemas(tools: Path, out: Path) -> None:
-    """JSON schemas of every CRD the project ships, named group_kind_version.json."""
-    files = sorted({str(f) for d in CRD_DIRS for f in d.glob("*.yaml")})
+    """JSON schemas of every CRD the project ships or renders objects of, named group_kind_version.json."""
+    files = sorted({str(f) for d in (*CRD_DIRS, tools / "crds") for f in d.glob("*.yaml")})
     env = {**os.environ, "FILENAME_FORMAT": "{fullgroup}_{kind}_{version}"}
     cmd = [sys.executable, str(tools / "openapi2jsonschema.py"), *files]
     subprocess.run(cmd, cwd=out, env=env, check=True, capture_output=True, text=True)

@@ -2,7 +2,8 @@
 
 One file per set, since kube-score's checks across objects (a PDB for each workload, a NetworkPolicy for each
 pod) look within one run:
-- chart-default.yaml, chart-ha.yaml: `helm template` of the chart, default values and replicas=2, CRDs included;
+- chart-default.yaml, chart-ha.yaml, chart-observability.yaml: `helm template` of the chart, CRDs included, with
+  default values, replicas=2, and its Grafana dashboard and PrometheusRule on;
 - examples.yaml: every document in examples/, and for each DisaggregatedModel the children the operator's own
   builders make of it (the generated auth Secret and the prefill RoleScaler included);
 - one file per CR in hack/manifests/crs/ (a GPU-shaped and a multi-replica model), the CR and its children.
@@ -23,7 +24,11 @@ from disagg_operator.spec import ModelSpec
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "charts" / "disagg-operator"
 NAMESPACE = "models"
-CHART_VALUES = {"chart-default": [], "chart-ha": ["--set", "replicas=2"]}
+CHART_VALUES = {
+    "chart-default": [],
+    "chart-ha": ["--set", "replicas=2"],
+    "chart-observability": ["--set", "dashboards.enabled=true", "--set", "prometheusRule.enabled=true"],
+}
 
 
 def operator_children(cr: dict[str, Any]) -> list[dict[str, Any]]:

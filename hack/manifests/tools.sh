@@ -4,12 +4,15 @@
 #   schemas/kubernetes/                 strict JSON schemas of Kubernetes $SCHEMA_K8S, from the
 #                                       kubernetes-validate wheel on PyPI
 #   openapi2jsonschema.py               kubeconform's own CRD-to-JSON-schema converter (its module's scripts/)
+#   crds/                               CRDs of other projects the chart renders objects of: the Prometheus
+#                                       operator's PrometheusRule (its module's example/prometheus-operator-crd/)
 # Idempotent: a stamp per component and version, so a warm run builds and downloads nothing.
 # Prints the cache directory on its last line.
 set -euo pipefail
 
 KUBE_SCORE_VERSION="${KUBE_SCORE_VERSION:-v1.20.0}"
 KUBECONFORM_VERSION="${KUBECONFORM_VERSION:-v0.8.0}"
+PROMETHEUS_OPERATOR_VERSION="${PROMETHEUS_OPERATOR_VERSION:-v0.85.0}"
 KUBERNETES_VALIDATE_VERSION="${KUBERNETES_VALIDATE_VERSION:-1.37.0}"
 SCHEMA_K8S="${SCHEMA_K8S:-v1.36.0}"
 PYTHON="${PYTHON:-python3}"
@@ -72,8 +75,19 @@ fetch_converter() {
   stamp openapi2jsonschema "$KUBECONFORM_VERSION"
 }
 
+fetch_prometheus_rule_crd() {
+  local file=monitoring.coreos.com_prometheusrules.yaml dir
+  fresh prometheus-operator-crds "$PROMETHEUS_OPERATOR_VERSION" && [[ -f "$CACHE/crds/$file" ]] && return
+  dir=$(cd "$CACHE" && go mod download -json "github.com/prometheus-operator/prometheus-operator@$PROMETHEUS_OPERATOR_VERSION" |
+        sed -n 's/^\s*"Dir": "\(.*\)",\?$/\1/p')
+  rm -rf "$CACHE/crds" && mkdir -p "$CACHE/crds"
+  install -m 0644 "$dir/example/prometheus-operator-crd/$file" "$CACHE/crds/$file"
+  stamp prometheus-operator-crds "$PROMETHEUS_OPERATOR_VERSION"
+}
+
 build_go_tool kube-score "$KUBE_SCORE_VERSION" github.com/zegl/kube-score/cmd/kube-score
 build_go_tool kubeconform "$KUBECONFORM_VERSION" github.com/yannh/kubeconform/cmd/kubeconform
 fetch_k8s_schemas
 fetch_converter
+fetch_prometheus_rule_crd
 echo "$CACHE"

@@ -7,6 +7,7 @@ operator Deployment's flags and settings are ones the operator understands. This
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 from collections.abc import Callable
@@ -17,6 +18,7 @@ import yaml
 
 from disagg_operator.config import OperatorConfig
 from disagg_operator.main import parse_args
+from tests.observability import DASHBOARD, rules_with_defaults
 from tests.timing import scaled
 
 REPO = Path(__file__).resolve().parents[2]
@@ -29,6 +31,7 @@ VARIANTS = {
     "cluster-wide-ha": ["--set", "replicas=2"],
     "one-namespace": ["--set", "watchNamespace=team-a"],
     "one-namespace-ha": ["--set", "watchNamespace=team-a", "--set", "replicas=2"],
+    "dashboards-and-rules": ["--set", "dashboards.enabled=true", "--set", "prometheusRule.enabled=true"],
 }
 
 Render = Callable[..., list[dict]]
@@ -168,3 +171,38 @@ def test_operator_values_reach_the_operators_config(render: Render):
     assert OperatorConfig.from_env({e["name"]: e["value"] for e in deployment_container(render())["env"]}) == (
         OperatorConfig()
     )
+
+
+def test_dashboards_and_rules_are_off_by_default(render: Render):
+    objects = render()
+    assert of_kind(objects, "PrometheusRule", "ConfigMap") == []
+
+
+def test_the_dashboard_reaches_grafanas_sidecar_as_a_labelled_configmap(render: Render):
+    objects = render(*VARIANTS["dashboards-and-rules"], "--set", "dashboards.annotations.grafana_folder=LLM")
+    [cm] = of_kind(objects, "ConfigMap")
+    assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert cm["metadata"]["annotations"] == {"grafana_folder": "LLM"}
+    assert json.loads(cm["data"]["disagg-model.json"]) == json.loads(DASHBOARD.read_text())
+
+
+def test_the_prometheusrule_holds_the_rules_with_the_thresholds_given(render: Render):
+    [rule] = of_kind(render(*VARIANTS["dashboards-and-rules"]), "PrometheusRule")
+    assert rule["apiVersion"] == "monitoring.coreos.com/v1"
+    assert rule["spec"] == yaml.safe_load(rules_with_defaults())  # what the promtool and Prometheus tests run
+    objects = render(
+        *VARIANTS["dashboards-and-rules"],
+        "--set",
+        "prometheusRule.thresholds.kvUsageRatio=0.8",
+        "--set",
+        "prometheusRule.labels.release=monitoring",
+    )
+    [rule] = of_kind(objects, "PrometheusRule")
+    assert rule["metadata"]["labels"]["release"] == "monitoring"
+    exprs = {r["alert"]: r["expr"] for g in rule["spec"]["groups"] for r in g["rules"] if "alert" in r}
+    assert exprs["DisaggKVUsageHigh"] == "disagg:kv_usage:ratio > 0.8"
+
+
+def test_a_threshold_out_of_range_fails_at_install(render: Render):
+    with pytest.raises(AssertionError, match="kvUsageRatio"):
+        render("--set", "prometheusRule.enabled=true", "--set", "prometheusRule.thresholds.kvUsageRatio=2")

@@ -14,6 +14,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from disagg_worker.router.verify import PairVerifier
 from disagg_worker.router.workers import WorkerPool
 
 # How the cache-aware policy picked a request's prefill, or that decode computed the prompt itself.
@@ -94,9 +95,39 @@ class PoolCollector:
         yield from (healthy, inflight, pages, age, snapshots, events, state)
 
 
-def metrics_handler(pool: WorkerPool):
+class PairCollector:
+    """Pair verification and KV handoff health (`verify.py`, `handoff.py`): what /health shows under "pairs" and
+    "handoff", and what the operator turns into PairingVerified and HandoffStalled."""
+
+    def __init__(self, verifier: PairVerifier):
+        self.verifier = verifier
+
+    def collect(self) -> Iterator[Metric]:
+        v = self.verifier
+        pairs = GaugeMetricFamily(
+            "disagg_router_pairs",
+            "Prefill->decode pairs of one revision, by whether they may carry requests now",
+            labels=["state"],
+        )
+        usable = sum(v.usable(p, d) for p, d in v.states)
+        pairs.add_metric(["verified"], usable)
+        pairs.add_metric(["unverified"], len(v.states) - usable)
+        stalled = GaugeMetricFamily(
+            "disagg_router_handoff_stalled",
+            "1 while a handoff queue of the worker holds requests and no transfer finished or failed for "
+            "--stall-after seconds",
+            labels=["worker", "role"],
+        )
+        for w in v.monitor.describe()["workers"]:
+            stalled.add_metric([w["url"], w["role"]], float(bool(w["stalled_queues"])))
+        yield from (pairs, stalled)
+
+
+def metrics_handler(pool: WorkerPool, verifier: PairVerifier | None = None):
     registry = CollectorRegistry(auto_describe=False)
     registry.register(PoolCollector(pool))
+    if verifier is not None:
+        registry.register(PairCollector(verifier))
 
     async def metrics(request: web.Request) -> web.Response:
         return web.Response(body=generate_latest(registry), headers={"Content-Type": CONTENT_TYPE_LATEST})

@@ -60,7 +60,7 @@ def build_router_app(router: Router, admission: Admission, responses: ResponseSt
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)
     app.router.add_get("/livez", livez)
-    app.router.add_get("/metrics", metrics_handler(router.pool))
+    app.router.add_get("/metrics", metrics_handler(router.pool, router.verifier))
     return app
 
 

@@ -70,7 +70,7 @@ class EngineServer:
         # The tokenizer loads while the scheduler processes load the model: from a GGUF file each takes
         # seconds. zmq queues the schedulers' messages until the frontend binds its socket.
         tokenizer = await asyncio.to_thread(Tokenizer.from_path, a.engine.model_path)
-        metrics = ServerMetrics(instance=f"{a.host}:{a.port}")
+        metrics = ServerMetrics(instance=f"{a.host}:{a.port}", role=d.role.value)
         inboxes = [group_inbox(self.to_engine, g, d.dp_size) for g in range(d.dp_size)]
         prefill = d.role is Role.PREFILL
         key_id = d.kv_names[1]

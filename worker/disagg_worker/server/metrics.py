@@ -14,11 +14,15 @@ PROBE_HEADER = "X-Disagg-Probe"
 
 
 class ServerMetrics:
-    def __init__(self, instance: str):
+    def __init__(self, instance: str, role: str = "monolithic"):
         self.registry = CollectorRegistry()
         r, labels = self.registry, ["instance"]
         self.instance = instance
         self.scheduler_text = ""
+        # The instance's role, for dashboards and alerts to join onto its other series (`on(job, instance)`).
+        Gauge("disagg_instance_info", "1, labelled with the instance's role", ["instance", "role"], registry=r).labels(
+            instance, role
+        ).set(1)
 
         def gauge(name: str, doc: str) -> Gauge:
             return Gauge(name, doc, labels, registry=r).labels(instance)
