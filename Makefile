@@ -23,7 +23,7 @@ ARGS ?=
 PYTEST_ARGS ?=
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: venv serve serve-mono serve-tiny test test-fast test-stress lint lint-manifests images tiny-model demo-model clean
+.PHONY: venv serve serve-mono serve-tiny test test-fast test-stress lint lint-manifests images tiny-model demo-model clean jaeger-bin
 
 -include mk/cluster.mk
 -include mk/node.mk
@@ -96,9 +96,14 @@ lint-manifests: venv k8s-bin
 	rm -rf $(MANIFESTS) && $(PY) hack/manifests/render.py --out $(MANIFESTS) --helm $(K8S_BIN_DIR)/helm >/dev/null && \
 	$(PY) hack/manifests/lint.py --tools "$$tools" --kept hack/manifests/kept-findings.yaml $(MANIFESTS)/*.yaml
 
+# Jaeger all-in-one, built from its Go module into ~/.cache/disagg/jaeger once (hack/jaeger/build.sh; about
+# 3.5 min on one core the first time, nothing after): the collector the tracing integration test reads spans from.
+jaeger-bin:
+	hack/jaeger/build.sh >/dev/null
+
 # Lint first: a tree that does not pass it is not tested.
 # node-packages: the e2e tier (tests/e2e) runs pods on a real node, built and started by its fixture.
-test: lint lint-manifests node-packages
+test: lint lint-manifests node-packages jaeger-bin
 	$(VENV)/bin/pytest $(PYTEST_ARGS) tests
 
 test-fast: venv
@@ -108,7 +113,7 @@ test-fast: venv
 # runs, so that a test racing the machine's speed fails here before CI finds it. The tests' deadlines
 # stretch by STRESS_TIME_FACTOR (tests/timing.py); nothing else is relaxed.
 STRESS_TIME_FACTOR ?= 2
-test-stress: venv
+test-stress: venv jaeger-bin
 	@command -v stress-ng >/dev/null || { $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq stress-ng; }
 	stress-ng --cpu $$(nproc) --quiet & load=$$!; trap 'kill $$load' EXIT; \
 	DISAGG_TEST_TIME_FACTOR=$(STRESS_TIME_FACTOR) $(VENV)/bin/pytest $(PYTEST_ARGS) tests/integration
