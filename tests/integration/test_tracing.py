@@ -24,10 +24,11 @@ REPO = Path(__file__).resolve().parents[2]
 FLAGS = ("--page-size", "4", "--chunk-size", "32", "--max-total-tokens", "8192")
 # Spans leave each process in batches this often (ms): the trace is complete soon after the request.
 EXPORT_DELAY_MS = "100"
-# What the client's latency may exceed the router's span by (connection, request and response transfer on
-# localhost), and what a worker's span may exceed the sum of its stages by (tokenising, the hops between the HTTP
-# and the scheduler process, detokenising): a deadline-like bound, so it stretches with the machine's time factor.
-TOLERANCE_S = scaled(0.05)
+# How much of the client's latency the stages may leave uncovered: the HTTP round trips on localhost and the
+# front ends' own work (parsing, tokenising, the zmq hops, detokenising). Measured on a loaded 2-core machine: a
+# 40 ms request, 1 ms outside the router's span, 3 ms of each worker's span outside its stages, 6 ms in all. A
+# deadline-like bound, so it stretches with the machine's time factor.
+TOLERANCE_S = scaled(0.015)
 
 
 @pytest.fixture(scope="module")
@@ -86,11 +87,12 @@ def _get(url: str) -> dict | None:
 
 
 def read_trace(query: str, trace_id: str, complete) -> dict:
-    """The trace as Jaeger has it once `complete(spans by name)` holds: {span id: span}, each with its service."""
+    """The trace as Jaeger stored it (`raw`: without the query service's clock-skew adjustments, which would move
+    a child into its parent) once `complete(spans by name)` holds: {span id: span}, each with its service."""
     found: dict = {}
 
     def fetch() -> bool:
-        body = _get(f"{query}/api/traces/{trace_id}")
+        body = _get(f"{query}/api/traces/{trace_id}?raw=true")
         if not body or not body.get("data"):
             return False
         t = body["data"][0]
@@ -168,6 +170,7 @@ def test_a_pd_request_is_one_trace_across_router_prefill_and_decode(stack, jaege
         for name in stages:
             for s in names[f"disagg-{role}:{name}"]:
                 assert parent_of(s) == server["spanID"], (role, name)
+                assert 0 <= s["duration"] < server["duration"], (role, name)
                 assert server["startTime"] <= s["startTime"] and end(s) <= end(server) + 1000, (role, name)
         assert leg["startTime"] <= server["startTime"] and end(server) <= end(leg) + 1000, role
 
@@ -186,13 +189,39 @@ def test_a_pd_request_is_one_trace_across_router_prefill_and_decode(stack, jaege
     assert decoding["finish_reason"] == "length" and decoding["output_tokens"] == 8
     assert one[f"disagg-decode:decode {SERVER}"]["attrs"]["disagg.finish_reason"] == "length"
 
-    # Durations add up: the router's span is the client's latency, less the HTTP round trip on localhost, and
-    # each worker's stages, one after another, fill its span but for the front end's own work.
-    assert latency_us - TOLERANCE_S * 1e6 <= root["duration"] <= latency_us
+    # Durations add up. The router's span is the client's latency less the HTTP round trip on localhost. Each
+    # worker's stages fill its span but for its front end's own work (parsing, tokenising, the zmq hops,
+    # detokenising): decode's one after another; prefill's KV transfer begins with the first chunk's pages and
+    # overlaps the later chunks' forwards, so what adds up there is the time at least one stage covers.
+    tolerance_us = TOLERANCE_S * 1e6
+    covered = {}
     for role, stages in (("prefill", PREFILL_STAGES), ("decode", DECODE_STAGES)):
         server = one[f"disagg-{role}:{role} {SERVER}"]
-        ordered = sorted((s for n in stages for s in names[f"disagg-{role}:{n}"]), key=lambda s: s["startTime"])
-        for a, b in zip(ordered, ordered[1:], strict=False):
-            assert end(a) <= b["startTime"] + 1000, (role, a["operationName"], b["operationName"])
-        covered = sum(s["duration"] for s in ordered)
-        assert server["duration"] - TOLERANCE_S * 1e6 <= covered <= server["duration"], (role, covered, server)
+        spans_of = [s for n in stages for s in names[f"disagg-{role}:{n}"]]
+        covered[role] = union_us([(s["startTime"], end(s)) for s in spans_of])
+        assert server["duration"] - tolerance_us <= covered[role] <= server["duration"], (role, covered, server)
+    # The streamed answer's path, each level inside the one above it (1 ms of slack for the clocks' rounding):
+    # client > router > attempt > decode leg > decode's span > decode's stages, all within the tolerance.
+    chain = [latency_us, root["duration"], attempt["duration"], one["disagg-router:decode"]["duration"]]
+    chain += [one[f"disagg-decode:decode {SERVER}"]["duration"], covered["decode"]]
+    assert all(a + 1000 >= b for a, b in zip(chain, chain[1:], strict=False)), chain
+    assert chain[0] - chain[-1] <= tolerance_us, chain
+    decode = [one[f"disagg-decode:{n}"] for n in DECODE_STAGES]
+    for a, b in zip(decode, decode[1:], strict=False):
+        assert end(a) <= b["startTime"] + 1000, ("decode", a["operationName"], b["operationName"])
+    prefill = [one[f"disagg-prefill:{n}"] for n in PREFILL_STAGES[:3]] + forwards
+    for a, b in zip(prefill, prefill[1:], strict=False):
+        assert a["startTime"] <= b["startTime"], ("prefill", a["operationName"], b["operationName"])
+    transfer = one["disagg-prefill:kv.transfer"]
+    assert end(forwards[0]) <= transfer["startTime"] + 1000 and end(transfer) >= end(forwards[-1])
+
+
+def union_us(intervals: list[tuple[int, int]]) -> int:
+    """How long at least one of the intervals covers."""
+    total, reach = 0, None
+    for start, stop in sorted(intervals):
+        if reach is None or start > reach:
+            total, reach = total + stop - start, stop
+        elif stop > reach:
+            total, reach = total + stop - reach, stop
+    return total

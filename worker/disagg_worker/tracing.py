@@ -76,25 +76,34 @@ class Tracer:
         self.provider.shutdown()
 
     @contextmanager
-    def server_span(self, name: str, headers: Mapping[str, str], **attrs: Any) -> Iterator[Span]:
-        """A request's span in this process, the current span while the block runs: a child of the W3C context
-        in `headers` (its `traceparent`), else the root of a new trace."""
+    def server_span(
+        self, name: str, headers: Mapping[str, str], start_ns: int | None = None, **attrs: Any
+    ) -> Iterator[Span]:
+        """A request's span in this process, begun now or at `start_ns`, the current span while the block runs: a
+        child of the W3C context in `headers` (its `traceparent`), else the root of a new trace."""
         from opentelemetry import trace
 
         parent = self.propagator.extract(headers)
-        span = self.tracer.start_span(name, context=parent, kind=trace.SpanKind.SERVER, attributes=attrs)
+        kind = trace.SpanKind.SERVER
+        span = self.tracer.start_span(name, context=parent, kind=kind, attributes=attrs, start_time=start_ns)
         with trace.use_span(span, end_on_exit=True, record_exception=False, set_status_on_exception=True):
             yield span
 
     def start(
-        self, name: str, attrs: Mapping[str, Any] | None = None, parent: Span | None = None, client: bool = False
+        self,
+        name: str,
+        attrs: Mapping[str, Any] | None = None,
+        parent: Span | None = None,
+        client: bool = False,
+        start_ns: int | None = None,
     ) -> Span:
-        """A span with `attrs` under `parent` (default: the current span); `client`: a call to another process."""
+        """A span with `attrs` under `parent` (default: the current span), begun now or at `start_ns`; `client`: a
+        call to another process."""
         from opentelemetry import trace
 
         context = trace.set_span_in_context(parent) if parent is not None else None
         kind = trace.SpanKind.CLIENT if client else trace.SpanKind.INTERNAL
-        return self.tracer.start_span(name, context=context, kind=kind, attributes=attrs)
+        return self.tracer.start_span(name, context=context, kind=kind, attributes=attrs, start_time=start_ns)
 
     def headers(self, span: Span) -> dict[str, str]:
         """The W3C headers (`traceparent`) that make the receiver's spans children of `span`."""
@@ -119,7 +128,7 @@ class Tracer:
 
     def span_between(self, name: str, parent: Span, start_ns: int, end_ns: int | None = None, **attrs: Any) -> None:
         """A span under `parent` that began at `start_ns` and ended at `end_ns` (default: now)."""
-        span = self.start(name, attrs, parent)
+        span = self.start(name, attrs, parent, start_ns=start_ns)
         span.end(end_time=end_ns if end_ns is not None else time.time_ns())
 
 

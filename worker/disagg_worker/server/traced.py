@@ -25,10 +25,10 @@ def traced_middlewares(tracer: Tracer) -> tuple[Any, Any]:
     async def span(request: web.Request, handler):
         if request.path not in GENERATION_PATHS:
             return await handler(request)
-        request[_ARRIVED] = time.time_ns()
+        request[_ARRIVED] = arrived = time.time_ns()
         name = f"{tracer.role} {request.method} {request.path}"
         attrs = {"disagg.role": tracer.role, "http.request.method": request.method, "http.route": request.path}
-        with tracer.server_span(name, request.headers, **attrs) as s:
+        with tracer.server_span(name, request.headers, arrived, **attrs) as s:
             response = await handler(request)
             s.set_attribute("http.response.status_code", response.status)
             return response
