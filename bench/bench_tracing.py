@@ -1,11 +1,14 @@
 """What tracing costs: `disagg serve --local` (router + prefill + decode) with tracing off and on, in one run.
 
-Both stacks run on the tiny model for the whole benchmark; rounds alternate between them (off on, on off, ...)
-with the same fresh prompts for both, one request at a time (where a fixed per-request cost shows most) and at
-concurrency 8. "on" samples every request (`--otlp-traces-sampling-ratio 1`) and exports its spans to a Jaeger
-all-in-one started here (`hack/jaeger/build.sh`, in-memory storage); "off" is the default, no flag.
-Reports the median over rounds of TTFT and end-to-end p50 and the on / off ratios.
-Writes bench/results/tracing.json.  Usage: python bench/bench_tracing.py [--rounds N]
+The stacks run on the tiny model for the whole benchmark; rounds rotate between them (the order changes every
+round) with the same fresh prompts for all, one request at a time (where a fixed per-request cost shows most) and
+at concurrency 8. "on" samples every request (`--otlp-traces-sampling-ratio 1`) and exports its spans to a Jaeger
+all-in-one started here (`hack/jaeger/build.sh`, in-memory storage); "off" is the default, no flag; with `--base
+DIR`, "base" is the same stack from another checkout (the commit before tracing: what "off" costs).
+Reports the median over rounds of TTFT and end-to-end p50, throughput and the CPU time the stack's processes
+spent per request (less sensitive to a loaded machine than latencies), and the on / off (and off / base) ratios.
+Writes bench/results/tracing.json.
+Usage: git worktree add /tmp/base <commit>; python bench/bench_tracing.py --base /tmp/base [--rounds N]
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_pd import KEYS, load  # noqa: E402
+from bench_pd import load  # noqa: E402
 from common import DISAGG, RESULTS, Serve, free_port, get_json, machine_info  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -49,11 +52,29 @@ def start_jaeger() -> tuple[subprocess.Popen, str, str]:
     return proc, f"127.0.0.1:{ports['collector.otlp.http']}", query
 
 
+def cpu_s(s: Serve) -> float:
+    """CPU seconds (user and system) the stack's processes have used so far."""
+    import psutil
+
+    assert s.proc is not None
+    top = psutil.Process(s.proc.pid)
+    total = 0.0
+    for p in [top, *top.children(recursive=True)]:
+        try:
+            t = p.cpu_times()
+        except psutil.NoSuchProcess:
+            continue
+        total += t.user + t.system + t.children_user + t.children_system
+    return total
+
+
 def rounds(servers: dict[str, Serve], a: argparse.Namespace, n: int, concurrency: int, seed: int) -> dict:
     got: dict[str, list[dict]] = {name: [] for name in servers}
     names = list(servers)
     for r in range(a.rounds):
-        for name in names if r % 2 == 0 else names[::-1]:
+        order = names[r % len(names) :] + names[: r % len(names)]
+        for name in order if r % 2 == 0 else order[::-1]:
+            before = cpu_s(servers[name])
             rep = load(
                 servers[name].url,
                 n=n,
@@ -62,11 +83,18 @@ def rounds(servers: dict[str, Serve], a: argparse.Namespace, n: int, concurrency
                 output_len=a.output_len,
                 seed=seed + r,
             )
+            rep["cpu_ms_per_request"] = (cpu_s(servers[name]) - before) * 1000 / n
             got[name].append(rep)
-            print(f"  round {r} {name:>3}: TTFT p50 {rep['p50_ttft_ms']:.1f} e2e p50 {rep['p50_e2e_ms']:.1f} ms")
-    med = {name: {k: statistics.median(x[k] for x in reps) for k in KEYS} for name, reps in got.items()}
-    ratio = {k: med["on"][k] / med["off"][k] for k in ("p50_ttft_ms", "p50_e2e_ms", "request_throughput")}
-    return {"median": med, "ratio_on_over_off": ratio, "rounds": got, "concurrency": concurrency, "requests": n}
+            print(
+                f"  round {r} {name:>4}: TTFT p50 {rep['p50_ttft_ms']:.1f} e2e p50 {rep['p50_e2e_ms']:.1f} ms, "
+                f"CPU {rep['cpu_ms_per_request']:.1f} ms/request"
+            )
+    keys = ("p50_ttft_ms", "p50_e2e_ms", "request_throughput", "cpu_ms_per_request")
+    med = {name: {k: statistics.median(x[k] for x in reps) for k in keys} for name, reps in got.items()}
+    res = {"median": med, "ratio_on_over_off": {k: med["on"][k] / med["off"][k] for k in keys}}
+    if "base" in med:
+        res["ratio_off_over_base"] = {k: med["off"][k] / med["base"][k] for k in keys}
+    return res | {"rounds": got, "concurrency": concurrency, "requests": n}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -75,6 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests", type=int, default=20)
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=16)
+    ap.add_argument("--base", default="", help="a checkout without tracing, run as a third stack")
     a = ap.parse_args(argv)
     t0 = time.time()
     model = tempfile.mkdtemp(prefix="bench-tracing-model-")
@@ -87,6 +116,10 @@ def main(argv: list[str] | None = None) -> int:
         "off": Serve(model, *flags, env=env, name="bench-tracing"),
         "on": Serve(model, *flags, *tracing, env=env, name="bench-tracing"),
     }
+    if a.base:
+        base = Path(a.base).resolve()
+        path = {"PYTHONPATH": f"{base / 'worker'}:{base / 'operator'}:{base / 'api'}"}
+        servers["base"] = Serve(model, *flags, env=env | path, name="bench-tracing")
     res: dict = {"machine": machine_info(), "config": vars(a)}
     try:
         for s in servers.values():
@@ -110,8 +143,13 @@ def main(argv: list[str] | None = None) -> int:
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "tracing.json").write_text(json.dumps(res, indent=2) + "\n")
     for key in ("c1", "c8"):
-        r = res[key]["ratio_on_over_off"]
-        print(f"{key}: on/off TTFT p50 x{r['p50_ttft_ms']:.3f}, e2e p50 x{r['p50_e2e_ms']:.3f}")
+        for ratio in ("ratio_on_over_off", "ratio_off_over_base"):
+            r = res[key].get(ratio)
+            if r:
+                print(
+                    f"{key} {ratio}: TTFT p50 x{r['p50_ttft_ms']:.3f}, e2e p50 x{r['p50_e2e_ms']:.3f}, "
+                    f"CPU/request x{r['cpu_ms_per_request']:.3f}"
+                )
     return 0
 
 
