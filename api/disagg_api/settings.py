@@ -186,6 +186,19 @@ DRAIN_TIMEOUT = Setting(
     help="on SIGTERM, seconds to finish admitted requests (new ones get 503) before cutting them short "
     "(the operator sets the pod's termination grace period from it)",
 )
+OTLP_TRACES_ENDPOINT = Setting(
+    "--otlp-traces-endpoint",
+    help="OpenTelemetry traces of each request (spans of its stages) to this OTLP/HTTP collector: host:port or a "
+    "URL (/v1/traces when it has no path), e.g. localhost:4318; empty: tracing off",
+    sglang="--otlp-traces-endpoint",
+)
+OTLP_TRACES_SAMPLING_RATIO = Setting(
+    "--otlp-traces-sampling-ratio",
+    float,
+    1.0,
+    help="with --otlp-traces-endpoint, the share of new traces sampled (a request that comes with a W3C "
+    "traceparent follows its sampled flag)",
+)
 
 ENGINE = (
     MODEL,
@@ -230,6 +243,8 @@ ENGINE = (
     API_KEY_FILE,
     MAX_INFLIGHT_REQUESTS,
     DRAIN_TIMEOUT,
+    OTLP_TRACES_ENDPOINT,
+    OTLP_TRACES_SAMPLING_RATIO,
 )
 
 # Prefill and decode: the KV transfer, the bootstrap handshake, their queues and listening ports, the shared secret.

@@ -13,7 +13,7 @@ import yaml
 from disagg_api import settings as S
 
 from . import names
-from .crd_roles import ATTN_TP, RANK_RULES, SPAN_RULES, engine_props, router_schema, worker_role_schema
+from .crd_roles import ATTN_TP, RANK_RULES, SPAN_RULES, engine_props, router_schema, tracing_schema, worker_role_schema
 from .crd_status import status_schema
 from .schema import integer, obj, rule, string
 from .spec import DEFAULT_DRAIN_TIMEOUT, DEFAULT_MAX_SURGE, DEFAULT_PROGRESS_DEADLINE, ORDERS
@@ -317,6 +317,7 @@ def spec_schema() -> dict:
             "rollout": _rollout(),
             "scaling": _scaling(),
             "speculative": _speculative(),
+            "tracing": tracing_schema(),
         },
         "The desired state of a disaggregated deployment.",
         required=["model", "image"],

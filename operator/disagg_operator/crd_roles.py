@@ -108,6 +108,23 @@ def _decode_props() -> dict:
     }
 
 
+def tracing_schema() -> dict:
+    ratio = {"type": "number", "minimum": 0, "maximum": 1, "default": 1, "description": "Share of new traces sampled."}
+    return obj(
+        {
+            "otlpEndpoint": string(
+                "The OTLP/HTTP collector, as host:port or a URL (/v1/traces appended when it has no path), e.g. "
+                "otel-collector.observability:4318.",
+                512,
+            ),
+            "samplingRatio": ratio,
+        },
+        "OpenTelemetry traces of each request through the router, prefill, the KV transfer and decode, sent by the "
+        "router and every worker (--otlp-traces-endpoint). Absent: off.",
+        required=["otlpEndpoint"],
+    )
+
+
 def router_schema() -> dict:
     props = _placement_props()
     props["resources"] = {

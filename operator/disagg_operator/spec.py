@@ -130,6 +130,18 @@ class RouterSpec:
 
 
 @dataclass(frozen=True)
+class TracingSpec:
+    """OpenTelemetry traces of each request (`spec.tracing`): where the router and the workers send their spans."""
+
+    otlp_endpoint: str
+    sampling_ratio: float = 1.0
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any] | None) -> "TracingSpec | None":
+        return cls(d["otlpEndpoint"], float(d.get("samplingRatio", 1.0))) if d else None
+
+
+@dataclass(frozen=True)
 class ModelSource:
     path: str | None
     pvc: str | None
@@ -276,6 +288,7 @@ class ModelSpec:
     # The clients' API keys (a file of keys, one a line), mounted into the router only; None: no API keys.
     api_key_secret: SecretRef | None = None
     speculative: SpeculativeSpec | None = None  # None: no speculative decoding
+    tracing: TracingSpec | None = None  # None: no traces
 
     @property
     def grace_period_s(self) -> int:
@@ -339,6 +352,7 @@ class ModelSpec:
             prefill_per_decode=float(ratio) if ratio is not None else None,
             api_key_secret=_secret_ref(spec.get("apiKeySecret")),
             speculative=SpeculativeSpec.from_dict(spec.get("speculative")),
+            tracing=TracingSpec.from_dict(spec.get("tracing")),
         )
 
 

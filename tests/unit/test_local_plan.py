@@ -36,3 +36,11 @@ def test_dp_attention_goes_to_its_role():
     assert flag(cmds["decode"], "--dp-size") == "2" and "--enable-dp-attention" in cmds["decode"]
     assert flag(cmds["prefill"], "--dp-size") == "1" and "--enable-dp-attention" not in cmds["prefill"]
     assert not any(a.startswith("--decode-") for a in cmds["decode"] + cmds["prefill"])
+
+
+def test_the_tracing_flags_go_to_all_three_processes():
+    argv = ["--model", "m", "--local", "--otlp-traces-endpoint", "localhost:4318", "--otlp-traces-sampling-ratio=0.5"]
+    cmds = plan(argv, 9000, "m", RoleRanks())
+    for cmd in cmds.values():
+        assert flag(cmd, "--otlp-traces-endpoint") == "localhost:4318"
+        assert "--otlp-traces-sampling-ratio=0.5" in cmd

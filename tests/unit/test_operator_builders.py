@@ -798,3 +798,21 @@ def test_a_migration_limit_the_cr_sets_reaches_the_router_and_none_is_added_othe
     for limit in (0, 5):
         tiny["spec"]["router"] = {**tiny["spec"].get("router", {}), "migrationLimit": limit}
         assert parser.parse_args(router_args(ModelSpec.from_cr(tiny), CFG)[1:]).migration_limit == limit
+
+
+def test_spec_tracing_reaches_the_router_and_every_worker_and_nothing_is_added_without_it(tiny):
+    import argparse
+
+    from disagg_worker.cli import build_parser
+    from disagg_worker.router.args import add_router_args
+
+    router = argparse.ArgumentParser()
+    add_router_args(router)
+    untraced = ModelSpec.from_cr(tiny)
+    assert not any("otlp" in a for a in router_args(untraced, CFG) + worker_args(untraced, names.DECODE))
+    tiny["spec"]["tracing"] = {"otlpEndpoint": "otel-collector.observability:4318", "samplingRatio": 0.25}
+    spec = ModelSpec.from_cr(tiny)
+    parsed = [router.parse_args(router_args(spec, CFG)[1:])]
+    parsed += [build_parser().parse_args(worker_args(spec, role)) for role in (names.PREFILL, names.DECODE)]
+    for ns in parsed:
+        assert (ns.otlp_traces_endpoint, ns.otlp_traces_sampling_ratio) == ("otel-collector.observability:4318", 0.25)

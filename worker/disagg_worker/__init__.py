@@ -20,6 +20,9 @@ request's own types in request/; `tests/unit/test_imports.py` holds the floors):
   engine/outbox.py         new tokens go back to the HTTP process as TokenOut
   server/frontend.py       detokenizes, and server/openai_format.py streams OpenAI's chunks
 
+With --otlp-traces-endpoint the router and each HTTP process make OpenTelemetry spans of it (tracing.py),
+the scheduler's stages among them (request/trail.py).
+
 Settings flow down one frozen chain (config.py, from the flags of cli_args.py); ranks/ is how the ranks
 of a multi-GPU instance work together, instance/ the processes that run them.
 """

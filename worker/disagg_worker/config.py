@@ -380,6 +380,9 @@ class ServerArgs:
     max_inflight_requests: int = from_flag(S.MAX_INFLIGHT_REQUESTS)
     # On SIGTERM: seconds to finish admitted requests before cutting them short and exiting.
     drain_timeout_s: float = from_flag(S.DRAIN_TIMEOUT)
+    # OpenTelemetry traces (`disagg_worker.tracing`): the OTLP/HTTP collector ("": off) and the sampled share.
+    otlp_traces_endpoint: str = from_flag(S.OTLP_TRACES_ENDPOINT)
+    otlp_traces_sampling_ratio: float = from_flag(S.OTLP_TRACES_SAMPLING_RATIO)
 
     @property
     def inflight_limit(self) -> int:
@@ -392,8 +395,5 @@ class ServerArgs:
         if self.max_inflight_requests > 0:
             return self.max_inflight_requests
         running, d = self.engine.scheduler.max_running_requests, self.engine.disagg
-        if d.role is Role.PREFILL:
-            return running + d.max_bootstrap_queue
-        if d.role is Role.DECODE:
-            return running + d.max_prealloc_queue
-        return 4 * running
+        queue = {Role.PREFILL: d.max_bootstrap_queue, Role.DECODE: d.max_prealloc_queue}.get(d.role)
+        return running + queue if queue is not None else 4 * running

@@ -23,7 +23,7 @@ from .common import (
 )
 from .placement import scheduling
 from .secret import api_keys_file, api_keys_volume, auth_token_file, auth_volume
-from .workers import model_volumes
+from .workers import model_volumes, tracing_settings
 
 # What a router asks for when its CR says nothing: it is one asyncio process that forwards requests.
 ROUTER_REQUESTS = {"cpu": "250m", "memory": "256Mi"}
@@ -59,6 +59,7 @@ def router_args(spec: ModelSpec, cfg: OperatorConfig) -> list[str]:
         values.append((R.DECODE_ONLY_TOKENS, r.decode_only_tokens))
     if r.migration_limit is not None:
         values.append((R.MIGRATION_LIMIT, r.migration_limit))
+    values += tracing_settings(spec)
     return [names.ROUTER, *command_line(values), *r.placement.args]
 
 

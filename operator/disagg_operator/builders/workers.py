@@ -69,7 +69,15 @@ def worker_settings(spec: ModelSpec, role: str) -> list[tuple[Setting, Any]]:
         # Decode drafts; prefill runs a draft model over the prompt, and needs nothing for NGRAM (a flag it
         # ignored would only roll its pods). Only when set, like --ep-size.
         out += s.settings()
-    return out
+    return out + tracing_settings(spec)
+
+
+def tracing_settings(spec: ModelSpec) -> list[tuple[Setting, Any]]:
+    """The router's and every worker's tracing flags (none without `spec.tracing`: no pod rolls for it)."""
+    t = spec.tracing
+    if t is None:
+        return []
+    return [(S.OTLP_TRACES_ENDPOINT, t.otlp_endpoint), (S.OTLP_TRACES_SAMPLING_RATIO, t.sampling_ratio)]
 
 
 def _digest(obj: Any, length: int) -> str:

@@ -207,6 +207,10 @@ class KVSender(ABC):
     def failure_reason(self) -> str:
         """Why the room failed ("" unless poll() is Failed)."""
 
+    def peers(self) -> list[str]:
+        """The decode peers the room's pages go to, as a trace names them (none where the backend does not say)."""
+        return []
+
 
 class KVReceiver(ABC):
     """Decode-side handle of one room.

@@ -63,15 +63,24 @@ def build_kv_manager(
 
 
 def build_stage(
-    cfg: EngineConfig, kv: Transfers | None, scheduler: Scheduler, allocator: PageAllocator, outbox: Outbox
+    cfg: EngineConfig,
+    kv: Transfers | None,
+    scheduler: Scheduler,
+    allocator: PageAllocator,
+    outbox: Outbox,
+    pool_nbytes: int = 0,
 ) -> RoleStage | None:
     """The stage of `cfg`'s role over `kv` (this rank's manager, or every rank's agreement);
-    None for a monolithic engine."""
+    None for a monolithic engine. `pool_nbytes`: this rank's KV pool, whose share per page traced
+    transfers report."""
     if kv is None:
         return None
     draft_model = cfg.scheduler.speculative.uses_draft_model
+    page_nbytes = pool_nbytes // max(1, cfg.cache.total_pages)
     if cfg.disagg.role is Role.PREFILL:
-        return PrefillStage(cfg.disagg, cfg.cache.page_size, scheduler, outbox, kv, whole_prompt=draft_model)
+        return PrefillStage(
+            cfg.disagg, cfg.cache.page_size, scheduler, outbox, kv, whole_prompt=draft_model, page_nbytes=page_nbytes
+        )
     return DecodeStage(
         cfg.disagg,
         cfg.cache.page_size,
@@ -81,4 +90,5 @@ def build_stage(
         kv,
         aux_slots=aux_slots(cfg),
         draft_model=draft_model,
+        page_nbytes=page_nbytes,
     )

@@ -20,6 +20,8 @@ contacted. Failure at any point ends the request with a 500 naming the cause. Pa
 transfer may still write (Mooncake does not cancel a submitted write) are quarantined until
 prefill confirms it stopped or is known dead (or, at the latest, after the quarantine timeout);
 every other page is freed at once.
+A traced request's trail (`request/trail.py`) marks `decode.prealloc` (1) and `kv.transfer` (2); the scheduler
+marks `decoding` from its first token (3) to its finish.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ class DecodeReq:
     receiver: KVReceiver
     pages: list[int] = field(default_factory=list)
     aux_slot: int = -1
+    peer: str = ""  # the prefill's bootstrap address
 
 
 class DecodeStage:
@@ -62,8 +65,11 @@ class DecodeStage:
         kv: Transfers,
         aux_slots: int,
         draft_model: bool = False,
+        page_nbytes: int = 0,
     ):
+        """`page_nbytes`: the KV bytes of one page on this rank, which a traced transfer reports."""
         self.page_size = page_size
+        self.page_nbytes = page_nbytes
         self.target_key = cfg.target_key
         self.max_prealloc = cfg.max_prealloc_queue
         self.draft_model = draft_model
@@ -91,7 +97,10 @@ class DecodeStage:
         if len(self.prealloc) >= self.max_prealloc:
             self.outbox.reject(req, 503, "the decode prealloc queue is full; retry later")
             return
-        self.prealloc[req.rid] = DecodeReq(req, self.kv.create_receiver(bootstrap.room, bootstrap.address))
+        receiver = self.kv.create_receiver(bootstrap.room, bootstrap.address)
+        self.prealloc[req.rid] = DecodeReq(req, receiver, peer=bootstrap.address)
+        if req.trail is not None:
+            req.trail.begin("decode.prealloc", room=bootstrap.room)
 
     def abort(self, rid: str) -> bool:
         d = self.prealloc.pop(rid, None) or self.transfer.get(rid)
@@ -139,11 +148,17 @@ class DecodeStage:
         d.pages = pages
         d.aux_slot = self.free_slots.pop()
         d.receiver.init(pages[d.req.prefix_pages :], d.aux_slot, skip_pages=d.req.prefix_pages)
+        if d.req.trail is not None:
+            sent = len(pages) - d.req.prefix_pages
+            d.req.trail.end("decode.prealloc", pages=len(pages), cached_pages=d.req.prefix_pages)
+            d.req.trail.begin("kv.transfer", pages=sent, bytes=sent * self.page_nbytes, peer=d.peer)
         return True
 
     def _poll_transfer(self) -> None:
         for rid, d in list(self.transfer.items()):
             state = d.receiver.poll()
+            if d.req.trail is not None and state.terminal:
+                d.req.trail.end("kv.transfer", status=state.name)
             if state is KVPoll.Success:
                 del self.transfer[rid]
                 aux = d.receiver.aux_bytes()

@@ -38,7 +38,7 @@ from disagg_worker.engine.speculative import DraftPlanner
 from disagg_worker.keys import LOCAL_PREFILL, target_signed
 from disagg_worker.mem.allocator import PageAllocator
 from disagg_worker.mem.radix import RadixCache
-from disagg_worker.model.batch import ForwardBatch
+from disagg_worker.model.batch import empty_forward
 from disagg_worker.model.config import ModelConfig
 from disagg_worker.model.loader import load_model
 from disagg_worker.model.parallel import Shard
@@ -49,6 +49,7 @@ from disagg_worker.request import messages as msg
 from disagg_worker.request.errors import INTERNAL_ERROR
 from disagg_worker.request.limits import RequestLimits
 from disagg_worker.request.params import SamplingParams
+from disagg_worker.request.trail import Trail
 from disagg_worker.tuning import TUNING
 
 log = logging.getLogger(__name__)
@@ -111,7 +112,7 @@ class Engine:
             work = StageWork(comm, self.runner.forward, transfer, driver=True)
             self.ranks = RankGroup(comm, work, kv if isinstance(kv, RankedKV) else None)
         self.manager = manager
-        self.stage = build_stage(cfg, kv, self.scheduler, self.allocator, self.outbox)
+        self.stage = build_stage(cfg, kv, self.scheduler, self.allocator, self.outbox, self.kv_pool.nbytes)
         self.limits = RequestLimits(self.max_context_len, model_cfg.vocab_size, cache.capacity_tokens)
         self.eos_ids = frozenset(model_cfg.eos_token_ids)
         self.grammars = Grammars(
@@ -185,6 +186,7 @@ class Engine:
             eos_ids=self.eos_ids,
             max_context_len=self.max_context_len,
             matcher=matcher,
+            trail=Trail() if m.traced else None,
         )
         if m.resumed:
             req.sampling.skip(list(m.input_ids[-m.resumed :]))
@@ -381,12 +383,6 @@ def params_problem(params: SamplingParams, vocab_size: int) -> str:
     except ValueError as e:
         return str(e)
     return ""
-
-
-def empty_forward() -> ForwardBatch:
-    """A forward over no tokens: an attention group without requests still runs the MLPs' collectives."""
-    none = torch.zeros(0, dtype=torch.long)
-    return ForwardBatch(input_ids=none, positions=none, out_slots=none, extend_lens=[], seq_lens=[], kv_slots=[])
 
 
 def own_metrics() -> str:

@@ -10,6 +10,8 @@ Life cycle of a request here:
    sampled; the remaining pages and the first token (aux) are sent with the last chunk, and the
    sender is polled without blocking. Success: pages go to the prefix cache and the request
    answers with its token. Failure: pages freed, 500 with the cause.
+A traced request's trail (`request/trail.py`) marks `prefill.bootstrap` (1), the scheduler marks its waiting
+and each chunk's `forward` (2), and `kv.transfer` runs from its first pages sent to the sender's end (3).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from disagg_worker.engine.scheduler import Scheduler
 from disagg_worker.engine.stage import UNROUTED, Transfers
 from disagg_worker.mem.allocator import pages_for
 from disagg_worker.request.messages import BootstrapInfo
+from disagg_worker.request.trail import Trail
 
 log = logging.getLogger(__name__)
 
@@ -48,10 +51,13 @@ class PrefillStage:
         outbox: Outbox,
         kv: Transfers,
         whole_prompt: bool = False,
+        page_nbytes: int = 0,
     ):
         """`whole_prompt`: send every page with the first token, none after each chunk (a draft model writes
-        its KV into the prompt's pages once the first token is known, `drafting.ModelDrafter.handoff`)."""
+        its KV into the prompt's pages once the first token is known, `drafting.ModelDrafter.handoff`);
+        `page_nbytes`: the KV bytes of one page on this rank, which a traced transfer reports."""
         self.cfg = cfg
+        self.page_nbytes = page_nbytes
         self.whole_prompt = whole_prompt
         self.page_size = page_size
         self.scheduler = scheduler
@@ -70,6 +76,8 @@ class PrefillStage:
         else:  # prefill computes the prompt and its first token, then hands the request off
             req.hand_off_after_first_token()
             self.bootstrapping[req.rid] = PrefillReq(req, self.kv.create_sender(bootstrap.room))
+            if req.trail is not None:
+                req.trail.begin("prefill.bootstrap", room=bootstrap.room)
 
     def abort(self, rid: str) -> bool:
         held = False
@@ -100,6 +108,8 @@ class PrefillStage:
             p = self.prefilling.get(req.rid)
             full = done // self.page_size
             if p is not None and full > p.sent_pages:
+                if req.trail is not None:
+                    req.trail.begin_once("kv.transfer")
                 p.sender.send(req.pages[p.sent_pages : full], last=False)
                 p.sent_pages = full
         for s in outcome.handed_off:
@@ -118,6 +128,8 @@ class PrefillStage:
                 self.outbox.reject(p.req, 500, why)
             elif state >= KVPoll.WaitingForInput:
                 del self.bootstrapping[rid]
+                if p.req.trail is not None:
+                    p.req.trail.end("prefill.bootstrap")
                 self.prefilling[rid] = p
                 self.scheduler.add(p.req)
 
@@ -130,6 +142,8 @@ class PrefillStage:
         p.first = s
         total = pages_for(len(s.req.prompt_ids), self.page_size)
         aux = pack_aux(s.token, s.logprob, s.top, s.req.draft_aux)  # with a draft model: decode's first draft
+        if s.req.trail is not None:
+            s.req.trail.begin_once("kv.transfer")
         p.sender.send(s.req.pages[p.sent_pages : total], last=True, aux=aux)
         p.sent_pages = total
         self.inflight[s.req.rid] = p
@@ -140,12 +154,18 @@ class PrefillStage:
             if not state.terminal:
                 continue
             del self.inflight[rid]
+            if p.req.trail is not None:
+                self._trace_transfer(p.req.trail, p, state)
             self.scheduler.release(p.req)
             if state is KVPoll.Success and p.first is not None:
                 self.outbox.emit(p.req, [p.first.token], p.first.logprob)
             else:
                 why = transfer_error(p.req.rid, "KV transfer failed", p.sender.failure_reason())
                 self.outbox.reject(p.req, 500, why)
+
+    def _trace_transfer(self, trail: Trail, p: PrefillReq, state: KVPoll) -> None:
+        pages, peers = p.sent_pages, ",".join(p.sender.peers())
+        trail.end("kv.transfer", pages=pages, bytes=pages * self.page_nbytes, peer=peers, status=state.name)
 
     def queue_sizes(self) -> dict[str, int]:
         return {

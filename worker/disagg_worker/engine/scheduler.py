@@ -87,6 +87,8 @@ class Scheduler:
             return
         self.by_rid[req.rid] = req
         self.waiting.append(req)
+        if req.trail is not None:
+            req.trail.begin("scheduler.waiting")
 
     def add_running(
         self, req: Req, pages: list[int], first_token: int, logprob: float | None, top: TopLogprobs | None = None
@@ -274,6 +276,9 @@ class Scheduler:
         for r, n in zip(plan.reqs, plan.extend, strict=True):
             pos += n
             self.prompt_tokens_computed += n if r.num_generated == 0 else 0
+            if r.trail is not None and r.num_generated == 0:  # a chunk of its prompt
+                r.trail.end("scheduler.waiting")
+                r.trail.begin("forward", tokens=n, position=r.num_computed)
             if r.pending:
                 future.append((pos - 1, r))
             r.num_computed += n  # with a draft, past the known tokens until `process` knows what was kept
@@ -310,6 +315,8 @@ class Scheduler:
 
     def _process_one(self, batch: ScheduledBatch, result: StepResult, i: int, outcome: StepOutcome) -> None:
         r = batch.reqs[i]
+        if r.trail is not None:
+            r.trail.end("forward")
         if i in result.prompt:  # by position: a chunk computed again (after a retraction) replaces its scores
             start, scores = result.prompt[i]
             r.prompt_logprobs[start:] = scores

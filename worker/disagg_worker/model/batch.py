@@ -67,3 +67,9 @@ class ForwardBatch:
             out_slots=self.out_slots.to(device),
             kv_slots=[s.to(device) for s in self.kv_slots],
         )
+
+
+def empty_forward() -> ForwardBatch:
+    """A forward over no tokens: an attention group without requests still runs the MLPs' collectives."""
+    none = torch.zeros(0, dtype=torch.long)
+    return ForwardBatch(input_ids=none, positions=none, out_slots=none, extend_lens=[], seq_lens=[], kv_slots=[])

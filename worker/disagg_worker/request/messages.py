@@ -10,6 +10,7 @@ import pickle
 from dataclasses import dataclass, field
 
 from disagg_worker.request.params import SamplingParams
+from disagg_worker.request.trail import Stage
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,8 @@ class GenerateReq:
     # A migrated request: the last `resumed` of `input_ids` are tokens it generated on an instance that failed.
     # It samples on as if it had generated them here (its seed's draws and its grammar moved past them).
     resumed: int = 0
+    # Part of a sampled trace: the scheduler records its stages (`request/trail.py`) and sends them back.
+    traced: bool = False
 
 
 @dataclass(frozen=True)
@@ -96,6 +99,8 @@ class TokenOut:
     # token after the first, given the ones before it, and its top-N alternatives (empty lists without top-N).
     prompt_logprobs: list[float] | None = None
     prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
+    # A traced request's stages in the scheduler that ended since its last TokenOut (`request/trail.py`).
+    stages: tuple[Stage, ...] = ()
 
 
 @dataclass(frozen=True)

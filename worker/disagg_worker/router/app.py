@@ -31,6 +31,7 @@ from disagg_worker.request.errors import INSTANCE_FAILED, APIError, unavailable
 from disagg_worker.request.limits import body_limit_bytes
 from disagg_worker.router.attempt import Attempt, Opened, json_or_error
 from disagg_worker.router.auth import RouterAuth
+from disagg_worker.router.hops import Hop
 from disagg_worker.router.payload import JoinedPayload, SharedBody
 from disagg_worker.router.prompt import PromptTokens
 from disagg_worker.router.stream import lost
@@ -38,6 +39,7 @@ from disagg_worker.router.verify import PairVerifier
 from disagg_worker.router.worker import Worker
 from disagg_worker.router.workers import Prompt, WorkerPool
 from disagg_worker.server.admission import DRAINING, RETRY_AFTER_S
+from disagg_worker.tracing import Tracer
 
 log = logging.getLogger(__name__)
 
@@ -65,8 +67,10 @@ class Router:
         prompts: PromptTokens | None = None,
         migration_limit: int = 0,
         stall_s: float | None = None,
+        tracer: Tracer | None = None,
     ):
         self.pool = pool
+        self.tracer = tracer  # with tracing on: each attempt's spans (`hops.py`)
         self.prompts = prompts  # the cache-aware policy's tokenizer
         self.model_name = model_name
         self.retries = retries
@@ -152,12 +156,20 @@ class Router:
                 break
             p, d = pair
             self.pool.routes["pd" if p is not None else "decode_only"] += 1
-            if p is None:
-                opened = await self._try_decode_only(path, body, choice, d, prompt)
-            else:
-                opened = await self._try_pair(path, body, choice, p, d, prompt)
+            hop = self._hop(attempt, p, d, choice)
+            try:
+                if p is None:
+                    opened = await self._try_decode_only(path, body, choice, d, prompt, hop)
+                else:
+                    opened = await self._try_pair(path, body, choice, p, d, prompt, hop)
+            except BaseException:  # the client left
+                if hop is not None:
+                    hop.end("the client left")
+                raise
             if isinstance(opened, Opened):
                 return self._track(opened)
+            if hop is not None:
+                hop.end(f"the attempt failed ({opened.status})", opened.status)
             last = opened
             if opened.code == INSTANCE_FAILED:
                 self.pool.failed_instances += 1
@@ -171,6 +183,12 @@ class Router:
         if last is None:
             raise unavailable(self.no_pair(), retry_after=RETRY_AFTER_S)
         raise last.error()
+
+    def _hop(self, attempt: int, p: Worker | None, d: Worker, choice: dict[str, Any]) -> Hop | None:
+        """With tracing on, the spans of this attempt (None: off, or a request that is not sampled)."""
+        if self.tracer is None or self.tracer.current() is None:
+            return None
+        return Hop(self.tracer, attempt, p, d, len(choice.get("resume_token_ids", ())))
 
     def has_pair(self) -> bool:
         """A pair can take a request now: verified (without verification: a healthy prefill and decode)."""
@@ -201,8 +219,11 @@ class Router:
         self.opened.add(o)
         return o
 
-    def close(self, o: Opened) -> None:
-        """The client's answer is complete or abandoned: give decode's response back."""
+    def close(self, o: Opened, error: str = "") -> None:
+        """The client's answer is complete or abandoned (or its decode failed: `error`): give decode's response
+        back."""
+        if o.hop is not None:
+            o.hop.end(error)
         o.resp.release()
         self.opened.discard(o)
         o.decode.give_back(o.decode_group)
@@ -217,7 +238,14 @@ class Router:
         return len(self.opened)
 
     async def _try_pair(
-        self, path: str, body: SharedBody, choice: dict, p: Worker, d: Worker, prompt: Prompt | None = None
+        self,
+        path: str,
+        body: SharedBody,
+        choice: dict,
+        p: Worker,
+        d: Worker,
+        prompt: Prompt | None = None,
+        hop: Hop | None = None,
     ) -> Opened | Attempt:
         room_id = secrets.randbits(63)
         # DP attention: the attention groups each side runs the request on (None: a side runs one group).
@@ -228,10 +256,10 @@ class Router:
         # Counted before the task starts, so that picks made meanwhile (the other choices of an n > 1 request, a
         # burst) see it; given back when the task ends, even one cancelled before it ran.
         p.add_tokens(uncached, pg)
-        prefill = asyncio.create_task(self._prefill(p, path, prefill_body, pg))
+        prefill = asyncio.create_task(self._prefill(p, path, prefill_body, pg, hop))
         prefill.add_done_callback(lambda _: p.release_tokens(uncached, pg))
         decode = asyncio.create_task(
-            self._decode(d, path, body.payload(**choice, **room, **route.group_fields(dg)), dg)
+            self._decode(d, path, body.payload(**choice, **room, **route.group_fields(dg)), dg, hop)
         )
         try:
             await asyncio.wait((prefill, decode), return_when=asyncio.FIRST_COMPLETED)
@@ -248,26 +276,27 @@ class Router:
             return await self._explain(opened, prefill)
         if self.verifier is not None:
             self.verifier.passed(p, d)
-        return Opened(opened[0], opened[1], prefill, d, dg)
+        return Opened(opened[0], opened[1], prefill, d, dg, hop)
 
     async def _try_decode_only(
-        self, path: str, body: SharedBody, choice: dict, d: Worker, prompt: Prompt | None
+        self, path: str, body: SharedBody, choice: dict, d: Worker, prompt: Prompt | None, hop: Hop | None = None
     ) -> Opened | Attempt:
         """Conditional disaggregation: decode computes the prompt itself (`local_prefill`), no prefill involved."""
         dg, _ = self.pool.group_for(d, secrets.randbits(63), prompt, local=True)
         opened = await self._decode(
-            d, path, body.payload(**choice, **self.auth.local_prefill(), **route.group_fields(dg)), dg
+            d, path, body.payload(**choice, **self.auth.local_prefill(), **route.group_fields(dg)), dg, hop
         )
-        return opened if isinstance(opened, Attempt) else Opened(opened[0], opened[1], None, d, dg)
+        return opened if isinstance(opened, Attempt) else Opened(opened[0], opened[1], None, d, dg, hop)
 
     async def _decode(
-        self, d: Worker, path: str, payload: JoinedPayload, group: int | None = None
+        self, d: Worker, path: str, payload: JoinedPayload, group: int | None = None, hop: Hop | None = None
     ) -> tuple[aiohttp.ClientResponse, bytes] | Attempt:
         """Decode's response and its first event; or what went wrong (decode's in-flight count then restored)."""
         d.take(group)
         resp: aiohttp.ClientResponse | None = None
+        headers = hop.decode_headers if hop is not None else None
         try:
-            resp = await self.session.post(f"{d.url}{path}", data=payload, timeout=self.timeout)
+            resp = await self.session.post(f"{d.url}{path}", data=payload, timeout=self.timeout, headers=headers)
             first = await self._first_event(resp) if resp.status == 200 else await resp.read()
             attempt = self._error_in(resp.status, first)
             if attempt is None:
@@ -288,10 +317,14 @@ class Router:
         self._note(d, attempt)
         return attempt
 
-    async def _prefill(self, p: Worker, path: str, payload: JoinedPayload, group: int | None = None) -> Attempt:
+    async def _prefill(
+        self, p: Worker, path: str, payload: JoinedPayload, group: int | None = None, hop: Hop | None = None
+    ) -> Attempt:
         p.take(group)
+        headers = hop.prefill_headers if hop is not None else None
+        attempt: Attempt | None = None
         try:
-            async with self.session.post(f"{p.url}{path}", data=payload, timeout=self.timeout) as r:
+            async with self.session.post(f"{p.url}{path}", data=payload, timeout=self.timeout, headers=headers) as r:
                 attempt = Attempt(r.status, json_or_error(r.status, await r.read()))
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
             log.warning("prefill %s failed: %r", p.url, e)
@@ -299,6 +332,8 @@ class Router:
             attempt = Attempt(502, APIError(502, lost("prefill", e).message, type="server_error").body())
         finally:
             p.give_back(group)
+            if hop is not None:  # 499: cancelled (the client left, or decode failed first)
+                hop.prefill_answered(attempt.status if attempt is not None else 499)
         attempt.worker = p
         self._note(p, attempt)
         return attempt

@@ -105,7 +105,7 @@ class MigratingChoice:
     async def _migrate(self, o: Opened, e: UpstreamLost) -> None:
         failed, p = o.decode, self.progress
         self.router.pool.migrations[e.cause] += 1
-        self.close()
+        self.close(f"migrated: {e.message}")
         p.migrations += 1
         resume = route.resume_fields(p.token_ids, p.chars)
         opened = await self.router.open(self.path, self.body, {**self.choice, **resume}, self.prompt, {failed})
@@ -131,10 +131,10 @@ class MigratingChoice:
                 c.pop("token_ids", None)
         return event
 
-    def close(self) -> None:
-        """Give the current pair's stream back (once)."""
+    def close(self, error: str = "") -> None:
+        """Give the current pair's stream back (once); `error`: its decode failed."""
         if self.opened is not None:
-            self.router.close(self.opened)
+            self.router.close(self.opened, error)
             self.opened = None
 
     def cancel(self) -> None:

@@ -32,12 +32,13 @@ from disagg_worker.router.responses import add_responses
 from disagg_worker.router.stream import DONE, UpstreamLost, choice_events, error_event, relay, sse_response
 from disagg_worker.router.verify import PairVerifier
 from disagg_worker.router.workers import DnsSource, GroupPolicy, Policy, Prompt, Worker, WorkerPool
-from disagg_worker.server.admission import DRAINING, Admission, admission_middleware, body_of
-from disagg_worker.server.api import error_middleware
+from disagg_worker.server.admission import DRAINING, Admission, body_of
+from disagg_worker.server.api import with_tracing
 from disagg_worker.server.auth import require_keys
 from disagg_worker.server.drain import CUT_GRACE_S, Signals, drain
 from disagg_worker.server.protocol import parse_json
 from disagg_worker.server.response_store import ResponseStore
+from disagg_worker.tracing import Tracer
 from disagg_worker.tuning import TUNING
 
 log = logging.getLogger(__name__)
@@ -47,9 +48,7 @@ ADMISSION = web.AppKey("admission", Admission)
 
 
 def build_router_app(router: Router, admission: Admission, responses: ResponseStore | None = None) -> web.Application:
-    app = web.Application(
-        middlewares=[error_middleware, admission_middleware(admission)], client_max_size=64 * 1024 * 1024
-    )
+    app = web.Application(middlewares=with_tracing(router.tracer, admission), client_max_size=64 * 1024 * 1024)
     app[ROUTER] = router
     app[ADMISSION] = admission
     for path in ("/v1/completions", "/v1/chat/completions", "/generate"):
@@ -278,6 +277,7 @@ async def serve(ns, auth: RouterAuth, ready: asyncio.Event | None = None) -> Non
         stall_s=ns.stream_stall_timeout or None,
         # Only cache_aware reads prompts: other policies tokenise nothing, even when given --tokenizer.
         prompts=PromptTokens.load(ns.tokenizer) if ns.policy == Policy.CACHE_AWARE.value and ns.tokenizer else None,
+        tracer=Tracer.create("router", ns.otlp_traces_endpoint, ns.otlp_traces_sampling_ratio),
     )
     await router.start(ns.health_interval)
     admission = Admission(ns.max_inflight, router.body_limit)
@@ -297,6 +297,8 @@ async def serve(ns, auth: RouterAuth, ready: asyncio.Event | None = None) -> Non
     finally:
         await runner.cleanup()
         await router.stop()
+        if router.tracer is not None:
+            router.tracer.shutdown()
 
 
 def run(ns) -> None:

@@ -38,6 +38,8 @@ from disagg_worker.server.response_store import ResponseStore
 from disagg_worker.server.responses_api import add_response_routes
 from disagg_worker.server.tokenize_api import add_tokenize_routes
 from disagg_worker.server.tool_calls import ChatTools, ToolStream, call_deltas
+from disagg_worker.server.traced import traced_middlewares
+from disagg_worker.tracing import Tracer
 
 log = logging.getLogger(__name__)
 
@@ -83,12 +85,11 @@ def build_app(
     responses: ResponseStore | None = None,
 ) -> web.Application:
     """`local_prefill`: a decode instance that computes the prompts the router marks so (/health says it);
-    `responses`: where a monolithic server keeps its Responses API answers (a P/D worker keeps none)."""
+    `responses`: where a monolithic server keeps its Responses API answers (a P/D worker keeps none).
+    With the frontend's tracer, generation requests get spans (`traced.py`)."""
     admission = Admission(max_inflight, lambda: body_limit_bytes(frontend.limits.max_context_len))
     # aiohttp's own cap stays as a backstop; read_body enforces the real limit first.
-    app = web.Application(
-        middlewares=[error_middleware, admission_middleware(admission)], client_max_size=64 * 1024 * 1024
-    )
+    app = web.Application(middlewares=with_tracing(frontend.tracer, admission), client_max_size=64 * 1024 * 1024)
     app[FRONTEND] = frontend
     app[ADMISSION] = admission
     identity = identity if identity is not None else load_env()  # built once, at start-up
@@ -106,6 +107,15 @@ def build_app(
     add_tokenize_routes(app, lambda request: request.app[FRONTEND], model_name)
     add_response_routes(app, lambda request: request.app[FRONTEND], model_name, responses)
     return app
+
+
+def with_tracing(tracer: Tracer | None, admission: Admission) -> list:
+    """The middlewares of a front end: errors, admission, and with a tracer the request's span around them."""
+    middlewares = [error_middleware, admission_middleware(admission)]
+    if tracer is None:
+        return middlewares
+    first, admitted = traced_middlewares(tracer)
+    return [first, *middlewares, admitted]
 
 
 async def read_json(request: web.Request):

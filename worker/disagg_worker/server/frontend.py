@@ -26,7 +26,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from multiprocessing.process import BaseProcess
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import zmq
 import zmq.asyncio
@@ -40,6 +40,10 @@ from disagg_worker.request.params import SamplingParams, StopChecker
 from disagg_worker.server.admission import RETRY_AFTER_S
 from disagg_worker.server.groups import choose_group, group_problem, merge_stats
 from disagg_worker.server.metrics import ServerMetrics
+from disagg_worker.tracing import Tracer
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import Span
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -75,11 +79,13 @@ class Frontend:
         metrics: ServerMetrics,
         prefill: bool = False,
         kv_key_id: str = "",
+        tracer: Tracer | None = None,
     ):
         """`to_engine`: the scheduler's inbox, or one per attention group (DP attention); `prefill`: this is a
         prefill instance (a request's group then follows its bootstrap target); `kv_key_id`: the id of the key
-        naming the cached pages (`keys.kv_names`)."""
+        naming the cached pages (`keys.kv_names`); `tracer`: with tracing on, what makes this process's spans."""
         self.tokenizer = tokenizer
+        self.tracer = tracer
         self.metrics = metrics
         self.prefill = prefill
         self.ctx = zmq.asyncio.Context()
@@ -244,14 +250,24 @@ class Frontend:
         self.queues[rid] = q
         self.inflight[group] += 1
         done = False
+        span = self.tracer.current() if self.tracer is not None else None  # a sampled request's server span
         try:
             req = msg.GenerateReq(
-                rid, input_ids, params, route.bootstrap, route.local_prefill, route.local_sig, len(route.resume)
+                rid,
+                input_ids,
+                params,
+                route.bootstrap,
+                route.local_prefill,
+                route.local_sig,
+                len(route.resume),
+                traced=span is not None,
             )
             await self.send(req, group)
             while not done:
                 out: msg.TokenOut = await q.get()
                 done = out.finish_reason is not None
+                if span is not None:
+                    self._traced(span, out)
                 if out.error:
                     raise APIError(
                         out.error_status or 500,
@@ -266,6 +282,17 @@ class Frontend:
             self.inflight[group] -= 1
             if not done:
                 await self.send(msg.AbortReq(rid), group)
+
+    def _traced(self, span: Span, out: msg.TokenOut) -> None:
+        """The scheduler's stages that ended, as spans under the request's `span`; its end, as attributes."""
+        if self.tracer is not None:
+            self.tracer.stages(span, out.stages)
+        if out.finish_reason is not None:
+            span.set_attribute("disagg.finish_reason", out.finish_reason)
+            span.set_attribute("disagg.prompt_tokens", out.prompt_tokens)
+            span.set_attribute("disagg.cached_tokens", out.cached_tokens)
+        if out.error:
+            span.set_attribute("disagg.error", out.error)
 
     def check_resume(self, route: msg.Route, params: SamplingParams) -> None:
         """A resume names tokens of the vocabulary, fewer than max_tokens: else a 400 naming resume_token_ids."""

@@ -33,6 +33,7 @@ from disagg_worker.server.drain import CUT_GRACE_S, DrainReport, Signals, drain
 from disagg_worker.server.frontend import Frontend
 from disagg_worker.server.metrics import ServerMetrics
 from disagg_worker.server.response_store import ResponseStore
+from disagg_worker.tracing import Tracer
 
 log = logging.getLogger(__name__)
 LOCAL_HOST = "127.0.0.1"
@@ -74,7 +75,8 @@ class EngineServer:
         inboxes = [group_inbox(self.to_engine, g, d.dp_size) for g in range(d.dp_size)]
         prefill = d.role is Role.PREFILL
         key_id = d.kv_names[1]
-        self.frontend = frontend = Frontend(tokenizer, inboxes, self.from_engine, metrics, prefill, key_id)
+        tracer = Tracer.create(d.role.value, a.otlp_traces_endpoint, a.otlp_traces_sampling_ratio)
+        self.frontend = frontend = Frontend(tokenizer, inboxes, self.from_engine, metrics, prefill, key_id, tracer)
         frontend.start()
         await _wait_ready(frontend, self.procs)
         local = a.engine.disagg.local_prefill
@@ -120,6 +122,8 @@ class EngineServer:
                 proc.kill()
         if self.frontend is not None:
             await self.frontend.close()
+            if self.frontend.tracer is not None:
+                self.frontend.tracer.shutdown()
         if self.bootstrap is not None:
             self.bootstrap.stop()
         shutil.rmtree(self.ipc_dir, ignore_errors=True)

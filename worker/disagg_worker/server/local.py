@@ -32,6 +32,8 @@ def free_port() -> int:
 
 # Flags that belong to the router, with a value.
 ROUTER_ONLY = ("--api-key", "--api-key-file")
+# ... and those every process takes (with a value): one trace spans all three.
+EVERY_PROCESS = ("--otlp-traces-endpoint", "--otlp-traces-sampling-ratio")
 # Flags this launcher sets per process (with a value): the ports, and each role's ranks.
 LAUNCHER = (
     "--port",
@@ -52,10 +54,12 @@ def split_flags(argv: list[str]) -> tuple[list[str], list[str]]:
         name = a.split("=", 1)[0]
         if a == "--local" or name in LAUNCHER_SWITCHES:
             continue
-        if name in LAUNCHER or name in ROUTER_ONLY:
+        if name in LAUNCHER or name in ROUTER_ONLY or name in EVERY_PROCESS:
             value = [] if "=" in a else [next(it, "")]
-            if name in ROUTER_ONLY:
+            if name in ROUTER_ONLY or name in EVERY_PROCESS:
                 router += [a, *value]
+            if name in EVERY_PROCESS:
+                engine += [a, *value]
             continue
         engine.append(a)
     return engine, router

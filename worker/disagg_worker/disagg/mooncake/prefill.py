@@ -69,6 +69,9 @@ class PrefillSender(KVSender):
     def failure_reason(self) -> str:
         return self._state.cell.reason
 
+    def peers(self) -> list[str]:
+        return [peer.session_id for peer, _ in list(self._state.dests)]
+
 
 class MooncakePrefillManager(KVManager):
     def __init__(self, cfg: DisaggConfig, layout: KVLayout, rank: RankInfo, metrics: TransferMetrics):
