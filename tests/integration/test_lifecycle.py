@@ -155,15 +155,17 @@ def test_drain_timeout_cuts_what_is_held_with_a_clear_error(tiny_model):
 @pytest.fixture()
 def stack(tiny_model):
     # Decode runs 2 requests at a time: prefill holds the rest in its bootstrap queue until decode
-    # takes them, 8 held requests are 4 rounds of PREFILL_TOKENS steps from done (seconds), and
-    # prefill's drain may take as long as decode needs.
+    # takes them, 8 held requests are 4 rounds of PREFILL_TOKENS steps from done, and prefill's drain
+    # may take as long as decode needs. The tiny model decodes ~800 steps a second here: a round of
+    # PREFILL_TOKENS steps must outlast the spread of the 16 requests' arrivals on a loaded machine
+    # (over a second under stress-ng), or prefill never holds 8 at once.
     slow = ("--bootstrap-timeout", "120", "--drain-timeout", "120")
     s = PDStack(tiny_model, *FLAGS, decode_flags=("--max-running-requests", "2"), prefill_flags=slow).wait_healthy()
     yield s
     s.stop()
 
 
-PREFILL_TOKENS = 120
+PREFILL_TOKENS = 400
 
 
 def test_sigterm_to_prefill_finishes_every_handoff(stack):
