@@ -103,9 +103,9 @@ lint-manifests: venv k8s-bin
 prometheus-bin:
 	hack/prometheus/build.sh
 
-# Jaeger all-in-one, built from its Go module into ~/.cache/disagg/jaeger once (hack/jaeger/build.sh, on one core:
-# 8.5 min from empty Go caches, 3.5 min after the Kubernetes build, nothing after): the collector the tracing
-# integration test reads spans from.
+# Jaeger all-in-one, built from its Go module into ~/.cache/disagg/jaeger once (hack/jaeger/build.sh; measured on
+# one core of a loaded machine: 8.5 min from empty Go caches, 3.5 min after the Kubernetes build, nothing after):
+# the collector the tracing integration test reads spans from.
 jaeger-bin:
 	hack/jaeger/build.sh >/dev/null
 

@@ -6,7 +6,8 @@ One prefill and two decodes (X and Y) behind a router. Only one decode runs when
 all eight are on it; once every stream has passed its tenth token the decode is frozen (its streams can neither
 go on nor end), the other one is started, and the frozen one is killed with SIGKILL: each stream must go on on
 the other pair from where it was. Greedy, seeded and JSON-schema answers are compared with an uninterrupted run
-of the same requests on the same stack.
+of the same requests on the same stack; and greedy and seeded answers again on a stack whose decodes speculate
+(NGRAM).
 """
 
 from __future__ import annotations
@@ -43,12 +44,21 @@ KINDS = {
 }
 
 
-@pytest.fixture(scope="module")
-def stack(tiny_model):
-    flags = ("--page-size", "16", "--chunk-size", "64", "--max-total-tokens", str(STREAMS * 2 * (MAX_TOKENS + 100)))
-    s = PDStack(tiny_model, *flags, decodes=2, router_flags=("--verify-interval", "0")).wait_healthy()
+FLAGS = ("--page-size", "16", "--chunk-size", "64", "--max-total-tokens", str(STREAMS * 2 * (MAX_TOKENS + 100)))
+NGRAM = ("--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "5")
+
+
+def start_on_one_decode(tiny_model: str, decode_flags: tuple[str, ...] = ()) -> PDStack:
+    s = PDStack(tiny_model, *FLAGS, decodes=2, decode_flags=decode_flags, router_flags=("--verify-interval", "0"))
+    s.wait_healthy()
     s.decodes[1].kill()  # the first run starts on decode X alone
     wait_until(lambda: not healthy(s, s.decodes[1].url), what="the router sees decode Y gone")
+    return s
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_model):
+    s = start_on_one_decode(tiny_model)
     yield s
     s.stop()
 
@@ -196,3 +206,23 @@ def test_each_choice_of_an_n2_stream_with_logprobs_migrates_on_its_own(stack):
             assert [t["token"] for t in got] == [t["token"] for t in want] and len(got) == MAX_TOKENS
             assert all(abs(a["logprob"] - b["logprob"]) < 1e-3 for a, b in zip(got, want, strict=True))
     assert migrations(stack) - before == STREAMS
+
+
+def test_streams_on_speculating_decodes_migrate_with_the_uninterrupted_answer(tiny_model):
+    """Decodes that draft with NGRAM: the resumed stream drafts again from its prompt and the tokens it was given.
+    Verification draws from the seed's stream once per emitted token, as a step without drafts does, so the
+    seeded answers are compared too."""
+    stack = start_on_one_decode(tiny_model, NGRAM)
+    try:
+        for kind in ("greedy", "seeded"):
+            bodies = [body(kind, i) for i in range(STREAMS)]
+            reference = run_all(stack, bodies)
+            before = migrations(stack)
+            streams = interrupted(stack, bodies)
+            for s, ref in zip(streams, reference, strict=True):
+                assert_complete(ref)
+                assert_complete(s)
+                assert text_of(s) == text_of(ref) and s.usage == ref.usage, kind
+            assert migrations(stack) - before == STREAMS
+    finally:
+        stack.stop()

@@ -233,7 +233,8 @@ def test_the_operator_reads_the_verified_path_from_the_launched_router(launched)
         return v if len(v.workers) >= 2 else None
 
     seen = wait_until(both_workers_read, timeout=30, what="handoff counters of both workers")
-    assert seen.pairs == (PairResult("tiny-prefill-0", "tiny-decode-0", True, ""),)
+    # With the pairing revision both pods report (their label, through the downward API).
+    assert seen.pairs == (PairResult("tiny-prefill-0", "tiny-decode-0", True, "", REVISION),)
     assert pairing_condition(spec, RoleObservation(1, 1, 1), seen) == (
         "True",
         "PairsVerified",
