@@ -116,7 +116,7 @@ def observe_pod(pod: Mapping[str, Any]) -> PodInfo:
         # A group pod's template hash (builders/groups.py), else its StatefulSet's revision.
         revision=labels.get(names.TEMPLATE_HASH_LABEL) or labels.get(names.CONTROLLER_REVISION_LABEL, ""),
         terminating=bool(meta.get("deletionTimestamp")),
-        unschedulable_since=parse_time(scheduled.get("lastTransitionTime") or "1970-01-01T00:00:00Z")
+        unschedulable_since=parse_time(scheduled.get("lastTransitionTime"))
         if scheduled.get("status") == "False" and scheduled.get("reason") == "Unschedulable"
         else None,
     )

@@ -148,8 +148,10 @@ class Runtime:
         gave_up = self.in_place.get(key) or given_up(written, key[1])
         verified = verified_pairs(self.views.get(spec.uid), key[1])
         plan = plan_rollout(spec, observed, pods, self.hashes(spec), time.time(), gave_up, verified)
-        if plan.in_place:
+        if plan.in_place and plan.active:
             self.in_place[key] = plan.in_place
+        else:  # over: a later rollout (of the same pairing revision too) tries its own surge
+            self.in_place.pop(key, None)
         return plan
 
     def _partitions(self, spec: ModelSpec, plan: RolloutPlan) -> dict[str, int]:

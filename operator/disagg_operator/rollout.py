@@ -10,11 +10,12 @@ size: the added ordinals start on the new template beside the old pods, and the 
 as they verify (it pairs only pods of one pairing revision). Only once those surge pods are available, and the
 routers (as the operator reads their /health) have verified a pair of the new revision without the pod about to
 leave, do old pods go, one step at a time as below, each draining what it holds while the new pairs serve; when
-every pod runs the new template and a pair of the remaining pods is verified, the role shrinks back and the highest
-ordinals (new pods) drain and leave. Without router reports (probing off) readiness alone decides. Surge pods the
-scheduler finds no node for within `progressDeadlineSeconds` are given up: the model reports
-Progressing=False/SurgeUnschedulable and rolls in place, as `maxSurge: 0` does (groups spanning nodes,
-LeaderWorkerSets, always roll in place).
+every pod runs the new template and a verified pair serves without any surge pod that is leaving, the roles shrink
+back and the highest ordinals (new pods) drain and leave. Without router reports (probing off) readiness alone
+decides. Surge pods the scheduler finds no node for within `progressDeadlineSeconds` are given up: the model
+reports Progressing=False/SurgeUnschedulable and rolls in place, as `maxSurge: 0` does. A model with a role of
+groups spanning nodes (LeaderWorkerSets), or a role without replicas, rolls in place: a new pair needs a new pod
+of each role.
 
 Steps. When a change alters both roles' templates (image, engine settings, labels ...) the planner releases one
 pod at a time: the `order` role first whenever that keeps the released fractions (released / pods) of the two roles
@@ -63,6 +64,7 @@ class RoleRollout:
     waiting: tuple[str, ...] = ()
     surge: int = 0
     unschedulable: tuple[str, ...] = ()
+    shrinkable: bool = False
 
     @property
     def pods(self) -> int:
@@ -121,9 +123,10 @@ def max_skew(spec: ModelSpec) -> float:
     return max(floor, asked)
 
 
-def surge_of(spec: ModelSpec, role: str) -> int:
-    """Pods a role adds beside its old ones while it rolls: none for groups spanning nodes (LWS) or no replicas."""
-    if spec.replicas(role) == 0 or spec.worker(role).nodes > 1:
+def surge_of(spec: ModelSpec) -> int:
+    """Pods each worker role adds beside its old ones while it rolls. None unless both roles can: a new pair needs
+    a new pod of each, and groups spanning nodes (LeaderWorkerSets) and a role without replicas roll in place."""
+    if any(spec.replicas(r) == 0 or spec.worker(r).nodes > 1 for r in names.WORKER_ROLES):
         return 0
     return spec.rollout.max_surge
 
@@ -136,7 +139,6 @@ def role_rollout(
     desired_hash: str,
     now: float,
     surge: int = 0,
-    verified: Verified = None,
 ) -> RoleRollout:
     n = spec.replicas(role)
     if obs is None or n == 0:  # nothing exists to roll yet, or nothing to roll
@@ -146,7 +148,7 @@ def role_rollout(
         surging = tuple(f"{sts}-{i}" for i in range(n, n + surge))
         return RoleRollout(role, n, surge, 0, updating=True, waiting=surging, surge=surge)
     total = n + surge
-    released = min(total, max(0, total - obs.partition))
+    released = min(total, max(surge, total - obs.partition))  # the surge ordinals start on the new template
     expected = [f"{sts}-{i}" for i in range(total - released, total)]
     pods = list(pods)
     new = {p.name: p for p in pods if p.role == role and obs.update_revision and p.revision == obs.update_revision}
@@ -157,11 +159,10 @@ def role_rollout(
     else:
         moving = obs.current_revision != obs.update_revision
     updating = released < total or moving
-    extra = {f"{sts}-{i}" for i in range(n, total)}
-    shrunk = (obs.desired or 0) <= n  # the surge pods were never asked for, or are already going
-    if surge and not updating and (shrunk or (obs.current and len(ok) == total and serving_without(verified, extra))):
-        # Every pod runs the new template and is available, and a pair of the others serves: the surge pods go.
+    if surge and not updating and (obs.desired or 0) <= n:  # the surge pods were never asked for, or are going
         return role_rollout(spec, role, obs, pods, desired_hash, now)
+    extra = {f"{sts}-{i}" for i in range(n, total)}
+    stuck = [p for p in pods if p.name in extra and p.unschedulable_since is not None]
     deadline = spec.rollout.progress_deadline_s
     return RoleRollout(
         role,
@@ -172,13 +173,13 @@ def role_rollout(
         settled=obs.current,
         waiting=tuple(name for name in expected if name not in ok),
         surge=surge,
-        unschedulable=tuple(
-            sorted(
-                p.name
-                for p in pods
-                if p.name in extra and p.unschedulable_since is not None and now - p.unschedulable_since > deadline
-            )
-        ),
+        # Every stuck surge pod, once one has waited past the deadline: the rollout gives them up together.
+        unschedulable=tuple(sorted(p.name for p in stuck))
+        if any(now - (p.unschedulable_since or now) > deadline for p in stuck)
+        else (),
+        # Every pod runs the new template and those that stay are available: the surge pods may go (plan_rollout
+        # lets them once a verified pair serves without them).
+        shrinkable=bool(surge) and not updating and obs.current and set(ok) >= {f"{sts}-{i}" for i in range(n)},
     )
 
 
@@ -228,22 +229,19 @@ def plan_rollout(
     same answer. `in_place` names the surge pods already given up for this rollout (then none is started);
     with a surge, no pod leaves before the routers have `verified` a pair of the new revision without it."""
     pods = list(pods)
+    surge = 0 if in_place else surge_of(spec)
     roles = {
-        r: role_rollout(
-            spec,
-            r,
-            observed.get(r),
-            pods,
-            desired_hashes.get(r, ""),
-            now,
-            0 if in_place else surge_of(spec, r),
-            verified,
-        )
+        r: role_rollout(spec, r, observed.get(r), pods, desired_hashes.get(r, ""), now, surge)
         for r in names.WORKER_ROLES
     }
     unschedulable = tuple(p for r in roles.values() for p in r.unschedulable)
     if unschedulable:  # the surge cannot be placed: roll in place instead
         return plan_rollout(spec, observed, pods, desired_hashes, now, unschedulable)
+    shrinking = [r for r in roles.values() if r.shrinkable]
+    leaving = [f"{workload_name(spec, r.role)}-{i}" for r in shrinking for i in range(r.replicas, r.pods)]
+    if shrinking and serving_without(verified, leaving):  # the surge pods go, together, once a pair serves without
+        for r in shrinking:
+            roles[r.role] = role_rollout(spec, r.role, observed.get(r.role), pods, desired_hashes[r.role], now)
     skew = max_skew(spec)
     if sum(r.rolling for r in roles.values()) < 2:  # one role (or none) changes: it rolls on its own
         partitions = {name: _alone(spec, r, verified) for name, r in roles.items()}
@@ -252,9 +250,9 @@ def plan_rollout(
         role = _next_role(roles, spec.rollout.order, skew)
         if role is not None:
             r = roles[role]
-            leaving = f"{workload_name(spec, role)}-{r.pods - r.released - 1}"
-            if not r.surge or serving_without(verified, [leaving]):
-                roles[role] = replace(r, released=r.released + 1, waiting=(leaving, *r.waiting))
+            leaving_one = f"{workload_name(spec, role)}-{r.pods - r.released - 1}"
+            if not r.surge or serving_without(verified, [leaving_one]):
+                roles[role] = replace(r, released=r.released + 1, waiting=(leaving_one, *r.waiting))
     partitions = {name: r.pods - r.released for name, r in roles.items()}
     return RolloutPlan(roles, partitions, coordinated=True, max_skew=skew, in_place=in_place)
 

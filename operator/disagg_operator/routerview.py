@@ -105,8 +105,9 @@ def merge_reports(reports: Mapping[str, Mapping[str, Any] | None]) -> RouterView
 
 
 def verified_pairs(view: RouterView | None, revision: str) -> frozenset[tuple[str, str]] | None:
-    """The (prefill, decode) pods of `revision` every router that answered has verified; None when no router
-    answered (the operator cannot tell, so a rollout goes by the pods' readiness alone)."""
+    """The (prefill, decode) pods of `revision` verified by the routers that list them (a pair one router failed
+    counts as failed); None when no router answered (the operator cannot tell, so a rollout goes by the pods'
+    readiness alone)."""
     if view is None or not view.reached:
         return None
     return frozenset((p.prefill, p.decode) for p in view.pairs if p.verified and p.revision == revision)

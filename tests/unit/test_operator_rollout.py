@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import pytest
@@ -109,11 +110,27 @@ def snapshot(fs: FakeSet) -> FakeSet:
     return out
 
 
+def verified_pairs(sets: dict[str, FakeSet], now: float, lag: Callable[[int, int], float]) -> frozenset:
+    """The new-template pairs a router has verified by `now`: `lag(prefill ordinal, decode ordinal)` after both
+    pods were Ready."""
+    out = set()
+    for i, (p_rev, p_at) in sets["prefill"].pods.items():
+        for j, (d_rev, d_at) in sets["decode"].pods.items():
+            if p_rev == d_rev == NEW and p_at is not None and d_at is not None and max(p_at, d_at) + lag(i, j) <= now:
+                out.add((f"m-prefill-{i}", f"m-decode-{j}"))
+    return frozenset(out)
+
+
 def roll(
-    s: ModelSpec, ready_after: float = 1.0, max_ticks: int = 400, seen: list[dict[str, FakeSet]] | None = None
+    s: ModelSpec,
+    ready_after: float = 1.0,
+    max_ticks: int = 400,
+    seen: list[dict[str, FakeSet]] | None = None,
+    lag: Callable[[int, int], float] | None = None,
 ) -> list[tuple[float, float]]:
     """Run a rollout of both roles to the end; returns (prefill, decode) updated fractions at every tick (and
-    calls `seen` with the sets after each)."""
+    appends the sets after each to `seen`). With `lag`, the routers verify new pairs that long after their pods
+    are Ready (verified_pairs) and the planner reads it; without, it goes by readiness alone."""
     sets = {r: FakeSet(r, s.replicas(r), ready_after=ready_after) for r in ("prefill", "decode")}
     samples, now = [], 0.0
     for _ in range(max_ticks):
@@ -121,7 +138,8 @@ def roll(
         for r, fs in sets.items():
             observed[r], role_pods = fs.observe(now)
             pods += role_pods
-        plan = plan_rollout(s, observed, pods, {"prefill": NEW, "decode": NEW}, now)
+        verified = None if lag is None else verified_pairs(sets, now, lag)
+        plan = plan_rollout(s, observed, pods, {"prefill": NEW, "decode": NEW}, now, verified=verified)
         for r, fs in sets.items():
             fs.apply(NEW, plan.partitions[r], plan.replicas[r])
             fs.tick(now)
@@ -411,3 +429,69 @@ def test_with_a_surge_no_pod_leaves_until_the_routers_verified_a_new_pair_withou
     assert plan_rollout(s, done, new, hashes, 9.0, verified=verified).replicas == {"prefill": 2, "decode": 2}
     both = verified | {("m-prefill-0", "m-decode-0")}
     assert plan_rollout(s, done, new, hashes, 9.0, verified=both).replicas == {"prefill": 1, "decode": 1}
+
+
+@pytest.mark.parametrize("prefill,decode", [(1, 1), (2, 3), (3, 2)])
+def test_with_a_surge_a_verified_pair_serves_at_every_moment_however_late_the_routers_verify(prefill, decode):
+    """The routers verify the surge pods' pairs at once and the pairs of the replaced ordinals late (the order a
+    router may well take): at every tick some pair of Ready pods serves, old with old or verified new with new,
+    and the surge pods of both roles leave only once a pair of the others is verified."""
+    s = spec(prefill, decode, maxSurge=1)
+
+    def lag(i: int, j: int) -> float:
+        return 1.0 if i >= prefill or j >= decode else 4.0
+
+    seen: list[dict[str, FakeSet]] = []
+    assert roll(s, seen=seen, lag=lag)[-1] == (1.0, 1.0)
+    for at, sets in enumerate(seen):
+        now = at * 0.5
+        ready = {r: {i: rev for i, (rev, t) in fs.pods.items() if t is not None and t <= now} for r, fs in sets.items()}
+        old = OLD in ready["prefill"].values() and OLD in ready["decode"].values()
+        assert old or verified_pairs(sets, now, lag), (at, {r: fs.pods for r, fs in sets.items()})
+
+
+def test_a_model_with_a_role_of_groups_or_without_replicas_rolls_in_place():
+    s = spec(1, 1, maxSurge=1)
+    grouped = ModelSpec.from_cr(
+        {"metadata": {"name": "m", "namespace": "ns", "uid": "u"},
+         "spec": {"model": {"hostPath": "/m", "path": "x"}, "image": "img", "prefill": {"replicas": 1},
+                  "decode": {"replicas": 2, "tpSize": 2, "gpusPerNode": 1}}}
+    )  # fmt: skip
+    observed = {r: RoleObservation(1, 1, 1, template_hash=OLD, desired=1) for r in ("prefill", "decode")}
+    hashes = {"prefill": NEW, "decode": NEW}
+    assert plan_rollout(s, observed, [], hashes, 0.0).replicas == {"prefill": 2, "decode": 2}
+    assert plan_rollout(grouped, observed, [], hashes, 0.0).replicas == {"prefill": 1, "decode": 2}
+    idle = spec(1, 0, maxSurge=1)
+    assert plan_rollout(idle, observed, [], hashes, 0.0).replicas == {"prefill": 1, "decode": 0}
+
+
+def test_a_scale_down_outside_a_rollout_waits_only_for_the_pods_that_stay():
+    s = spec(1, 2, maxSurge=1)
+    settled = {"template_hash": NEW, "current_revision": "b", "update_revision": "b"}
+    observed = {
+        "prefill": RoleObservation(1, 1, 1, desired=1, **settled),
+        "decode": RoleObservation(3, 2, 3, desired=3, **settled),  # scaled from 3 to 2: its top pod is failing
+    }
+    pods = [
+        PodInfo("m-prefill-0", "prefill", ready_since=0.0, revision="b"),
+        PodInfo("m-decode-0", "decode", ready_since=0.0, revision="b"),
+        PodInfo("m-decode-1", "decode", ready_since=0.0, revision="b"),
+        PodInfo("m-decode-2", "decode", revision="b"),
+    ]
+    plan = plan_rollout(s, observed, pods, {"prefill": NEW, "decode": NEW}, 9.0)
+    assert plan.replicas == {"prefill": 1, "decode": 2} and not plan.active
+
+
+def test_the_surge_pods_of_both_roles_leave_only_once_a_pair_without_any_of_them_is_verified():
+    s = spec(1, 1, maxSurge=1)
+    done = {
+        r: RoleObservation(2, 2, 2, template_hash=NEW, current_revision="b", update_revision="b", desired=2)
+        for r in ("prefill", "decode")
+    }
+    pods = [PodInfo(f"m-{r}-{i}", r, ready_since=5.0, revision="b") for r in ("prefill", "decode") for i in (0, 1)]
+    hashes = {"prefill": NEW, "decode": NEW}
+    # Each role alone could leave (a pair with the other role's surge pod serves), but not both together.
+    crossed = frozenset({("m-prefill-1", "m-decode-1"), ("m-prefill-1", "m-decode-0"), ("m-prefill-0", "m-decode-1")})
+    assert plan_rollout(s, done, pods, hashes, 9.0, verified=crossed).replicas == {"prefill": 2, "decode": 2}
+    both = crossed | {("m-prefill-0", "m-decode-0")}
+    assert plan_rollout(s, done, pods, hashes, 9.0, verified=both).replicas == {"prefill": 1, "decode": 1}
