@@ -7,7 +7,7 @@ all-in-one started here (`hack/jaeger/build.sh`, in-memory storage); "off" is th
 DIR`, "base" is the same stack from another checkout (the commit before tracing: what "off" costs).
 Reports the median over rounds of TTFT and end-to-end p50, throughput and the CPU time the stack's processes
 spent per request (less sensitive to a loaded machine than latencies), and the on / off (and off / base) ratios.
-Writes bench/results/tracing.json.
+Writes bench/results/tracing.json and tracing.png (`--plot-only` redraws the plot from the JSON).
 Usage: git worktree add /tmp/base <commit>; python bench/bench_tracing.py --base /tmp/base [--rounds N]
 """
 
@@ -97,6 +97,28 @@ def rounds(servers: dict[str, Serve], a: argparse.Namespace, n: int, concurrency
     return res | {"rounds": got, "concurrency": concurrency, "requests": n}
 
 
+def plot(res: dict, path: Path) -> None:
+    """CPU time per request by stack at each concurrency, with the on / off and off / base ratios."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = [k for k in ("c1", "c8") if k in res]
+    stacks = [s for s in ("base", "off", "on") if all(s in res[k]["median"] for k in keys)]
+    fig, axes = plt.subplots(1, len(keys), figsize=(4 * len(keys), 3.6), squeeze=False)
+    for ax, key in zip(axes[0], keys, strict=True):
+        ax.bar(stacks, [res[key]["median"][s]["cpu_ms_per_request"] for s in stacks])
+        named = (("on/off", "ratio_on_over_off"), ("off/base", "ratio_off_over_base"))
+        ratios = [f"{name} x{res[key][r]['cpu_ms_per_request']:.2f}" for name, r in named if res[key].get(r)]
+        ax.set_title(f"concurrency {key[1:]}: {', '.join(ratios)}", fontsize=9)
+        ax.set_ylabel("CPU ms per request (median)")
+    m = res["machine"]
+    fig.suptitle(f"tracing cost ({m['cpu']}, {m['cores']} cores)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=4)
@@ -104,7 +126,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=16)
     ap.add_argument("--base", default="", help="a checkout without tracing, run as a third stack")
+    ap.add_argument("--plot-only", action="store_true", help="redraw tracing.png from tracing.json")
     a = ap.parse_args(argv)
+    if a.plot_only:
+        plot(json.loads((RESULTS / "tracing.json").read_text()), RESULTS / "tracing.png")
+        return 0
     t0 = time.time()
     model = tempfile.mkdtemp(prefix="bench-tracing-model-")
     subprocess.run([DISAGG, "model", "make-tiny", "--out", model], check=True, stdout=subprocess.DEVNULL)
@@ -142,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     res["seconds"] = round(time.time() - t0, 1)
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "tracing.json").write_text(json.dumps(res, indent=2) + "\n")
+    plot(res, RESULTS / "tracing.png")
     for key in ("c1", "c8"):
         for ratio in ("ratio_on_over_off", "ratio_off_over_base"):
             r = res[key].get(ratio)
