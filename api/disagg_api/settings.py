@@ -15,6 +15,7 @@ instance, `--chunked-prefill-size` (-1 turns chunking off there, 0 here) nor `--
 from __future__ import annotations
 
 from disagg_api.setting import Setting
+from disagg_api.tier_settings import TIERS
 
 DTYPES = ("float32", "bfloat16", "float16")
 QUANTIZATIONS = ("int4",)  # weight formats of `--quantization` (disagg_worker/model/quant.py)
@@ -215,6 +216,7 @@ ENGINE = (
     MAX_TOTAL_TOKENS,
     KV_DTYPE,
     DISABLE_PREFIX_CACHE,
+    *TIERS,
     MAX_RUNNING_REQUESTS,
     MAX_BATCH_TOKENS,
     CHUNK_SIZE,

@@ -16,7 +16,7 @@ FLOORS = [
     ("errors", "env", "keys", "tuning", "flags", "mem", "model", "bench"),
     ("request",),
     ("tracing",),
-    ("speculative_config",),
+    ("speculative_config", "tier_config"),
     ("config",),
     ("disagg",),
     ("cli_args",),

@@ -8,6 +8,7 @@ from dataclasses import fields
 import pytest
 
 from disagg_api import settings as S
+from disagg_api import tier_settings as T
 from disagg_api.setting import Setting, command_line
 from disagg_worker.cli import build_parser
 from disagg_worker.cli_args import server_args_from_cli
@@ -22,9 +23,10 @@ from disagg_worker.config import (
 )
 from disagg_worker.env import load_env
 from disagg_worker.flags import NEGATED, SETTING, settings_of
+from disagg_worker.tier_config import TierConfig
 
-DECLARED = [v for v in vars(S).values() if isinstance(v, Setting)]
-CHAIN = (ServerArgs, EngineConfig, CacheConfig, SchedulerConfig, SpeculativeConfig, DisaggConfig)
+DECLARED = [v for module in (S, T) for v in vars(module).values() if isinstance(v, Setting)]
+CHAIN = (ServerArgs, EngineConfig, CacheConfig, TierConfig, SchedulerConfig, SpeculativeConfig, DisaggConfig)
 # What no field holds as it is: files read at start-up, and --kv-dtype (which falls back to --dtype).
 READ_AT_START_UP = {S.API_KEY, S.API_KEY_FILE, S.AUTH_TOKEN_FILE, S.KV_DTYPE}
 COMMANDS = {"serve": (Role.MONOLITHIC, S.ENGINE), "prefill": (Role.PREFILL, S.ENGINE + S.DISAGG)}
@@ -71,7 +73,7 @@ def test_a_flag_left_out_takes_its_declared_default_in_the_parser_and_in_the_con
     }
     args = server_args_from_cli(ns, role, load_env({}))
     e = args.engine
-    for obj in (args, e, e.cache, e.scheduler, e.scheduler.speculative, e.disagg):
+    for obj in (args, e, e.cache, e.cache.tiers, e.scheduler, e.scheduler.speculative, e.disagg):
         for f in fields(obj):
             s = f.metadata.get(SETTING)
             if s is not None and not s.required:

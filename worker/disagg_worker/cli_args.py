@@ -26,6 +26,7 @@ from disagg_worker.env import WorkerEnv, load_env
 from disagg_worker.flags import add_flags, fill
 from disagg_worker.model.config import ModelConfig
 from disagg_worker.model.parallel import check_parallel
+from disagg_worker.tier_config import TierConfig
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -51,7 +52,7 @@ def server_args_from_cli(
     env = load_env() if env is None else env
     settings = command_settings(role)
     api_keys = keys.read_api_keys(ns.api_key, ns.api_key_file)
-    cache = fill(CacheConfig, ns, settings, kv_dtype=ns.kv_dtype or ns.dtype)
+    cache = fill(CacheConfig, ns, settings, kv_dtype=ns.kv_dtype or ns.dtype, tiers=fill(TierConfig, ns, settings))
     sched = fill(SchedulerConfig, ns, settings, speculative=fill(SpeculativeConfig, ns, settings))
     engine = fill(
         EngineConfig,

@@ -18,6 +18,7 @@ from disagg_worker.flags import from_flag
 from disagg_worker.model.source import served_name
 from disagg_worker.speculative_config import DRAFT_MODEL_ALGORITHMS as DRAFT_MODEL_ALGORITHMS
 from disagg_worker.speculative_config import SpeculativeConfig as SpeculativeConfig
+from disagg_worker.tier_config import TierConfig
 
 
 class Role(str, Enum):
@@ -29,11 +30,11 @@ class Role(str, Enum):
 @dataclass(frozen=True)
 class CacheConfig:
     page_size: int = from_flag(S.PAGE_SIZE)
-    # Number of KV pages; 0 means "derive from max_total_tokens".
-    num_pages: int = from_flag(S.NUM_PAGES)
+    num_pages: int = from_flag(S.NUM_PAGES)  # 0: derive from max_total_tokens
     max_total_tokens: int = from_flag(S.MAX_TOTAL_TOKENS)
     kv_dtype: str = "float32"  # --kv-dtype, or --dtype without it
     enable_prefix_cache: bool = from_flag(S.DISABLE_PREFIX_CACHE, negated=True)
+    tiers: TierConfig = field(default_factory=TierConfig)  # host memory and Mooncake Store under the cache
 
     @property
     def total_pages(self) -> int:
