@@ -64,6 +64,7 @@ def server_args_from_cli(
         fault_grammar_pattern=env.fault_grammar_pattern,
     )
     check_model(engine)
+    check_tiers(engine)
     check_exposure(engine.disagg)
     problem = device_problem(engine.disagg, engine.device)
     if problem:
@@ -88,6 +89,20 @@ def disagg_config(ns: argparse.Namespace, role: Role, env: WorkerEnv) -> DisaggC
     )
     disagg.check()
     return disagg
+
+
+def check_tiers(e: EngineConfig) -> None:
+    """The KV tiers sit under the prefix cache of a single-rank instance."""
+    if not e.cache.tiers.enabled:
+        return
+    if not e.cache.enable_prefix_cache:
+        raise ConfigError("--enable-hierarchical-cache keeps the prefix cache's pages: drop --disable-prefix-cache")
+    if e.world_size > 1:
+        d = e.disagg
+        raise ConfigError(
+            f"--enable-hierarchical-cache runs on single-rank instances (here --tp-size {d.tp_size}, --pp-size "
+            f"{d.pp_size}): each rank would copy its own pages, which the ranks' step commands do not carry"
+        )
 
 
 def check_exposure(d: DisaggConfig) -> None:

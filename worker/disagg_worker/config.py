@@ -350,9 +350,9 @@ class EngineConfig:
 
     @property
     def uses_prefix_cache(self) -> bool:
-        """Decode's prefix cache is off unless asked for (`DisaggConfig.decode_prefix_cache`)."""
-        d = self.disagg
-        return self.cache.enable_prefix_cache and (d.role is not Role.DECODE or d.decode_prefix_cache)
+        """Decode's prefix cache is off unless asked for (`DisaggConfig.decode_prefix_cache`, or the KV tiers)."""
+        decode = self.disagg.decode_prefix_cache or self.cache.tiers.enabled
+        return self.cache.enable_prefix_cache and (self.disagg.role is not Role.DECODE or decode)
 
     @property
     def takes_local_prefill(self) -> bool:

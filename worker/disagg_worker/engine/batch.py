@@ -119,3 +119,17 @@ def _num_logits(
     counts = [1 + len(d) for d in drafts] if drafts else [1] * len(reqs)
     counts = [n if wants_rows(r, s) else c for r, s, n, c in zip(reqs, starts, extend, counts, strict=True)]
     return counts if any(c != 1 for c in counts) else None
+
+
+@dataclass
+class Plan:
+    """What the scheduler puts in a step: requests, the tokens each computes, each one's draft."""
+
+    reqs: list[Req] = field(default_factory=list)
+    extend: list[int] = field(default_factory=list)
+    drafts: list[list[int]] = field(default_factory=list)
+
+    def add(self, req: Req, n: int) -> None:
+        self.reqs.append(req)
+        self.extend.append(n)
+        self.drafts.append([])

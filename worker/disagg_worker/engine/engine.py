@@ -35,6 +35,7 @@ from disagg_worker.engine.request import Req
 from disagg_worker.engine.runner import ModelRunner
 from disagg_worker.engine.scheduler import Scheduler
 from disagg_worker.engine.speculative import DraftPlanner
+from disagg_worker.engine.tiers import build_tiers
 from disagg_worker.keys import LOCAL_PREFILL, target_signed
 from disagg_worker.mem.allocator import PageAllocator
 from disagg_worker.mem.radix import RadixCache
@@ -102,6 +103,7 @@ class Engine:
         )
         drafter = build_drafter(cfg, draft, self.kv_pool, model_cfg) if draft is not None else None
         self.runner = ModelRunner(model, self.kv_pool, model_cfg.vocab_size, cfg.device, drafter)
+        self.scheduler.tiers = self.tiers = build_tiers(cfg, self.kv_pool, drafter, self.radix, cfg.model_name)
         manager = build_kv_manager(cfg, self.kv_pool, shard, model_cfg, draft.fingerprint if draft else "")
         kv: KVManager | RankedKV | None = manager
         self.ranks: RankGroup | None = None
@@ -298,6 +300,8 @@ class Engine:
     def set_wakeup(self, wake: Callable[[], None]) -> None:
         """`wake` is called, from any thread, when a KV transfer or a grammar this engine waits on moves."""
         self.grammar_wait.wake = wake
+        if self.tiers is not None:
+            self.tiers.wake = wake
         if self.stage is not None:
             self.stage.set_wakeup(wake)
 
@@ -362,6 +366,8 @@ class Engine:
     def close(self) -> None:
         """Stop the other ranks and release what the engine holds outside this process."""
         self.grammars.close()
+        if self.tiers is not None:
+            self.tiers.close()
         if self.ranks is not None:
             self.ranks.stop()
         if self.stage is not None:
@@ -369,10 +375,8 @@ class Engine:
 
     def pages_accounted(self) -> bool:
         """At idle, every page is free or held unlocked by the prefix cache."""
-        return (
-            self.allocator.num_free + self.radix.total_pages == self.allocator.num_total
-            and self.radix.total_refs() == 0
-        )
+        a = self.allocator
+        return a.num_free + self.radix.total_pages == a.num_total and self.radix.total_refs() == 0
 
 
 def params_problem(params: SamplingParams, vocab_size: int) -> str:
@@ -388,9 +392,5 @@ def params_problem(params: SamplingParams, vocab_size: int) -> str:
 def own_metrics() -> str:
     """This process's `disagg_*` Prometheus series (the HTTP process serves them on /metrics)."""
     text = generate_latest(REGISTRY).decode()
-    keep = [
-        line
-        for line in text.splitlines()
-        if line.startswith("disagg_") or line.startswith(("# HELP disagg_", "# TYPE disagg_"))
-    ]
+    keep = [line for line in text.splitlines() if line.startswith(("disagg_", "# HELP disagg_", "# TYPE disagg_"))]
     return "\n".join(keep) + ("\n" if keep else "")

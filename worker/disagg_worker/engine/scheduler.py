@@ -20,13 +20,13 @@ from __future__ import annotations
 import logging
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from disagg_worker.config import SchedulerConfig
-from disagg_worker.engine.batch import Sampled, ScheduledBatch, StepOutcome, StepResult, build_forward
+from disagg_worker.engine.batch import Plan, Sampled, ScheduledBatch, StepOutcome, StepResult, build_forward
 from disagg_worker.engine.outbox import Outbox, TopLogprobs, internal_error
 from disagg_worker.engine.request import FinishReason, Req
 from disagg_worker.engine.speculative import DraftPlanner
+from disagg_worker.engine.tiers import KVTiers
 from disagg_worker.mem.allocator import PageAllocator, pages_for
 from disagg_worker.mem.radix import RadixCache
 from disagg_worker.request.errors import INTERNAL_ERROR
@@ -37,18 +37,6 @@ log = logging.getLogger(__name__)
 def decode_reserve_pages(running: list[Req], reserve_tokens: int, page_size: int) -> int:
     """Pages kept free for the next decode steps of `running` before new prompts are admitted."""
     return sum(pages_for(min(r.remaining_new_tokens(), reserve_tokens), page_size) for r in running)
-
-
-@dataclass
-class Plan:
-    reqs: list[Req] = field(default_factory=list)
-    extend: list[int] = field(default_factory=list)
-    drafts: list[list[int]] = field(default_factory=list)
-
-    def add(self, req: Req, n: int) -> None:
-        self.reqs.append(req)
-        self.extend.append(n)
-        self.drafts.append([])
 
 
 class Scheduler:
@@ -79,6 +67,7 @@ class Scheduler:
         self.prompt_tokens_computed = 0  # tokens of prompts computed before their first token (SchedulerStats)
         # Requests another stage will hand to the running batch (decode's transfers): their slots are taken.
         self.incoming: Callable[[], int] = lambda: 0
+        self.tiers: KVTiers | None = None  # host memory and the store under the prefix cache (engine/tiers.py)
 
     # ---- queue changes -------------------------------------------------------------------
     def add(self, req: Req) -> None:
@@ -87,6 +76,8 @@ class Scheduler:
             return
         self.by_rid[req.rid] = req
         self.waiting.append(req)
+        if self.tiers is not None:
+            self.tiers.prefetch(req.rid, self._prefix(req))
         if req.trail is not None:
             req.trail.begin("scheduler.waiting")
 
@@ -215,8 +206,10 @@ class Scheduler:
         """The pages of `req`'s whole known sequence: the prefix the cache holds (locked, before the last token's
         page; `req.prefix_node`, `prefix_pages`, `cached_tokens` set) then fresh ones, keeping the running
         requests' reserve; None, with nothing taken, when they do not fit."""
-        # A request scoring its prompt computes all of it: a cached position has no logits.
-        match = self.radix.match_prefix(req.fill_ids[: req.seq_len - 1] if not req.params.prompt_logprobs else [])
+        prefix = self._prefix(req)
+        if self.tiers is not None and not self.tiers.admit(req.rid, prefix, self.take_pages):
+            return None
+        match = self.radix.match_prefix(prefix)
         self.radix.lock(match.node)
         need = pages_for(req.seq_len, self.page_size) - len(match.pages)
         pages = None
@@ -226,7 +219,14 @@ class Scheduler:
             self.radix.unlock(match.node)
             return None
         req.prefix_node, req.prefix_pages, req.cached_tokens = match.node, len(match.pages), match.num_tokens
+        if self.tiers is not None:
+            self.tiers.forget(req.rid)
         return list(match.pages) + pages
+
+    @staticmethod
+    def _prefix(req: Req) -> list[int]:
+        """Tokens whose KV may come from the cache: not the last (it computes logits), none to score a prompt."""
+        return req.fill_ids[: req.seq_len - 1] if not req.params.prompt_logprobs else []
 
     def _needs_page(self, req: Req, n: int) -> int:
         return max(0, pages_for(req.num_computed + n, self.page_size) - len(req.pages))
@@ -377,6 +377,8 @@ class Scheduler:
         elif req in self.waiting:
             self.waiting.remove(req)
         self.by_rid.pop(req.rid, None)
+        if self.tiers is not None:
+            self.tiers.forget(req.rid)
         if self.drafter is not None:
             self.drafter.forget(req.rid)
         if emit:

@@ -14,6 +14,8 @@ descendants: evicting unlocked leaves never strands a locked node.
 
 With `record_events` every page also has a name, a chained hash of the tokens up to it (`kv_events.py`),
 kept per node, and the cache records what it stores and evicts under those names for `take_events` to hand on.
+A `listener` (the tiers under the cache, `engine/tiers.py`) is told, under the same names, of the pages the
+tree takes, hits and evicts, each while the page still holds its KV.
 """
 
 from __future__ import annotations
@@ -21,9 +23,16 @@ from __future__ import annotations
 import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from .allocator import PageAllocator
 from .kv_events import ROOT, Event, page_hashes
+
+
+class Listener(Protocol):
+    def stored(self, names: list[int], pages: list[int]) -> None: ...
+    def hit(self, names: list[int], pages: list[int]) -> None: ...
+    def evicted(self, names: list[int], pages: list[int]) -> None: ...
 
 
 class Node:
@@ -90,6 +99,12 @@ class RadixCache:
         self.record_events = record_events
         self.names_key = names_key
         self._events: list[Event] = []
+        self.listener: Listener | None = None
+
+    @property
+    def names_pages(self) -> bool:
+        """Whether pages are named (for the events, or for the tiers under the cache)."""
+        return self.record_events or self.listener is not None
 
     def take_events(self) -> list[Event]:
         """The events recorded since the last call (none unless `record_events`)."""
@@ -123,7 +138,23 @@ class RadixCache:
             return MatchResult([], 0, self._root)
         node, pages = self._walk(tokens)
         self.stats.hit_tokens += len(pages) * self.page_size
+        if self.listener is not None and pages:
+            self.listener.hit(self._path_names(node), pages)
         return MatchResult(pages, len(pages) * self.page_size, node)
+
+    def peek(self, tokens: Sequence[int]) -> MatchResult:
+        """`match_prefix` without counting it as a query or a hit (the tiers looking below what is cached)."""
+        if not self.enabled:
+            return MatchResult([], 0, self._root)
+        node, pages = self._walk(tokens)
+        return MatchResult(pages, len(pages) * self.page_size, node)
+
+    def _path_names(self, node: Node) -> list[int]:
+        names: list[list[int]] = []
+        while node is not self._root:
+            names.append(node.names)
+            node = node.up
+        return [n for part in reversed(names) for n in part]
 
     def lock(self, node: Node) -> None:
         """Protect `node` and its ancestors from eviction (one reference each)."""
@@ -246,7 +277,7 @@ class RadixCache:
     def _add_leaf(self, parent: Node, tokens: Sequence[int], pages: Sequence[int]) -> None:
         names = (
             page_hashes(tokens, self.page_size, parent.names[-1] if parent.names else ROOT, self.names_key)
-            if self.record_events
+            if self.names_pages
             else []
         )
         leaf = Node(tuple(tokens), list(pages), parent, names)
@@ -254,10 +285,14 @@ class RadixCache:
         parent.children[leaf.key[: self.page_size]] = leaf
         self._evictable += len(leaf.pages)
         self._record("stored", names)
+        if self.listener is not None:
+            self.listener.stored(names, leaf.pages)
 
     def _remove_leaf(self, leaf: Node) -> int:
         del leaf.up.children[leaf.key[: self.page_size]]
         leaf.parent = None
+        if self.listener is not None:
+            self.listener.evicted(leaf.names, leaf.pages)
         self.allocator.free(leaf.pages)
         self._evictable -= len(leaf.pages)
         self._record("removed", leaf.names)

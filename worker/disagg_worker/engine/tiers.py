@@ -1,0 +1,267 @@
+"""The KV tiers under the prefix cache: host memory (L2, `mem/host_tier.py`) and Mooncake Store (L3, `mem/store.py`).
+
+The radix cache tells the tiers (its `listener`) of every page it takes, hits and evicts, under the page's name:
+- write_through: a page goes down when the cache takes it; write_through_selective: when it is hit again;
+  write_back: when it is evicted. Whatever the policy, an evicted page that was written down is not lost.
+- The host tier writes to the store what it writes (write_through, write_through_selective) or what it evicts
+  (write_back). Writes to the store run on the store thread, never the scheduler's.
+- A request that arrives is looked up below the cache (`prefetch`): the pages the store holds past those the
+  cache and host memory hold are read into host memory on the store thread. Its admission waits per the prefetch
+  policy (`ready`): best_effort not at all, wait_complete until the read ends, timeout at most that long.
+- Admitting a request (`restore`): the pages host memory holds past the cache's are copied into free pool pages
+  and put in the tree, so that the cache's match finds them. On the CPU this is a copy by the scheduler's thread;
+  with the overlap schedule it runs while the batch before computes. On a GPU it is an asynchronous copy from
+  pinned memory on the forward's stream, ordered before the forward that reads it.
+
+A slow or absent store costs only recompute: its calls run on the store thread, a read that takes longer than its
+policy allows is abandoned (its pages, if they come, stay in host memory for the next request), and a failing
+store is left alone for a while (`mem/store.py`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from disagg_worker.config import EngineConfig
+from disagg_worker.engine.drafting import ModelDrafter
+from disagg_worker.mem.host_tier import HostTier
+from disagg_worker.mem.kv_pool import KVPool
+from disagg_worker.mem.kv_events import ROOT, page_hashes
+from disagg_worker.mem.radix import RadixCache
+from disagg_worker.mem.store import MooncakeStore
+from disagg_worker.tier_config import TierConfig
+
+log = logging.getLogger(__name__)
+
+PUT_QUEUE_PAGES = 4096  # pages waiting to be written to the store beyond this are not written
+WAIT_COMPLETE_BOUND = 4  # wait_complete waits at most this many prefetch timeouts (then the store counts as slow)
+
+
+@dataclass
+class TierStats:
+    loaded_host: int = 0  # pages copied from host memory into the pool (a prefix hit below the cache)
+    fetched_store: int = 0  # pages read from the store into host memory
+    written_store: int = 0
+    dropped_store: int = 0  # pages not written: the store's queue was full or the store down
+    prefetch_abandoned: int = 0
+
+
+@dataclass
+class Prefetch:
+    started: float
+    done: bool = False
+
+
+class KVTiers:
+    def __init__(
+        self,
+        cfg: TierConfig,
+        host: HostTier,
+        radix: RadixCache,
+        store: MooncakeStore | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.cfg = cfg
+        self.host = host
+        self.radix = radix
+        self.store = store
+        self.clock = clock
+        self.stats = TierStats()
+        self.wake: Callable[[], None] = lambda: None
+        self._prefetches: dict[str, Prefetch] = {}
+        self._jobs: queue.Queue = queue.Queue()
+        self._queued_puts = 0
+        self._lock = threading.Lock()
+        radix.listener = self
+        if store is not None:
+            host.on_evict = self._host_evicted
+            self._thread = threading.Thread(target=self._serve_store, name="kv-store", daemon=True)
+            self._thread.start()
+
+    # ---- the radix cache's listener (scheduler thread) --------------------------------------------------
+    def stored(self, names: list[int], pages: list[int]) -> None:
+        if self.cfg.write_policy == "write_through":
+            self._write_down(names, pages)
+
+    def hit(self, names: list[int], pages: list[int]) -> None:
+        if self.cfg.write_policy == "write_through_selective":
+            self._write_down(names, pages)
+
+    def evicted(self, names: list[int], pages: list[int]) -> None:
+        if self.cfg.write_policy == "write_through_selective":
+            return  # only what was hit goes down
+        saved = self.host.save(names, pages)
+        if self.cfg.write_policy != "write_back":
+            self._put_later(saved)  # write-through pages the host had dropped meanwhile
+
+    def _write_down(self, names: list[int], pages: list[int]) -> None:
+        self._put_later(self.host.save(names, pages))
+
+    # ---- admission (scheduler thread) -------------------------------------------------------------------
+    def admit(self, rid: str, tokens: Sequence[int], take_pages: Callable[[int], list[int] | None]) -> bool:
+        """Whether request `rid` may be admitted now (`ready`); if so, its pages in host memory are restored."""
+        if not self.ready(rid):
+            return False
+        self.restore(tokens, take_pages)
+        return True
+
+    def restore(self, tokens: Sequence[int], take_pages: Callable[[int], list[int] | None]) -> int:
+        """Load the pages host memory holds past the cache's match of `tokens` into the tree; the pages loaded."""
+        ps = self.radix.page_size
+        match = self.radix.peek(tokens)
+        full = len(tokens) // ps
+        if full <= len(match.pages):
+            return 0
+        parent = match.node.names[-1] if match.node.names else ROOT
+        names = page_hashes(tokens[match.num_tokens : full * ps], ps, parent, self.radix.names_key)
+        names = names[: self.host.run_of(names)]
+        if not names:
+            return 0
+        self.host.pin(names)
+        self.radix.lock(match.node)
+        try:
+            pages = take_pages(len(names))
+            if pages is None:
+                return 0
+            self.host.load(names, pages)
+            end = match.num_tokens + len(names) * ps
+            redundant = self.radix.insert(tokens[:end], list(match.pages) + pages)
+            self.radix.allocator.free(redundant)
+        finally:
+            self.radix.unlock(match.node)
+            self.host.unpin(names)
+        self.stats.loaded_host += len(names)
+        return len(names)
+
+    def prefetch(self, rid: str, tokens: Sequence[int]) -> None:
+        """Start reading the pages of `tokens` the store holds past what the cache and host memory hold."""
+        if self.store is None:
+            return
+        ps = self.radix.page_size
+        names = page_hashes(tokens[: len(tokens) // ps * ps], ps, ROOT, self.radix.names_key)
+        below = len(self.radix.peek(tokens).pages)
+        below += self.host.run_of(names[below:])
+        if below >= len(names):
+            return
+        job = Prefetch(self.clock())
+        with self._lock:
+            self._prefetches[rid] = job
+        self._jobs.put(("get", names[below:], job))
+        if self.cfg.prefetch_policy == "timeout":
+            timer = threading.Timer(self.cfg.prefetch_timeout, self.wake)
+            timer.daemon = True
+            timer.start()
+
+    def ready(self, rid: str) -> bool:
+        """Whether request `rid` may be admitted: its prefetch, if any, has gone as far as the policy waits."""
+        with self._lock:
+            job = self._prefetches.get(rid)
+        if job is None or job.done or self.cfg.prefetch_policy == "best_effort":
+            return True
+        bound = self.cfg.prefetch_timeout
+        if self.cfg.prefetch_policy == "wait_complete":
+            bound *= WAIT_COMPLETE_BOUND
+        if self.clock() - job.started < bound:
+            return False
+        self.stats.prefetch_abandoned += 1
+        self.forget(rid)
+        return True
+
+    def forget(self, rid: str) -> None:
+        with self._lock:
+            self._prefetches.pop(rid, None)
+
+    @property
+    def prefetching(self) -> bool:
+        with self._lock:
+            return any(not j.done for j in self._prefetches.values())
+
+    # ---- the store thread -----------------------------------------------------------------------------
+    def _put_later(self, names: list[int]) -> None:
+        if self.store is None or not names or self.cfg.write_policy == "write_back":
+            return
+        self._enqueue_put(names, [self.host.page_bytes(n) for n in names])
+
+    def _host_evicted(self, names: list[int], data: list[bytes]) -> None:
+        if self.cfg.write_policy == "write_back":
+            self._enqueue_put(names, data)
+
+    def _enqueue_put(self, names: list[int], data: list[bytes]) -> None:
+        with self._lock:
+            if self._queued_puts + len(names) > PUT_QUEUE_PAGES:
+                self.stats.dropped_store += len(names)
+                return
+            self._queued_puts += len(names)
+        self._jobs.put(("put", names, data))
+
+    def _serve_store(self) -> None:
+        assert self.store is not None
+        while True:
+            kind, names, arg = self._jobs.get()
+            if kind == "stop":
+                return
+            try:
+                if kind == "put":
+                    self._put(names, arg)
+                else:
+                    self._get(names, arg)
+            except Exception:  # noqa: BLE001 - the store failing costs recompute, never the instance
+                log.exception("KV store: %s of %d pages failed", kind, len(names))
+            finally:
+                if kind == "get":
+                    arg.done = True
+                    self.wake()
+
+    def _put(self, names: list[int], data: list[bytes]) -> None:
+        assert self.store is not None
+        with self._lock:
+            self._queued_puts -= len(names)
+        if self.store.put(names, data):
+            self.stats.written_store += len(names)
+        else:
+            self.stats.dropped_store += len(names)
+
+    def _get(self, names: list[int], job: Prefetch) -> None:
+        assert self.store is not None
+        found = self.store.exists(names)
+        values = self.store.get(names[:found]) if found else []
+        if values:
+            self.stats.fetched_store += self.host.put_bytes(names[: len(values)], values)
+
+    def close(self) -> None:
+        if self.store is not None:
+            self._jobs.put(("stop", [], None))
+            self._thread.join(timeout=5)
+            self.store.close()
+
+
+def build_tiers(
+    cfg: EngineConfig, pool: KVPool, drafter: ModelDrafter | None, radix: RadixCache, model_id: str
+) -> KVTiers | None:
+    """The tiers under `radix` for an instance whose KV is in `pool` (and a draft's own pool, if it has one), or None
+    when `--enable-hierarchical-cache` is off. The store's keys start with the model's id, its KV layout and the
+    key of its page names, so that no other model's pages are ever read as its own."""
+    tiers = cfg.cache.tiers
+    if not tiers.enabled:
+        return None
+    pools = [pool, drafter.kv] if drafter is not None and isinstance(drafter.kv, KVPool) else [pool]
+    buffers = [b for p in pools for b in p.buffers()]
+    page_nbytes = sum(b[0].numel() * b.element_size() for b in buffers)
+    host = HostTier(buffers, tiers.host_pages(cfg.cache.total_pages, page_nbytes))
+    layout = ";".join(f"{b.dtype}{tuple(b.shape[1:])}" for b in buffers)
+    digest = hashlib.blake2b(f"{model_id}|{layout}".encode(), digest_size=8).hexdigest()
+    store = None
+    if tiers.store:
+        prefix = f"disagg/{digest}/{cfg.disagg.kv_names[1] or 'unkeyed'}"
+        store = MooncakeStore(tiers.store_master, tiers.metadata_server, cfg.disagg.advertise_host, prefix)
+    log.info(
+        "KV tiers: %d pages (%.1f MB) of host memory, %s; store %s",
+        host.slots, host.slots * page_nbytes / 1e6, tiers.write_policy, tiers.store_master or "none",
+    )  # fmt: skip
+    return KVTiers(tiers, host, radix, store)

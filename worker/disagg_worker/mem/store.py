@@ -1,0 +1,108 @@
+"""Mooncake Store as the KV tier under host memory (L3): one client per instance, shared by every instance of a model.
+
+The instance contributes no memory of its own (a segment of 0 bytes): the store's memory is its store servers'
+(`mooncake_client` processes, the operator's store pod), so pages outlive the instance that wrote them. A page is
+kept under `<prefix>/<name>`: the prefix says whose pages they are (the model, its KV layout, the key of its names),
+the name which token prefix they hold (`kv_events.page_hash`, keyed with the model's secret).
+
+Every call is blocking and may take seconds when the store is gone (Mooncake's own RPC timeouts), so only the tiers'
+store thread calls these methods, never the scheduler. A client that cannot set up or whose calls fail is `down`
+for `RETRY_S`, then set up again: a store that restarts is used again without restarting the instance.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+RETRY_S = 5.0  # how long a failed store is left alone before it is tried again
+LOCAL_BUFFER = 64 << 20  # the client's registered buffer for puts and gets
+
+
+class MooncakeStore:
+    def __init__(self, master: str, metadata_server: str, host: str, prefix: str):
+        self.master = master
+        self.metadata_server = metadata_server
+        self.host = host
+        self.prefix = prefix
+        self._client: Any = None
+        self._down_until = 0.0
+
+    @property
+    def up(self) -> bool:
+        return self._client is not None
+
+    def key(self, name: int) -> str:
+        return f"{self.prefix}/{name:016x}"
+
+    def connect(self) -> bool:
+        """Set the client up if it is not (and not within `RETRY_S` of a failure); whether it is up."""
+        if self._client is not None:
+            return True
+        if time.monotonic() < self._down_until:
+            return False
+        from mooncake.store import MooncakeDistributedStore
+
+        client = MooncakeDistributedStore()
+        rc = client.setup(self.host, self.metadata_server, 0, LOCAL_BUFFER, "tcp", "", self.master)
+        if rc != 0:
+            self._fail(f"setting up the client failed (rc {rc})")
+            return False
+        self._client = client
+        log.info("KV store: connected to Mooncake Store at %s", self.master)
+        return True
+
+    def exists(self, names: Sequence[int]) -> int:
+        """How many of `names`, from the first, the store holds."""
+        if not names or not self.connect():
+            return 0
+        found = self._client.batch_is_exist([self.key(n) for n in names])
+        n = 0
+        for rc in found:
+            if rc == 1:
+                n += 1
+                continue
+            if rc < 0:  # not "absent" but a failed call
+                self._fail(f"looking pages up failed (rc {rc})")
+            break
+        return n
+
+    def get(self, names: Sequence[int]) -> list[bytes]:
+        """The pages named `names`, from the first, up to the first the store fails to give."""
+        if not names or not self.connect():
+            return []
+        out = []
+        for value in self._client.get_batch([self.key(n) for n in names]):
+            if not value:
+                break
+            out.append(bytes(value))
+        if len(out) < len(names):
+            log.info("KV store: %d of %d pages read", len(out), len(names))
+        return out
+
+    def put(self, names: Sequence[int], values: Sequence[bytes]) -> bool:
+        if not names or not self.connect():
+            return False
+        rc = self._client.put_batch([self.key(n) for n in names], list(values))
+        if rc != 0:
+            self._fail(f"writing {len(names)} pages failed (rc {rc})")
+        return rc == 0
+
+    def _fail(self, why: str) -> None:
+        log.warning("KV store at %s: %s; computing instead, trying again in %.0f s", self.master, why, RETRY_S)
+        self._down_until = time.monotonic() + RETRY_S
+        client, self._client = self._client, None
+        if client is not None:
+            try:
+                client.close()
+            except Exception:  # noqa: BLE001 - a broken client may fail to close too
+                log.debug("closing the store client failed", exc_info=True)
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
+            self._client = None
