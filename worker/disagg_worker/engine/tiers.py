@@ -28,6 +28,8 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from prometheus_client import Counter
+
 from disagg_worker.config import EngineConfig
 from disagg_worker.engine.drafting import ModelDrafter
 from disagg_worker.mem.host_tier import HostTier
@@ -43,6 +45,18 @@ PUT_QUEUE_PAGES = 4096  # pages waiting to be written to the store beyond this a
 WAIT_COMPLETE_BOUND = 4  # wait_complete waits at most this many prefetch timeouts (then the store counts as slow)
 
 
+PAGES = Counter(
+    "disagg_kv_tier_pages",
+    "KV pages moved between the tiers under the prefix cache: loaded_host (host memory into the pool), "
+    "fetched_store (the store into host memory), written_store, dropped_store (not written: queue full or store "
+    "down)",
+    ["op"],
+)
+PREFETCH_ABANDONED = Counter(
+    "disagg_kv_tier_prefetch_abandoned", "Requests admitted before their read from the store ended (its policy's bound)"
+)
+
+
 @dataclass
 class TierStats:
     loaded_host: int = 0  # pages copied from host memory into the pool (a prefix hit below the cache)
@@ -50,6 +64,13 @@ class TierStats:
     written_store: int = 0
     dropped_store: int = 0  # pages not written: the store's queue was full or the store down
     prefetch_abandoned: int = 0
+
+    def add(self, op: str, pages: int) -> None:
+        setattr(self, op, getattr(self, op) + pages)
+        if op == "prefetch_abandoned":
+            PREFETCH_ABANDONED.inc(pages)
+        else:
+            PAGES.labels(op).inc(pages)
 
 
 @dataclass
@@ -136,7 +157,7 @@ class KVTiers:
         finally:
             self.radix.unlock(match.node)
             self.host.unpin(names)
-        self.stats.loaded_host += len(names)
+        self.stats.add("loaded_host", len(names))
         return len(names)
 
     def prefetch(self, rid: str, tokens: Sequence[int]) -> None:
@@ -169,7 +190,7 @@ class KVTiers:
             bound *= WAIT_COMPLETE_BOUND
         if self.clock() - job.started < bound:
             return False
-        self.stats.prefetch_abandoned += 1
+        self.stats.add("prefetch_abandoned", 1)
         self.forget(rid)
         return True
 
@@ -195,7 +216,7 @@ class KVTiers:
     def _enqueue_put(self, names: list[int], data: list[bytes]) -> None:
         with self._lock:
             if self._queued_puts + len(names) > PUT_QUEUE_PAGES:
-                self.stats.dropped_store += len(names)
+                self.stats.add("dropped_store", len(names))
                 return
             self._queued_puts += len(names)
         self._jobs.put(("put", names, data))
@@ -223,16 +244,16 @@ class KVTiers:
         with self._lock:
             self._queued_puts -= len(names)
         if self.store.put(names, data):
-            self.stats.written_store += len(names)
+            self.stats.add("written_store", len(names))
         else:
-            self.stats.dropped_store += len(names)
+            self.stats.add("dropped_store", len(names))
 
     def _get(self, names: list[int], job: Prefetch) -> None:
         assert self.store is not None
         found = self.store.exists(names)
         values = self.store.get(names[:found]) if found else []
         if values:
-            self.stats.fetched_store += self.host.put_bytes(names[: len(values)], values)
+            self.stats.add("fetched_store", self.host.put_bytes(names[: len(values)], values))
 
     def close(self) -> None:
         if self.store is not None:
