@@ -1,4 +1,5 @@
-"""A thin client for the few API calls the operator makes: server-side apply, create-once, read, status patch.
+"""A thin client for the few API calls the operator makes: server-side apply, create-once, read, status patch,
+and deleting a child the spec retired.
 
 Every call is counted by verb so a benchmark (or a test) can say how many writes a reconcile costs.
 """
@@ -25,7 +26,7 @@ PLURALS = {
     names.SCALER_KIND: names.SCALER_PLURAL,
     names.LWS_KIND: names.LWS_PLURAL,
 }
-WRITE_VERBS = ("apply", "create", "patch", "patch_status")
+WRITE_VERBS = ("apply", "create", "patch", "patch_status", "delete")
 
 
 def object_path(api_version: str, plural: str, namespace: str, name: str = "") -> str:
@@ -108,6 +109,17 @@ class Kube:
             )
         except ApiException as e:
             if e.status == 409:
+                return False
+            raise
+        return True
+
+    def delete(self, api_version: str, kind: str, namespace: str, name: str) -> bool:
+        """Delete the object (its dependents in the background); False when it was not there."""
+        path = object_path(api_version, PLURALS[kind], namespace, name)
+        try:
+            self._call("delete", "DELETE", path, {"propagationPolicy": "Background"})
+        except ApiException as e:
+            if e.status == 404:
                 return False
             raise
         return True

@@ -13,13 +13,11 @@ import yaml
 from disagg_api import settings as S
 
 from . import names
+from .crd_kvcache import KV_CACHE_RULES, kv_cache_schema
 from .crd_roles import ATTN_TP, RANK_RULES, SPAN_RULES, engine_props, router_schema, tracing_schema, worker_role_schema
 from .crd_status import status_schema
-from .schema import integer, obj, rule, string
+from .schema import QUANTITY, integer, obj, rule, string
 from .spec import DEFAULT_DRAIN_TIMEOUT, DEFAULT_MAX_SURGE, DEFAULT_PROGRESS_DEADLINE, ORDERS
-
-QUANTITY = "^[0-9]+(\\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|k|M|G|T|P)?$"
-
 
 # What names the model a CR serves; the rest of spec.model says where a download is kept.
 IDENTITY = ("path", "pvc", "hostPath", "huggingFaceId", "builtin")
@@ -162,7 +160,7 @@ ROOT_RULES = [
     ),
 ]
 
-RULES = ROOT_RULES + SPEC_RULES + MODEL_RULES + SPECULATIVE_RULES + IMMUTABLE_RULES + SPAN_RULES
+RULES = ROOT_RULES + SPEC_RULES + MODEL_RULES + SPECULATIVE_RULES + IMMUTABLE_RULES + SPAN_RULES + KV_CACHE_RULES
 
 
 def _rules_at(where: str) -> list[dict]:
@@ -318,6 +316,7 @@ def spec_schema() -> dict:
             "scaling": _scaling(),
             "speculative": _speculative(),
             "tracing": tracing_schema(),
+            "kvCache": kv_cache_schema(),
         },
         "The desired state of a disaggregated deployment.",
         required=["model", "image"],

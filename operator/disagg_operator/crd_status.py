@@ -1,5 +1,5 @@
-"""The status schema of the DisaggregatedModel CRD: per-role counts, the rollout in progress, KV handoff health
-and the conditions."""
+"""The status schema of the DisaggregatedModel CRD: per-role counts, the rollout in progress, KV handoff health,
+the KV store and the conditions."""
 
 from . import names
 from .schema import conditions, integer, obj
@@ -60,6 +60,17 @@ def _transfer_status() -> dict:
     )
 
 
+def _kvstore_status() -> dict:
+    return obj(
+        {
+            "readyReplicas": integer(),
+            "ready": {"type": "string", "description": "ready/desired (1), for printing."},
+            "master": {"type": "string", "description": "Where workers reach mooncake_master (host:port)."},
+        },
+        "Mooncake Store's pod (present with spec.kvCache.store).",
+    )
+
+
 def status_schema() -> dict:
     return obj(
         {
@@ -68,6 +79,7 @@ def status_schema() -> dict:
             **{role: _role_status() for role in names.ROLES},
             "rollout": _rollout_status(),
             "transfer": _transfer_status(),
+            "kvStore": _kvstore_status(),
             "conditions": conditions(),
         }
     )

@@ -49,6 +49,8 @@ DECODE = "decode"
 ROUTER = "router"
 WORKER_ROLES = (PREFILL, DECODE)
 ROLES = (PREFILL, DECODE, ROUTER)
+# Mooncake Store's pod (`spec.kvCache.store`): its `disagg.dev/role` label, though it serves no requests itself.
+KVSTORE = "kvstore"
 
 # Ports (the worker's command-line contract; `builders.ports` says which pod listens where and who may connect).
 HTTP_PORT = 8000
@@ -57,6 +59,14 @@ CONTROL_PORT = 9000  # rank i of a pod: CONTROL_PORT + i
 TRANSFER_PORT_BASE = 15000  # rank i's Mooncake ports: the window of TRANSFER_PORTS_PER_RANK from BASE + i * that
 TRANSFER_PORTS_PER_RANK = 8
 DIST_PORT = 29500  # where the ranks of an instance that spans pods meet (its leader pod's TCP store)
+# The kvstore pod: mooncake_master's RPC and HTTP metadata service (the worker's store client assumes 8080 when
+# told no metadata URL), its admin port (/health), and mooncake_client's transfer engine, held to a fixed window
+# (MC_MIN_RPC_PORT..MC_MAX_RPC_PORT) so that a NetworkPolicy can open exactly it; its /health port.
+KVSTORE_RPC_PORT = 50051
+KVSTORE_METADATA_PORT = 8080
+KVSTORE_ADMIN_PORT = 9003
+KVSTORE_TRANSFER_PORTS = (17100, 17107)
+KVSTORE_CLIENT_HTTP_PORT = 9300
 
 # Secrets reach pods as read-only files, only in the pods that use them.
 AUTH_TOKEN_KEY = "token"  # key of the model's shared secret in its Secret

@@ -23,6 +23,7 @@ from .apply import Kube
 from .apply_errors import ReconcileError, describe_api_error, not_ours, owned_by
 from .config import OperatorConfig
 from .observe import PodInfo
+from .prune import prune
 from .rollout import RolloutPlan, given_up, plan_rollout, with_leader_counts
 from .routerview import RouterView, verified_pairs
 from .scaling import ScalerObservation, sync_scaler
@@ -86,6 +87,8 @@ class Runtime:
     # (CR uid, kind, name) of the children seen to carry the CR's owner reference (or created by it): the operator
     # never server-side applies over an object it did not create, and reads each one only until it knows.
     owned: set[tuple[str, str, str]] = field(default_factory=set)
+    # (CR uid, kind, name) of retired children known to be absent (prune.py); applying one forgets it.
+    pruned: set[tuple[str, str, str]] = field(default_factory=set)
     _hashes: dict[str, dict[str, str]] = field(default_factory=dict)
     _locks: dict[str, threading.RLock] = field(default_factory=dict)
     _guard: threading.Lock = field(default_factory=threading.Lock)
@@ -108,6 +111,7 @@ class Runtime:
         for key in [k for k in self.in_place if k[0] == uid]:
             self.in_place.pop(key, None)
         self.owned -= {k for k in self.owned if k[0] == uid}
+        self.pruned -= {k for k in self.pruned if k[0] == uid}
 
     def ensure_auth_secret(self, spec: ModelSpec) -> None:
         ref = spec.api_key_secret
@@ -195,6 +199,7 @@ class Runtime:
                     foreign.append(obj)
                     continue
                 self.kube.apply(obj)
+                self.pruned.discard((spec.uid, obj["kind"], obj["metadata"]["name"]))
             except ApiException as e:
                 raise self._failed(spec, obj, e) from e
         if foreign:
@@ -208,9 +213,10 @@ class Runtime:
         workers: bool = True,
         others: bool = True,
     ) -> None:
-        """Create or update the children of `cr` (the worker StatefulSets, the `others`, or both); records (and
-        raises) the first failure. The others need no observation, so a caller may apply them without holding
-        the CR's lock. Without `observed` (no StatefulSet seen yet) the worker StatefulSets get partition 0."""
+        """Create or update the children of `cr` (the worker StatefulSets, the `others`, or both) and, with the
+        others, delete those the spec retired; records (and raises) the first failure. The others need no
+        observation, so a caller may apply them without holding the CR's lock. Without `observed` (no StatefulSet
+        seen yet) the worker StatefulSets get partition 0."""
         spec = ModelSpec.from_cr(cr)
         try:
             if others:
@@ -228,6 +234,8 @@ class Runtime:
                     if (workers if c["kind"] in kinds and c["metadata"]["name"] in worker_sets else others)
                 ],
             )
+            if others:
+                prune(self.kube, spec, builders.retired_children(spec), self.pruned, self.owned)
         except ReconcileError as e:
             self.errors[spec.uid] = [str(e)]
             raise

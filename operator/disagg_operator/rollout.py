@@ -192,7 +192,7 @@ def with_leader_counts(
     out = dict(observed)
     pods = list(pods)
     for role, obs in observed.items():
-        if obs is None or role == names.ROUTER or spec.worker(role).nodes <= 1:
+        if obs is None or role not in names.WORKER_ROLES or spec.worker(role).nodes <= 1:
             continue
         if not any(p.role == role for p in pods):  # none observed (or none passed): LWS's count stands
             continue

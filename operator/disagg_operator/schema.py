@@ -2,6 +2,9 @@
 
 from typing import Any
 
+# A Kubernetes quantity of bytes as the operator reads it (`quantity.to_bytes`).
+QUANTITY = "^[0-9]+(\\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|k|M|G|T|P)?$"
+
 
 def integer(default: int | None = None, minimum: int | None = None, doc: str = "", maximum: int | None = None) -> dict:
     s: dict[str, Any] = {"type": "integer"}

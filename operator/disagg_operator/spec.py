@@ -14,6 +14,7 @@ from disagg_api.setting import Setting
 
 from . import names
 from .engine_fields import DEFAULT_ENGINE, ENGINE_FIELDS
+from .kvcache import KVCacheSpec
 
 DEFAULT_DRAIN_TIMEOUT = 30
 DEFAULT_PROGRESS_DEADLINE = 600
@@ -289,6 +290,7 @@ class ModelSpec:
     api_key_secret: SecretRef | None = None
     speculative: SpeculativeSpec | None = None  # None: no speculative decoding
     tracing: TracingSpec | None = None  # None: no traces
+    kv_cache: KVCacheSpec | None = None  # None: no host tier, no store
 
     @property
     def grace_period_s(self) -> int:
@@ -353,6 +355,7 @@ class ModelSpec:
             api_key_secret=_secret_ref(spec.get("apiKeySecret")),
             speculative=SpeculativeSpec.from_dict(spec.get("speculative")),
             tracing=TracingSpec.from_dict(spec.get("tracing")),
+            kv_cache=KVCacheSpec.from_dict(spec.get("kvCache")),
         )
 
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import names
+from .builders.kvstore import model_store, store_master
 from .observe import PodProblem, RoleObservation, observe_workload, pod_problem
 from .rollout import RolloutPlan, progressing_condition, rollout_status
 from .routerview import RouterView, handoff_condition, pairing_condition, transfer_status
@@ -52,7 +53,19 @@ def latch_problems(
 
 
 def settled_roles(spec: ModelSpec, observed: Mapping[str, RoleObservation | None]) -> set[str]:
-    return {r for r in names.ROLES if _settled(spec, r, observed.get(r))}
+    """The roles whose pods are all there, ready and current (the kvstore's too, or it has none)."""
+    store = observed.get(names.KVSTORE)
+    whole = model_store(spec) is None or (store is not None and store.current and store.ready >= 1)
+    return {r for r in names.ROLES if _settled(spec, r, observed.get(r))} | ({names.KVSTORE} if whole else set())
+
+
+def kvstore_status(spec: ModelSpec, obs: RoleObservation | None) -> dict[str, Any] | None:
+    """The store's pod as its Deployment counts it, and where workers reach it; None (removed) without a store.
+    Ready does not wait for it: workers serve without the store, computing again what it would have held."""
+    if model_store(spec) is None:
+        return None
+    obs = obs or RoleObservation()
+    return {"readyReplicas": obs.ready, "ready": f"{obs.ready}/1", "master": store_master(spec)}
 
 
 def selector(spec: ModelSpec, role: str) -> str:
@@ -159,8 +172,8 @@ def compute_status(
     now: str,
     findings: Findings = Findings(),
 ) -> dict[str, Any]:
-    """The full `.status` the CR should have. `rollout` and `transfer` are None (removed) when there is nothing
-    to say; the merge patch that writes the status deletes a field set to None."""
+    """The full `.status` the CR should have. `rollout`, `transfer` and `kvStore` are None (removed) when there is
+    nothing to say; the merge patch that writes the status deletes a field set to None."""
     plan, view = findings.rollout, findings.router
     rollout = rollout_status(plan, findings.revision, previous.get("rollout"), now) if plan else None
     pairing = pairing_condition(spec, observed.get(names.ROUTER), view)
@@ -176,6 +189,7 @@ def compute_status(
         **{role: role_status(spec, role, observed.get(role)) for role in names.ROLES},
         "rollout": rollout,
         "transfer": transfer_status(view),
+        "kvStore": kvstore_status(spec, observed.get(names.KVSTORE)),
         "conditions": with_times(conds, list(previous.get("conditions") or []), generation, now),
     }
 

@@ -12,10 +12,9 @@ in the middle of every download: the WeightsCacheAtRisk condition and a Warning 
 import math
 import re
 
+from .quantity import GI, mebibytes, to_bytes
 from .spec import ModelSource, ModelSpec
 
-GI = 2**30
-MI = 2**20
 BYTES_PER_PARAMETER = 2  # bfloat16/float16 safetensors, what model repositories ship
 MARGIN = 1.25
 WORKER_TMP = "4Gi"  # compile caches (triton, inductor) and scratch files
@@ -23,25 +22,8 @@ ROUTER_TMP = "256Mi"
 LOGS = "1Gi"  # container logs and the writable layer, which the kubelet counts as the pod's ephemeral storage
 SHM = "2Gi"  # /dev/shm (memory-backed): NCCL's and torch's inter-process buffers
 
-_SUFFIXES = {"Ki": 2**10, "Mi": MI, "Gi": GI, "Ti": 2**40, "Pi": 2**50, "k": 10**3, "M": 10**6, "G": 10**9}
-_SUFFIXES |= {"T": 10**12, "P": 10**15, "": 1}
-_QUANTITY = re.compile(r"^([0-9]+(?:\.[0-9]+)?)(Ki|Mi|Gi|Ti|Pi|k|M|G|T|P|)$")
 # "8B", "0.5B", "135M", "8x7B" (experts x size), delimited by non-alphanumerics.
 _PARAMS = re.compile(r"(?<![A-Za-z0-9.])(?:(\d+)x)?(\d+(?:\.\d+)?)([BM])(?![A-Za-z0-9])", re.IGNORECASE)
-
-
-def to_bytes(quantity: str) -> int:
-    """A Kubernetes storage quantity ("40Gi", "500G", "1073741824") in bytes."""
-    m = _QUANTITY.match(str(quantity))
-    if not m:
-        raise ValueError(f"not a storage quantity: {quantity!r}")
-    return math.ceil(float(m.group(1)) * _SUFFIXES[m.group(2)])
-
-
-def mebibytes(n: int) -> str:
-    """`n` bytes as a quantity, rounded up to a whole MiB (in Gi when that is whole)."""
-    mi = math.ceil(n / MI)
-    return f"{mi // 1024}Gi" if mi % 1024 == 0 else f"{mi}Mi"
 
 
 def estimated_bytes(hugging_face_id: str) -> int | None:

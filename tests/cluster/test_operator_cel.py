@@ -145,6 +145,17 @@ VIOLATIONS = [
     ("path without volume", tiny(model={"path": "x"}), "has(self.pvc) || has(self.hostPath)"),
     ("two volumes", tiny(model={"path": "x", "pvc": "p", "hostPath": "/m"}), "has(self.pvc) && has(self.hostPath)"),
     (
+        "a prefill host tier of a ratio and a size",
+        tiny(kvCache={"prefill": {"hostRatio": 2, "hostSize": "1Gi"}}),
+        "has(self.prefill.hostRatio) && has(self.prefill.hostSize)",
+    ),
+    (
+        "a decode host tier of a ratio and a size",
+        tiny(kvCache={"decode": {"hostRatio": 2, "hostSize": "1Gi"}}),
+        "has(self.decode.hostRatio) && has(self.decode.hostSize)",
+    ),
+    ("a KV store without memory", tiny(kvCache={"store": {"memory": "0Gi"}}), "self.store.memory.matches"),
+    (
         "cache size without a download cache",
         tiny(model={"hostPath": "/m", "path": "x", "cacheSize": "10Gi"}),
         "!has(self.cacheSize)",

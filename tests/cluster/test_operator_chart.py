@@ -1,6 +1,7 @@
 """The Helm chart as a cluster would receive it: `helm template` rendered, parsed, and its objects checked.
 
-No RBAC wildcards, no delete, Secrets only read and created; every object carries the standard labels; the
+No RBAC wildcards, delete only on the kinds of the KV store's children (Deployments, Services, NetworkPolicies:
+they go when `spec.kvCache.store` does), Secrets only read and created; every object carries the standard labels; the
 operator Deployment's flags and settings are ones the operator understands. This tier is where helm is built
 (hack/k8s/build.sh), so rendering never needs a skip; no cluster is started.
 """
@@ -67,14 +68,20 @@ def deployment_container(objects: list[dict]) -> dict:
 
 
 @pytest.mark.parametrize("values", VARIANTS.values(), ids=VARIANTS.keys())
-def test_rbac_grants_no_wildcards_no_delete_and_secrets_only_get_and_create(render: Render, values: list[str]):
+def test_rbac_grants_no_wildcards_delete_only_on_the_stores_kinds_and_secrets_only_get_and_create(
+    render: Render, values: list[str]
+):
     roles = of_kind(render(*values), "ClusterRole", "Role")
     rules = [r for role in roles for r in role["rules"]]
     assert len(roles) == 2 and rules
+    deletable = set()
     for r in rules:
         for key in ("apiGroups", "resources", "verbs"):
             assert r[key] and "*" not in r[key], r
-        assert not {"delete", "deletecollection", "escalate", "bind", "impersonate"} & set(r["verbs"]), r
+        assert not {"deletecollection", "escalate", "bind", "impersonate"} & set(r["verbs"]), r
+        if "delete" in r["verbs"]:
+            deletable |= {(group, resource) for group in r["apiGroups"] for resource in r["resources"]}
+    assert deletable == {("apps", "deployments"), ("", "services"), ("networking.k8s.io", "networkpolicies")}
     secrets = [r for r in rules if "secrets" in r["resources"]]
     assert [(r["resources"], r["verbs"]) for r in secrets] == [(["secrets"], ["get", "create"])]
 

@@ -88,8 +88,11 @@ def example(namespace: str, **changes: object) -> dict:
     return cr
 
 
-def model_ready(node: RealNode, namespace: str, name: str, decodes: int = 1, prefills: int = 1) -> dict:
-    """The CR once it is Ready and PairingVerified, for its current generation, with every pod Ready; {} before."""
+def model_ready(
+    node: RealNode, namespace: str, name: str, decodes: int = 1, prefills: int = 1, stores: int = 0
+) -> dict:
+    """The CR once it is Ready and PairingVerified, for its current generation, with every pod Ready (`stores`:
+    the kvstore pods of `spec.kvCache.store`, 0 or 1); {} before."""
     obj = node.get("-n", namespace, f"disaggregatedmodels/{name}")
     conds = conditions(obj)
     if conds.get("Ready") != "True" or conds.get("PairingVerified") != "True":
@@ -98,13 +101,18 @@ def model_ready(node: RealNode, namespace: str, name: str, decodes: int = 1, pre
         return {}
     pods = node.get("-n", namespace, "pods", "-l", f"{MODEL_LABEL}={name}")["items"]
     roles = [p["metadata"]["labels"].get(ROLE_LABEL) for p in pods]
-    if sorted(roles) != sorted(["router", *["prefill"] * prefills, *["decode"] * decodes]):
+    if sorted(roles) != sorted(["router", *["prefill"] * prefills, *["decode"] * decodes, *["kvstore"] * stores]):
         return {}
     return obj if all(pod_ready(p) for p in pods) else {}
 
 
 def apply_model(
-    node: RealNode, cr: dict, decodes: int = 1, prefills: int = 1, apply: Callable[[], object] | None = None
+    node: RealNode,
+    cr: dict,
+    decodes: int = 1,
+    prefills: int = 1,
+    apply: Callable[[], object] | None = None,
+    stores: int = 0,
 ) -> Model:
     """`kubectl apply` the CR (or call `apply`, which applies it) and wait until it is Ready with every pod Ready."""
     namespace, name = cr["metadata"]["namespace"], cr["metadata"]["name"]
@@ -114,7 +122,7 @@ def apply_model(
         apply()
     try:
         obj = wait_until(
-            lambda: model_ready(node, namespace, name, decodes, prefills),
+            lambda: model_ready(node, namespace, name, decodes, prefills, stores),
             MODEL_READY_S,
             2 * POLL_S,
             what=f"DisaggregatedModel {name} Ready and paired",
@@ -142,12 +150,13 @@ def served(
     decodes: int = 1,
     prefills: int = 1,
     apply: Callable[[], object] | None = None,
+    stores: int = 0,
 ) -> Iterator[Model]:
     """The CR applied (by `apply` if given) and Ready, with a client pod beside it; the time to Ready reported as
     `what`; the CR and its namespace deleted afterwards."""
     try:
         start = time.monotonic()
-        model = apply_model(node, cr, decodes, prefills, apply)
+        model = apply_model(node, cr, decodes, prefills, apply, stores)
         report(f"{what} Ready and PairingVerified {time.monotonic() - start:.0f}s after apply")
         client_pod(node, model.namespace, client_image)
         yield model

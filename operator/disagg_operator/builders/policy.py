@@ -1,4 +1,5 @@
-"""Objects that protect the pods: the bootstrap Service, PodDisruptionBudgets and one NetworkPolicy per role."""
+"""Objects that protect the pods: the bootstrap Service, PodDisruptionBudgets and one NetworkPolicy per role (and
+one for the kvstore pod)."""
 
 from typing import Any
 
@@ -72,11 +73,13 @@ def build_network_policy(spec: ModelSpec, role: str) -> dict[str, Any]:
 def _group_rule(spec: ModelSpec, role: str) -> list[dict[str, Any]]:
     """The pods of a role whose instances span nodes reach one another on every port: the ranks' collectives (gloo,
     NCCL) connect on ports of their own choosing, after meeting at the leader's `DIST_PORT`."""
-    if role == names.ROUTER or spec.worker(role).nodes == 1:
+    if role not in names.WORKER_ROLES or spec.worker(role).nodes == 1:
         return []
     group = {**selector_labels(spec, role), names.LWS_NAME_LABEL: names.group_set_name(spec.name, role)}
     return [{"from": [{"podSelector": {"matchLabels": group}}]}]
 
 
 def build_network_policies(spec: ModelSpec) -> list[dict[str, Any]]:
-    return [build_network_policy(spec, role) for role in names.ROLES]
+    """One per role, and the kvstore pod's when the model has a store."""
+    store = spec.kv_cache is not None and spec.kv_cache.store is not None
+    return [build_network_policy(spec, role) for role in names.ROLES + ((names.KVSTORE,) if store else ())]

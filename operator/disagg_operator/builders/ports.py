@@ -10,6 +10,9 @@ connections:
 - decode -> prefill Mooncake ports: over RDMA the passive side of a handshake (decode) fetches the active
   side's segment descriptor from its RPC port. Over TCP nothing connects there (measured with Mooncake
   0.3.13), but the engine listens all the same, so the window is opened to decode alike.
+- prefill and decode -> the kvstore pod (`spec.kvCache.store`): mooncake_master's RPC and HTTP metadata service,
+  and mooncake_client's transfer engine (a worker writes its pages into the store pod's memory and reads them
+  back, both over connections it opens; the store connects to no worker).
 Ranks: a pod runs tp * pp ranks; rank i listens on CONTROL_PORT + i and in its own window of
 TRANSFER_PORTS_PER_RANK ports for Mooncake's two (its RPC port and the TCP data port).
 """
@@ -41,6 +44,13 @@ def ranks(spec: ModelSpec, role: str) -> int:
 def role_listeners(spec: ModelSpec, role: str) -> tuple[Listener, ...]:
     """What a pod of `role` listens on, and who may connect, for this model."""
     http = names.HTTP_PORT
+    if role == names.KVSTORE:
+        rpc, metadata, (first, last) = names.KVSTORE_RPC_PORT, names.KVSTORE_METADATA_PORT, names.KVSTORE_TRANSFER_PORTS
+        return (
+            Listener("rpc", rpc, rpc, names.WORKER_ROLES),
+            Listener("metadata", metadata, metadata, names.WORKER_ROLES),
+            Listener("transfer", first, last, names.WORKER_ROLES),
+        )
     if role == names.ROUTER:
         return (Listener("http", http, http, None),)
     peer = names.DECODE if role == names.PREFILL else names.PREFILL

@@ -8,8 +8,9 @@ from disagg_api.setting import Setting, command_line
 
 from .. import names
 from ..config import OperatorConfig
+from ..quantity import mebibytes, to_bytes
 from ..spec import ModelSpec, Resources
-from ..weights import LOGS, ROUTER_TMP, mebibytes, to_bytes
+from ..weights import LOGS, ROUTER_TMP
 from .common import (
     base_env,
     container_security_context,

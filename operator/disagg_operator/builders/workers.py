@@ -24,6 +24,7 @@ from .common import (
     selector_labels,
     tmp_volume,
 )
+from .kvstore import tier_settings, with_host_tier
 from .placement import scheduling
 from .ports import port_settings
 from .secret import auth_token_file, auth_volume
@@ -69,7 +70,7 @@ def worker_settings(spec: ModelSpec, role: str) -> list[tuple[Setting, Any]]:
         # Decode drafts; prefill runs a draft model over the prompt, and needs nothing for NGRAM (a flag it
         # ignored would only roll its pods). Only when set, like --ep-size.
         out += s.settings()
-    return out + tracing_settings(spec)
+    return out + tracing_settings(spec) + tier_settings(spec, role)
 
 
 def tracing_settings(spec: ModelSpec) -> list[tuple[Setting, Any]]:
@@ -109,7 +110,8 @@ def worker_env(spec: ModelSpec, w: WorkerRoleSpec) -> list[dict[str, Any]]:
 
 def worker_resources(spec: ModelSpec, w: WorkerRoleSpec, cfg: OperatorConfig) -> dict[str, Any]:
     """The user's requests/limits plus GPUs, the RDMA device when the transfer runs over RDMA, and ephemeral
-    storage for the download cache, /tmp and logs (weights.py) unless the user set it."""
+    storage for the download cache, /tmp and logs (weights.py) unless the user set it; the memory the user set
+    grows by the host KV tier's `hostSize` (builders/kvstore.py)."""
     r = w.placement.resources
     storage = worker_ephemeral_storage(spec.model)
     # As Kubernetes does, a request the CR leaves out follows its limit and a limit it leaves out its request:
@@ -117,6 +119,7 @@ def worker_resources(spec: ModelSpec, w: WorkerRoleSpec, cfg: OperatorConfig) ->
     key = "ephemeral-storage"
     requests = {**dict(r.requests), key: r.requests.get(key, r.limits.get(key, storage))}
     limits = {**dict(r.limits), key: r.limits.get(key, r.requests.get(key, storage))}
+    requests, limits = with_host_tier(spec, w.role, requests), with_host_tier(spec, w.role, limits)
     if r.gpus:
         limits[cfg.gpu_resource] = r.gpus
     if spec.transfer.rdma and r.rdma:
