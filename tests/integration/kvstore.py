@@ -41,19 +41,42 @@ class KVStore:
                 "--hicache-store-metadata-server", self.metadata)  # fmt: skip
 
     def start(self) -> KVStore:
-        self.master = self._run(
-            "master",
-            [str(BIN / "mooncake_master"), "-rpc_port", str(self.rpc), "-enable_http_metadata_server=true",
-             "-http_metadata_server_host", "127.0.0.1", "-http_metadata_server_port", str(self.http),
-             "-metrics_port", str(self.metrics)],  # fmt: skip
-            {},
-        )
+        """Start the master and the store server, each unless it runs; return once the store takes writes."""
+        if not running(self.master):
+            self.master = self._run(
+                "master",
+                [
+                    str(BIN / "mooncake_master"),
+                    "-rpc_port",
+                    str(self.rpc),
+                    "-enable_http_metadata_server=true",
+                    "-http_metadata_server_host",
+                    "127.0.0.1",
+                    "-http_metadata_server_port",
+                    str(self.http),
+                    "-metrics_port",
+                    str(self.metrics),
+                ],  # fmt: skip
+                {},
+            )
         wait_until(lambda: listening(self.rpc) and listening(self.http), 30, interval=0.1, what="the store's master")
         self.server = self._run(
             "server",
-            [str(BIN / "mooncake_client"), "-global_segment_size", self.memory, "-master_server_address",
-             self.address, "-metadata_server", self.metadata, "-host", "127.0.0.1", "-port", str(self.client_port),
-             "-protocol", "tcp"],  # fmt: skip
+            [
+                str(BIN / "mooncake_client"),
+                "-global_segment_size",
+                self.memory,
+                "-master_server_address",
+                self.address,
+                "-metadata_server",
+                self.metadata,
+                "-host",
+                "127.0.0.1",
+                "-port",
+                str(self.client_port),
+                "-protocol",
+                "tcp",
+            ],  # fmt: skip
             {"MC_MIN_RPC_PORT": str(self.window), "MC_MAX_RPC_PORT": str(self.window + 7)},
         )
         wait_until(self.writable, 60, interval=0.5, what="Mooncake Store taking writes")
@@ -83,6 +106,10 @@ class KVStore:
             if p is not None and p.poll() is None:
                 p.send_signal(signal.SIGKILL)
                 p.wait(10)
+
+
+def running(p: subprocess.Popen | None) -> bool:
+    return p is not None and p.poll() is None
 
 
 def listening(port: int) -> bool:

@@ -203,3 +203,28 @@ def test_under_dp_attention_decode_takes_the_least_loaded_group_unless_it_comput
     pool.group_policy = GroupPolicy.ROOM
     assert pool.group_for(d, room=0, prompt=follow_up) == (0, 0)  # the room picks a receiving decode's group...
     assert pool.group_for(d, room=0, prompt=follow_up, local=True) == (1, 2)  # ...never one computing alone
+
+
+def test_a_prefix_below_a_workers_cache_counts_less_than_in_it_and_more_than_a_miss():
+    """Host memory is the worker's own; the store is every worker's (written by one, read by all)."""
+    pool, w = pool_holding({"cache": [], "host": [], "none": []})
+    names = page_hashes(SYSTEM, PAGE)
+    logs = {name: EventLog(PAGE, "m") for name in w}
+    logs["cache"].apply(0, [("stored", names)])
+    logs["host"].apply(0, [("stored", names[:4]), ("host_stored", names[4:])])
+    logs["none"].apply(0, [("store_stored", names[:8])])
+    for name, log in logs.items():
+        pool.kv_index.of(w[name].url).apply(log.since("", -1), time.monotonic())
+    p = prompt(SYSTEM + [7, 8, 9])
+    assert pool.uncached(w["cache"], p) == 3
+    # 4 pages cached, 12 in host memory at 0.8 of a cached page each.
+    assert pool.uncached(w["host"], p) == len(p_ids := SYSTEM + [7, 8, 9]) - int((4 + 0.8 * 12) * PAGE)
+    # "cache" wrote nothing to the store; "none" wrote 8 pages, which "cache" and "host" could read too.
+    assert pool.uncached(w["none"], p) == len(p_ids) - int(0.6 * 8 * PAGE)
+    assert pool.pick("prefill", prompt=p) is w["cache"]
+    w["cache"].pending_tokens = 1000  # busy: the host tier's worker is next
+    assert pool.pick("prefill", prompt=p) is w["host"]
+    # Events move the index: host memory let the pages go.
+    logs["host"].apply(0, [("host_removed", names[4:])])
+    pool.kv_index.of(w["host"].url).apply(logs["host"].since(logs["host"].epoch, 2), time.monotonic())
+    assert pool.uncached(w["host"], p) == len(p_ids) - int((4 + 0.6 * 4) * PAGE)  # then the store's pages 4..7

@@ -8,13 +8,16 @@ import torch
 
 from disagg_worker.config import CacheConfig, EngineConfig, SchedulerConfig
 from disagg_worker.engine.engine import Engine
+from disagg_worker.engine.sampling import SamplingParams
 from disagg_worker.engine.tiers import KVTiers
 from disagg_worker.mem.allocator import PageAllocator
 from disagg_worker.mem.host_tier import HostTier
 from disagg_worker.mem.kv_events import page_hashes
 from disagg_worker.mem.kv_pool import KVPool
 from disagg_worker.mem.radix import RadixCache
+from disagg_worker.model.tiny import make_tiny
 from disagg_worker.request import messages as msg
+from disagg_worker.speculative_config import SpeculativeConfig as Spec
 from disagg_worker.tier_config import TierConfig
 from tests.unit.test_engine import GREEDY, reference, run_all, tokens_of, varied_prompts  # noqa: F401
 
@@ -127,7 +130,9 @@ def make_engine(model: str, tiers: TierConfig, tokens: int = 256, overlap: bool 
 
 @pytest.mark.parametrize("policy", ["write_through", "write_back"])
 def test_an_instance_with_a_host_tier_answers_as_one_without_and_computes_only_what_host_memory_lacks(
-    tiny_model, reference, policy  # noqa: F811
+    tiny_model,
+    reference,  # noqa: F811
+    policy,
 ):
     prompts, expected = reference
     engine = make_engine(tiny_model, TierConfig(enabled=True, ratio=8.0, write_policy=policy))
@@ -151,3 +156,44 @@ def test_retracted_requests_get_their_kv_back_from_host_memory_and_answer_the_sa
     out = run_all(engine, [(p, GREEDY) for p in prompts], overlap=True)
     assert [tokens_of(out[str(i)]) for i in range(len(prompts))] == expected
     assert engine.tiers is not None and engine.tiers.stats.loaded_host > 0
+
+
+SEEDED = SamplingParams(max_new_tokens=10, temperature=1.0, seed=11, ignore_eos=True)
+
+
+def answers_twice(engine: Engine, prompts: list[list[int]]) -> list[list[int]]:
+    """Greedy and seeded answers of `prompts`, then again after the prefix cache is flushed down to the tiers."""
+    reqs = [(p, params) for p in prompts for params in (GREEDY, SEEDED)]
+    out = []
+    for flush in (True, False):
+        got = run_all(engine, reqs, overlap=True, flush=False)
+        out += [tokens_of(got[str(i)]) for i in range(len(reqs))]
+        if flush:
+            engine.handle(msg.FlushCacheReq())
+    return out
+
+
+def spec_config(model: str, spec: Spec, tiers: TierConfig) -> EngineConfig:
+    return EngineConfig(
+        model_path=model,
+        cache=CacheConfig(page_size=PS, max_total_tokens=1024, tiers=tiers),
+        scheduler=SchedulerConfig(chunk_size=16, speculative=spec),
+    )
+
+
+@pytest.mark.parametrize("kind", ["mla", "draft_in_pool", "draft_own_pool"])
+def test_mla_latents_and_draft_kv_come_back_from_host_memory_with_the_same_answers(tiny_model, tmp_path, kind):
+    model, spec = tiny_model, Spec()
+    if kind == "mla":
+        model = str(make_tiny(tmp_path / "mla", arch="deepseek_v3"))
+    else:  # a one-layer draft; of the model's KV shape it lives in the model's pool, else in one of its own
+        draft = make_tiny(tmp_path / "draft", seed=3, num_kv_heads=2 if kind == "draft_in_pool" else 1,
+                          overrides={"num_hidden_layers": 1})  # fmt: skip
+        spec = Spec(algorithm="STANDALONE", draft_model_path=str(draft), num_steps=3)
+    prompts = varied_prompts(6, seed=5)
+    plain = answers_twice(Engine.from_config(spec_config(model, spec, TierConfig())), prompts)
+    engine = Engine.from_config(spec_config(model, spec, TierConfig(enabled=True, write_policy="write_back")))
+    assert answers_twice(engine, prompts) == plain
+    assert engine.tiers is not None and engine.tiers.stats.loaded_host > 0
+    own_pool = kind == "draft_own_pool"
+    assert len(engine.tiers.host.host) == len(engine.kv_pool.buffers()) + (2 if own_pool else 0)

@@ -32,7 +32,9 @@ class TierConfig:
                 "--enable-hierarchical-cache too"
             )
         if self.storage_backend and not self.store_master:
-            raise ConfigError(f"--hicache-storage-backend {self.storage_backend} needs --hicache-store-master host:port")
+            raise ConfigError(
+                f"--hicache-storage-backend {self.storage_backend} needs --hicache-store-master host:port"
+            )
         if self.store_master and not urlsplit(f"//{self.store_master}").port:
             raise ConfigError(f"--hicache-store-master {self.store_master}: host:port")
         if self.enabled and self.ratio <= 0 and self.size_gb <= 0:

@@ -338,7 +338,7 @@ class Engine:
             rank_queues=self.rank_queue_sizes(),
             metrics_text=own_metrics(),
             dp_rank=self.shard.dp_rank,
-            kv_events=tuple(self.radix.take_events()),
+            kv_events=tuple(self.radix.take_events() + (self.tiers.take_events() if self.tiers else [])),
             broken=self.manager.broken if self.manager is not None else "",
         )
 

@@ -33,8 +33,8 @@ from prometheus_client import Counter
 from disagg_worker.config import EngineConfig
 from disagg_worker.engine.drafting import ModelDrafter
 from disagg_worker.mem.host_tier import HostTier
+from disagg_worker.mem.kv_events import ROOT, Event, page_hashes
 from disagg_worker.mem.kv_pool import KVPool
-from disagg_worker.mem.kv_events import ROOT, page_hashes
 from disagg_worker.mem.radix import RadixCache
 from disagg_worker.mem.store import MooncakeStore
 from disagg_worker.tier_config import TierConfig
@@ -99,9 +99,11 @@ class KVTiers:
         self._jobs: queue.Queue = queue.Queue()
         self._queued_puts = 0
         self._lock = threading.Lock()
+        self._events: list[Event] = []  # what the tiers now hold, for the KV events (`mem/kv_events.py`)
         radix.listener = self
+        host.on_evict = self._host_evicted
+        host.evicted_bytes = store is not None and cfg.write_policy == "write_back"
         if store is not None:
-            host.on_evict = self._host_evicted
             self._thread = threading.Thread(target=self._serve_store, name="kv-store", daemon=True)
             self._thread.start()
 
@@ -115,14 +117,22 @@ class KVTiers:
             self._write_down(names, pages)
 
     def evicted(self, names: list[int], pages: list[int]) -> None:
-        if self.cfg.write_policy == "write_through_selective":
-            return  # only what was hit goes down
-        saved = self.host.save(names, pages)
-        if self.cfg.write_policy != "write_back":
-            self._put_later(saved)  # write-through pages the host had dropped meanwhile
+        if self.cfg.write_policy != "write_through_selective":  # selective: only what was hit goes down
+            self._write_down(names, pages)
 
     def _write_down(self, names: list[int], pages: list[int]) -> None:
-        self._put_later(self.host.save(names, pages))
+        """Save pages in host memory; write to the store what the policy writes through, and what host memory had
+        no room for (a batch larger than it), which would be lost otherwise."""
+        saved = self.host.save(names, pages)
+        self._record("host_stored", saved)
+        if self.store is None:
+            return
+        if self.cfg.write_policy != "write_back":
+            self._enqueue_put(saved, [self.host.page_bytes(n) for n in saved])
+        kept = set(saved)
+        missed = [(n, p) for n, p in zip(names, pages, strict=True) if n not in kept and n not in self.host]
+        if missed:
+            self._enqueue_put([n for n, _ in missed], self.host.pool_bytes([p for _, p in missed]))
 
     # ---- admission (scheduler thread) -------------------------------------------------------------------
     def admit(self, rid: str, tokens: Sequence[int], take_pages: Callable[[int], list[int] | None]) -> bool:
@@ -204,16 +214,25 @@ class KVTiers:
             return any(not j.done for j in self._prefetches.values())
 
     # ---- the store thread -----------------------------------------------------------------------------
-    def _put_later(self, names: list[int]) -> None:
-        if self.store is None or not names or self.cfg.write_policy == "write_back":
-            return
-        self._enqueue_put(names, [self.host.page_bytes(n) for n in names])
-
     def _host_evicted(self, names: list[int], data: list[bytes]) -> None:
-        if self.cfg.write_policy == "write_back":
+        self._record("host_removed", names)
+        if data:  # write_back to a store
             self._enqueue_put(names, data)
 
+    def _record(self, kind: str, names: list[int]) -> None:
+        if names:
+            with self._lock:
+                self._events.append((kind, list(names)))
+
+    def take_events(self) -> list[Event]:
+        """The tiers' events since the last call (any thread's)."""
+        with self._lock:
+            events, self._events = self._events, []
+        return events
+
     def _enqueue_put(self, names: list[int], data: list[bytes]) -> None:
+        if not names:
+            return
         with self._lock:
             if self._queued_puts + len(names) > PUT_QUEUE_PAGES:
                 self.stats.add("dropped_store", len(names))
@@ -226,6 +245,7 @@ class KVTiers:
         while True:
             kind, names, arg = self._jobs.get()
             if kind == "stop":
+                self._jobs.task_done()
                 return
             try:
                 if kind == "put":
@@ -238,6 +258,11 @@ class KVTiers:
                 if kind == "get":
                     arg.done = True
                     self.wake()
+                self._jobs.task_done()
+
+    def settle(self) -> None:
+        """Wait until the store thread has done every read and write asked of it so far."""
+        self._jobs.join()
 
     def _put(self, names: list[int], data: list[bytes]) -> None:
         assert self.store is not None
@@ -245,6 +270,7 @@ class KVTiers:
             self._queued_puts -= len(names)
         if self.store.put(names, data):
             self.stats.add("written_store", len(names))
+            self._record("store_stored", names)
         else:
             self.stats.add("dropped_store", len(names))
 
@@ -255,11 +281,13 @@ class KVTiers:
         if values:
             self.stats.add("fetched_store", self.host.put_bytes(names[: len(values)], values))
 
-    def close(self) -> None:
+    def close(self, close_store: bool = True) -> None:
+        """Stop the store thread (after what it was asked) and, unless told not to, the store's client."""
         if self.store is not None:
             self._jobs.put(("stop", [], None))
             self._thread.join(timeout=5)
-            self.store.close()
+            if close_store:
+                self.store.close()
 
 
 def build_tiers(

@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-Evicted = Callable[[list[int], list[bytes]], None]  # names dropped from the tier, and their bytes
+Evicted = Callable[[list[int], list[bytes]], None]  # names dropped from the tier, and their bytes (if asked for)
 
 
 def _region(slots: int, nbytes: int, pinned: bool) -> torch.Tensor:
@@ -40,7 +40,7 @@ def page_rows(buffers: Sequence[torch.Tensor]) -> list[torch.Tensor]:
 class HostTier:
     def __init__(self, buffers: Sequence[torch.Tensor], slots: int, on_evict: Evicted | None = None):
         """A tier of `slots` pages shaped like `buffers` (the pool's, in `KVPool.buffers()` order). `on_evict` is
-        told of the pages dropped to make room, with their bytes (write-back to the store)."""
+        told of the pages dropped to make room, with their bytes when `evicted_bytes` (write-back to the store)."""
         if slots < 1:
             raise ValueError(f"a host tier needs slots, got {slots}")
         self.rows = page_rows(buffers)
@@ -48,6 +48,7 @@ class HostTier:
         self.host = [_region(slots, r.shape[1], pinned) for r in self.rows]
         self.slots = slots
         self.on_evict = on_evict
+        self.evicted_bytes = True
         self._slot_of: collections.OrderedDict[int, int] = collections.OrderedDict()  # name -> slot, LRU first
         self._free = list(range(slots - 1, -1, -1))
         self._pinned: set[int] = set()
@@ -136,11 +137,15 @@ class HostTier:
             s = self._slot_of[name]
             return b"".join(host[s].numpy().tobytes() for host in self.host)
 
+    def pool_bytes(self, pages: Sequence[int]) -> list[bytes]:
+        """The bytes of pool `pages` as the store keeps a page (for pages host memory had no room for)."""
+        return [b"".join(row[p].cpu().numpy().tobytes() for row in self.rows) for p in pages]
+
     def _take(self, n: int) -> list[int]:
         """Up to `n` free slots, evicting the least recently used unpinned pages as needed."""
         need = n - len(self._free)
         victims = list(itertools.islice((m for m in self._slot_of if m not in self._pinned), max(0, need)))
-        data = [self.page_bytes(m) for m in victims] if self.on_evict is not None else []
+        data = [self.page_bytes(m) for m in victims] if self.on_evict is not None and self.evicted_bytes else []
         for m in victims:
             self._free.append(self._slot_of.pop(m))
         if victims and self.on_evict is not None:

@@ -10,6 +10,11 @@ were served. The radix cache (`radix.py`) records one event per change:
 - `("removed", [name, ...])`: pages evicted;
 - `("cleared", [])`: everything dropped (a cache flush).
 
+The tiers under the cache (`engine/tiers.py`) add theirs: `("host_stored" | "host_removed", [name, ...])` for the
+instance's host memory, and `("store_stored", [name, ...])` for the pages it wrote to Mooncake Store, which every
+instance of the model reads (the store evicts without telling: a router's view of it only ever over-counts, which
+costs a miss, never a wrong answer).
+
 The HTTP process applies them to an `EventLog` per instance: the set of names held now, a sequence number per
 event and the latest `RING` events. A router asks for what follows the last sequence number it saw
 (`EventLog.since`) and gets the events, or a snapshot of the whole set when it missed some (a gap, its own
@@ -20,6 +25,7 @@ from __future__ import annotations
 
 import collections
 import hashlib
+import itertools
 import secrets
 import struct
 from collections.abc import Iterable, Sequence
@@ -31,6 +37,7 @@ HASH_SCHEME = "blake2b64-chain-v2"
 ROOT = 0  # the name "before" a prompt's first page
 RING = 4096  # events an EventLog keeps for routers that fell behind...
 RING_NAMES = 1 << 18  # ...and at most this many page names in them (a long prompt's event holds thousands)
+STORE_NAMES = 1 << 18  # the names an EventLog remembers having written to the store (the oldest forgotten first)
 
 Event = tuple[str, list[int]]
 
@@ -65,11 +72,21 @@ class EventLog:
     ring: collections.deque[tuple[int, int, Event]] = field(default_factory=lambda: collections.deque(maxlen=RING))
 
     ring_names: int = 0
+    host: set[int] = field(default_factory=set)  # pages in the instance's host memory
+    store: dict[int, None] = field(default_factory=dict)  # pages it wrote to the store, oldest first
 
     def apply(self, group: int, events: Iterable[Event]) -> None:
         held = self.held.setdefault(group, collections.Counter())
         for kind, names in events:
-            if kind == "stored":
+            if kind == "host_stored":
+                self.host.update(names)
+            elif kind == "host_removed":
+                self.host.difference_update(names)
+            elif kind == "store_stored":
+                self.store.update(dict.fromkeys(names))
+                for old in list(itertools.islice(self.store, max(0, len(self.store) - STORE_NAMES))):
+                    del self.store[old]
+            elif kind == "stored":
                 held.update(names)
             elif kind == "removed":
                 held.subtract(names)
@@ -106,4 +123,5 @@ class EventLog:
             events = [{"seq": s, "group": g, "kind": k, "pages": [f"{n:016x}" for n in names]}
                       for s, g, (k, names) in self.ring if s > seq]  # fmt: skip
             return {**self.header(), "events": events}
-        return {**self.header(), "snapshot": self.holdings()}
+        tiers = {"host": [f"{n:016x}" for n in self.host], "store": [f"{n:016x}" for n in self.store]}
+        return {**self.header(), "snapshot": self.holdings(), **tiers}

@@ -13,6 +13,10 @@ A worker is scored only while its index is good (`usable`): it answered within `
 publishing is "silent", and the router falls back to load for it), and it names pages the router's way (same
 hash scheme and key, and the same page size and model as the workers already indexed: "mismatch" otherwise).
 Both show in the router's /health.
+
+Below a worker's cache are its host memory and the model's Mooncake Store (`engine/tiers.py`): the index keeps the
+names each worker has in host memory and the names any worker wrote to the store, so that a prompt is scored by its
+run of pages in the cache, then in host memory, then in the store (`tiers`).
 """
 
 from __future__ import annotations
@@ -40,6 +44,8 @@ class InstanceIndex:
     snapshots: int = 0
     events: int = 0
     problem: str = ""  # why the worker's answers cannot be used ("" while they can)
+    host: set[int] = field(default_factory=set)  # pages in the worker's host memory
+    store: set[int] = field(default_factory=set)  # pages the worker wrote to the store
 
     def query(self) -> dict[str, str]:
         return {"epoch": self.epoch, "since": str(self.seq)}
@@ -52,6 +58,8 @@ class InstanceIndex:
         if "snapshot" in payload:
             self.groups = {int(g): {int(n, 16) for n in names} for g, names in payload["snapshot"].items()}
             self.names = collections.Counter(n for names in self.groups.values() for n in names)
+            self.host = {int(n, 16) for n in payload.get("host", [])}
+            self.store = {int(n, 16) for n in payload.get("store", [])}
             self.seq = int(payload["seq"])
             self.snapshots += 1
         else:
@@ -66,6 +74,10 @@ class InstanceIndex:
         self.updated = now
 
     def _apply(self, group: int, kind: str, pages: list[int]) -> None:
+        if kind in ("host_stored", "host_removed", "store_stored"):
+            tier = self.store if kind == "store_stored" else self.host
+            (tier.difference_update if kind == "host_removed" else tier.update)(pages)
+            return
         held = self.groups.setdefault(group, set())
         if kind == "cleared":
             kind, pages = "removed", list(held)
@@ -85,12 +97,17 @@ class InstanceIndex:
         group that holds most (a group holding a page holds the pages before it, so that is the run of names any
         group holds)."""
         held: collections.Counter[int] | set[int] = self.names if group is None else self.groups.get(group, set())
-        n = 0
-        for name in names:
-            if name not in held:
-                break
-            n += 1
-        return n
+        return run_in(names, held)
+
+
+def run_in(names: Sequence[int], held: collections.Counter[int] | set[int]) -> int:
+    """How many of `names`, from the first, are in `held`."""
+    n = 0
+    for name in names:
+        if name not in held:
+            break
+        n += 1
+    return n
 
 
 @dataclass
@@ -144,6 +161,17 @@ class KVIndex:
         usable (scored by load alone)."""
         i = self.instances.get(url)
         return i.cached_pages(names, group) if i is not None and self.usable(url, now) else 0
+
+    def tiers(self, url: str, names: Sequence[int], start: int, now: float) -> tuple[int, int]:
+        """Past the prompt's first `start` pages (the worker's cache), its run of pages in the worker's host memory,
+        then in the store (written by any worker); (0, 0) while the worker's index is not usable."""
+        i = self.instances.get(url)
+        if i is None or not self.usable(url, now):
+            return 0, 0
+        host = run_in(names[start:], i.host)
+        stores = [j.store for u, j in list(self.instances.items()) if j.store and self.usable(u, now)]
+        store = run_in(names[start + host :], set().union(*stores)) if stores else 0
+        return host, store
 
     def describe(self, url: str, now: float) -> dict:
         i = self.known(url)
