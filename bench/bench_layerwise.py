@@ -134,8 +134,12 @@ def ttft(url: str, ids: list[int]) -> float:
     return time.perf_counter() - t0
 
 
+WORKER_TOKEN = {"value": ""}  # what the router presents to the workers (their /metrics needs it)
+
+
 def kv_bytes(url: str) -> float:
-    with urllib.request.urlopen(f"{url}/metrics", timeout=30) as r:
+    req = urllib.request.Request(f"{url}/metrics", headers={"Authorization": f"Bearer {WORKER_TOKEN['value']}"})
+    with urllib.request.urlopen(req, timeout=30) as r:
         text = r.read().decode()
     return sum(float(x.rsplit(" ", 1)[1]) for x in text.splitlines() if x.startswith("disagg_kv_transfer_bytes_total{"))
 
@@ -220,6 +224,9 @@ def main() -> None:
     model = str(make_tiny(work / "model", overrides=MODEL_SHAPE))
     secret = work / "secret"
     secret.write_text("bench-layerwise-secret\n")
+    from disagg_worker import keys
+
+    WORKER_TOKEN["value"] = keys.derive(keys.read_secret(str(secret), "--auth-token-file"), keys.WORKER)
     result: dict = {"rate": args.rate, "rounds": args.rounds, "model": MODEL_SHAPE, "kv_bytes_per_token": 8192}
     mono = Proc([DISAGG, "serve", "--model", model, "--port", str(port := free_port()), *engine_flags(max(args.sizes)),
                  "--served-model-name", "tiny"], f"http://127.0.0.1:{port}")  # fmt: skip
