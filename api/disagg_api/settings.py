@@ -328,6 +328,28 @@ AUTH_TOKEN_FILE = Setting(
 TCP_LANES = Setting(
     "--tcp-lanes", int, 16, help="Mooncake TCP connections per peer (MC_TCP_LANES_PER_PEER, which wins if set)"
 )
+LAYER_PIPELINE = Setting(
+    "--enable-disagg-layer-pipeline",
+    bool,
+    False,
+    help="prefill: send each layer group's KV pages as soon as the forward computed them, while the next layers "
+    "run, instead of after the whole chunk (prompts of at least --disagg-layer-pipeline-min-prefill-len tokens)",
+    sglang="--enable-disagg-layer-pipeline",
+)
+LAYER_GROUP_SIZE = Setting(
+    "--disagg-layer-group-size",
+    int,
+    4,
+    help="prefill, layer pipeline: layers whose KV moves together (one write per page run and buffer of each)",
+    sglang="--disagg-layer-group-size",
+)
+LAYER_PIPELINE_MIN_PREFILL_LEN = Setting(
+    "--disagg-layer-pipeline-min-prefill-len",
+    int,
+    2048,
+    help="prefill, layer pipeline: shorter prompts move whole after each chunk (their transfer is short)",
+    sglang="--disagg-layer-pipeline-min-prefill-len",
+)
 
 DISAGG = (
     TRANSFER_BACKEND,
@@ -349,4 +371,7 @@ DISAGG = (
     LOCAL_PREFILL,
     AUTH_TOKEN_FILE,
     TCP_LANES,
+    LAYER_PIPELINE,
+    LAYER_GROUP_SIZE,
+    LAYER_PIPELINE_MIN_PREFILL_LEN,
 )

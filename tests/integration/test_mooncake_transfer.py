@@ -234,6 +234,89 @@ def test_a_room_whose_start_decode_holds_gets_only_the_rest(pair, skip, chunks, 
     assert moved == (len(src) - skip) * prefill.pool.page_nbytes * 4  # the pages decode lacked, nothing more
 
 
+@pytest.fixture(scope="module")
+def streaming(pair):
+    """A prefill rank that streams its KV layer by layer (groups of one layer), writing to `pair`'s decode."""
+    prefill = Prefill(SMALL, layer_pipeline=True, layer_group_size=1)
+    yield prefill, pair[1]
+    prefill.close()
+
+
+def forward(prefill: Prefill, layers: int = 2) -> None:
+    """What the model does to an armed stream: each layer computed, then the forward's end."""
+    stream = prefill.mgr.layer_stream
+    assert stream is not None
+    for layer in range(layers):
+        stream.layer_done(layer)
+    stream.forward_done()
+
+
+def stream_transfer(pair, src: list[int], dst: list[int], chunks: list[int], skip: int = 0) -> int:
+    """`transfer`, as a streaming prefill does it: each chunk's pages armed before its forward and sent layer by
+    layer while it runs, then the send after the step (which then writes nothing but the aux record)."""
+    prefill, decode = pair
+    room = next(_rooms)
+    bytes_before = prefill.mgr.metrics.bytes_total
+    sender = prefill.mgr.create_sender(room)
+    decode("recv", room, prefill.addr, dst, 3, skip)
+    wait_for(sender, KVPoll.WaitingForInput)
+    offset = 0
+    for i, n in enumerate(chunks):
+        last = i == len(chunks) - 1
+        sender.stream(src[offset : offset + n])
+        forward(prefill)
+        sender.send(src[offset : offset + n], last=last, aux=pack_first_token(1234, -0.25) if last else None)
+        offset += n
+    status, _ = wait_status(sender, 30)
+    assert status is KVPoll.Success, sender.failure_reason()
+    d_status, reason, _, _ = decode.wait(room, 30)
+    assert d_status == KVPoll.Success, reason
+    assert unpack_first_token(decode("aux", room)) == (1234, -0.25)
+    want = (len(src) - skip) * prefill.pool.page_nbytes * 4
+    return counted(lambda: prefill.mgr.metrics.bytes_total - bytes_before, want, "the room's bytes counted")
+
+
+@pytest.mark.parametrize(
+    "src,dst,chunks,skip",
+    [
+        (list(range(8, 24)), list(range(30, 46)), [16], 0),  # contiguous
+        (list(range(10, 30)), random.Random(1).sample(range(64), 20), [5, 8, 7], 0),  # chunked, scattered
+        (random.Random(2).sample(range(64), 40), random.Random(3).sample(range(64), 40), [40], 0),  # staged
+        (list(range(10, 30)), list(range(40, 53)), [5, 8, 7], 7),  # decode holds the first 7 pages
+    ],
+)
+def test_streamed_layer_groups_move_the_same_bytes_as_whole_sends(streaming, src, dst, chunks, skip):
+    prefill, decode = streaming
+    groups = prefill.mgr.metrics.groups_sent
+    moved = stream_transfer(streaming, src, dst, chunks, skip)
+    assert decode("bytes", dst) == prefill.pool.page_bytes(src[skip:])
+    assert moved == (len(src) - skip) * prefill.pool.page_nbytes * 4  # what whole sends move, nothing more
+    assert prefill.mgr.metrics.groups_sent > groups  # the pages did leave layer by layer
+    assert prefill.mgr.metrics.last_hidden_share is not None
+
+
+def test_a_room_decode_aborts_between_two_groups_writes_no_later_group(streaming):
+    prefill, decode = streaming
+    room, src, dst = next(_rooms), list(range(0, 6)), list(range(20, 26))
+    sender = prefill.mgr.create_sender(room)
+    decode("recv", room, prefill.addr, dst, 3, 0)
+    wait_for(sender, KVPoll.WaitingForInput)
+    state = prefill.mgr.rooms.get(room)
+    sent_before = prefill.mgr.metrics.groups_sent
+    sender.stream(src)
+    prefill.mgr.layer_stream.layer_done(0)  # layer 0's group leaves; layer 1 is still "computing"
+    counted(lambda: prefill.mgr.metrics.groups_sent - sent_before, 1, "the first group's writes settled")
+    one_group = state.nbytes
+    assert one_group == len(src) * prefill.pool.page_nbytes * 2  # K and V of one layer
+    decode("abort", room, "client disconnected mid-stream")
+    status, _ = wait_status(sender, 5)
+    assert status is KVPoll.Failed
+    forward(prefill)  # the forward goes on: its later group finds the room failed and queues nothing
+    assert state.nbytes == one_group and state.inflight == 0  # nothing of the later group was written
+    wait_until(lambda: decode("unsafe", room) is False, timeout=5, interval=0.05, what="decode's pages released")
+    assert prefill.mgr.create_sender(room).poll() is KVPoll.Failed
+
+
 def test_decode_abort_fails_prefill_sender_and_releases_pages(pair):
     prefill, decode = pair
     room = next(_rooms)

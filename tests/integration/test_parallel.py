@@ -15,7 +15,7 @@ import requests
 
 from disagg_worker.model.tiny import make_tiny
 from tests.integration.procs import PDStack, Proc, free_port, scaled, serve, wait_until
-from tests.integration.test_pd import FLAGS, assert_clean
+from tests.integration.test_pd import FLAGS, LAYERWISE, assert_clean
 from tests.integration.test_server import generate, varied_prompts
 
 pytestmark = pytest.mark.integration
@@ -59,11 +59,12 @@ def test_monolithic_ranks_equal_a_single_rank(mqa_model, flags):
         par.stop()
 
 
+# Prefill streams prompts of 40 tokens or more layer by layer (every rank its own layers and heads), the others whole.
 PD_MAPPINGS = {
-    "prefill-tp2-decode-tp1": (("--tp-size", "2"), ()),
-    "prefill-tp1-decode-tp2": ((), ("--tp-size", "2")),
-    "prefill-pp2-decode-pp1": (("--pp-size", "2"), ()),
-    "prefill-pp2-decode-pp2": (("--pp-size", "2"), ("--pp-size", "2")),
+    "prefill-tp2-decode-tp1": (("--tp-size", "2", *LAYERWISE), ()),
+    "prefill-tp1-decode-tp2": (LAYERWISE, ("--tp-size", "2")),
+    "prefill-pp2-decode-pp1": (("--pp-size", "2", *LAYERWISE), ()),
+    "prefill-pp2-decode-pp2": (("--pp-size", "2", *LAYERWISE), ("--pp-size", "2")),
 }
 
 
@@ -172,7 +173,7 @@ def test_a_thousand_aborts_at_random_stages_leave_every_rank_clean(tiny_model):
     prompts = varied_prompts(8)
     expected = expected_tokens(tiny_model, prompts)
     stack = PDStack(
-        tiny_model, *FLAGS, prefill_flags=("--pp-size", "2"), decode_flags=("--tp-size", "2")
+        tiny_model, *FLAGS, prefill_flags=("--pp-size", "2", *LAYERWISE), decode_flags=("--tp-size", "2")
     ).wait_healthy()
     try:
         outcomes = asyncio.run(abandon_requests(stack.router.url, n=1000, seed=3))

@@ -14,11 +14,15 @@ from tests.integration.test_server import generate, varied_prompts
 
 pytestmark = pytest.mark.integration
 FLAGS = ("--page-size", "4", "--chunk-size", "32", "--max-total-tokens", "8192")
+# Prefill streams the KV of prompts of 40 tokens or more layer by layer, and sends shorter ones whole after each
+# chunk: one stack runs both paths (`varied_prompts` are 1 to 210 tokens, most over a 32-token chunk).
+LAYERWISE = ("--enable-disagg-layer-pipeline", "--disagg-layer-group-size", "1")
+LAYERWISE += ("--disagg-layer-pipeline-min-prefill-len", "40")
 
 
 @pytest.fixture(scope="module")
 def stack(tiny_model):
-    s = PDStack(tiny_model, *FLAGS).wait_healthy()
+    s = PDStack(tiny_model, *FLAGS, prefill_flags=LAYERWISE).wait_healthy()
     yield s
     s.stop()
 
@@ -47,6 +51,22 @@ def test_pd_greedy_equals_monolithic(stack, mono):
         got = list(pool.map(lambda p: generate(stack.router.url, p), prompts))
     assert got == expected
     assert_clean(stack.prefill.url, stack.decode.url)
+
+
+def test_long_prompts_streamed_their_kv_layer_by_layer_and_short_ones_whole(stack, mono):
+    prompts = [p for p in varied_prompts(32) if len(p) >= 40][:3] + [[11, 12, 13]]
+    before = metric(stack.prefill.url, "disagg_kv_layer_group_send_seconds_count")
+    assert [generate(stack.router.url, p) for p in prompts] == [generate(mono.url, p) for p in prompts]
+    groups = "disagg_kv_layer_group_send_seconds_count"  # the scheduler's series reach /metrics a moment later
+    wait_until(lambda: metric(stack.prefill.url, groups) > before, timeout=10, interval=0.2, what="groups counted")
+    hidden = metric(stack.prefill.url, "disagg_kv_layer_hidden_ratio_sum")
+    assert 0 <= hidden <= metric(stack.prefill.url, "disagg_kv_layer_hidden_ratio_count")
+
+
+def metric(url: str, name: str) -> float:
+    """The sum of a Prometheus series over its labels, read from `url`'s /metrics."""
+    text = requests.get(f"{url}/metrics", timeout=scaled(10)).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
 
 
 def test_pd_openai_endpoints_match_monolithic(stack, mono):

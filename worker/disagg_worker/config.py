@@ -121,11 +121,12 @@ class DisaggConfig:
     # Decode: compute a prompt itself, with no prefill, when the router marks the request `local_prefill`
     # (conditional disaggregation: too few tokens lacking to be worth a handshake and a transfer).
     local_prefill: bool = from_flag(S.LOCAL_PREFILL)
-    # Mooncake TCP connections per peer (MC_TCP_LANES_PER_PEER; an explicit env var wins). Each
-    # lane carries one write at a time with a round trip, so a request's many small writes (one
-    # per page run per layer's K and V) finish sooner over more lanes: 64 writes of 4 KiB took
-    # 4.0 ms with Mooncake's default of 4 lanes and 2.3 ms with 16 on loopback here.
+    # Mooncake TCP connections per peer (MC_TCP_LANES_PER_PEER wins if set). A lane carries one write at a time, so a
+    # request's many small writes finish sooner over more: 64 of 4 KiB took 4.0 ms over 4 lanes (default), 2.3 over 16.
     tcp_lanes: int = from_flag(S.TCP_LANES)
+    layer_pipeline: bool = from_flag(S.LAYER_PIPELINE)  # prefill: KV leaves by layer group (`disagg.layerwise`)
+    layer_group_size: int = from_flag(S.LAYER_GROUP_SIZE)
+    layer_pipeline_min_prefill_len: int = from_flag(S.LAYER_PIPELINE_MIN_PREFILL_LEN)
     # The model's shared secret, read from --auth-token-file at start-up ("": no authentication,
     # local runs only), kept out of repr so that it is never logged. Each use has its own key
     # derived from it (`keys`): the bootstrap server's bearer token, the token the router presents

@@ -18,7 +18,7 @@ import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -27,6 +27,9 @@ from disagg_worker.disagg.metrics import TransferMetrics
 from disagg_worker.disagg.poll import KVPoll, StatusCell
 from disagg_worker.mem.kv_pool import KVKind
 from disagg_worker.request.params import MAX_LOGPROBS
+
+if TYPE_CHECKING:
+    from disagg_worker.disagg.layerwise import LayerStream
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +68,8 @@ class KVLayout:
     # A draft model's KV kept after the model's layers (EAGLE/STANDALONE speculation), named so that both
     # sides of a transfer check they hold the same: "" for none.
     draft_kv: str = ""
+    # How many of the last layers are the draft model's (written after the model's forward, never streamed).
+    draft_layers: int = 0
     # The buffers themselves as flat uint8 tensors on the pool's device (`from_pool`), for gathering and
     # scattering staged or head-sliced pages with tensor operations there; () for a layout made of addresses.
     buffers: tuple[Any, ...] = field(default=(), compare=False, repr=False)
@@ -84,6 +89,11 @@ class KVLayout:
     @property
     def num_layers(self) -> int:
         return len(self.buffer_ptrs) // self.kind.buffers_per_layer
+
+    @property
+    def model_layers(self) -> int:
+        """The layers the model's forward computes here (those a layer-wise stream sends)."""
+        return self.num_layers - self.draft_layers
 
     @property
     def head_nbytes(self) -> int:
@@ -199,6 +209,13 @@ class KVSender(ABC):
         transfer; `last=True` with the final chunk, carrying `aux`. Never blocks; errors
         (more pages than decode allocated, a call before WaitingForInput) fail the room."""
 
+    def stream(self, page_indices: list[int]) -> None:
+        """Layer-wise streaming: the next forward completes these pages (in prompt order, continuing where the
+        previous stream, or the sends if further, stopped); each layer group of theirs is queued as soon as the
+        forward computed it (`disagg.layerwise`), and a later send() of them moves only the layers no stream
+        sent. Never blocks. A backend that does not stream ignores it: send() then moves every layer."""
+        return None
+
     @abstractmethod
     def abort(self, reason: str = "aborted by prefill") -> None:
         """Fail the room here and tell decode."""
@@ -271,6 +288,9 @@ class KVManager(ABC):
         # Why this manager can no longer move KV ("" while it can): a background thread ended. The instance then
         # reports itself unhealthy (/health 503) instead of failing every room silently.
         self.broken = ""
+        # Layer-wise streaming of this rank (prefill with --enable-disagg-layer-pipeline): the model's forward
+        # reports each layer to it; None when sends move whole chunks.
+        self.layer_stream: LayerStream | None = None
 
     def supervise(self, loop: Callable[[], None], name: str) -> threading.Thread:
         """Start a daemon thread running `loop`; if it ends by an exception, `broken` says so. The loop itself

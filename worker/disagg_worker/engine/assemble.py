@@ -42,7 +42,7 @@ def build_kv_manager(
         draft_kv = f"{spec.algorithm} ({layers_of}, draft {draft_fingerprint})"
     if d.role is Role.PREFILL:
         layout = KVLayout.from_pool(
-            kv_pool, cfg.cache.kv_dtype, start_layer=start_layer, kv_heads=heads, draft_kv=draft_kv
+            kv_pool, cfg.cache.kv_dtype, start_layer=start_layer, kv_heads=heads, draft_kv=draft_kv, draft_layers=extra
         )
         url = f"http://{d.leader_host}:{d.bootstrap_port}"  # pod 0's bootstrap server
         rank = RankInfo(shard.attn_tp_rank, shard.pp_rank, url, shard.dp_rank)
@@ -57,6 +57,7 @@ def build_kv_manager(
             aux_item_nbytes=AUX_ITEM_NBYTES
             + (draft_head_nbytes(spec.eagle_topk, model_cfg.hidden_size) if extra else 0),
             draft_kv=draft_kv,
+            draft_layers=extra,
         )
         return create_kv_manager(d, layout, RankInfo(shard.attn_tp_rank, shard.pp_rank, dp_rank=shard.dp_rank))
     return None
@@ -78,9 +79,11 @@ def build_stage(
     draft_model = cfg.scheduler.speculative.uses_draft_model
     page_nbytes = pool_nbytes // max(1, cfg.cache.total_pages)
     if cfg.disagg.role is Role.PREFILL:
+        d = cfg.disagg
         return PrefillStage(
-            cfg.disagg, cfg.cache.page_size, scheduler, outbox, kv, whole_prompt=draft_model, page_nbytes=page_nbytes
-        )
+            d, cfg.cache.page_size, scheduler, outbox, kv, whole_prompt=draft_model, page_nbytes=page_nbytes,
+            stream_from=max(1, d.layer_pipeline_min_prefill_len) if d.layer_pipeline else 0,
+        )  # fmt: skip
     return DecodeStage(
         cfg.disagg,
         cfg.cache.page_size,

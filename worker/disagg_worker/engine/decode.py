@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 from disagg_worker.config import DisaggConfig
 from disagg_worker.disagg import KVPoll, KVReceiver, unpack_draft, unpack_first_token, unpack_top_logprobs
-from disagg_worker.engine.batch import StepOutcome
+from disagg_worker.engine.batch import ScheduledBatch, StepOutcome
 from disagg_worker.engine.drafting import received_draft
 from disagg_worker.engine.outbox import Outbox, transfer_error
 from disagg_worker.engine.request import Req
@@ -120,6 +120,9 @@ class DecodeStage:
         self._poll_prealloc()
         self._poll_transfer()
         self._poll_quarantine()
+
+    def before_forward(self, batch: ScheduledBatch) -> None:
+        return None  # decode computes no prompt whose KV it sends
 
     def on_step(self, outcome: StepOutcome) -> None:
         """Decode sends nothing after a forward."""

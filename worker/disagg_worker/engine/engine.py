@@ -39,7 +39,7 @@ from disagg_worker.engine.tiers import build_tiers
 from disagg_worker.keys import LOCAL_PREFILL, target_signed
 from disagg_worker.mem.allocator import PageAllocator
 from disagg_worker.mem.radix import RadixCache
-from disagg_worker.model.batch import empty_forward
+from disagg_worker.model.batch import ForwardBatch, empty_forward
 from disagg_worker.model.config import ModelConfig
 from disagg_worker.model.loader import load_model
 from disagg_worker.model.parallel import Shard
@@ -114,6 +114,7 @@ class Engine:
             work = StageWork(comm, self.runner.forward, transfer, driver=True)
             self.ranks = RankGroup(comm, work, kv if isinstance(kv, RankedKV) else None)
         self.manager = manager
+        self.runner.layer_stream = manager.layer_stream if manager is not None else None
         self.stage = build_stage(cfg, kv, self.scheduler, self.allocator, self.outbox, self.kv_pool.nbytes)
         self.limits = RequestLimits(self.max_context_len, model_cfg.vocab_size, cache.capacity_tokens)
         self.eos_ids = frozenset(model_cfg.eos_token_ids)
@@ -226,7 +227,9 @@ class Engine:
         return self.scheduler.needs_sync()
 
     def run(self, batch: ScheduledBatch) -> StepResult:
-        """The forward and sampling of one batch (on the runner thread with overlap)."""
+        """The forward and sampling of one batch (on the runner thread with overlap: decode steps only)."""
+        if self.stage is not None and not batch.forward.is_decode:
+            self.stage.before_forward(batch)
         return self.runner.run(batch)
 
     @property
@@ -249,17 +252,17 @@ class Engine:
         """Steps that may stay in flight after one is launched (multi-rank: one per later stage)."""
         return self.ranks.depth if self.ranks is not None else 0
 
-    def launch(self, batch: ScheduledBatch | None) -> Launched:
-        """Start a step on every rank: `batch`'s forward (if any) and a transfer round."""
+    def launch(self, batch: ScheduledBatch | None, idle: ForwardBatch | None = None) -> Launched:
+        """Start a step on every rank: `batch`'s forward (without one, `idle` or none) and a transfer round."""
         if self.ranks is None:
             raise RuntimeError("launch() is for multi-rank engines; use run()")
-        return self.ranks.launch(batch.forward if batch is not None else None)
+        if self.stage is not None and batch is not None:
+            self.stage.before_forward(batch)  # its commands go to every rank with this step
+        return self.ranks.launch(batch.forward if batch is not None else idle)
 
     def launch_forward(self, batch: ScheduledBatch | None) -> Launched:
         """DP attention: start a step that runs the forward on every rank, over no tokens without a batch."""
-        if self.ranks is None:
-            raise RuntimeError("launch_forward() is for multi-rank engines")
-        return self.ranks.launch(batch.forward if batch is not None else empty_forward())
+        return self.launch(batch, empty_forward())
 
     def finish(self, batch: ScheduledBatch | None, launched: Launched) -> None:
         """Wait for a launched step's logits, sample, and process the result."""

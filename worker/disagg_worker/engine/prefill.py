@@ -8,8 +8,11 @@ Life cycle of a request here:
    After each chunk, the pages it completed are sent; a partial last page waits for the next chunk.
 3. Inflight queue: the scheduler hands the request back with its pages once the first token is
    sampled; the remaining pages and the first token (aux) are sent with the last chunk, and the
-   sender is polled without blocking. Success: pages go to the prefix cache and the request
-   answers with its token. Failure: pages freed, 500 with the cause.
+   sender is polled without blocking. With a layer pipeline (prompts of at least its minimum length), the
+   pages a chunk completes are armed before its forward (`before_forward`, `KVSender.stream`) and leave
+   layer group by layer group while it runs; the sends after the step then carry only what no stream sent.
+   Success: pages go to the prefix cache and the request answers with its token. Failure: pages freed,
+   500 with the cause.
 A traced request's trail (`request/trail.py`) marks `prefill.bootstrap` (1), the scheduler marks its waiting
 and each chunk's `forward` (2), and `kv.transfer` runs from its first pages sent to the sender's end (3).
 """
@@ -22,7 +25,7 @@ from dataclasses import dataclass
 
 from disagg_worker.config import DisaggConfig
 from disagg_worker.disagg import KVPoll, KVSender, pack_aux
-from disagg_worker.engine.batch import Sampled, StepOutcome
+from disagg_worker.engine.batch import Sampled, ScheduledBatch, StepOutcome
 from disagg_worker.engine.outbox import Outbox, transfer_error
 from disagg_worker.engine.request import Req
 from disagg_worker.engine.scheduler import Scheduler
@@ -39,6 +42,7 @@ class PrefillReq:
     req: Req
     sender: KVSender
     sent_pages: int = 0
+    streamed_pages: int = 0  # pages armed for a layer-wise stream (`before_forward`)
     first: Sampled | None = None
 
 
@@ -52,11 +56,14 @@ class PrefillStage:
         kv: Transfers,
         whole_prompt: bool = False,
         page_nbytes: int = 0,
+        stream_from: int = 0,
     ):
         """`whole_prompt`: send every page with the first token, none after each chunk (a draft model writes
         its KV into the prompt's pages once the first token is known, `drafting.ModelDrafter.handoff`);
-        `page_nbytes`: the KV bytes of one page on this rank, which a traced transfer reports."""
+        `page_nbytes`: the KV bytes of one page on this rank, which a traced transfer reports; `stream_from`:
+        prompts of at least this many tokens stream their KV layer group by layer group (0: none)."""
         self.cfg = cfg
+        self.stream_from = stream_from
         self.page_nbytes = page_nbytes
         self.whole_prompt = whole_prompt
         self.page_size = page_size
@@ -102,6 +109,24 @@ class PrefillStage:
     def tick(self) -> None:
         self._poll_bootstrapping()
         self._poll_inflight()
+
+    def before_forward(self, batch: ScheduledBatch) -> None:
+        """Arm the streams of the pages this forward completes: every full page of a chunk, and with the
+        prompt's last chunk its partial last page too (its KV is final once the forward ran)."""
+        if not self.stream_from:
+            return
+        for req, done in zip(batch.reqs, batch.forward.seq_lens, strict=True):
+            p = self.prefilling.get(req.rid)
+            if p is None or len(req.prompt_ids) < self.stream_from:
+                continue
+            prompt = len(req.prompt_ids)
+            upto = pages_for(prompt, self.page_size) if done >= prompt else done // self.page_size
+            start = max(p.streamed_pages, p.sent_pages)
+            if upto > start:
+                if req.trail is not None:
+                    req.trail.begin_once("kv.transfer")
+                p.sender.stream(req.pages[start:upto])
+                p.streamed_pages = upto
 
     def on_step(self, outcome: StepOutcome) -> None:
         for req, done in [] if self.whole_prompt else outcome.chunks:

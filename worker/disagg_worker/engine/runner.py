@@ -14,6 +14,7 @@ from itertools import accumulate
 
 import torch
 
+from disagg_worker.disagg.layerwise import LayerStream
 from disagg_worker.engine.batch import ScheduledBatch, StepResult
 from disagg_worker.engine.drafting import ModelDrafter
 from disagg_worker.engine.prompt_logprobs import split
@@ -59,6 +60,8 @@ class ModelRunner:
         self.sampler = Sampler(vocab_size, device=device)
         self._last: dict[int, int] = {}
         self._kv_written: torch.cuda.Event | None = None  # the last forward's, on a CUDA device
+        # Prefill with a layer pipeline: this rank's `disagg.layerwise.LayerStream`, told of each layer computed.
+        self.layer_stream: LayerStream | None = None
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> StepResult:
@@ -72,9 +75,22 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, fwd: ForwardBatch, hidden: torch.Tensor | None = None) -> torch.Tensor:
         """This rank's part of the forward: logits on the last stage, hidden states before it."""
-        if self.model is None:  # no-op forward: measures everything but the model
-            return torch.zeros(fwd.num_logit_rows, self.vocab_size)
-        out = self.model(fwd, self.kv_pool, hidden)
+        stream = self.layer_stream if self.layer_stream is not None and self.layer_stream.armed else None
+        try:
+            if self.model is None:  # no-op forward: measures everything but the model
+                out = torch.zeros(fwd.num_logit_rows, self.vocab_size)
+            elif stream is not None:  # each layer group's KV leaves as soon as it is computed
+                out = self.model(fwd, self.kv_pool, hidden, after_layer=stream.layer_done)
+            else:
+                out = self.model(fwd, self.kv_pool, hidden)
+        except BaseException:
+            if stream is not None:
+                stream.disarm()
+            raise
+        if stream is not None:
+            stream.forward_done()
+        if self.model is None:
+            return out
         if self.kv_pool.device.type == "cuda":  # the KV this forward writes is there once the event is
             self._kv_written = torch.cuda.Event()
             self._kv_written.record()

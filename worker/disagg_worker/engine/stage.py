@@ -1,8 +1,9 @@
 """The role stage of a P/D instance: what a prefill or decode instance adds to the engine.
 
 An engine in a P/D role owns one stage beside its scheduler. The engine hands it the requests
-that arrive and the aborts, calls `tick` before each schedule (poll KV transfers) and `on_step`
-after each processed forward (send the KV it computed); the loop asks `waiting_on_transfers` to
+that arrive and the aborts, calls `tick` before each schedule (poll KV transfers), `before_forward`
+before a forward with prompt chunks (prefill arms its layer-wise streams) and `on_step` after each
+processed forward (send the KV it computed); the loop asks `waiting_on_transfers` to
 decide how long it may sleep. A monolithic engine has no stage. `engine.assemble` builds the stage of a role.
 """
 
@@ -12,7 +13,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 from disagg_worker.disagg import KVReceiver, KVSender
-from disagg_worker.engine.batch import StepOutcome
+from disagg_worker.engine.batch import ScheduledBatch, StepOutcome
 from disagg_worker.engine.request import Req
 from disagg_worker.request.messages import BootstrapInfo
 
@@ -39,6 +40,10 @@ class RoleStage(Protocol):
 
     def tick(self) -> None:
         """Advance the transfer queues; never blocks."""
+
+    def before_forward(self, batch: ScheduledBatch) -> None:
+        """A batch with prompt chunks is about to run (prefill arms the layer-wise streams of the pages it
+        completes)."""
 
     def on_step(self, outcome: StepOutcome) -> None:
         """Act on what a processed forward did (prefill sends the KV it completed)."""

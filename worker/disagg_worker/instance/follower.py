@@ -35,6 +35,7 @@ def run_follower(cfg: EngineConfig, comm: Comm, drain_local_failures: bool = Tru
     kv_pool = build_kv_pool(cfg, model_cfg, shard)
     runner = ModelRunner(None if cfg.forward == "noop" else model, kv_pool, model_cfg.vocab_size, cfg.device)
     manager = build_kv_manager(cfg, kv_pool, shard, model_cfg)
+    runner.layer_stream = manager.layer_stream if manager is not None else None
     faulty = cfg.disagg.fault_fail_senders_on_stage == shard.pp_rank
     transfer = RankTransfer(manager, fail_new_senders=faulty) if manager is not None else None
     work = StageWork(comm, runner.forward, transfer, driver=False, drain_local_failures=drain_local_failures)

@@ -32,6 +32,9 @@ from disagg_worker.model.moe import MoE
 from disagg_worker.model.parallel import Shard
 from disagg_worker.model.rope import RotaryEmbedding, Rotation
 
+# Called with a stage's layer number (from 0) once the forward computed it (layer-wise KV streaming).
+AfterLayer = Callable[[int], None] | None
+
 
 @dataclass(frozen=True)
 class GroupRows:
@@ -121,15 +124,20 @@ class DecoderModel(nn.Module):
         # Built on the CPU explicitly (also under a meta-device context); `.to(device)` moves it.
         self.rotary = RotaryEmbedding(cfg, device="cpu")
 
-    def forward(self, batch: ForwardBatch, kv: KVCacheView, hidden: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, batch: ForwardBatch, kv: KVCacheView, hidden: torch.Tensor | None = None, after_layer: AfterLayer = None
+    ) -> torch.Tensor:
         """Hidden states [T, hidden] of the batch's new tokens after this stage's layers (normed on
-        the last stage). The first stage embeds `batch.input_ids`; the others continue `hidden`."""
+        the last stage). The first stage embeds `batch.input_ids`; the others continue `hidden`.
+        `after_layer(i)` is called once this stage's layer `i` (from 0) was computed: its KV is in `kv`."""
         plan = AttentionPlan.build(batch, batch.input_ids.device)
         h = self.embed_tokens(batch.input_ids) if hidden is None else hidden
         rotation = self.rotary.at(batch.positions, h.dtype)
         rows = self.group_rows(h.shape[0]) if self.group_rows is not None else None
-        for layer in self.layers.values():
+        for i, layer in enumerate(self.layers.values()):
             h = layer(h, rotation, plan, kv, rows)
+            if after_layer is not None:
+                after_layer(i)
         return self.norm(h) if self.shard.last_stage else h
 
 
@@ -168,8 +176,10 @@ class CausalLM(nn.Module):
         return next(self.parameters()).device
 
     @torch.no_grad()
-    def forward(self, batch: ForwardBatch, kv: KVCacheView, hidden: torch.Tensor | None = None) -> torch.Tensor:
-        """Run the new tokens of every request through this stage.
+    def forward(
+        self, batch: ForwardBatch, kv: KVCacheView, hidden: torch.Tensor | None = None, after_layer: AfterLayer = None
+    ) -> torch.Tensor:
+        """Run the new tokens of every request through this stage (`after_layer`: see `DecoderModel.forward`).
 
         On the last stage: float32 logits [rows, vocab] of each request's last token (or of its last
         `batch.num_logits[i]` tokens, a speculative draft's positions); on
@@ -177,7 +187,7 @@ class CausalLM(nn.Module):
         the CPU; its tensors are moved to the model's device.
         """
         batch = batch.to(self.device)
-        h = self.model(batch, kv, hidden)
+        h = self.model(batch, kv, hidden, after_layer)
         if not self.shard.last_stage:
             return h
         if self.keep_hidden:

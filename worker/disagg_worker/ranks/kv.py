@@ -37,6 +37,15 @@ class Send:
 
 
 @dataclass(frozen=True)
+class Stream:
+    """Layer-wise streaming: the next forward completes these pages (`KVSender.stream`); every rank arms its own
+    layer stream before its forward, which is what the step that carries this command runs."""
+
+    room: int
+    pages: list[int]
+
+
+@dataclass(frozen=True)
 class Init:
     room: int
     pages: list[int]
@@ -50,7 +59,7 @@ class Abort:
     reason: str
 
 
-Command = CreateSender | CreateReceiver | Send | Init | Abort
+Command = CreateSender | CreateReceiver | Send | Stream | Init | Abort
 FAILED_ELSEWHERE = "failed on another rank of this instance"
 
 
@@ -79,6 +88,8 @@ class RankTransfer:
             return  # the room already ended on this rank
         elif isinstance(cmd, Send) and isinstance(h, KVSender):
             h.send(cmd.pages, cmd.last, cmd.aux or None)
+        elif isinstance(cmd, Stream) and isinstance(h, KVSender):
+            h.stream(cmd.pages)
         elif isinstance(cmd, Init) and isinstance(h, KVReceiver):
             h.init(cmd.pages, cmd.aux_slot, cmd.skip_pages)
         elif isinstance(cmd, Abort):
@@ -231,6 +242,9 @@ class RankedSender(KVSender):
 
     def send(self, page_indices: list[int], last: bool, aux: bytes | None = None) -> None:
         self._kv.issue(Send(self.room, list(page_indices), last, aux or b""))
+
+    def stream(self, page_indices: list[int]) -> None:
+        self._kv.issue(Stream(self.room, list(page_indices)))
 
     def abort(self, reason: str = "aborted by prefill") -> None:
         self._kv.issue(Abort(self.room, reason))

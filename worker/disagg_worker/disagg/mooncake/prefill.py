@@ -38,6 +38,7 @@ from disagg_worker.disagg.base import KVLayout, KVManager, KVSender, RankInfo, c
 from disagg_worker.disagg.bootstrap import RankRegistration
 from disagg_worker.disagg.bootstrap_client import BootstrapError, register_rank
 from disagg_worker.disagg.channel import ControlChannel
+from disagg_worker.disagg.layerwise import LayerStream, StreamRound, layer_buffers, unstreamed_parts
 from disagg_worker.disagg.messages import DecodeHello, Message, RoomAbort, RoomRequest, RoomUpdate
 from disagg_worker.disagg.metrics import TransferMetrics
 from disagg_worker.disagg.mooncake.peer_book import KnownPeer, PeerBook
@@ -62,6 +63,9 @@ class PrefillSender(KVSender):
 
     def send(self, page_indices: list[int], last: bool, aux: bytes | None = None) -> None:
         self._mgr.send(self._state, list(page_indices), last, aux or b"")
+
+    def stream(self, page_indices: list[int]) -> None:
+        self._mgr.stream(self._state, list(page_indices))
 
     def abort(self, reason: str = "aborted by prefill") -> None:
         self._mgr.fail(self._state, reason)
@@ -89,6 +93,9 @@ class MooncakePrefillManager(KVManager):
         self._early_lock = threading.Lock()
         self._stop = threading.Event()
         self.registered = threading.Event()
+        if cfg.layer_pipeline:
+            cuda = bool(layout.buffers) and layout.buffers[0].device.type == "cuda"
+            self.layer_stream = LayerStream(layout.model_layers, cfg.layer_group_size, metrics, cuda)
         self._control = self.supervise(self._control_loop, "kv-prefill-control")
 
     def registration(self) -> RankRegistration:
@@ -137,19 +144,59 @@ class MooncakePrefillManager(KVManager):
         if problem:
             self.fail(state, problem)
             return
-        if held == len(pages) and not last:  # all held: nothing to write (a last send always writes one page)
-            state.skip_send(held)
+        lay = self.layout
+        rest = layer_buffers(range(lay.model_layers, lay.num_layers), lay.num_layers, lay.kind.buffers_per_layer)
+        parts = unstreamed_parts(state.sent + held, pages[held:], state.streamed, rest)
+        if not parts and not last:  # all held or streamed: nothing to write (a last send always settles a job)
+            state.skip_send(len(pages))
             return
-        first_index = state.queue_send(len(pages), last, aux, self.cfg.waiting_timeout_s, jobs=len(state.dests))
-        first_index, pages = first_index + held - skip, pages[held:]  # from here on, positions in dest_pages
+        parts = parts or [(0, [], [])]  # the last send of a fully streamed room: the aux record alone
+        first_index = state.queue_send(
+            len(pages), last, aux, self.cfg.waiting_timeout_s, jobs=len(state.dests) * len(parts)
+        )
+        first_index += held - skip  # from here on, positions in dest_pages
         first = state.cell.advance(KVPoll.Transferring)
+        for offset, part, buffers in parts:
+            self._put_jobs(state, part, first_index + offset, last, first, buffers)
+
+    def _put_jobs(
+        self, state: PrefillRoom, pages: list[int], first_index: int, last: bool, first: bool,
+        buffers: list[int] | None, ready: object = None, stream: StreamRound | None = None,
+    ) -> None:  # fmt: skip
+        """One job per decode rank of the room: `pages` at destination positions from `first_index`."""
         for peer, req in state.dests:
             dst = req.dest_pages[first_index : first_index + len(pages)]
             job = SendJob(
-                room=state, peer=peer, request=req, src_pages=pages, dst_pages=dst,
-                last=last, first=first, first_index=first_index,
+                room=state, peer=peer, request=req, src_pages=pages, dst_pages=dst, last=last, first=first,
+                first_index=first_index, buffers=buffers, ready=ready, stream=stream,
             )  # fmt: skip
             self.writes.put(job)
+
+    def stream(self, state: PrefillRoom, pages: list[int]) -> None:
+        """`PrefillSender.stream`: arm this rank's layer stream with the pages the next forward completes."""
+        if self.layer_stream is None or state.cell.get() is KVPoll.Failed or not pages:
+            return
+        start, problem = state.check_stream(len(pages))
+        if problem:
+            self.fail(state, problem)
+            return
+        state.streamed = start + len(pages)
+        held = min(max(state.skip - start, 0), len(pages))  # pages decode holds: never sent
+        if held < len(pages):
+            self.layer_stream.arm(functools.partial(self._send_group, state, pages[held:], start + held - state.skip))
+
+    def _send_group(
+        self, state: PrefillRoom, pages: list[int], first_index: int, layers: range, ready: object, rnd: StreamRound
+    ) -> None:
+        """The forward computed `layers` (the forward's thread): queue their writes of the armed pages."""
+        jobs = len(state.dests)
+        if not state.queue_stream(jobs, self.cfg.waiting_timeout_s):
+            return  # the room failed: nothing more of it is written
+        rnd.queued(jobs)
+        first = state.cell.advance(KVPoll.Transferring)
+        lay = self.layout
+        buffers = layer_buffers(layers, lay.num_layers, lay.kind.buffers_per_layer)
+        self._put_jobs(state, pages, first_index, False, first, buffers, ready, rnd)
 
     def fail(self, state: PrefillRoom, reason: str) -> None:
         """Fail a room (any thread) and tell decode whether writes of it may still land."""
@@ -332,6 +379,8 @@ class MooncakePrefillManager(KVManager):
 
     def _send_settled(self, job: SendJob) -> None:
         state = job.room
+        if job.stream is not None:
+            job.stream.settled(job.queued_at)
         quiet, owed = state.settle_send(job.group.nbytes)
         if owed:  # the last write of a failed room settled: decode may reuse its pages now
             self._tell_all(state, KVPoll.Failed, state.cell.reason, quiesced=True)

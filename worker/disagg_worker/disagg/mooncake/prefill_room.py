@@ -13,11 +13,13 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
+from disagg_worker.disagg.layerwise import StreamRound
 from disagg_worker.disagg.messages import RoomRequest
 from disagg_worker.disagg.mooncake.engine import WriteGroup
 from disagg_worker.disagg.mooncake.peers import DecodePeer
-from disagg_worker.disagg.poll import StatusCell
+from disagg_worker.disagg.poll import KVPoll, StatusCell
 from disagg_worker.tuning import TUNING
 
 
@@ -31,6 +33,7 @@ class PrefillRoom:
     # The accepted ones with their peers; WaitingForInput once all `decode_ranks` of them arrived.
     dests: list[tuple[DecodePeer, RoomRequest]] = field(default_factory=list)
     sent: int = 0  # the room's pages consumed by send() so far (those decode holds, `skip_pages`, included)
+    streamed: int = 0  # the room's pages whose model layers a layer-wise stream queued (`disagg.layerwise`)
     inflight: int = 0  # jobs (a send to one decode rank) queued or on the wire and not yet settled
     last_queued: bool = False
     nbytes: int = 0
@@ -64,6 +67,22 @@ class PrefillRoom:
             )
         return ""
 
+    @property
+    def skip(self) -> int:
+        """The room's first pages, which decode holds already (never sent)."""
+        return self.dests[0][1].skip_pages if self.dests else 0
+
+    def check_stream(self, n_pages: int) -> tuple[int, str]:
+        """Where a layer-wise stream of `n_pages` starts (where the previous stream, or the sends if further,
+        stopped), and "" or why it may not."""
+        start, status = max(self.streamed, self.sent), self.cell.get()
+        if status < KVPoll.WaitingForInput or not self.ready or self.last_queued:
+            return start, f"stream() in status {status.name}" + (" after the last chunk" if self.last_queued else "")
+        allocated = self.skip + len(self.dests[0][1].dest_pages)
+        if start + n_pages > allocated:
+            return start, f"{start + n_pages} pages streamed but decode allocated {allocated}"
+        return start, ""
+
     def skip_send(self, n_pages: int) -> None:
         """A send of pages decode holds already: counted, nothing written."""
         with self.lock:
@@ -81,6 +100,18 @@ class PrefillRoom:
             self.first_send = self.first_send or time.monotonic()
             self.deadline = time.monotonic() + timeout_s
         return first_index
+
+    def queue_stream(self, jobs: int, timeout_s: float) -> bool:
+        """Count the `jobs` jobs of one streamed layer group; False (nothing counted) once the room failed.
+        Checked and counted under the lock that `quiet_on_failure` reads, so a room that fails meanwhile
+        either refuses the group or owes decode the quiesced update once the group settles."""
+        with self.lock:
+            if self.cell.get() is KVPoll.Failed:
+                return False
+            self.inflight += jobs
+            self.first_send = self.first_send or time.monotonic()
+            self.deadline = time.monotonic() + timeout_s
+        return True
 
     def quiet_on_failure(self) -> bool:
         """The room just failed. True if no send is in flight (decode may reuse its pages now);
@@ -113,6 +144,10 @@ class SendJob:
     last: bool
     first: bool  # the room's first send: decode is told it moved to Transferring unless it ends at once
     first_index: int = 0  # position of src_pages[0] in the room's destination
+    buffers: list[int] | None = None  # the local KV buffers to write (None: all; a layer group's, `layerwise`)
+    ready: Any = None  # a CUDA event the pages' KV is written by (a streamed group's); None: written already
+    stream: StreamRound | None = None  # the forward a streamed group belongs to (its metrics)
+    queued_at: float = field(default_factory=time.monotonic)
     group: WriteGroup = field(default_factory=lambda: WriteGroup([], 0))  # planned when the thread starts it
     staged: tuple[int, int] | None = None  # (offset, nbytes) held in the local staging area
 

@@ -93,6 +93,8 @@ class PrefillWrites:
 
     # ---- transfer thread of the job's peer ------------------------------------------------
     def _start(self, job: SendJob) -> None:
+        if job.ready is not None:  # a streamed group on a GPU: its layers' kernels are done once this is
+            job.ready.synchronize()
         writes = self._plan(job) if job.room.cell.get() is not KVPoll.Failed else []
         job.group = WriteGroup(writes, sum(n for _, _, n in writes))
         self._submit(job)
@@ -122,13 +124,17 @@ class PrefillWrites:
             return split_writes(self._staged_writes(job), pieces)
         return split_writes(self._direct_writes(job), pieces)
 
+    def _buffers_of(self, job: SendJob) -> list[int]:
+        """The local KV buffers the job writes: all, or a streamed layer group's."""
+        return list(range(len(self.layout.buffer_ptrs))) if job.buffers is None else job.buffers
+
     def _direct_writes(self, job: SendJob) -> list[Write]:
         """One write per page run per buffer, from the pool into decode's pool."""
-        peer, pn = job.peer, self.layout.page_nbytes
+        peer, pn, ptrs = job.peer, self.layout.page_nbytes, self.layout.buffer_ptrs
         writes = []
         for src, dst, n in group_runs(job.src_pages, job.dst_pages):
-            for i, ptr in enumerate(self.layout.buffer_ptrs):
-                writes.append((ptr + src * pn, peer.buffer_ptrs[peer.buffer_map[i]] + dst * pn, n * pn))
+            for i in self._buffers_of(job):
+                writes.append((ptrs[i] + src * pn, peer.buffer_ptrs[peer.buffer_map[i]] + dst * pn, n * pn))
         return writes
 
     def _staged_writes(self, job: SendJob) -> list[Write]:
@@ -136,20 +142,20 @@ class PrefillWrites:
         staging area, or page runs straight from the pool when it is full."""
         peer, pn, req = job.peer, self.layout.page_nbytes, job.request
         n_dest, m = len(req.dest_pages), len(job.src_pages)
-        block = m * pn
-        off = self.staging.alloc(block * len(self._buffers))
+        block, bufs = m * pn, self._buffers_of(job)
+        off = self.staging.alloc(block * len(bufs))
         if off >= 0:
-            job.staged = (off, block * len(self._buffers))
+            job.staged = (off, block * len(bufs))
             writes = []
-            for i, buf in enumerate(self._buffers):
-                gather(buf, pn, job.src_pages, self.staging.view(off + i * block, block))
+            for k, i in enumerate(bufs):
+                gather(self._buffers[i], pn, job.src_pages, self.staging.view(off + k * block, block))
                 dst = peer.staged_dst(req.staging_offset, n_dest, i, job.first_index)
-                writes.append((self.staging.ptr + off + i * block, dst, block))
+                writes.append((self.staging.ptr + off + k * block, dst, block))
             return writes
-        index = list(range(job.first_index, job.first_index + m))
-        return [(ptr + src * pn, peer.staged_dst(req.staging_offset, n_dest, i, j), n * pn)
+        index, ptrs = list(range(job.first_index, job.first_index + m)), self.layout.buffer_ptrs
+        return [(ptrs[i] + src * pn, peer.staged_dst(req.staging_offset, n_dest, i, j), n * pn)
                 for src, j, n in group_runs(job.src_pages, index)
-                for i, ptr in enumerate(self.layout.buffer_ptrs)]  # fmt: skip
+                for i in bufs]  # fmt: skip
 
     def _sliced_writes(self, job: SendJob) -> list[Write]:
         """Writes of a head slice (`slices`): a scattered or fragmented source is gathered into the
@@ -159,18 +165,19 @@ class PrefillWrites:
         if count <= 0 or not m:
             return []  # a replicated head another prefill rank writes: nothing from this one
         shape = PageShape(lay.page_size, lay.num_kv_heads, lay.head_nbytes)
-        token, page = count * lay.head_nbytes, shape.slice_nbytes(count)
-        src = SliceSide(lay.buffer_ptrs, job.src_pages, lay.page_nbytes, lay.num_kv_heads * lay.head_nbytes,
-                        req.src_head * lay.head_nbytes)  # fmt: skip
+        token, page, bufs = count * lay.head_nbytes, shape.slice_nbytes(count), self._buffers_of(job)
+        src = SliceSide([lay.buffer_ptrs[i] for i in bufs], job.src_pages, lay.page_nbytes,
+                        lay.num_kv_heads * lay.head_nbytes, req.src_head * lay.head_nbytes)  # fmt: skip
         if not src.contiguous(lay.page_size, token) or worth_staging(job.src_pages):
-            off = self.staging.alloc(m * page * len(self._buffers))
+            off = self.staging.alloc(m * page * len(bufs))
             if off >= 0:
-                job.staged = (off, m * page * len(self._buffers))
-                blocks = [off + i * m * page for i in range(len(self._buffers))]
-                for buf, block in zip(self._buffers, blocks, strict=True):
-                    gather_heads(buf, shape, req.src_head, count, job.src_pages, self.staging.view(block, m * page))
+                job.staged = (off, m * page * len(bufs))
+                blocks = [off + k * m * page for k in range(len(bufs))]
+                for i, block in zip(bufs, blocks, strict=True):
+                    view = self.staging.view(block, m * page)
+                    gather_heads(self._buffers[i], shape, req.src_head, count, job.src_pages, view)
                 src = SliceSide([self.staging.ptr + b for b in blocks], list(range(m)), page, token)
-        dst_buffers = [peer.buffer_map[i] for i in range(len(lay.buffer_ptrs))]
+        dst_buffers = [peer.buffer_map[i] for i in bufs]
         if req.staging_offset >= 0:
             n_dest, base = len(req.dest_pages), peer.staging_ptr + req.staging_offset
             index = list(range(job.first_index, job.first_index + m))
