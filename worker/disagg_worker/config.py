@@ -127,13 +127,12 @@ class DisaggConfig:
     layer_pipeline: bool = from_flag(S.LAYER_PIPELINE)  # prefill: KV leaves by layer group (`disagg.layerwise`)
     layer_group_size: int = from_flag(S.LAYER_GROUP_SIZE)
     layer_pipeline_min_prefill_len: int = from_flag(S.LAYER_PIPELINE_MIN_PREFILL_LEN)
-    # The model's shared secret, read from --auth-token-file at start-up ("": no authentication,
-    # local runs only), kept out of repr so that it is never logged. Each use has its own key
-    # derived from it (`keys`): the bootstrap server's bearer token, the token the router presents
-    # to worker HTTP ports, the key that signs the bootstrap targets decode may contact.
+    # The model's shared secret, read from --auth-token-file at start-up ("": no authentication, local runs only),
+    # kept out of repr so that it is never logged. Each use has its own key derived from it (`keys`): the bootstrap
+    # server's bearer token, the token the router presents to worker HTTP ports, the key that signs the bootstrap
+    # targets decode may contact.
     auth_token: str = field(default="", repr=False)
-    # From the environment at start-up (`disagg_worker.env`), not flags.
-    # MC_TCP_LANES_PER_PEER as the user set it (None: not set); it wins over tcp_lanes.
+    # From the environment at start-up (`disagg_worker.env`): MC_TCP_LANES_PER_PEER as set (None: not); it wins.
     mc_tcp_lanes_per_peer: str | None = None
     # Tests only: prefill ranks of this pipeline stage fail every new sender locally (-1: off).
     fault_fail_senders_on_stage: int = -1
