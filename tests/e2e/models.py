@@ -232,11 +232,11 @@ print(urllib.request.urlopen(req, timeout=float(sys.argv[4])).read().decode())
 """
 
 
-def chat_from_pod(node: RealNode, model: Model, pod: str = "client") -> dict:
+def chat_from_pod(node: RealNode, model: Model, pod: str = "client", question: str = QUESTION) -> dict:
     timeout = scaled(120)
     proc = node.kubectl(
         "-n", model.namespace, "exec", pod, "--", "python3", "-c", CHAT,
-        model.endpoint, model.served_name, QUESTION, str(timeout),
+        model.endpoint, model.served_name, question, str(timeout),
         check=False, timeout=timeout + 30,
     )  # fmt: skip
     assert proc.returncode == 0, f"chat from pod {pod} failed:\n{proc.stderr}\n{diagnostics(node, model.namespace)}"
