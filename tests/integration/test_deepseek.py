@@ -24,7 +24,7 @@ import transformers
 from disagg_worker.model.tiny import make_tiny
 from tests.integration.procs import PDStack, reference, report_after, scaled, serve, wait_until
 from tests.integration.test_parallel import concurrently
-from tests.integration.test_pd import FLAGS, SCHEMA, assert_clean, structured
+from tests.integration.test_pd import FLAGS, LAYERWISE, SCHEMA, assert_clean, metric, structured
 from tests.integration.test_pd_faults import request
 from tests.integration.test_server import generate, varied_prompts
 
@@ -165,15 +165,17 @@ def test_dp_attention_serves_a_request_while_the_other_group_is_idle(models, pro
         server.stop()
 
 
+# Prefill streams the latent of prompts of 40+ tokens layer by layer in every pairing but tp1-tp1 (which sends
+# every prompt whole): the one-sender rule and the attention groups hold for the streamed groups too.
 PAIRINGS = {
     "tp1-tp1": ((), ()),
-    "prefill-tp2-decode-tp1": (("--tp-size", "2"), ()),
-    "prefill-tp1-decode-tp2": ((), ("--tp-size", "2")),
-    "decode-ep2": ((), ("--tp-size", "2", "--ep-size", "2")),
-    "prefill-tp2-dp2-decode-tp1": (("--tp-size", "2", *DP2), ()),
-    "prefill-tp1-decode-tp2-dp2": ((), ("--tp-size", "2", *DP2)),
+    "prefill-tp2-decode-tp1": (("--tp-size", "2", *LAYERWISE), ()),
+    "prefill-tp1-decode-tp2": (LAYERWISE, ("--tp-size", "2")),
+    "decode-ep2": (LAYERWISE, ("--tp-size", "2", "--ep-size", "2")),
+    "prefill-tp2-dp2-decode-tp1": (("--tp-size", "2", *DP2, *LAYERWISE), ()),
+    "prefill-tp1-decode-tp2-dp2": (LAYERWISE, ("--tp-size", "2", *DP2)),
     # Groups of two ranks on prefill: the group's ranks agree on each transfer, one of them sends each latent.
-    "prefill-tp4-dp2-decode-tp1": (("--tp-size", "4", *DP2), ()),
+    "prefill-tp4-dp2-decode-tp1": (("--tp-size", "4", *DP2, *LAYERWISE), ()),
 }
 
 
@@ -202,6 +204,9 @@ def test_pd_greedy_is_transformers_greedy_and_the_latent_moves_once_per_decode_r
         # Counted just after each transfer's Success: wait for the sum, then check it is not more.
         got = wait_until(lambda: (b := kv_bytes_moved(stack.prefill.url)) >= want and b, 10, what="bytes counted")
         assert got == want
+        if LAYERWISE[0] in prefill_flags:
+            groups = "disagg_kv_layer_group_send_seconds_count"
+            wait_until(lambda: metric(stack.prefill.url, groups) > 0, 10, what="layer groups streamed")
         for url, flags in ((stack.prefill.url, prefill_flags), (stack.decode.url, decode_flags)):
             if "--enable-dp-attention" in flags:  # the router spread the requests over the groups
                 assert_every_group_served(url, 2)
@@ -211,16 +216,19 @@ def test_pd_greedy_is_transformers_greedy_and_the_latent_moves_once_per_decode_r
 
 def test_pd_with_dp_attention_on_both_sides_answers_as_transformers_and_its_pairs_verify(models, prompts):
     """Prefill and decode each TP2 as two attention groups, the router verifying pairs with probes (each probe in
-    the groups its room picks): greedy tokens as transformers', every group of both sides served."""
+    the groups its room picks), prefill streaming prompts of 40+ tokens layer by layer: greedy tokens as
+    transformers', every group of both sides served."""
     model = models["deepseek_v3"]
     expected = transformers_greedy(model, prompts)
     both = ("--tp-size", "2", *DP2)
-    stack = PDStack(model, *FLAGS, prefill_flags=both, decode_flags=both).wait_healthy()
+    stack = PDStack(model, *FLAGS, prefill_flags=(*both, *LAYERWISE), decode_flags=both).wait_healthy()
     try:
         assert concurrently(stack.router.url, prompts) == expected
         assert_clean(stack.prefill.url, stack.decode.url)
         for url in (stack.prefill.url, stack.decode.url):
             assert_every_group_served(url, 2)
+        groups = "disagg_kv_layer_group_send_seconds_count"  # prompts of 40+ tokens streamed from both groups
+        wait_until(lambda: metric(stack.prefill.url, groups) > 0, 10, what="layer groups streamed")
         health = requests.get(f"{stack.decode.url}/health", timeout=scaled(5)).json()
         assert health["dp_loads"] == [0, 0]
     finally:

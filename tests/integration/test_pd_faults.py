@@ -9,6 +9,8 @@ requests get the same tokens the same stack gave before it.
 A decode instance that runs few requests at once (HOLD) keeps requests in the handoff stages for
 seconds: the rest wait in decode's prealloc queue and prefill's bootstrap queue until a slot frees.
 /stats reports every 0.5 s, so a state that lasts milliseconds could be over before a test sees it.
+With layer-wise streaming, a prefill stalled by its fault hook (`DISAGG_FAULT_STALL_AFTER_LAYER_GROUP`) holds a
+request between its layer groups for as long as the test needs: its first groups left, the others did not.
 """
 
 from __future__ import annotations
@@ -20,12 +22,15 @@ import random
 import signal
 import threading
 import time
+from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import requests
 
-from tests.integration.procs import PDStack, reference, scaled, wait_until
-from tests.integration.test_pd import FLAGS, assert_clean
+from tests.integration.procs import PDStack, Proc, reference, scaled, serve, wait_until
+from tests.integration.test_pd import FLAGS, LAYERWISE, assert_clean
+from tests.integration.test_server import generate, varied_prompts
 
 pytestmark = pytest.mark.integration
 # How long a client waits for its answer: every request, interrupted or not, ends within it.
@@ -236,3 +241,80 @@ def test_abort_1000_requests_at_random_stages(plain):
     assert_clean(stack.prefill.url, stack.decode.url)
     assert request(stack.router.url, 3000)[0] == "ok"
     assert reference(stack.router.url) == before
+
+
+# The fault hook's line in a prefill's log each time a streamed forward stalls after its second layer group (of 4).
+STALLED = "fault injected: the forward stalls after layer group 1"
+
+
+@pytest.fixture(scope="module")
+def streaming(tiny_model, tmp_path_factory):
+    """A stack whose prefill streams prompts of 40+ tokens layer group by layer group, and stalls a streamed
+    forward after its second group while the returned file does not exist (it does until a test removes it)."""
+    release = tmp_path_factory.mktemp("stall") / "release"
+    release.touch()
+    env = {"DISAGG_FAULT_STALL_AFTER_LAYER_GROUP": f"1:{release}"}
+    s = PDStack(tiny_model, *FLAGS, prefill_flags=LAYERWISE, env=env).wait_healthy()
+    yield s, release
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def mono(tiny_model):
+    p = serve(tiny_model, *FLAGS).wait_healthy()
+    yield p
+    p.stop()
+
+
+def stalls(proc: Proc) -> int:
+    return Path(proc.log.name).read_text(errors="replace").count(STALLED)
+
+
+def interrupt_between_groups(stack: PDStack, release: Path, kill: Callable[[], None]) -> tuple:
+    """Send one streamed request (300 tokens), wait until prefill stalls it between its layer groups, `kill`, let
+    the forward go on, and return the request's outcome."""
+    seen = stalls(stack.prefill)
+    release.unlink()
+    with cf.ThreadPoolExecutor(1) as pool:
+        interrupted = pool.submit(request, stack.router.url, 77)
+        wait_until(lambda: stalls(stack.prefill) > seen, timeout=30, interval=0.05, what="a stream stalled mid-groups")
+        kill()
+        release.touch()
+        return interrupted.result(timeout=CLIENT_TIMEOUT + scaled(10))
+
+
+def assert_equal_monolithic(stack: PDStack, mono: Proc) -> None:
+    prompts = varied_prompts(12)  # most of 40+ tokens: streamed
+    expected = [generate(mono.url, p) for p in prompts]
+    with cf.ThreadPoolExecutor(6) as pool:
+        assert list(pool.map(lambda p: generate(stack.router.url, p), prompts)) == expected
+
+
+def test_kill_decode_between_the_layer_groups_of_a_streamed_request(streaming, mono):
+    stack, release = streaming
+    outcome = interrupt_between_groups(stack, release, stack.decode.kill)
+    assert outcome[0] == "error" and outcome[1] >= 500 and outcome[2], outcome
+    assert_clean(stack.prefill.url)  # the pages of the groups sent and of those never sent all came back
+    stack.decode = stack.start_decode(stack.decode.port).wait_healthy()
+    wait_router_healthy(stack)
+    assert_equal_monolithic(stack, mono)
+    assert_clean(stack.prefill.url, stack.decode.url)
+
+
+def test_kill_prefill_mid_forward_between_the_layer_groups_of_a_streamed_request(streaming, mono):
+    stack, release = streaming
+    outcome = interrupt_between_groups(stack, release, stack.prefill.kill)
+    assert outcome[0] == "error" and outcome[1] >= 500 and outcome[2], outcome
+    # Decode failed the room whose first groups landed and gave its pages back (at once or after quarantine), with
+    # no prefill to tell it so.
+    assert_clean(stack.decode.url)
+    stack.prefill = stack.start_prefill(stack.prefill.port).wait_healthy()
+    wait_router_healthy(stack)
+    wait_until(
+        lambda: request(stack.router.url, 1000)[0] == "ok",
+        timeout=60,
+        interval=1,
+        what="a request through the restarted prefill",
+    )
+    assert_equal_monolithic(stack, mono)
+    assert_clean(stack.prefill.url, stack.decode.url)

@@ -19,7 +19,7 @@ from disagg_worker.model.demo import SERVED_NAME
 from disagg_worker.model.eagle import make_eagle_head
 from disagg_worker.model.tiny import make_draft
 from tests.integration.procs import DISAGG, PDStack, Proc, scaled, serve, wait_until
-from tests.integration.test_pd import FLAGS, assert_clean
+from tests.integration.test_pd import FLAGS, LAYERWISE, assert_clean
 from tests.integration.test_speculative import answers, generate_all, plain_tokens, repetitive_prompts
 
 pytestmark = pytest.mark.integration
@@ -50,8 +50,9 @@ def test_draft_model_answers_are_the_plain_ones_and_its_kv_moves_with_the_pages(
     expected = plain_tokens(tiny_model, prompts)
     flags = spec_flags(algorithm, drafts[algorithm])
     mono = serve(tiny_model, *FLAGS, *flags)
-    # No pairing probes: each would move a one-token prompt's page and blur the byte count.
-    stack = PDStack(tiny_model, *FLAGS, *flags, router_flags=("--verify-interval", "0"))
+    # No pairing probes: each would move a one-token prompt's page and blur the byte count. Prefill streams the
+    # model's layers of prompts of 40+ tokens; the draft's layers leave with the send after the step.
+    stack = PDStack(tiny_model, *FLAGS, *flags, prefill_flags=LAYERWISE, router_flags=("--verify-interval", "0"))
     try:
         mono.wait_healthy(), stack.wait_healthy()
         assert generate_all(mono.url, prompts) == expected
@@ -70,6 +71,8 @@ def test_draft_model_answers_are_the_plain_ones_and_its_kv_moves_with_the_pages(
             what="bytes counted",
         )
         assert got == want
+        groups = "disagg_kv_layer_group_send_seconds_count"  # the prompts of 40+ tokens streamed
+        wait_until(lambda: metric(stack.prefill.url, groups) > 0, 10, what="layer groups streamed")
     finally:
         mono.stop()
         stack.stop()

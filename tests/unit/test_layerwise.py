@@ -3,6 +3,8 @@ streams sent the model's layers, and when a forward's transfer is known to be hi
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 
 from disagg_worker.disagg.layerwise import (
@@ -14,6 +16,7 @@ from disagg_worker.disagg.layerwise import (
     unstreamed_parts,
 )
 from disagg_worker.disagg.metrics import TransferMetrics
+from disagg_worker.env import load_env
 
 
 @pytest.mark.parametrize(
@@ -122,3 +125,20 @@ def test_a_forward_that_raised_sends_nothing_more():
     stream.disarm()
     stream.forward_done()
     assert sent == [range(0, 2)]
+
+
+def test_the_stall_hook_holds_a_streamed_forward_after_its_group_until_the_release_file_exists(tmp_path):
+    release = tmp_path / "release"
+    env = load_env({"DISAGG_FAULT_STALL_AFTER_LAYER_GROUP": f"0:{release}"})
+    stream = LayerStream(4, 2, TransferMetrics("test-stream-stall"), stall=env.fault_stall_after_layer_group)
+    sent: list[range] = []
+    stream.layer_done(1)  # nothing armed: not a streamed forward, no stall
+    stream.arm(lambda layers, event, rnd: sent.append(layers))
+    forward = threading.Thread(target=lambda: [stream.layer_done(1), stream.layer_done(3), stream.forward_done()])
+    forward.start()
+    forward.join(0.3)
+    assert forward.is_alive() and sent == [range(0, 2)]  # the first group left, the forward holds before the next
+    release.touch()
+    forward.join(5)
+    assert not forward.is_alive() and sent == [range(0, 2), range(2, 4)]
+    assert load_env({}).fault_stall_after_layer_group == (-1, "")

@@ -85,6 +85,7 @@ def disagg_config(ns: argparse.Namespace, role: Role, env: WorkerEnv) -> DisaggC
         auth_token=keys.read_secret(ns.auth_token_file, "--auth-token-file") if ns.auth_token_file else "",
         mc_tcp_lanes_per_peer=env.mc_tcp_lanes_per_peer,
         fault_fail_senders_on_stage=env.fault_fail_senders_on_stage,
+        fault_stall_after_layer_group=env.fault_stall_after_layer_group,
         mc_rpc_port_range=env.mc_rpc_port_range,
     )
     disagg.check()

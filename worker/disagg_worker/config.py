@@ -128,16 +128,16 @@ class DisaggConfig:
     layer_group_size: int = from_flag(S.LAYER_GROUP_SIZE)
     layer_pipeline_min_prefill_len: int = from_flag(S.LAYER_PIPELINE_MIN_PREFILL_LEN)
     # The model's shared secret, read from --auth-token-file at start-up ("": no authentication, local runs only),
-    # kept out of repr so that it is never logged. Each use has its own key derived from it (`keys`): the bootstrap
-    # server's bearer token, the token the router presents to worker HTTP ports, the key that signs the bootstrap
-    # targets decode may contact.
+    # kept out of repr so that it is never logged. Each use has its own key derived from it (`keys`): the
+    # bootstrap server's bearer token, the router's token to worker HTTP ports, the key signing bootstrap targets.
     auth_token: str = field(default="", repr=False)
     # From the environment at start-up (`disagg_worker.env`): MC_TCP_LANES_PER_PEER as set (None: not); it wins.
     mc_tcp_lanes_per_peer: str | None = None
-    # Tests only: prefill ranks of this pipeline stage fail every new sender locally (-1: off).
+    # Tests only (`env`): prefill ranks of this pipeline stage fail every new sender locally (-1: off); a streamed
+    # forward stalls after layer group N while the file PATH does not exist ((N, PATH); (-1, ""): off).
     fault_fail_senders_on_stage: int = -1
-    # MC_MIN_RPC_PORT / MC_MAX_RPC_PORT as the user set them (None: not set); they may not be
-    # combined with transfer_port_base, which sets them per rank.
+    fault_stall_after_layer_group: tuple[int, str] = (-1, "")
+    # MC_MIN_RPC_PORT / MC_MAX_RPC_PORT as the user set them (None: not set); not with transfer_port_base.
     mc_rpc_port_range: tuple[str | None, str | None] = (None, None)
 
     @property

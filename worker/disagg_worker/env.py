@@ -14,8 +14,10 @@ reads only those it also sets, so that the user's values are known:
 The worker's own variables: `DISAGG_POD_NAME` and `DISAGG_REVISION` (set by the operator from the
 pod's name and its `disagg.dev/revision` label; reported on /health), and a test hook,
 `DISAGG_FAULT_FAIL_SENDERS_ON_STAGE=N`, which makes the prefill ranks of pipeline stage N fail every
-new KV sender locally (the fault tests of parallel ranks), and `DISAGG_FAULT_GRAMMAR_PATTERN=P`, which
-makes compiling the regex P raise an exception of a type no compiler raises (the isolation tests).
+new KV sender locally (the fault tests of parallel ranks), `DISAGG_FAULT_GRAMMAR_PATTERN=P`, which
+makes compiling the regex P raise an exception of a type no compiler raises (the isolation tests), and
+`DISAGG_FAULT_STALL_AFTER_LAYER_GROUP=N:PATH`, which makes a prefill rank's layer-wise streamed forward stop
+after queuing layer group N while the file PATH does not exist (the P/D fault tests of layer-wise streaming).
 Others reach Mooncake untouched: `MC_LOG_LEVEL` (`serve --local` and the worker image default it to
 WARNING) and the engine's timeouts (`MC_TRANSFER_TIMEOUT`, `MC_TCP_PROGRESS_TIMEOUT_SEC`).
 """
@@ -42,6 +44,9 @@ class WorkerEnv:
     # Fault injection for tests (DISAGG_FAULT_GRAMMAR_PATTERN): compiling this regex raises an unexpected
     # exception type. "": off.
     fault_grammar_pattern: str = ""
+    # Fault injection for tests (DISAGG_FAULT_STALL_AFTER_LAYER_GROUP=N:PATH): a prefill rank's streamed forward
+    # stalls after queuing layer group N while the file PATH does not exist. (-1, ""): off.
+    fault_stall_after_layer_group: tuple[int, str] = (-1, "")
     # MC_MIN_RPC_PORT and MC_MAX_RPC_PORT as the user set them (None: not set).
     mc_rpc_port_range: tuple[str | None, str | None] = (None, None)
 
@@ -54,5 +59,16 @@ def load_env(environ: Mapping[str, str] | None = None) -> WorkerEnv:
         mc_tcp_lanes_per_peer=env.get("MC_TCP_LANES_PER_PEER"),
         fault_fail_senders_on_stage=int(env.get("DISAGG_FAULT_FAIL_SENDERS_ON_STAGE", "-1")),
         fault_grammar_pattern=env.get("DISAGG_FAULT_GRAMMAR_PATTERN", ""),
+        fault_stall_after_layer_group=group_and_path(env.get("DISAGG_FAULT_STALL_AFTER_LAYER_GROUP", "")),
         mc_rpc_port_range=(env.get("MC_MIN_RPC_PORT"), env.get("MC_MAX_RPC_PORT")),
     )
+
+
+def group_and_path(value: str) -> tuple[int, str]:
+    """`N:PATH` as (N, PATH); "" as (-1, "") (off)."""
+    if not value:
+        return (-1, "")
+    group, sep, path = value.partition(":")
+    if not sep or not path:
+        raise ValueError(f"DISAGG_FAULT_STALL_AFTER_LAYER_GROUP is N:PATH, not {value!r}")
+    return (int(group), path)

@@ -18,14 +18,18 @@ that the forward hid.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from disagg_worker.disagg.metrics import TransferMetrics
+
+log = logging.getLogger(__name__)
 
 
 def plan_groups(num_layers: int, group_size: int) -> list[range]:
@@ -119,10 +123,16 @@ GroupSend = Callable[[range, Any, StreamRound], None]
 class LayerStream:
     """One rank's streaming for the forward about to run. `arm` (before the forward, the scheduler's
     thread), `layer_done` after each layer and `forward_done` after the forward (the forward's thread),
-    `disarm` when the forward raised (nothing more is sent: the rooms fail with the step)."""
+    `disarm` when the forward raised (nothing more is sent: the rooms fail with the step). `stall`, a test hook
+    (`env`, (-1, "") off): (N, PATH) makes a forward stop after queuing group N while the file PATH does not exist,
+    so that a fault test interrupts a room whose first groups left and whose others did not."""
 
-    def __init__(self, num_layers: int, group_size: int, metrics: TransferMetrics, cuda: bool = False):
+    def __init__(
+        self, num_layers: int, group_size: int, metrics: TransferMetrics, cuda: bool = False,
+        stall: tuple[int, str] = (-1, ""),
+    ):  # fmt: skip
         self.groups = plan_groups(num_layers, group_size)
+        self._stall = stall
         self._ends = {g.stop - 1: g for g in self.groups}
         self._metrics = metrics
         self._cuda = cuda
@@ -144,7 +154,10 @@ class LayerStream:
         """The forward computed this rank's layer `layer`: at a group's end, every armed room sends it."""
         group = self._ends.get(layer)
         if group is not None:
-            self._send_through(self.groups.index(group) + 1)
+            index = self.groups.index(group)
+            self._send_through(index + 1)
+            if index == self._stall[0] and self.armed:
+                self._stall_here(index, Path(self._stall[1]))
 
     def forward_done(self) -> None:
         """The forward ended: groups it did not announce (a forward without layer hooks) go now; disarm."""
@@ -173,6 +186,15 @@ class LayerStream:
         for group in groups:
             for send in sends:
                 send(group, event, rnd)
+
+    @staticmethod
+    def _stall_here(index: int, release: Path) -> None:
+        """The test hook: the forward waits while `release` does not exist."""
+        if release.exists():
+            return
+        log.warning("fault injected: the forward stalls after layer group %d until %s exists", index, release)
+        while not release.exists():
+            time.sleep(0.05)
 
     def _record(self) -> Any:
         """An event after the work queued so far on the current CUDA stream (None on the CPU)."""

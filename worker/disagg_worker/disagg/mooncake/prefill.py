@@ -95,7 +95,8 @@ class MooncakePrefillManager(KVManager):
         self.registered = threading.Event()
         if cfg.layer_pipeline:
             cuda = bool(layout.buffers) and layout.buffers[0].device.type == "cuda"
-            self.layer_stream = LayerStream(layout.model_layers, cfg.layer_group_size, metrics, cuda)
+            stall = cfg.fault_stall_after_layer_group
+            self.layer_stream = LayerStream(layout.model_layers, cfg.layer_group_size, metrics, cuda, stall)
         self._control = self.supervise(self._control_loop, "kv-prefill-control")
 
     def registration(self) -> RankRegistration:
