@@ -55,6 +55,8 @@ class TierStats:
 @dataclass
 class Prefetch:
     started: float
+    covered: int = 0  # pages of the request the cache and host memory held, with those this read brought
+    again: bool = False  # asked for again at admission (`_refetch`)
     done: bool = False
 
 
@@ -106,7 +108,7 @@ class KVTiers:
     # ---- admission (scheduler thread) -------------------------------------------------------------------
     def admit(self, rid: str, tokens: Sequence[int], take_pages: Callable[[int], list[int] | None]) -> bool:
         """Whether request `rid` may be admitted now (`ready`); if so, its pages in host memory are restored."""
-        if not self.ready(rid):
+        if not self.ready(rid) or self._refetch(rid, tokens):
             return False
         self.restore(tokens, take_pages)
         return True
@@ -143,13 +145,25 @@ class KVTiers:
         """Start reading the pages of `tokens` the store holds past what the cache and host memory hold."""
         if self.store is None:
             return
-        ps = self.radix.page_size
-        names = page_hashes(tokens[: len(tokens) // ps * ps], ps, ROOT, self.radix.names_key)
-        below = len(self.radix.peek(tokens).pages)
-        below += self.host.run_of(names[below:])
+        names = self._names(tokens)
+        below = self._covered(tokens, names)
         if below >= len(names):
+            with self._lock:  # nothing to read now; `admit` still sees whether host memory keeps them
+                self._prefetches[rid] = Prefetch(self.clock(), covered=below, done=True)
             return
-        job = Prefetch(self.clock())
+        self._get_later(rid, names, below, again=False)
+
+    def _names(self, tokens: Sequence[int]) -> list[int]:
+        ps = self.radix.page_size
+        return page_hashes(tokens[: len(tokens) // ps * ps], ps, ROOT, self.radix.names_key)
+
+    def _covered(self, tokens: Sequence[int], names: list[int]) -> int:
+        """Pages of `tokens`, from the first, that the cache and then host memory hold."""
+        below = len(self.radix.peek(tokens).pages)
+        return below + self.host.run_of(names[below:])
+
+    def _get_later(self, rid: str, names: list[int], below: int, again: bool) -> None:
+        job = Prefetch(self.clock(), covered=below, again=again)
         with self._lock:
             self._prefetches[rid] = job
         self._jobs.put(("get", names[below:], job))
@@ -157,6 +171,20 @@ class KVTiers:
             timer = threading.Timer(self.cfg.prefetch_timeout, self.wake)
             timer.daemon = True
             timer.start()
+
+    def _refetch(self, rid: str, tokens: Sequence[int]) -> bool:
+        """Whether `rid` waits for a second read: host memory dropped pages it held when `rid` arrived (other
+        requests' pages took their slots while it waited), which the store may hold. Once per request."""
+        with self._lock:
+            job = self._prefetches.get(rid)
+        if job is None or job.again:
+            return False
+        names = self._names(tokens)
+        below = self._covered(tokens, names)
+        if below >= job.covered:
+            return False
+        self._get_later(rid, names, below, again=True)
+        return self.cfg.prefetch_policy != "best_effort"
 
     def ready(self, rid: str) -> bool:
         """Whether request `rid` may be admitted: its prefetch, if any, has gone as far as the policy waits."""
@@ -232,7 +260,9 @@ class KVTiers:
         found = self.store.exists(names)
         values = self.store.get(names[:found]) if found else []
         if values:
-            self.stats.fetched_store += self.host.put_bytes(names[: len(values)], values)
+            taken = self.host.put_bytes(names[: len(values)], values)
+            self.stats.fetched_store += taken
+            job.covered += taken  # host memory now holds these too: `_refetch` reads them again if they go
 
     def close(self) -> None:
         if self.store is not None:
