@@ -42,6 +42,7 @@ from disagg_worker.tier_config import TierConfig
 log = logging.getLogger(__name__)
 
 PUT_QUEUE_PAGES = 4096  # pages waiting to be written to the store beyond this are not written
+PUT_BATCH = 16  # pages per write to the store
 WAIT_COMPLETE_BOUND = 4  # wait_complete waits at most this many prefetch timeouts (then the store counts as slow)
 
 
@@ -76,6 +77,8 @@ class TierStats:
 @dataclass
 class Prefetch:
     started: float
+    covered: int = 0  # pages of the request the cache and host memory held, with those this read brought
+    again: bool = False  # asked for again at admission (`_refetch`)
     done: bool = False
 
 
@@ -96,16 +99,21 @@ class KVTiers:
         self.stats = TierStats()
         self.wake: Callable[[], None] = lambda: None
         self._prefetches: dict[str, Prefetch] = {}
-        self._jobs: queue.Queue = queue.Queue()
         self._queued_puts = 0
         self._lock = threading.Lock()
         self._events: list[Event] = []  # what the tiers now hold, for the KV events (`mem/kv_events.py`)
         radix.listener = self
         host.on_evict = self._host_evicted
         host.evicted_bytes = store is not None and cfg.write_policy == "write_back"
+        # Reads and writes on threads of their own: a request's read never waits behind the pages others write.
+        self._reads: queue.Queue = queue.Queue()
+        self._writes: queue.Queue = queue.Queue()
+        self._threads = []
         if store is not None:
-            self._thread = threading.Thread(target=self._serve_store, name="kv-store", daemon=True)
-            self._thread.start()
+            for name, jobs in (("kv-store-read", self._reads), ("kv-store-write", self._writes)):
+                thread = threading.Thread(target=self._serve_store, args=(jobs,), name=name, daemon=True)
+                thread.start()
+                self._threads.append(thread)
 
     # ---- the radix cache's listener (scheduler thread) --------------------------------------------------
     def stored(self, names: list[int], pages: list[int]) -> None:
@@ -137,7 +145,7 @@ class KVTiers:
     # ---- admission (scheduler thread) -------------------------------------------------------------------
     def admit(self, rid: str, tokens: Sequence[int], take_pages: Callable[[int], list[int] | None]) -> bool:
         """Whether request `rid` may be admitted now (`ready`); if so, its pages in host memory are restored."""
-        if not self.ready(rid):
+        if not self.ready(rid) or self._refetch(rid, tokens):
             return False
         self.restore(tokens, take_pages)
         return True
@@ -174,20 +182,46 @@ class KVTiers:
         """Start reading the pages of `tokens` the store holds past what the cache and host memory hold."""
         if self.store is None:
             return
-        ps = self.radix.page_size
-        names = page_hashes(tokens[: len(tokens) // ps * ps], ps, ROOT, self.radix.names_key)
-        below = len(self.radix.peek(tokens).pages)
-        below += self.host.run_of(names[below:])
+        names = self._names(tokens)
+        below = self._covered(tokens, names)
         if below >= len(names):
+            with self._lock:  # nothing to read now; `admit` still sees whether host memory keeps them
+                self._prefetches[rid] = Prefetch(self.clock(), covered=below, done=True)
             return
-        job = Prefetch(self.clock())
+        self._get_later(rid, names, below, again=False)
+
+    def _names(self, tokens: Sequence[int]) -> list[int]:
+        ps = self.radix.page_size
+        return page_hashes(tokens[: len(tokens) // ps * ps], ps, ROOT, self.radix.names_key)
+
+    def _covered(self, tokens: Sequence[int], names: list[int]) -> int:
+        """Pages of `tokens`, from the first, that the cache and then host memory hold."""
+        below = len(self.radix.peek(tokens).pages)
+        return below + self.host.run_of(names[below:])
+
+    def _get_later(self, rid: str, names: list[int], below: int, again: bool) -> None:
+        job = Prefetch(self.clock(), covered=below, again=again)
         with self._lock:
             self._prefetches[rid] = job
-        self._jobs.put(("get", names[below:], job))
+        self._reads.put(("get", names[below:], job))
         if self.cfg.prefetch_policy == "timeout":
             timer = threading.Timer(self.cfg.prefetch_timeout, self.wake)
             timer.daemon = True
             timer.start()
+
+    def _refetch(self, rid: str, tokens: Sequence[int]) -> bool:
+        """Whether `rid` waits for a second read: host memory dropped pages it held when `rid` arrived (other
+        requests' pages took their slots while it waited), which the store may hold. Once per request."""
+        with self._lock:
+            job = self._prefetches.get(rid)
+        if job is None or job.again:
+            return False
+        names = self._names(tokens)
+        below = self._covered(tokens, names)
+        if below >= job.covered:
+            return False
+        self._get_later(rid, names, below, again=True)
+        return self.cfg.prefetch_policy != "best_effort"
 
     def ready(self, rid: str) -> bool:
         """Whether request `rid` may be admitted: its prefetch, if any, has gone as far as the policy waits."""
@@ -213,7 +247,7 @@ class KVTiers:
         with self._lock:
             return any(not j.done for j in self._prefetches.values())
 
-    # ---- the store thread -----------------------------------------------------------------------------
+    # ---- the store threads ----------------------------------------------------------------------------
     def _host_evicted(self, names: list[int], data: list[bytes]) -> None:
         self._record("host_removed", names)
         if data:  # write_back to a store
@@ -238,14 +272,15 @@ class KVTiers:
                 self.stats.add("dropped_store", len(names))
                 return
             self._queued_puts += len(names)
-        self._jobs.put(("put", names, data))
+        for start in range(0, len(names), PUT_BATCH):  # a read waits for at most one batch in the client
+            self._writes.put(("put", names[start : start + PUT_BATCH], data[start : start + PUT_BATCH]))
 
-    def _serve_store(self) -> None:
+    def _serve_store(self, jobs: queue.Queue) -> None:
         assert self.store is not None
         while True:
-            kind, names, arg = self._jobs.get()
+            kind, names, arg = jobs.get()
             if kind == "stop":
-                self._jobs.task_done()
+                jobs.task_done()
                 return
             try:
                 if kind == "put":
@@ -258,11 +293,12 @@ class KVTiers:
                 if kind == "get":
                     arg.done = True
                     self.wake()
-                self._jobs.task_done()
+                jobs.task_done()
 
     def settle(self) -> None:
-        """Wait until the store thread has done every read and write asked of it so far."""
-        self._jobs.join()
+        """Wait until the store threads have done every read and write asked of them so far."""
+        self._reads.join()
+        self._writes.join()
 
     def _put(self, names: list[int], data: list[bytes]) -> None:
         assert self.store is not None
@@ -279,13 +315,17 @@ class KVTiers:
         found = self.store.exists(names)
         values = self.store.get(names[:found]) if found else []
         if values:
-            self.stats.add("fetched_store", self.host.put_bytes(names[: len(values)], values))
+            taken = self.host.put_bytes(names[: len(values)], values)
+            self.stats.add("fetched_store", taken)
+            job.covered += taken  # host memory now holds these too: `_refetch` reads them again if they go
 
     def close(self, close_store: bool = True) -> None:
         """Stop the store thread (after what it was asked) and, unless told not to, the store's client."""
         if self.store is not None:
-            self._jobs.put(("stop", [], None))
-            self._thread.join(timeout=5)
+            for jobs in (self._reads, self._writes):
+                jobs.put(("stop", [], None))
+            for thread in self._threads:
+                thread.join(timeout=5)
             if close_store:
                 self.store.close()
 

@@ -6,13 +6,16 @@ kept under `<prefix>/<name>`: the prefix says whose pages they are (the model, i
 the name which token prefix they hold (`kv_events.page_hash`, keyed with the model's secret).
 
 Every call is blocking and may take seconds when the store is gone (Mooncake's own RPC timeouts), so only the tiers'
-store thread calls these methods, never the scheduler. A client that cannot set up or whose calls fail is `down`
-for `RETRY_S`, then set up again: a store that restarts is used again without restarting the instance.
+store threads (a reader and a writer) call these methods, never the scheduler; a lock makes their calls one at a
+time, so that a client is never closed (after a failure) while the other thread uses it. A client that cannot set
+up or whose calls fail is `down` for `RETRY_S`, then set up again: a store that restarts is used again without
+restarting the instance.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -31,6 +34,7 @@ class MooncakeStore:
         self.prefix = prefix
         self._client: Any = None
         self._down_until = 0.0
+        self._lock = threading.RLock()
 
     @property
     def up(self) -> bool:
@@ -39,8 +43,7 @@ class MooncakeStore:
     def key(self, name: int) -> str:
         return f"{self.prefix}/{name:016x}"
 
-    def connect(self) -> bool:
-        """Set the client up if it is not (and not within `RETRY_S` of a failure); whether it is up."""
+    def _connect_unlocked(self) -> bool:
         if self._client is not None:
             return True
         if time.monotonic() < self._down_until:
@@ -56,9 +59,8 @@ class MooncakeStore:
         log.info("KV store: connected to Mooncake Store at %s", self.master)
         return True
 
-    def exists(self, names: Sequence[int]) -> int:
-        """How many of `names`, from the first, the store holds."""
-        if not names or not self.connect():
+    def _exists_unlocked(self, names: Sequence[int]) -> int:
+        if not names or not self._connect_unlocked():
             return 0
         found = self._client.batch_is_exist([self.key(n) for n in names])
         n = 0
@@ -71,9 +73,8 @@ class MooncakeStore:
             break
         return n
 
-    def get(self, names: Sequence[int]) -> list[bytes]:
-        """The pages named `names`, from the first, up to the first the store fails to give."""
-        if not names or not self.connect():
+    def _get_unlocked(self, names: Sequence[int]) -> list[bytes]:
+        if not names or not self._connect_unlocked():
             return []
         out = []
         for value in self._client.get_batch([self.key(n) for n in names]):
@@ -84,8 +85,8 @@ class MooncakeStore:
             log.info("KV store: %d of %d pages read", len(out), len(names))
         return out
 
-    def put(self, names: Sequence[int], values: Sequence[bytes]) -> bool:
-        if not names or not self.connect():
+    def _put_unlocked(self, names: Sequence[int], values: Sequence[bytes]) -> bool:
+        if not names or not self._connect_unlocked():
             return False
         rc = self._client.put_batch([self.key(n) for n in names], list(values))
         if rc != 0:
@@ -102,7 +103,30 @@ class MooncakeStore:
             except Exception:  # noqa: BLE001 - a broken client may fail to close too
                 log.debug("closing the store client failed", exc_info=True)
 
-    def close(self) -> None:
+    def _close_unlocked(self) -> None:
         if self._client is not None:
             self._client.close()
             self._client = None
+
+    def connect(self) -> bool:
+        """Set the client up if it is not (and not within `RETRY_S` of a failure); whether it is up."""
+        with self._lock:
+            return self._connect_unlocked()
+
+    def exists(self, names: Sequence[int]) -> int:
+        """How many of `names`, from the first, the store holds."""
+        with self._lock:
+            return self._exists_unlocked(names)
+
+    def get(self, names: Sequence[int]) -> list[bytes]:
+        """The pages named `names`, from the first, up to the first the store fails to give."""
+        with self._lock:
+            return self._get_unlocked(names)
+
+    def put(self, names: Sequence[int], values: Sequence[bytes]) -> bool:
+        with self._lock:
+            return self._put_unlocked(names, values)
+
+    def close(self) -> None:
+        with self._lock:
+            self._close_unlocked()

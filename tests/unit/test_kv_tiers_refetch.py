@@ -1,0 +1,70 @@
+"""The store under host memory: a page host memory held when a request arrived, and dropped while the request
+waited, is read from the store at admission rather than computed again."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import torch
+
+from disagg_worker.engine.tiers import KVTiers
+from disagg_worker.mem.allocator import PageAllocator
+from disagg_worker.mem.host_tier import HostTier
+from disagg_worker.mem.kv_events import page_hashes
+from disagg_worker.mem.kv_pool import KVPool
+from disagg_worker.mem.radix import RadixCache
+from disagg_worker.tier_config import TierConfig
+
+PS = 4
+
+
+class DictStore:
+    """MooncakeStore's calls, in memory."""
+
+    def __init__(self) -> None:
+        self.kv: dict[int, bytes] = {}
+
+    def exists(self, names: Sequence[int]) -> int:
+        n = 0
+        while n < len(names) and names[n] in self.kv:
+            n += 1
+        return n
+
+    def get(self, names: Sequence[int]) -> list[bytes]:
+        return [self.kv[n] for n in names]
+
+    def put(self, names: Sequence[int], values: Sequence[bytes]) -> bool:
+        self.kv.update(zip(names, values, strict=True))
+        return True
+
+    def close(self) -> None:
+        pass
+
+
+def settle(cond, timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not cond() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return cond()
+
+
+def test_pages_host_memory_dropped_while_a_request_waited_come_from_the_store_at_admission():
+    pool = KVPool(num_layers=2, num_pages=16, page_size=PS, num_kv_heads=2, head_dim=8, dtype=torch.float32)
+    radix = RadixCache(PS, PageAllocator(16))
+    store = DictStore()
+    cfg = TierConfig(enabled=True, storage_backend="mooncake", store_master="store:1", prefetch_policy="wait_complete")
+    tiers = KVTiers(cfg, HostTier(pool.buffers(), 4), radix, store)  # type: ignore[arg-type]
+    try:
+        a = list(range(100, 116))  # 4 pages: cached, then in host memory and the store
+        radix.insert(a, radix.allocator.alloc(4))
+        radix.evict(4)
+        assert settle(lambda: store.exists(page_hashes(a, PS)) == 4)
+        tiers.prefetch("r", [*a, 1, 2, 3, 4, 5])  # arrives while host memory holds its pages
+        b = list(range(200, 216))  # another request's pages take every slot before "r" is admitted
+        radix.insert(b, radix.allocator.alloc(4))
+        assert tiers.host.run_of(page_hashes(a, PS)) == 0
+        assert settle(lambda: tiers.admit("r", a, radix.allocator.alloc))
+        assert radix.match_prefix(a).num_tokens == 16 and tiers.stats.fetched_store == 4
+    finally:
+        tiers.close()
