@@ -68,3 +68,31 @@ def test_pages_host_memory_dropped_while_a_request_waited_come_from_the_store_at
         assert radix.match_prefix(a).num_tokens == 16 and tiers.stats.fetched_store == 4
     finally:
         tiers.close()
+
+
+def test_a_request_waiting_for_the_store_lets_those_behind_it_in(tiny_model):
+    """wait_complete holds only the request whose read is under way, not the queue behind it."""
+    from disagg_worker.config import CacheConfig, EngineConfig, SchedulerConfig
+    from disagg_worker.engine.engine import Engine
+    from disagg_worker.request import messages as msg
+    from tests.unit.test_engine import GREEDY
+
+    cfg = TierConfig(enabled=True, storage_backend="mooncake", store_master="store:1", prefetch_policy="wait_complete")
+    engine = Engine.from_config(
+        EngineConfig(
+            model_path=tiny_model,
+            cache=CacheConfig(page_size=PS, max_total_tokens=256, tiers=cfg),
+            scheduler=SchedulerConfig(chunk_size=16),
+        )  # fmt: skip
+    )
+    tiers = engine.tiers
+    assert tiers is not None
+    tiers.close(close_store=False)  # no store threads: the read of "slow" never ends
+    tiers.store = DictStore()  # type: ignore[assignment]
+    slow = list(range(300, 332))
+    tiers.store.put(page_hashes(slow, PS), [b""] * 8)
+    engine.handle(msg.GenerateReq("slow", slow + [5], GREEDY))
+    engine.handle(msg.GenerateReq("fast", [600, 601, 602], GREEDY))  # under a page: nothing to read
+    batch = engine.scheduler.schedule()
+    assert batch is not None and [r.rid for r in batch.reqs] == ["fast"]
+    assert [r.rid for r in engine.scheduler.waiting] == ["slow"]

@@ -8,8 +8,7 @@ a speculative draft was verified with it (`engine/speculative.py`) -> on finish 
 into the radix cache and the rest back to the allocator. A request marked `handoff`
 (prefill in a P/D deployment) is instead handed back with its pages after its last token.
 
-`process` returns what a step did (`StepOutcome`), so a role stage acts on it without hooking
-into the scheduler.
+`process` returns what a step did (`StepOutcome`): a role stage acts on it without hooking in.
 
 Page accounting invariant: a page is either free in the allocator, held by the radix cache, or in
 exactly one request's private page table; `release` is the only way out of a request.
@@ -177,10 +176,11 @@ class Scheduler:
         while self.waiting and len(self.running) + self.incoming() < self.cfg.max_running_requests:
             if budget <= 0 and plan.reqs:
                 return
-            req = self.waiting[0]
-            if not self._admit(req):
+            # A request whose pages are still on their way from the KV store waits; those behind it need not.
+            req = next((r for r in self.waiting if self.tiers is None or self.tiers.ready(r.rid)), None)
+            if req is None or not self._admit(req):
                 return
-            self.waiting.popleft()
+            self.waiting.remove(req)
             self.running.append(req)
             n = self._take(req.todo, budget)
             plan.add(req, n)
