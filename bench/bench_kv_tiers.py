@@ -377,7 +377,7 @@ def main() -> None:
     ap.add_argument("--pool-fraction", type=float, default=0.25, help="the KV pool as a fraction of the working set")
     ap.add_argument("--l2-host-ratio", type=float, default=5.0, help="host tier (x pool) of L1+L2: the working set")
     ap.add_argument("--l3-host-ratio", type=float, default=2.0, help="host tier (x pool) under which the store sits")
-    ap.add_argument("--parts", default="123")
+    ap.add_argument("--parts", default="123", help="which parts to measure; the JSON keeps the others' last results")
     ap.add_argument("--plot-only", action="store_true")
     a = ap.parse_args()
     MODEL = a.model
@@ -392,6 +392,9 @@ def main() -> None:
     pool = max(PAGE, round(ws * a.pool_fraction / PAGE) * PAGE)
     config = {k: v for k, v in vars(a).items() if k not in ("model", "plot_only")}
     res: dict = {"machine": machine_info(), "config": {**config, "working_set_tokens": ws, "pool_tokens": pool}}
+    if a.parts != "123" and out.exists():  # re-measure some parts, keep the others' results (and their machine)
+        kept = json.loads(out.read_text())
+        res = {**kept, "rerun": {"parts": a.parts, "machine": res["machine"]}}
     print(f"working set {ws} tokens, pool {pool} tokens ({ws / pool:.2f}x)", flush=True)
     t0 = time.monotonic()
     if "1" in a.parts:
@@ -404,11 +407,12 @@ def main() -> None:
         res["across_instances"] = part2(convs, a, pool)
     if "3" in a.parts:
         res["rolling_restart"] = part3(convs, a, pool)
-    res["seconds"] = time.monotonic() - t0
-    res["load_average_at_end"] = list(os.getloadavg())
+    where = res["rerun"] if "rerun" in res else res
+    where["seconds"] = time.monotonic() - t0
+    where["load_average_at_end"] = list(os.getloadavg())
     RESULTS.mkdir(exist_ok=True)
     out.write_text(json.dumps(res, indent=2) + "\n")
-    if a.parts == "123":
+    if all(k in res for k in ("tiers", "across_instances", "rolling_restart")):
         plot(res, RESULTS / "kv_tiers.png")
     print(json.dumps({k: v for k, v in res.items() if k != "machine"}, indent=1))
 
