@@ -25,6 +25,7 @@ class KVStore:
         self.logs = Path(tempfile.mkdtemp(prefix="kvstore-"))
         self.master: subprocess.Popen | None = None
         self.server: subprocess.Popen | None = None
+        self.started: list[subprocess.Popen] = []  # every process started, each stopped at the end
         self.start()
 
     @property
@@ -84,7 +85,9 @@ class KVStore:
 
     def _run(self, name: str, args: list[str], env: dict) -> subprocess.Popen:
         out = open(self.logs / f"{name}.log", "ab")  # noqa: SIM115 - the process writes to it until it ends
-        return subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **env})
+        proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **env})
+        self.started.append(proc)
+        return proc
 
     def writable(self) -> bool:
         """A client of the store can write and read a page (the server's memory is mounted)."""
@@ -102,8 +105,8 @@ class KVStore:
         self.master.wait(10)
 
     def stop(self) -> None:
-        for p in (self.server, self.master):
-            if p is not None and p.poll() is None:
+        for p in self.started:
+            if p.poll() is None:
                 p.send_signal(signal.SIGKILL)
                 p.wait(10)
 
