@@ -190,7 +190,7 @@ def test_violation_is_rejected_with_the_rules_message(kube_cluster, crd_installe
     "name,fragment",
     [
         ("a" * 41, "size() <= 40"),
-        ("9lives", "matches("),
+        ("9lives", "name.matches("),
     ],
 )
 def test_names_that_cannot_name_children_are_rejected(kube_cluster, crd_installed, namespace, name, fragment):
