@@ -3,7 +3,6 @@ waited, is read from the store at admission rather than computed again."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 
 import torch
@@ -42,13 +41,6 @@ class DictStore:
         pass
 
 
-def settle(cond, timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not cond() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    return cond()
-
-
 def test_pages_host_memory_dropped_while_a_request_waited_come_from_the_store_at_admission():
     pool = KVPool(num_layers=2, num_pages=16, page_size=PS, num_kv_heads=2, head_dim=8, dtype=torch.float32)
     radix = RadixCache(PS, PageAllocator(16))
@@ -59,12 +51,15 @@ def test_pages_host_memory_dropped_while_a_request_waited_come_from_the_store_at
         a = list(range(100, 116))  # 4 pages: cached, then in host memory and the store
         radix.insert(a, radix.allocator.alloc(4))
         radix.evict(4)
-        assert settle(lambda: store.exists(page_hashes(a, PS)) == 4)
+        tiers.settle()  # the store's writer thread has written them
+        assert store.exists(page_hashes(a, PS)) == 4
         tiers.prefetch("r", [*a, 1, 2, 3, 4, 5])  # arrives while host memory holds its pages
         b = list(range(200, 216))  # another request's pages take every slot before "r" is admitted
         radix.insert(b, radix.allocator.alloc(4))
         assert tiers.host.run_of(page_hashes(a, PS)) == 0
-        assert settle(lambda: tiers.admit("r", a, radix.allocator.alloc))
+        assert not tiers.admit("r", a, radix.allocator.alloc)  # waits for its second read (wait_complete)
+        tiers.settle()
+        assert tiers.admit("r", a, radix.allocator.alloc)
         assert radix.match_prefix(a).num_tokens == 16 and tiers.stats.fetched_store == 4
     finally:
         tiers.close()
