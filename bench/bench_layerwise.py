@@ -2,9 +2,9 @@
 
 One prompt at a time (fresh random token ids, so no prefix cache helps) of --sizes tokens through
 `disagg router` -> `disagg prefill` -> `disagg decode` (Mooncake TCP), and through a monolithic `disagg serve`;
-TTFT is the wall time of a one-token /generate. Two P/D stacks run side by side, the prefill of one with
-`--enable-disagg-layer-pipeline` (its minimum prompt lowered to the smallest size), the other without, so the
-ratios come from one run, interleaved round by round.
+TTFT is the wall time of a one-token /generate. Two P/D stacks run side by side, the prefill of one streaming
+layer-wise (the default, its minimum prompt lowered to the smallest size), the other with
+`--disable-disagg-layer-pipeline`, so the ratios come from one run, interleaved round by round.
 
 Links: `loopback` (everything on 127.0.0.1) and `limited`: prefill runs in its own network namespace joined to
 the root namespace by a veth pair shaped by tc (tbf, --rate), so the KV crosses a slow link as it would cross a
@@ -14,7 +14,8 @@ prompt's KV is 64 MiB); the transfer/compute ratio modelled is reported (an 8B m
 while it prefills at ~15-30k tokens/s: over a 100 Gbit/s NIC that is a transfer of ~10-20% of the prefill; the
 default 500 Mbit/s link makes it 15% at 4k tokens here, 9% at 8k). Medians of --rounds rounds (5: this machine's
 round-to-round spread is about 2%). Bytes moved are read from prefill's `disagg_kv_transfer_bytes_total` (counted at the
-Mooncake layer) for both modes over the same prompts.
+Mooncake layer) for both modes over the same prompts (the routers' pair verification, a one-token request through
+the pair every 10 s, is off so that only the prompts move KV).
 
 Needs root (ip netns, tc) for the limited link; nothing leaves the machine. Writes bench/results/layerwise.json
 and layerwise.png.  Usage: python bench/bench_layerwise.py [--rounds N] [--rate 500mbit]
@@ -124,9 +125,7 @@ def pd_stack(model: str, secret: str, max_len: int, layerwise: bool, limited: bo
     dhost = ROOT_IP if limited else "127.0.0.1"
     pp, bp, dp, rp = free_port(), free_port(), free_port(), free_port()
     common = [*engine_flags(max_len), "--auth-token-file", secret, "--served-model-name", "tiny"]
-    lw = (
-        ["--enable-disagg-layer-pipeline", "--disagg-layer-pipeline-min-prefill-len", str(min_len)] if layerwise else []
-    )
+    lw = ["--disagg-layer-pipeline-min-prefill-len", str(min_len)] if layerwise else ["--disable-disagg-layer-pipeline"]
     prefill = Proc([DISAGG, "prefill", "--model", model, "--port", str(pp), "--host", host, "--advertise-host", host,
                     "--bootstrap-port", str(bp), *common, *lw], f"http://{host}:{pp}", ns)  # fmt: skip
     decode = Proc([DISAGG, "decode", "--model", model, "--port", str(dp), "--host", dhost, "--advertise-host", dhost,
@@ -134,7 +133,8 @@ def pd_stack(model: str, secret: str, max_len: int, layerwise: bool, limited: bo
     for p in (prefill, decode):
         p.wait_healthy()
     router = Proc([DISAGG, "router", "--port", str(rp), "--served-model-name", "tiny", "--prefill", prefill.url,
-                   str(bp), "--decode", decode.url, "--auth-token-file", secret], f"http://127.0.0.1:{rp}")  # fmt: skip
+                   str(bp), "--decode", decode.url, "--auth-token-file", secret, "--verify-interval", "0"],
+                  f"http://127.0.0.1:{rp}")  # fmt: skip
     router.wait_healthy()
     return [prefill, decode, router]
 

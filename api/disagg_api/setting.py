@@ -19,6 +19,7 @@ class Setting:
     required: bool = False
     sglang: str = ""  # SGLang's flag for the same setting ("": SGLang has none)
     accepts_sglang: bool = False  # the worker takes `sglang` too: its values mean the same here
+    sglang_negates: bool = False  # a switch whose `sglang` turns on what this flag turns off (on by default here)
 
     @property
     def dest(self) -> str:

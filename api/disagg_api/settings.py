@@ -328,13 +328,16 @@ AUTH_TOKEN_FILE = Setting(
 TCP_LANES = Setting(
     "--tcp-lanes", int, 16, help="Mooncake TCP connections per peer (MC_TCP_LANES_PER_PEER, which wins if set)"
 )
-LAYER_PIPELINE = Setting(
-    "--enable-disagg-layer-pipeline",
+DISABLE_LAYER_PIPELINE = Setting(
+    "--disable-disagg-layer-pipeline",
     bool,
     False,
-    help="prefill: send each layer group's KV pages as soon as the forward computed them, while the next layers "
-    "run, instead of after the whole chunk (prompts of at least --disagg-layer-pipeline-min-prefill-len tokens)",
+    help="prefill: send a chunk's KV pages after the whole chunk, instead of each layer group's as soon as the "
+    "forward computed it while the next layers run (on for prompts of at least "
+    "--disagg-layer-pipeline-min-prefill-len tokens; SGLang's --enable-disagg-layer-pipeline is accepted)",
     sglang="--enable-disagg-layer-pipeline",
+    accepts_sglang=True,
+    sglang_negates=True,
 )
 LAYER_GROUP_SIZE = Setting(
     "--disagg-layer-group-size",
@@ -371,7 +374,7 @@ DISAGG = (
     LOCAL_PREFILL,
     AUTH_TOKEN_FILE,
     TCP_LANES,
-    LAYER_PIPELINE,
+    DISABLE_LAYER_PIPELINE,
     LAYER_GROUP_SIZE,
     LAYER_PIPELINE_MIN_PREFILL_LEN,
 )

@@ -14,10 +14,10 @@ from tests.integration.test_server import generate, varied_prompts
 
 pytestmark = pytest.mark.integration
 FLAGS = ("--page-size", "4", "--chunk-size", "32", "--max-total-tokens", "8192")
-# Prefill streams the KV of prompts of 40 tokens or more layer by layer, and sends shorter ones whole after each
-# chunk: one stack runs both paths (`varied_prompts` are 1 to 210 tokens, most over a 32-token chunk).
-LAYERWISE = ("--enable-disagg-layer-pipeline", "--disagg-layer-group-size", "1")
-LAYERWISE += ("--disagg-layer-pipeline-min-prefill-len", "40")
+# Prefill streams the KV of prompts of 40 tokens or more layer by layer (on by default, from 2048 tokens), and sends
+# shorter ones whole after each chunk: one stack runs both paths (`varied_prompts` are 1 to 210 tokens, most over a
+# 32-token chunk).
+LAYERWISE = ("--disagg-layer-pipeline-min-prefill-len", "40", "--disagg-layer-group-size", "1")
 
 
 @pytest.fixture(scope="module")

@@ -108,9 +108,18 @@ def test_sglangs_flag_for_the_same_setting_gives_the_same_configuration():
     sglang = ["--disable-radix-cache", "--disable-overlap-schedule", "--random-seed", "3", "--context-length", "64"]
     sglang += ["--disaggregation-transfer-backend", "fake", "--disaggregation-ib-device", "mlx5_0"]
     sglang += ["--disaggregation-bootstrap-port", "9100", "--disaggregation-decode-enable-radix-cache"]
+    sglang += ["--enable-disagg-layer-pipeline"]  # on by default here: SGLang's switch to turn it on changes nothing
     assert {a for a in sglang if a.startswith("--")} == {s.sglang for s in DECLARED if s.accepts_sglang}
     theirs = chain(["decode", "--model", "m", *sglang])
     assert theirs == chain(["decode", "--model", "m", *ours]) != chain(["decode", "--model", "m"])
+
+
+def test_layer_wise_streaming_is_on_unless_disabled_and_sglangs_switch_turns_it_on():
+    def on(*words: str) -> bool:
+        return chain(["prefill", "--model", "m", *words]).engine.disagg.layer_pipeline
+
+    assert on() and on("--enable-disagg-layer-pipeline") and not on("--disable-disagg-layer-pipeline")
+    assert on("--disable-disagg-layer-pipeline", "--enable-disagg-layer-pipeline")  # the last word wins
 
 
 @pytest.mark.parametrize("flag", [S.CHUNK_SIZE.sglang, S.KV_DTYPE.sglang])

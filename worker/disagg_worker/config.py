@@ -124,7 +124,7 @@ class DisaggConfig:
     # Mooncake TCP connections per peer (MC_TCP_LANES_PER_PEER wins if set). A lane carries one write at a time, so a
     # request's many small writes finish sooner over more: 64 of 4 KiB took 4.0 ms over 4 lanes (default), 2.3 over 16.
     tcp_lanes: int = from_flag(S.TCP_LANES)
-    layer_pipeline: bool = from_flag(S.LAYER_PIPELINE)  # prefill: KV leaves by layer group (`disagg.layerwise`)
+    layer_pipeline: bool = from_flag(S.DISABLE_LAYER_PIPELINE, negated=True)  # prefill: KV by layer group (`layerwise`)
     layer_group_size: int = from_flag(S.LAYER_GROUP_SIZE)
     layer_pipeline_min_prefill_len: int = from_flag(S.LAYER_PIPELINE_MIN_PREFILL_LEN)
     # The model's shared secret, read from --auth-token-file at start-up ("": no authentication, local runs only),

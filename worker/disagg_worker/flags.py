@@ -38,9 +38,10 @@ def add_flags(p: argparse.ArgumentParser, settings: Iterable[Setting]) -> None:
     for s in settings:
         p.add_argument(s.flag, **_options(s))
         if s.accepts_sglang and s.sglang != s.flag:
-            p.add_argument(
-                s.sglang, **{**_options(s), "dest": s.dest, "default": argparse.SUPPRESS, "help": argparse.SUPPRESS}
-            )
+            options = {**_options(s), "dest": s.dest, "default": argparse.SUPPRESS, "help": argparse.SUPPRESS}
+            if s.sglang_negates:
+                options["action"] = "store_false"
+            p.add_argument(s.sglang, **options)
 
 
 def _options(s: Setting) -> dict[str, Any]:
