@@ -343,7 +343,8 @@ LAYER_GROUP_SIZE = Setting(
     "--disagg-layer-group-size",
     int,
     4,
-    help="prefill, layer pipeline: layers whose KV moves together (one write per page run and buffer of each)",
+    help="prefill, layer pipeline: layers whose KV moves together (one write per page run and buffer of each); "
+    "the last group's layers move one by one (nothing computes after them to hide their transfer)",
     sglang="--disagg-layer-group-size",
 )
 LAYER_PIPELINE_MIN_PREFILL_LEN = Setting(

@@ -22,9 +22,9 @@ from disagg_worker.env import load_env
 @pytest.mark.parametrize(
     "layers,size,groups",
     [
-        (8, 4, [range(0, 4), range(4, 8)]),
-        (10, 4, [range(0, 4), range(4, 8), range(8, 10)]),  # the last group is shorter
-        (3, 4, [range(0, 3)]),  # a pipeline stage with fewer layers than a group
+        (12, 4, [range(0, 4), range(4, 8), range(8, 9), range(9, 10), range(10, 11), range(11, 12)]),
+        (10, 4, [range(0, 4), range(4, 8), range(8, 9), range(9, 10)]),  # the last group is shorter
+        (3, 4, [range(0, 1), range(1, 2), range(2, 3)]),  # a pipeline stage with fewer layers than a group
         (2, 1, [range(0, 1), range(1, 2)]),
         (0, 4, []),
     ],
@@ -140,5 +140,5 @@ def test_the_stall_hook_holds_a_streamed_forward_after_its_group_until_the_relea
     assert forward.is_alive() and sent == [range(0, 2)]  # the first group left, the forward holds before the next
     release.touch()
     forward.join(5)
-    assert not forward.is_alive() and sent == [range(0, 2), range(2, 4)]
+    assert not forward.is_alive() and sent == [range(0, 2), range(2, 3), range(3, 4)]  # the last group layer-wise
     assert load_env({}).fault_stall_after_layer_group == (-1, "")

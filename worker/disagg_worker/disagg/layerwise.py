@@ -33,10 +33,13 @@ log = logging.getLogger(__name__)
 
 
 def plan_groups(num_layers: int, group_size: int) -> list[range]:
-    """This rank's layers `[0, num_layers)` in consecutive groups of `group_size` (the last may be shorter)."""
+    """This rank's layers `[0, num_layers)` in consecutive groups of `group_size`, but the layers of the last group
+    one by one: no compute hides the transfer of the group that ends the forward, so only the last layer's shows
+    instead of a whole group's (a 4k-token chunk of 32 layers over 500 Mbit/s: 8 ms instead of 34)."""
     if group_size < 1:
         raise ValueError(f"a layer group holds at least one layer, not {group_size}")
-    return [range(s, min(s + group_size, num_layers)) for s in range(0, num_layers, group_size)]
+    groups = [range(s, min(s + group_size, num_layers)) for s in range(0, num_layers, group_size)]
+    return groups[:-1] + [range(i, i + 1) for i in groups[-1]] if groups else []
 
 
 def layer_buffers(layers: range, num_layers: int, per_layer: int) -> list[int]:
