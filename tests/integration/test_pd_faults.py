@@ -113,6 +113,14 @@ def decode_waiting_on_prefill(url: str, at_least: int = HELD) -> bool:
     return q.get("decode_prealloc", 0) + q.get("decode_transfer", 0) >= at_least
 
 
+def still_running(futures: list[cf.Future]) -> bool:
+    """False while a request runs; once every one ended before the fault, what they got (nothing left to
+    interrupt: the stage the test waits for can no longer come)."""
+    if all(f.done() for f in futures):
+        raise AssertionError(f"every request ended before the fault: {[f.result() for f in futures][:4]}")
+    return False
+
+
 def wait_router_healthy(stack: PDStack) -> None:
     wait_until(
         lambda: requests.get(f"{stack.router.url}/health", timeout=scaled(5)).status_code == 200,
@@ -208,8 +216,9 @@ def test_bootstrap_server_stops_answering(stack):
     with cf.ThreadPoolExecutor(16) as pool:
         futures = load(stack.router.url, 16, pool)
         wait_until(
-            lambda: decode_waiting_on_prefill(stack.decode.url), timeout=30, interval=0.02, what="decode waiting on KV"
-        )
+            lambda: decode_waiting_on_prefill(stack.decode.url) or still_running(futures),
+            timeout=30, interval=0.02, what="decode waiting on KV",
+        )  # fmt: skip
         os.killpg(stack.prefill.proc.pid, signal.SIGSTOP)
         try:
             outcomes(futures)
