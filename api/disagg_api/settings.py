@@ -51,6 +51,15 @@ TORCH_THREADS = Setting("--torch-threads", int, 0, help="0: half the cores on CP
 PAGE_SIZE = Setting("--page-size", int, 16, sglang="--page-size")
 NUM_PAGES = Setting("--num-pages", int, 0)
 MAX_TOTAL_TOKENS = Setting("--max-total-tokens", int, 16384, sglang="--max-total-tokens")
+MEM_FRACTION_STATIC = Setting(
+    "--mem-fraction-static",
+    float,
+    0.0,
+    help="the share of the device's memory (a CPU's: the machine's or its cgroup's, split over the pod's ranks) "
+    "for the weights plus the KV pool, whose pages are what is left of it once the weights load; the rest is "
+    "for activations. Replaces --max-total-tokens; 0: off (the pool holds --max-total-tokens or --num-pages)",
+    sglang="--mem-fraction-static",
+)
 KV_DTYPE = Setting("--kv-dtype", help="defaults to --dtype", sglang="--kv-cache-dtype")
 DISABLE_PREFIX_CACHE = Setting(
     "--disable-prefix-cache", bool, False, sglang="--disable-radix-cache", accepts_sglang=True
@@ -214,6 +223,7 @@ ENGINE = (
     PAGE_SIZE,
     NUM_PAGES,
     MAX_TOTAL_TOKENS,
+    MEM_FRACTION_STATIC,
     KV_DTYPE,
     DISABLE_PREFIX_CACHE,
     *TIERS,

@@ -1,4 +1,4 @@
-"""The `disagg` command: serve, model make-tiny, model convert-gguf, bench serve (and the P/D roles)."""
+"""The `disagg` command: serve, model make-tiny|make-random|convert-gguf, bench serve (and the P/D roles)."""
 
 from __future__ import annotations
 
@@ -66,6 +66,14 @@ def cmd_make_tiny(ns: argparse.Namespace) -> int:
     print(f"wrote a tiny random-weight {ns.arch} model to {ns.out}")
     if ns.eagle_head:
         cmd_make_eagle_head(argparse.Namespace(target=ns.out, out=ns.eagle_head, seed=ns.seed))
+    return 0
+
+
+def cmd_make_random(ns: argparse.Namespace) -> int:
+    from disagg_worker.model.random_model import make_random
+
+    make_random(ns.out, ns.shape, dtype=ns.dtype, device=ns.device, seed=ns.seed)
+    print(f"wrote a random-weight {ns.shape} model ({ns.dtype}) to {ns.out}")
     return 0
 
 
@@ -153,6 +161,19 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--num-layers", type=int, default=0, help="decoder layers (default 4)")
     tiny.add_argument("--eagle-head", default="", help="also write a random-weight EAGLE draft head for it here")
     tiny.set_defaults(func=cmd_make_tiny)
+    from disagg_worker.model.shapes import SHAPES
+
+    rand = msub.add_parser(
+        "make-random",
+        help="write a random-weight model of a real model's shape (sharded safetensors, a tokenizer of its "
+        "vocabulary): benchmarks whose time per token is the real model's",
+    )
+    rand.add_argument("--shape", required=True, choices=list(SHAPES))
+    rand.add_argument("--out", required=True)
+    rand.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    rand.add_argument("--device", default="cpu", help="where the weights are drawn (cuda: seconds for 8B)")
+    rand.add_argument("--seed", type=int, default=0)
+    rand.set_defaults(func=cmd_make_random)
     eagle = msub.add_parser(
         "make-eagle-head",
         help="write a random-weight EAGLE draft head shaped for a model (tests: its drafts are rarely accepted)",

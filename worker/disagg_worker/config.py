@@ -8,6 +8,7 @@ and takes its default; environment variables are read only in `disagg_worker.env
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -15,6 +16,7 @@ from disagg_api import settings as S
 from disagg_worker import keys
 from disagg_worker.errors import ConfigError as ConfigError
 from disagg_worker.flags import from_flag
+from disagg_worker.mem.sizing import check_fraction
 from disagg_worker.model.source import served_name
 from disagg_worker.speculative_config import DRAFT_MODEL_ALGORITHMS as DRAFT_MODEL_ALGORITHMS
 from disagg_worker.speculative_config import SpeculativeConfig as SpeculativeConfig
@@ -32,9 +34,13 @@ class CacheConfig:
     page_size: int = from_flag(S.PAGE_SIZE)
     num_pages: int = from_flag(S.NUM_PAGES)  # 0: derive from max_total_tokens
     max_total_tokens: int = from_flag(S.MAX_TOTAL_TOKENS)
+    mem_fraction_static: float = from_flag(S.MEM_FRACTION_STATIC)  # 0: off; else num_pages is set at start-up
     kv_dtype: str = "float32"  # --kv-dtype, or --dtype without it
     enable_prefix_cache: bool = from_flag(S.DISABLE_PREFIX_CACHE, negated=True)
     tiers: TierConfig = field(default_factory=TierConfig)  # host memory and Mooncake Store under the cache
+
+    def __post_init__(self) -> None:
+        check_fraction(self.mem_fraction_static, self.num_pages)
 
     @property
     def total_pages(self) -> int:
@@ -112,14 +118,12 @@ class DisaggConfig:
     # (quarantine), but not longer than this: a prefill that stays silent is then declared dead and
     # the pages come back. 0: four times the longest of the waiting timeout and the heartbeat window.
     quarantine_timeout_s: float = from_flag(S.QUARANTINE_TIMEOUT)
-    # Decode: requests waiting for their handshake and pages beyond this are refused (503).
     max_prealloc_queue: int = from_flag(S.MAX_PREALLOC_QUEUE)
     # Decode: keep finished requests' KV in a prefix cache, so that a request whose prefix decode holds receives
     # only the pages it lacks from prefill (off by default: without a router sending follow-ups back to the same
     # decode, its cache only takes pages from the running requests).
     decode_prefix_cache: bool = from_flag(S.DECODE_PREFIX_CACHE)
-    # Decode: compute a prompt itself, with no prefill, when the router marks the request `local_prefill`
-    # (conditional disaggregation: too few tokens lacking to be worth a handshake and a transfer).
+    # Decode: compute prompts the router marks `local_prefill` itself (too little lacking to be worth a transfer).
     local_prefill: bool = from_flag(S.LOCAL_PREFILL)
     # Mooncake TCP connections per peer (MC_TCP_LANES_PER_PEER wins if set). A lane carries one write at a time, so a
     # request's many small writes finish sooner over more: 64 of 4 KiB took 4.0 ms over 4 lanes (default), 2.3 over 16.
@@ -326,8 +330,6 @@ class EngineConfig:
             return self.torch_threads
         if self.device != "cpu":
             return 0
-        import os
-
         return max(1, (os.cpu_count() or 2) // 2 // self.world_size)
 
     @property
@@ -372,14 +374,12 @@ class ServerArgs:
     host: str = from_flag(S.HOST)
     port: int = from_flag(S.PORT)
     log_level: str = from_flag(S.LOG_LEVEL)
-    # Seconds without a scheduler heartbeat after which /health fails.
     health_timeout_s: float = from_flag(S.HEALTH_TIMEOUT)
     # Bearer tokens clients must present (--api-key, --api-key-file; empty: no API keys). /health
     # stays open. Kept out of repr so that they are never logged.
     api_keys: tuple[str, ...] = field(default=(), repr=False)
     # Generation requests the HTTP front end holds at once (more get 429); 0: `inflight_limit` derives it.
     max_inflight_requests: int = from_flag(S.MAX_INFLIGHT_REQUESTS)
-    # On SIGTERM: seconds to finish admitted requests before cutting them short and exiting.
     drain_timeout_s: float = from_flag(S.DRAIN_TIMEOUT)
     # OpenTelemetry traces (`disagg_worker.tracing`): the OTLP/HTTP collector ("": off) and the sampled share.
     otlp_traces_endpoint: str = from_flag(S.OTLP_TRACES_ENDPOINT)

@@ -30,7 +30,7 @@ from disagg_worker.engine.grammar import Grammars
 from disagg_worker.engine.grammar_wait import GrammarWait
 from disagg_worker.engine.memory import return_freed_memory
 from disagg_worker.engine.outbox import Outbox, internal_error
-from disagg_worker.engine.pools import DTYPES, build_drafter, build_kv_pool
+from disagg_worker.engine.pools import DTYPES, build_drafter, build_kv_pool, size_pool
 from disagg_worker.engine.request import Req
 from disagg_worker.engine.runner import ModelRunner
 from disagg_worker.engine.scheduler import Scheduler
@@ -133,6 +133,7 @@ class Engine:
         )
         draft = load_draft(cfg, model, model_cfg)
         return_freed_memory()
+        cfg = size_pool(cfg, model_cfg, shard, draft, comm)
         return cls(cfg, None if cfg.forward == "noop" else model, model_cfg, comm, draft)
 
     # ---- messages from the HTTP process -------------------------------------------------------

@@ -14,7 +14,7 @@ import torch
 from disagg_worker.config import EngineConfig
 from disagg_worker.engine.assemble import build_kv_manager
 from disagg_worker.engine.memory import return_freed_memory
-from disagg_worker.engine.pools import DTYPES, build_kv_pool
+from disagg_worker.engine.pools import DTYPES, build_kv_pool, size_pool
 from disagg_worker.engine.runner import ModelRunner
 from disagg_worker.model.loader import load_model
 from disagg_worker.ranks.dist import Comm
@@ -32,6 +32,7 @@ def run_follower(cfg: EngineConfig, comm: Comm, drain_local_failures: bool = Tru
         cfg.model_path, DTYPES[cfg.dtype], cfg.device, shard, comm.collectives(), cfg.quantization
     )
     return_freed_memory()
+    cfg = size_pool(cfg, model_cfg, shard, comm=comm)
     kv_pool = build_kv_pool(cfg, model_cfg, shard)
     runner = ModelRunner(None if cfg.forward == "noop" else model, kv_pool, model_cfg.vocab_size, cfg.device)
     manager = build_kv_manager(cfg, kv_pool, shard, model_cfg)

@@ -102,8 +102,13 @@ class KVPool:
         return _page_nbytes(self.page_size, self.num_kv_heads, self.head_dim, self.dtype)
 
     @property
+    def nbytes_per_page(self) -> int:
+        """Bytes one page costs over every buffer (what a page of capacity takes from the device)."""
+        return self.kind.buffers_per_layer * self.num_layers * self.page_nbytes
+
+    @property
     def nbytes(self) -> int:
-        return self.kind.buffers_per_layer * self.num_layers * self.num_pages * self.page_nbytes
+        return self.num_pages * self.nbytes_per_page
 
     def page_bytes(self, pages: list[int]) -> bytes:
         """The bytes of `pages`, in the given order, concatenated over `buffers()` (for tests

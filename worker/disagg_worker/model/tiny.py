@@ -147,9 +147,9 @@ def make_tiny(
     hf_config = {**_COMMON, **_ARCH_CONFIGS[arch], **(overrides or {})}
     if num_kv_heads:
         hf_config["num_key_value_heads"] = num_kv_heads
-    _write_json(out / "config.json", hf_config)
-    _write_json(out / "generation_config.json", {"bos_token_id": BOS_ID, "eos_token_id": [EOS_ID, IM_END_ID]})
-    _write_json(out / "tokenizer_config.json", _tokenizer_config(hf_config))
+    write_json(out / "config.json", hf_config)
+    write_json(out / "generation_config.json", {"bos_token_id": BOS_ID, "eos_token_id": [EOS_ID, IM_END_ID]})
+    write_json(out / "tokenizer_config.json", tokenizer_config(hf_config))
     train_tokenizer(VOCAB_SIZE).save(str(out / "tokenizer.json"))
     weights = random_weights(ModelConfig.from_hf_dict(hf_config), seed)
     save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
@@ -172,7 +172,7 @@ def make_draft(target: str | Path, out_dir: str | Path, seed: int = 0, num_layer
     if gguf_file is not None:
         tok, tcfg = tokenizer_from_gguf(open_gguf(gguf_file))
         tok.save(str(out / "tokenizer.json"))
-        _write_json(out / "tokenizer_config.json", tcfg)
+        write_json(out / "tokenizer_config.json", tcfg)
     else:
         for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
             if (Path(target) / name).exists():
@@ -192,7 +192,7 @@ def make_draft(target: str | Path, out_dir: str | Path, seed: int = 0, num_layer
         "bos_token_id": t.bos_token_id,
         "eos_token_id": list(t.eos_token_ids),
     }
-    _write_json(out / "config.json", hf_config)
+    write_json(out / "config.json", hf_config)
     weights = random_weights(ModelConfig.from_hf_dict(hf_config), seed)
     save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
     return out
@@ -236,7 +236,7 @@ def train_tokenizer(vocab_size: int) -> Tokenizer:
     return tok
 
 
-def _tokenizer_config(hf_config: dict[str, Any]) -> dict[str, Any]:
+def tokenizer_config(hf_config: dict[str, Any]) -> dict[str, Any]:
     return {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": SPECIAL_TOKENS[BOS_ID],
@@ -249,5 +249,5 @@ def _tokenizer_config(hf_config: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _write_json(path: Path, obj: dict[str, Any]) -> None:
+def write_json(path: Path, obj: dict[str, Any]) -> None:
     path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n", encoding="utf-8")

@@ -74,6 +74,9 @@ class SoloComm:
     def union_in_stage(self, items: set[int]) -> set[int]:
         return items
 
+    def min_over_ranks(self, value: int) -> int:
+        return value
+
     def close(self) -> None:
         pass
 
@@ -196,6 +199,12 @@ class Comm(SoloComm):
         t = torch.tensor(values, dtype=torch.int64)
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.tp_objects)
         return [int(v) for v in t.tolist()]
+
+    def min_over_ranks(self, value: int) -> int:
+        """The smallest `value` any rank of the instance passes (every rank must call it at the same point)."""
+        t = torch.tensor([value], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.objects)
+        return int(t.item())
 
     def union_in_stage(self, items: set[int]) -> set[int]:
         """The union of every rank's set over the attention group."""
