@@ -66,3 +66,55 @@ def test_the_cpu_serving_path_does_not_reach_triton(monkeypatch):
         assert built.pages is None
         out = paged_attention(torch.randn(batch.num_tokens, KV_HEADS * 2, HEAD_DIM), built, k_buf, v_buf)
         assert out.shape == (batch.num_tokens, KV_HEADS * 2, HEAD_DIM)
+
+
+# What each kernel takes as a pointer, for compiling it without a GPU ("Q" is q's dtype, "KV" the pool's).
+POINTERS = {
+    "_decode_split_kernel": dict(Q="Q", K="KV", V="KV", Pages="i32", SeqLens="i32", MidOut="fp32", MidLse="fp32"),
+    "_decode_merge_kernel": dict(MidOut="fp32", MidLse="fp32", Out="Q"),
+    "_extend_kernel": dict(Q="Q", K="KV", V="KV", Pages="i32", QStarts="i32", QLens="i32", SeqLens="i32", Out="Q"),
+}
+
+
+@pytest.mark.parametrize("dtype, group, page_size", [("fp32", 4, 16), ("bf16", 8, 64)])
+def test_the_kernels_compile_for_a_hopper_gpu(dtype, group, page_size, tmp_path, monkeypatch):
+    """ptxas (shipped with triton) compiles each kernel for sm_90 at head_dim 128, with the wrappers' block
+    sizes: the compiled path's checks the interpreter skips (tl.dot's minimum shapes, types, shared memory)."""
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")  # its default, said aloud (triton 3.9 warns otherwise)
+    from disagg_worker.model import triton_attention as kernels
+
+    head_dim, precision = 128, "ieee" if dtype == "fp32" else "tf32"
+    constexprs = {
+        "_decode_split_kernel": dict(GROUP=group, PAGE_SIZE=page_size, BLOCK_H=max(16, group), BLOCK_N=32),
+        "_decode_merge_kernel": dict(BLOCK_S=16),
+        "_extend_kernel": dict(GROUP=group, PAGE_SIZE=page_size, BLOCK_M=32, BLOCK_N=32),
+    }
+    for name, pointers in POINTERS.items():
+        fn = getattr(kernels, name)
+        if not isinstance(fn, triton.JITFunction):
+            pytest.skip("TRITON_INTERPRET is set in this process: the kernels are interpreted, not compiled")
+        consts = {**constexprs[name], "BLOCK_D": head_dim}
+        if "PRECISION" in fn.arg_names:
+            consts["PRECISION"] = precision
+        compiled = triton.compile(
+            ASTSource(fn, _signature(fn, pointers, consts, dtype), consts), target=GPUTarget("cuda", 90, 32)
+        )
+        assert compiled.asm["cubin"] and compiled.metadata.shared < 200 * 1024
+
+
+def _signature(fn, pointers: dict[str, str], consts: dict, dtype: str) -> dict[str, str]:
+    """Triton's type of each argument: constexpr, a pointer (to q's or the pool's dtype), the fp32 scale, or i32."""
+
+    def kind(arg: str) -> str:
+        if arg in consts:
+            return "constexpr"
+        if arg in pointers:
+            return "*" + (dtype if pointers[arg] in ("Q", "KV") else pointers[arg])
+        return "fp32" if arg == "scale" else "i32"
+
+    return {arg: kind(arg) for arg in fn.arg_names}
