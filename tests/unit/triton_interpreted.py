@@ -130,6 +130,8 @@ CASES = {
         for ps in (16, 64)
     },
     **{f"decode head_dim {d} default splits": partial(compare, [(300, 1), (5, 1)], 16, 4, d) for d in (64, 128)},
+    "decode one split": partial(compare, [(149, 1), (36, 1)], 16, 4, num_splits=1),
+    **{f"decode whole pages {ps}": partial(compare, [(63, 1), (127, 1)], ps, 4, num_splits=2) for ps in (16, 64)},
     **{
         f"extend {name} {g}-{ps}": partial(compare, plan, ps, group)
         for name, plan in EXTENDS.items()
