@@ -16,7 +16,8 @@ that copy costs as much memory traffic as the attention itself. These kernels in
 
 Softmax statistics and accumulators are float32; K/V are cast to q's dtype first, as the torch path does.
 float32 products use `input_precision="ieee"` (a GPU's default tf32 would round them to 10 bits of
-mantissa). Tests run these kernels on CPU tensors under Triton's interpreter (TRITON_INTERPRET=1);
+mantissa). Tests run these kernels on CPU tensors under Triton's interpreter (TRITON_INTERPRET=1) and compile
+them for sm_90 without a GPU; they have not yet run on a GPU (tests/gpu/test_cuda_engine.py is that check).
 `AttentionPlan.build` makes `PageTables` only on CUDA, so the CPU serving path never reaches this module.
 """
 
