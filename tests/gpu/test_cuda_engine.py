@@ -1,6 +1,7 @@
 """The engine on CUDA gives what it gives on the CPU: fp32 greedy tokens of every tiny architecture equal the
 CPU's and transformers', batching does not change them (overlap on), a structured-output request is answered
-under its grammar, and every page is accounted for afterwards."""
+under its grammar, and every page is accounted for afterwards. On CUDA attention runs as the Triton kernels
+(`model/triton_attention.py`), which equal the torch path there in float32 and bfloat16."""
 
 from __future__ import annotations
 
@@ -12,7 +13,9 @@ import torch
 from disagg_worker.config import CacheConfig, EngineConfig, SchedulerConfig
 from disagg_worker.engine.engine import Engine
 from disagg_worker.engine.sampling import SamplingParams
+from disagg_worker.model.attention import AttentionPlan, paged_attention
 from tests.unit.test_engine import run_all, tokens_of
+from tests.unit.triton_interpreted import HEAD_DIM, KV_HEADS, batch_of, pool
 
 GREEDY = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
 PROMPTS = [list(range(20 + 13 * i, 20 + 13 * i + 5 + 9 * i)) for i in range(8)]
@@ -65,3 +68,23 @@ def test_a_structured_output_request_is_answered_on_cuda_as_on_the_cpu(tiny_mode
     cuda = run(engine(model, "cuda"), [(PROMPTS[0], params)])
     cpu = run(engine(model, "cpu"), [(PROMPTS[0], params)])
     assert cuda == cpu and cuda[0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "plan", [[(149, 1), (36, 1), (200, 1)], [(40, 23), (0, 70), (57, 1)]], ids=["decode", "extend"]
+)
+def test_triton_attention_equals_the_torch_path_on_cuda(plan, dtype):
+    """float32 within 1e-4 (the kernels' products are IEEE, not tf32); bfloat16 within atol 3e-2 (a few of its
+    ulps at outputs of order 1; both sides round K/V and the probabilities to bfloat16 differently)."""
+    k_buf, v_buf = (b.to("cuda", dtype) for b in pool(16, seed=7))
+    batch = batch_of(plan, 16, seed=7).to("cuda")
+    q = torch.randn(batch.num_tokens, KV_HEADS * 4, HEAD_DIM, device="cuda", dtype=dtype)
+    torch_plan = AttentionPlan.build(batch, q.device)
+    triton_plan = AttentionPlan.build(batch, q.device, page_size=16)
+    assert torch_plan.pages is None and triton_plan.pages is not None
+    got = paged_attention(q, triton_plan, k_buf, v_buf)
+    expected = paged_attention(q, torch_plan, k_buf, v_buf)
+    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=3e-2, rtol=0)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.float(), expected.float(), **tol)

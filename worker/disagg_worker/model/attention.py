@@ -14,17 +14,24 @@ Two paths, same result:
 - extend (prefill, chunked prefill, mixed batches): one call per request with an offset causal mask
   (plain `is_causal` when nothing is cached yet, so fused kernels apply).
 The index tensors and masks are built once per forward (`AttentionPlan.build`) and shared by all layers.
+
+On CUDA, given the pool's page size, the plan also holds page tables and `paged_attention` runs the Triton
+kernels of `triton_attention.py` instead, which read K/V straight from the pool; the CPU path is the above.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch.nn.utils.rnn import pad_sequence
 
 from disagg_worker.model.batch import ForwardBatch
+
+if TYPE_CHECKING:
+    from disagg_worker.model.triton_attention import PageTables
 
 
 @dataclass(frozen=True)
@@ -45,12 +52,23 @@ class AttentionPlan:
     decode_index: torch.Tensor | None  # decode only: [B, Lmax] slots, padded with slot 0
     decode_mask: torch.Tensor | None  # decode only: [B, 1, 1, Lmax], True where a key exists
     spans: tuple[Span, ...]  # extend only
+    pages: PageTables | None = None  # CUDA only: the Triton kernels' page tables (see `triton_attention`)
 
     @classmethod
-    def build(cls, batch: ForwardBatch, device: torch.device) -> AttentionPlan:
+    def build(cls, batch: ForwardBatch, device: torch.device, page_size: int | None = None) -> AttentionPlan:
+        """`page_size` (the pool's) lets a plan on CUDA hold page tables, so attention runs as Triton kernels."""
         batch = batch.to(device)
         if not batch.num_requests:  # an attention group without requests (DP attention): no attention runs
             return cls(batch.out_slots, None, None, ())
+        plan = cls._build(batch, device)
+        if device.type == "cuda" and page_size is not None:
+            from disagg_worker.model.triton_attention import page_tables
+
+            return replace(plan, pages=page_tables(batch, page_size, device))
+        return plan
+
+    @classmethod
+    def _build(cls, batch: ForwardBatch, device: torch.device) -> AttentionPlan:
         if batch.is_decode:
             index = pad_sequence(list(batch.kv_slots), batch_first=True)
             lens = torch.tensor(batch.seq_lens, dtype=torch.long, device=device)
@@ -78,6 +96,10 @@ def paged_attention(q: torch.Tensor, plan: AttentionPlan, k_buf: torch.Tensor, v
 
     The new tokens' K/V must already be in the pool (see `write_kv`).
     """
+    if plan.pages is not None:
+        from disagg_worker.model.triton_attention import triton_paged_attention
+
+        return triton_paged_attention(q, plan.pages, k_buf, v_buf)
     k_flat = flat_slots(k_buf)
     v_flat = flat_slots(v_buf)
     if plan.decode_index is not None:

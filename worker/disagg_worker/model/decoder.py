@@ -130,7 +130,7 @@ class DecoderModel(nn.Module):
         """Hidden states [T, hidden] of the batch's new tokens after this stage's layers (normed on
         the last stage). The first stage embeds `batch.input_ids`; the others continue `hidden`.
         `after_layer(i)` is called once this stage's layer `i` (from 0) was computed: its KV is in `kv`."""
-        plan = AttentionPlan.build(batch, batch.input_ids.device)
+        plan = AttentionPlan.build(batch, batch.input_ids.device, kv.page_size)
         h = self.embed_tokens(batch.input_ids) if hidden is None else hidden
         rotation = self.rotary.at(batch.positions, h.dtype)
         rows = self.group_rows(h.shape[0]) if self.group_rows is not None else None

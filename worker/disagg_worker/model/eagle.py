@@ -71,7 +71,7 @@ class EagleHead(nn.Module):
         assert self.embed_tokens is not None
         device = self.fc.weight.device
         batch = batch.to(device)
-        plan = AttentionPlan.build(batch, device)
+        plan = AttentionPlan.build(batch, device, kv.page_size)
         e = self.embed_tokens(batch.input_ids)
         h = self.fc(torch.cat((e, hidden.to(device=e.device, dtype=e.dtype)), dim=-1))
         rotation = self.rotary.at(batch.positions, h.dtype)
