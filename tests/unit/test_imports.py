@@ -7,13 +7,15 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[2] / "worker" / "disagg_worker"
 NAME = PACKAGE.name
-# The worker's parts from the ground up: a part imports only parts before it. The ground knows nothing of
-# engines or processes (a request's shape, settings, the model, paged memory), then the OpenTelemetry wrapper the
-# HTTP processes use (which names the stages a request's scheduler records); the transfer (`disagg`) sits
-# under the engine, the ranks' machinery under the engine, the processes that run an engine above it, the HTTP
-# side above those, the router (which reuses the HTTP side's parts) above that, the command line on top.
+# The worker's parts from the ground up: a part imports only parts before it. Under everything, the start-up error
+# any part may raise; then the ground, which knows nothing of engines or processes (a request's shape, settings, the
+# model, paged memory), then the OpenTelemetry wrapper the HTTP processes use (which names the stages a request's
+# scheduler records); the transfer (`disagg`) sits under the engine, the ranks' machinery under the engine, the
+# processes that run an engine above it, the HTTP side above those, the router (which reuses the HTTP side's parts)
+# above that, the command line on top.
 FLOORS = [
-    ("errors", "env", "keys", "tuning", "flags", "mem", "model", "bench"),
+    ("errors",),
+    ("env", "keys", "tuning", "flags", "mem", "model", "bench"),
     ("request",),
     ("tracing",),
     ("speculative_config", "tier_config"),
