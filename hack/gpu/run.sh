@@ -13,7 +13,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site:$PWD/worker:$PWD/operator:$PWD/api:$PWD
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/device.csv"
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)" | tee -a "$OUT/device.csv"
-timeout "${GPU_TIER_TIMEOUT_S:-420}" python3 -m pytest -q -p no:cacheprovider -o addopts= tests/gpu \
+timeout "${GPU_TIER_TIMEOUT_S:-300}" python3 -m pytest -q -p no:cacheprovider -o addopts= tests/gpu \
   --junitxml "$OUT/gpu.xml" 2>&1 | tee "$OUT/gpu.log"
 tier=${PIPESTATUS[0]}
 timeout "${GPU_BENCH_TIMEOUT_S:-240}" python3 bench/bench_gpu.py --out "$OUT" 2>&1 | tee "$OUT/bench_gpu.log"
