@@ -3,10 +3,11 @@ model's shape (`disagg model make-random`'s weights, drawn in memory: `gpu_setup
 
 1. decode: the engine's model forward (`ModelRunner.forward`) for a decode batch its scheduler made, every
    request's KV filled to `--context` tokens by the engine's own prefill, timed over a few steps with CUDA
-   events, at batch 1 and batch 64. Its limit is the time to read what a decode step must read once: the
-   weights (less the embedding table, of which a step reads a row per token; a tied head reads it whole) and
-   every request's KV, at the bandwidth of a device-to-device `copy_` (2 * bytes / time). `decode_roofline_ratio`
-   = limit time / measured time (target >= 0.7 at batch 1).
+   events, at batch 1 and batch 64 (CUDA graphs replayed; at batch 1 eager too: `batch_1_eager`). Its limit is
+   the time to read what a decode step must read once: the weights (less the embedding table, of which a step
+   reads a row per token; a tied head reads it whole) and every request's KV, at the bandwidth of a
+   device-to-device `copy_` (2 * bytes / time). `decode_roofline_ratio` = limit time / measured time (target
+   >= 0.7 at batch 1).
 2. prefill: one `--prefill-tokens` request in one forward (chunk size = its length), flops = 2 * params *
    tokens (the head for its one logit row only) + causal attention 2 * T^2 * heads * head_dim per layer, against
    a bf16 [T, hidden] x [hidden, intermediate] matmul: `prefill_matmul_ratio` (target >= 0.5).
@@ -78,12 +79,11 @@ def until_decode(engine, n: int):
         engine.take_outputs()
 
 
-def decode(ctx: dict, n: int) -> dict:
-    """Section 1 at batch `n` (see the module's docstring)."""
+def decode(ctx: dict, n: int, cuda_graph: bool = True) -> dict:
+    """Section 1 at batch `n` (see the module's docstring); `cuda_graph` False: eager steps, for comparison."""
     a, timer, cfg = ctx["args"], ctx["timer"], ctx["cfg"]
-    engine = make_engine(
-        ctx["model"], cfg, ctx["dir"], a.device, a.dtype, n * (a.context + 80) + 64, n, a.chunk, overlap=False
-    )
+    tokens = n * (a.context + 80) + 64
+    engine = make_engine(ctx["model"], cfg, ctx["dir"], a.device, a.dtype, tokens, n, a.chunk, False, cuda_graph)
     try:
         add_requests(engine, n, a.context, 64, cfg.vocab_size, tag="d")
         batch = until_decode(engine, n)
@@ -99,6 +99,7 @@ def decode(ctx: dict, n: int) -> dict:
     limit_ms = (weights + kv) / (ctx["copy_gb_s"] * 1e6)
     return {
         "batch": n,
+        "cuda_graph": engine.runner.graphs is not None,
         "context_mean": round(sum(fwd.seq_lens) / n, 1),
         "decode_step_ms": round(step, 3),
         "decode_step_ms_all": [round(t, 3) for t in times],
@@ -355,6 +356,8 @@ def main(argv: list[str] | None = None) -> int:
         results["decode"] = {}
         for n in (1, a.batch):
             section(results, out, results["decode"], f"batch_{n}", decode, ctx, n)
+        if a_cuda(results):  # what the graphs are worth where launches weigh most
+            section(results, out, results["decode"], "batch_1_eager", decode, ctx, 1, False)
         section(results, out, results, "prefill", prefill, ctx)
         ours = section(results, out, results, "idle", serve_run, ctx)
         section(results, out, results, "peer", peer, ctx, ours)

@@ -69,14 +69,18 @@ def make_engine(
     running: int,
     chunk: int,
     overlap: bool = True,
+    cuda_graph: bool = True,
 ) -> Engine:
-    """A monolithic engine around the in-memory `model`, its KV pool sized to `tokens` (page size 16)."""
+    """A monolithic engine around the in-memory `model`, its KV pool sized to `tokens` (page size 16); on CUDA its
+    decode steps replay CUDA graphs unless `cuda_graph` is False."""
     ecfg = EngineConfig(
         model_path=str(path),
         device=device,
         dtype=dtype,
         cache=CacheConfig(page_size=16, max_total_tokens=tokens, mem_fraction_static=0.0),
-        scheduler=SchedulerConfig(chunk_size=chunk, enable_overlap=overlap, max_running_requests=running),
+        scheduler=SchedulerConfig(
+            chunk_size=chunk, enable_overlap=overlap, max_running_requests=running, cuda_graph=cuda_graph
+        ),
     )
     return Engine(ecfg, model, cfg)
 

@@ -68,6 +68,23 @@ MAX_RUNNING_REQUESTS = Setting("--max-running-requests", int, 64, sglang="--max-
 MAX_BATCH_TOKENS = Setting("--max-batch-tokens", int, 2048)
 CHUNK_SIZE = Setting("--chunk-size", int, 512, sglang="--chunked-prefill-size")
 DISABLE_OVERLAP = Setting("--disable-overlap", bool, False, sglang="--disable-overlap-schedule", accepts_sglang=True)
+DISABLE_CUDA_GRAPH = Setting(
+    "--disable-cuda-graph",
+    bool,
+    False,
+    help="on a CUDA device, run decode steps eagerly instead of replaying the step captured per batch size "
+    "(single-rank instances without a draft model capture them)",
+    sglang="--disable-cuda-graph",
+    accepts_sglang=True,
+)
+CUDA_GRAPH_MAX_BS = Setting(
+    "--cuda-graph-max-bs",
+    int,
+    64,
+    help="the largest decode batch with a CUDA graph (capped by --max-running-requests); larger ones run eagerly",
+    sglang="--cuda-graph-max-bs",
+    accepts_sglang=True,
+)
 SPECULATIVE_ALGORITHM = Setting(
     "--speculative-algorithm",
     str.upper,
@@ -231,6 +248,8 @@ ENGINE = (
     MAX_BATCH_TOKENS,
     CHUNK_SIZE,
     DISABLE_OVERLAP,
+    DISABLE_CUDA_GRAPH,
+    CUDA_GRAPH_MAX_BS,
     SPECULATIVE_ALGORITHM,
     SPECULATIVE_DRAFT_MODEL_PATH,
     SPECULATIVE_NUM_STEPS,

@@ -1,7 +1,8 @@
 """The engine on CUDA gives what it gives on the CPU: fp32 greedy tokens of every tiny architecture equal the
-CPU's and transformers', batching does not change them (overlap on), a structured-output request is answered
-under its grammar, and every page is accounted for afterwards. On CUDA attention runs as the Triton kernels
-(`model/triton_attention.py`), which equal the torch path there in float32 and bfloat16."""
+CPU's and transformers', batching does not change them (overlap on, CUDA graphs on), a structured-output request
+is answered under its grammar, and every page is accounted for afterwards. On CUDA attention runs as the Triton
+kernels (`model/triton_attention.py`), which equal the torch path there in float32 and bfloat16; decode steps
+replay CUDA graphs (`engine/cuda_graphs.py`) and give the tokens of eager steps."""
 
 from __future__ import annotations
 
@@ -21,14 +22,22 @@ GREEDY = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
 PROMPTS = [list(range(20 + 13 * i, 20 + 13 * i + 5 + 9 * i)) for i in range(8)]
 
 
-def engine(model: str, device: str, max_running: int = 64) -> Engine:
+def engine(model: str, device: str, max_running: int = 64, cuda_graph: bool = True) -> Engine:
+    """On CUDA its decode steps replay CUDA graphs unless `cuda_graph` is False (`engine.cuda_graphs`)."""
     cfg = EngineConfig(
         model_path=model,
         device=device,
         cache=CacheConfig(page_size=16, max_total_tokens=16384),
-        scheduler=SchedulerConfig(chunk_size=64, enable_overlap=True, max_running_requests=max_running),
+        scheduler=SchedulerConfig(
+            chunk_size=64, enable_overlap=True, max_running_requests=max_running, cuda_graph=cuda_graph
+        ),
     )
     return Engine.from_config(cfg)
+
+
+def replays(e: Engine) -> int:
+    assert e.runner.graphs is not None, "no CUDA graphs on a CUDA engine"
+    return e.runner.graphs.replays
 
 
 def run(e: Engine, requests: list[tuple[list[int], SamplingParams]]) -> list[list[int]]:
@@ -57,9 +66,11 @@ def test_fp32_greedy_tokens_on_cuda_equal_the_cpu_and_transformers(tiny_models, 
 def test_batched_equals_one_at_a_time_on_cuda(tiny_models):
     model = tiny_models["llama"]
     prompts = [list(range(30 + 7 * i, 30 + 7 * i + 3 + (i * 37) % 120)) for i in range(32)]
-    batched = run(engine(model, "cuda"), [(p, GREEDY) for p in prompts])
-    alone = run(engine(model, "cuda", max_running=1), [(p, GREEDY) for p in prompts])
+    many, one = engine(model, "cuda"), engine(model, "cuda", max_running=1)
+    batched = run(many, [(p, GREEDY) for p in prompts])
+    alone = run(one, [(p, GREEDY) for p in prompts])
     assert batched == alone
+    assert replays(many) and replays(one), "the decode steps ran eagerly: CUDA graphs were on"
 
 
 def test_a_structured_output_request_is_answered_on_cuda_as_on_the_cpu(tiny_models):
@@ -88,3 +99,18 @@ def test_triton_attention_equals_the_torch_path_on_cuda(plan, dtype):
     tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=3e-2, rtol=0)
     assert got.dtype == dtype
     torch.testing.assert_close(got.float(), expected.float(), **tol)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe", "deepseek_v3"])
+def test_replayed_decode_steps_give_the_tokens_of_eager_ones(tiny_models, arch):
+    """Dense attention through the kernels' page tables, MoE on its dense path, MLA gathering by the table."""
+    from disagg_worker.engine.cuda_graphs import buckets
+
+    requests = [(p, GREEDY) for p in PROMPTS]
+    captured = engine(tiny_models[arch], "cuda")
+    assert captured.runner.graphs is not None and set(captured.runner.graphs.graphs) == set(buckets(64))
+    got = run(captured, requests)
+    assert replays(captured)
+    eager = engine(tiny_models[arch], "cuda", cuda_graph=False)
+    assert eager.runner.graphs is None
+    assert got == run(eager, requests)

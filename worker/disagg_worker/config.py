@@ -54,11 +54,11 @@ class CacheConfig:
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_running_requests: int = from_flag(S.MAX_RUNNING_REQUESTS)
-    # Tokens computed in one forward across all requests (prefill chunks + decode tokens).
-    max_batch_tokens: int = from_flag(S.MAX_BATCH_TOKENS)
-    # Largest prefill chunk of one request; 0 disables chunking.
-    chunk_size: int = from_flag(S.CHUNK_SIZE)
+    max_batch_tokens: int = from_flag(S.MAX_BATCH_TOKENS)  # in one forward: prefill chunks + decode tokens
+    chunk_size: int = from_flag(S.CHUNK_SIZE)  # largest prefill chunk of one request; 0 disables chunking
     enable_overlap: bool = from_flag(S.DISABLE_OVERLAP, negated=True)
+    cuda_graph: bool = from_flag(S.DISABLE_CUDA_GRAPH, negated=True)  # decode steps replayed (`engine.cuda_graphs`)
+    cuda_graph_max_bs: int = from_flag(S.CUDA_GRAPH_MAX_BS)
     # Pages reserved per running request for its next decode steps before admitting new prefills.
     decode_reserve_tokens: int = 64
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
@@ -104,19 +104,18 @@ class DisaggConfig:
     heartbeat_interval_s: float = from_flag(S.HEARTBEAT_INTERVAL)
     heartbeat_max_misses: int = from_flag(S.HEARTBEAT_MAX_MISSES)
     max_bootstrap_queue: int = from_flag(S.MAX_BOOTSTRAP_QUEUE)
-    # Listening ports (each must sit where the operator's NetworkPolicy opens it). Rank i of an
-    # instance (i = pp_rank * tp_size + tp_rank) listens for control messages on control_port + i
-    # (0: any free port, for local runs), and its Mooncake engine takes its two ports (RPC and
-    # TCP data) from the window transfer_port_base + i * transfer_ports_per_rank onwards (0: Mooncake's
-    # own range, MC_MIN_RPC_PORT..MC_MAX_RPC_PORT, 15000-17000 unless set). A window holds more
-    # than two ports because a killed engine's ports stay in TIME_WAIT for ~60 s and Mooncake cannot
-    # bind them again: a restarted rank takes two others.
+    # Listening ports (each must sit where the operator's NetworkPolicy opens it). Rank i of an instance
+    # (i = pp_rank * tp_size + tp_rank) listens for control messages on control_port + i (0: any free port, for
+    # local runs), and its Mooncake engine takes its two ports (RPC and TCP data) from the window
+    # transfer_port_base + i * transfer_ports_per_rank onwards (0: Mooncake's own range, MC_MIN_RPC_PORT..
+    # MC_MAX_RPC_PORT, 15000-17000 unless set). A window holds more than two ports because a killed engine's
+    # ports stay in TIME_WAIT for ~60 s and Mooncake cannot bind them again: a restarted rank takes two others.
     control_port: int = from_flag(S.CONTROL_PORT)
     transfer_port_base: int = from_flag(S.TRANSFER_PORT_BASE)
     transfer_ports_per_rank: int = from_flag(S.TRANSFER_PORTS_PER_RANK)
-    # Decode: pages of a failed room stay out of the free list while prefill may still write them
-    # (quarantine), but not longer than this: a prefill that stays silent is then declared dead and
-    # the pages come back. 0: four times the longest of the waiting timeout and the heartbeat window.
+    # Decode: pages of a failed room stay out of the free list while prefill may still write them (quarantine),
+    # but not longer than this: a prefill that stays silent is then declared dead and the pages come back.
+    # 0: four times the longest of the waiting timeout and the heartbeat window.
     quarantine_timeout_s: float = from_flag(S.QUARANTINE_TIMEOUT)
     max_prealloc_queue: int = from_flag(S.MAX_PREALLOC_QUEUE)
     # Decode: keep finished requests' KV in a prefix cache, so that a request whose prefix decode holds receives

@@ -22,6 +22,7 @@ from prometheus_client import REGISTRY, generate_latest
 
 from disagg_worker.config import EngineConfig, Role
 from disagg_worker.disagg import KVManager
+from disagg_worker.engine import cuda_graphs
 from disagg_worker.engine.assemble import build_kv_manager, build_stage
 from disagg_worker.engine.batch import ScheduledBatch, StepResult
 from disagg_worker.engine.drafting import Draft, load_draft
@@ -77,7 +78,8 @@ class Engine:
         shard = comm.shard if comm is not None else Shard()
         self.shard = shard
         self.max_context_len = cfg.max_context_len or model_cfg.max_position_embeddings
-        self.kv_pool = build_kv_pool(cfg, model_cfg, shard, draft)
+        graphs = cuda_graphs.wanted(cfg, model, comm is None, draft is not None)  # a padding page after the rest:
+        self.kv_pool = build_kv_pool(cfg, model_cfg, shard, draft, cache.total_pages + 1 if graphs else None)
         # Under DP attention every group's MoE layers see every group's tokens: the first group's counts say all.
         self.expert_load = ExpertLoad(model if shard.dp_rank == 0 else None, cfg.disagg.ep_size)
         self.allocator = PageAllocator(cache.total_pages)
@@ -103,6 +105,8 @@ class Engine:
         )
         drafter = build_drafter(cfg, draft, self.kv_pool, model_cfg) if draft is not None else None
         self.runner = ModelRunner(model, self.kv_pool, model_cfg.vocab_size, cfg.device, drafter)
+        if graphs:
+            self.runner.graphs = cuda_graphs.captured(model, self.kv_pool, cache.total_pages, cfg, self.max_context_len)
         self.scheduler.tiers = self.tiers = build_tiers(cfg, self.kv_pool, drafter, self.radix, cfg.model_name)
         manager = build_kv_manager(cfg, self.kv_pool, shard, model_cfg, draft.fingerprint if draft else "")
         kv: KVManager | RankedKV | None = manager
@@ -157,8 +161,8 @@ class Engine:
 
     def arrive(self, m: msg.GenerateReq) -> None:
         problem = self.limits.kv_problem(len(m.input_ids))  # it would wait for pages forever
-        if not problem:
-            problem = params_problem(m.params, self.model_cfg.vocab_size)
+        if not problem:  # the HTTP process checked them with the same rules: refused here too, never sampled
+            problem = m.params.problem(self.model_cfg.vocab_size)
         if not problem and m.params.grammar is not None:  # the request waits for its grammar (`tick`)
             self.grammar_wait.add(m)
             return
@@ -381,16 +385,6 @@ class Engine:
         """At idle, every page is free or held unlocked by the prefix cache."""
         a = self.allocator
         return a.num_free + self.radix.total_pages == a.num_total and self.radix.total_refs() == 0
-
-
-def params_problem(params: SamplingParams, vocab_size: int) -> str:
-    """What is wrong with a request's sampling parameters ("" if nothing): the HTTP process checked them with
-    the same rules; a request that reaches the engine otherwise is refused, never sampled."""
-    try:
-        params.validate(vocab_size)
-    except ValueError as e:
-        return str(e)
-    return ""
 
 
 def own_metrics() -> str:

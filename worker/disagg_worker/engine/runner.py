@@ -16,6 +16,7 @@ import torch
 
 from disagg_worker.disagg.layerwise import LayerStream
 from disagg_worker.engine.batch import ScheduledBatch, StepResult
+from disagg_worker.engine.cuda_graphs import DecodeGraphs
 from disagg_worker.engine.drafting import ModelDrafter
 from disagg_worker.engine.prompt_logprobs import split
 from disagg_worker.engine.request import Req
@@ -62,6 +63,7 @@ class ModelRunner:
         self._kv_written: torch.cuda.Event | None = None  # the last forward's, on a CUDA device
         # Prefill with a layer pipeline: this rank's `disagg.layerwise.LayerStream`, told of each layer computed.
         self.layer_stream: LayerStream | None = None
+        self.graphs: DecodeGraphs | None = None  # decode steps from static buffers (CUDA graphs), where they fit
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> StepResult:
@@ -81,6 +83,8 @@ class ModelRunner:
                 out = torch.zeros(fwd.num_logit_rows, self.vocab_size)
             elif stream is not None:  # each layer group's KV leaves as soon as it is computed
                 out = self.model(fwd, self.kv_pool, hidden, after_layer=stream.layer_done)
+            elif self.graphs is not None and hidden is None and self.graphs.fits(fwd):
+                out = self.graphs.run(fwd)
             else:
                 out = self.model(fwd, self.kv_pool, hidden)
         except BaseException:

@@ -131,8 +131,20 @@ class DecoderModel(nn.Module):
         the last stage). The first stage embeds `batch.input_ids`; the others continue `hidden`.
         `after_layer(i)` is called once this stage's layer `i` (from 0) was computed: its KV is in `kv`."""
         plan = AttentionPlan.build(batch, batch.input_ids.device, kv.page_size)
-        h = self.embed_tokens(batch.input_ids) if hidden is None else hidden
-        rotation = self.rotary.at(batch.positions, h.dtype)
+        return self.run(batch.input_ids, batch.positions, plan, kv, hidden, after_layer)
+
+    def run(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        plan: AttentionPlan,
+        kv: KVCacheView,
+        hidden: torch.Tensor | None = None,
+        after_layer: AfterLayer = None,
+    ) -> torch.Tensor:
+        """`forward` over a plan made beforehand (a static decode step's: `engine.cuda_graphs`)."""
+        h = self.embed_tokens(input_ids) if hidden is None else hidden
+        rotation = self.rotary.at(positions, h.dtype)
         rows = self.group_rows(h.shape[0]) if self.group_rows is not None else None
         for i, layer in enumerate(self.layers.values()):
             h = layer(h, rotation, plan, kv, rows)
@@ -192,4 +204,13 @@ class CausalLM(nn.Module):
             return h
         if self.keep_hidden:
             self.hidden = h
-        return self.lm_head(h[batch.logits_indices]).float()
+        rows = h if batch.is_decode and batch.num_logits is None else h[batch.logits_indices]
+        return self.lm_head(rows).float()
+
+    @torch.no_grad()
+    def decode_logits(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, plan: AttentionPlan, kv: KVCacheView
+    ) -> torch.Tensor:
+        """float32 logits [B, vocab] of a decode step (one new token per request, on the model's device) over a
+        plan made beforehand: the static step of `engine.cuda_graphs`, on a single-stage model."""
+        return self.lm_head(self.model.run(input_ids, positions, plan, kv)).float()

@@ -93,20 +93,38 @@ class MoE(nn.Module):
         # Built on the CPU explicitly (also under a meta-device context); `.to(device)` moves it.
         zeros = torch.zeros(moe.num_experts, dtype=torch.int64, device="cpu")
         self.register_buffer("routed", zeros, persistent=False)
+        self.dense = False  # `_dense` instead of `_routed`: set around a static decode step (`engine.cuda_graphs`)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
-        self.routed += torch.bincount(ids.reshape(-1), minlength=self.moe.num_experts)
+        flat = ids.reshape(-1)
+        self.routed.index_add_(0, flat, torch.ones_like(flat))  # `bincount` would ask the host for its size
         if self.ep_size > 1:
             out = self._dispatched(x, weights, ids)
             return out + self.all_reduce(self.shared_experts(x)) if hasattr(self, "shared_experts") else out
+        out = self._dense(x, weights, ids) if self.dense else self._routed(x, weights, ids)
+        if hasattr(self, "shared_experts"):
+            out = out + self.shared_experts(x)
+        return self.all_reduce(out)
+
+    def _routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Each chosen expert over its tokens (the host learns which experts were chosen)."""
         out = torch.zeros_like(x)
         for e in torch.unique(ids).tolist():  # ascending, as the reference adds them
             tokens, slot = torch.where(ids == e)
             out.index_add_(0, tokens, (self.experts[str(e)](x[tokens]) * weights[tokens, slot, None]).to(x.dtype))
-        if hasattr(self, "shared_experts"):
-            out = out + self.shared_experts(x)
-        return self.all_reduce(out)
+        return out
+
+    def _dense(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """`_routed` without asking the host anything (a captured CUDA graph): every expert over every token,
+        weighted 0 where the token was not routed to it: the same terms added in the same order, the others
+        exact zeros (a product over all the rows may round unlike one over some), for num_experts / top_k times
+        the expert FLOPs, and every expert's weights read even where a small batch routes to few."""
+        out = torch.zeros_like(x)
+        for e, expert in self.experts.items():  # ascending ids
+            weight = (weights * (ids == int(e))).sum(-1, keepdim=True)  # one nonzero term at most: exact
+            out = out + (expert(x) * weight).to(x.dtype)
+        return out
 
     def _dispatched(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Routed experts' output for every token, each rank running only its own experts."""

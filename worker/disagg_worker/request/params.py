@@ -74,6 +74,14 @@ class SamplingParams:
     def is_greedy(self) -> bool:
         return self.temperature < GREEDY_EPS
 
+    def problem(self, vocab_size: int | None = None) -> str:
+        """What `validate` finds wrong ("" if nothing)."""
+        try:
+            self.validate(vocab_size)
+        except ValueError as e:
+            return str(e)
+        return ""
+
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise ValueError("<field>: <what is wrong>") for the first out-of-range field; with `vocab_size`,
         token ids (top_k, stop_token_ids, logit_bias) are also checked against the vocabulary."""
