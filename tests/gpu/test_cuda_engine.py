@@ -22,12 +22,13 @@ GREEDY = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
 PROMPTS = [list(range(20 + 13 * i, 20 + 13 * i + 5 + 9 * i)) for i in range(8)]
 
 
-def engine(model: str, device: str, max_running: int = 64, cuda_graph: bool = True) -> Engine:
+def engine(model: str, device: str, max_running: int = 64, cuda_graph: bool = True, dtype: str = "float32") -> Engine:
     """On CUDA its decode steps replay CUDA graphs unless `cuda_graph` is False (`engine.cuda_graphs`)."""
     cfg = EngineConfig(
         model_path=model,
         device=device,
-        cache=CacheConfig(page_size=16, max_total_tokens=16384),
+        dtype=dtype,
+        cache=CacheConfig(page_size=16, max_total_tokens=16384, kv_dtype=dtype),
         scheduler=SchedulerConfig(
             chunk_size=64, enable_overlap=True, max_running_requests=max_running, cuda_graph=cuda_graph
         ),
