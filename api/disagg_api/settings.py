@@ -75,7 +75,6 @@ DISABLE_CUDA_GRAPH = Setting(
     help="on a CUDA device, run decode steps eagerly instead of replaying the step captured per batch size "
     "(single-rank instances without a draft model capture them)",
     sglang="--disable-cuda-graph",
-    accepts_sglang=True,
 )
 CUDA_GRAPH_MAX_BS = Setting(
     "--cuda-graph-max-bs",
@@ -83,7 +82,6 @@ CUDA_GRAPH_MAX_BS = Setting(
     64,
     help="the largest decode batch with a CUDA graph (capped by --max-running-requests); larger ones run eagerly",
     sglang="--cuda-graph-max-bs",
-    accepts_sglang=True,
 )
 SPECULATIVE_ALGORITHM = Setting(
     "--speculative-algorithm",

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from disagg_worker.config import EngineConfig, SchedulerConfig
+from disagg_worker.config import DisaggConfig, EngineConfig, Role, SchedulerConfig
 from disagg_worker.engine.cuda_graphs import DecodeGraphs, buckets, wanted
 from disagg_worker.engine.engine import Engine
 from disagg_worker.engine.sampling import SamplingParams
@@ -44,6 +44,8 @@ def test_only_a_single_rank_cuda_instance_without_a_draft_captures(tiny_model):
     assert not wanted(cuda, model, single_rank=False, drafting=False)
     assert not wanted(cuda, model, single_rank=True, drafting=True)
     assert not wanted(cuda, None, single_rank=True, drafting=False)  # --forward noop
+    prefill = EngineConfig(model_path=tiny_model, device="cuda", disagg=DisaggConfig(role=Role.PREFILL))
+    assert not wanted(prefill, model, single_rank=True, drafting=False)
     assert engine.runner.graphs is None  # a CPU engine serves as before
 
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from disagg_worker.config import EngineConfig
+from disagg_worker.config import EngineConfig, Role
 from disagg_worker.mem.allocator import pages_for
 from disagg_worker.mem.kv_pool import KVKind, KVPool
 from disagg_worker.model.attention import AttentionPlan
@@ -42,9 +42,18 @@ log = logging.getLogger(__name__)
 
 def wanted(cfg: EngineConfig, model: torch.nn.Module | None, single_rank: bool, drafting: bool) -> bool:
     """Whether this instance captures its decode steps: on a CUDA device, unless --disable-cuda-graph, on one rank
-    (collectives are not captured) without a draft model (its steps read the target's hidden states)."""
+    (collectives are not captured) without a draft model (its steps read the target's hidden states), unless it
+    is a prefill instance (it decodes nothing)."""
     on_cuda = torch.device(cfg.device).type == "cuda"
-    return on_cuda and cfg.scheduler.cuda_graph and single_rank and not drafting and isinstance(model, CausalLM)
+    decodes = cfg.disagg.role is not Role.PREFILL
+    return (
+        on_cuda
+        and decodes
+        and cfg.scheduler.cuda_graph
+        and single_rank
+        and not drafting
+        and isinstance(model, CausalLM)
+    )
 
 
 def buckets(max_bs: int) -> tuple[int, ...]:
@@ -136,8 +145,11 @@ def dense_experts(model: torch.nn.Module) -> Iterator[None]:
             m.dense = False
 
 
-def captured(model: CausalLM, pool: KVPool, pad_page: int, cfg: EngineConfig, max_context_len: int) -> DecodeGraphs:
+def captured(
+    model: torch.nn.Module | None, pool: KVPool, pad_page: int, cfg: EngineConfig, max_context_len: int
+) -> DecodeGraphs:
     """The instance's decode steps, captured (`wanted` said yes)."""
+    assert isinstance(model, CausalLM)
     graphs = DecodeGraphs(
         model, pool, pad_page, min(cfg.scheduler.cuda_graph_max_bs, cfg.scheduler.max_running_requests), max_context_len
     )
