@@ -33,6 +33,7 @@ export PYTHONUNBUFFERED=1
 # the tier's own time (each test stops at GPU_TEST_TIMEOUT_S).
 timeout "${GPU_BENCH_TIMEOUT_S:-200}" python3 bench/bench_gpu.py --out "$OUT" 2>&1 | tee "$OUT/bench_gpu.log"
 echo "bench_gpu exit status ${PIPESTATUS[0]}" | tee -a "$OUT/bench_gpu.log"
+per_test=$(python3 -c "import pytest_timeout" 2>/dev/null && echo "--timeout ${GPU_TEST_TIMEOUT_S:-120}")
 timeout "${GPU_TIER_TIMEOUT_S:-270}" python3 -m pytest -q -p no:cacheprovider -o addopts= tests/gpu --durations 15 \
-  --timeout "${GPU_TEST_TIMEOUT_S:-120}" --junitxml "$OUT/gpu.xml" 2>&1 | tee "$OUT/gpu.log"
+  $per_test --junitxml "$OUT/gpu.xml" 2>&1 | tee "$OUT/gpu.log"
 exit "${PIPESTATUS[0]}"
