@@ -90,6 +90,7 @@ def decode(ctx: dict, n: int, cuda_graph: bool = True) -> dict:
         fwd = batch.forward
         times = timer.repeat(lambda: engine.runner.forward(fwd), warmup=3, reps=a.steps)
         step = statistics.median(times)
+        kernels = top_kernels(lambda: engine.runner.forward(fwd), 3) if n == 1 and timer.cuda else None
         kv_per_token = engine.kv_pool.nbytes_per_page / engine.cfg.cache.page_size
     finally:
         engine.close()
@@ -108,6 +109,26 @@ def decode(ctx: dict, n: int, cuda_graph: bool = True) -> dict:
         "limit_ms": round(limit_ms, 3),
         "decode_roofline_ratio": round(limit_ms / step, 3),
         "tokens_s": round(n / step * 1000, 1),
+        "kernels": kernels,
+    }
+
+
+def top_kernels(fn, reps: int, top: int = 25) -> dict:
+    """Where a step's GPU time goes: the kernels of `reps` calls of `fn` under torch's profiler, the `top` by
+    total time (name, calls per step, microseconds per step), and how many kernels a step launches."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    rows = [e for e in prof.key_averages() if e.device_time_total > 0]
+    rows.sort(key=lambda e: e.device_time_total, reverse=True)
+    return {
+        "kernels_per_step": round(sum(e.count for e in rows) / reps, 1),
+        "us_per_step": round(sum(e.device_time_total for e in rows) / reps, 1),
+        "top": [(e.key[:90], round(e.count / reps, 1), round(e.device_time_total / reps, 1)) for e in rows[:top]],
     }
 
 

@@ -71,15 +71,19 @@ def make_engine(
     overlap: bool = True,
     cuda_graph: bool = True,
 ) -> Engine:
-    """A monolithic engine around the in-memory `model`, its KV pool sized to `tokens` (page size 16); on CUDA its
-    decode steps replay CUDA graphs unless `cuda_graph` is False."""
+    """A monolithic engine around the in-memory `model`, its KV pool sized to `tokens` (page size 16, the model's
+    dtype), as many tokens in a forward; on CUDA its decode steps replay CUDA graphs unless `cuda_graph` is False."""
     ecfg = EngineConfig(
         model_path=str(path),
         device=device,
         dtype=dtype,
-        cache=CacheConfig(page_size=16, max_total_tokens=tokens, mem_fraction_static=0.0),
+        cache=CacheConfig(page_size=16, max_total_tokens=tokens, mem_fraction_static=0.0, kv_dtype=dtype),
         scheduler=SchedulerConfig(
-            chunk_size=chunk, enable_overlap=overlap, max_running_requests=running, cuda_graph=cuda_graph
+            chunk_size=chunk,
+            enable_overlap=overlap,
+            max_running_requests=running,
+            max_batch_tokens=tokens,  # every prompt's chunk in one forward: a decode batch then holds them all
+            cuda_graph=cuda_graph,
         ),
     )
     return Engine(ecfg, model, cfg)

@@ -29,6 +29,10 @@ echo "carried libraries used: $(ls /tmp/syslibs/used | tr '\n' ' ')libcudart fro
   | tee -a "$OUT/device.csv"
 python3 -c "import mooncake.engine; print('mooncake.engine imports')" 2>&1 | tail -1 | tee -a "$OUT/device.csv"
 export PYTHONUNBUFFERED=1
+# The integration helpers start `disagg` from beside the interpreter, where `pip install` would have put it.
+bin=$(dirname "$(python3 -c 'import sys; print(sys.executable)')")
+[ -x "$bin/disagg" ] || printf '#!%s\nimport sys\nfrom disagg_worker.cli import main\nsys.exit(main())\n' \
+  "$bin/python3" >"$bin/disagg" && chmod +x "$bin/disagg"
 # The benchmark first: its figures do not depend on the tier's outcome, and a test that hangs then costs only
 # the tier's own time (each test stops at GPU_TEST_TIMEOUT_S).
 timeout "${GPU_BENCH_TIMEOUT_S:-200}" python3 bench/bench_gpu.py --out "$OUT" 2>&1 | tee "$OUT/bench_gpu.log"

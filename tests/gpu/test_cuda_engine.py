@@ -115,3 +115,24 @@ def test_replayed_decode_steps_give_the_tokens_of_eager_ones(tiny_models, arch):
     eager = engine(tiny_models[arch], "cuda", cuda_graph=False)
     assert eager.runner.graphs is None
     assert got == run(eager, requests)
+
+
+def test_a_fragmented_destinations_staging_gathers_and_scatters_device_pages():
+    """What a transfer into a fragmented destination does to device memory (`disagg/mooncake/staging.py`): prefill
+    gathers the room's pages into its staging area, decode scatters the landed block to its pages, both by tensor
+    operations on the pool's device (the CPU cannot address a GPU's memory through raw pointers). A P/D stack
+    stages only when decode's free pages are split in many short runs, which the P/D tests here do not force."""
+    from disagg_worker.disagg.mooncake.staging import StagingArea, gather, scatter
+
+    page, pages = 4096, [7, 2, 30, 31, 11]
+    prefill = torch.randint(0, 256, (64 * page,), dtype=torch.uint8, device="cuda")
+    decode = torch.zeros(64 * page, dtype=torch.uint8, device="cuda")
+    area = StagingArea(len(pages) * page, device="cuda")
+    block = area.view(area.alloc(len(pages) * page), len(pages) * page)
+    gather(prefill, page, pages, block)
+    targets = [40, 3, 17, 18, 60]  # decode's pages, in the room's order
+    scatter(block, page, decode, targets)
+    rows_p, rows_d = prefill.view(64, page), decode.view(64, page)
+    for src, dst in zip(pages, targets, strict=True):
+        assert torch.equal(rows_d[dst], rows_p[src])
+    assert int(decode.count_nonzero()) == int(sum(rows_p[p].count_nonzero() for p in pages))
