@@ -11,6 +11,11 @@ seconds: the rest wait in decode's prealloc queue and prefill's bootstrap queue 
 /stats reports every 0.5 s, so a state that lasts milliseconds could be over before a test sees it.
 With layer-wise streaming, a prefill stalled by its fault hook (`DISAGG_FAULT_STALL_AFTER_LAYER_GROUP`) holds a
 request between its layer groups for as long as the test needs: its first groups left, the others did not.
+Both together (`held`) hold a whole load in the handoff stages until the test lets it go: the two rooms in
+decode's running slots wait for KV a stalled forward does not finish, so no slot frees and every other request
+waits for its destination (`hold`). How long HOLD alone keeps them there is how fast the machine decodes; under
+load the requests also reach the instances spread out while the first ones decode, so that state can be brief,
+missed between two reports, or never reached.
 """
 
 from __future__ import annotations
@@ -48,6 +53,30 @@ def stack(tiny_model):
     """A stack whose decode runs 2 requests at a time (HOLD)."""
     s = PDStack(tiny_model, *FLAGS, **HOLD).wait_healthy()
     yield s
+    s.stop()
+
+
+# The fault hook's line in a prefill's log each time a streamed forward stalls after its second layer group (of 4).
+STALLED = "fault injected: the forward stalls after layer group 1"
+
+
+def stall_env(release: Path) -> dict[str, str]:
+    """Prefill stalls a layer-wise streamed forward after its second layer group while `release` does not exist."""
+    return {"DISAGG_FAULT_STALL_AFTER_LAYER_GROUP": f"1:{release}"}
+
+
+@pytest.fixture()
+def held(tiny_model, tmp_path):
+    """A HOLD stack whose prefill streams prompts of 40+ tokens layer group by layer group and stalls such a forward
+    while the returned file does not exist (it does until `hold` removes it)."""
+    release = tmp_path / "release"
+    release.touch()
+    prefill_flags = (*LAYERWISE, *HOLD["prefill_flags"])
+    s = PDStack(
+        tiny_model, *FLAGS, prefill_flags=prefill_flags, decode_flags=HOLD["decode_flags"], env=stall_env(release)
+    ).wait_healthy()
+    yield s, release
+    release.touch()  # a stalled forward must not hold up the stop
     s.stop()
 
 
@@ -119,6 +148,34 @@ def still_running(futures: list[cf.Future]) -> bool:
     if all(f.done() for f in futures):
         raise AssertionError(f"every request ended before the fault: {[f.result() for f in futures][:4]}")
     return False
+
+
+def stalls(proc: Proc) -> int:
+    return Path(proc.log.name).read_text(errors="replace").count(STALLED)
+
+
+def hold(stack: PDStack, release: Path, n: int, pool: cf.ThreadPoolExecutor, **kw) -> list[cf.Future]:
+    """Send `n` requests (prompts of 40+ tokens) to a stack whose prefill stalls streamed forwards (`held`), and
+    return once decode holds every one of them waiting on prefill: a state that lasts until `release` exists again.
+    Prefill's first forward stalls after its first layer groups left, so the (at most 2, HOLD) rooms decode sent
+    destinations for are mid-transfer and keep its running slots; every other request waits in decode's prealloc
+    queue for a destination decode sends only when a slot frees, and prefill holds its room Bootstrapping."""
+    seen = stalls(stack.prefill)
+    release.unlink()
+    futures = load(stack.router.url, n, pool, **kw)
+    wait_until(
+        lambda: stalls(stack.prefill) > seen or still_running(futures),
+        timeout=30,
+        interval=0.05,
+        what="prefill stalled in a streamed forward",
+    )
+    wait_until(
+        lambda: decode_waiting_on_prefill(stack.decode.url, n) or still_running(futures),
+        timeout=30,
+        interval=0.05,
+        what=f"decode holding all {n} requests in its prealloc and transfer queues",
+    )
+    return futures
 
 
 def wait_router_healthy(stack: PDStack) -> None:
@@ -210,16 +267,14 @@ def test_a_prefill_restarted_on_its_address_under_load_is_a_new_peer_to_decode(s
     assert_clean(stack.prefill.url, stack.decode.url)
 
 
-def test_bootstrap_server_stops_answering(stack):
+def test_bootstrap_server_stops_answering(held):
     """The prefill instance (and its bootstrap server) freezes: decode's heartbeat fails its rooms."""
+    stack, release = held
     before = reference(stack.router.url)
     with cf.ThreadPoolExecutor(16) as pool:
-        futures = load(stack.router.url, 16, pool)
-        wait_until(
-            lambda: decode_waiting_on_prefill(stack.decode.url) or still_running(futures),
-            timeout=30, interval=0.02, what="decode waiting on KV",
-        )  # fmt: skip
+        futures = hold(stack, release, 16, pool)  # each one waits on prefill until it is released
         os.killpg(stack.prefill.proc.pid, signal.SIGSTOP)
+        release.touch()  # the stalled forward goes on only once prefill runs again
         try:
             outcomes(futures)
         finally:
@@ -252,18 +307,13 @@ def test_abort_1000_requests_at_random_stages(plain):
     assert reference(stack.router.url) == before
 
 
-# The fault hook's line in a prefill's log each time a streamed forward stalls after its second layer group (of 4).
-STALLED = "fault injected: the forward stalls after layer group 1"
-
-
 @pytest.fixture(scope="module")
 def streaming(tiny_model, tmp_path_factory):
     """A stack whose prefill streams prompts of 40+ tokens layer group by layer group, and stalls a streamed
     forward after its second group while the returned file does not exist (it does until a test removes it)."""
     release = tmp_path_factory.mktemp("stall") / "release"
     release.touch()
-    env = {"DISAGG_FAULT_STALL_AFTER_LAYER_GROUP": f"1:{release}"}
-    s = PDStack(tiny_model, *FLAGS, prefill_flags=LAYERWISE, env=env).wait_healthy()
+    s = PDStack(tiny_model, *FLAGS, prefill_flags=LAYERWISE, env=stall_env(release)).wait_healthy()
     yield s, release
     s.stop()
 
@@ -273,10 +323,6 @@ def mono(tiny_model):
     p = serve(tiny_model, *FLAGS).wait_healthy()
     yield p
     p.stop()
-
-
-def stalls(proc: Proc) -> int:
-    return Path(proc.log.name).read_text(errors="replace").count(STALLED)
 
 
 def interrupt_between_groups(stack: PDStack, release: Path, kill: Callable[[], None]) -> tuple:

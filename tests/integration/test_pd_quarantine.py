@@ -16,16 +16,8 @@ import pytest
 import requests
 
 from tests.integration.procs import PDStack, idle_and_flushed, report_after, scaled, serve, wait_until
-from tests.integration.test_pd import FLAGS, assert_clean
-from tests.integration.test_pd_faults import (
-    HELD,
-    decode_waiting_on_prefill,
-    load,
-    outcomes,
-    request,
-    still_running,
-    wait_router_healthy,
-)
+from tests.integration.test_pd import FLAGS, LAYERWISE, assert_clean
+from tests.integration.test_pd_faults import hold, load, outcomes, request, stall_env, wait_router_healthy
 from tests.integration.test_server import generate, varied_prompts
 
 pytestmark = pytest.mark.integration
@@ -38,11 +30,6 @@ def stats(url: str) -> dict:
 
 def queues(url: str) -> dict[str, int]:
     return stats(url)["queues"]
-
-
-def bootstrapping(url: str) -> int:
-    """Rooms prefill holds until decode sends their destination pages (one /stats read)."""
-    return queues(url).get("prefill_bootstrap", 0)
 
 
 def test_a_silent_prefills_pages_come_back_after_the_quarantine_timeout(tiny_model):
@@ -90,40 +77,45 @@ def test_a_silent_prefills_pages_come_back_after_the_quarantine_timeout(tiny_mod
         stack.stop()
 
 
-def test_after_decode_freezes_and_resumes_greedy_output_still_equals_monolithic(tiny_model):
-    # Decode runs 2 requests at a time: the others wait in its prealloc queue for seconds, and prefill holds their
-    # rooms Bootstrapping until decode sends their destination pages. A frozen decode sends none, so rooms still
-    # Bootstrapping after the freeze end only by prefill's bootstrap timeout: the freeze interrupts them for certain
-    # (KV already written to a frozen decode's sockets may still land; a destination never leaves it).
-    stack = PDStack(tiny_model, *FLAGS, decode_flags=("--max-running-requests", "2")).wait_healthy()
+def test_after_decode_freezes_and_resumes_greedy_output_still_equals_monolithic(tiny_model, tmp_path):
+    # Decode runs 2 requests at a time and prefill stalls its first streamed forward after the first layer groups
+    # left (`hold`): the 2 rooms decode sent destinations for are mid-transfer, every other request waits in
+    # decode's prealloc queue, and nothing moves until the test releases the stall. Decode freezes first, then
+    # prefill goes on: the rest of the 2 rooms' KV is written into the frozen decode's pages (late writes), and the
+    # rooms still Bootstrapping end only by prefill's bootstrap timeout (a destination never leaves a frozen decode).
+    release = tmp_path / "release"
+    release.touch()
+    stack = PDStack(
+        tiny_model,
+        *FLAGS,
+        prefill_flags=LAYERWISE,
+        decode_flags=("--max-running-requests", "2"),
+        env=stall_env(release),
+    ).wait_healthy()
     mono = serve(tiny_model, *FLAGS).wait_healthy()
     pgid = stack.decode.proc.pid
     try:
         with cf.ThreadPoolExecutor(16) as pool:
-            futures = load(stack.router.url, 16, pool, prompt_len=600)
-            # Both sides: decode's prealloc queue alone may fill before prefill has created the rooms.
-            wait_until(
-                lambda: (
-                    (decode_waiting_on_prefill(stack.decode.url) and bootstrapping(stack.prefill.url) >= HELD)
-                    or still_running(futures)
-                ),
-                timeout=30,
-                interval=0.01,
-                what="decode waiting for KV from prefill, prefill waiting for decode's destinations",
-            )
+            futures = hold(stack, release, 16, pool, prompt_len=600)
             os.killpg(pgid, signal.SIGSTOP)
             frozen = time.time()  # the clock of the scheduler's reports
+            release.touch()
             try:
-                held = report_after(stack.prefill.url, frozen, lambda st: True, 5, "a report made after the freeze")
-                # Decode may have sent a destination for each slot it had free (2) just before the freeze; any
-                # room beyond those waits for one that cannot come.
-                assert held["queues"]["prefill_bootstrap"] > 2, held
+                # Decode held all 16 with 2 running slots: 14 rooms never get a destination. Prefill's scheduler
+                # was stalled and creates the rooms of requests that came meanwhile once it goes on.
+                report_after(
+                    stack.prefill.url,
+                    frozen,
+                    lambda st: st["queues"].get("prefill_bootstrap", 0) >= 16 - 2,
+                    10,
+                    "holding Bootstrapping every room the frozen decode sent no destination for",
+                )
                 report_after(
                     stack.prefill.url,
                     frozen,
                     lambda st: not any(st["queues"].values()),
                     40,
-                    "prefill giving up on the frozen decode (its bootstrap timeout)",
+                    "prefill giving up on the frozen decode (its bootstrap and waiting timeouts)",
                 )
             finally:
                 os.killpg(pgid, signal.SIGCONT)
@@ -137,5 +129,6 @@ def test_after_decode_freezes_and_resumes_greedy_output_still_equals_monolithic(
         assert got == expected
         assert_clean(stack.prefill.url, stack.decode.url)
     finally:
+        release.touch()  # a stalled forward must not hold up the stop
         mono.stop()
         stack.stop()
