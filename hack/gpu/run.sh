@@ -31,7 +31,8 @@ python3 -c "import mooncake.engine; print('mooncake.engine imports')" 2>&1 | tai
 export PYTHONUNBUFFERED=1
 # The integration helpers start `disagg` from beside the interpreter, where `pip install` would have put it.
 bin=$(dirname "$(python3 -c 'import sys; print(sys.executable)')")
-[ -x "$bin/disagg" ] || printf '#!%s\nimport sys\nfrom disagg_worker.cli import main\nsys.exit(main())\n' \
+# (guarded as pip writes it: the scheduler process starts by spawn, which runs this file again as __mp_main__)
+[ -x "$bin/disagg" ] || printf '#!%s\nimport sys\nfrom disagg_worker.cli import main\n\nif __name__ == "__main__":\n    sys.exit(main())\n' \
   "$bin/python3" >"$bin/disagg" && chmod +x "$bin/disagg"
 # The benchmark first: its figures do not depend on the tier's outcome, and a test that hangs then costs only
 # the tier's own time (each test stops at GPU_TEST_TIMEOUT_S).
