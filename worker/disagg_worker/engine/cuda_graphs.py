@@ -28,6 +28,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, fields
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from disagg_worker.config import EngineConfig, Role
 from disagg_worker.mem.allocator import pages_for
@@ -105,10 +106,10 @@ def fill(buf: StepBuffers, fwd: ForwardBatch, bs: int, pad_page: int, page_size:
     buf.positions[n:bs] = 0
     buf.out_slots[n:bs] = pad_page * page_size
     buf.seq_lens[n:bs] = 1
-    buf.pages[:bs, :cols] = pad_page
-    for i, slots in enumerate(fwd.kv_slots):  # a sequence starts each page at offset 0
-        row = slots[::page_size] // page_size
-        buf.pages[i, : row.shape[0]] = row
+    buf.pages[n:bs, :cols] = pad_page
+    if n:  # a sequence starts each page at offset 0: its pages are its slots at 0, page_size, ... over page_size
+        firsts = pad_sequence([slots[::page_size] for slots in fwd.kv_slots], batch_first=True, padding_value=-1)
+        buf.pages[:n, :cols] = torch.where(firsts < 0, pad_page, firsts // page_size)
     return cols
 
 
