@@ -15,6 +15,7 @@ from disagg_worker.config import CacheConfig, EngineConfig, SchedulerConfig
 from disagg_worker.engine.engine import Engine
 from disagg_worker.engine.sampling import SamplingParams
 from disagg_worker.model.attention import AttentionPlan, paged_attention
+from disagg_worker.model.triton_attention import triton_paged_attention
 from tests.unit.test_engine import run_all, tokens_of
 from tests.unit.triton_interpreted import HEAD_DIM, KV_HEADS, batch_of, pool
 
@@ -84,7 +85,9 @@ def test_a_structured_output_request_is_answered_on_cuda_as_on_the_cpu(tiny_mode
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
-    "plan", [[(149, 1), (36, 1), (200, 1)], [(40, 23), (0, 70), (57, 1)]], ids=["decode", "extend"]
+    "plan",
+    [[(149, 1), (36, 1), (200, 1)], [(40, 23), (0, 70), (57, 1)], [(0, 300), (0, 57)]],
+    ids=["decode", "extend", "fresh"],
 )
 def test_triton_attention_equals_the_torch_path_on_cuda(plan, dtype):
     """float32 within 1e-4 (the kernels' products are IEEE, not tf32); bfloat16 within atol 3e-2 (a few of its
@@ -95,11 +98,13 @@ def test_triton_attention_equals_the_torch_path_on_cuda(plan, dtype):
     torch_plan = AttentionPlan.build(batch, q.device)
     triton_plan = AttentionPlan.build(batch, q.device, page_size=16)
     assert torch_plan.pages is None and triton_plan.pages is not None
-    got = paged_attention(q, triton_plan, k_buf, v_buf)
+    got = paged_attention(q, triton_plan, k_buf, v_buf)  # fresh prompts: SDPA's flash kernel, else the kernels
+    kernels = triton_paged_attention(q, triton_plan.pages, k_buf, v_buf)
     expected = paged_attention(q, torch_plan, k_buf, v_buf)
     tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=3e-2, rtol=0)
     assert got.dtype == dtype
     torch.testing.assert_close(got.float(), expected.float(), **tol)
+    torch.testing.assert_close(kernels.float(), expected.float(), **tol)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3_moe", "deepseek_v3"])

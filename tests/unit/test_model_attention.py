@@ -88,3 +88,29 @@ def test_write_kv_puts_each_token_at_its_page_and_offset():
     write_kv(k_buf, v_buf, k, v, torch.tensor([5 * PAGE_SIZE + 3, 2 * PAGE_SIZE, 2 * PAGE_SIZE + 1]))
     assert torch.equal(k_buf[5, 3], k[0]) and torch.equal(k_buf[2, 0], k[1]) and torch.equal(v_buf[2, 1], v[2])
     assert int((k_buf != 0).any(-1).any(-1).sum()) == 3
+
+
+@pytest.mark.parametrize(
+    "plan, kernels", [([(0, 30), (0, 7)], False), ([(5, 30), (0, 7)], True), ([(40, 1), (9, 1)], True)]
+)
+def test_with_page_tables_only_prompts_with_a_cached_prefix_or_decodes_go_to_the_triton_kernels(
+    monkeypatch, plan, kernels
+):
+    """On CUDA a plan holds page tables; prompts without a cached prefix still take SDPA's path (its flash kernel
+    there), every other batch the Triton kernels (built here on CPU tensors, the kernels replaced by a marker)."""
+    from dataclasses import replace
+
+    from disagg_worker.model import triton_attention
+    from tests.unit.triton_interpreted import HEAD_DIM, KV_HEADS, batch_of, pool
+
+    k_buf, v_buf = pool(16, seed=3)
+    batch = batch_of(plan, 16, seed=3)
+    q = torch.randn(batch.num_tokens, KV_HEADS * 2, HEAD_DIM)
+    torch_plan = AttentionPlan.build(batch, q.device)
+    cuda_like = replace(torch_plan, pages=triton_attention.page_tables(batch, 16, q.device))
+    monkeypatch.setattr(triton_attention, "triton_paged_attention", lambda *a: "kernels")
+    got = paged_attention(q, cuda_like, k_buf, v_buf)
+    if kernels:
+        assert isinstance(got, str) and got == "kernels"
+    else:
+        assert torch.equal(got, paged_attention(q, torch_plan, k_buf, v_buf))

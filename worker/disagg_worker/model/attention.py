@@ -17,6 +17,9 @@ The index tensors and masks are built once per forward (`AttentionPlan.build`) a
 
 On CUDA, given the pool's page size, the plan also holds page tables and `paged_attention` runs the Triton
 kernels of `triton_attention.py` instead, which read K/V straight from the pool; the CPU path is the above.
+Prompts without a cached prefix (`AttentionPlan.fresh`) take the extend path above there too: SDPA's flash
+kernel, causal over each request's new tokens (an 8k-token prompt of Llama-3.1-8B's shape on an H200: see
+docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -53,6 +56,12 @@ class AttentionPlan:
     decode_mask: torch.Tensor | None  # decode only: [B, 1, 1, Lmax], True where a key exists
     spans: tuple[Span, ...]  # extend only
     pages: PageTables | None = None  # CUDA only: the Triton kernels' page tables (see `triton_attention`)
+
+    @property
+    def fresh(self) -> bool:
+        """An extend batch of prompts without a cached prefix: on CUDA its attention is SDPA's flash kernel per
+        request (causal over the new tokens alone), faster there than the Triton extend kernel."""
+        return bool(self.spans) and all(span.mask is None for span in self.spans)
 
     @classmethod
     def build(cls, batch: ForwardBatch, device: torch.device, page_size: int | None = None) -> AttentionPlan:
@@ -96,7 +105,7 @@ def paged_attention(q: torch.Tensor, plan: AttentionPlan, k_buf: torch.Tensor, v
 
     The new tokens' K/V must already be in the pool (see `write_kv`).
     """
-    if plan.pages is not None:
+    if plan.pages is not None and not plan.fresh:
         from disagg_worker.model.triton_attention import triton_paged_attention
 
         return triton_paged_attention(q, plan.pages, k_buf, v_buf)
@@ -117,6 +126,9 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor 
     k = k.to(q.dtype)
     v = v.to(q.dtype)
     gqa = k.shape[1] != q.shape[1]
+    if gqa and q.is_cuda:  # the flash kernel, not every version's `enable_gqa`: K/V heads repeated for the group
+        k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+        gqa = False
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=gqa)
 
 
