@@ -175,9 +175,8 @@ def stepper_for(engine):
     return Stepper(engine, True), "instance.loop.Stepper, overlap on"
 
 
-def serve_run(ctx: dict, switch_interval_s: float | None = None) -> dict:
-    """Section 3, and ours for section 4: the whole workload's wall time, and the decode steps' GPU gaps.
-    `switch_interval_s`: the GIL's switch interval instead of the one the serving loop sets (for comparison)."""
+def serve_run(ctx: dict) -> dict:
+    """Section 3, and ours for section 4: the whole workload's wall time, and the decode steps' GPU gaps."""
     a, timer, cfg = ctx["args"], ctx["timer"], ctx["cfg"]
     n = a.batch
     engine = make_engine(
@@ -196,9 +195,6 @@ def serve_run(ctx: dict, switch_interval_s: float | None = None) -> dict:
 
     engine.runner.run = bracketed
     stepper, how = stepper_for(engine)
-    if switch_interval_s is not None:
-        sys.setswitchinterval(switch_interval_s)
-    how += f", GIL switch interval {sys.getswitchinterval() * 1000:g} ms"
     try:
         add_requests(engine, min(n, 2), 16, 4, cfg.vocab_size, seed=1, tag="w")  # warm-up
         _drive(engine, stepper)
@@ -385,8 +381,6 @@ def main(argv: list[str] | None = None) -> int:
             section(results, out, results["decode"], "batch_1_eager", decode, ctx, 1, False)
         section(results, out, results, "prefill", prefill, ctx)
         ours = section(results, out, results, "idle", serve_run, ctx)
-        if a_cuda(results):  # the loop's GIL switch interval against Python's default
-            section(results, out, results, "idle_python_switch", serve_run, ctx, 0.005)
         section(results, out, results, "peer", peer, ctx, ours)
     results["total_s"] = round(time.perf_counter() - started, 1)
     results["plot"] = plot(results, out / "gpu.png") or str(out / "gpu.png")

@@ -68,20 +68,12 @@ MAX_RUNNING_REQUESTS = Setting("--max-running-requests", int, 64, sglang="--max-
 MAX_BATCH_TOKENS = Setting("--max-batch-tokens", int, 2048)
 CHUNK_SIZE = Setting("--chunk-size", int, 512, sglang="--chunked-prefill-size")
 DISABLE_OVERLAP = Setting("--disable-overlap", bool, False, sglang="--disable-overlap-schedule", accepts_sglang=True)
+# Single-rank CUDA instances without a draft model replay their decode steps as CUDA graphs (engine/cuda_graphs.py).
 DISABLE_CUDA_GRAPH = Setting(
-    "--disable-cuda-graph",
-    bool,
-    False,
-    help="on a CUDA device, run decode steps eagerly instead of replaying the step captured per batch size "
-    "(single-rank instances without a draft model capture them)",
-    sglang="--disable-cuda-graph",
+    "--disable-cuda-graph", bool, False, help="run CUDA decode steps eagerly", sglang="--disable-cuda-graph"
 )
 CUDA_GRAPH_MAX_BS = Setting(
-    "--cuda-graph-max-bs",
-    int,
-    64,
-    help="the largest decode batch with a CUDA graph (capped by --max-running-requests); larger ones run eagerly",
-    sglang="--cuda-graph-max-bs",
+    "--cuda-graph-max-bs", int, 64, help="the largest decode batch run as a CUDA graph", sglang="--cuda-graph-max-bs"
 )
 SPECULATIVE_ALGORITHM = Setting(
     "--speculative-algorithm",

@@ -35,10 +35,6 @@ class EngineTuning:
     # Compiled grammars kept for reuse (least recently used dropped first): a compiled JSON schema holds up
     # to a few MB of token masks, so the bound keeps clients' schemas from growing the process without end.
     grammar_cache_entries: int = 128
-    # With overlap the forward runs on a thread of its own while the loop's thread schedules the next step in
-    # Python; a thread waiting for the GIL gets it after at most this long (Python's default is 5 ms, as long as a
-    # GPU's decode step: the forward thread then waited for the scheduling thread and the GPU idled between steps).
-    overlap_switch_interval_s: float = 0.0005
 
 
 @dataclass(frozen=True)

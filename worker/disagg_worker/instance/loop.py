@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 import time
 from collections import deque
 from collections.abc import Callable
@@ -64,8 +63,6 @@ class Stepper:
         self.overlap = overlap
         self.after_tick = after_tick
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forward")
-        if overlap:
-            sys.setswitchinterval(LOOP.overlap_switch_interval_s)
         self.inflight: tuple[ScheduledBatch, Future] | None = None
 
     @property
