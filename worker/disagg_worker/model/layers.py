@@ -36,6 +36,18 @@ class KVCacheView(Protocol):
     def latent_buffer(self, layer: int) -> torch.Tensor: ...
 
 
+class Merged:
+    """Several linear projections of one input as one GEMM: `weight` (and `bias`) their rows stacked, in order,
+    each projection's own parameters being views into it (`merged.merge_projections`); a call returns the
+    projections' outputs, views into one result."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, sizes: list[int]):
+        self.weight, self.bias, self.sizes = weight, bias, sizes
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return F.linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
+
+
 class RMSNorm(nn.Module):
     """Normalises in float32 and casts back before the weight, as Hugging Face does."""
 
@@ -59,6 +71,8 @@ class GatedMLP(nn.Module):
         self.gate_proj = nn.Linear(hidden, size, bias=False)
         self.up_proj = nn.Linear(hidden, size, bias=False)
         self.down_proj = nn.Linear(size, hidden, bias=False)
+        self.gate_up: Merged | None = None  # gate and up as one GEMM: set by `merged.merge_projections`
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.all_reduce(self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x)))
+        gate, up = self.gate_up(x) if self.gate_up is not None else (self.gate_proj(x), self.up_proj(x))
+        return self.all_reduce(self.down_proj(F.silu(gate) * up))
