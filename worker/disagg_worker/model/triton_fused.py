@@ -1,0 +1,80 @@
+"""Fused elementwise kernels for CUDA, as Triton kernels: RMSNorm and SiLU-and-multiply, each one launch where the
+torch path takes several (a decode step on a GPU is a string of small kernels; each launch costs ~2-3 us even
+replayed from a CUDA graph).
+
+Each kernel rounds where the torch path does, so the results match it bit for bit or within one unit in the last
+place (the sums' order, and `exp`, may differ):
+- `rms_norm` is `layers.RMSNorm.forward`: normalise in float32, cast to x's dtype, then multiply by the weight in
+  the two dtypes' promoted type (a bfloat16 product rounded once, as torch's elementwise multiply rounds it).
+- `silu_and_mul` is `F.silu(gate) * up` in their dtype: silu in float32 rounded to the dtype, then the product
+  rounded again.
+
+Rows may be strided (gate and up as the two halves of a merged gate/up output; no copy). The layers call these
+only on CUDA tensors, so the CPU path never imports this module; tests run the kernels on CPU tensors under
+Triton's interpreter (tests/unit/triton_fused_interpreted.py) and tests/gpu/test_cuda_engine.py on a GPU.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rms_norm_kernel(X, W, Out, x_row_stride, n, eps, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n
+    x = tl.load(X + row * x_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(x * x, axis=0) / n + eps)
+    normed = (x * rstd).to(X.dtype.element_ty).to(tl.float32)  # cast back to x's dtype before the weight
+    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(Out + row * n + cols, (w * normed).to(Out.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _silu_and_mul_kernel(G, U, Out, g_row_stride, u_row_stride, n, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n
+    g = tl.load(G + row * g_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(U + row * u_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    silu = (g / (1.0 + tl.exp(-g))).to(Out.dtype.element_ty).to(tl.float32)  # F.silu rounds to the dtype
+    tl.store(Out + row * n + cols, (silu * u).to(Out.dtype.element_ty), mask=mask)
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x as [rows, last dim] with unit column stride (a view where one exists, else a copy)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`layers.RMSNorm.forward(x)` with its `weight` and `eps`: a new contiguous tensor of x's shape, in x's and
+    the weight's promoted dtype."""
+    n = x.shape[-1]
+    out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    rows = _rows(x)
+    if rows.shape[0] == 0:
+        return out
+    block = triton.next_power_of_2(n)
+    num_warps = min(max(block // 256, 1), 16)
+    _rms_norm_kernel[(rows.shape[0],)](rows, weight, out, rows.stride(0), n, eps, BLOCK=block, num_warps=num_warps)
+    return out
+
+
+SILU_BLOCK = 1024
+
+
+def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """`F.silu(gate) * up` for two tensors of one shape and dtype (rows may be strided, e.g. the halves of a
+    merged gate/up output): a new contiguous tensor."""
+    n = gate.shape[-1]
+    out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    g, u = _rows(gate), _rows(up)
+    if g.shape[0] == 0:
+        return out
+    grid = (g.shape[0], triton.cdiv(n, SILU_BLOCK))
+    _silu_and_mul_kernel[grid](g, u, out, g.stride(0), u.stride(0), n, BLOCK=SILU_BLOCK, num_warps=4)
+    return out
