@@ -12,7 +12,8 @@ from disagg_worker.mem.kv_pool import KVPool
 from disagg_worker.model.layers import GatedMLP
 from disagg_worker.model.llama import LlamaAttention
 from disagg_worker.model.loader import load_model
-from disagg_worker.model.triton_fused import rms_norm, silu_and_mul
+from disagg_worker.model.rope import RotaryEmbedding
+from disagg_worker.model.triton_fused import rms_norm, rope, silu_and_mul
 from tests.unit.model_stubs import PageAllocator, make_batch
 
 ULP = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=1e-6, rtol=2**-7)}
@@ -45,6 +46,38 @@ def test_silu_and_mul_equals_the_torch_path_on_cuda(dtype, rows, size):
     gen = torch.Generator(device="cuda").manual_seed(rows + size)
     gate, up = (4 * torch.randn(rows, 2 * size, device="cuda", generator=gen)).to(dtype).split(size, -1)
     check(silu_and_mul(gate, up), F.silu(gate) * up, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [1, 33])
+def test_rope_equals_the_torch_path_on_cuda(dtype, tokens):
+    """Llama-3.1-8B's heads (32 q, 8 kv, 128 wide) as views into a merged q/k/v output."""
+    from disagg_worker.model.config import ModelConfig
+
+    cfg = ModelConfig.from_hf_dict(
+        {
+            "architectures": ["LlamaForCausalLM"],
+            "hidden_size": 4096,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 8,
+            "intermediate_size": 14336,
+            "num_hidden_layers": 1,
+            "vocab_size": 32,
+            "rms_norm_eps": 1e-5,
+            "max_position_embeddings": 8192,
+            "rope_theta": 500000.0,
+        }
+    )
+    gen = torch.Generator(device="cuda").manual_seed(tokens)
+    q, k, _ = torch.randn(tokens, 6144, device="cuda", generator=gen).to(dtype).split([4096, 1024, 1024], -1)
+    q, k = q.view(tokens, 32, 128), k.view(tokens, 8, 128)
+    positions = torch.randint(0, 8192, (tokens,), device="cuda", generator=gen)
+    rotation = RotaryEmbedding(cfg).to("cuda").at(positions, dtype)
+    cos, sin = rotation.cos, rotation.sin
+    got = rope(q, k, cos, sin)
+    for g, x in zip(got, (q, k), strict=True):  # the torch path, spelled out (Rotation calls the kernel on CUDA)
+        half = x.shape[-1] // 2
+        check(g, x * cos + torch.cat((-x[..., half:], x[..., :half]), -1) * sin, dtype)
 
 
 def decode_logits(model, cfg, device: str) -> torch.Tensor:

@@ -62,6 +62,43 @@ def silu_and_mul(rows: int, size: int, dtype: torch.dtype) -> float:
     return float((got.float() - expected.float()).abs().max())
 
 
+def rope(tokens: int, heads: int, kv_heads: int, dim: int, dtype: torch.dtype) -> float:
+    """q and k as views into a merged q/k/v output, rotated at scattered positions."""
+    from disagg_worker.model.config import ModelConfig
+    from disagg_worker.model.rope import RotaryEmbedding
+    from disagg_worker.model.triton_fused import rope as fused
+
+    cfg = ModelConfig.from_hf_dict(
+        {
+            "architectures": ["LlamaForCausalLM"],
+            "hidden_size": heads * dim,
+            "num_attention_heads": heads,
+            "num_key_value_heads": kv_heads,
+            "intermediate_size": 64,
+            "num_hidden_layers": 1,
+            "vocab_size": 32,
+            "rms_norm_eps": 1e-6,
+            "max_position_embeddings": 512,
+            "rope_theta": 10000.0,
+        }
+    )
+    gen = torch.Generator().manual_seed(tokens * heads + dim)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=gen).to(dtype)
+    q, k, _ = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+    q, k = q.view(tokens, heads, dim), k.view(tokens, kv_heads, dim)
+    rotation = RotaryEmbedding(cfg).at(torch.randint(0, 512, (tokens,), generator=gen), dtype)
+    expected = rotation(q, k)
+    got = fused(q, k, rotation.cos, rotation.sin)
+    # bfloat16: the truncated products may not cancel where torch's rounded ones do: an absolute bound too
+    tol = TOL[dtype] if dtype == torch.float32 else dict(atol=2**-5, rtol=2**-5)
+    worst = 0.0
+    for g, e in zip(got, expected, strict=True):
+        assert g.dtype == e.dtype and g.shape == e.shape
+        torch.testing.assert_close(g, e, **tol)
+        worst = max(worst, float((g.float() - e.float()).abs().max()))
+    return worst
+
+
 def empty() -> float:
     from disagg_worker.model.triton_fused import rms_norm as fused
     from disagg_worker.model.triton_fused import silu_and_mul as fused_mul
@@ -76,7 +113,7 @@ def interpreted() -> float:
 
     from disagg_worker.model import triton_fused as kernels
 
-    for kernel in (kernels._rms_norm_kernel, kernels._silu_and_mul_kernel):
+    for kernel in (kernels._rms_norm_kernel, kernels._silu_and_mul_kernel, kernels._rope_kernel):
         assert isinstance(kernel, InterpretedFunction), type(kernel)
     return 0.0
 
@@ -88,6 +125,11 @@ CASES = {
     **{f"rms_norm {r}x{d} {n}": partial(rms_norm, r, d, t) for r, d in ((1, 64), (7, 96)) for n, t in DTYPES.items()},
     **{f"rms_norm strided {n}": partial(rms_norm, 3, 64, t, True) for n, t in DTYPES.items()},
     **{f"rms_norm heads {n}": partial(rms_norm_heads, t) for n, t in DTYPES.items()},
+    **{
+        f"rope {t}x{h}/{kv}x{d} {n}": partial(rope, t, h, kv, d, dt)
+        for t, h, kv, d in ((1, 4, 2, 16), (5, 8, 1, 64))
+        for n, dt in DTYPES.items()
+    },
     **{
         f"silu_and_mul {r}x{s} {n}": partial(silu_and_mul, r, s, t)
         for r, s in ((1, 80), (4, 1500))

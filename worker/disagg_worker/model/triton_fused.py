@@ -1,6 +1,6 @@
-"""Fused elementwise kernels for CUDA, as Triton kernels: RMSNorm and SiLU-and-multiply, each one launch where the
-torch path takes several (a decode step on a GPU is a string of small kernels; each launch costs ~2-3 us even
-replayed from a CUDA graph).
+"""Fused elementwise kernels for CUDA, as Triton kernels: RMSNorm, SiLU-and-multiply and rotary embedding, each
+one launch where the torch path takes several (a decode step on a GPU is a string of small kernels; each launch
+costs ~2-3 us even replayed from a CUDA graph).
 
 Each kernel rounds where the torch path does, so the results match it bit for bit or within one unit in the last
 place (the sums' order, and `exp`, may differ):
@@ -8,6 +8,8 @@ place (the sums' order, and `exp`, may differ):
   the two dtypes' promoted type (a bfloat16 product rounded once, as torch's elementwise multiply rounds it).
 - `silu_and_mul` is `F.silu(gate) * up` in their dtype: silu in float32 rounded to the dtype, then the product
   rounded again.
+- `rope` is `rope.Rotation.__call__` (rotate-half layout) over q and k in one launch: `x * cos` and
+  `rotate_half(x) * sin` each rounded to the dtype, then their sum.
 
 Rows may be strided (gate and up as the two halves of a merged gate/up output; no copy). The layers call these
 only on CUDA tensors, so the CPU path never imports this module; tests run the kernels on CPU tensors under
@@ -42,6 +44,56 @@ def _silu_and_mul_kernel(G, U, Out, g_row_stride, u_row_stride, n, BLOCK: tl.con
     u = tl.load(U + row * u_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
     silu = (g / (1.0 + tl.exp(-g))).to(Out.dtype.element_ty).to(tl.float32)  # F.silu rounds to the dtype
     tl.store(Out + row * n + cols, (silu * u).to(Out.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rope_kernel(
+    Q, K, Cos, Sin, QOut, KOut, q_token_stride, q_head_stride, k_token_stride, k_head_stride, heads, kv_heads,
+    HALF: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    token, head = tl.program_id(0), tl.program_id(1)
+    if head < heads:
+        src = Q + token * q_token_stride + head * q_head_stride
+        dst = QOut + (token * heads + head) * 2 * HALF
+    else:
+        src = K + token * k_token_stride + (head - heads) * k_head_stride
+        dst = KOut + (token * kv_heads + head - heads) * 2 * HALF
+    cols = tl.arange(0, BLOCK)
+    mask = cols < HALF
+    x1 = tl.load(src + cols, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(src + HALF + cols, mask=mask, other=0.0).to(tl.float32)
+    dtype = QOut.dtype.element_ty
+    c1 = tl.load(Cos + token * 2 * HALF + cols, mask=mask, other=0.0).to(tl.float32)
+    c2 = tl.load(Cos + token * 2 * HALF + HALF + cols, mask=mask, other=0.0).to(tl.float32)
+    s1 = tl.load(Sin + token * 2 * HALF + cols, mask=mask, other=0.0).to(tl.float32)
+    s2 = tl.load(Sin + token * 2 * HALF + HALF + cols, mask=mask, other=0.0).to(tl.float32)
+    # x * cos + rotate_half(x) * sin, each product rounded to the dtype as torch's ops round them
+    out1 = (x1 * c1).to(dtype).to(tl.float32) + (-x2 * s1).to(dtype).to(tl.float32)
+    out2 = (x2 * c2).to(dtype).to(tl.float32) + (x1 * s2).to(dtype).to(tl.float32)
+    tl.store(dst + cols, out1.to(dtype), mask=mask)
+    tl.store(dst + HALF + cols, out2.to(dtype), mask=mask)
+
+
+def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`rope.Rotation.__call__`: q [T, H, D] and k [T, H_kv, D] (strided tokens and heads allowed, unit stride
+    within a head) rotated by cos/sin [T, 1, D] in their dtype (rotate-half layout); new contiguous tensors."""
+    t, heads, d = q.shape
+    kv_heads = k.shape[1]
+    q_out, k_out = (
+        torch.empty(q.shape, dtype=q.dtype, device=q.device),
+        torch.empty(k.shape, dtype=q.dtype, device=k.device),
+    )
+    if t == 0:
+        return q_out, k_out
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    k = k if k.stride(-1) == 1 else k.contiguous()
+    cos, sin = cos.contiguous(), sin.contiguous()
+    half = d // 2
+    _rope_kernel[(t, heads + kv_heads)](
+        q, k, cos, sin, q_out, k_out, q.stride(0), q.stride(1), k.stride(0), k.stride(1), heads, kv_heads,
+        HALF=half, BLOCK=triton.next_power_of_2(half), num_warps=1,
+    )  # fmt: skip
+    return q_out, k_out
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
