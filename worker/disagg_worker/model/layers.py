@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 AllReduce = Callable[[torch.Tensor], torch.Tensor]
+_FUSED_DTYPES = {torch.float32, torch.bfloat16}  # what `triton_fused` rounds as torch does
 
 
 def no_reduce(x: torch.Tensor) -> torch.Tensor:
@@ -58,7 +59,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda:  # one fused kernel, rounding as below
+        if x.is_cuda and {x.dtype, self.weight.dtype} <= _FUSED_DTYPES:  # one fused kernel, rounding as below
             from disagg_worker.model.triton_fused import rms_norm
 
             return rms_norm(x, self.weight, self.eps)
@@ -80,7 +81,7 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(x) if self.gate_up is not None else (self.gate_proj(x), self.up_proj(x))
-        if gate.is_cuda:  # one fused kernel, rounding as below
+        if gate.is_cuda and gate.dtype in _FUSED_DTYPES:  # one fused kernel, rounding as below
             from disagg_worker.model.triton_fused import silu_and_mul
 
             return self.all_reduce(self.down_proj(silu_and_mul(gate, up)))

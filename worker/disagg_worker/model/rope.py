@@ -106,7 +106,8 @@ class Rotation:
         """Rotate q [T, H, D] and k [T, H_kv, D] by their token's position (on CUDA in one Triton kernel,
         `triton_fused.rope`, rounding as here)."""
         cos, sin = self.cos, self.sin
-        if q.is_cuda and k.dtype == q.dtype == cos.dtype and q.shape[-1] == k.shape[-1] == cos.shape[-1]:
+        fused = q.dtype in (torch.float32, torch.bfloat16)  # what `triton_fused` rounds as torch does
+        if q.is_cuda and fused and k.dtype == q.dtype == cos.dtype and q.shape[-1] == k.shape[-1] == cos.shape[-1]:
             from disagg_worker.model.triton_fused import rope
 
             return rope(q, k, cos, sin)
