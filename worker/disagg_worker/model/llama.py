@@ -14,7 +14,7 @@ from torch import nn
 from disagg_worker.model.attention import AttentionPlan, paged_attention, write_kv
 from disagg_worker.model.config import ModelConfig
 from disagg_worker.model.decoder import Blocks
-from disagg_worker.model.layers import AllReduce, KVCacheView, RMSNorm
+from disagg_worker.model.layers import AllReduce, KVCacheView, Merged, RMSNorm
 from disagg_worker.model.parallel import Shard
 from disagg_worker.model.rope import Rotation
 
@@ -34,12 +34,18 @@ class LlamaAttention(nn.Module):
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        # q/k/v's weights (and biases) as one tensor, theirs being views into it: set by `merged.merge_projections`.
+        self.qkv: Merged | None = None
 
     def forward(self, x: torch.Tensor, rotation: Rotation, plan: AttentionPlan, kv: KVCacheView) -> torch.Tensor:
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        if self.qkv is not None:
+            q, k, v = self.qkv(x)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotation(q, k)

@@ -24,6 +24,7 @@ from tqdm import tqdm
 from disagg_worker.model.config import ModelConfig
 from disagg_worker.model.cpu_linear import can_pack, pack_linears
 from disagg_worker.model.decoder import CausalLM, Collectives
+from disagg_worker.model.merged import merge_projections
 from disagg_worker.model.moe import keeps_fp32
 from disagg_worker.model.parallel import Shard, check_parallel, shard_slice
 from disagg_worker.model.quant import check_int4_kernel, quantize_linears
@@ -56,7 +57,8 @@ def load_model(
 
     Returns the model in eval mode, without gradients, on `device` in `dtype` (bfloat16 linear layers on a
     CPU with their weights packed for oneDNN: `cpu_linear.py`), its projections in 4 bits where
-    `quantization` is "int4" (`quant.py`).
+    `quantization` is "int4" (`quant.py`); on CUDA, on a single tensor rank, q/k/v and gate/up each run as one
+    GEMM (`merged.py`).
     """
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     shard = shard or Shard()
@@ -86,6 +88,8 @@ def load_model(
         )
     if can_pack(torch.device(device), dtype):
         pack_linears(model)
+    if torch.device(device).type == "cuda" and shard.tp_size == 1 and quantization != "int4":
+        log.info("merged q/k/v and gate/up projections of %d modules", merge_projections(model))
     return model, cfg
 
 

@@ -103,8 +103,14 @@ class Rotation:
         self.cos, self.sin = cos, sin
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotate q [T, H, D] and k [T, H_kv, D] by their token's position."""
+        """Rotate q [T, H, D] and k [T, H_kv, D] by their token's position (on CUDA in one Triton kernel,
+        `triton_fused.rope`, rounding as here)."""
         cos, sin = self.cos, self.sin
+        fused = q.dtype in (torch.float32, torch.bfloat16)  # what `triton_fused` rounds as torch does
+        if q.is_cuda and fused and k.dtype == q.dtype == cos.dtype and q.shape[-1] == k.shape[-1] == cos.shape[-1]:
+            from disagg_worker.model.triton_fused import rope
+
+            return rope(q, k, cos, sin)
         return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
 
     def interleaved(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
