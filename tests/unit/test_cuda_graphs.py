@@ -24,6 +24,7 @@ from tests.unit.test_engine import assert_idle_accounting, make_engine, run_all,
 pytest_plugins = ["tests.unit.conftest_model"]
 
 MAX_BS = 4  # small, so that the varied batches below fall in every bucket, padded, and beyond (eager)
+MAX_CONTEXT = 256  # the requests below stay within it (a step of a longer one runs eagerly); the gather spans it
 
 
 def test_buckets_cover_every_batch_size_up_to_the_largest():
@@ -79,7 +80,7 @@ def with_static_step(engine: Engine) -> tuple[DecodeGraphs, list[int]]:
     """The engine's runner with a static step beside it (the padding page taken from its allocator), checking
     every decode step that fits against the dynamic one; returns the steps' batch sizes as they come."""
     (pad_page,) = engine.allocator.alloc(1) or []
-    graphs = DecodeGraphs(engine.runner.model, engine.kv_pool, pad_page, MAX_BS, engine.max_context_len)
+    graphs = DecodeGraphs(engine.runner.model, engine.kv_pool, pad_page, MAX_BS, MAX_CONTEXT)
     runner, sizes = engine.runner, []
     dynamic = runner.forward
 
@@ -125,6 +126,6 @@ def test_generation_with_the_static_step_equals_generation_without(tiny_model):
     ref = run_all(make_engine(tiny_model), requests(8), overlap=True)
     engine = make_engine(tiny_model)
     (pad_page,) = engine.allocator.alloc(1) or []
-    graphs = DecodeGraphs(engine.runner.model, engine.kv_pool, pad_page, MAX_BS, engine.max_context_len)
+    graphs = DecodeGraphs(engine.runner.model, engine.kv_pool, pad_page, MAX_BS, MAX_CONTEXT)
     engine.runner.graphs = graphs
     assert drive(engine, graphs, overlap=True) == {r: tokens_of(o) for r, o in ref.items()}

@@ -80,17 +80,23 @@ def load_model(
     model.tie_weights()
     model = model.to(device).eval().requires_grad_(False)
     model.finish_load()
+    fit_to_device(model, torch.device(device), dtype, shard, quantization)
+    return model, cfg
+
+
+def fit_to_device(model: CausalLM, device: torch.device, dtype: torch.dtype, shard: Shard, quantization: str) -> None:
+    """The forms a loaded model's projections take for its device: 4 bits (int4), packed for oneDNN (bfloat16 on
+    a CPU), or merged q/k/v and gate/up (CUDA, one tensor rank)."""
     if quantization == "int4":
         check_int4_kernel()
         swapped, kept = quantize_linears(model)
         log.info(
             "int4: %d projections in 4 bits, %d kept in %s (widths the kernel does not take)", swapped, kept, dtype
         )
-    if can_pack(torch.device(device), dtype):
+    if can_pack(device, dtype):
         pack_linears(model)
-    if torch.device(device).type == "cuda" and shard.tp_size == 1 and quantization != "int4":
+    if device.type == "cuda" and shard.tp_size == 1 and quantization != "int4":
         log.info("merged q/k/v and gate/up projections of %d modules", merge_projections(model))
-    return model, cfg
 
 
 def model_config(path: str | Path) -> ModelConfig:
