@@ -130,12 +130,6 @@ def queues(url: str) -> dict[str, int]:
     return requests.get(f"{url}/stats", timeout=scaled(5)).json()["queues"]
 
 
-def prefill_holding(url: str, at_least: int = HELD) -> bool:
-    """Prefill holds requests in its handoff stages (bootstrap, forward, inflight) (one /stats read)."""
-    q = queues(url)
-    return q.get("prefill_bootstrap", 0) + q.get("prefill_forward", 0) + q.get("prefill_inflight", 0) >= at_least
-
-
 def decode_waiting_on_prefill(url: str, at_least: int = HELD) -> bool:
     """Decode holds requests in its prealloc or transfer queue: they need the prefill side (one /stats read)."""
     q = queues(url)
@@ -186,12 +180,16 @@ def wait_router_healthy(stack: PDStack) -> None:
     )
 
 
-def test_kill_decode_mid_transfer(stack):
+def test_kill_decode_mid_transfer(held):
+    """kill -9 of decode while prefill holds a load in its handoff: the 2 rooms of a stalled streamed forward have
+    sent their first layer groups to decode and send the rest to a dead peer once the forward goes on; every other
+    room waits for a destination that never comes. Every prefill page comes back."""
+    stack, release = held
     before = reference(stack.router.url)
     with cf.ThreadPoolExecutor(24) as pool:
-        futures = load(stack.router.url, 24, pool)
-        wait_until(lambda: prefill_holding(stack.prefill.url), timeout=30, interval=0.02, what="prefill handing off")
+        futures = hold(stack, release, 24, pool)  # each one waits on prefill until it is released
         stack.decode.kill()
+        release.touch()  # the stalled forward goes on, towards a dead decode
         outcomes(futures)
     assert_clean(stack.prefill.url)
     stack.decode = stack.start_decode(stack.decode.port).wait_healthy()
@@ -201,14 +199,15 @@ def test_kill_decode_mid_transfer(stack):
     assert_clean(stack.prefill.url, stack.decode.url)
 
 
-def test_kill_prefill_mid_bootstrap(stack):
+def test_kill_prefill_mid_bootstrap(held):
+    """kill -9 of prefill while decode holds every request waiting on it: 2 rooms mid-transfer (their first layer
+    groups landed), every other one in decode's prealloc queue. Decode fails them all and frees every page."""
+    stack, release = held
     before = reference(stack.router.url)
     with cf.ThreadPoolExecutor(24) as pool:
-        futures = load(stack.router.url, 24, pool)
-        wait_until(
-            lambda: decode_waiting_on_prefill(stack.decode.url), timeout=30, interval=0.02, what="decode waiting on KV"
-        )
+        futures = hold(stack, release, 24, pool)  # each one waits on prefill until it is released
         stack.prefill.kill()
+        release.touch()  # the restarted prefill must not stall its streamed forwards
         outcomes(futures)
     assert_clean(stack.decode.url)
     # Decode reconnects to a restarted prefill instance without being restarted itself.
