@@ -32,6 +32,11 @@ def queues(url: str) -> dict[str, int]:
     return stats(url)["queues"]
 
 
+def bootstrapping(url: str) -> int:
+    """Rooms prefill holds until decode sends their destination pages (one /stats read)."""
+    return queues(url).get("prefill_bootstrap", 0)
+
+
 def test_a_silent_prefills_pages_come_back_after_the_quarantine_timeout(tiny_model):
     stack = PDStack(tiny_model, *FLAGS, "--quarantine-timeout", str(QUARANTINE_S)).wait_healthy()
     pgid = stack.prefill.proc.pid
