@@ -1,10 +1,11 @@
 """Decode steps from static buffers, one set per batch-size bucket, captured as CUDA graphs and replayed.
 
 A decode step (one new token per request) is what a GPU runs most, and for a small batch its kernels are shorter
-than the Python and the launches around them (a 32-layer model launches some 400 kernels a step). So, as SGLang's
-and vLLM's graph runners do, the step's inputs live in buffers fixed per bucket of batch sizes (token ids,
-positions, output slots, lengths, the page table), the forward over them is captured once per bucket at start-up,
-and each step copies its batch into the buffers, padded to its bucket, and replays the bucket's graph.
+than the Python and the launches around them (Llama-3.1-8B's shape: 720 kernels a step on an H200, 1235 before
+the fused ones; eager, 36 ms a step, replayed 5.5). So, as SGLang's and vLLM's graph runners do, the step's inputs
+live in buffers fixed per bucket of batch sizes (token ids, positions, output slots, lengths, the page table), the
+forward over them is captured once per bucket at start-up, and each step copies its batch into the buffers, padded
+to its bucket, and replays the bucket's graph.
 
 Padding rows decode token 0 at position 0 with a length of one into the padding page: a page of the pool after
 the allocator's, never a request's, so they read and write nothing of anyone's. The attention plan reads the page
