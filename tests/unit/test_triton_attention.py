@@ -26,13 +26,13 @@ from tests.unit.triton_interpreted import CASES, HEAD_DIM, KV_HEADS, batch_of, p
 REPO = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture(scope="module")
-def results() -> dict[str, dict]:
-    """Every case's result from one interpreted run: {"max_error": float} or {"error": traceback}."""
+def interpreted_results(module: str) -> dict[str, dict]:
+    """Every case's result from one run of `module` in a process of its own, where TRITON_INTERPRET is set before
+    triton is imported: {case: {"max_error": float, ...} or {"error": traceback}}."""
     pytest.importorskip("triton")
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
     run = subprocess.run(
-        [sys.executable, "-m", "tests.unit.triton_interpreted"],
+        [sys.executable, "-m", module],
         cwd=REPO,
         env=env,
         capture_output=True,
@@ -41,6 +41,11 @@ def results() -> dict[str, dict]:
     )
     assert run.returncode == 0, run.stderr[-4000:]
     return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def results() -> dict[str, dict]:
+    return interpreted_results("tests.unit.triton_interpreted")
 
 
 @pytest.mark.parametrize("case", CASES)

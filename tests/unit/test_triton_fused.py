@@ -5,37 +5,20 @@ tests/gpu/test_cuda_engine.py compares the compiled kernels on CUDA."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
 import types
-from pathlib import Path
 
 import pytest
 import torch
 
 from disagg_worker.model.layers import GatedMLP, RMSNorm
-from tests.timing import scaled
+from tests.unit.test_triton_attention import interpreted_results
 from tests.unit.triton_fused_interpreted import CASES
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def results() -> dict[str, dict]:
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-    run = subprocess.run(
-        [sys.executable, "-m", "tests.unit.triton_fused_interpreted"],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=scaled(120),
-    )
-    assert run.returncode == 0, run.stderr[-4000:]
-    return json.loads(run.stdout.strip().splitlines()[-1])
+    return interpreted_results("tests.unit.triton_fused_interpreted")
 
 
 @pytest.mark.parametrize("case", CASES)
