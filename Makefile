@@ -22,9 +22,12 @@ PORT ?= 8000
 ARGS ?=
 PYTEST_ARGS ?=
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+# The steps of `make test` run through hack/test/phase.sh, which records each one's wall time (see test:).
+phase = hack/test/phase.sh $(1)
 
-.PHONY: venv serve serve-mono serve-tiny test test-fast test-stress lint lint-manifests prometheus-bin jaeger-bin images \
-	tiny-model demo-model clean
+.PHONY: venv venv-install debian-packages serve serve-mono serve-tiny test test-prepare test-images test-image-operator \
+	test-image-worker test-fast test-stress lint lint-manifests manifest-tools prometheus-bin jaeger-bin images tiny-model \
+	demo-model clean
 
 -include mk/cluster.mk
 -include mk/node.mk
@@ -36,9 +39,11 @@ SYSTEM_PACKAGES := libibverbs1 ibverbs-providers libnuma1 libcurl4
 TOOL_PACKAGES := openssl curl
 
 $(STAMP): pyproject.toml
-	@missing=""; for p in $(SYSTEM_PACKAGES) $(TOOL_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
-	if [ -n "$$missing" ]; then echo "installing Debian packages:$$missing"; \
-	  $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq $$missing; fi
+	@$(call phase,venv) $(MAKE) --no-print-directory venv-install
+
+# The venv's steps (one recipe, so that its phase is timed as one).
+venv-install:
+	@$(MAKE) --no-print-directory PACKAGES='$(SYSTEM_PACKAGES) $(TOOL_PACKAGES)' debian-packages
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip setuptools wheel
 	$(PY) -m pip install -q -e '.[worker,mooncake-cpu,operator,test]'
@@ -46,7 +51,13 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --no-deps '$(INSTRUCTOR)'
 	$(PY) -m pip install -q $(foreach p,$(INSTRUCTOR_NEEDS),'$(p)')
 	rm -f $(VENV)/.installed-*
-	touch $@
+	touch $(STAMP)
+
+# debian-packages PACKAGES='...': installs those of them that are missing, in one apt-get run.
+debian-packages:
+	@missing=""; for p in $(PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	if [ -n "$$missing" ]; then echo "installing Debian packages:$$missing"; \
+	  $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq $$missing; fi
 
 venv: $(STAMP)
 
@@ -77,42 +88,68 @@ serve-tiny: tiny-model
 # base image made from Debian's packages (hack/images/build.sh); tagged ghcr.io/disagg/{worker,operator}:VERSION.
 IMAGE_PACKAGES := buildah mmdebstrap runc
 images:
-	@missing=""; for p in $(IMAGE_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
-	if [ -n "$$missing" ]; then echo "installing Debian packages:$$missing"; \
-	  $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq $$missing; fi
+	@$(MAKE) --no-print-directory PACKAGES='$(IMAGE_PACKAGES)' debian-packages
 	$(SUDO) hack/images/build.sh all
 
 # ruff (lint and format check) and mypy, configured in pyproject.toml.
 lint: venv
-	$(VENV)/bin/ruff check worker operator api tests bench hack
-	$(VENV)/bin/ruff format --check worker operator api tests bench hack
-	$(VENV)/bin/mypy
+	@$(call phase,ruff) $(VENV)/bin/ruff check worker operator api tests bench hack
+	@$(call phase,ruff-format) $(VENV)/bin/ruff format --check worker operator api tests bench hack
+	@$(call phase,mypy) $(VENV)/bin/mypy
 
 # What a cluster admin is handed, through kube-score and kubeconform (strict, offline schemas): the chart with
 # default and HA values, and the children the operator's builders make of every example and of hack/manifests/crs/.
 # Findings kept on purpose are listed, each with its reason, in hack/manifests/kept-findings.yaml.
 MANIFESTS := build/manifests
-lint-manifests: venv k8s-bin
-	tools=$$(PYTHON=$(PY) hack/manifests/tools.sh | tail -n1) && \
-	rm -rf $(MANIFESTS) && $(PY) hack/manifests/render.py --out $(MANIFESTS) --helm $(K8S_BIN_DIR)/helm >/dev/null && \
-	$(PY) hack/manifests/lint.py --tools "$$tools" --kept hack/manifests/kept-findings.yaml $(MANIFESTS)/*.yaml
+manifest-tools: venv
+	@$(call phase,manifest-tools) env PYTHON=$(PY) hack/manifests/tools.sh >/dev/null
+
+lint-manifests: venv k8s-bin manifest-tools
+	@tools=$$(PYTHON=$(PY) hack/manifests/tools.sh | tail -n1) && $(call phase,lint-manifests) bash -c '\
+	  rm -rf $(MANIFESTS) && $(PY) hack/manifests/render.py --out $(MANIFESTS) --helm $(K8S_BIN_DIR)/helm >/dev/null && \
+	  $(PY) hack/manifests/lint.py --tools "$$0" --kept hack/manifests/kept-findings.yaml $(MANIFESTS)/*.yaml' "$$tools"
 
 # Prometheus and promtool (built through the Go module proxy, cached under ~/.cache/disagg/prometheus): the chart's
 # alert rules run through `promtool test rules` and the dashboard's queries through a real server
 # (tests/packaging/test_alert_rules.py, tests/integration/test_observability.py).
 prometheus-bin:
-	hack/prometheus/build.sh
+	@$(call phase,prometheus) hack/prometheus/build.sh >/dev/null
 
 # Jaeger all-in-one, built from its Go module into ~/.cache/disagg/jaeger once (hack/jaeger/build.sh; measured on
 # one core of a loaded machine: 8.5 min from empty Go caches, 3.5 min after the Kubernetes build, nothing after):
 # the collector the tracing integration test reads spans from.
 jaeger-bin:
-	hack/jaeger/build.sh >/dev/null
+	@$(call phase,jaeger) hack/jaeger/build.sh >/dev/null
 
-# Lint first: a tree that does not pass it is not tested.
-# node-packages: the e2e tier (tests/e2e) runs pods on a real node, built and started by its fixture.
-test: lint lint-manifests node-packages prometheus-bin jaeger-bin
-	$(VENV)/bin/pytest $(PYTEST_ARGS) tests
+# `make test` in three steps, each timed (hack/test/phase.sh) into $(PHASES):
+#   1. the Debian packages of every step, in one apt-get run (apt runs cannot share the machine);
+#   2. everything the tests need, built side by side by make -j$(TEST_JOBS) (downloads beside compiles, the Go
+#      builds beside each other): the venv, the linters' runs (a tree that does not pass them is not tested),
+#      the control plane and the node's binaries, Prometheus, Jaeger, both images (the worker's after the venv,
+#      whose downloads fill pip's cache that its build reads);
+#   3. pytest over every tier, whose tier times and slowest tests go to $(TIERS) (tests/phases.py).
+# hack/test/report.py prints both at the end, whatever the result.
+PHASES := build/test-phases.tsv
+TIERS := build/test-tiers.json
+TEST_JOBS ?= 4
+ALL_PACKAGES = $(SYSTEM_PACKAGES) $(TOOL_PACKAGES) $(IMAGE_PACKAGES) $(NODE_PACKAGES_WANTED)
+
+test:
+	@mkdir -p build && rm -f $(PHASES) $(TIERS); export DISAGG_PHASES=$(CURDIR)/$(PHASES); status=0; \
+	$(call phase,debian-packages) $(MAKE) --no-print-directory PACKAGES='$(ALL_PACKAGES)' debian-packages && \
+	$(MAKE) --no-print-directory -j$(TEST_JOBS) test-prepare && \
+	DISAGG_TIER_REPORT=$(CURDIR)/$(TIERS) $(call phase,--plain pytest) $(VENV)/bin/pytest $(PYTEST_ARGS) tests \
+	  || status=$$?; \
+	python3 hack/test/report.py $(PHASES) $(TIERS); exit $$status
+
+test-prepare: lint lint-manifests node-bin prometheus-bin jaeger-bin test-images
+
+# The images the e2e tier runs (its fixture builds them again: buildah's layer cache finds them unchanged).
+test-images: test-image-worker
+test-image-operator:
+	@$(call phase,image-operator) $(SUDO) hack/images/build.sh operator
+test-image-worker: venv test-image-operator
+	@$(call phase,image-worker) $(SUDO) hack/images/build.sh worker
 
 test-fast: venv
 	$(VENV)/bin/pytest $(PYTEST_ARGS) tests/unit
@@ -122,7 +159,7 @@ test-fast: venv
 # stretch by STRESS_TIME_FACTOR (tests/timing.py); nothing else is relaxed.
 STRESS_TIME_FACTOR ?= 2
 test-stress: venv prometheus-bin jaeger-bin
-	@command -v stress-ng >/dev/null || { $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq stress-ng; }
+	@$(MAKE) --no-print-directory PACKAGES=stress-ng debian-packages
 	stress-ng --cpu $$(nproc) --quiet & load=$$!; trap 'kill $$load' EXIT; \
 	DISAGG_TEST_TIME_FACTOR=$(STRESS_TIME_FACTOR) $(VENV)/bin/pytest $(PYTEST_ARGS) tests/integration
 

@@ -15,7 +15,7 @@ export DISAGG_K8S_CACHE := $(K8S_CACHE_DIR)
 .PHONY: k8s-bin cluster cluster-down
 
 k8s-bin:
-	hack/k8s/build.sh
+	@$(call phase,k8s-bin) hack/k8s/build.sh >/dev/null
 
 cluster: k8s-bin
 	hack/k8s/cluster.sh up

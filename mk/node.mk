@@ -11,15 +11,14 @@ NODE_PACKAGES := containerd runc containernetworking-plugins ipset conntrack nft
 
 # A machine with Docker's containerd.io (which ships containerd and runc) keeps it: Debian's containerd and runc
 # conflict with it, and apt would remove Docker to install them.
+NODE_PACKAGES_WANTED := $(if $(shell dpkg -s containerd.io >/dev/null 2>&1 && echo kept),\
+	$(filter-out containerd runc,$(NODE_PACKAGES)),$(NODE_PACKAGES))
+
 node-packages:
-	@wanted="$(NODE_PACKAGES)"; if dpkg -s containerd.io >/dev/null 2>&1; then \
-	  wanted=$$(tr ' ' '\n' <<<"$$wanted" | grep -vx -e containerd -e runc | tr '\n' ' '); fi; \
-	missing=""; for p in $$wanted; do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
-	if [ -n "$$missing" ]; then echo "installing Debian packages:$$missing"; \
-	  $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq $$missing; fi
+	@$(MAKE) --no-print-directory PACKAGES='$(NODE_PACKAGES_WANTED)' debian-packages
 
 node-bin: node-packages
-	nice hack/node/build.sh
+	@$(call phase,node-bin) nice hack/node/build.sh >/dev/null
 
 cluster-node: node-bin
 	hack/node/node.sh up --no-build

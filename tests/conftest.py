@@ -5,7 +5,10 @@ from __future__ import annotations
 import pytest
 from hypothesis import HealthCheck, settings
 
+from tests.phases import pytest_runtest_logreport, pytest_runtest_logstart, pytest_terminal_summary
 from tests.timing import FACTOR, scaled
+
+__all__ = ["pytest_runtest_logreport", "pytest_runtest_logstart", "pytest_terminal_summary"]  # the tier report's hooks
 
 # Property tests run on loaded machines too: no per-example deadline and no "too slow to generate" check,
 # which measure the machine, not the property. A test's own @settings still chooses its number of examples.

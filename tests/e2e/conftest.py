@@ -25,6 +25,7 @@ from pathlib import Path
 import pytest
 
 from tests.e2e import readme
+from tests.phases import record_phase
 from tests.timing import scaled, wait_until
 
 REPO = Path(__file__).resolve().parents[2]
@@ -72,7 +73,10 @@ class RealNode:
 
 def _script(path: str, *args: str) -> str:
     """Run a script of hack/ and return the last line it printed; raises when it fails."""
+    start = time.time()
     proc = subprocess.run([str(REPO / "hack" / path), *args], stdout=subprocess.PIPE, text=True)
+    if path != "k8s/build.sh" or args != ("--bin-dir",):
+        record_phase(f"e2e: {path} {' '.join(args)}".strip(), start, time.time() - start, proc.returncode)
     if proc.returncode != 0:
         raise RuntimeError(f"hack/{path} {' '.join(args)} failed with exit code {proc.returncode}")
     lines = proc.stdout.strip().splitlines()
