@@ -2,8 +2,10 @@
 
 Jaeger all-in-one (built from its Go module by `hack/jaeger/build.sh`, as `make test` does first) takes the three
 processes' spans over OTLP/HTTP on free ports; the test reads one request's trace from its query API and checks
-the spans each process made, their parents across the processes, and that their durations add up to what the
-client measured.
+the spans each process made, their parents across the processes, that each lies inside its parent and that they
+follow one another in the order of the request's life. Durations are not compared against a fixed slack: under
+load the front ends' own work (parsing, the zmq hops, the exports) grows without bound, and three processes'
+clocks are read at different moments; what the structure says holds on any machine.
 """
 
 from __future__ import annotations
@@ -24,11 +26,9 @@ REPO = Path(__file__).resolve().parents[2]
 FLAGS = ("--page-size", "4", "--chunk-size", "32", "--max-total-tokens", "8192")
 # Spans leave each process in batches this often (ms): the trace is complete soon after the request.
 EXPORT_DELAY_MS = "100"
-# How much of the client's latency the stages may leave uncovered: the HTTP round trips on localhost and the
-# front ends' own work (parsing, tokenising, the zmq hops, detokenising). Measured on a loaded 2-core machine: a
-# 40 ms request, 1 ms outside the router's span, 3 ms of each worker's span outside its stages, 6 ms in all. A
-# deadline-like bound, so it stretches with the machine's time factor.
-TOLERANCE_S = scaled(0.015)
+# Jaeger keeps microseconds and each process rounds its own clock readings: a span's end may read up to this much
+# past its parent's (us).
+ROUNDING_US = 1000
 
 
 @pytest.fixture(scope="module")
@@ -171,8 +171,8 @@ def test_a_pd_request_is_one_trace_across_router_prefill_and_decode(stack, jaege
             for s in names[f"disagg-{role}:{name}"]:
                 assert parent_of(s) == server["spanID"], (role, name)
                 assert 0 <= s["duration"] < server["duration"], (role, name)
-                assert server["startTime"] <= s["startTime"] and end(s) <= end(server) + 1000, (role, name)
-        assert leg["startTime"] <= server["startTime"] and end(server) <= end(leg) + 1000, role
+                assert server["startTime"] <= s["startTime"] and end(s) <= end(server) + ROUNDING_US, (role, name)
+        assert leg["startTime"] <= server["startTime"] and end(server) <= end(leg) + ROUNDING_US, role
 
     # The transfer, as each side saw it.
     sent, received = one["disagg-prefill:kv.transfer"]["attrs"], one["disagg-decode:kv.transfer"]["attrs"]
@@ -189,31 +189,27 @@ def test_a_pd_request_is_one_trace_across_router_prefill_and_decode(stack, jaege
     assert decoding["finish_reason"] == "length" and decoding["output_tokens"] == 8
     assert one[f"disagg-decode:decode {SERVER}"]["attrs"]["disagg.finish_reason"] == "length"
 
-    # Durations add up. The router's span is the client's latency less the HTTP round trip on localhost. Each
-    # worker's stages fill its span but for its front end's own work (parsing, tokenising, the zmq hops,
-    # detokenising): decode's one after another; prefill's KV transfer begins with the first chunk's pages and
-    # overlaps the later chunks' forwards, so what adds up there is the time at least one stage covers.
-    tolerance_us = TOLERANCE_S * 1e6
+    # Each level of the streamed answer's path lies inside the one above it: client > router > attempt > decode
+    # leg > decode's span > the time decode's stages cover; prefill's stages cover part of its span and no more
+    # (its KV transfer begins with the first chunk's pages and overlaps the later chunks' forwards, so what is
+    # compared is the time at least one stage covers).
     covered = {}
     for role, stages in (("prefill", PREFILL_STAGES), ("decode", DECODE_STAGES)):
         server = one[f"disagg-{role}:{role} {SERVER}"]
         spans_of = [s for n in stages for s in names[f"disagg-{role}:{n}"]]
         covered[role] = union_us([(s["startTime"], end(s)) for s in spans_of])
-        assert server["duration"] - tolerance_us <= covered[role] <= server["duration"], (role, covered, server)
-    # The streamed answer's path, each level inside the one above it (1 ms of slack for the clocks' rounding):
-    # client > router > attempt > decode leg > decode's span > decode's stages, all within the tolerance.
+        assert 0 < covered[role] <= server["duration"], (role, covered, server)
     chain = [latency_us, root["duration"], attempt["duration"], one["disagg-router:decode"]["duration"]]
     chain += [one[f"disagg-decode:decode {SERVER}"]["duration"], covered["decode"]]
-    assert all(a + 1000 >= b for a, b in zip(chain, chain[1:], strict=False)), chain
-    assert chain[0] - chain[-1] <= tolerance_us, chain
+    assert all(a + ROUNDING_US >= b for a, b in zip(chain, chain[1:], strict=False)), chain
     decode = [one[f"disagg-decode:{n}"] for n in DECODE_STAGES]
     for a, b in zip(decode, decode[1:], strict=False):
-        assert end(a) <= b["startTime"] + 1000, ("decode", a["operationName"], b["operationName"])
+        assert end(a) <= b["startTime"] + ROUNDING_US, ("decode", a["operationName"], b["operationName"])
     prefill = [one[f"disagg-prefill:{n}"] for n in PREFILL_STAGES[:3]] + forwards
     for a, b in zip(prefill, prefill[1:], strict=False):
         assert a["startTime"] <= b["startTime"], ("prefill", a["operationName"], b["operationName"])
     transfer = one["disagg-prefill:kv.transfer"]
-    assert end(forwards[0]) <= transfer["startTime"] + 1000 and end(transfer) >= end(forwards[-1])
+    assert end(forwards[0]) <= transfer["startTime"] + ROUNDING_US and end(transfer) >= end(forwards[-1])
 
 
 def union_us(intervals: list[tuple[int, int]]) -> int:

@@ -4,6 +4,7 @@ summary a receiver gets, then resolves (testdata/disagg.rules.test.yaml)."""
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -46,6 +47,24 @@ def test_every_alert_fires_and_resolves_on_synthetic_series(promtool, tmp_path):
     alerts = {r["alert"] for r in rules() if "alert" in r}
     assert len(alerts) == 7
     assert {(a, firing) for a in alerts for firing in (True, False)} <= tested, "an alert without a firing test"
+
+
+def test_every_rule_reads_only_series_its_own_group_recorded_before_it():
+    """Prometheus evaluates the rules of a group in order, at one instant, and the groups side by side: a rule
+    that reads a recording rule of another group (or a later one of its own) may see the value of the previous
+    evaluation, and an alert's summary would then be one interval late (what made the firing test above pass
+    or fail by chance)."""
+    groups = yaml.safe_load(rules_with_defaults())["groups"]
+    recorded = {r["record"] for g in groups for r in g["rules"] if "record" in r}
+    assert len(recorded) == 5
+    for group in groups:
+        before: set[str] = set()
+        for rule in group["rules"]:
+            reads = {name for name in recorded if re.search(rf"(?<![\w:]){re.escape(name)}(?![\w:])", rule["expr"])}
+            name = rule.get("alert") or rule["record"]
+            assert reads <= before, f"{name} in group {group['name']} reads {sorted(reads - before)} recorded elsewhere"
+            if "record" in rule:
+                before.add(rule["record"])
 
 
 def test_every_dashboard_query_is_valid_promql(promtool, tmp_path):
