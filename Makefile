@@ -127,19 +127,25 @@ jaeger-bin:
 #      builds beside each other): the venv, the linters' runs (a tree that does not pass them is not tested),
 #      the control plane and the node's binaries, Prometheus, Jaeger, both images (the worker's after the venv,
 #      whose downloads fill pip's cache that its build reads);
-#   3. pytest over every tier, whose tier times and slowest tests go to $(TIERS) (tests/phases.py).
+#   3. pytest: the unit tier first, on every core (pytest-xdist: its tests are pure, they start no server and
+#      bind no fixed port), then every other tier in one session, one test at a time (they share running
+#      stacks, a cluster and a node through module- and session-scoped fixtures). Each tier's time and slowest
+#      tests go to $(TIERS) (tests/phases.py).
 # hack/test/report.py prints both at the end, whatever the result.
 PHASES := build/test-phases.tsv
 TIERS := build/test-tiers.json
 TEST_JOBS ?= 4
+UNIT_JOBS ?= $(shell nproc)
+UNIT_PYTEST = $(VENV)/bin/pytest -n $(UNIT_JOBS) $(PYTEST_ARGS) tests/unit
 ALL_PACKAGES = $(SYSTEM_PACKAGES) $(TOOL_PACKAGES) $(IMAGE_PACKAGES) $(NODE_PACKAGES_WANTED)
 
 test:
 	@mkdir -p build && rm -f $(PHASES) $(TIERS); export DISAGG_PHASES=$(CURDIR)/$(PHASES); status=0; \
 	$(call phase,debian-packages) $(MAKE) --no-print-directory PACKAGES='$(ALL_PACKAGES)' debian-packages && \
-	$(MAKE) --no-print-directory -j$(TEST_JOBS) test-prepare && \
-	DISAGG_TIER_REPORT=$(CURDIR)/$(TIERS) $(call phase,--plain pytest) $(VENV)/bin/pytest $(PYTEST_ARGS) tests \
-	  || status=$$?; \
+	$(MAKE) --no-print-directory -j$(TEST_JOBS) test-prepare || status=$$?; \
+	if [ $$status = 0 ]; then export DISAGG_TIER_REPORT=$(CURDIR)/$(TIERS); \
+	  $(call phase,--plain pytest-unit) $(UNIT_PYTEST) || status=$$?; \
+	  $(call phase,--plain pytest) $(VENV)/bin/pytest $(PYTEST_ARGS) tests --ignore=tests/unit || status=$$?; fi; \
 	python3 hack/test/report.py $(PHASES) $(TIERS); exit $$status
 
 test-prepare: lint lint-manifests node-bin prometheus-bin jaeger-bin test-images
@@ -152,7 +158,7 @@ test-image-worker: venv test-image-operator
 	@$(call phase,image-worker) $(SUDO) hack/images/build.sh worker
 
 test-fast: venv
-	$(VENV)/bin/pytest $(PYTEST_ARGS) tests/unit
+	$(UNIT_PYTEST)
 
 # The integration tier on a loaded machine: stress-ng (Debian's) keeps one CPU hog per core busy while it
 # runs, so that a test racing the machine's speed fails here before CI finds it. The tests' deadlines

@@ -4,7 +4,9 @@ A tier is the directory under tests/ a test lives in (unit, integration, cluster
 from the start of its first test's set-up to the end of its last test's teardown, so a session fixture that a
 tier's first test starts (a cluster, a node) is counted in that tier. The section is printed at the end of
 pytest's summary, and written as JSON to $DISAGG_TIER_REPORT where that is set (`make test` sets it;
-hack/test/report.py prints it with the build's phases).
+hack/test/report.py prints it with the build's phases). Under pytest-xdist the hooks run in the controlling
+process, from the reports its workers send, so a tier's wall time is still the time from its first start to its
+last end.
 """
 
 from __future__ import annotations
@@ -88,7 +90,8 @@ def render(tiers: dict[str, dict]) -> list[str]:
     lines = []
     for name, tier in tiers.items():
         counts = ", ".join(f"{n} {outcome}" for outcome, n in sorted(tier["outcomes"].items()))
-        lines.append(f"{name}: {tier['wall_s'] / 60:.1f} min wall, {tier['tests']} tests ({counts})")
+        wall = tier["wall_s"]
+        lines.append(f"{name}: {int(wall // 60)}:{int(wall % 60):02d} wall, {tier['tests']} tests ({counts})")
         lines.extend(f"  {t['seconds']:7.1f} s  {t['test']}" for t in tier["slowest"])
     return lines
 
@@ -101,6 +104,8 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     for line in render(tiers):
         terminalreporter.write_line(line)
     target = os.environ.get("DISAGG_TIER_REPORT")
-    if target:
-        Path(target).parent.mkdir(parents=True, exist_ok=True)
-        Path(target).write_text(json.dumps(tiers, indent=1))
+    if target:  # merged with what an earlier session of the same run wrote (make test runs two)
+        path = Path(target)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        earlier = json.loads(path.read_text()) if path.exists() else {}
+        path.write_text(json.dumps({**earlier, **tiers}, indent=1))
