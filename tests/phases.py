@@ -78,6 +78,7 @@ def summary() -> dict[str, dict]:
         slowest = sorted(tier.seconds.items(), key=lambda kv: kv[1], reverse=True)[:SLOWEST]
         out[name] = {
             "wall_s": round(tier.last - tier.first, 1),
+            "test_s": round(sum(tier.seconds.values()), 1),  # above wall_s where tests ran side by side
             "tests": tier.tests,
             "outcomes": tier.outcomes,
             "slowest": [{"test": test, "seconds": round(s, 1)} for test, s in slowest],
@@ -91,9 +92,16 @@ def render(tiers: dict[str, dict]) -> list[str]:
     for name, tier in tiers.items():
         counts = ", ".join(f"{n} {outcome}" for outcome, n in sorted(tier["outcomes"].items()))
         wall = tier["wall_s"]
-        lines.append(f"{name}: {int(wall // 60)}:{int(wall % 60):02d} wall, {tier['tests']} tests ({counts})")
+        busy = tier.get("test_s", wall)
+        lines.append(
+            f"{name}: {_clock(wall)} wall, {_clock(busy)} of tests' own time, {tier['tests']} tests ({counts})"
+        )
         lines.extend(f"  {t['seconds']:7.1f} s  {t['test']}" for t in tier["slowest"])
     return lines
+
+
+def _clock(seconds: float) -> str:
+    return f"{int(seconds // 60)}:{int(seconds % 60):02d}"
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
