@@ -25,11 +25,12 @@ def phases(path: Path) -> list[str]:
         return []
     origin = min(start for _, start, _, _ in rows)
     end = max(start + seconds for _, start, seconds, _ in rows)
-    lines = [f"{'phase':<40} {'start':>8} {'wall':>8}  status"]
+    width = max(len(name) for name, _, _, _ in rows)
+    lines = [f"{'phase':<{width}} {'start':>8} {'wall':>8}  status"]
     for name, start, seconds, status in sorted(rows, key=lambda r: r[1]):
         mark = "ok" if status == 0 else f"FAILED ({status})"
-        lines.append(f"{name:<40} {_min(start - origin):>8} {_min(seconds):>8}  {mark}")
-    lines.append(f"{'all':<40} {'':>8} {_min(end - origin):>8}")
+        lines.append(f"{name:<{width}} {_min(start - origin):>8} {_min(seconds):>8}  {mark}")
+    lines.append(f"{'all':<{width}} {'':>8} {_min(end - origin):>8}")
     return lines
 
 
