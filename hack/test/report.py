@@ -25,7 +25,7 @@ def phases(path: Path) -> list[str]:
         return []
     origin = min(start for _, start, _, _ in rows)
     end = max(start + seconds for _, start, seconds, _ in rows)
-    width = max(len(name) for name, _, _, _ in rows)
+    width = min(48, max(len(name) for name, _, _, _ in rows))  # a longer name runs past its column
     lines = [f"{'phase':<{width}} {'start':>8} {'wall':>8}  status"]
     for name, start, seconds, status in sorted(rows, key=lambda r: r[1]):
         mark = "ok" if status == 0 else f"FAILED ({status})"
