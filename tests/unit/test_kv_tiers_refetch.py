@@ -54,6 +54,8 @@ def test_pages_host_memory_dropped_while_a_request_waited_come_from_the_store_at
         tiers.settle()  # the store's writer thread has written them
         assert store.exists(page_hashes(a, PS)) == 4
         tiers.prefetch("r", [*a, 1, 2, 3, 4, 5])  # arrives while host memory holds its pages
+        tiers.settle()  # its first read (the page past them, which the store lacks) is done: "r" is ready
+        assert tiers.ready("r")
         b = list(range(200, 216))  # another request's pages take every slot before "r" is admitted
         radix.insert(b, radix.allocator.alloc(4))
         assert tiers.host.run_of(page_hashes(a, PS)) == 0
