@@ -14,15 +14,26 @@ Every rule that depends on the model (vocabulary, context, KV capacity) is `Requ
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from disagg_worker.request.errors import bad_request, model_not_found
 from disagg_worker.request.limits import RequestLimits
-from disagg_worker.request.params import MAX_LOGIT_BIAS, MAX_TOKEN_ID, SamplingParams
+from disagg_worker.request.params import SamplingParams
 from disagg_worker.server.constraints import parse_native_grammar, parse_openai_grammar
+from disagg_worker.server.readers import (
+    optional,
+    read_bool,
+    read_int,
+    read_logit_bias,
+    read_real,
+    read_stop,
+    read_text,
+    read_token_ids,
+    read_token_list,
+    show,
+)
 from disagg_worker.server.tool_calls import ToolUse, message_tool_calls, parse_tool_use
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16
@@ -85,103 +96,20 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
 
 
-# Readers: one JSON value -> one Python value of the right type, or a 400 naming `param`.
-
-
-def _int(v: Any, param: str) -> int:
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise bad_request(f"{param}: must be an integer, got {_show(v)}", param)
-    return v
-
-
-def _real(v: Any, param: str) -> float:
-    try:
-        ok = not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(float(v))
-    except OverflowError:
-        ok = False
-    if not ok:
-        raise bad_request(f"{param}: must be a finite number, got {_show(v)}", param)
-    return float(v)
-
-
-def _bool(v: Any, param: str) -> bool:
-    if not isinstance(v, bool):
-        raise bad_request(f"{param}: must be a boolean, got {_show(v)}", param)
-    return v
-
-
-def _text(v: Any, param: str) -> str:
-    if not isinstance(v, str):
-        raise bad_request(f"{param}: must be a string, got {_show(v)}", param)
-    try:
-        v.encode("utf-8")
-    except UnicodeEncodeError:
-        raise bad_request(f"{param}: is not valid Unicode text", param) from None
-    return v
-
-
-def _stop(v: Any, param: str) -> tuple[str, ...]:
-    items = [v] if isinstance(v, str) else v
-    if not isinstance(items, list) or not all(isinstance(s, str) and s for s in items):
-        raise bad_request(f"{param}: must be a non-empty string or a list of them", param)
-    return tuple(_text(s, param) for s in items)
-
-
-def _token_list(v: Any, param: str, limits: RequestLimits) -> list[int]:
-    """A list of token ids; whether they are in the vocabulary is `limits`' to say."""
-    if not isinstance(v, list) or not all(
-        isinstance(t, int) and not isinstance(t, bool) and 0 <= t < MAX_TOKEN_ID for t in v
-    ):
-        raise bad_request(f"{param}: must be a list of token ids in [0, {limits.token_id_bound})", param)
-    return v
-
-
-def _token_ids(v: Any, param: str, limits: RequestLimits) -> tuple[int, ...]:
-    ids = _token_list(v, param, limits)
-    limits.check_token_ids(ids, param)
-    return tuple(ids)
-
-
-def _logit_bias(v: Any, param: str) -> tuple[tuple[int, float], ...]:
-    """OpenAI's logit_bias: an object mapping token ids (as strings) to biases; the ranges are SamplingParams'."""
-    if not isinstance(v, dict):
-        raise bad_request(f"{param}: must be an object mapping token ids to biases", param)
-    if len(v) > MAX_LOGIT_BIAS:
-        raise bad_request(f"{param}: at most {MAX_LOGIT_BIAS} tokens, got {len(v)}", param)
-    pairs = []
-    for key, bias in v.items():
-        if not (key.isascii() and key.isdigit() and len(key) <= 10):
-            raise bad_request(f"{param}: keys must be token ids, got {_show(key)}", param)
-        pairs.append((int(key), _real(bias, f"{param}.{key}")))
-    return tuple(sorted(pairs))
-
-
-def _show(v: Any) -> str:
-    if isinstance(v, int) and not isinstance(v, bool) and abs(v) >= 10**40:
-        return "a huge integer"
-    text = json.dumps(v) if isinstance(v, (str, int, float, bool, type(None))) else type(v).__name__
-    return text if len(text) <= 40 else text[:37] + "..."
-
-
-def _opt(body: dict, key: str, read: Callable[[Any, str], Any], default: Any, prefix: str = "") -> Any:
-    v = body.get(key)
-    return default if v is None else read(v, prefix + key)
-
-
 # SamplingParams field -> (OpenAI name, reader); stop_token_ids, max and logprobs are special.
 _SAMPLING_FIELDS: dict[str, tuple[str, Callable[[Any, str], Any]]] = {
-    "temperature": ("temperature", _real),
-    "top_p": ("top_p", _real),
-    "top_k": ("top_k", _int),
-    "min_p": ("min_p", _real),
-    "seed": ("seed", _int),
-    "frequency_penalty": ("frequency_penalty", _real),
-    "presence_penalty": ("presence_penalty", _real),
-    "repetition_penalty": ("repetition_penalty", _real),
-    "stop": ("stop", _stop),
-    "ignore_eos": ("ignore_eos", _bool),
-    "min_new_tokens": ("min_tokens", _int),
-    "skip_special_tokens": ("skip_special_tokens", _bool),
+    "temperature": ("temperature", read_real),
+    "top_p": ("top_p", read_real),
+    "top_k": ("top_k", read_int),
+    "min_p": ("min_p", read_real),
+    "seed": ("seed", read_int),
+    "frequency_penalty": ("frequency_penalty", read_real),
+    "presence_penalty": ("presence_penalty", read_real),
+    "repetition_penalty": ("repetition_penalty", read_real),
+    "stop": ("stop", read_stop),
+    "ignore_eos": ("ignore_eos", read_bool),
+    "min_new_tokens": ("min_tokens", read_int),
+    "skip_special_tokens": ("skip_special_tokens", read_bool),
 }
 
 
@@ -197,10 +125,10 @@ def _sampling(
             values[fld] = read(v, prefix + key)
     ids = body.get("stop_token_ids")
     if ids is not None:
-        values["stop_token_ids"] = _token_ids(ids, prefix + "stop_token_ids", limits)
+        values["stop_token_ids"] = read_token_ids(ids, prefix + "stop_token_ids", limits)
     bias = body.get("logit_bias")
     if bias is not None:
-        values["logit_bias"] = _logit_bias(bias, prefix + "logit_bias")
+        values["logit_bias"] = read_logit_bias(bias, prefix + "logit_bias")
     params = SamplingParams(**values)
     try:
         params.validate(limits.vocab_size)
@@ -220,8 +148,8 @@ def _max_tokens(
     if v is None:
         return min(default, limits.max_context_len), False
     param = prefix + key
-    if (n := _int(v, param)) < least:
-        raise bad_request(f"{param}: must be at least {least}, got {_show(n)}", param)
+    if (n := read_int(v, param)) < least:
+        raise bad_request(f"{param}: must be at least {least}, got {show(n)}", param)
     limits.check_max_tokens(n := max(n, 1), param)
     return n, True
 
@@ -233,7 +161,7 @@ def _object(body: Any) -> dict:
 
 
 def _model(body: dict, served_model: str) -> str:
-    model = _opt(body, "model", _text, served_model)
+    model = optional(body, "model", read_text, served_model)
     if model != served_model:
         raise model_not_found(model)
     return model
@@ -241,7 +169,7 @@ def _model(body: dict, served_model: str) -> str:
 
 def _stream(body: dict) -> tuple[bool, bool]:
     """(stream, stream_options.include_usage)."""
-    stream = _opt(body, "stream", _bool, False)
+    stream = optional(body, "stream", read_bool, False)
     options = body.get("stream_options")
     if options is None:
         return stream, False
@@ -249,13 +177,13 @@ def _stream(body: dict) -> tuple[bool, bool]:
         raise bad_request("stream_options: must be an object", "stream_options")
     if not stream:
         raise bad_request("stream_options: only allowed when stream is true", "stream_options")
-    return stream, _opt(options, "include_usage", _bool, False, "stream_options.")
+    return stream, optional(options, "include_usage", read_bool, False, "stream_options.")
 
 
 def _n(body: dict) -> int:
-    n = _opt(body, "n", _int, 1)
+    n = optional(body, "n", read_int, 1)
     if not 1 <= n <= MAX_N:
-        raise bad_request(f"n: must be between 1 and {MAX_N}, got {_show(n)}", "n")
+        raise bad_request(f"n: must be between 1 and {MAX_N}, got {show(n)}", "n")
     return n
 
 
@@ -271,10 +199,10 @@ def _prompt(v: Any, limits: RequestLimits) -> str | list[int]:
     if isinstance(v, str):
         if not v:
             raise bad_request("prompt: must not be empty", "prompt")
-        return _text(v, "prompt")
+        return read_text(v, "prompt")
     if not isinstance(v, list) or not v:
         raise bad_request("prompt: must be a non-empty string or list of token ids", "prompt")
-    return list(_token_list(v, "prompt", limits))
+    return list(read_token_list(v, "prompt", limits))
 
 
 def parse_completion(body: Any, served_model: str, limits: RequestLimits) -> CompletionRequest:
@@ -284,12 +212,12 @@ def parse_completion(body: Any, served_model: str, limits: RequestLimits) -> Com
     if "prompt" not in body or body["prompt"] is None:
         raise bad_request("prompt: is required", "prompt")
     prompt = _prompt(body["prompt"], limits)
-    echo = _opt(body, "echo", _bool, False)
+    echo = optional(body, "echo", read_bool, False)
     stream, usage = _stream(body)
     n = _n(body)
-    user = _opt(body, "user", _text, None)
+    user = optional(body, "user", read_text, None)
     max_new, explicit = _max_tokens(body, "max_tokens", DEFAULT_COMPLETION_MAX_TOKENS, limits, least=int(not echo))
-    logprobs = _opt(body, "logprobs", _int, None)
+    logprobs = optional(body, "logprobs", read_int, None)
     extra = {
         "max_new_tokens": max_new,
         "logprobs": logprobs,
@@ -307,14 +235,14 @@ def _content(v: Any, role: str, param: str) -> str:
     if v is None and role == "assistant":
         return ""
     if isinstance(v, str):
-        return _text(v, param)
+        return read_text(v, param)
     if not isinstance(v, list):
         raise bad_request(f"{param}: must be a string or a list of text parts", param)
     texts = []
     for part in v:
         if not isinstance(part, dict) or part.get("type") != "text":
             raise bad_request(f'{param}: only parts of type "text" are supported', param)
-        texts.append(_text(part.get("text"), param))
+        texts.append(read_text(part.get("text"), param))
     return "".join(texts)
 
 
@@ -332,19 +260,19 @@ def _messages(v: Any) -> list[dict]:
             raise bad_request(f"{param}.role: must be one of {roles}", f"{param}.role")
         msg: dict = {"role": role, "content": _content(m.get("content"), role, f"{param}.content")}
         if m.get("name") is not None:
-            msg["name"] = _text(m["name"], f"{param}.name")
+            msg["name"] = read_text(m["name"], f"{param}.name")
         calls = message_tool_calls(m, param) if role == "assistant" else None
         if calls:
             msg["tool_calls"] = calls
         if role == "tool" and m.get("tool_call_id") is not None:
-            msg["tool_call_id"] = _text(m["tool_call_id"], f"{param}.tool_call_id")
+            msg["tool_call_id"] = read_text(m["tool_call_id"], f"{param}.tool_call_id")
         out.append(msg)
     return out
 
 
 def _chat_logprobs(body: dict) -> int | None:
-    want = _opt(body, "logprobs", _bool, False)
-    top = _opt(body, "top_logprobs", _int, None)
+    want = optional(body, "logprobs", read_bool, False)
+    top = optional(body, "top_logprobs", read_int, None)
     if top is not None and not want:
         raise bad_request("top_logprobs: requires logprobs to be true", "top_logprobs")
     return (top or 0) if want else None
@@ -364,8 +292,8 @@ def parse_chat(body: Any, served_model: str, limits: RequestLimits) -> ChatReque
     extra = {"max_new_tokens": max_new, "logprobs": _chat_logprobs(body), "grammar": grammar}
     names = {"max_new_tokens": key, "logprobs": "top_logprobs"}
     sampling = _sampling(body, extra, names, limits)
-    add_gen = _opt(body, "add_generation_prompt", _bool, True)
-    user = _opt(body, "user", _text, None)
+    add_gen = optional(body, "add_generation_prompt", read_bool, True)
+    user = optional(body, "user", read_text, None)
     return ChatRequest(model, messages, sampling, stream, usage, n, add_gen, user, explicit, tools)
 
 
@@ -377,8 +305,8 @@ def parse_generate(body: Any, limits: RequestLimits) -> GenerateRequest:
         raise bad_request("Exactly one of input_ids and text must be given.", "input_ids")
     if ids is not None and not ids:
         raise bad_request("input_ids: must not be empty", "input_ids")
-    input_ids = None if ids is None else list(_token_list(ids, "input_ids", limits))
-    if text is not None and not _text(text, "text"):
+    input_ids = None if ids is None else list(read_token_list(ids, "input_ids", limits))
+    if text is not None and not read_text(text, "text"):
         raise bad_request("text: must not be empty", "text")
     raw = body.get("sampling_params")
     if raw is None:
@@ -389,11 +317,11 @@ def parse_generate(body: Any, limits: RequestLimits) -> GenerateRequest:
     max_new, explicit = _max_tokens(raw, "max_new_tokens", DEFAULT_COMPLETION_MAX_TOKENS, limits, prefix)
     extra = {
         "max_new_tokens": max_new,
-        "logprobs": _opt(raw, "logprobs", _int, None, prefix),
+        "logprobs": optional(raw, "logprobs", read_int, None, prefix),
         "grammar": parse_native_grammar(raw, prefix),
     }
     names = {f: f for f in _SAMPLING_FIELDS}
     sampling = _sampling(raw, extra, names, limits, prefix)
     if input_ids is not None:
         sampling = limits.admit(input_ids, sampling, explicit, prefix + "max_new_tokens", "input_ids")
-    return GenerateRequest(input_ids, text, sampling, _opt(body, "stream", _bool, False), explicit)
+    return GenerateRequest(input_ids, text, sampling, optional(body, "stream", read_bool, False), explicit)
