@@ -20,7 +20,7 @@ from disagg_worker.request import messages as msg
 from disagg_worker.request.errors import APIError
 from disagg_worker.request.limits import RequestLimits
 from disagg_worker.request.params import MAX_STOP_TOKEN_IDS, SamplingParams
-from disagg_worker.server.protocol import parse_chat, parse_completion
+from disagg_worker.server.protocol import parse_chat, parse_completions
 from tests.unit.test_engine import GREEDY, assert_idle_accounting, make_engine, tokens_of, varied_prompts
 
 VOCAB = 50
@@ -167,7 +167,7 @@ LIMITS = RequestLimits(max_context_len=4096, vocab_size=VOCAB)
 )
 def test_sampling_fields_out_of_bounds_are_a_400_naming_the_field(extra, param, says):
     for parse, body in (
-        (parse_completion, {"prompt": "hi", **extra}),
+        (parse_completions, {"prompt": "hi", **extra}),
         (parse_chat, {"messages": [{"role": "user", "content": "hi"}], **extra}),
     ):
         with pytest.raises(APIError) as e:
@@ -177,7 +177,7 @@ def test_sampling_fields_out_of_bounds_are_a_400_naming_the_field(extra, param, 
 
 
 def test_top_k_equal_to_the_vocabulary_and_logit_bias_within_it_are_accepted():
-    req = parse_completion({"prompt": "hi", "top_k": VOCAB, "logit_bias": {"3": -100, "7": 5.5}}, "m", LIMITS)
+    [req] = parse_completions({"prompt": "hi", "top_k": VOCAB, "logit_bias": {"3": -100, "7": 5.5}}, "m", LIMITS)
     assert req.sampling.top_k == VOCAB
     assert req.sampling.logit_bias == ((3, -100.0), (7, 5.5))
 

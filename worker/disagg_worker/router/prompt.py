@@ -13,7 +13,7 @@ from typing import Any
 
 from disagg_worker.model.tokenizer import Tokenizer
 from disagg_worker.request.limits import RequestLimits
-from disagg_worker.server.protocol import parse_chat, parse_completion, parse_generate
+from disagg_worker.server.protocol import parse_chat, parse_completions, parse_generate
 from disagg_worker.server.tool_calls import ChatTools
 
 # The router checks no limits (the workers do): any context length passes here.
@@ -42,7 +42,10 @@ class PromptTokens:
             gen = parse_generate(body, _NO_LIMITS)
             return gen.input_ids if gen.input_ids is not None else tok.encode(gen.text or "")
         if path == "/v1/completions":
-            prompt = parse_completion(body, model, _NO_LIMITS).prompt
+            requests = parse_completions(body, model, _NO_LIMITS)
+            if len(requests) != 1:  # a batch: the router scores each prompt once it has split them
+                return None
+            prompt = requests[0].prompt
             return prompt if isinstance(prompt, list) else tok.encode(prompt)
         if path == "/v1/chat/completions":
             chat = parse_chat(body, model, _NO_LIMITS)

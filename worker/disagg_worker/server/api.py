@@ -9,39 +9,37 @@ a bug never kills the server. Generation requests pass the admission gate first 
 from __future__ import annotations
 
 import asyncio
-import json
-import logging
-import uuid
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
-from dataclasses import asdict, replace
+from dataclasses import asdict
 
 from aiohttp import web
 
 from disagg_worker.env import WorkerEnv, load_env
-from disagg_worker.request.errors import APIError, internal_error
+from disagg_worker.request.errors import APIError
 from disagg_worker.request.limits import body_limit_bytes
-from disagg_worker.request.messages import FlushCacheReq, Route, SchedulerStats
-from disagg_worker.request.params import SamplingParams
+from disagg_worker.request.messages import FlushCacheReq, SchedulerStats
 from disagg_worker.request.route import route_of
 from disagg_worker.server import openai_format as fmt
 from disagg_worker.server.admission import DRAINING, Admission, admission_middleware, body_of
 from disagg_worker.server.chat_input import chat_input
 from disagg_worker.server.echo import Echo, prompt_text
-from disagg_worker.server.frontend import Delta, Frontend
+from disagg_worker.server.frontend import Frontend
 from disagg_worker.server.health import health_report
-from disagg_worker.server.interleave import merged
 from disagg_worker.server.kv_events_api import kv_events_handler
 from disagg_worker.server.metrics import PROBE_HEADER
-from disagg_worker.server.protocol import parse_chat, parse_completion, parse_generate, parse_json
+from disagg_worker.server.protocol import CompletionRequest, parse_chat, parse_completions, parse_generate, parse_json
+from disagg_worker.server.respond import (
+    PromptRun,
+    ends_stream,
+    logged_internal_error,
+    respond,
+    send_event,
+    sse_response,
+)
 from disagg_worker.server.response_store import ResponseStore
 from disagg_worker.server.responses_api import add_response_routes
 from disagg_worker.server.tokenize_api import add_tokenize_routes
-from disagg_worker.server.tool_calls import ChatTools, ToolStream, call_deltas
 from disagg_worker.server.traced import traced_middlewares
 from disagg_worker.tracing import Tracer
-
-log = logging.getLogger(__name__)
 
 FRONTEND = web.AppKey("frontend", Frontend)
 ADMISSION = web.AppKey("admission", Admission)
@@ -50,13 +48,6 @@ SETTINGS = web.AppKey("settings", dict)
 
 def error_response(e: APIError) -> web.Response:
     return web.json_response(e.body(), status=e.status, headers=e.headers())
-
-
-def logged_internal_error(request: web.Request) -> APIError:
-    """Log the exception being handled under a fresh id; the client's message names the id only."""
-    ref = uuid.uuid4().hex[:12]
-    log.exception("internal error %s on %s %s", ref, request.method, request.path)
-    return internal_error(ref)
 
 
 @web.middleware
@@ -122,69 +113,27 @@ async def read_json(request: web.Request):
     return await request.app[FRONTEND].parse(body_of(request), parse_json)
 
 
-def choice_params(params: SamplingParams, i: int) -> SamplingParams:
-    """Choice i of n: a seeded request gets seed + i so the choices differ but stay reproducible."""
-    if i == 0 or params.seed is None:
-        return params
-    return replace(params, seed=params.seed + i)
-
-
-async def run_choices(frontend: Frontend, ids, params, n, route: Route) -> list[fmt.Choice]:
-    choices = [fmt.Choice(i) for i in range(n)]
-    streams = [frontend.complete(ids, choice_params(params, i), route) for i in range(n)]
-    async for i, d in merged(streams):
-        choices[i].add(d)
-    return choices
-
-
-async def sse_response(request: web.Request) -> web.StreamResponse:
-    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-    await resp.prepare(request)
-    return resp
-
-
-async def send_event(resp: web.StreamResponse, data) -> None:
-    payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
-    await resp.write(f"data: {payload}\n\n".encode())
-
-
-@asynccontextmanager
-async def ends_stream(request: web.Request, resp: web.StreamResponse) -> AsyncIterator[None]:
-    """A stream always ends with [DONE]; a failure inside it comes first, as an OpenAI error event."""
-    try:
-        yield
-    except APIError as e:
-        await send_event(resp, e.body())
-    except (asyncio.CancelledError, ConnectionError):
-        raise  # the client left: nobody reads the rest
-    except Exception:
-        await send_event(resp, logged_internal_error(request).body())
-    await send_event(resp, "[DONE]")
-
-
 async def completions(request: web.Request) -> web.StreamResponse:
     fe, s = request.app[FRONTEND], request.app[SETTINGS]
     body = await read_json(request)
-    req = parse_completion(body, s["model"], fe.limits)
-    if isinstance(req.prompt, list):  # admitted while parsing
+    reqs = parse_completions(body, s["model"], fe.limits)
+    prompts = [await prompt_run(fe, req) for req in reqs]
+    req = reqs[0]  # the fields besides the prompt are every prompt's
+    route, usage = route_of(body), req.stream_options_include_usage
+    token_ids = wants_token_ids(body)
+    return await respond(request, fe, s["model"], prompts, req.n, route, req.stream, usage, False, token_ids=token_ids)
+
+
+async def prompt_run(fe: Frontend, req: CompletionRequest) -> PromptRun:
+    """One prompt tokenised and admitted (a token prompt was, while parsing), with what its choices echo."""
+    if isinstance(req.prompt, list):
         ids, params = req.prompt, req.sampling
     else:
         ids = await fe.encode(req.prompt)
-        params = fe.limits.admit(ids, req.sampling, req.max_tokens_set)
-    return await respond(
-        request,
-        ids,
-        params,
-        req.n,
-        route_of(body),
-        req.stream,
-        req.stream_options_include_usage,
-        chat=False,
-        token_ids=wants_token_ids(body),
-        echo=Echo(ids, prompt_text(fe.tokenizer, req.prompt), req.echo_only, params.logprobs is not None)
-        if req.echo
-        else None,
-    )
+        params = fe.limits.admit(ids, req.sampling, req.max_tokens_set, prompt_param=req.param)
+    shown = prompt_text(fe.tokenizer, req.prompt)
+    echo = Echo(ids, shown, req.echo_only, params.logprobs is not None) if req.echo else None
+    return PromptRun(ids, params, echo)
 
 
 def wants_token_ids(body: dict) -> bool:
@@ -204,86 +153,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     usage = req.stream_options_include_usage
     route, token_ids = route_of(body), wants_token_ids(body)
     return await respond(
-        request, ids, params, req.n, route, req.stream, usage, chat=True, tools=tools, token_ids=token_ids
+        request, fe, s["model"], [PromptRun(ids, params)], req.n, route, req.stream, usage, True, tools, token_ids
     )
-
-
-async def respond(
-    request: web.Request,
-    ids: list[int],
-    params: SamplingParams,
-    n: int,
-    route: Route,
-    stream: bool,
-    include_usage: bool,
-    chat: bool,
-    tools: ChatTools | None = None,
-    token_ids: bool = False,
-    echo: Echo | None = None,
-) -> web.StreamResponse:
-    """Run n choices and answer as a completion or chat completion, whole or streamed (SSE); with tools, a
-    chat answer's calls are parsed out of its text (`tool_calls.py`)."""
-    fe, model, tok = request.app[FRONTEND], request.app[SETTINGS]["model"], request.app[FRONTEND].tokenizer
-    rid = fmt.new_id("chatcmpl" if chat else "cmpl")
-    if not stream:
-        choices = await run_choices(fe, ids, params, n, route)
-        body = (fmt.chat_body if chat else fmt.completion_body)(rid, model, choices, tok, len(ids))
-        if tools is not None:
-            body["choices"] = [tools.answer(c) for c in body["choices"]]
-        if echo is not None:
-            body["choices"] = [echo.whole(tok, answer, c) for answer, c in zip(body["choices"], choices, strict=True)]
-            echo.usage(body)
-        if token_ids:
-            for c, answer in zip(choices, body["choices"], strict=True):
-                answer["token_ids"] = c.token_ids
-        return web.json_response(body)
-    fe.check_resume(route, params)  # a 400, before the stream's 200
-    resp = await sse_response(request)
-    choices = [fmt.Choice(i) for i in range(n)]
-    calls = [tools.stream() for _ in range(n)] if tools is not None else None
-    # A migrated request's stream goes on from where the client is: its role came with the first stream.
-    started: set[int] = set(range(n)) if route.resume else set()
-    async with ends_stream(request, resp):
-        async for i, d in merged([fe.complete(ids, choice_params(params, i), route) for i in range(n)]):
-            if chat:  # the role comes with the first token: a stream's first event is output or an error
-                shown = d if calls is None else tool_delta(calls[i], d)
-                chunk = fmt.chat_chunk(rid, model, i, shown, tok, first=i not in started)
-                if calls is not None and d.finish_reason is not None:
-                    end_with_calls(chunk, calls[i])
-            else:
-                # A migrated stream's text goes on after what the client has (`resume_chars`).
-                offset = route.resume_chars + len(choices[i].text) + (len(echo.prompt_text) if echo is not None else 0)
-                chunk = fmt.completion_chunk(rid, model, i, d, tok, offset)
-                if echo is not None and i not in started:
-                    echo.first_chunk(tok, chunk["choices"][0], d)
-            if token_ids:
-                chunk["choices"][0]["token_ids"] = d.token_ids
-            await send_event(resp, chunk)
-            started.add(i)
-            choices[i].add(d)
-        if include_usage:
-            obj = "chat.completion.chunk" if chat else "text_completion"
-            last = fmt.usage_chunk(rid, model, obj, choices, len(ids))
-            if echo is not None:
-                echo.usage(last)
-            await send_event(resp, last)
-    return resp
-
-
-def tool_delta(calls: ToolStream, d: Delta) -> Delta:
-    """`d` with the text a possible tool call holds back taken out (and, at the end, what it released)."""
-    text = calls.push(d.text)
-    if d.finish_reason is not None:
-        text += calls.finish(d.finish_reason)
-    return replace(d, text=text)
-
-
-def end_with_calls(chunk: dict, calls: ToolStream) -> None:
-    """The last chunk of a choice carries its parsed calls, whole, and finish_reason "tool_calls"."""
-    if calls.found:
-        choice = chunk["choices"][0]
-        choice["delta"]["tool_calls"] = call_deltas(calls.found)
-        choice["finish_reason"] = "tool_calls"
 
 
 async def generate(request: web.Request) -> web.StreamResponse:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from disagg_worker.request.errors import bad_request, model_not_found
@@ -39,6 +39,10 @@ from disagg_worker.server.tool_calls import ToolUse, message_tool_calls, parse_t
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 DEFAULT_CHAT_MAX_TOKENS = 1024
 MAX_N = 16
+# The choices one completions request may ask for: its prompts times n. lm-evaluation-harness sends its
+# batch_size prompts in one request (commonly 16 to 64); each choice is one engine request behind the request's
+# single admission slot, so this bounds that slot at four times what n alone may hold.
+MAX_BATCH_CHOICES = 4 * MAX_N
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 
 
@@ -55,6 +59,7 @@ class CompletionRequest:
     # False when max_new_tokens is the default, which `RequestLimits.fit` may shrink.
     max_tokens_set: bool = False
     echo_only: bool = False  # `max_tokens: 0` with echo (log-likelihood scoring): the prompt is the answer
+    param: str = "prompt"  # what errors call this prompt: `prompt[i]` in a batch
 
 
 @dataclass(frozen=True)
@@ -187,31 +192,50 @@ def _n(body: dict) -> int:
     return n
 
 
-def _prompt(v: Any, limits: RequestLimits) -> str | list[int]:
-    """One prompt: a string, a token list, or a list holding exactly one of those."""
-    if isinstance(v, list) and len(v) == 1 and isinstance(v[0], (str, list)):
-        v = v[0]
-    elif isinstance(v, list) and v and all(isinstance(p, (str, list)) for p in v):
+def split_prompts(v: Any) -> list[Any]:
+    """OpenAI's four forms of `prompt` as a list of prompts, unread: a string or a token list is one prompt; a list
+    of strings or of token lists (a list whose first element is either) is a batch, as long as it is."""
+    return v if isinstance(v, list) and v and isinstance(v[0], (str, list)) else [v]
+
+
+def check_batch(count: int, n: int) -> None:
+    """A batch of `count` prompts answers count * n choices: at most MAX_BATCH_CHOICES."""
+    if count * n > MAX_BATCH_CHOICES:
         raise bad_request(
-            "prompt: batches of several prompts are not supported; send one prompt per request",
+            f"prompt: a batch of {count} prompts with n = {n} asks for {count * n} choices; at most "
+            f"{MAX_BATCH_CHOICES} per request",
             "prompt",
         )
+
+
+def _prompt(v: Any, param: str, limits: RequestLimits) -> str | list[int]:
+    """One prompt: a non-empty string or token list."""
     if isinstance(v, str):
         if not v:
-            raise bad_request("prompt: must not be empty", "prompt")
-        return read_text(v, "prompt")
+            raise bad_request(f"{param}: must not be empty", param)
+        return read_text(v, param)
     if not isinstance(v, list) or not v:
-        raise bad_request("prompt: must be a non-empty string or list of token ids", "prompt")
-    return list(read_token_list(v, "prompt", limits))
+        raise bad_request(f"{param}: must be a non-empty string or list of token ids", param)
+    return list(read_token_list(v, param, limits))
 
 
-def parse_completion(body: Any, served_model: str, limits: RequestLimits) -> CompletionRequest:
-    """POST /v1/completions. Token prompts are checked against the limits here, text ones once tokenised."""
+def _prompts(body: dict, limits: RequestLimits) -> list[tuple[str | list[int], str]]:
+    """Each prompt and the name its errors go by: `prompt`, or `prompt[i]` in a batch (bounded before it is read)."""
+    batch = split_prompts(body["prompt"])
+    if len(batch) == 1:
+        return [(_prompt(batch[0], "prompt", limits), "prompt")]
+    check_batch(len(batch), _n(body))
+    return [(_prompt(p, f"prompt[{i}]", limits), f"prompt[{i}]") for i, p in enumerate(batch)]
+
+
+def parse_completions(body: Any, served_model: str, limits: RequestLimits) -> list[CompletionRequest]:
+    """POST /v1/completions: one request per prompt, in order (a batch's prompt i answers choices i * n to
+    i * n + n - 1). Token prompts are checked against the limits here, text ones once tokenised."""
     body = _object(body)
     model = _model(body, served_model)
     if "prompt" not in body or body["prompt"] is None:
         raise bad_request("prompt: is required", "prompt")
-    prompt = _prompt(body["prompt"], limits)
+    prompts = _prompts(body, limits)
     echo = optional(body, "echo", read_bool, False)
     stream, usage = _stream(body)
     n = _n(body)
@@ -225,10 +249,13 @@ def parse_completion(body: Any, served_model: str, limits: RequestLimits) -> Com
         "prompt_logprobs": echo and logprobs is not None,
     }
     sampling = _sampling(body, extra, {"max_new_tokens": "max_tokens"}, limits)
-    if isinstance(prompt, list):
-        sampling = limits.admit(prompt, sampling, explicit)
     echo_only = echo and body.get("max_tokens") == 0
-    return CompletionRequest(model, prompt, sampling, stream, usage, echo, n, user, explicit, echo_only)
+    shared = CompletionRequest(model, "", sampling, stream, usage, echo, n, user, explicit, echo_only)
+    requests = []
+    for p, param in prompts:
+        fitted = limits.admit(p, sampling, explicit, prompt_param=param) if isinstance(p, list) else sampling
+        requests.append(replace(shared, prompt=p, sampling=fitted, param=param))
+    return requests
 
 
 def _content(v: Any, role: str, param: str) -> str:
