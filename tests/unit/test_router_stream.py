@@ -10,7 +10,9 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from disagg_worker.router.fanout import Merger
+from disagg_worker.request.errors import APIError, bad_request
+from disagg_worker.router.batch import as_batch_prompt, prompt_bodies
+from disagg_worker.router.fanout import Merger, merge_bodies
 from disagg_worker.router.payload import WRITE_SLICE, SharedBody
 from disagg_worker.router.stream import DONE, UpstreamLost, choice_events, relay
 
@@ -126,7 +128,7 @@ def test_choice_events_stop_at_done_and_fail_without_it():
 
 
 def test_merger_relabels_choices_and_sums_usage():
-    m = Merger()
+    m = Merger(per_prompt=4)
     a = m.relabel(2, {"id": "cmpl-a", "choices": [{"index": 0, "text": "x"}]})
     b = m.relabel(3, {"id": "cmpl-b", "choices": [{"index": 0, "text": "y"}]})
     assert a is not None and b is not None
@@ -137,3 +139,57 @@ def test_merger_relabels_choices_and_sums_usage():
     assert usage is not None and usage["usage"] == {"prompt_tokens": 3, "completion_tokens": 9, "total_tokens": 12}
     err = m.relabel(1, {"error": {"message": "KV transfer failed", "type": "server_error"}})
     assert err is not None and err["error"]["message"] == "Choice 1: KV transfer failed"
+
+
+def usage_event(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"id": "u", "choices": [], "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens}}
+
+
+def test_a_batch_stream_counts_each_prompts_tokens_once_and_every_choices_output():
+    m = Merger(per_prompt=2)  # choices 0, 1: a prompt of 3 tokens; 2, 3: one of 5; 4, 5: one of 7
+    for i, (prompt, out) in enumerate([(3, 4), (3, 2), (5, 1), (5, 6), (7, 3), (7, 3)]):
+        assert m.relabel(i, usage_event(prompt, out)) is None
+    usage = m.usage_event()
+    assert usage is not None and usage["usage"] == {"prompt_tokens": 15, "completion_tokens": 19, "total_tokens": 34}
+
+
+def test_merged_batch_bodies_are_indexed_in_order_and_sum_each_prompt_once():
+    def body(text: str, prompt: int, out: int) -> dict:
+        choice = {"index": 0, "text": text, "finish_reason": "length"}
+        usage = {"prompt_tokens": prompt, "completion_tokens": out, "total_tokens": prompt + out}
+        return {"id": f"cmpl-{text}", "object": "text_completion", "choices": [choice], "usage": usage}
+
+    merged = merge_bodies([body("a", 3, 4), body("b", 3, 2), body("c", 5, 1), body("d", 5, 6)], per_prompt=2)
+    assert [(c["index"], c["text"]) for c in merged["choices"]] == [(0, "a"), (1, "b"), (2, "c"), (3, "d")]
+    assert merged["id"] == "cmpl-a"
+    assert merged["usage"] == {"prompt_tokens": 8, "completion_tokens": 13, "total_tokens": 21}
+    one = merge_bodies([body("a", 3, 4), body("b", 3, 2)], per_prompt=2)  # n = 2 of one prompt: as before
+    assert one["usage"] == {"prompt_tokens": 3, "completion_tokens": 6, "total_tokens": 9}
+
+
+def test_the_router_splits_a_completions_batch_as_the_workers_do():
+    body = {"model": "m", "prompt": ["one", [5, 6], "three"], "n": 2, "temperature": 0}
+    assert prompt_bodies("/v1/completions", body) == [
+        {"model": "m", "prompt": "one", "n": 2, "temperature": 0},
+        {"model": "m", "prompt": [5, 6], "n": 2, "temperature": 0},
+        {"model": "m", "prompt": "three", "n": 2, "temperature": 0},
+    ]
+    for one in ({"prompt": "x"}, {"prompt": [5, 6]}, {"prompt": ["x"]}, {"prompt": [[5, 6]]}):
+        assert prompt_bodies("/v1/completions", one) == [one]
+    assert prompt_bodies("/v1/chat/completions", {"prompt": ["a", "b"]}) == [{"prompt": ["a", "b"]}]
+    bad_n = {"prompt": ["a", "b"], "n": 0}  # left whole: the worker's 400 names n
+    assert prompt_bodies("/v1/completions", bad_n) == [bad_n]
+    with pytest.raises(APIError) as e:
+        prompt_bodies("/v1/completions", {"prompt": ["a"] * 9, "n": 16})
+    assert (e.value.status, e.value.param) == (400, "prompt") and "144 choices" in e.value.message
+
+
+def test_a_batch_prompts_own_error_names_it_as_a_worker_does():
+    e = as_batch_prompt(bad_request("prompt: must not be empty", "prompt"), 2)
+    assert isinstance(e, APIError) and (e.status, e.param, e.message) == (
+        400,
+        "prompt[2]",
+        "prompt[2]: must not be empty",
+    )
+    other = bad_request("temperature: too hot", "temperature")
+    assert as_batch_prompt(other, 2) is other

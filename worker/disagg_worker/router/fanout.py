@@ -1,9 +1,11 @@
-"""The n choices of an `n > 1` request, each answered by its own pair, merged into one answer.
+"""The choices of an `n > 1` request or of a completions batch, each answered by its own pair, merged into one answer.
 
-Whole answers are merged into one body (choices re-indexed, usage summed). Streams are merged as
-their events come; every choice carries its own index and all share the first response id. A
-choice whose upstream drops, times out or ends early ends with an error event naming it; the
-others go on, and the merged stream always ends with the usage (when asked for) and [DONE].
+Choice k of the merged answer is the k-th single-choice request: prompt i's choice j is k = i * n + j, and the
+`per_prompt` (n) consecutive choices of a prompt share its prompt tokens. Whole answers are merged into one body
+(choices re-indexed, usage summed: each prompt's tokens once, every choice's completion tokens). Streams are
+merged as their events come; every choice carries its own index and all share the first response id. A choice
+whose upstream drops, times out or ends early ends with an error event naming it; the others go on, and the
+merged stream always ends with the usage (when asked for) and [DONE].
 """
 
 from __future__ import annotations
@@ -18,13 +20,15 @@ from disagg_worker.request.errors import APIError
 from disagg_worker.router.stream import DONE, UPSTREAM_ERROR, UpstreamLost
 
 
-def merge_bodies(bodies: list[dict]) -> dict:
+def merge_bodies(bodies: list[dict], per_prompt: int) -> dict:
     merged = dict(bodies[0])
     merged["choices"] = []
     for i, b in enumerate(bodies):
         for c in b.get("choices", []):
             merged["choices"].append({**c, "index": i})
     usage = dict(bodies[0].get("usage") or {})
+    if len(bodies) > per_prompt:  # a batch: the first choice of each prompt counts its tokens
+        usage["prompt_tokens"] = sum((b.get("usage") or {}).get("prompt_tokens", 0) for b in bodies[::per_prompt])
     usage["completion_tokens"] = sum((b.get("usage") or {}).get("completion_tokens", 0) for b in bodies)
     usage["total_tokens"] = usage.get("prompt_tokens", 0) + usage["completion_tokens"]
     merged["usage"] = usage
@@ -38,9 +42,11 @@ def choice_error(i: int, message: str) -> dict:
 class Merger:
     """Re-labels the events of each choice and sums the usage they report."""
 
-    def __init__(self) -> None:
+    def __init__(self, per_prompt: int) -> None:
+        self.per_prompt = per_prompt  # consecutive choices that share a prompt (n)
         self.id: str | None = None  # one response id for all choices: the first one seen
         self.usage: dict = {}
+        self.prompt_tokens: dict[int, int] = {}  # per prompt: what the first of its choices to report says
         self.last_usage: dict | None = None
 
     def relabel(self, i: int, event: dict) -> dict | None:
@@ -48,7 +54,8 @@ class Merger:
         if "error" in event and not event.get("choices"):
             return choice_error(i, str(event["error"].get("message", "failed")))
         if "usage" in event and not event.get("choices"):
-            self.usage.setdefault("prompt_tokens", event["usage"].get("prompt_tokens", 0))
+            self.prompt_tokens.setdefault(i // self.per_prompt, event["usage"].get("prompt_tokens", 0))
+            self.usage["prompt_tokens"] = sum(self.prompt_tokens.values())
             self.usage["completion_tokens"] = self.usage.get("completion_tokens", 0) + event["usage"].get(
                 "completion_tokens", 0
             )
@@ -73,13 +80,17 @@ class Merger:
 
 
 async def stream_merged(
-    out: web.StreamResponse, streams: list[AsyncIterator[dict]], cut_reason: Callable[[], str] = lambda: ""
+    out: web.StreamResponse,
+    streams: list[AsyncIterator[dict]],
+    per_prompt: int,
+    cut_reason: Callable[[], str] = lambda: "",
 ) -> None:
-    """Write the merged events of `streams` (one a choice) to `out`, ending with [DONE] whatever each choice does.
+    """Write the merged events of `streams` (one a choice, `per_prompt` a prompt) to `out`, ending with [DONE]
+    whatever each choice does.
 
     `cut_reason()` names why the router closed the upstreams, if it did (a drain that timed out)."""
     queue: asyncio.Queue[dict | None] = asyncio.Queue()
-    merger = Merger()
+    merger = Merger(per_prompt)
 
     async def pump(i: int, events: AsyncIterator[dict]) -> None:
         try:

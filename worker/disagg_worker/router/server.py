@@ -13,6 +13,7 @@ import asyncio
 import json
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
@@ -20,6 +21,7 @@ from aiohttp import web
 from disagg_worker.request.errors import APIError
 from disagg_worker.router.app import ROUTER, Opened, Router
 from disagg_worker.router.auth import RouterAuth
+from disagg_worker.router.batch import as_batch_prompt, prompt_bodies, valid_n
 from disagg_worker.router.echo import scores_prompt, with_prompt_logprobs
 from disagg_worker.router.fanout import merge_bodies, stream_merged
 from disagg_worker.router.handoff import HandoffMonitor
@@ -42,7 +44,6 @@ from disagg_worker.tracing import Tracer
 from disagg_worker.tuning import TUNING
 
 log = logging.getLogger(__name__)
-MAX_N = 16
 INLINE_BODY_BYTES = 64 * 1024
 ADMISSION = web.AppKey("admission", Admission)
 
@@ -63,12 +64,22 @@ def build_router_app(router: Router, admission: Admission, responses: ResponseSt
     return app
 
 
-def parse_request(raw: bytes, router: Router, path: str) -> tuple[SharedBody, Any, Prompt | None]:
-    """The body serialised once for every upstream request, its `n`, and its prompt for the cache-aware policy."""
+@dataclass(frozen=True)
+class Part:
+    """One prompt of a request (the request itself, but for a completions batch): its body serialised once for
+    every upstream request, and its prompt for the cache-aware policy."""
+
+    body: SharedBody
+    prompt: Prompt | None
+
+
+def parse_request(raw: bytes, router: Router, path: str) -> tuple[list[Part], Any]:
+    """The request's prompts (`batch.py`: one unless a completions batch) and its `n`."""
     body = parse_json(raw)
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
-    return SharedBody.of(body), body.get("n", 1), router.prompt_of(path, body)
+    parts = [Part(SharedBody.of(b), router.prompt_of(path, b)) for b in prompt_bodies(path, body)]
+    return parts, body.get("n", 1)
 
 
 def make_handler(path: str):
@@ -78,11 +89,11 @@ def make_handler(path: str):
         # A large body is parsed, serialised (and tokenised) on a thread: the loop keeps serving the other streams.
         inline = len(raw) <= INLINE_BODY_BYTES and router.prompts is None
         args = (raw, router, path)
-        shared, n, prompt = parse_request(*args) if inline else await asyncio.to_thread(parse_request, *args)
+        parts, n = parse_request(*args) if inline else await asyncio.to_thread(parse_request, *args)
         del raw  # from here on, the one serialised copy is the request
-        if path != "/generate" and type(n) is int and 1 < n <= MAX_N:
-            return await fan_out(request, router, path, shared, n, prompt)
-        return await proxy_one(request, router, path, shared, prompt)
+        if len(parts) > 1 or (path != "/generate" and valid_n(n) and n > 1):
+            return await fan_out(request, router, path, parts, n)
+        return await proxy_one(request, router, path, parts[0].body, parts[0].prompt)
 
     return handler
 
@@ -145,29 +156,31 @@ def choice_fields(body: SharedBody, i: int) -> dict[str, Any]:
     return {"n": 1, "seed": seed + i} if type(seed) is int else {"n": 1}
 
 
-async def fan_out(
-    request: web.Request, router: Router, path: str, body: SharedBody, n: int, prompt: Prompt | None = None
-) -> web.StreamResponse:
-    """n choices = n single-choice requests, each on its own pair and bootstrap room (each migrating alone)."""
-    choices = [with_token_ids(router, path, body, choice_fields(body, i)) for i in range(n)]
-    opened = await asyncio.gather(*(router.open(path, body, c, prompt) for c in choices), return_exceptions=True)
+async def fan_out(request: web.Request, router: Router, path: str, parts: list[Part], n: int) -> web.StreamResponse:
+    """Each prompt's n choices = n single-choice requests, each on its own pair and bootstrap room (each migrating
+    alone); prompt i's choice j is choice i * n + j of the answer. The first choice that fails to start is the
+    answer."""
+    choices = [(p, with_token_ids(router, path, p.body, choice_fields(p.body, j))) for p in parts for j in range(n)]
+    opened = await asyncio.gather(*(router.open(path, p.body, c, p.prompt) for p, c in choices), return_exceptions=True)
     migrating = [
-        MigratingChoice(router, path, body, c, o, prompt)
-        for c, o in zip(choices, opened, strict=True)
-        if isinstance(o, Opened) and migrates(router, path, body)
+        MigratingChoice(router, path, p.body, c, o, p.prompt)
+        for (p, c), o in zip(choices, opened, strict=True)
+        if isinstance(o, Opened) and migrates(router, path, p.body)
     ]
+    first = parts[0].body
     try:
         ok = [o for o in opened if isinstance(o, Opened)]
-        failed = next((o for o in opened if isinstance(o, BaseException)), None)
+        failed = next(((k, o) for k, o in enumerate(opened) if isinstance(o, BaseException)), None)
         if failed is not None:
-            raise failed
-        if scores_prompt(path, body):
+            k, e = failed
+            raise as_batch_prompt(e, k // n) if len(parts) > 1 else e
+        if scores_prompt(path, first):
             await asyncio.gather(*(with_prompt_logprobs(o, router.request_timeout_s) for o in ok))
-        if body.fields.get("stream") is not True:
-            return web.json_response(merge_bodies([json.loads(o.first) for o in ok]))
+        if first.fields.get("stream") is not True:
+            return web.json_response(merge_bodies([json.loads(o.first) for o in ok], n))
         out = await sse_response(request)
         streams = [c.events() for c in migrating] or [choice_events(o.first, o.resp) for o in ok]
-        await stream_merged(out, streams, lambda: router.cut_reason)
+        await stream_merged(out, streams, n, lambda: router.cut_reason)
         return out
     finally:
         for c in migrating:
