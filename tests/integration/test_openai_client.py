@@ -1,6 +1,6 @@
 """The OpenAI API as its official Python client uses it, against the monolithic server and the P/D
-stack's router: completions and chat, streamed and not, stream_options, n, seeds, logprobs, stop,
-structured outputs and errors, each as the client hands them to a user."""
+stack's router: completions (one prompt or a batch) and chat, streamed and not, stream_options, n, seeds,
+logprobs, echo, stop, structured outputs and errors, each as the client hands them to a user."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import json
 import jsonschema
 import openai
 import pytest
+import requests
 
 from tests.integration.procs import PDStack, idle_and_flushed, scaled, serve
 
@@ -225,6 +226,102 @@ def test_an_unknown_model_is_not_found(both):
         with pytest.raises(openai.NotFoundError) as e:
             chat(c, "no-such-model", max_tokens=4)
         assert "no-such-model" in e.value.message
+
+
+def tokens(tiny_model: str, *texts: str) -> list[list[int]]:
+    from disagg_worker.model.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_path(tiny_model)
+    return [tok.encode(t) for t in texts]
+
+
+# Three prompts of mixed lengths (the longest over one 32-token chunk).
+BATCH = ["Once upon a time", "The sea", "Tell me a long story about the sea, the wind and the old lighthouse. " * 3]
+
+
+def as_sent(r) -> list[tuple[int, str, list[str] | None, list[float] | None, str | None]]:
+    """Each choice of an answer: its index, text, tokens and token logprobs, finish_reason."""
+    out = []
+    for ch in r.choices:
+        lp = ch.logprobs
+        out.append((ch.index, ch.text, lp and lp.tokens, lp and lp.token_logprobs, ch.finish_reason))
+    return out
+
+
+def assert_same_choices(got: list, want: list) -> None:
+    """Equal texts, tokens and finish reasons; logprobs within float noise (None where the first token has none)."""
+    assert [(i, t, toks, f) for i, t, toks, _, f in got] == [(i, t, toks, f) for i, t, toks, _, f in want]
+    for (_, _, _, a, _), (_, _, _, b, _) in zip(got, want, strict=True):
+        if a is None or b is None:
+            assert a == b
+        else:
+            assert [x is None for x in a] == [x is None for x in b]
+            assert [x for x in a if x is not None] == pytest.approx([x for x in b if x is not None], abs=1e-4)
+
+
+@pytest.mark.parametrize("form", ["token lists", "strings"])
+def test_a_batch_of_prompts_answers_each_as_it_alone_monolithic_and_through_pd(both, model, tiny_model, form):
+    """Prompt i's choice j is index i * n + j and equals that prompt's choice j sent alone (seeded: choice j draws
+    with seed + j); the usage counts each prompt's tokens once."""
+    prompts = tokens(tiny_model, *BATCH) if form == "token lists" else BATCH
+    kw = {"max_tokens": 8, "temperature": 1, "seed": 11, "n": 2, "logprobs": 2, "extra_body": {"ignore_eos": True}}
+    alone = [complete(both["mono"], model, prompt=p, **kw) for p in prompts]
+    want = [(i * 2 + j, *c[1:]) for i, r in enumerate(alone) for j, c in enumerate(as_sent(r))]
+    assert len({c[1] for c in want}) == 6, want  # six different answers: an order that is wrong shows
+    for name, c in both.items():
+        r = complete(c, model, prompt=prompts, **kw)
+        assert [ch.index for ch in r.choices] == list(range(6)), name
+        assert_same_choices(as_sent(r), want)
+        assert r.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone), name
+        assert r.usage.completion_tokens == 6 * 8 and r.usage.total_tokens == r.usage.prompt_tokens + 48
+        by_index, finish, usage = streamed_text(
+            complete(c, model, prompt=prompts, stream=True, stream_options={"include_usage": True}, **kw)
+        )
+        assert by_index == {i: text for i, text, *_ in want} and finish == dict.fromkeys(range(6), "length")
+        assert len(usage) == 1 and usage[0].usage.model_dump() == r.usage.model_dump(), name
+
+
+def test_a_greedy_batch_through_pd_equals_monolithic_and_streams_one_done(both, model, mono, stack):
+    got = {}
+    for name, c in both.items():
+        got[name] = as_sent(complete(c, model, prompt=BATCH, n=2, max_tokens=10, temperature=0, logprobs=1))
+    assert [i for i, *_ in got["mono"]] == list(range(6))
+    assert_same_choices(got["pd"], got["mono"])
+    body = {"model": model, "prompt": BATCH, "n": 2, "max_tokens": 10, "temperature": 0, "stream": True}
+    for url in (mono.url, stack.router.url):
+        r = requests.post(f"{url}/v1/completions", json=body, timeout=scaled(60))
+        events = [line for line in r.content.decode().split("\n\n") if line.strip()]
+        assert events[-1] == "data: [DONE]" and events.count("data: [DONE]") == 1, url
+        chunks = [json.loads(e[6:]) for e in events[:-1]]
+        texts = {
+            i: "".join(ch["choices"][0]["text"] for ch in chunks if ch["choices"][0]["index"] == i) for i in range(6)
+        }
+        assert texts == {i: text for i, text, *_ in got["mono"]}, url
+        assert len({ch["id"] for ch in chunks}) == 1, url  # one response
+
+
+def test_echoed_batch_scores_each_prompt_as_it_alone(both, model, tiny_model):
+    """lm-evaluation-harness's log-likelihood requests: token prompts, echo, logprobs and max_tokens 0."""
+    prompts = tokens(tiny_model, *BATCH)
+    kw = {"echo": True, "logprobs": 1, "max_tokens": 0, "temperature": 0}
+    alone = [as_sent(complete(both["mono"], model, prompt=p, **kw))[0] for p in prompts]
+    want = [(i, *c[1:]) for i, c in enumerate(alone)]
+    for i, (_, text, toks, lps, finish) in enumerate(want):
+        assert text and len(toks) == len(prompts[i]) and lps[0] is None and finish == "length"
+    for name, c in both.items():
+        r = complete(c, model, prompt=prompts, **kw)
+        assert_same_choices(as_sent(r), want)
+        assert r.usage.prompt_tokens == sum(map(len, prompts)) and r.usage.completion_tokens == 0, name
+
+
+def test_a_batch_is_bounded_and_a_bad_prompt_of_it_is_named(both, model):
+    for name, c in both.items():
+        with pytest.raises(openai.BadRequestError) as e:
+            complete(c, model, prompt=["x"] * 5, n=16, max_tokens=2)
+        assert e.value.body["param"] == "prompt" and "80 choices" in e.value.message, name
+        with pytest.raises(openai.BadRequestError) as e:
+            complete(c, model, prompt=["x", ""], max_tokens=2)
+        assert e.value.body["param"] == "prompt[1]", (name, e.value.body)
 
 
 def test_an_api_key_is_checked_as_the_client_sends_it(tiny_model, both, model, mono, stack):
