@@ -40,8 +40,8 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16
 DEFAULT_CHAT_MAX_TOKENS = 1024
 MAX_N = 16
 # The choices one completions request may ask for: its prompts times n. lm-evaluation-harness sends its
-# batch_size prompts in one request (commonly 16 to 64); each choice is one engine request behind the request's
-# single admission slot, so this bounds that slot at four times what n alone may hold.
+# `batch_size` prompts in one request, so MAX_N alone would stop its batches of 32 or 64; each choice is one engine
+# request behind the request's single admission slot, so this bounds that slot at four times what n alone holds.
 MAX_BATCH_CHOICES = 4 * MAX_N
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 
