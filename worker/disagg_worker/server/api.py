@@ -59,6 +59,13 @@ def logged_internal_error(request: web.Request) -> APIError:
     return internal_error(ref)
 
 
+def request_id(request: web.Request) -> str:
+    """The id a log line names a request by: the client's `X-Request-Id`, else one made for it (kept on it)."""
+    if "request_id" not in request:
+        request["request_id"] = request.headers.get("X-Request-Id") or uuid.uuid4().hex[:12]
+    return request["request_id"]
+
+
 @web.middleware
 async def error_middleware(request: web.Request, handler):
     try:
@@ -69,8 +76,13 @@ async def error_middleware(request: web.Request, handler):
         if e.status >= 400:
             return error_response(APIError(e.status, e.reason or "error", type="invalid_request_error"))
         raise
-    except (asyncio.CancelledError, ConnectionResetError):
+    except asyncio.CancelledError:
         raise
+    except ConnectionResetError:  # the client left (mid-body, mid-stream): normal, not an error
+        log.debug(
+            "request %s (%s %s): the client left before its answer", request_id(request), request.method, request.path
+        )
+        return web.Response(status=499)  # nobody reads it: aiohttp drops it quietly on the closed connection
     except Exception:  # a bug: a 500 that points at the log, and keep serving
         return error_response(logged_internal_error(request))
 
