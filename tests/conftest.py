@@ -25,6 +25,12 @@ def tiny_model(tmp_path_factory) -> str:
     return str(out)
 
 
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "soak: P/D answers against monolithic ones under load and kill -9 (SOAK_SECONDS, SOAK_CLIENTS)"
+    )
+
+
 def pytest_collection_modifyitems(config, items):
     """pytest-timeout's limit for a test (pyproject.toml) stretches with the machine's time factor, like every
     other deadline; a test's own timeout mark is scaled where it is written."""

@@ -25,7 +25,9 @@ BODY_LIMIT = 32 * CONTEXT + (1 << 20)
 @pytest.fixture(scope="module")
 def bounded(tiny_model):
     p = serve(
-        tiny_model, "--max-inflight-requests", "2", "--max-context-len", str(CONTEXT), "--max-total-tokens", "8192"
+        tiny_model,
+        *("--max-inflight-requests", "2", "--max-context-len", str(CONTEXT), "--max-total-tokens", "8192"),
+        *("--log-level", "debug"),  # what a client's leaving logs (test_a_client_leaving_mid_body_is_no_error)
     ).wait_healthy()
     yield p
     p.stop()
@@ -122,3 +124,18 @@ def test_a_stop_string_over_the_length_cap_is_400(bounded):
     )
     assert r.status_code == 400
     assert r.json()["error"]["param"] == "stop" and "1024 characters" in r.json()["error"]["message"]
+
+
+def test_a_client_leaving_mid_body_is_no_error(bounded):
+    """A client that closes its connection while its body is read is logged at debug level under its request
+    id, with no traceback; the server goes on serving."""
+    for i in range(3):
+        with socket.create_connection(("127.0.0.1", bounded.port), timeout=scaled(10)) as s:
+            head = f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-Request-Id: gone-{i}\r\nContent-Length: 100\r\n\r\n"
+            s.sendall(head.encode() + b'{"prompt": ')
+    for i in range(3):
+        line = f"request gone-{i} (POST /v1/completions): the client left before its answer"
+        wait_until(lambda: line in bounded.logs(), 30, what=f"gone-{i}'s leaving logged")  # noqa: B023
+    r = requests.post(f"{bounded.url}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=scaled(60))
+    assert r.status_code == 200
+    assert "Error handling request" not in bounded.logs() and "ConnectionResetError" not in bounded.logs()

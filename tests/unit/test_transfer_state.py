@@ -230,3 +230,17 @@ def test_staging_area_reuses_freed_ranges_and_pages_round_trip():
     for src, dst in ((9, 0), (2, 63), (40, 7)):
         assert torch.equal(out[dst * 256 : (dst + 1) * 256], pool[src * 256 : (src + 1) * 256])
     assert worth_staging(list(range(0, 64, 2))) and not worth_staging(list(range(64)))
+
+
+def test_a_room_is_done_only_when_its_last_send_settles_after_being_queued():
+    """A send that settles before the last one is queued leaves the room not done, whatever happens after: a
+    decision read after the count would see the last send queued meanwhile and tell decode Success while its
+    pages (and the first token) are still on the wire."""
+    from disagg_worker.disagg.mooncake.prefill_room import PrefillRoom
+
+    room = PrefillRoom(7)
+    room.queue_send(2, last=False, aux=b"", timeout_s=5)  # a chunk's full pages
+    settled_first = room.settle_send(64)  # its writes landed before the prompt's last chunk was sent
+    room.queue_send(1, last=True, aux=b"first", timeout_s=5)  # the rest, with the first token
+    assert settled_first == (False, False)
+    assert room.settle_send(32) == (True, False) and room.nbytes == 96

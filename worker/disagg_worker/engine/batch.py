@@ -121,6 +121,31 @@ def _num_logits(
     return counts if any(c != 1 for c in counts) else None
 
 
+def build_batch(plan: Plan, page_size: int) -> ScheduledBatch:
+    """The step of `plan`: its forward, and each request moved past the tokens it computes (`num_computed`;
+    `pending` counts a token this step samples)."""
+    drafts = plan.drafts if any(plan.drafts) else None
+    forward = build_forward(plan.reqs, plan.extend, page_size, drafts)
+    samples, generated, future = [], [], []
+    pos = 0
+    for r, n in zip(plan.reqs, plan.extend, strict=True):
+        pos += n
+        if r.trail is not None and r.num_generated == 0:  # a chunk of its prompt
+            r.trail.end("scheduler.waiting")
+            r.trail.begin("forward", tokens=n, position=r.num_computed)
+        if r.pending:
+            future.append((pos - 1, r))
+        r.num_computed += n  # with a draft, past the known tokens until `process` knows what was kept
+        sample = r.num_computed >= r.seq_len
+        samples.append(sample)
+        generated.append(r.num_generated)
+        if sample:
+            r.pending += 1
+    return ScheduledBatch(
+        reqs=plan.reqs, forward=forward, samples=samples, generated=generated, future=future, drafts=drafts
+    )
+
+
 @dataclass
 class Plan:
     """What the scheduler puts in a step: requests, the tokens each computes, each one's draft."""

@@ -341,6 +341,7 @@ class Engine:
             cache_pages=self.radix.total_pages,
             cache_refs=self.radix.total_refs(),
             prompt_tokens_computed=s.prompt_tokens_computed,
+            pages_taken_in_flight=s.in_flight.taken_while_written,
             pid=os.getpid(),
             queues=self.queue_sizes(),
             rank_queues=self.rank_queue_sizes(),

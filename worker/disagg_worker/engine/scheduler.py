@@ -11,7 +11,9 @@ into the radix cache and the rest back to the allocator. A request marked `hando
 `process` returns what a step did (`StepOutcome`): a role stage acts on it without hooking in.
 
 Page accounting invariant: a page is either free in the allocator, held by the radix cache, or in
-exactly one request's private page table; `release` is the only way out of a request.
+exactly one request's private page table; `release` is the only way out of a request. A request that ends
+while a step in flight computes for it keeps its pages until that step is processed (`engine/in_flight.py`):
+only a later step may write a page before then, never a KV transfer or a load from host memory.
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ from collections import deque
 from collections.abc import Callable
 
 from disagg_worker.config import SchedulerConfig
-from disagg_worker.engine.batch import Plan, Sampled, ScheduledBatch, StepOutcome, StepResult, build_forward
+from disagg_worker.engine.batch import Plan, Sampled, ScheduledBatch, StepOutcome, StepResult, build_batch
+from disagg_worker.engine.in_flight import InFlight
 from disagg_worker.engine.outbox import Outbox, TopLogprobs, internal_error
 from disagg_worker.engine.request import FinishReason, Req
 from disagg_worker.engine.speculative import DraftPlanner
@@ -67,6 +70,7 @@ class Scheduler:
         # Requests another stage will hand to the running batch (decode's transfers): their slots are taken.
         self.incoming: Callable[[], int] = lambda: 0
         self.tiers: KVTiers | None = None  # host memory and the store under the prefix cache (engine/tiers.py)
+        self.in_flight = InFlight(page_size)
 
     # ---- queue changes -------------------------------------------------------------------
     def add(self, req: Req) -> None:
@@ -128,7 +132,12 @@ class Scheduler:
         self._plan_admissions(plan, budget)
         if not plan.reqs:
             return None
-        return self._build(plan)
+        self.prompt_tokens_computed += sum(
+            n for r, n in zip(plan.reqs, plan.extend, strict=True) if not r.num_generated
+        )
+        batch = build_batch(plan, self.page_size)
+        self.in_flight.launched(batch)
+        return batch
 
     def _plan_running(self, plan: Plan, budget: int) -> int:
         # Decode steps first, then the chunks of prompts already admitted.
@@ -249,7 +258,9 @@ class Scheduler:
         short = n - self.allocator.num_free
         if short > 0:
             self.radix.evict(short)
-        return self.allocator.alloc(n)
+        pages = self.allocator.alloc(n)
+        self.in_flight.check_taken(pages)
+        return pages
 
     def _retractable(self, keep: list[Req]) -> list[Req]:
         """Running requests that may give their pages back: not kept, not planned, none in flight."""
@@ -268,29 +279,6 @@ class Scheduler:
         log.info("retracted %s (%d tokens) to free pages", victim.rid, victim.seq_len)
         return True
 
-    def _build(self, plan: Plan) -> ScheduledBatch:
-        drafts = plan.drafts if any(plan.drafts) else None
-        forward = build_forward(plan.reqs, plan.extend, self.page_size, drafts)
-        samples, generated, future = [], [], []
-        pos = 0
-        for r, n in zip(plan.reqs, plan.extend, strict=True):
-            pos += n
-            self.prompt_tokens_computed += n if r.num_generated == 0 else 0
-            if r.trail is not None and r.num_generated == 0:  # a chunk of its prompt
-                r.trail.end("scheduler.waiting")
-                r.trail.begin("forward", tokens=n, position=r.num_computed)
-            if r.pending:
-                future.append((pos - 1, r))
-            r.num_computed += n  # with a draft, past the known tokens until `process` knows what was kept
-            sample = r.num_computed >= r.seq_len
-            samples.append(sample)
-            generated.append(r.num_generated)
-            if sample:
-                r.pending += 1
-        return ScheduledBatch(
-            reqs=plan.reqs, forward=forward, samples=samples, generated=generated, future=future, drafts=drafts
-        )
-
     # ---- results ------------------------------------------------------------------------
     def process(self, batch: ScheduledBatch, result: StepResult) -> StepOutcome:
         """Take a finished step's tokens; return what the step did."""
@@ -306,6 +294,8 @@ class Scheduler:
             if i in result.failed and self.by_rid.get(r.rid) is r:
                 self.fail(r, "producing its next token")
                 outcome.failed.append(r)
+        for r in self.in_flight.processed(batch):
+            self._release_now(r)
         return outcome
 
     def fail(self, req: Req, what: str) -> None:
@@ -387,7 +377,14 @@ class Scheduler:
     def release(self, req: Req) -> None:
         """Return a request's pages: whole computed pages to the radix cache, the rest freed.
 
-        For a request out of the queues (retracted, finished, or handed off)."""
+        For a request out of the queues (retracted, finished, or handed off); one a step in flight computes for
+        keeps them until that step is processed (`engine/in_flight.py`)."""
+        if self.in_flight.holds(req):
+            self.in_flight.defer(req)
+        else:
+            self._release_now(req)
+
+    def _release_now(self, req: Req) -> None:
         computed = min(req.num_computed, len(req.fill_ids))
         full = computed // self.page_size
         tokens = req.fill_ids[: full * self.page_size]

@@ -149,6 +149,8 @@ class SchedulerStats:
     kv_events: tuple[tuple[str, list[int]], ...] = ()
     # Why the instance can no longer serve though its scheduler runs ("" while it can): /health says it.
     broken: str = ""
+    # Pages taken while a step in flight still wrote them (`engine/in_flight.py`): 0 unless its rule broke.
+    pages_taken_in_flight: int = 0
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,8 @@ a bug never kills the server. Generation requests pass the admission gate first 
 from __future__ import annotations
 
 import asyncio
+import logging
+import uuid
 from dataclasses import asdict
 
 from aiohttp import web
@@ -41,6 +43,8 @@ from disagg_worker.server.tokenize_api import add_tokenize_routes
 from disagg_worker.server.traced import traced_middlewares
 from disagg_worker.tracing import Tracer
 
+log = logging.getLogger(__name__)
+
 FRONTEND = web.AppKey("frontend", Frontend)
 ADMISSION = web.AppKey("admission", Admission)
 SETTINGS = web.AppKey("settings", dict)
@@ -48,6 +52,13 @@ SETTINGS = web.AppKey("settings", dict)
 
 def error_response(e: APIError) -> web.Response:
     return web.json_response(e.body(), status=e.status, headers=e.headers())
+
+
+def request_id(request: web.Request) -> str:
+    """The id a log line names a request by: the client's `X-Request-Id`, else one made for it (kept on it)."""
+    if "request_id" not in request:
+        request["request_id"] = request.headers.get("X-Request-Id") or uuid.uuid4().hex[:12]
+    return request["request_id"]
 
 
 @web.middleware
@@ -60,8 +71,13 @@ async def error_middleware(request: web.Request, handler):
         if e.status >= 400:
             return error_response(APIError(e.status, e.reason or "error", type="invalid_request_error"))
         raise
-    except (asyncio.CancelledError, ConnectionResetError):
+    except asyncio.CancelledError:
         raise
+    except ConnectionResetError:  # the client left (mid-body, mid-stream): normal, not an error
+        log.debug(
+            "request %s (%s %s): the client left before its answer", request_id(request), request.method, request.path
+        )
+        return web.Response(status=499)  # nobody reads it: aiohttp drops it quietly on the closed connection
     except Exception:  # a bug: a 500 that points at the log, and keep serving
         return error_response(logged_internal_error(request))
 

@@ -88,6 +88,7 @@ def merge_stats(parts: Mapping[int, msg.SchedulerStats]) -> msg.SchedulerStats:
         cache_pages=total("cache_pages"),
         cache_refs=total("cache_refs"),
         prompt_tokens_computed=total("prompt_tokens_computed"),
+        pages_taken_in_flight=total("pages_taken_in_flight"),
         metrics_text=merge_exposition({g: parts[g].metrics_text for g in sorted(parts)}),
         queues=queues,
         rank_queues=ranks,

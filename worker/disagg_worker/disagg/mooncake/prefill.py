@@ -382,10 +382,10 @@ class MooncakePrefillManager(KVManager):
         state = job.room
         if job.stream is not None:
             job.stream.settled(job.queued_at)
-        quiet, owed = state.settle_send(job.group.nbytes)
+        done, owed = state.settle_send(job.group.nbytes)
         if owed:  # the last write of a failed room settled: decode may reuse its pages now
             self._tell_all(state, KVPoll.Failed, state.cell.reason, quiesced=True)
-        elif quiet and state.last_queued and state.cell.get() is KVPoll.Transferring:
+        elif done and state.cell.get() is KVPoll.Transferring:
             self._finish(state)
 
     def _finish(self, state: PrefillRoom) -> None:

@@ -122,14 +122,20 @@ class PrefillRoom:
         return quiet
 
     def settle_send(self, nbytes: int) -> tuple[bool, bool]:
-        """One send's writes all finished or failed: (quiet, owed). `quiet`: none in flight any
-        more; `owed`: the room failed earlier and decode must now hear that it is quiesced."""
+        """One send's writes all finished or failed: (done, owed). `done`: the last send was queued
+        and no send is in flight any more, so decode may read every page; `owed`: the room failed
+        earlier and decode must now hear that it is quiesced.
+
+        Both are decided here, under the lock `queue_send` counts under: a `done` read after it (the
+        last send queued by the scheduler's thread between this count and that read) would tell decode
+        Success while the last pages and the first token are still on the wire."""
         with self.lock:
             self.inflight -= 1
             self.nbytes += nbytes
             quiet = self.inflight == 0
             owed, self.owes_quiesced = self.owes_quiesced and quiet, self.owes_quiesced and not quiet
-        return quiet, owed
+            done = quiet and self.last_queued
+        return done, owed
 
 
 @dataclass
