@@ -165,11 +165,14 @@ test-fast: venv
 # The integration tier on a loaded machine: stress-ng (Debian's) keeps one CPU hog per core busy while it
 # runs, so that a test racing the machine's speed fails here before CI finds it. The tests' deadlines
 # stretch by STRESS_TIME_FACTOR (tests/timing.py); nothing else is relaxed.
+# The P/D soak (tests/integration/test_soak.py) runs each phase for STRESS_SOAK_SECONDS instead of its 25.
 STRESS_TIME_FACTOR ?= 2
+STRESS_SOAK_SECONDS ?= 120
 test-stress: venv prometheus-bin jaeger-bin
 	@$(MAKE) --no-print-directory PACKAGES=stress-ng debian-packages
 	stress-ng --cpu $$(nproc) --quiet & load=$$!; trap 'kill $$load' EXIT; \
-	DISAGG_TEST_TIME_FACTOR=$(STRESS_TIME_FACTOR) $(VENV)/bin/pytest $(PYTEST_ARGS) tests/integration
+	DISAGG_TEST_TIME_FACTOR=$(STRESS_TIME_FACTOR) SOAK_SECONDS=$(STRESS_SOAK_SECONDS) \
+	$(VENV)/bin/pytest $(PYTEST_ARGS) tests/integration
 
 clean:
 	rm -rf $(VENV) .models .pytest_cache .hypothesis
