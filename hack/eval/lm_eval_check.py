@@ -6,15 +6,18 @@ lm-eval is not a dependency of the project: install it beside the venv (it needs
 
     .venv/bin/pip install --target .lmeval lm-eval datasets evaluate pytablewriter rouge-score sacrebleu \
         scikit-learn sqlitedict dill word2number more_itertools
-    PYTHONPATH=.lmeval .venv/bin/python hack/eval/lm_eval_check.py OUT_DIR
+    LM_EVAL_PATH=.lmeval .venv/bin/python hack/eval/lm_eval_check.py OUT_DIR
 
-The task is local (`hack/eval/tasks`, its questions written here): 40 four-way questions, 160 choices.
+(only the harness's process imports from LM_EVAL_PATH: the servers keep the venv's own packages).
+
+The task is local (written into OUT_DIR/tasks with its questions): 40 four-way questions, 160 choices.
 """
 
 from __future__ import annotations
 
 import glob
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -25,7 +28,6 @@ sys.path.insert(0, str(ROOT))
 from disagg_worker.model.demo import demo_gguf  # noqa: E402
 from tests.integration.procs import PDStack, serve  # noqa: E402
 
-TASKS = Path(__file__).parent / "tasks"
 BATCH, CONCURRENT, TOLERANCE = 8, 2, 1e-4
 
 
@@ -43,10 +45,10 @@ def questions() -> list[dict]:
 
 
 def write_task(out: Path) -> None:
-    TASKS.mkdir(exist_ok=True)
+    (out / "tasks").mkdir(exist_ok=True)
     data = out / "questions.jsonl"
     data.write_text("".join(json.dumps(q) + "\n" for q in questions()))
-    (TASKS / "disagg_sums.yaml").write_text(
+    (out / "tasks" / "disagg_sums.yaml").write_text(
         "task: disagg_sums\n"
         "dataset_path: json\n"
         f"dataset_kwargs:\n  data_files:\n    test: {data}\n"
@@ -60,9 +62,11 @@ def write_task(out: Path) -> None:
 
 
 def lm_eval(out: Path, name: str, model: str, args: str, batch: int) -> dict:
-    cmd = [sys.executable, "-m", "lm_eval", "--model", model, "--model_args", args, "--tasks", "disagg_sums",
-           "--include_path", str(TASKS), "--batch_size", str(batch), "--log_samples", "--output_path", str(out / name)]  # fmt: skip
-    subprocess.run(cmd, check=True)
+    cmd = [sys.executable, "-m", "lm_eval", "--model", model, "--model_args", args, "--tasks", "disagg_sums"]
+    cmd += ["--include_path", str(out / "tasks"), "--batch_size", str(batch), "--log_samples"]
+    cmd += ["--output_path", str(out / name)]
+    env = {**os.environ, "PYTHONPATH": os.environ.get("LM_EVAL_PATH", "")}
+    subprocess.run(cmd, check=True, env=env)
     [samples] = glob.glob(str(out / name / "**" / "samples_disagg_sums_*.jsonl"), recursive=True)
     [results] = glob.glob(str(out / name / "**" / "results_*.json"), recursive=True)
     lls = {}
@@ -82,10 +86,12 @@ def main(out: Path) -> None:
 
     transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(tok)
     runs = {"hf": lm_eval(out, "hf", "hf", f"pretrained={gguf.parent},gguf_file={gguf.name},dtype=float32", BATCH)}
-    api = f"model=tiny,tokenizer={tok},tokenizer_backend=huggingface,tokenized_requests=True,num_concurrent={CONCURRENT}"
+    api = f"model=tiny,tokenizer={tok},tokenizer_backend=huggingface,tokenized_requests=True"
+    api += f",num_concurrent={CONCURRENT}"
     mono = serve(str(gguf), "--served-model-name", "tiny", "--max-total-tokens", "8192").wait_healthy()
     try:
-        runs["monolithic"] = lm_eval(out, "mono", "local-completions", f"{api},base_url={mono.url}/v1/completions", BATCH)
+        url = f"{mono.url}/v1/completions"
+        runs["monolithic"] = lm_eval(out, "mono", "local-completions", f"{api},base_url={url}", BATCH)
     finally:
         mono.stop()
     stack = PDStack(str(gguf), "--max-total-tokens", "8192").wait_healthy()
