@@ -34,7 +34,8 @@ class ModelRunner:
 
     Steps run strictly in submission order, so a step may take its input tokens from the step
     before it (`ScheduledBatch.future`) and page reuse is ordered: a page freed while a step is in
-    flight is only written by a later step.
+    flight is only written by a later step (the scheduler keeps a KV transfer or a load from host
+    memory off it until that step is processed: `engine/in_flight.py`).
 
     The runner never writes a request's output list: the scheduler appends a token when it
     processes the step. With overlap, that may not have happened yet when the next step samples,
