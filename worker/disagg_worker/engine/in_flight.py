@@ -33,12 +33,14 @@ class InFlight:
     def __init__(self, page_size: int):
         self.page_size = page_size
         self.batches: list[ScheduledBatch] = []
+        self._written: list[set[int]] = []  # per batch: the pages it writes
         self.held: list[Req] = []
         # Takes of pages a step in flight writes (`check_taken`): 0 unless this module's rule was broken.
         self.taken_while_written = 0
 
     def launched(self, batch: ScheduledBatch) -> None:
         self.batches.append(batch)
+        self._written.append(set((batch.forward.out_slots // self.page_size).tolist()))
 
     def holds(self, req: Req) -> bool:
         """Whether a step in flight computes for `req` (and writes its pages)."""
@@ -52,15 +54,14 @@ class InFlight:
         """`batch`'s results are processed: the held requests no step in flight computes for any more. Steps end
         in order, so a batch launched before it whose results were never processed (none came back) ended too."""
         ends = next((i for i, b in enumerate(self.batches) if b is batch), -1)
-        self.batches = self.batches[ends + 1 :]
+        self.batches, self._written = self.batches[ends + 1 :], self._written[ends + 1 :]
         free = [r for r in self.held if not self.holds(r)]
         self.held = [r for r in self.held if self.holds(r)]
         return free
 
     def written(self) -> set[int]:
         """The pages the steps in flight write KV into."""
-        ps = self.page_size
-        return {slot // ps for b in self.batches for slot in b.forward.out_slots.tolist()}
+        return set().union(*self._written)
 
     def check_taken(self, pages: list[int] | None) -> None:
         """The check of the rule where pages leave the allocator: none a step in flight writes (counted and logged

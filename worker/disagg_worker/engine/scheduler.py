@@ -263,8 +263,11 @@ class Scheduler:
         return pages
 
     def _retractable(self, keep: list[Req]) -> list[Req]:
-        """Running requests that may give their pages back: not kept, not planned, none in flight."""
-        return [r for r in self.running if not any(r is k for k in keep) and not r.pending]
+        """Running requests that may give their pages back: not kept, not planned, none in flight (a step in
+        flight would keep their pages past the retraction, `engine/in_flight.py`)."""
+        return [
+            r for r in self.running if not any(r is k for k in keep) and not r.pending and not self.in_flight.holds(r)
+        ]
 
     def _retract_one(self, keep: list[Req]) -> bool:
         """Send the newest retractable request back to the waiting queue, keeping its tokens."""
