@@ -35,6 +35,7 @@ import torch
 
 from disagg_worker.bench import serve as serve_bench
 from disagg_worker.config import EngineConfig, SchedulerConfig
+from disagg_worker.engine.assemble import load_engine
 from disagg_worker.engine.engine import Engine
 from disagg_worker.engine.sampling import SamplingParams
 from disagg_worker.instance.loop import Stepper
@@ -204,7 +205,7 @@ def make_engine(model: str, forward: str, overlap: bool, tokens: int) -> Engine:
         cache=CacheConfig(max_total_tokens=tokens),
         scheduler=SchedulerConfig(enable_overlap=overlap),
     )
-    return Engine.from_config(cfg)
+    return load_engine(cfg)
 
 
 def add_requests(engine: Engine, n: int, input_len: int, output_len: int, seed: int = 0) -> None:
@@ -218,7 +219,8 @@ def decode_steps_per_s(model: str, forward: str, overlap: bool, a: argparse.Name
     """Steps/s while all requests decode: from the first step after every prefill to the first finish."""
     engine = make_engine(model, forward, overlap, a.batch * (a.input_len + a.micro_output_len + 64))
     add_requests(engine, a.batch, a.input_len, a.micro_output_len)
-    sched, stepper = engine.scheduler, Stepper(engine, overlap)
+    assert engine.cfg.overlap == overlap  # the executor's: launched steps overlap
+    sched, stepper = engine.scheduler, Stepper(engine)
     start = end = None
     while stepper.busy:
         stepper.step()

@@ -172,7 +172,8 @@ def stepper_for(engine):
         from disagg_worker.instance.loop import Stepper
     except ImportError as e:
         return None, f"instance.loop does not import ({e}): stepped synchronously (schedule, run, process)"
-    return Stepper(engine, True), "instance.loop.Stepper, overlap on"
+    assert engine.cfg.overlap is True  # the executor's: launched steps overlap
+    return Stepper(engine), "instance.loop.Stepper, overlap on"
 
 
 def serve_run(ctx: dict) -> dict:

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from disagg_worker.config import CacheConfig, EngineConfig, SchedulerConfig
+from disagg_worker.engine.assemble import build_engine
 from disagg_worker.engine.engine import Engine
 from disagg_worker.model.config import ModelConfig
 from disagg_worker.model.loader import fit_to_device
@@ -89,7 +90,7 @@ def make_engine(
             cuda_graph=cuda_graph,
         ),
     )
-    return Engine(ecfg, model, cfg)
+    return build_engine(ecfg, model, cfg)
 
 
 def param_bytes(model: torch.nn.Module) -> dict[str, int]:

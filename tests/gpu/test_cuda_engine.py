@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from disagg_worker.config import CacheConfig, EngineConfig, SchedulerConfig
+from disagg_worker.engine.assemble import load_engine
 from disagg_worker.engine.engine import Engine
 from disagg_worker.engine.sampling import SamplingParams
 from disagg_worker.model.attention import AttentionPlan, paged_attention
@@ -34,7 +35,7 @@ def engine(model: str, device: str, max_running: int = 64, cuda_graph: bool = Tr
             chunk_size=64, enable_overlap=True, max_running_requests=max_running, cuda_graph=cuda_graph
         ),
     )
-    return Engine.from_config(cfg)
+    return load_engine(cfg)
 
 
 def replays(e: Engine) -> int:

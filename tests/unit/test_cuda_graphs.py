@@ -60,7 +60,8 @@ def requests(n: int) -> list[tuple[list[int], SamplingParams]]:
 
 def drive(engine: Engine, graphs: DecodeGraphs, overlap: bool) -> dict[str, list[int]]:
     """Every request to its end; then the padding page back to the allocator and the pages accounted for."""
-    stepper = Stepper(engine, overlap)
+    assert engine.cfg.overlap == overlap  # the executor's: launched steps overlap
+    stepper = Stepper(engine)
     for i, (ids, params) in enumerate(requests(8)):
         engine.handle(msg.GenerateReq(str(i), ids, params))
     tokens: dict[str, list[int]] = {}

@@ -32,7 +32,8 @@ def run_until_done(stepper: Stepper, rid: str) -> list[msg.TokenOut]:
 def test_a_held_prefix_is_not_transferred_again_and_a_failed_transfer_gives_it_back(tiny_model):
     engine, kv = decode_engine(tiny_model, decode_prefix_cache=True, local_prefill=True)
     total = engine.allocator.num_total
-    stepper = Stepper(engine, overlap=False)
+    assert engine.cfg.overlap is False  # the executor's: launched steps overlap
+    stepper = Stepper(engine)
     try:
         prompt = list(range(10, 30))  # 20 tokens
         engine.handle(msg.GenerateReq("local", prompt, PARAMS, local_prefill=True))
@@ -58,13 +59,14 @@ def test_a_held_prefix_is_not_transferred_again_and_a_failed_transfer_gives_it_b
         stepper.step()
         assert engine.allocator.num_free + engine.radix.total_pages == total
     finally:
-        stepper.pool.shutdown()
+        engine.executor.close()  # its forward thread
         engine.close()
 
 
 def test_the_last_page_always_comes_from_prefill(tiny_model):
     engine, kv = decode_engine(tiny_model, decode_prefix_cache=True, local_prefill=True)
-    stepper = Stepper(engine, overlap=False)
+    assert engine.cfg.overlap is False  # the executor's: launched steps overlap
+    stepper = Stepper(engine)
     try:
         prompt = list(range(10, 34))  # 24 tokens
         engine.handle(msg.GenerateReq("local", prompt, PARAMS, local_prefill=True))
@@ -75,26 +77,28 @@ def test_the_last_page_always_comes_from_prefill(tiny_model):
         (receiver,) = kv.receivers
         assert receiver.skip_pages == 5 and len(receiver.pages) == 1
     finally:
-        stepper.pool.shutdown()
+        engine.executor.close()  # its forward thread
         engine.close()
 
 
 def test_decode_without_local_prefill_refuses_it(tiny_model):
     engine, kv = decode_engine(tiny_model)
-    stepper = Stepper(engine, overlap=False)
+    assert engine.cfg.overlap is False  # the executor's: launched steps overlap
+    stepper = Stepper(engine)
     try:
         engine.handle(msg.GenerateReq("x", [1, 2, 3], PARAMS, local_prefill=True))
         stepper.step()
         (out,) = engine.take_outputs()
         assert out.error_status == 400 and "does not compute prompts for local_prefill" in out.error
     finally:
-        stepper.pool.shutdown()
+        engine.executor.close()  # its forward thread
         engine.close()
 
 
 def test_with_the_models_secret_only_the_routers_local_prefill_is_taken(tiny_model):
     engine, _ = decode_engine(tiny_model, secret="s3cret", local_prefill=True)
-    stepper = Stepper(engine, overlap=False)
+    assert engine.cfg.overlap is False  # the executor's: launched steps overlap
+    stepper = Stepper(engine)
     key = derive("s3cret", TARGET)
     try:
         engine.handle(msg.GenerateReq("forged", [1, 2, 3], PARAMS, local_prefill=True, local_sig="00" * 32))
@@ -106,7 +110,7 @@ def test_with_the_models_secret_only_the_routers_local_prefill_is_taken(tiny_mod
         assert refused == {"forged": 403, "unsigned": 403}
         assert len([t for o in outs if o.rid == "router" for t in o.token_ids]) == 4
     finally:
-        stepper.pool.shutdown()
+        engine.executor.close()  # its forward thread
         engine.close()
 
 
@@ -118,7 +122,8 @@ def test_the_decode_options_are_refused_on_prefill(option):
 
 def test_requests_in_transfer_hold_running_slots_that_local_prefills_do_not_take(tiny_model):
     engine, kv = decode_engine(tiny_model, local_prefill=True)  # at most 4 running
-    stepper = Stepper(engine, overlap=False)
+    assert engine.cfg.overlap is False  # the executor's: launched steps overlap
+    stepper = Stepper(engine)
     try:
         for i in range(3):
             info = msg.BootstrapInfo("10.0.0.7", 8998, next(ROOMS))
@@ -135,5 +140,5 @@ def test_requests_in_transfer_hold_running_slots_that_local_prefills_do_not_take
         assert sorted(o.rid for o in outs if o.error_status == 500) == ["pd0", "pd1", "pd2"]
         assert {o.rid for o in outs if o.finish_reason and not o.error} == {"local0", "local1", "local2"}
     finally:
-        stepper.pool.shutdown()
+        engine.executor.close()  # its forward thread
         engine.close()

@@ -9,6 +9,7 @@ from dataclasses import replace
 
 from disagg_worker.config import CacheConfig, DisaggConfig, EngineConfig, Role, SchedulerConfig
 from disagg_worker.disagg import KVManager, KVPoll, KVReceiver, TransferFailure
+from disagg_worker.engine.assemble import load_engine
 from disagg_worker.engine.engine import Engine
 from disagg_worker.instance.loop import Stepper
 from disagg_worker.keys import TARGET, derive, sign_target
@@ -62,10 +63,10 @@ def decode_engine(model: str, secret: str = "", **options: bool) -> tuple[Engine
     cfg = EngineConfig(
         model_path=model,
         cache=CacheConfig(page_size=4, max_total_tokens=256),
-        scheduler=SchedulerConfig(chunk_size=8, max_running_requests=4),
+        scheduler=SchedulerConfig(chunk_size=8, max_running_requests=4, enable_overlap=False),  # stepped in turn
         disagg=disagg,
     )
-    engine = Engine.from_config(cfg)
+    engine = load_engine(cfg)
     assert engine.stage is not None
     kv = ScriptedKV(disagg)
     engine.stage.kv = kv  # type: ignore[attr-defined]  # the decode stage's transfer backend, replaced by a script
@@ -80,7 +81,8 @@ def submit(engine: Engine, rid: str, info: msg.BootstrapInfo) -> None:
 def test_pages_a_failed_transfer_may_still_write_stay_out_of_the_free_list_until_prefill_is_quiet(tiny_model):
     engine, kv = decode_engine(tiny_model)
     free = engine.allocator.num_free
-    stepper = Stepper(engine, overlap=False)
+    assert engine.cfg.overlap is False  # the executor's: launched steps overlap
+    stepper = Stepper(engine)
     try:
         submit(engine, "r", msg.BootstrapInfo("10.0.0.7", 8998, next(ROOMS)))
         stepper.step()
@@ -96,13 +98,14 @@ def test_pages_a_failed_transfer_may_still_write_stay_out_of_the_free_list_until
         stepper.step()
         assert engine.allocator.num_free == free
     finally:
-        stepper.pool.shutdown()
+        engine.executor.close()  # its forward thread
         engine.close()
 
 
 def test_only_targets_the_router_signed_are_contacted(tiny_model):
     engine, kv = decode_engine(tiny_model, secret="s3cret")
-    stepper = Stepper(engine, overlap=False)
+    assert engine.cfg.overlap is False  # the executor's: launched steps overlap
+    stepper = Stepper(engine)
     key = derive("s3cret", TARGET)
     try:
         room = next(ROOMS)
@@ -118,5 +121,5 @@ def test_only_targets_the_router_signed_are_contacted(tiny_model):
         stepper.step()
         assert [r.room for r in kv.receivers] == [room]
     finally:
-        stepper.pool.shutdown()
+        engine.executor.close()  # its forward thread
         engine.close()

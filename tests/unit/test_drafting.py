@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 from disagg_worker.config import CacheConfig, ConfigError, DisaggConfig, EngineConfig, Role, SchedulerConfig
 from disagg_worker.config import SpeculativeConfig as Spec
 from disagg_worker.engine import drafting
-from disagg_worker.engine.engine import Engine
+from disagg_worker.engine.assemble import load_engine
 from disagg_worker.engine.sampling import Sampler, SamplingParams, SamplingState
 from disagg_worker.engine.speculative import ACCEPTED, DRAFTED, verify
 from disagg_worker.instance.loop import Stepper
@@ -87,10 +87,10 @@ def standalone(path: str) -> Spec:
 @pytest.mark.parametrize("kind", ["eagle", "small", "itself"])
 def test_answers_with_a_draft_model_are_the_plain_ones_and_every_page_comes_back(tiny_model, drafts, kind):
     reqs = requests()
-    plain, plain_steps = run(Engine.from_config(config(tiny_model, Spec())), reqs)
+    plain, plain_steps = run(load_engine(config(tiny_model, Spec())), reqs)
     spec = eagle(drafts["eagle"]) if kind == "eagle" else standalone(tiny_model if kind == "itself" else drafts[kind])
     drafted, accepted = DRAFTED._value.get(), ACCEPTED._value.get()
-    got, steps = run(Engine.from_config(config(tiny_model, spec)), reqs)
+    got, steps = run(load_engine(config(tiny_model, spec)), reqs)
     assert DRAFTED._value.get() > drafted, "nothing was drafted: the test checked nothing"
     for i, (_, params) in enumerate(reqs):
         assert_same_answer(got[str(i)], plain[str(i)], params)
@@ -105,10 +105,10 @@ def test_an_eagle_head_that_predicts_well_is_kept_from_the_first_step(echo):
     target, head = echo
     prompt = [5, 300, 41, 9, 77, 77]
     params = SamplingParams(max_new_tokens=2 + 4 * (STEPS + 1), temperature=0.0, ignore_eos=True)
-    plain, _ = run(Engine.from_config(config(target, Spec())), [(prompt, params)])
+    plain, _ = run(load_engine(config(target, Spec())), [(prompt, params)])
     assert answer(plain["0"])[0] == [77] * params.max_new_tokens
     drafted, accepted = DRAFTED._value.get(), ACCEPTED._value.get()
-    got, steps = run(Engine.from_config(config(target, eagle(head))), [(prompt, params)])
+    got, steps = run(load_engine(config(target, eagle(head))), [(prompt, params)])
     assert answer(got["0"])[0] == [77] * params.max_new_tokens
     # Drafts of 2 tokens first, then STEPS: 1 + 3 + 4 + 4 + 4 + 2 tokens, every draft kept.
     assert ACCEPTED._value.get() - accepted == DRAFTED._value.get() - drafted == 2 + 3 * STEPS + 1
@@ -122,8 +122,8 @@ def test_a_prompt_found_in_the_prefix_cache_drafts_from_where_its_forward_starts
     first = [5, 300, 41, 9, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 77, 77]
     second = first[:16] + [60, 61, 62, 63, 64, 65, 88, 88]
     params = SamplingParams(max_new_tokens=1 + 3 + 2 * (STEPS + 1), temperature=0.0, ignore_eos=True)
-    e = Engine.from_config(config(target, eagle(head)))
-    stepper = Stepper(e, e.cfg.overlap)
+    e = load_engine(config(target, eagle(head)))
+    stepper = Stepper(e)
     got = {}
     for rid, prompt in (("a", first), ("b", second)):
         e.handle(msg.GenerateReq(rid, prompt, params))
@@ -143,9 +143,9 @@ ROOMS = itertools.count(5000)
 def through_pd(target: str, spec: Spec, prompt: list[int], max_tokens: int) -> tuple[list[int], int]:
     """One request through prefill and decode engines over the fake transfer (it carries the aux record; the
     echo target needs no KV): decode's tokens, and the drafts it accepted."""
-    p = Engine.from_config(config(target, spec, Role.PREFILL))
-    d = Engine.from_config(config(target, spec, Role.DECODE))
-    sp, sd = Stepper(p, p.cfg.overlap), Stepper(d, d.cfg.overlap)
+    p = load_engine(config(target, spec, Role.PREFILL))
+    d = load_engine(config(target, spec, Role.DECODE))
+    sp, sd = Stepper(p), Stepper(d)
     params = SamplingParams(max_new_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     info = msg.BootstrapInfo("127.0.0.1", 1, next(ROOMS))
     p.handle(msg.GenerateReq("p", prompt, params, info))
@@ -190,8 +190,8 @@ def test_decode_drafts_its_first_step_from_what_prefill_handed_it(echo, monkeypa
 def test_a_decode_with_a_draft_model_and_a_prefill_without_are_refused_by_name(tiny_model, drafts):
     from disagg_worker.disagg.mapping import draft_mismatch
 
-    with_head = Engine.from_config(config(tiny_model, eagle(drafts["eagle"]), Role.PREFILL))
-    plain = Engine.from_config(config(tiny_model, Spec(), Role.DECODE))
+    with_head = load_engine(config(tiny_model, eagle(drafts["eagle"]), Role.PREFILL))
+    plain = load_engine(config(tiny_model, Spec(), Role.DECODE))
     try:
         theirs, ours = with_head.manager.layout.draft_kv, plain.manager.layout.draft_kv
         assert theirs.startswith("EAGLE (1 layer") and ours == ""
@@ -221,13 +221,13 @@ def test_a_draft_model_that_cannot_draft_for_the_model_stops_the_start_up(tiny_m
         config(tiny_model, Spec(algorithm="EAGLE", draft_model_path="x", num_steps=8))
     other_vocab = make_tiny(tmp_path / "v", overrides={"vocab_size": 1024, "num_hidden_layers": 1})
     with pytest.raises(ConfigError, match="--speculative-draft-model-path .*vocab_size 1024, the model's 2048"):
-        Engine.from_config(config(tiny_model, standalone(str(other_vocab))))
+        load_engine(config(tiny_model, standalone(str(other_vocab))))
     with pytest.raises(ConfigError, match="is not an EAGLE head"):
-        Engine.from_config(config(tiny_model, eagle(drafts["small"])))
+        load_engine(config(tiny_model, eagle(drafts["small"])))
     wide = make_tiny(tmp_path / "w", overrides={"hidden_size": 64, "num_hidden_layers": 1})
     wide_head = make_eagle_head(wide, tmp_path / "wh")
     with pytest.raises(ConfigError, match="hidden_size 64, the model's 128"):
-        Engine.from_config(config(tiny_model, eagle(str(wide_head))))
+        load_engine(config(tiny_model, eagle(str(wide_head))))
 
 
 # ---- the rejection step ---------------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ import time
 import pytest
 
 from disagg_worker.config import CacheConfig, EngineConfig, SchedulerConfig
+from disagg_worker.engine.assemble import load_engine
 from disagg_worker.engine.engine import Engine
 from disagg_worker.engine.sampling import SamplingParams
 from disagg_worker.instance.loop import Stepper
@@ -29,7 +30,7 @@ def make_engine(
             chunk_size=chunk, enable_overlap=overlap, max_running_requests=max_running, max_batch_tokens=batch_tokens
         ),
     )
-    return Engine.from_config(cfg)
+    return load_engine(cfg)
 
 
 def run_all(
@@ -39,7 +40,8 @@ def run_all(
     abort_after: dict[str, int] | None = None,
     flush: bool = True,
 ) -> dict[str, list[msg.TokenOut]]:
-    stepper = Stepper(engine, overlap)
+    assert engine.cfg.overlap == overlap  # the executor's: launched steps overlap
+    stepper = Stepper(engine)
     for i, (ids, params) in enumerate(requests):
         engine.handle(msg.GenerateReq(str(i), ids, params))
     outs: dict[str, list[msg.TokenOut]] = {}
@@ -164,7 +166,7 @@ def test_request_alone_in_a_full_cache_finishes_with_length(tiny_model):
 
 @pytest.mark.parametrize("overlap", [False, True])
 def test_abort_at_any_stage_frees_pages(tiny_model, overlap):
-    engine = make_engine(tiny_model, tokens=512, chunk=8, max_running=4)
+    engine = make_engine(tiny_model, tokens=512, chunk=8, max_running=4, overlap=overlap)
     prompts = varied_prompts(12, seed=3)
     params = SamplingParams(max_new_tokens=30, temperature=0.0, ignore_eos=True)
     aborts = {str(i): 1 + (i * 3) % 17 for i in range(0, 12, 2)}
@@ -178,7 +180,8 @@ def test_abort_at_any_stage_frees_pages(tiny_model, overlap):
 
 def test_max_running_requests_is_respected(tiny_model):
     engine = make_engine(tiny_model, max_running=3)
-    stepper = Stepper(engine, overlap=True)
+    assert engine.cfg.overlap is True  # the executor's: launched steps overlap
+    stepper = Stepper(engine)
     for i, p in enumerate(varied_prompts(8)):
         engine.handle(msg.GenerateReq(str(i), p, GREEDY))
     peak = 0

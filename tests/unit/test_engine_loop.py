@@ -15,8 +15,6 @@ from tests.timing import scaled
 class _Engine:
     """What EngineLoop needs to start and wait: the wake-up hook, taken from the P/D engines."""
 
-    multi_rank = False
-
     def set_wakeup(self, wake):
         self.wake = wake
 
@@ -25,7 +23,7 @@ def _loop(engine: _Engine | None = None) -> EngineLoop:
     ctx = zmq.Context.instance()
     sink = ctx.socket(zmq.PULL)
     port = sink.bind_to_random_port("tcp://127.0.0.1")
-    loop = EngineLoop(engine or _Engine(), "tcp://127.0.0.1:0", f"tcp://127.0.0.1:{port}", overlap=False)
+    loop = EngineLoop(engine or _Engine(), "tcp://127.0.0.1:0", f"tcp://127.0.0.1:{port}")
     loop._sink = sink
     return loop
 
@@ -73,10 +71,14 @@ class _Stepping(_Engine):
     def needs_sync(self):
         return True
 
-    def run(self, batch):
-        self.log.append("forward")
+    def depth(self, batch):
+        return 0  # each step run when launched, as without overlap
 
-    def process(self, batch, result):
+    def launch(self, batch):
+        self.log.append("forward")
+        return "result"
+
+    def finish(self, batch, launched):
         self.pending.append("next token")
 
 

@@ -39,7 +39,8 @@ class ExplodingMatcher:
 def run(engine: Engine, overlap: bool, prepare=lambda engine: None) -> dict[str, list[msg.TokenOut]]:
     from disagg_worker.instance.loop import Stepper
 
-    stepper = Stepper(engine, overlap)
+    assert engine.cfg.overlap == overlap  # the executor's: launched steps overlap
+    stepper = Stepper(engine)
     prepare(engine)
     outs: dict[str, list[msg.TokenOut]] = {}
     deadline = time.monotonic() + 60
@@ -58,8 +59,12 @@ def run(engine: Engine, overlap: bool, prepare=lambda engine: None) -> dict[str,
 @pytest.mark.parametrize("overlap", [False, True])
 def test_a_request_whose_sampling_raises_fails_alone_and_the_batch_goes_on(tiny_model, overlap):
     prompts = varied_prompts(4)
-    alone = run(make_engine(tiny_model), overlap, lambda e: e.handle(msg.GenerateReq("ok0", prompts[0], GREEDY)))
-    engine = make_engine(tiny_model)
+    alone = run(
+        make_engine(tiny_model, overlap=overlap),
+        overlap,
+        lambda e: e.handle(msg.GenerateReq("ok0", prompts[0], GREEDY)),
+    )
+    engine = make_engine(tiny_model, overlap=overlap)
 
     def prepare(e: Engine) -> None:
         for i, p in enumerate(prompts):

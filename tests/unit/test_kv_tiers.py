@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from disagg_worker.config import CacheConfig, EngineConfig, SchedulerConfig
+from disagg_worker.engine.assemble import load_engine
 from disagg_worker.engine.engine import Engine
 from disagg_worker.engine.sampling import SamplingParams
 from disagg_worker.engine.tiers import KVTiers
@@ -125,7 +126,7 @@ def make_engine(model: str, tiers: TierConfig, tokens: int = 256, overlap: bool 
         cache=CacheConfig(page_size=PS, max_total_tokens=tokens, tiers=tiers),
         scheduler=SchedulerConfig(chunk_size=16, enable_overlap=overlap),
     )
-    return Engine.from_config(cfg)
+    return load_engine(cfg)
 
 
 @pytest.mark.parametrize("policy", ["write_through", "write_back"])
@@ -166,7 +167,7 @@ def answers_twice(engine: Engine, prompts: list[list[int]]) -> list[list[int]]:
     reqs = [(p, params) for p in prompts for params in (GREEDY, SEEDED)]
     out = []
     for flush in (True, False):
-        got = run_all(engine, reqs, overlap=True, flush=False)
+        got = run_all(engine, reqs, overlap=engine.cfg.overlap, flush=False)  # as the instance steps it
         out += [tokens_of(got[str(i)]) for i in range(len(reqs))]
         if flush:
             engine.handle(msg.FlushCacheReq())
@@ -191,8 +192,8 @@ def test_mla_latents_and_draft_kv_come_back_from_host_memory_with_the_same_answe
                           overrides={"num_hidden_layers": 1})  # fmt: skip
         spec = Spec(algorithm="STANDALONE", draft_model_path=str(draft), num_steps=3)
     prompts = varied_prompts(6, seed=5)
-    plain = answers_twice(Engine.from_config(spec_config(model, spec, TierConfig())), prompts)
-    engine = Engine.from_config(spec_config(model, spec, TierConfig(enabled=True, write_policy="write_back")))
+    plain = answers_twice(load_engine(spec_config(model, spec, TierConfig())), prompts)
+    engine = load_engine(spec_config(model, spec, TierConfig(enabled=True, write_policy="write_back")))
     assert answers_twice(engine, prompts) == plain
     assert engine.tiers is not None and engine.tiers.stats.loaded_host > 0
     own_pool = kind == "draft_own_pool"

@@ -70,12 +70,12 @@ def test_pages_host_memory_dropped_while_a_request_waited_come_from_the_store_at
 def test_a_request_waiting_for_the_store_lets_those_behind_it_in(tiny_model):
     """wait_complete holds only the request whose read is under way, not the queue behind it."""
     from disagg_worker.config import CacheConfig, EngineConfig, SchedulerConfig
-    from disagg_worker.engine.engine import Engine
+    from disagg_worker.engine.assemble import load_engine
     from disagg_worker.request import messages as msg
     from tests.unit.test_engine import GREEDY
 
     cfg = TierConfig(enabled=True, storage_backend="mooncake", store_master="store:1", prefetch_policy="wait_complete")
-    engine = Engine.from_config(
+    engine = load_engine(
         EngineConfig(
             model_path=tiny_model,
             cache=CacheConfig(page_size=PS, max_total_tokens=256, tiers=cfg),

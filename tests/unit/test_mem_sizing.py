@@ -9,7 +9,7 @@ from disagg_worker.cli import build_parser, main
 from disagg_worker.cli_args import server_args_from_cli
 from disagg_worker.config import CacheConfig, ConfigError, EngineConfig, Role, SchedulerConfig
 from disagg_worker.engine import pools
-from disagg_worker.engine.engine import Engine
+from disagg_worker.engine.assemble import load_engine
 from disagg_worker.engine.sampling import SamplingParams
 from disagg_worker.env import load_env
 from disagg_worker.mem.sizing import check_fraction, host_memory, machine_memory, pages_for_fraction, process_resident
@@ -101,7 +101,9 @@ def test_every_rank_takes_the_fewest_pages_and_the_fraction_becomes_that_count(m
 def test_a_cpu_engine_starts_with_the_pages_its_fraction_leaves_and_serves(monkeypatch, tiny_model):
     fake_machine(monkeypatch, GIB, 100 * MIB)
     cache = CacheConfig(page_size=16, mem_fraction_static=0.25)
-    engine = Engine.from_config(EngineConfig(model_path=tiny_model, cache=cache, scheduler=SchedulerConfig()))
+    engine = load_engine(
+        EngineConfig(model_path=tiny_model, cache=cache, scheduler=SchedulerConfig(enable_overlap=False))
+    )
     expected = (GIB // 4 - 100 * MIB) // pools.pool_page_nbytes(engine.cfg, engine.model_cfg, Shard())
     assert engine.cfg.cache.num_pages == engine.kv_pool.num_pages == engine.allocator.num_total == expected
     outs = run_all(
@@ -115,7 +117,7 @@ def test_a_cpu_engine_refuses_a_fraction_the_weights_fill(monkeypatch, tiny_mode
     fake_machine(monkeypatch, GIB, 600 * MIB)
     cfg = EngineConfig(model_path=tiny_model, cache=CacheConfig(mem_fraction_static=0.5))
     with pytest.raises(ConfigError, match="--mem-fraction-static 0.5: .* leaves 0 KV pages"):
-        Engine.from_config(cfg)
+        load_engine(cfg)
 
 
 def test_the_flag_reaches_the_configuration_and_a_bad_one_stops_the_command(capsys):

@@ -11,6 +11,7 @@ import time
 import pytest
 
 from disagg_worker.config import CacheConfig, DisaggConfig, EngineConfig, Role, SchedulerConfig
+from disagg_worker.engine.assemble import load_engine
 from disagg_worker.engine.engine import Engine
 from disagg_worker.engine.sampling import SamplingParams
 from disagg_worker.instance.loop import Stepper
@@ -42,7 +43,8 @@ ROOMS = itertools.count(1)
 
 def step_until_done(engines: list[Engine], rid: str) -> list[int]:
     """Step `engines` until they are idle; the tokens `rid` got."""
-    steppers = [Stepper(e, overlap=True) for e in engines]
+    assert all(e.cfg.overlap is True for e in engines)  # the executor's: launched steps overlap
+    steppers = [Stepper(e) for e in engines]
     got: list[int] = []
     deadline = time.monotonic() + scaled(60)
     while any(s.busy for s in steppers):
@@ -94,7 +96,7 @@ def pd_config(model: str, role: Role) -> EngineConfig:
 
 @pytest.fixture(scope="module")
 def pd(tiny_model):
-    p, d = (Engine.from_config(pd_config(tiny_model, role)) for role in (Role.PREFILL, Role.DECODE))
+    p, d = (load_engine(pd_config(tiny_model, role)) for role in (Role.PREFILL, Role.DECODE))
     yield p, d
     p.close()
     d.close()
@@ -102,7 +104,8 @@ def pd(tiny_model):
 
 def held_by_prefill(p: Engine, rid: str) -> None:
     """Step `p` until `rid` is in its stage (a request with a grammar waits for its compilation first)."""
-    stepper = Stepper(p, overlap=True)
+    assert p.cfg.overlap is True  # the executor's: launched steps overlap
+    stepper = Stepper(p)
     deadline = time.monotonic() + scaled(60)
     while not any(rid in getattr(p.stage, q) for q in ("bootstrapping", "prefilling", "inflight")):
         assert time.monotonic() < deadline, "prefill never took the request"

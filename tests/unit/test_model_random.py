@@ -10,8 +10,8 @@ import torch
 from safetensors import safe_open
 
 from disagg_worker.cli import main
-from disagg_worker.config import CacheConfig, EngineConfig
-from disagg_worker.engine.engine import Engine
+from disagg_worker.config import CacheConfig, EngineConfig, SchedulerConfig
+from disagg_worker.engine.assemble import load_engine
 from disagg_worker.engine.sampling import SamplingParams
 from disagg_worker.model.config import ModelConfig
 from disagg_worker.model.loader import load_model, weight_files
@@ -73,7 +73,10 @@ def test_the_tokenizer_has_the_shapes_vocabulary_and_decodes_every_id(mini):
 
 
 def test_the_engine_serves_it(mini):
-    engine = Engine.from_config(EngineConfig(model_path=str(mini), cache=CacheConfig(page_size=16)))
+    cfg = EngineConfig(
+        model_path=str(mini), cache=CacheConfig(page_size=16), scheduler=SchedulerConfig(enable_overlap=False)
+    )
+    engine = load_engine(cfg)
     params = SamplingParams(max_new_tokens=5, temperature=0.0, ignore_eos=True)
     outs = run_all(engine, [(list(range(10, 40)), params)], overlap=False)
     assert len([t for o in outs["0"] for t in o.token_ids]) == 5

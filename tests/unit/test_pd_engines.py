@@ -9,6 +9,7 @@ from dataclasses import replace
 import pytest
 
 from disagg_worker.config import CacheConfig, DisaggConfig, EngineConfig, Role, SchedulerConfig
+from disagg_worker.engine.assemble import load_engine
 from disagg_worker.engine.engine import Engine
 from disagg_worker.instance.loop import Stepper
 from disagg_worker.request import messages as msg
@@ -28,8 +29,8 @@ def config(model: str, role: Role, tokens: int = 2048, max_running: int = 16) ->
 
 @pytest.fixture(scope="module")
 def engines(tiny_model):
-    p = Engine.from_config(config(tiny_model, Role.PREFILL))
-    d = Engine.from_config(config(tiny_model, Role.DECODE, tokens=256, max_running=4))
+    p = load_engine(config(tiny_model, Role.PREFILL))
+    d = load_engine(config(tiny_model, Role.DECODE, tokens=256, max_running=4))
     yield p, d
     p.close()
     d.close()
@@ -56,7 +57,9 @@ def run(
     `abort` maps a request id to the queue it is aborted in (on its own side), as soon as it is
     seen there; every such abort must happen. `watch(p, d)` is called after every step."""
     p, d = engines
-    sp, sd = Stepper(p, overlap=True), Stepper(d, overlap=True)
+    assert p.cfg.overlap is True  # the executor's: launched steps overlap
+    assert d.cfg.overlap is True  # the executor's: launched steps overlap
+    sp, sd = Stepper(p), Stepper(d)
     pending = dict(abort or {})
     for i, (ids, n) in enumerate(requests):
         params = SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True)
@@ -164,7 +167,7 @@ def test_aborts_on_either_side_free_everything(engines, caplog):
 def test_waiting_queues_are_bounded(tiny_model, role, queue):
     """Requests waiting for a handshake beyond --max-bootstrap-queue / --max-prealloc-queue get a 503 at once."""
     bounded = DisaggConfig(role=role, transfer_backend="fake", max_bootstrap_queue=2, max_prealloc_queue=2)
-    engine = Engine.from_config(replace(config(tiny_model, role), disagg=bounded))
+    engine = load_engine(replace(config(tiny_model, role), disagg=bounded))
     try:
         params = SamplingParams(max_new_tokens=2)
         for i in range(3):  # no tick runs, so nothing leaves the queue

@@ -20,6 +20,7 @@ from disagg_worker.config import (
     SchedulerConfig,
     SpeculativeConfig,
 )
+from disagg_worker.engine.assemble import load_engine
 from disagg_worker.engine.engine import Engine
 from disagg_worker.engine.sampling import SamplingParams
 from disagg_worker.engine.speculative import (
@@ -158,12 +159,12 @@ def engine(model: str, spec: bool, tokens: int = 8192, max_running: int = 64) ->
             chunk_size=16, max_running_requests=max_running, speculative=NGRAM if spec else SpeculativeConfig()
         ),
     )
-    return Engine.from_config(cfg)
+    return load_engine(cfg)
 
 
 def run(e: Engine, requests: list[tuple[list[int], SamplingParams]], abort_after: dict[str, int] | None = None):
     """Every request's outputs, and the steps it took (overlap as the config says)."""
-    stepper = Stepper(e, e.cfg.overlap)
+    stepper = Stepper(e)
     for i, (ids, params) in enumerate(requests):
         e.handle(msg.GenerateReq(str(i), ids, params))
     outs: dict[str, list[msg.TokenOut]] = {}
@@ -273,7 +274,7 @@ def test_drafts_take_only_what_every_running_request_leaves(tiny_model):
 
     def tight(spec: bool) -> Engine:
         sched = SchedulerConfig(chunk_size=16, max_batch_tokens=6, speculative=NGRAM if spec else SpeculativeConfig())
-        return Engine.from_config(
+        return load_engine(
             EngineConfig(model_path=tiny_model, cache=CacheConfig(page_size=4, max_total_tokens=4096), scheduler=sched)
         )
 

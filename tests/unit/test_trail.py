@@ -9,6 +9,7 @@ import time
 import pytest
 
 from disagg_worker.config import Role
+from disagg_worker.engine.assemble import load_engine
 from disagg_worker.engine.engine import Engine
 from disagg_worker.engine.sampling import SamplingParams
 from disagg_worker.instance.loop import Stepper
@@ -22,7 +23,7 @@ PARAMS = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def pair(tiny_model):
-    p, d = (Engine.from_config(pd_config(tiny_model, role)) for role in (Role.PREFILL, Role.DECODE))
+    p, d = (load_engine(pd_config(tiny_model, role)) for role in (Role.PREFILL, Role.DECODE))
     yield p, d
     p.close()
     d.close()
@@ -35,7 +36,8 @@ def run_pair(pair: tuple[Engine, Engine], traced: bool) -> tuple[list[msg.TokenO
     p.handle(msg.GenerateReq("p", PROMPT, PARAMS, room, traced=traced))
     held_by_prefill(p, "p")  # the fake transfer pairs a receiver only with a sender that exists already
     d.handle(msg.GenerateReq("d", PROMPT, PARAMS, room, traced=traced))
-    steppers = [Stepper(e, overlap=True) for e in pair]
+    assert all(e.cfg.overlap is True for e in pair)  # the executor's: launched steps overlap
+    steppers = [Stepper(e) for e in pair]
     outs: list[list[msg.TokenOut]] = [[], []]
     deadline = time.monotonic() + scaled(60)
     while any(s.busy for s in steppers):

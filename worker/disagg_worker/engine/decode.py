@@ -66,8 +66,11 @@ class DecodeStage:
         aux_slots: int,
         draft_model: bool = False,
         page_nbytes: int = 0,
+        transfer: dict[str, DecodeReq] | None = None,
     ):
-        """`page_nbytes`: the KV bytes of one page on this rank, which a traced transfer reports."""
+        """`page_nbytes`: the KV bytes of one page on this rank, which a traced transfer reports. `transfer`:
+        where the requests whose KV is on its way are kept, shared with the scheduler, which counts them as
+        running (`Scheduler.incoming`): it admits local prefills around them."""
         self.page_size = page_size
         self.page_nbytes = page_nbytes
         self.target_key = cfg.target_key
@@ -80,10 +83,8 @@ class DecodeStage:
         self.kv = kv
         self.free_slots = list(range(aux_slots))
         self.prealloc: dict[str, DecodeReq] = {}
-        self.transfer: dict[str, DecodeReq] = {}
+        self.transfer = transfer if transfer is not None else {}
         self.quarantine: list[DecodeReq] = []
-        # A request whose KV is on its way holds a running slot: the scheduler admits local prefills around it.
-        scheduler.incoming = lambda: len(self.transfer)
 
     def arrive(self, req: Req, bootstrap: BootstrapInfo | None) -> None:
         if bootstrap is None:

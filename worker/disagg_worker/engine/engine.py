@@ -1,13 +1,11 @@
-"""The engine of one instance: model runner, KV pool, prefix cache, scheduler, and its role stage.
+"""The engine of one instance: it takes requests, schedules their steps, processes what each step sampled, and reports.
 
-Every role runs the same engine; a prefill or decode instance adds a role stage (`engine.stage`)
-that owns the KV transfer queues. The loop (`instance.loop`) drives it through `handle` (requests
-and aborts) and the step methods (`tick`, `schedule`, `run`/`launch`, `process`); the engine
-routes each to the part that owns it.
-
-In a multi-rank instance this engine is the driver (tensor rank 0 of pipeline stage 0): it holds
-its slice of the model and KV, schedules for every rank, and runs each step on all of them through
-`ranks.group`; the other ranks run `instance.follower`.
+Every role runs the same engine over parts `engine.assemble` builds: the KV pool and prefix cache, the
+scheduler, the runner, the executor its steps run on (`engine.executor`: this process's forward thread, or
+every rank of a multi-rank instance), and its role's stage (`engine.prefill`, `engine.decode`, or
+`engine.monolithic`'s, which holds nothing), which owns the KV transfer queues. The loop (`instance.loop`)
+drives it through `handle` (requests and aborts) and the step methods (`tick`, `schedule`, `launch`,
+`finish`); the engine routes each to the part that owns it. Nothing here depends on how many ranks there are.
 """
 
 from __future__ import annotations
@@ -16,37 +14,31 @@ import logging
 import os
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
-import torch
 from prometheus_client import REGISTRY, generate_latest
 
-from disagg_worker.config import EngineConfig, Role
+from disagg_worker.config import EngineConfig
 from disagg_worker.disagg import KVManager
-from disagg_worker.engine import cuda_graphs
-from disagg_worker.engine.assemble import build_kv_manager, build_stage
 from disagg_worker.engine.batch import ScheduledBatch, StepResult
-from disagg_worker.engine.drafting import Draft, load_draft
+from disagg_worker.engine.executor import Executor
 from disagg_worker.engine.expert_load import ExpertLoad
 from disagg_worker.engine.grammar import Grammars
 from disagg_worker.engine.grammar_wait import GrammarWait
-from disagg_worker.engine.memory import return_freed_memory
+from disagg_worker.engine.monolithic import MonolithicStage
 from disagg_worker.engine.outbox import Outbox, internal_error
-from disagg_worker.engine.pools import DTYPES, build_drafter, build_kv_pool, size_pool
+from disagg_worker.engine.prefix_tiers import NoTiers
 from disagg_worker.engine.request import Req
 from disagg_worker.engine.runner import ModelRunner
 from disagg_worker.engine.scheduler import Scheduler
-from disagg_worker.engine.speculative import DraftPlanner
-from disagg_worker.engine.tiers import build_tiers
+from disagg_worker.engine.stage import RoleStage
+from disagg_worker.engine.tiers import KVTiers
 from disagg_worker.keys import LOCAL_PREFILL, target_signed
 from disagg_worker.mem.allocator import PageAllocator
+from disagg_worker.mem.kv_pool import KVPool
 from disagg_worker.mem.radix import RadixCache
-from disagg_worker.model.batch import ForwardBatch, empty_forward
 from disagg_worker.model.config import ModelConfig
-from disagg_worker.model.loader import load_model
 from disagg_worker.model.parallel import Shard
-from disagg_worker.ranks.dist import Comm
-from disagg_worker.ranks.group import Launched, RankGroup, StageWork
-from disagg_worker.ranks.kv import RankedKV, RankTransfer
 from disagg_worker.request import messages as msg
 from disagg_worker.request.errors import INTERNAL_ERROR
 from disagg_worker.request.limits import RequestLimits
@@ -56,89 +48,49 @@ from disagg_worker.tuning import TUNING
 
 log = logging.getLogger(__name__)
 
-# A rank's consensus queues under the names its role's stage uses for them.
-RANK_QUEUE_NAMES = {
-    Role.PREFILL: {"bootstrap": "prefill_bootstrap", "inflight": "prefill_inflight"},
-    Role.DECODE: {"bootstrap": "decode_prealloc", "inflight": "decode_transfer"},
-}
+
+@dataclass
+class EngineParts:
+    """What an engine steps with, each made with its collaborators by `engine.assemble.build_engine`."""
+
+    shard: Shard
+    max_context_len: int
+    kv_pool: KVPool
+    allocator: PageAllocator
+    radix: RadixCache
+    outbox: Outbox
+    scheduler: Scheduler
+    runner: ModelRunner
+    executor: Executor
+    stage: RoleStage | MonolithicStage
+    tiers: KVTiers | NoTiers
+    manager: KVManager | None  # this rank's KV transfer manager (P/D roles)
+    expert_load: ExpertLoad
 
 
 class Engine:
-    def __init__(
-        self,
-        cfg: EngineConfig,
-        model: torch.nn.Module | None,
-        model_cfg: ModelConfig,
-        comm: Comm | None = None,
-        draft: Draft | None = None,
-    ):
+    def __init__(self, cfg: EngineConfig, model_cfg: ModelConfig, parts: EngineParts):
         self.cfg = cfg
         self.model_cfg = model_cfg
-        cache = cfg.cache
-        shard = comm.shard if comm is not None else Shard()
-        self.shard = shard
-        self.max_context_len = cfg.max_context_len or model_cfg.max_position_embeddings
-        graphs = cuda_graphs.wanted(cfg, model, comm is None, draft is not None)  # a padding page after the rest:
-        self.kv_pool = build_kv_pool(cfg, model_cfg, shard, draft, cache.total_pages + 1 if graphs else None)
-        # Under DP attention every group's MoE layers see every group's tokens: the first group's counts say all.
-        self.expert_load = ExpertLoad(model if shard.dp_rank == 0 else None, cfg.disagg.ep_size)
-        self.allocator = PageAllocator(cache.total_pages)
-        self.radix = RadixCache(
-            cache.page_size,
-            self.allocator,
-            enabled=cfg.uses_prefix_cache,
-            record_events=cfg.uses_prefix_cache,
-            names_key=cfg.disagg.kv_names[0],
-        )
-        self.outbox = Outbox()
-        # With several stages a request's next step waits for its token to come back.
-        future_inputs = shard.pp_size == 1
-        planner = DraftPlanner(cfg.scheduler.speculative) if cfg.drafts else None
-        self.scheduler = Scheduler(
-            cfg.scheduler,
-            cache.page_size,
-            self.allocator,
-            self.radix,
-            self.outbox,
-            future_inputs=future_inputs,
-            drafter=planner,
-        )
-        drafter = build_drafter(cfg, draft, self.kv_pool, model_cfg) if draft is not None else None
-        self.runner = ModelRunner(model, self.kv_pool, model_cfg.vocab_size, cfg.device, drafter)
-        if graphs:
-            self.runner.graphs = cuda_graphs.captured(model, self.kv_pool, cache.total_pages, cfg, self.max_context_len)
-        self.scheduler.tiers = self.tiers = build_tiers(cfg, self.kv_pool, drafter, self.radix, cfg.model_name)
-        manager = build_kv_manager(cfg, self.kv_pool, shard, model_cfg, draft.fingerprint if draft else "")
-        kv: KVManager | RankedKV | None = manager
-        self.ranks: RankGroup | None = None
-        if comm is not None:
-            faulty = cfg.disagg.fault_fail_senders_on_stage == shard.pp_rank
-            transfer = RankTransfer(manager, fail_new_senders=faulty) if manager is not None else None
-            kv = RankedKV(transfer) if transfer is not None else None
-            work = StageWork(comm, self.runner.forward, transfer, driver=True)
-            self.ranks = RankGroup(comm, work, kv if isinstance(kv, RankedKV) else None)
-        self.manager = manager
-        self.runner.layer_stream = manager.layer_stream if manager is not None else None
-        self.stage = build_stage(cfg, kv, self.scheduler, self.allocator, self.outbox, self.kv_pool.nbytes)
-        self.limits = RequestLimits(self.max_context_len, model_cfg.vocab_size, cache.capacity_tokens)
+        self.shard = parts.shard
+        self.max_context_len = parts.max_context_len
+        self.kv_pool = parts.kv_pool
+        self.allocator = parts.allocator
+        self.radix = parts.radix
+        self.outbox = parts.outbox
+        self.scheduler = parts.scheduler
+        self.runner = parts.runner
+        self.executor = parts.executor
+        self.stage = parts.stage
+        self.tiers = parts.tiers
+        self.manager = parts.manager
+        self.expert_load = parts.expert_load
+        self.limits = RequestLimits(self.max_context_len, model_cfg.vocab_size, cfg.cache.capacity_tokens)
         self.eos_ids = frozenset(model_cfg.eos_token_ids)
         self.grammars = Grammars(
             cfg.model_path, model_cfg.vocab_size, sorted(self.eos_ids), fault_pattern=cfg.fault_grammar_pattern
         )
         self.grammar_wait = GrammarWait(self.grammars, TUNING.engine.grammar_compile_limit_s)
-
-    @classmethod
-    def from_config(cls, cfg: EngineConfig, comm: Comm | None = None) -> Engine:
-        torch.manual_seed(cfg.seed)
-        shard = comm.shard if comm is not None else Shard()
-        collectives = comm.collectives() if comm is not None else None
-        model, model_cfg = load_model(
-            cfg.model_path, DTYPES[cfg.dtype], cfg.device, shard, collectives, cfg.quantization
-        )
-        draft = load_draft(cfg, model, model_cfg)
-        return_freed_memory()
-        cfg = size_pool(cfg, model_cfg, shard, draft, comm)
-        return cls(cfg, None if cfg.forward == "noop" else model, model_cfg, comm, draft)
 
     # ---- messages from the HTTP process -------------------------------------------------------
     def handle(self, m: msg.Message) -> None:
@@ -206,15 +158,15 @@ class Engine:
             self.outbox.reject(req, 403, "local_prefill not signed by this model's router: refused")
         elif problem:
             self.outbox.reject(req, status, problem)
-        elif self.stage is not None and not m.local_prefill:
-            self.stage.arrive(req, m.bootstrap)
-        else:
+        elif m.local_prefill:
             self.scheduler.add(req)
+        else:
+            self.stage.arrive(req, m.bootstrap)
 
     def abort(self, rid: str) -> None:
         if self.grammar_wait.abort(rid):
             return
-        if self.stage is None or not self.stage.abort(rid):
+        if not self.stage.abort(rid):
             self.scheduler.abort(rid)
 
     # ---- stepping (instance.loop) -------------------------------------------------------------
@@ -222,8 +174,7 @@ class Engine:
         """Advance whatever does not need the model (grammars, P/D queues); called before each schedule."""
         if self.grammar_wait:
             self._take_compiled()
-        if self.stage is not None:
-            self.stage.tick()
+        self.stage.tick()
 
     def schedule(self) -> ScheduledBatch | None:
         return self.scheduler.schedule()
@@ -231,58 +182,31 @@ class Engine:
     def needs_sync(self) -> bool:
         return self.scheduler.needs_sync()
 
+    def depth(self, batch: ScheduledBatch | None) -> int:
+        """Steps that may stay in flight once `batch` is launched (`engine.executor`)."""
+        return self.executor.depth(batch, self.waiting_on_transfers)
+
+    def launch(self, batch: ScheduledBatch | None) -> object | None:
+        """Start a step over `batch` (or, without one, the step the executor needs; None: none started)."""
+        if batch is not None and not batch.forward.is_decode:
+            self.stage.before_forward(batch)  # prefill arms the streams of the pages this forward completes
+        return self.executor.launch(batch, self.waiting_on_transfers)
+
+    def finish(self, batch: ScheduledBatch | None, launched: object) -> None:
+        """Wait for a launched step, sample it, and process the result."""
+        result = self.executor.collect(batch, launched)
+        if batch is not None and result is not None:
+            self.process(batch, result)
+
     def run(self, batch: ScheduledBatch) -> StepResult:
-        """The forward and sampling of one batch (on the runner thread with overlap: decode steps only)."""
-        if self.stage is not None and not batch.forward.is_decode:
-            self.stage.before_forward(batch)
-        return self.runner.run(batch)
-
-    @property
-    def multi_rank(self) -> bool:
-        return self.ranks is not None
-
-    def any_group_forwards(self, batch: ScheduledBatch | None) -> bool:
-        """DP attention: whether any attention group runs a forward this step (then every group must, an
-        idle one over no tokens: the MLPs' collectives span them all). Every group's driver asks once a step."""
-        if self.ranks is None:
-            return batch is not None
-        return self.ranks.comm.any_group(batch is not None)
-
-    @property
-    def dp_attention(self) -> bool:
-        return self.shard.dp_size > 1
-
-    @property
-    def depth(self) -> int:
-        """Steps that may stay in flight after one is launched (multi-rank: one per later stage)."""
-        return self.ranks.depth if self.ranks is not None else 0
-
-    def launch(self, batch: ScheduledBatch | None, idle: ForwardBatch | None = None) -> Launched:
-        """Start a step on every rank: `batch`'s forward (without one, `idle` or none) and a transfer round."""
-        if self.ranks is None:
-            raise RuntimeError("launch() is for multi-rank engines; use run()")
-        if self.stage is not None and batch is not None:
-            self.stage.before_forward(batch)  # its commands go to every rank with this step
-        return self.ranks.launch(batch.forward if batch is not None else idle)
-
-    def launch_forward(self, batch: ScheduledBatch | None) -> Launched:
-        """DP attention: start a step that runs the forward on every rank, over no tokens without a batch."""
-        return self.launch(batch, empty_forward())
-
-    def finish(self, batch: ScheduledBatch | None, launched: Launched) -> None:
-        """Wait for a launched step's logits, sample, and process the result."""
-        if self.ranks is None:
-            raise RuntimeError("finish() is for multi-rank engines")
-        logits = self.ranks.collect(launched)
-        if batch is not None and logits is not None:
-            self.process(batch, self.runner.sample(batch, logits))
+        """The forward and sampling of one batch, waited for (benchmarks and tests step the engine by hand)."""
+        result = self.executor.collect(batch, self.executor.launch(batch, False))
+        if result is None:
+            raise RuntimeError("a launched batch came back without its tokens")
+        return result
 
     def process(self, batch: ScheduledBatch, result: StepResult) -> None:
-        outcome = self.scheduler.process(batch, result)
-        if self.stage is not None:
-            if outcome.chunks or outcome.handed_off:  # pages about to go to the transfer: written first
-                self.runner.wait_kv_written()
-            self.stage.on_step(outcome)
+        self.stage.on_step(self.scheduler.process(batch, result))
 
     def take_outputs(self) -> list[msg.TokenOut]:
         return self.outbox.take()
@@ -296,9 +220,16 @@ class Engine:
     def waiting_on_transfers(self) -> bool:
         """Requests wait on KV transfers (P/D roles), or the other ranks have yet to hear how some
         ended; the loop polls often."""
-        if self.ranks is not None and self.ranks.has_news:
-            return True
-        return self.stage is not None and self.stage.waiting_on_transfers
+        return self.executor.has_news or self.stage.waiting_on_transfers
+
+    @property
+    def computing(self) -> bool:
+        """A step runs next even without a batch of this engine's (DP attention: another group forwards)."""
+        return self.executor.computing
+
+    def nudge(self) -> None:
+        """A message arrived while idle: wake the other attention groups this engine steps with."""
+        self.executor.nudge()
 
     @property
     def idle(self) -> bool:
@@ -308,10 +239,8 @@ class Engine:
     def set_wakeup(self, wake: Callable[[], None]) -> None:
         """`wake` is called, from any thread, when a KV transfer or a grammar this engine waits on moves."""
         self.grammar_wait.wake = wake
-        if self.tiers is not None:
-            self.tiers.wake = wake
-        if self.stage is not None:
-            self.stage.set_wakeup(wake)
+        self.tiers.wake = wake
+        self.stage.set_wakeup(wake)
 
     # ---- reports -------------------------------------------------------------------------------
     def info(self) -> msg.EngineInfo:
@@ -347,40 +276,25 @@ class Engine:
             rank_queues=self.rank_queue_sizes(),
             metrics_text=own_metrics(),
             dp_rank=self.shard.dp_rank,
-            kv_events=tuple(self.radix.take_events() + (self.tiers.take_events() if self.tiers else [])),
+            kv_events=tuple(self.radix.take_events() + self.tiers.take_events()),
             broken=self.manager.broken if self.manager is not None else "",
         )
 
     def queue_sizes(self) -> dict[str, int]:
         """Sizes of the P/D queues (none for a monolithic instance)."""
-        return self.stage.queue_sizes() if self.stage is not None else {}
+        return self.stage.queue_sizes()
 
     def rank_queue_sizes(self) -> dict[tuple[int, int], dict[str, int]]:
-        """Every rank's queue sizes (multi-rank P/D): this rank's stage queues, and for the others
-        the last sizes they reported. The tensor ranks of a stage hold the same rooms, in the same
-        queues (they apply the same commands to the same agreed states)."""
-        if self.stage is None:
-            return {}
-        if self.ranks is None:
-            return {(0, 0): self.queue_sizes()}
-        names = RANK_QUEUE_NAMES[self.cfg.disagg.role]
-        shard = self.shard
-        group = range(shard.dp_rank * shard.attn_tp_size, (shard.dp_rank + 1) * shard.attn_tp_size)  # this group's
-        sizes = {
-            (tp, pp): {names[q]: n for q, n in stage.items()} for pp, stage in self.ranks.queues.items() for tp in group
-        }
-        sizes[(group.start, 0)] = self.queue_sizes()
-        return sizes
+        """Every rank's P/D queue sizes (none for a monolithic instance)."""
+        own = self.queue_sizes()
+        return self.executor.rank_queues(own) if own else {}
 
     def close(self) -> None:
         """Stop the other ranks and release what the engine holds outside this process."""
         self.grammars.close()
-        if self.tiers is not None:
-            self.tiers.close()
-        if self.ranks is not None:
-            self.ranks.stop()
-        if self.stage is not None:
-            self.stage.close()
+        self.tiers.close()
+        self.executor.close()
+        self.stage.close()
 
     def pages_accounted(self) -> bool:
         """At idle, every page is free or held unlocked by the prefix cache."""

@@ -57,12 +57,15 @@ class PrefillStage:
         whole_prompt: bool = False,
         page_nbytes: int = 0,
         stream_from: int = 0,
+        kv_written: Callable[[], None] = lambda: None,
     ):
         """`whole_prompt`: send every page with the first token, none after each chunk (a draft model writes
         its KV into the prompt's pages once the first token is known, `drafting.ModelDrafter.handoff`);
         `page_nbytes`: the KV bytes of one page on this rank, which a traced transfer reports; `stream_from`:
-        prompts of at least this many tokens stream their KV layer group by layer group (0: none)."""
+        prompts of at least this many tokens stream their KV layer group by layer group (0: none); `kv_written`:
+        waits until the last forward's KV is in the pool (the runner's, on a CUDA device), before pages are sent."""
         self.cfg = cfg
+        self.kv_written = kv_written
         self.stream_from = stream_from
         self.page_nbytes = page_nbytes
         self.whole_prompt = whole_prompt
@@ -129,6 +132,8 @@ class PrefillStage:
                 p.streamed_pages = upto
 
     def on_step(self, outcome: StepOutcome) -> None:
+        if outcome.chunks or outcome.handed_off:  # pages about to go to the transfer: their KV written first
+            self.kv_written()
         for req, done in [] if self.whole_prompt else outcome.chunks:
             p = self.prefilling.get(req.rid)
             full = done // self.page_size

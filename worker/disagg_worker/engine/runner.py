@@ -49,9 +49,13 @@ class ModelRunner:
         vocab_size: int,
         device: str = "cpu",
         drafter: ModelDrafter | None = None,
+        layer_stream: LayerStream | None = None,
+        graphs: DecodeGraphs | None = None,
     ):
         """`drafter`: the draft model of EAGLE or STANDALONE speculation (it fills in the planned drafts before
-        each forward, follows what the target kept after it, and on prefill makes decode's hand-off)."""
+        each forward, follows what the target kept after it, and on prefill makes decode's hand-off).
+        `layer_stream`: with a prefill's layer pipeline, this rank's `disagg.layerwise.LayerStream`, told of each
+        layer computed. `graphs`: decode steps from static buffers (CUDA graphs), where they fit."""
         self.model = model
         self.drafter = drafter
         if drafter is not None and drafter.eagle and isinstance(model, CausalLM):
@@ -62,9 +66,8 @@ class ModelRunner:
         self.sampler = Sampler(vocab_size, device=device)
         self._last: dict[int, int] = {}
         self._kv_written: torch.cuda.Event | None = None  # the last forward's, on a CUDA device
-        # Prefill with a layer pipeline: this rank's `disagg.layerwise.LayerStream`, told of each layer computed.
-        self.layer_stream: LayerStream | None = None
-        self.graphs: DecodeGraphs | None = None  # decode steps from static buffers (CUDA graphs), where they fit
+        self.layer_stream = layer_stream
+        self.graphs = graphs
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> StepResult:

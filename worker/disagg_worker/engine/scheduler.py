@@ -20,15 +20,15 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Sized
 
 from disagg_worker.config import SchedulerConfig
 from disagg_worker.engine.batch import Plan, Sampled, ScheduledBatch, StepOutcome, StepResult, build_batch
 from disagg_worker.engine.in_flight import InFlight
 from disagg_worker.engine.outbox import Outbox, TopLogprobs, internal_error
+from disagg_worker.engine.prefix_tiers import NoTiers, Tiers
 from disagg_worker.engine.request import FinishReason, Req
 from disagg_worker.engine.speculative import DraftPlanner
-from disagg_worker.engine.tiers import KVTiers
 from disagg_worker.mem.allocator import PageAllocator, pages_for
 from disagg_worker.mem.radix import RadixCache
 from disagg_worker.request.errors import INTERNAL_ERROR
@@ -51,10 +51,14 @@ class Scheduler:
         outbox: Outbox,
         future_inputs: bool = True,
         drafter: DraftPlanner | None = None,
+        tiers: Tiers | None = None,
+        incoming: Sized = (),
     ):
         """`future_inputs`: a request may be scheduled while its previous token is still being
         sampled (the runner fills it in); False with pipeline stages, where it is not back yet.
-        `drafter`: proposes speculative drafts for decode steps (None: no speculation)."""
+        `drafter`: proposes speculative drafts for decode steps (None: no speculation). `tiers`: host memory
+        and the store under the prefix cache (engine/tiers.py). `incoming`: the requests another stage will
+        hand to the running batch (decode's transfers), whose running slots are taken."""
         self.cfg = cfg
         self.drafter = drafter
         self.future_inputs = future_inputs
@@ -67,9 +71,8 @@ class Scheduler:
         self.by_rid: dict[str, Req] = {}
         self.step_count = 0
         self.prompt_tokens_computed = 0  # tokens of prompts computed before their first token (SchedulerStats)
-        # Requests another stage will hand to the running batch (decode's transfers): their slots are taken.
-        self.incoming: Callable[[], int] = lambda: 0
-        self.tiers: KVTiers | None = None  # host memory and the store under the prefix cache (engine/tiers.py)
+        self.incoming = incoming
+        self.tiers = tiers if tiers is not None else NoTiers()
         self.in_flight = InFlight(page_size)
 
     # ---- queue changes -------------------------------------------------------------------
@@ -79,8 +82,7 @@ class Scheduler:
             return
         self.by_rid[req.rid] = req
         self.waiting.append(req)
-        if self.tiers is not None:
-            self.tiers.prefetch(req.rid, self._prefix(req))
+        self.tiers.prefetch(req.rid, self._prefix(req))
         if req.trail is not None:
             req.trail.begin("scheduler.waiting")
 
@@ -182,11 +184,11 @@ class Scheduler:
         return budget
 
     def _plan_admissions(self, plan: Plan, budget: int) -> None:
-        while self.waiting and len(self.running) + self.incoming() < self.cfg.max_running_requests:
+        while self.waiting and len(self.running) + len(self.incoming) < self.cfg.max_running_requests:
             if budget <= 0 and plan.reqs:
                 return
             # A request whose pages are still on their way from the KV store waits; those behind it need not.
-            req = next((r for r in self.waiting if self.tiers is None or self.tiers.ready(r.rid)), None)
+            req = next((r for r in self.waiting if self.tiers.ready(r.rid)), None)
             if req is None or not self._admit(req):
                 return
             self.waiting.remove(req)
@@ -216,7 +218,7 @@ class Scheduler:
         page; `req.prefix_node`, `prefix_pages`, `cached_tokens` set) then fresh ones, keeping the running
         requests' reserve; None, with nothing taken, when they do not fit."""
         prefix = self._prefix(req)
-        if self.tiers is not None and not self.tiers.admit(req.rid, prefix, self.take_pages):
+        if not self.tiers.admit(req.rid, prefix, self.take_pages):
             return None
         match = self.radix.match_prefix(prefix)
         self.radix.lock(match.node)
@@ -228,8 +230,7 @@ class Scheduler:
             self.radix.unlock(match.node)
             return None
         req.prefix_node, req.prefix_pages, req.cached_tokens = match.node, len(match.pages), match.num_tokens
-        if self.tiers is not None:
-            self.tiers.forget(req.rid)
+        self.tiers.forget(req.rid)
         return list(match.pages) + pages
 
     @staticmethod
@@ -370,8 +371,7 @@ class Scheduler:
         elif req in self.waiting:
             self.waiting.remove(req)
         self.by_rid.pop(req.rid, None)
-        if self.tiers is not None:
-            self.tiers.forget(req.rid)
+        self.tiers.forget(req.rid)
         if self.drafter is not None:
             self.drafter.forget(req.rid)
         if emit:

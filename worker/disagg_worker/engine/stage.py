@@ -4,7 +4,8 @@ An engine in a P/D role owns one stage beside its scheduler. The engine hands it
 that arrive and the aborts, calls `tick` before each schedule (poll KV transfers), `before_forward`
 before a forward with prompt chunks (prefill arms its layer-wise streams) and `on_step` after each
 processed forward (send the KV it computed); the loop asks `waiting_on_transfers` to
-decide how long it may sleep. A monolithic engine has no stage. `engine.assemble` builds the stage of a role.
+decide how long it may sleep. A monolithic engine has a stage that holds nothing (`engine/monolithic.py`);
+`engine.assemble` builds the stage of a role.
 """
 
 from __future__ import annotations

@@ -32,6 +32,7 @@ from prometheus_client import Counter
 
 from disagg_worker.config import EngineConfig
 from disagg_worker.engine.drafting import ModelDrafter
+from disagg_worker.engine.prefix_tiers import NoTiers
 from disagg_worker.mem.host_tier import HostTier
 from disagg_worker.mem.kv_events import ROOT, Event, page_hashes
 from disagg_worker.mem.kv_pool import KVPool
@@ -332,13 +333,13 @@ class KVTiers:
 
 def build_tiers(
     cfg: EngineConfig, pool: KVPool, drafter: ModelDrafter | None, radix: RadixCache, model_id: str
-) -> KVTiers | None:
-    """The tiers under `radix` for an instance whose KV is in `pool` (and a draft's own pool, if it has one), or None
-    when `--enable-hierarchical-cache` is off. The store's keys start with the model's id, its KV layout and the
-    key of its page names, so that no other model's pages are ever read as its own."""
+) -> KVTiers | NoTiers:
+    """The tiers under `radix` for an instance whose KV is in `pool` (and a draft's own pool, if it has one), or
+    none (`NoTiers`) when `--enable-hierarchical-cache` is off. The store's keys start with the model's id, its
+    KV layout and the key of its page names, so that no other model's pages are ever read as its own."""
     tiers = cfg.cache.tiers
     if not tiers.enabled:
-        return None
+        return NoTiers()
     pools = [pool, drafter.kv] if drafter is not None and isinstance(drafter.kv, KVPool) else [pool]
     buffers = [b for p in pools for b in p.buffers()]
     page_nbytes = sum(b[0].numel() * b.element_size() for b in buffers)

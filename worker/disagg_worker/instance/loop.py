@@ -1,8 +1,10 @@
 """The scheduler process: receive requests, step the engine, send tokens back.
 
-One loop with an explicit overlap switch. With overlap on, step N+1 is scheduled and its tensors
-built on this thread while step N's forward runs on the runner thread; step N's results are then
-processed while N+1 runs. With overlap off, each step is scheduled, run and processed in turn.
+One loop and one stepper; how deep its pipeline of launched steps is depends on the engine's executor
+(`engine.executor`). With overlap on, step N+1 is scheduled and its tensors built on this thread while
+step N's forward runs on the forward thread; step N's results are then processed while N+1 runs. With
+overlap off, each step is scheduled, run and processed in turn. A multi-rank instance keeps one step in
+flight per later pipeline stage.
 Overlap pays for short forwards (decode steps), whose scheduling would otherwise be a large part
 of the step. A batch with a prompt chunk runs inline even with overlap on: the ~1 ms of scheduling
 it could hide is small against a chunk's forward, and on CPU the runner thread made that forward
@@ -21,14 +23,12 @@ import os
 import time
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Protocol
 
 import zmq
 
-from disagg_worker.engine.batch import ScheduledBatch, StepResult
+from disagg_worker.engine.batch import ScheduledBatch
 from disagg_worker.engine.engine import Engine
-from disagg_worker.ranks.group import Launched
 from disagg_worker.request import messages as msg
 from disagg_worker.tuning import TUNING
 
@@ -43,8 +43,9 @@ class Steppable(Protocol):
     def tick(self) -> None: ...
     def needs_sync(self) -> bool: ...
     def schedule(self) -> ScheduledBatch | None: ...
-    def run(self, batch: ScheduledBatch) -> StepResult: ...
-    def process(self, batch: ScheduledBatch, result: StepResult) -> None: ...
+    def depth(self, batch: ScheduledBatch | None) -> int: ...
+    def launch(self, batch: ScheduledBatch | None) -> object | None: ...
+    def finish(self, batch: ScheduledBatch | None, launched: object) -> None: ...
 
     @property
     def has_batch_work(self) -> bool: ...
@@ -52,82 +53,21 @@ class Steppable(Protocol):
     @property
     def idle(self) -> bool: ...
 
+    @property
+    def computing(self) -> bool: ...
+
 
 class Stepper:
-    """Steps the engine with or without overlap; the scheduling logic lives in the Scheduler."""
+    """Steps the engine through a pipeline of launched steps, as deep as its executor allows for each batch
+    (`engine.executor`: one step in flight for a decode step with overlap, none for a step with prompt chunks or
+    without overlap, one per later pipeline stage across ranks). The scheduling logic lives in the Scheduler."""
 
-    def __init__(self, engine: Steppable, overlap: bool, after_tick: Callable[[], None] = lambda: None):
+    def __init__(self, engine: Steppable, after_tick: Callable[[], None] = lambda: None):
         """`after_tick` runs between the engine's tick and the next forward: tokens the tick
         produced (decode's first token, landed by a KV transfer) go out without waiting a step."""
         self.engine = engine
-        self.overlap = overlap
         self.after_tick = after_tick
-        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forward")
-        self.inflight: tuple[ScheduledBatch, Future] | None = None
-
-    @property
-    def busy(self) -> bool:
-        return self.inflight is not None or not self.engine.idle
-
-    @property
-    def computing(self) -> bool:
-        """A forward is running or could be scheduled now."""
-        return self.inflight is not None or self.engine.has_batch_work
-
-    def step(self) -> None:
-        """One turn: schedule the next batch, start it, and finish the one before it."""
-        engine = self.engine
-        engine.tick()
-        self.after_tick()
-        if self.inflight is not None and (not self.overlap or engine.needs_sync()):
-            self.drain()
-        batch = engine.schedule()
-        if batch is None:
-            self.drain()
-        elif not self.overlap or not batch.forward.is_decode:  # inline: a hand-off costs more than it saves
-            self.drain()
-            engine.process(batch, engine.run(batch))
-        else:
-            started = self.pool.submit(engine.run, batch)
-            self.drain()
-            self.inflight = (batch, started)
-
-    def drain(self) -> None:
-        """Wait for the step in flight and process its results."""
-        if self.inflight is None:
-            return
-        batch, fut = self.inflight
-        self.inflight = None
-        self.engine.process(batch, fut.result())
-
-    def close(self) -> None:
-        self.drain()
-        self.pool.shutdown(wait=True)
-
-
-class RankStepper:
-    """Steps a multi-rank engine: each step runs on every rank (ranks.group), up to `depth`
-    steps stay in flight (one per later pipeline stage), and a step without a batch still runs
-    a transfer round while requests wait on KV transfers.
-
-    With DP attention every attention group's driver runs one, and they step together: before each
-    step they agree whether any group runs a forward; if one does, every group does (over no tokens
-    when it has no batch), since the MLP layers gather every group's tokens. A driver with something
-    to do wakes the others first (`wake_peers`: they may be asleep on their inboxes until their next
-    report is due); while any group forwards, none sleeps."""
-
-    def __init__(
-        self,
-        engine: Engine,
-        after_tick: Callable[[], None] = lambda: None,
-        wake_peers: Callable[[], None] = lambda: None,
-    ):
-        self.engine = engine
-        self.after_tick = after_tick
-        self.wake_peers = wake_peers
-        self.inflight: deque[tuple[ScheduledBatch | None, Launched]] = deque()
-        self.last_launch = time.monotonic()
-        self.groups_forward = False  # DP attention: the last step ran a forward in some group
+        self.inflight: deque[tuple[ScheduledBatch | None, object]] = deque()
 
     @property
     def busy(self) -> bool:
@@ -135,62 +75,43 @@ class RankStepper:
 
     @property
     def computing(self) -> bool:
-        return bool(self.inflight) or self.engine.has_batch_work or self.groups_forward
+        """A step is in flight or must run now."""
+        return bool(self.inflight) or self.engine.has_batch_work or self.engine.computing
 
     def step(self) -> None:
+        """One turn: schedule the next batch, launch it, and finish the steps before it down to its depth (a
+        step in flight is processed while the next one computes)."""
         engine = self.engine
         engine.tick()
         self.after_tick()
         if self.inflight and engine.needs_sync():
             self.drain()
         batch = engine.schedule()
-        if engine.dp_attention:
-            if not self.groups_forward and (batch is not None or engine.waiting_on_transfers):
-                self.wake_peers()  # they may sleep until their next report; this step needs them now
-            self.groups_forward = engine.any_group_forwards(batch)
-            if self.groups_forward:
-                self.last_launch = time.monotonic()
-                engine.finish(batch, engine.launch_forward(batch))  # one stage: done when launched
-                return
-        if batch is None and not engine.waiting_on_transfers:
-            self.drain()
-            if time.monotonic() - self.last_launch < LOOP.rank_heartbeat_s:
-                return
-            # Idle: an empty step every so often, so that every rank hears from the others and a dead or hung
-            # one fails the instance (its collective breaks, or waits past --dist-timeout) instead of hiding.
-        self.last_launch = time.monotonic()
-        self.inflight.append((batch, engine.launch(batch)))
-        while len(self.inflight) > engine.depth:
-            self._finish_oldest()
+        depth = engine.depth(batch)
+        self._finish_down_to(depth)  # a step that runs here, or without a batch, waits for those before it
+        launched = engine.launch(batch)
+        if launched is not None:
+            self.inflight.append((batch, launched))
+            self._finish_down_to(depth)
 
-    def _finish_oldest(self) -> None:
-        batch, launched = self.inflight.popleft()
-        self.engine.finish(batch, launched)
+    def _finish_down_to(self, depth: int) -> None:
+        while len(self.inflight) > depth:
+            batch, launched = self.inflight.popleft()
+            self.engine.finish(batch, launched)
 
     def drain(self) -> None:
-        while self.inflight:
-            self._finish_oldest()
+        """Wait for every step in flight and process its results."""
+        self._finish_down_to(0)
 
     def close(self) -> None:
         self.drain()
 
 
 class EngineLoop:
-    def __init__(self, engine: Engine, recv_addr: str, send_addr: str, overlap: bool, peers: list[str] | None = None):
-        """`peers`: the inboxes of the other attention groups' schedulers (DP attention)."""
+    def __init__(self, engine: Engine, recv_addr: str, send_addr: str):
         self.engine = engine
         self.ctx = zmq.Context()
-        self.peers = []
-        for addr in peers or []:
-            peer = self.ctx.socket(zmq.PUSH)
-            peer.setsockopt(zmq.SNDHWM, 4)  # one pending wake-up is as good as many
-            peer.connect(addr)
-            self.peers.append(peer)
-        self.stepper: Stepper | RankStepper
-        if engine.multi_rank:  # every rank runs each step in turn: no forward thread
-            self.stepper = RankStepper(engine, after_tick=self._send_outputs, wake_peers=self._wake_peers)
-        else:
-            self.stepper = Stepper(engine, overlap, after_tick=self._send_outputs)
+        self.stepper = Stepper(engine, after_tick=self._send_outputs)
         self.recv = self.ctx.socket(zmq.PULL)
         self.recv.bind(recv_addr)
         self.send = self.ctx.socket(zmq.PUSH)
@@ -214,7 +135,7 @@ class EngineLoop:
             if news and not self.stepper.computing:
                 # DP attention: the other groups may sleep until their next report, and this one is about to wait
                 # for them in its next step whatever the message was (a request, or an abort that makes no work).
-                self._wake_peers()
+                self.engine.nudge()
             self.stepper.step()
             self._flush()
 
@@ -224,13 +145,6 @@ class EngineLoop:
         if self.engine.waiting_on_transfers:
             return LOOP.transfer_poll_ms
         return int(LOOP.stats_interval_s * 1000)
-
-    def _wake_peers(self) -> None:
-        for peer in self.peers:
-            try:
-                peer.send(msg.encode(msg.Wake()), zmq.NOBLOCK)
-            except zmq.Again:  # wake-ups already queued there
-                pass
 
     def _wake(self) -> None:
         """Any thread: a transfer moved; end the current wait."""
@@ -274,7 +188,5 @@ class EngineLoop:
         self.stepper.close()
         self.recv.close(0)
         self.send.close(0)
-        for peer in self.peers:
-            peer.close(0)
         self.ctx.term()
         os.close(self.wake_fd)

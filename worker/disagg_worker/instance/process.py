@@ -63,7 +63,7 @@ def _free_port() -> int:
 def run_scheduler(cfg: EngineConfig, recv_addr: str, send_addr: str, log_level: str = "info") -> None:
     """The one scheduler process of a single-rank instance."""
     _start_process(cfg, log_level, "scheduler")
-    _serve(build_engine(cfg), cfg, recv_addr, send_addr)
+    _serve(build_engine(cfg), recv_addr, send_addr)
 
 
 def run_rank(
@@ -92,7 +92,7 @@ def run_rank(
     comm = Comm(shard, address, cfg.device, cfg.disagg.dist_timeout_s)
     try:
         if shard.pp_rank == 0 and shard.attn_tp_rank == 0:
-            _serve(build_engine(cfg, comm), cfg, recv_addr, send_addr, peers or [])
+            _serve(build_engine(cfg, comm, peers or []), recv_addr, send_addr)
         else:
             from disagg_worker.instance.follower import run_follower
 
@@ -144,10 +144,10 @@ def _die_with_parent() -> None:
         os._exit(1)
 
 
-def _serve(engine: Engine, cfg: EngineConfig, recv_addr: str, send_addr: str, peers: list[str] | None = None) -> None:
+def _serve(engine: Engine, recv_addr: str, send_addr: str) -> None:
     from disagg_worker.instance.loop import EngineLoop
 
-    loop = EngineLoop(engine, recv_addr, send_addr, overlap=cfg.overlap, peers=peers or [])
+    loop = EngineLoop(engine, recv_addr, send_addr)
     signal.signal(signal.SIGUSR1, lambda *_: setattr(loop, "stopped", True))
     try:
         loop.serve_forever()
@@ -156,7 +156,8 @@ def _serve(engine: Engine, cfg: EngineConfig, recv_addr: str, send_addr: str, pe
         engine.close()
 
 
-def build_engine(cfg: EngineConfig, comm: Comm | None = None) -> Engine:
-    from disagg_worker.engine.engine import Engine
+def build_engine(cfg: EngineConfig, comm: Comm | None = None, peers: list[str] | None = None) -> Engine:
+    """This process's engine, its model loaded (`peers`: the other attention groups' inboxes, DP attention)."""
+    from disagg_worker.engine.assemble import load_engine
 
-    return Engine.from_config(cfg, comm)
+    return load_engine(cfg, comm, peers or [])

@@ -17,6 +17,7 @@ of them at once (the scheduler skips requests whose token is still being compute
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -25,10 +26,12 @@ from typing import Any
 import torch
 
 from disagg_worker.disagg import KVPoll
-from disagg_worker.model.batch import ForwardBatch
+from disagg_worker.model.batch import ForwardBatch, empty_forward
 from disagg_worker.ranks.consensus import Round
 from disagg_worker.ranks.dist import Comm, Posted
 from disagg_worker.ranks.kv import Command, RankedKV, RankTransfer
+from disagg_worker.ranks.peers import Peers
+from disagg_worker.tuning import TUNING
 
 log = logging.getLogger(__name__)
 
@@ -113,12 +116,30 @@ class Launched:
 
 
 class RankGroup:
-    """The driver's side: starts steps on every rank and collects what comes back."""
+    """The driver's side: starts steps on every rank and collects what comes back.
 
-    def __init__(self, comm: Comm, work: StageWork, kv: RankedKV | None):
+    A step without a batch still runs while requests wait on KV transfers (its transfer round), and every
+    `heartbeat_s` when idle, so that every rank hears from the others and a dead or hung one fails the instance
+    (its collective breaks, or waits past --dist-timeout) instead of hiding. With DP attention the attention
+    groups step together: before each step their drivers agree whether any group runs a forward; if one does,
+    every group does (over no tokens when it has no batch), since the MLP layers gather every group's tokens. A
+    driver with something to do wakes the others first (`peers`); while any group forwards, none sleeps."""
+
+    def __init__(
+        self,
+        comm: Comm,
+        work: StageWork,
+        kv: RankedKV | None,
+        peers: Peers | None = None,
+        heartbeat_s: float = TUNING.engine.rank_heartbeat_s,
+    ):
         self.comm = comm
         self.work = work
         self.kv = kv
+        self.peers = peers if peers is not None else Peers([])
+        self.heartbeat_s = heartbeat_s
+        self.last_launch = time.monotonic()
+        self.groups_forward = False  # DP attention: the last step ran a forward in some group
         self.results: list[Round] = []  # came back since the last step; stage 0's ranks settle them
         self.inflight: deque[Launched] = deque()
         self.queues: dict[int, dict[str, int]] = {}  # the last known queue sizes of every stage
@@ -136,6 +157,28 @@ class RankGroup:
     def depth(self) -> int:
         """Steps that may stay in flight after a step was started: one per later stage."""
         return self.comm.shard.pp_size - 1
+
+    def depth_for(self, plan: bool, waiting: bool) -> int:
+        """Steps that may stay in flight once a step is started: with a batch (`plan`) or a transfer round
+        (`waiting`), `depth`; an idle step finishes everything before it."""
+        return self.depth if plan or waiting else 0
+
+    def start(self, plan: ForwardBatch | None, waiting: bool) -> Launched | None:
+        """Start the next step: `plan`'s forward, or without one the step the ranks need now (a transfer round
+        when `waiting`, a heartbeat when due, an idle forward when another attention group forwards); None when
+        none is needed."""
+        now = time.monotonic()
+        if self.comm.shard.dp_size > 1:
+            if not self.groups_forward and (plan is not None or waiting):
+                self.peers.wake()  # they may sleep until their next report; this step needs them now
+            self.groups_forward = self.comm.any_group(plan is not None)
+            if self.groups_forward:
+                self.last_launch = now
+                return self.launch(plan if plan is not None else empty_forward())
+        if plan is None and not waiting and now - self.last_launch < self.heartbeat_s:
+            return None
+        self.last_launch = now
+        return self.launch(plan)
 
     def launch(self, plan: ForwardBatch | None) -> Launched:
         commands = self.kv.take_commands() if self.kv is not None else []
@@ -174,6 +217,7 @@ class RankGroup:
         self.comm.broadcast_in_stage(step)
         if self.next_rank is not None:
             self.comm.send_to(self.next_rank, StageOutput(step, None))
+        self.peers.close()
 
 
 def follow(comm: Comm, work: StageWork) -> None:
