@@ -27,6 +27,7 @@ INT4_REFUSAL = (
     "--quantization int4 runs on a CPU in bfloat16 (torch's CPU int4 kernel takes bfloat16 activations): "
     "pass --dtype bfloat16 --device cpu (here {dtype} on {device})"
 )
+PLACEMENTS = [(dtype, device) for device in ("cpu", "cuda") for dtype in S.DTYPES]
 
 
 def serve_parser() -> argparse.ArgumentParser:
@@ -40,16 +41,31 @@ def quantization_action() -> argparse.Action:
 
 def test_the_flags_choices_are_the_registered_formats_and_help_tells_each():
     assert quantization_action().choices == list(FORMATS)
-    assert "" in FORMATS and FORMATS[""].merges_projections  # the default: the weights as loaded
+    assert runs_in("") == PLACEMENTS and FORMATS[""].merges_projections  # the default: the weights as loaded
     flat = "".join(serve_parser().format_help().split())  # its lines may break at a hyphen as well as at a space
     assert all("".join(f.help.split()) in flat for f in FORMATS.values())
 
 
+def runs_in(name: str) -> list[tuple[str, str]]:
+    """The (dtype, device) pairs whose configuration the format's check accepts."""
+    accepted = []
+    for dtype, device in PLACEMENTS:
+        try:
+            FORMATS[name].check(SimpleNamespace(dtype=dtype, device=device))
+        except ConfigError:
+            continue
+        accepted.append((dtype, device))
+    return accepted
+
+
 @pytest.mark.parametrize("name", FORMATS)
 def test_every_registered_format_is_accepted_by_the_command_line_and_the_configuration(name):
-    ns = build_parser().parse_args(["serve", "--model", "m", "--dtype", "bfloat16", S.QUANTIZATION.flag, name])
-    assert server_args_from_cli(ns, Role.MONOLITHIC, load_env({})).engine.quantization == name
-    assert EngineConfig(model_path="m", dtype="bfloat16", device="cpu", quantization=name).quantization == name
+    assert runs_in(name), f"--quantization {name} refuses every dtype on a CPU and on CUDA"
+    for dtype, device in runs_in(name):
+        argv = ["serve", "--model", "m", "--dtype", dtype, "--device", device, S.QUANTIZATION.flag, name]
+        engine = server_args_from_cli(build_parser().parse_args(argv), Role.MONOLITHIC, load_env({})).engine
+        assert (engine.quantization, engine.dtype, engine.device) == (name, dtype, device)
+        assert EngineConfig(model_path="m", dtype=dtype, device=device, quantization=name).quantization == name
     assert weight_format(name) is FORMATS[name]
 
 
@@ -75,6 +91,7 @@ def test_int4_outside_bfloat16_on_a_cpu_is_refused_with_the_flags_to_pass(dtype,
         FORMATS["int4"].check(SimpleNamespace(dtype=dtype, device=device))
     assert str(refused.value) == want
     EngineConfig(model_path="m", dtype=dtype, device=device)  # the weights as loaded run anywhere
+    assert runs_in("int4") == [("bfloat16", "cpu")]
 
 
 class Recorded:

@@ -22,8 +22,8 @@ Adding a format (FP8 next, LoRA later) is one new file plus its registration:
 2. its instance in `_MEMBERS` below.
 
 `--quantization fp8` is then accepted by the command line and the configuration, listed in --help, named in the
-error for an unknown value, and applied at load; `tests/unit/test_weight_formats.py` holds each registered format
-to all of that without naming it.
+error for an unknown value, and applied at load; `tests/unit/test_weight_formats.py` checks the first three for
+every member of `FORMATS` (what a format computes is its own test module's, as `test_quant.py` is int4's).
 """
 
 from __future__ import annotations
