@@ -152,7 +152,8 @@ class Server:
         return total / 1024
 
 
-# The file's own 4-bit codes (found again from the converted directory's weights: model/quant.py), bfloat16 around.
+# The file's own 4-bit codes (found again from the converted directory's weights: model/formats/int4_linear.py),
+# bfloat16 around.
 INT4 = ["--dtype", "bfloat16", "--quantization", "int4"]
 
 

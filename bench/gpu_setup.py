@@ -25,6 +25,7 @@ from disagg_worker.config import CacheConfig, EngineConfig, SchedulerConfig
 from disagg_worker.engine.assemble import build_engine
 from disagg_worker.engine.engine import Engine
 from disagg_worker.model.config import ModelConfig
+from disagg_worker.model.formats import weight_format
 from disagg_worker.model.loader import fit_to_device
 from disagg_worker.model.parallel import Shard
 from disagg_worker.model.random_model import WEIGHT_STD, padded_tokenizer
@@ -59,7 +60,7 @@ def random_model(hf: dict, dtype: torch.dtype, device: str, seed: int = 0) -> tu
     model.tie_weights()
     model = model.to(device).eval().requires_grad_(False)
     model.finish_load()
-    fit_to_device(model, torch.device(device), dtype, Shard(), "")  # as `load_model` leaves a loaded one
+    fit_to_device(model, torch.device(device), dtype, Shard(), weight_format(""))  # as `load_model` leaves one
     return model, cfg
 
 

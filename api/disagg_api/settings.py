@@ -5,7 +5,9 @@ worker builds its parser from these tuples and fills its configuration chain fro
 the chain names the setting it comes from and takes its default (`disagg_worker.flags`). The operator writes the
 workers' command lines with them (`disagg_operator.builders.workers`), and the engine block of its CRD names them
 (`disagg_operator.engine_fields`). A new setting is a line here, the config field that names it, its use and its
-test (and a CRD field where users set it on a cluster).
+test (and a CRD field where users set it on a cluster). A setting whose values are members of a registry of the
+worker's (`--quantization`: its weight formats, `disagg_worker.model.formats`) lists no choices here: the worker's
+parser takes them, and their help, from the registry, which stays the one list of them.
 
 `sglang` records SGLang's flag for the same setting, so that its documentation and recipes translate. Where its
 values also mean the same here (`accepts_sglang`) the worker takes that flag too, unlisted in --help; not, for
@@ -18,7 +20,6 @@ from disagg_api.setting import Setting
 from disagg_api.tier_settings import TIERS
 
 DTYPES = ("float32", "bfloat16", "float16")
-QUANTIZATIONS = ("int4",)  # weight formats of `--quantization` (disagg_worker/model/quant.py)
 SPECULATIVE_ALGORITHMS = ("NGRAM", "EAGLE", "STANDALONE")  # SGLang's names
 TRANSFER_BACKENDS = ("mooncake", "fake")
 TRANSFER_PROTOCOLS = ("tcp", "rdma")
@@ -34,15 +35,9 @@ MODEL = Setting(
 )
 SERVED_MODEL_NAME = Setting("--served-model-name", sglang="--served-model-name")
 DTYPE = Setting("--dtype", default="float32", choices=DTYPES, sglang="--dtype")
-QUANTIZATION = Setting(
-    "--quantization",
-    choices=("", *QUANTIZATIONS),
-    help="int4: attention and MLP projections as 4-bit weights with a scale and minimum per 32 (llama.cpp's "
-    "Q4_1) for torch's CPU int4 kernel; needs --dtype bfloat16. The projections read 0.625 bytes a weight "
-    "instead of 2 (concurrency 1 on SmolLM2: 1.36x bfloat16's tok/s in bench/bench_cpu_chat.py); answers are "
-    "the bfloat16 engine's up to the weights' rounding",
-    sglang="--quantization",
-)
+# Its values are the worker's weight formats, each declared with its help in a file of its own
+# (disagg_worker/model/formats/): the worker's --help lists them after this help; the operator names none.
+QUANTIZATION = Setting("--quantization", help="how the loaded weights are held", sglang="--quantization")
 DEVICE = Setting("--device", default="cpu", sglang="--device")
 SEED = Setting("--seed", int, 0, sglang="--random-seed", accepts_sglang=True)
 MAX_CONTEXT_LEN = Setting("--max-context-len", int, 0, sglang="--context-length", accepts_sglang=True)

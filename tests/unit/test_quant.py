@@ -16,9 +16,15 @@ from safetensors.torch import load_file, save_file
 
 from disagg_worker.config import EngineConfig
 from disagg_worker.errors import ConfigError
+from disagg_worker.model.formats.int4_linear import (
+    GROUP,
+    Int4Linear,
+    dequantize_groups,
+    quantize_groups,
+    quantize_linears,
+)
 from disagg_worker.model.layers import GatedMLP
 from disagg_worker.model.loader import load_model
-from disagg_worker.model.quant import GROUP, Int4Linear, dequantize_groups, quantize_groups, quantize_linears
 from tests.unit.model_stubs import PageAllocator, make_batch, model_pool
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

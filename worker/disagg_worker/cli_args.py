@@ -1,6 +1,7 @@
 """The command line of the engine commands (`serve`, `prefill`, `decode`): flags in, the frozen
 configuration chain of `config.py` out (`server_args_from_cli`), the environment read once. The flags are
-declared in `disagg_api.settings`; `flags` turns them into a parser and fills the chain's fields from them."""
+declared in `disagg_api.settings` (`--quantization`'s values in the worker's registry of weight formats,
+`model.formats`); `flags` turns them into a parser and fills the chain's fields from them."""
 
 from __future__ import annotations
 
@@ -24,14 +25,16 @@ from disagg_worker.disagg.channel import is_loopback
 from disagg_worker.disagg.mooncake.environ import device_problem
 from disagg_worker.env import WorkerEnv, load_env
 from disagg_worker.flags import add_flags, fill
+from disagg_worker.model import formats
 from disagg_worker.model.config import ModelConfig
 from disagg_worker.model.parallel import check_parallel
 from disagg_worker.tier_config import TierConfig
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
-    """The flags of every engine command: model, KV cache, scheduling, ranks, HTTP front end."""
-    add_flags(p, S.ENGINE)
+    """The flags of every engine command: model, KV cache, scheduling, ranks, HTTP front end; `--quantization`
+    takes the registered weight formats (`model.formats`)."""
+    add_flags(p, S.ENGINE, {S.QUANTIZATION: formats.choices()})
 
 
 def add_disagg_args(p: argparse.ArgumentParser) -> None:

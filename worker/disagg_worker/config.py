@@ -17,6 +17,7 @@ from disagg_worker import keys
 from disagg_worker.errors import ConfigError as ConfigError
 from disagg_worker.flags import from_flag
 from disagg_worker.mem.sizing import check_fraction
+from disagg_worker.model.formats import weight_format
 from disagg_worker.model.source import served_name
 from disagg_worker.speculative_config import DRAFT_MODEL_ALGORITHMS as DRAFT_MODEL_ALGORITHMS
 from disagg_worker.speculative_config import SpeculativeConfig as SpeculativeConfig
@@ -287,7 +288,8 @@ class EngineConfig:
     model_path: str = from_flag(S.MODEL)
     served_model_name: str = from_flag(S.SERVED_MODEL_NAME)
     dtype: str = from_flag(S.DTYPE)
-    # "int4": weight-only 4-bit projections (model/quant.py; bfloat16 on a CPU); "": the weights in `dtype`.
+    # How the loaded weights are held: a name of the weight formats' registry (`model/formats/`): "": the weights
+    # in `dtype`; "int4": weight-only 4-bit projections (bfloat16 on a CPU).
     quantization: str = from_flag(S.QUANTIZATION)
     device: str = from_flag(S.DEVICE)
     seed: int = from_flag(S.SEED)
@@ -303,13 +305,7 @@ class EngineConfig:
     fault_grammar_pattern: str = ""  # tests only: compiling this regex raises an unexpected exception (`env`)
 
     def __post_init__(self) -> None:
-        if self.quantization and self.quantization not in S.QUANTIZATIONS:
-            raise ConfigError(f"--quantization {self.quantization}: one of {', '.join(S.QUANTIZATIONS)}")
-        if self.quantization and (self.dtype != "bfloat16" or self.device != "cpu"):
-            raise ConfigError(
-                f"--quantization {self.quantization} runs on a CPU in bfloat16 (torch's CPU int4 kernel takes "
-                f"bfloat16 activations): pass --dtype bfloat16 --device cpu (here {self.dtype} on {self.device})"
-            )
+        weight_format(self.quantization).check(self)
         spec = self.scheduler.speculative
         if spec.uses_draft_model and self.world_size > 1:
             raise ConfigError(

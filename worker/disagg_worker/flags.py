@@ -9,7 +9,7 @@ another dataclass of the chain) is handed to `fill` by whoever builds the chain 
 from __future__ import annotations
 
 import argparse
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import field, fields
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -22,6 +22,7 @@ if TYPE_CHECKING:
 
 SETTING = "disagg.setting"  # a field's metadata: the setting it comes from
 NEGATED = "disagg.negated"  # ... and whether it holds that switch's opposite
+EMPTY = '""'  # how --help writes the empty value of a setting whose values it lists
 
 
 def from_flag(setting: Setting, *, negated: bool = False) -> Any:
@@ -33,26 +34,33 @@ def from_flag(setting: Setting, *, negated: bool = False) -> Any:
     return field(default=(not setting.default) if negated else setting.default, metadata=meta)
 
 
-def add_flags(p: argparse.ArgumentParser, settings: Iterable[Setting]) -> None:
-    """One flag per setting, in order; also SGLang's flag where the setting takes it, not listed in --help."""
+def add_flags(
+    p: argparse.ArgumentParser, settings: Iterable[Setting], values: Mapping[Setting, Mapping[str, str]] | None = None
+) -> None:
+    """One flag per setting, in order; also SGLang's flag where the setting takes it, not listed in --help.
+
+    `values`: the choices of a setting whose values the worker declares rather than `disagg_api` (`--quantization`:
+    the registry of weight formats, `model.formats`), each with its help, which --help lists after the setting's."""
     for s in settings:
-        p.add_argument(s.flag, **_options(s))
+        options = _options(s, (values or {}).get(s, {}))
+        p.add_argument(s.flag, **options)
         if s.accepts_sglang and s.sglang != s.flag:
-            options = {**_options(s), "dest": s.dest, "default": argparse.SUPPRESS, "help": argparse.SUPPRESS}
+            options = {**options, "dest": s.dest, "default": argparse.SUPPRESS, "help": argparse.SUPPRESS}
             if s.sglang_negates:
                 options["action"] = "store_false"
             p.add_argument(s.sglang, **options)
 
 
-def _options(s: Setting) -> dict[str, Any]:
-    help_ = s.help or None
+def _options(s: Setting, values: Mapping[str, str]) -> dict[str, Any]:
+    listed = [f"{value or EMPTY}: {meaning}" for value, meaning in values.items()]
+    help_ = ". ".join(part for part in (s.help, *listed) if part) or None
     if s.switch:
         return {"action": "store_true", "help": help_}
     options: dict[str, Any] = {"default": s.default, "help": help_}
     if s.type is not str:
         options["type"] = s.type
-    if s.choices:
-        options["choices"] = list(s.choices)
+    if s.choices or values:
+        options["choices"] = list(values or s.choices)
     if s.required:
         options["required"] = True
     return options

@@ -24,10 +24,10 @@ from tqdm import tqdm
 from disagg_worker.model.config import ModelConfig
 from disagg_worker.model.cpu_linear import can_pack, pack_linears
 from disagg_worker.model.decoder import CausalLM, Collectives
+from disagg_worker.model.formats import WeightFormat, weight_format
 from disagg_worker.model.merged import merge_projections
 from disagg_worker.model.moe import keeps_fp32
 from disagg_worker.model.parallel import Shard, check_parallel, shard_slice
-from disagg_worker.model.quant import check_int4_kernel, quantize_linears
 from disagg_worker.model.registry import build_model
 from disagg_worker.model.source import find_gguf
 
@@ -56,9 +56,9 @@ def load_model(
     weights.
 
     Returns the model in eval mode, without gradients, on `device` in `dtype` (bfloat16 linear layers on a
-    CPU with their weights packed for oneDNN: `cpu_linear.py`), its projections in 4 bits where
-    `quantization` is "int4" (`quant.py`); on CUDA, on a single tensor rank, q/k/v and gate/up each run as one
-    GEMM (`merged.py`).
+    CPU with their weights packed for oneDNN: `cpu_linear.py`), held in the weight format `quantization` names
+    (`formats/`: "" keeps them as loaded, "int4" holds the projections in 4 bits); on CUDA, on a single tensor
+    rank, q/k/v and gate/up each run as one GEMM (`merged.py`) where the format leaves them plain.
     """
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     shard = shard or Shard()
@@ -80,22 +80,18 @@ def load_model(
     model.tie_weights()
     model = model.to(device).eval().requires_grad_(False)
     model.finish_load()
-    fit_to_device(model, torch.device(device), dtype, shard, quantization)
+    fit_to_device(model, torch.device(device), dtype, shard, weight_format(quantization))
     return model, cfg
 
 
-def fit_to_device(model: CausalLM, device: torch.device, dtype: torch.dtype, shard: Shard, quantization: str) -> None:
-    """The forms a loaded model's projections take for its device: 4 bits (int4), packed for oneDNN (bfloat16 on
-    a CPU), or merged q/k/v and gate/up (CUDA, one tensor rank)."""
-    if quantization == "int4":
-        check_int4_kernel()
-        swapped, kept = quantize_linears(model)
-        log.info(
-            "int4: %d projections in 4 bits, %d kept in %s (widths the kernel does not take)", swapped, kept, dtype
-        )
+def fit_to_device(model: CausalLM, device: torch.device, dtype: torch.dtype, shard: Shard, fmt: WeightFormat) -> None:
+    """The forms a loaded model's projections take for its device: its weight format's (4 bits for int4), then
+    packed for oneDNN (what is left in bfloat16 on a CPU), or merged q/k/v and gate/up (CUDA, one tensor rank, a
+    format that leaves them plain linear layers)."""
+    fmt.apply(model, dtype)
     if can_pack(device, dtype):
         pack_linears(model)
-    if device.type == "cuda" and shard.tp_size == 1 and quantization != "int4":
+    if device.type == "cuda" and shard.tp_size == 1 and fmt.merges_projections:
         log.info("merged q/k/v and gate/up projections of %d modules", merge_projections(model))
 
 

@@ -8,7 +8,8 @@ and values, and an in-place update of a parameter (`load_state_dict` without `as
 The forward then runs one `F.linear` and splits its output (`layers.Merged`).
 
 The loader merges only on CUDA (the CPU path's numerics stay as they are: packed oneDNN weights or int4 codes
-there), on a single tensor rank, without quantisation. The merged tensor is not a parameter or buffer: moving
+there), on a single tensor rank, for a weight format that leaves the projections plain linear layers
+(`formats.WeightFormat.merges_projections`). The merged tensor is not a parameter or buffer: moving
 the model to another device after merging would leave it behind, so merge last.
 """
 

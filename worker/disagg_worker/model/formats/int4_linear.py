@@ -1,4 +1,5 @@
-"""Weight-only 4-bit linear layers (`--quantization int4`) for a CPU decode step bound by memory bandwidth.
+"""Weight-only 4-bit linear layers for a CPU decode step bound by memory bandwidth: the kernel-level half of
+`--quantization int4` (the format, its check and its swap: `int4.py`).
 
 A batch-1 decode step reads every weight once: SmolLM2-135M's projections are 212 MB in bfloat16, and
 a 2-core EPYC streams them at ~15-35 GB/s, so the step's matmuls cost ~12 ms whatever the kernel does.
