@@ -8,8 +8,11 @@ import time
 
 from disagg_worker.mem.kv_events import EventLog, page_hashes
 from disagg_worker.model.tokenizer import Tokenizer
+from disagg_worker.router.policies import Policy
+from disagg_worker.router.policies.prefix import Prompt
 from disagg_worker.router.prompt import PromptTokens
-from disagg_worker.router.workers import GroupPolicy, Policy, Prompt, Worker, WorkerPool
+from disagg_worker.router.worker import GroupPolicy, Worker
+from disagg_worker.router.workers import WorkerPool
 
 pytest_plugins = ["tests.unit.conftest_model"]
 PAGE = 4

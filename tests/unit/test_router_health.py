@@ -10,7 +10,7 @@ import dataclasses
 import aiohttp
 from aiohttp import web
 
-from disagg_worker.router import workers as workers_mod
+from disagg_worker.router import discovery
 from disagg_worker.router.workers import Worker, WorkerPool
 from disagg_worker.tuning import TUNING, RouterTuning
 
@@ -52,7 +52,7 @@ async def _probes(answers: list[str]) -> list[bool]:
 
 def _with_short_timeout(monkeypatch) -> None:
     fast = dataclasses.replace(TUNING, router=RouterTuning(health_timeout_s=0.2, health_timeouts_to_unhealthy=2))
-    monkeypatch.setattr(workers_mod, "TUNING", fast)
+    monkeypatch.setattr(discovery, "TUNING", fast)
 
 
 def test_one_late_answer_keeps_a_worker_in_rotation_two_take_it_out(monkeypatch):

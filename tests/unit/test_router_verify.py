@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from disagg_worker.router.handoff import HandoffMonitor
+from disagg_worker.router.policies import Policy
 from disagg_worker.router.verify import PairVerifier, stable
-from disagg_worker.router.workers import Policy, Worker, WorkerPool
+from disagg_worker.router.worker import Worker
+from disagg_worker.router.workers import WorkerPool
 
 
 class Clock:

@@ -138,8 +138,8 @@ def test_a_command_line_sets_each_setting_and_a_switch_only_when_on():
 
 def test_the_routers_flags_come_from_its_declaration_and_its_policies_are_the_declared_ones():
     from disagg_api import router_settings as R
+    from disagg_worker.router.policies import Policy
     from disagg_worker.router.worker import GroupPolicy
-    from disagg_worker.router.workers import Policy
 
     router = subparser("router")
     flags = {s for a in router._actions for s in a.option_strings if s.startswith("--")}

@@ -3,7 +3,7 @@
 The path of one chat request through a P/D deployment (imports run one way, from the router down to the
 request's own types in request/; `tests/unit/test_imports.py` holds the floors):
 
-  router/app.py            admits it, picks a prefill/decode pair (workers.py, KV-aware) and adds the
+  router/app.py            admits it, picks a prefill/decode pair (workers.py, by router/policies/) and adds the
                            signed bootstrap target (request/route.py); posts it to both, streams decode's
   server/api.py            each worker: parses and validates the body (server/protocol.py ->
                            request/params.py, request/limits.py) into a 4xx naming the field, or on

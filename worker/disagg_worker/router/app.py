@@ -4,7 +4,7 @@ Path of a request: admission (in-flight bound, body limit: `server.py`) -> parse
 serialise it once (`payload.py`) -> split `n > 1` into n single-choice requests -> for each, pick
 a healthy (prefill, decode) pair and a fresh random 63-bit bootstrap room -> send the request with
 the bootstrap fields to both at once -> stream decode's answer (`stream.py`). With conditional
-disaggregation (`workers.Policy`), a decode that lacks few of the prompt's tokens gets the request
+disaggregation (`policies/cache_aware.py`), a decode that lacks few of the prompt's tokens gets the request
 alone, marked `local_prefill`, and computes them itself.
 
 Until the first event has been passed on to the client, a failed pair is retried on another pair
@@ -33,11 +33,12 @@ from disagg_worker.router.attempt import Attempt, Opened, json_or_error
 from disagg_worker.router.auth import RouterAuth
 from disagg_worker.router.hops import Hop
 from disagg_worker.router.payload import JoinedPayload, SharedBody
+from disagg_worker.router.policies.prefix import Prompt
 from disagg_worker.router.prompt import PromptTokens
 from disagg_worker.router.stream import lost
 from disagg_worker.router.verify import PairVerifier
 from disagg_worker.router.worker import Worker
-from disagg_worker.router.workers import Prompt, WorkerPool
+from disagg_worker.router.workers import WorkerPool
 from disagg_worker.server.admission import DRAINING, RETRY_AFTER_S
 from disagg_worker.tracing import Tracer
 

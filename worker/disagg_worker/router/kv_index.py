@@ -7,7 +7,7 @@ first time). An event out of sequence drops the position, so the next round gets
 converges after any loss.
 
 Under DP attention each group of a worker has its own cache, indexed on its own: a worker is scored by the
-group that holds most of a prompt, and the request runs on a group chosen the same way (`WorkerPool.group_for`).
+group that holds most of a prompt, and the request runs on a group chosen the same way (`policies/groups.py`).
 
 A worker is scored only while its index is good (`usable`): it answered within `stale_after_s` (one that stops
 publishing is "silent", and the router falls back to load for it), and it names pages the router's way (same

@@ -27,8 +27,8 @@ from disagg_worker.request.errors import NOT_RETRIED
 from disagg_worker.router.app import Router
 from disagg_worker.router.attempt import Opened
 from disagg_worker.router.payload import SharedBody
+from disagg_worker.router.policies.prefix import Prompt
 from disagg_worker.router.stream import UpstreamLost, choice_events
-from disagg_worker.router.workers import Prompt
 
 log = logging.getLogger(__name__)
 

@@ -22,6 +22,7 @@ from disagg_worker.request.errors import APIError
 from disagg_worker.router.app import ROUTER, Opened, Router
 from disagg_worker.router.auth import RouterAuth
 from disagg_worker.router.batch import as_batch_prompt, prompt_bodies, valid_n
+from disagg_worker.router.discovery import DnsSource
 from disagg_worker.router.echo import scores_prompt, with_prompt_logprobs
 from disagg_worker.router.fanout import merge_bodies, stream_merged
 from disagg_worker.router.handoff import HandoffMonitor
@@ -29,11 +30,14 @@ from disagg_worker.router.metrics import metrics_handler
 from disagg_worker.router.migrate import MigratingChoice, migrates, with_token_ids
 from disagg_worker.router.passthrough import add_pass_through
 from disagg_worker.router.payload import SharedBody
+from disagg_worker.router.policies import Policy
+from disagg_worker.router.policies.prefix import Prompt
 from disagg_worker.router.prompt import PromptTokens
 from disagg_worker.router.responses import add_responses
 from disagg_worker.router.stream import DONE, UpstreamLost, choice_events, error_event, relay, sse_response
 from disagg_worker.router.verify import PairVerifier
-from disagg_worker.router.workers import DnsSource, GroupPolicy, Policy, Prompt, Worker, WorkerPool
+from disagg_worker.router.worker import GroupPolicy, Worker
+from disagg_worker.router.workers import WorkerPool
 from disagg_worker.server.admission import DRAINING, Admission, body_of
 from disagg_worker.server.api import with_tracing
 from disagg_worker.server.auth import require_keys

@@ -29,8 +29,9 @@ import aiohttp
 from disagg_worker.request import route
 from disagg_worker.router.auth import RouterAuth
 from disagg_worker.router.handoff import HandoffMonitor
+from disagg_worker.router.policies.prefix import Prompt
 from disagg_worker.router.worker import GroupPolicy, Worker
-from disagg_worker.router.workers import Prompt, WorkerPool
+from disagg_worker.router.workers import WorkerPool
 from disagg_worker.server.metrics import PROBE_HEADER
 
 log = logging.getLogger(__name__)
@@ -125,7 +126,7 @@ class PairVerifier:
         decode) when that decode computes the prompt itself (`WorkerPool.decode_only`)."""
         usable = [(p, d) for p, d in self.states if self.usable(p, d) and p not in exclude and d not in exclude]
         decodes = {d for _, d in usable}
-        d = self.pool.pick_decode(set(exclude) | (set(self.pool.workers("decode")) - decodes), prompt)
+        d = self.pool.pick("decode", set(exclude) | (set(self.pool.workers("decode")) - decodes), prompt)
         if d is None:
             return None
         if self.pool.decode_only(d, prompt):

@@ -15,7 +15,7 @@ class GroupPolicy(str, Enum):
 
     LOAD (the default): the group with the fewest of this router's requests open on it, then the lowest load
     the worker reported (other routers' requests too); under CACHE_AWARE a prefill's group by its cache first
-    (`WorkerPool.group_for`). ROOM: `bootstrap_room % dp_size`, blind to load: a
+    (`policies/groups.py`). ROOM: `bootstrap_room % dp_size`, blind to load: a
     group that drew long prompts keeps drawing its share, so it is there for comparison and for workers that
     report no loads."""
 
