@@ -75,20 +75,21 @@ async def run(runtime: Runtime) -> None:
         try:
             if cfg.router_probe:
                 targets = runtime.router_pods()
-                crs = {uid: i.cr for uid, i in list(runtime.inputs.items()) if uid in targets}
+                crs = {uid: i.cr for uid, i in runtime.latest_inputs().items() if uid in targets}
                 known = await asyncio.to_thread(tokens.for_crs, crs)
                 reports = await read_routers(targets, cfg.router_probe_timeout_s, known)
                 for uid, by_pod in reports.items():  # a plain answer to a token: a stale token (a new Secret)
                     if uid in known and any(r is not None and "workers" not in r for r in by_pod.values()):
                         tokens.forget(crs[uid])
                 for uid, by_pod in reports.items():
-                    runtime.views[uid] = keep_or_replace(runtime.views.get(uid), merge_reports(by_pod), misses, uid)
+                    if (model := runtime.known(uid)) is not None:  # not forgotten meanwhile
+                        model.view = keep_or_replace(model.view, merge_reports(by_pod), misses, uid)
         except Exception:  # one failed round must not stop the clock
             log.exception("reading the router pods failed")
         context = runtime.handler_context
         if context is None:  # no handler has run yet: no CR is known either
             continue
-        for uid in list(runtime.inputs):
+        for uid in runtime.latest_inputs():
             try:
                 await asyncio.to_thread(context.copy().run, runtime.tick, uid)
             except Exception:  # one CR's failure must not hold up the others

@@ -12,20 +12,20 @@ from kubernetes.client.exceptions import ApiException
 
 from .apply import Kube
 from .apply_errors import ReconcileError, owned_by
+from .model_state import Child
 from .spec import ModelSpec
-
-Key = tuple[str, str, str]  # (CR uid, kind, name)
 
 
 def prune(
-    kube: Kube, spec: ModelSpec, retired: Iterable[Mapping[str, Any]], gone: set[Key], owned: set[Key]
+    kube: Kube, spec: ModelSpec, retired: Iterable[Mapping[str, Any]], gone: set[Child], owned: set[Child]
 ) -> list[str]:
-    """Delete each of `retired` that exists and is this model's; `gone` holds the names known to be absent (and
-    gains these), `owned` loses them. Returns what was deleted, as `Kind/name`."""
+    """Delete each of `retired` that exists and is this model's; `gone` holds the model's names known to be absent
+    (and gains these), `owned` loses them (both the model's own, model_state.py). Returns what was deleted, as
+    `Kind/name`."""
     deleted = []
     for obj in retired:
         kind, name = obj["kind"], obj["metadata"]["name"]
-        key = (spec.uid, kind, name)
+        key = (kind, name)
         if key in gone:
             continue
         try:

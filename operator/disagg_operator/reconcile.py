@@ -22,17 +22,17 @@ from . import builders, names
 from .apply import Kube
 from .apply_errors import ReconcileError, describe_api_error, not_ours, owned_by
 from .config import OperatorConfig
+from .model_state import Inputs, ModelState, Observed
 from .observe import PodInfo
 from .prune import prune
 from .rollout import RolloutPlan, given_up, plan_rollout, with_leader_counts
-from .routerview import RouterView, verified_pairs
+from .routerview import verified_pairs
 from .scaling import ScalerObservation, sync_scaler
 from .spec import ModelSpec
 from .status import (
     Event,
     Findings,
     PodProblem,
-    RoleObservation,
     compute_status,
     latch_problems,
     settled_roles,
@@ -43,77 +43,59 @@ from .status import (
 log = logging.getLogger(__name__)
 
 EventSink = Callable[[Mapping[str, Any], Event], None]
-Observed = Mapping[str, RoleObservation | None]
 
 
 def now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-@dataclass(frozen=True)
-class Inputs:
-    """The latest observation a CR's status was computed from, kept so a timer can recompute it."""
-
-    cr: Mapping[str, Any]
-    observed: Observed
-    problems: tuple[PodProblem, ...]
-    pods: tuple[PodInfo, ...]
-
-
 @dataclass
 class Runtime:
-    """Process-wide operator state shared by all handlers: the client, the last status written per CR
-    (by uid, so a recreated CR starts fresh), the errors of the latest reconcile per CR, and the latest inputs
-    and router view per CR."""
+    """Process-wide operator state shared by all handlers: the client, each CR's own state (model_state.py; by
+    uid, so a recreated CR starts fresh), the namespaces seen terminating and the uids of deleted CRs."""
 
     kube: Kube
     cfg: OperatorConfig
     post_event: EventSink
-    written: dict[str, dict] = field(default_factory=dict)
-    errors: dict[str, list[str]] = field(default_factory=dict)
-    latched: dict[str, dict[str, PodProblem]] = field(default_factory=dict)
+    models: dict[str, ModelState] = field(default_factory=dict)  # uid -> that CR's state
     terminating: set[str] = field(default_factory=set)
-    inputs: dict[str, Inputs] = field(default_factory=dict)
-    views: dict[str, RouterView | None] = field(default_factory=dict)
-    # (uid, role) -> (template hash, partition) last applied: within one template a partition only goes down,
-    # even when a handler plans from an index that has not yet seen the latest apply.
-    partitions: dict[tuple[str, str], tuple[str, int]] = field(default_factory=dict)
-    # (uid, pairing revision) -> the surge pods a rollout gave up (it rolls in place); status.rollout keeps them too.
-    in_place: dict[tuple[str, str], tuple[str, ...]] = field(default_factory=dict)
     gone: set[str] = field(default_factory=set)  # uids of deleted CRs (a uid is never reused)
-    scaler_sent: dict[str, dict[str, Any]] = field(default_factory=dict)  # the RoleScaler writes made, per CR
     # A copy of a kopf handler's context (it holds kopf's event queue), for the clock's ticks to run in.
     handler_context: contextvars.Context | None = None
-    # (CR uid, kind, name) of the children seen to carry the CR's owner reference (or created by it): the operator
-    # never server-side applies over an object it did not create, and reads each one only until it knows.
-    owned: set[tuple[str, str, str]] = field(default_factory=set)
-    # (CR uid, kind, name) of retired children known to be absent (prune.py); applying one forgets it.
-    pruned: set[tuple[str, str, str]] = field(default_factory=set)
     _hashes: dict[str, dict[str, str]] = field(default_factory=dict)
-    _locks: dict[str, threading.RLock] = field(default_factory=dict)
-    _guard: threading.Lock = field(default_factory=threading.Lock)
+    _guard: threading.Lock = field(default_factory=threading.Lock)  # over `models` itself (the clock reads it)
+
+    def model(self, uid: str) -> ModelState:
+        """The CR's state, made empty the first time the CR is seen. A forgotten CR's is made afresh for each
+        caller and kept nowhere: a handler still running for a deleted CR leaves nothing behind."""
+        with self._guard:
+            if uid in self.gone and uid not in self.models:
+                return ModelState()
+            return self.models.setdefault(uid, ModelState())
 
     def locked(self, uid: str) -> threading.RLock:
         """The lock that serialises everything the operator does for one CR: hold it while reading the indexes
         and acting on them, so that no handler acts on an older view after another acted on a newer one."""
-        with self._guard:
-            return self._locks.setdefault(uid, threading.RLock())
+        return self.model(uid).lock
 
     def forget(self, uid: str) -> None:
         """The CR was deleted: drop what is kept for it, and ignore handlers still running for it."""
-        self.gone.add(uid)
         with self._guard:
-            self._locks.pop(uid, None)
-        for cache in (self.written, self.errors, self.latched, self.inputs, self.views, self.scaler_sent):
-            cache.pop(uid, None)
-        for key in [k for k in self.partitions if k[0] == uid]:
-            self.partitions.pop(key, None)
-        for key in [k for k in self.in_place if k[0] == uid]:
-            self.in_place.pop(key, None)
-        self.owned -= {k for k in self.owned if k[0] == uid}
-        self.pruned -= {k for k in self.pruned if k[0] == uid}
+            self.gone.add(uid)
+            self.models.pop(uid, None)
 
-    def ensure_auth_secret(self, spec: ModelSpec) -> None:
+    def known(self, uid: str) -> ModelState | None:
+        """The CR's state if the operator has any (None: never seen, or forgotten); makes none."""
+        with self._guard:
+            return self.models.get(uid)
+
+    def latest_inputs(self) -> dict[str, Inputs]:
+        """uid -> the latest inputs of every CR that has some (a copy: the clock reads it beside the handlers)."""
+        with self._guard:
+            models = list(self.models.items())
+        return {uid: m.inputs for uid, m in models if m.inputs is not None}
+
+    def ensure_auth_secret(self, spec: ModelSpec, m: ModelState) -> None:
         ref = spec.api_key_secret
         if ref and self.kube.get("v1", "Secret", spec.namespace, ref.name) is None:
             raise ReconcileError(f"API key Secret {ref.name} not found (it needs the key '{ref.key}')", permanent=False)
@@ -127,7 +109,7 @@ class Runtime:
         secret = builders.build_auth_secret(spec, builders.new_token())
         try:
             if not self.kube.create_if_absent(secret):  # one of this name was there: is it this model's?
-                self._check_ours(spec, secret)
+                self._check_ours(spec, m, secret)
         except ApiException as e:
             raise self._failed(spec, secret, e) from e
 
@@ -144,29 +126,35 @@ class Runtime:
         return self._hashes[key]
 
     def plan(
-        self, spec: ModelSpec, observed: Observed, pods: Iterable[PodInfo], status: Mapping[str, Any] | None
+        self,
+        spec: ModelSpec,
+        m: ModelState,
+        observed: Observed,
+        pods: Iterable[PodInfo],
+        status: Mapping[str, Any] | None,
     ) -> RolloutPlan:
-        """The rollout's next step; `status` is the CR's (a surge given up before stays given up)."""
-        key = (spec.uid, builders.pairing_revision(spec))
-        written = (self.written.get(spec.uid) or status or {}).get("rollout")
-        gave_up = self.in_place.get(key) or given_up(written, key[1])
-        verified = verified_pairs(self.views.get(spec.uid), key[1])
+        """The rollout's next step for the CR whose state is `m`; `status` is the CR's (a surge given up before
+        stays given up)."""
+        revision = builders.pairing_revision(spec)
+        written = (m.written or status or {}).get("rollout")
+        gave_up = m.in_place.get(revision) or given_up(written, revision)
+        verified = verified_pairs(m.view, revision)
         plan = plan_rollout(spec, observed, pods, self.hashes(spec), time.time(), gave_up, verified)
         if plan.in_place and plan.active:
-            self.in_place[key] = plan.in_place
+            m.in_place[revision] = plan.in_place
         else:  # over: a later rollout (of the same pairing revision too) tries its own surge
-            self.in_place.pop(key, None)
+            m.in_place.pop(revision, None)
         return plan
 
-    def _partitions(self, spec: ModelSpec, plan: RolloutPlan) -> dict[str, int]:
+    def _partitions(self, spec: ModelSpec, m: ModelState, plan: RolloutPlan) -> dict[str, int]:
         """The plan's partitions, never above one already applied for the same template; remembered."""
         out = {}
         for role, template in self.hashes(spec).items():
-            before = self.partitions.get((spec.uid, role))
+            before = m.partitions.get(role)
             partition = plan.partitions[role]
             if before is not None and before[0] == template:
                 partition = min(partition, before[1])
-            self.partitions[(spec.uid, role)] = (template, partition)
+            m.partitions[role] = (template, partition)
             out[role] = partition
         return out
 
@@ -175,31 +163,31 @@ class Runtime:
             self.terminating.add(spec.namespace)
         return describe_api_error(obj, e)
 
-    def _ours(self, spec: ModelSpec, obj: Mapping[str, Any]) -> bool:
+    def _ours(self, spec: ModelSpec, m: ModelState, obj: Mapping[str, Any]) -> bool:
         """False when an object with `obj`'s name exists and is not this model's (it is then never written)."""
-        key = (spec.uid, obj["kind"], obj["metadata"]["name"])
-        if key in self.owned:
+        key = (obj["kind"], obj["metadata"]["name"])
+        if key in m.owned:
             return True
         found = self.kube.get(obj["apiVersion"], obj["kind"], spec.namespace, obj["metadata"]["name"])
         if found is not None and not owned_by(found, spec):
             return False
-        self.owned.add(key)
+        m.owned.add(key)
         return True
 
-    def _check_ours(self, spec: ModelSpec, obj: Mapping[str, Any]) -> None:
-        if not self._ours(spec, obj):
+    def _check_ours(self, spec: ModelSpec, m: ModelState, obj: Mapping[str, Any]) -> None:
+        if not self._ours(spec, m, obj):
             raise not_ours([obj])
 
-    def _apply(self, spec: ModelSpec, objs: Iterable[Mapping[str, Any]]) -> None:
+    def _apply(self, spec: ModelSpec, m: ModelState, objs: Iterable[Mapping[str, Any]]) -> None:
         """Server-side apply each of `objs`, except those whose name another object holds (then reported)."""
         foreign = []
         for obj in objs:
             try:
-                if not self._ours(spec, obj):
+                if not self._ours(spec, m, obj):
                     foreign.append(obj)
                     continue
                 self.kube.apply(obj)
-                self.pruned.discard((spec.uid, obj["kind"], obj["metadata"]["name"]))
+                m.pruned.discard((obj["kind"], obj["metadata"]["name"]))
             except ApiException as e:
                 raise self._failed(spec, obj, e) from e
         if foreign:
@@ -218,16 +206,18 @@ class Runtime:
         observation, so a caller may apply them without holding the CR's lock. Without `observed` (no StatefulSet
         seen yet) the worker StatefulSets get partition 0."""
         spec = ModelSpec.from_cr(cr)
+        m = self.model(spec.uid)
         try:
             if others:
-                self.ensure_auth_secret(spec)
-            plan = self.plan(spec, observed or {}, pods, cr.get("status"))
-            partitions = self._partitions(spec, plan) if workers else {}
+                self.ensure_auth_secret(spec, m)
+            plan = self.plan(spec, m, observed or {}, pods, cr.get("status"))
+            partitions = self._partitions(spec, m, plan) if workers else {}
             children = builders.build_children(spec, self.cfg, partitions, plan.surges)
             worker_sets = {builders.worker_set_name(spec, r) for r in names.WORKER_ROLES}
             kinds = ("StatefulSet", names.LWS_KIND)
             self._apply(
                 spec,
+                m,
                 [
                     c
                     for c in children
@@ -235,25 +225,26 @@ class Runtime:
                 ],
             )
             if others:
-                prune(self.kube, spec, builders.retired_children(spec), self.pruned, self.owned)
+                prune(self.kube, spec, builders.retired_children(spec), m.pruned, m.owned)
         except ReconcileError as e:
-            self.errors[spec.uid] = [str(e)]
+            m.errors = [str(e)]
             raise
-        self.errors.pop(spec.uid, None)
+        m.errors = []
         self.terminating.discard(spec.namespace)
 
     def step_rollout(self, cr: Mapping[str, Any], observed: Observed, pods: Iterable[PodInfo]) -> list[str]:
         """Apply the worker StatefulSets whose partition or surge the planner moved; returns the roles applied."""
         spec = ModelSpec.from_cr(cr)
-        plan = self.plan(spec, observed, pods, cr.get("status"))
-        partitions, surges = self._partitions(spec, plan), plan.surges
+        m = self.model(spec.uid)
+        plan = self.plan(spec, m, observed, pods, cr.get("status"))
+        partitions, surges = self._partitions(spec, m, plan), plan.surges
         moved = [
             role
             for role in names.WORKER_ROLES
             if (obs := observed.get(role)) is not None
             and (partitions[role] != obs.partition or obs.desired not in (None, plan.replicas[role]))
         ]
-        self._apply(spec, [builders.build_worker_set(spec, r, self.cfg, partitions[r], surges[r]) for r in moved])
+        self._apply(spec, m, [builders.build_worker_set(spec, r, self.cfg, partitions[r], surges[r]) for r in moved])
         return moved
 
     def sync_scaler(
@@ -268,7 +259,7 @@ class Runtime:
         spec = ModelSpec.from_cr(cr)
         if cr["metadata"].get("deletionTimestamp") or spec.namespace in self.terminating:
             return
-        sent = self.scaler_sent.setdefault(spec.uid, {})
+        sent = self.model(spec.uid).scaler_sent
         if recreate:
             sent.clear()
         name = builders.scaler_name(spec, names.PREFILL)
@@ -306,34 +297,37 @@ class Runtime:
         """Write the CR's status when it differs from the last one written; post an Event per transition."""
         spec = ModelSpec.from_cr(cr)
         inputs = Inputs(cr, observed, tuple(problems), tuple(pods))
-        with self.locked(spec.uid):
+        m = self.model(spec.uid)
+        with m.lock:
             if spec.uid in self.gone:  # a handler that started before the CR's deletion: nothing to report
                 return False
-            self.inputs[spec.uid] = inputs
-            return self._refresh(spec, inputs)
+            m.inputs = inputs
+            return self._refresh(spec, m, inputs)
 
     def refresh_cached(self, uid: str) -> bool:
         """Recompute a CR's status from its latest inputs (time passed, or the router view changed)."""
-        with self.locked(uid):
-            inputs = self.inputs.get(uid)
-            return self._refresh(ModelSpec.from_cr(inputs.cr), inputs) if inputs else False
+        m = self.known(uid)
+        if m is None:
+            return False
+        with m.lock:
+            inputs = m.inputs
+            return self._refresh(ModelSpec.from_cr(inputs.cr), m, inputs) if inputs else False
 
-    def _refresh(self, spec: ModelSpec, inputs: Inputs) -> bool:
+    def _refresh(self, spec: ModelSpec, m: ModelState, inputs: Inputs) -> bool:
         cr, observed = inputs.cr, with_leader_counts(spec, inputs.observed, inputs.pods)
-        latched = latch_problems(self.latched.get(spec.uid, {}), inputs.problems, settled_roles(spec, observed))
-        self.latched[spec.uid] = latched
-        previous = self.written.get(spec.uid) or cr.get("status") or {}
+        m.latched = latch_problems(m.latched, inputs.problems, settled_roles(spec, observed))
+        previous = m.written or cr.get("status") or {}
         findings = Findings(
-            self.plan(spec, observed, inputs.pods, cr.get("status")),
+            self.plan(spec, m, observed, inputs.pods, cr.get("status")),
             builders.pairing_revision(spec),
-            self.views.get(spec.uid),
+            m.view,
         )
         new = compute_status(
             spec,
             cr["metadata"].get("generation", 0),
             observed,
-            sorted(latched.values(), key=lambda p: p.pod),
-            self.errors.get(spec.uid, []),
+            sorted(m.latched.values(), key=lambda p: p.pod),
+            m.errors,
             previous,
             builders.router_endpoint(spec),
             now(),
@@ -346,18 +340,21 @@ class Runtime:
         except ApiException as e:
             if e.status == 404:  # deleted meanwhile: nothing left to report on, nor to tick
                 self.gone.add(spec.uid)
-                self.inputs.pop(spec.uid, None)
+                m.inputs = None
                 return False
             raise
-        self.written[spec.uid] = new
+        m.written = new
         for event in transitions(previous.get("conditions") or [], new["conditions"]):
             self.post_event(cr, event)
         return True
 
     def tick(self, uid: str) -> None:
         """Time passed (or the router view changed): step the rollout if it may move, recompute the status."""
-        with self.locked(uid):
-            inputs = self.inputs.get(uid)
+        m = self.known(uid)
+        if m is None:
+            return
+        with m.lock:
+            inputs = m.inputs
             if inputs is None:
                 return
             try:
@@ -368,11 +365,9 @@ class Runtime:
 
     def router_pods(self) -> dict[str, dict[str, str]]:
         """uid -> {router pod name: pod IP} for every CR with router pods that have an address."""
-        with self._guard:
-            inputs = dict(self.inputs)
         return {
             uid: {p.name: p.ip for p in i.pods if p.role == names.ROUTER and p.ip and not p.terminating}
-            for uid, i in inputs.items()
+            for uid, i in self.latest_inputs().items()
         }
 
     def cr_is_live(self, namespace: str, name: str, uid: str) -> bool:

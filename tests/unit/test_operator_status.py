@@ -487,7 +487,7 @@ def test_a_deleted_cr_is_neither_written_nor_ticked_again(runtime):
 
     runtime.kube.patch_status = gone
     assert not runtime.refresh_status(CR, ALL_READY, [])
-    assert runtime.inputs == {} and runtime.router_pods() == {}
+    assert runtime.latest_inputs() == {} and runtime.router_pods() == {}
     calls = []
     runtime.kube.patch_status = lambda *a, **k: calls.append(a)
     runtime.tick("u1")  # the clock finds nothing to do for it
@@ -548,6 +548,6 @@ def test_without_leaderworkerset_in_the_cluster_a_multi_node_role_is_reported_no
     assert str(err.value) == LWS_MISSING and not err.value.permanent  # retried once LWS is installed
     assert "StatefulSet" in applied  # prefill, a one-node role, went ahead
     runtime.refresh_status(spanning, {}, [])
-    c = conds(runtime.written["u1"])
+    c = conds(runtime.models["u1"].written)
     assert c["Ready"]["status"] == "False" and "LeaderWorkerSet is not installed" in c["Ready"]["message"]
     assert c["Degraded"]["status"] == "True" and "LeaderWorkerSet is not installed" in c["Degraded"]["message"]
