@@ -47,18 +47,39 @@ LLAMA_CPP_PYTHON = "0.3.36"
 CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "disagg" / "llama.cpp" / LLAMA_CPP_PYTHON
 MODEL_DIR = ROOT / ".models" / "SmolLM2-135M-Instruct"
 QUESTIONS = [
-    "What is the capital of France?", "Explain photosynthesis in simple terms.", "Write a haiku about the sea.",
-    "How do airplanes stay in the air?", "Give me three tips for learning a language.", "What is a black hole?",
-    "Describe a cat to someone who has never seen one.", "Why is the sky blue?", "What is 17 times 23?",
-    "Suggest a name for a bakery.", "How does a refrigerator work?", "Summarise the plot of Romeo and Juliet.",
-    "What are the planets of the solar system?", "Write a short poem about autumn.", "What is machine learning?",
-    "How do I make a cup of tea?", "Why do we dream?", "Tell me a fun fact about octopuses.",
-    "What is the difference between weather and climate?", "How do vaccines work?", "Write a limerick about a dog.",
-    "What causes earthquakes?", "Give me a recipe for pancakes.", "What is the speed of light?",
-    "How do bees make honey?", "Explain gravity to a child.", "What is the tallest mountain on Earth?",
-    "Write a two-sentence horror story.", "How does the internet work?", "What is democracy?",
-    "Why do leaves change colour in autumn?", "What should I pack for a beach trip?",
-]  # fmt: skip
+    "What is the capital of France?",
+    "Explain photosynthesis in simple terms.",
+    "Write a haiku about the sea.",
+    "How do airplanes stay in the air?",
+    "Give me three tips for learning a language.",
+    "What is a black hole?",
+    "Describe a cat to someone who has never seen one.",
+    "Why is the sky blue?",
+    "What is 17 times 23?",
+    "Suggest a name for a bakery.",
+    "How does a refrigerator work?",
+    "Summarise the plot of Romeo and Juliet.",
+    "What are the planets of the solar system?",
+    "Write a short poem about autumn.",
+    "What is machine learning?",
+    "How do I make a cup of tea?",
+    "Why do we dream?",
+    "Tell me a fun fact about octopuses.",
+    "What is the difference between weather and climate?",
+    "How do vaccines work?",
+    "Write a limerick about a dog.",
+    "What causes earthquakes?",
+    "Give me a recipe for pancakes.",
+    "What is the speed of light?",
+    "How do bees make honey?",
+    "Explain gravity to a child.",
+    "What is the tallest mountain on Earth?",
+    "Write a two-sentence horror story.",
+    "How does the internet work?",
+    "What is democracy?",
+    "Why do leaves change colour in autumn?",
+    "What should I pack for a beach trip?",
+]
 
 
 def build_llama_cpp() -> Path:
@@ -175,7 +196,7 @@ def servers(bin_dir: Path, q4: Path, f16: Path, threads: int) -> dict[str, Any]:
             "bfloat16",
             "--torch-threads",
             str(threads),
-        ],  # fmt: skip
+        ],
         "disagg mono int4": lambda p: [*ours, "--port", str(p), *INT4],
         "disagg mono int4 all cores": lambda p: [*ours, "--port", str(p), *INT4, "--torch-threads", str(threads)],
         "disagg P/D (make serve) float32": lambda p: [*ours, "--local", "--port", str(p)],
@@ -297,9 +318,12 @@ def main() -> None:
             with Server(name, make[name](port), port, health) as server:
                 runs[name].append(measure(server, a.c1_prompts))
             x = runs[name][-1]
-            print(f"round {r} {name}: c1 {x['c1']['tok_s']:.1f} tok/s ITL {x['c1']['itl_p50_ms']:.1f} ms; "
-                  f"c32 {x['c32']['tok_s']:.1f} tok/s TTFT {x['c32']['ttft_p50_s']:.2f} s; "
-                  f"RSS {x['rss_peak_mb']:.0f} MB", flush=True)  # fmt: skip
+            print(
+                f"round {r} {name}: c1 {x['c1']['tok_s']:.1f} tok/s ITL {x['c1']['itl_p50_ms']:.1f} ms; "
+                f"c32 {x['c32']['tok_s']:.1f} tok/s TTFT {x['c32']['ttft_p50_s']:.2f} s; "
+                f"RSS {x['rss_peak_mb']:.0f} MB",
+                flush=True,
+            )
     env = {**os.environ, "LD_LIBRARY_PATH": str(bin_dir)}
     version = subprocess.run([str(bin_dir / "llama-server"), "--version"], capture_output=True, text=True, env=env)
 
@@ -328,8 +352,10 @@ def main() -> None:
     (RESULTS / "cpu_chat.json").write_text(json.dumps(res, indent=2) + "\n")
     plot(res, RESULTS / "cpu_chat.png")
     for n, s in res["servers"].items():
-        print(f"{n:34s} c1 {s['c1_tok_s']:6.1f} tok/s ITL {s['c1_itl_p50_ms']:5.1f} ms | c32 {s['c32_tok_s']:6.1f} "
-              f"tok/s TTFT {s['c32_ttft_p50_s']:.2f} s | RSS {s['rss_peak_mb']:.0f} MB")  # fmt: skip
+        print(
+            f"{n:34s} c1 {s['c1_tok_s']:6.1f} tok/s ITL {s['c1_itl_p50_ms']:5.1f} ms | c32 {s['c32_tok_s']:6.1f} "
+            f"tok/s TTFT {s['c32_ttft_p50_s']:.2f} s | RSS {s['rss_peak_mb']:.0f} MB"
+        )
 
 
 if __name__ == "__main__":

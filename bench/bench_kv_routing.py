@@ -63,8 +63,9 @@ class Daemon:
         os.close(fd)
         env = {**os.environ, "MC_LOG_LEVEL": "WARNING"}
         with open(self.log, "wb") as log:
-            self.proc = subprocess.Popen([DISAGG, *args], stdout=log, stderr=subprocess.STDOUT, env=env,
-                                         start_new_session=True)  # fmt: skip
+            self.proc = subprocess.Popen(
+                [DISAGG, *args], stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            )
 
     def wait(self, timeout: float = 300) -> None:
         deadline = time.monotonic() + timeout
@@ -93,13 +94,30 @@ def start_stack(config: str) -> tuple[Daemon, list[Daemon], list[Daemon]]:
     prefills = []
     for _ in range(2):
         port, bootstrap = free_port(), free_port()
-        prefills.append((Daemon(["prefill", "--model", str(MODEL), "--port", str(port), "--bootstrap-port",
-                                 str(bootstrap), *ENGINE], port), bootstrap))  # fmt: skip
+        prefills.append(
+            (
+                Daemon(
+                    [
+                        "prefill",
+                        "--model",
+                        str(MODEL),
+                        "--port",
+                        str(port),
+                        "--bootstrap-port",
+                        str(bootstrap),
+                        *ENGINE,
+                    ],
+                    port,
+                ),
+                bootstrap,
+            )
+        )
     dport = free_port()
     # A loaded 2-core machine can keep a prompt queued past the default 30 s the decode waits for its KV.
     own = ["--decode-prefix-cache", "--local-prefill"] if decode_cache else []
-    decode = Daemon(["decode", "--model", str(MODEL), "--port", str(dport), *ENGINE, "--waiting-timeout", "600", *own],
-                    dport)  # fmt: skip
+    decode = Daemon(
+        ["decode", "--model", str(MODEL), "--port", str(dport), *ENGINE, "--waiting-timeout", "600", *own], dport
+    )
     port = free_port()
     targets = [a for p, b in prefills for a in ("--prefill", p.url, str(b))]
     extra = ["--tokenizer", str(MODEL)] if policy == "cache_aware" else []
@@ -292,8 +310,11 @@ def main() -> None:
             for policy in POLICIES if r % 2 == 0 else POLICIES[::-1]:
                 runs[policy].append(measure(policy, convs, seed=r))
                 x = runs[policy][-1]
-                print(f"{workload} round {r} {policy}: TTFT p50 {x['ttft_p50_ms']:.0f} ms, prefill tokens "
-                      f"{x['prompt_tokens']} {x['per_prefill']}, routing {x['routing']}", flush=True)  # fmt: skip
+                print(
+                    f"{workload} round {r} {policy}: TTFT p50 {x['ttft_p50_ms']:.0f} ms, prefill tokens "
+                    f"{x['prompt_tokens']} {x['per_prefill']}, routing {x['routing']}",
+                    flush=True,
+                )
         base = runs["round_robin"][0]["answers"]
         res["workloads"][workload] = {
             p: {
@@ -321,9 +342,11 @@ def main() -> None:
     for workload, w in res["workloads"].items():
         for policy in POLICIES:
             x = w[policy]
-            print(f"{workload:6s} {policy:18s} TTFT p50 {x['ttft_p50_ms']:7.0f} ms p90 {x['ttft_p90_ms']:7.0f} ms | "
-                  f"prompt tokens {x['prompt_tokens']:7.0f} | max share {100 * x['max_share']:4.0f}% | answers "
-                  f"equal: {x['answers_equal_round_robin']}")  # fmt: skip
+            print(
+                f"{workload:6s} {policy:18s} TTFT p50 {x['ttft_p50_ms']:7.0f} ms p90 {x['ttft_p90_ms']:7.0f} ms | "
+                f"prompt tokens {x['prompt_tokens']:7.0f} | max share {100 * x['max_share']:4.0f}% | answers "
+                f"equal: {x['answers_equal_round_robin']}"
+            )
         print(workload, w["cache_aware_vs_round_robin"], w["cache_aware+decode_vs_round_robin"])
     print("short", res["short"]["ttft_p50_ms"], res["short"]["vs_monolithic"])
 

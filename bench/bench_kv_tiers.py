@@ -96,29 +96,54 @@ class Store:
         fd, self.log = tempfile.mkstemp(prefix="kvtiers-store-", suffix=".log")
         os.close(fd)
         self.procs: list[subprocess.Popen] = []
-        self._spawn([str(BIN / "mooncake_master"), f"-rpc_port={self.rpc}", "-enable_http_metadata_server=true",
-                     "-http_metadata_server_host=127.0.0.1", f"-http_metadata_server_port={self.meta}",
-                     f"-metrics_port={self.metrics}"], {})  # fmt: skip
+        self._spawn(
+            [
+                str(BIN / "mooncake_master"),
+                f"-rpc_port={self.rpc}",
+                "-enable_http_metadata_server=true",
+                "-http_metadata_server_host=127.0.0.1",
+                f"-http_metadata_server_port={self.meta}",
+                f"-metrics_port={self.metrics}",
+            ],
+            {},
+        )
         wait_port(self.rpc)
         wait_port(self.meta)
         rpc = free_port()
         env = {"MC_MIN_RPC_PORT": str(rpc), "MC_MAX_RPC_PORT": str(rpc + 7)}
-        self._spawn([str(BIN / "mooncake_client"), f"-global_segment_size={segment}",
-                     f"-master_server_address={self.master}", f"-metadata_server={self.metadata}",
-                     "-host=127.0.0.1", f"-port={self.port}", "-protocol=tcp"], env)  # fmt: skip
+        self._spawn(
+            [
+                str(BIN / "mooncake_client"),
+                f"-global_segment_size={segment}",
+                f"-master_server_address={self.master}",
+                f"-metadata_server={self.metadata}",
+                "-host=127.0.0.1",
+                f"-port={self.port}",
+                "-protocol=tcp",
+            ],
+            env,
+        )
         wait_port(self.port)
         time.sleep(1.0)  # the server mounts its segment with the master after it listens
 
     def _spawn(self, argv: list[str], env: dict[str, str]) -> None:
         with open(self.log, "ab") as log:
-            p = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **env},
-                                 start_new_session=True)  # fmt: skip
+            p = subprocess.Popen(
+                argv, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **env}, start_new_session=True
+            )
         self.procs.append(p)
 
     def flags(self) -> list[str]:
-        return ["--hicache-storage-backend", "mooncake", "--hicache-store-master", self.master,
-                "--hicache-store-metadata-server", self.metadata, "--hicache-storage-prefetch-policy",
-                "wait_complete"]  # fmt: skip
+        return [
+            "--hicache-storage-backend",
+            "mooncake",
+            "--hicache-store-master",
+            self.master,
+            "--hicache-store-metadata-server",
+            self.metadata,
+            "--hicache-storage-prefetch-policy",
+            "wait_complete",
+        ]
 
     def stop(self) -> None:
         for p in reversed(self.procs):
@@ -151,8 +176,14 @@ def computed(s: Serve) -> int:
 
 
 async def chat(session: aiohttp.ClientSession, url: str, messages: list[dict], answer: int) -> dict:
-    body = {"model": "m", "messages": messages, "max_tokens": answer, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}}  # fmt: skip
+    body = {
+        "model": "m",
+        "messages": messages,
+        "max_tokens": answer,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     t0, ttft, text, usage = time.perf_counter(), None, [], {}
     async with session.post(f"{url}/v1/chat/completions", json=body) as r:
         assert r.status == 200, await r.text()
@@ -174,9 +205,13 @@ async def chat(session: aiohttp.ClientSession, url: str, messages: list[dict], a
 
 
 def run_turns(
-    url_of: Callable[[int], str], convs: list[dict], hist: dict[int, list[dict]], turns: range, answer: int,
+    url_of: Callable[[int], str],
+    convs: list[dict],
+    hist: dict[int, list[dict]],
+    turns: range,
+    answer: int,
     gap: float = 0.2,
-) -> list[dict]:  # fmt: skip
+) -> list[dict]:
     """Turns `turns` of every conversation (each as soon as its last answer ends); `hist` (the messages so far per
     conversation) grows with them. One record per request: conversation, turn, TTFT, tokens, answer."""
     records: list[dict] = []
@@ -206,9 +241,16 @@ def part1(convs: list[dict], a: argparse.Namespace, pool: int) -> dict:
     out: dict = {}
     for config in CONFIGS:
         store = Store() if config == "L1+L2+L3" else None
-        flags = {"L1": [], "L1+L2": ["--enable-hierarchical-cache", "--hicache-ratio", str(a.l2_host_ratio)],
-                 "L1+L2+L3": ["--enable-hierarchical-cache", "--hicache-ratio", str(a.l3_host_ratio),
-                              *(store.flags() if store else [])]}[config]  # fmt: skip
+        flags = {
+            "L1": [],
+            "L1+L2": ["--enable-hierarchical-cache", "--hicache-ratio", str(a.l2_host_ratio)],
+            "L1+L2+L3": [
+                "--enable-hierarchical-cache",
+                "--hicache-ratio",
+                str(a.l3_host_ratio),
+                *(store.flags() if store else []),
+            ],
+        }[config]
         t0 = time.monotonic()
         try:
             with serve(pool, *flags) as s:
@@ -229,8 +271,11 @@ def part1(convs: list[dict], a: argparse.Namespace, pool: int) -> dict:
             "seconds": time.monotonic() - t0,
             "answers": [r["answer"] for r in recs],
         }
-        print(f"part 1 {config}: computed {tokens} of {out[config]['prompt_tokens']} prompt tokens, TTFT p50 "
-              f"{out[config]['ttft_p50_ms']:.0f} ms, {out[config]['seconds']:.0f} s", flush=True)  # fmt: skip
+        print(
+            f"part 1 {config}: computed {tokens} of {out[config]['prompt_tokens']} prompt tokens, TTFT p50 "
+            f"{out[config]['ttft_p50_ms']:.0f} ms, {out[config]['seconds']:.0f} s",
+            flush=True,
+        )
     base = out["L1"]
     for config in CONFIGS[1:]:
         x = out[config]
@@ -277,8 +322,10 @@ def part2(convs: list[dict], a: argparse.Namespace, pool: int) -> dict:
                 "computed_over_new_tokens": tokens / new,
                 "ttft_p50_ms": p([r["ttft"] for r in recs], 50),
             }
-            print(f"part 2 B {name}: computed {tokens}, new tokens {new}, prompt tokens "
-                  f"{out[name]['prompt_tokens']}", flush=True)  # fmt: skip
+            print(
+                f"part 2 B {name}: computed {tokens}, new tokens {new}, prompt tokens {out[name]['prompt_tokens']}",
+                flush=True,
+            )
     finally:
         store.stop()
     out["turns_on_A"], out["turns_on_B"] = half, a.turns - half
@@ -306,14 +353,16 @@ def part3(convs: list[dict], a: argparse.Namespace, pool: int) -> dict:
                 recs = run_turns(lambda c, u=urls: u[c % 2], convs, hist, range(turn, turn + 1), a.answer)
                 mine = [r for r in recs if r["conv"] % 2 == i]
                 other = [r for r in recs if r["conv"] % 2 != i]
-                phases.append({
-                    "restarted": i,
-                    "turn": turn,
-                    "hit_rate_restarted": hit_rate(mine),
-                    "hit_rate_other": hit_rate(other),
-                    "restarted_prompt_tokens_computed": computed(inst[i]),
-                    "restarted_prompt_tokens": sum(r["prompt_tokens"] for r in mine),
-                })  # fmt: skip
+                phases.append(
+                    {
+                        "restarted": i,
+                        "turn": turn,
+                        "hit_rate_restarted": hit_rate(mine),
+                        "hit_rate_other": hit_rate(other),
+                        "restarted_prompt_tokens_computed": computed(inst[i]),
+                        "restarted_prompt_tokens": sum(r["prompt_tokens"] for r in mine),
+                    }
+                )
                 print(f"part 3 {name}: {phases[-1]}", flush=True)
         finally:
             for s in inst:
@@ -360,9 +409,11 @@ def plot(res: dict, path: Path) -> None:
     axes[3].bar(names, [100 * three[n]["hit_rate_first_turn_after_restart"] for n in names], color="tab:green")
     axes[3].set_title("3. hit rate (%) of the first turn after a restart", fontsize=9)
     m, c = res["machine"], res["config"]
-    fig.suptitle(f"KV tiers, {c['conversations']} conversations x {c['turns']} turns, pool {c['pool_tokens']} tokens "
-                 f"(working set {c['working_set_tokens']}), SmolLM2 float32; {m['cpu']}, {m['cores']} cores",
-                 fontsize=9)  # fmt: skip
+    fig.suptitle(
+        f"KV tiers, {c['conversations']} conversations x {c['turns']} turns, pool {c['pool_tokens']} tokens "
+        f"(working set {c['working_set_tokens']}), SmolLM2 float32; {m['cpu']}, {m['cores']} cores",
+        fontsize=9,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 

@@ -43,8 +43,14 @@ NS, VETH_ROOT, VETH_NS = "lwbench", "lwb0", "lwb1"
 ROOT_IP, NS_IP = "10.231.77.1", "10.231.77.2"
 # Llama-3.1-8B's depth (32 layers: the default group of 4 makes 8 groups, as it does there), thin (GQA 4:1, head_dim 32)
 # so that a CPU prefills 8k tokens in seconds; 32 layers x K+V x 1 head x 32 x fp32 = 8 KiB of KV per token.
-MODEL_SHAPE = {"hidden_size": 128, "intermediate_size": 344, "num_hidden_layers": 32, "num_attention_heads": 4,
-               "num_key_value_heads": 1, "max_position_embeddings": 16384}  # fmt: skip
+MODEL_SHAPE = {
+    "hidden_size": 128,
+    "intermediate_size": 344,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 1,
+    "max_position_embeddings": 16384,
+}
 KV_BYTES_PER_TOKEN = 32 * 2 * 1 * 32 * 4
 
 
@@ -115,8 +121,20 @@ class Proc:
 
 
 def engine_flags(max_len: int) -> list[str]:
-    return ["--page-size", "16", "--chunk-size", "2048", "--max-total-tokens", str(2 * max_len + 4096),
-            "--max-batch-tokens", "2048", "--torch-threads", "1", "--log-level", "warning"]  # fmt: skip
+    return [
+        "--page-size",
+        "16",
+        "--chunk-size",
+        "2048",
+        "--max-total-tokens",
+        str(2 * max_len + 4096),
+        "--max-batch-tokens",
+        "2048",
+        "--torch-threads",
+        "1",
+        "--log-level",
+        "warning",
+    ]
 
 
 def pd_stack(model: str, secret: str, max_len: int, layerwise: bool, limited: bool, min_len: int) -> list[Proc]:
@@ -126,15 +144,52 @@ def pd_stack(model: str, secret: str, max_len: int, layerwise: bool, limited: bo
     pp, bp, dp, rp = free_port(), free_port(), free_port(), free_port()
     common = [*engine_flags(max_len), "--auth-token-file", secret, "--served-model-name", "tiny"]
     lw = ["--disagg-layer-pipeline-min-prefill-len", str(min_len)] if layerwise else ["--disable-disagg-layer-pipeline"]
-    prefill = Proc([DISAGG, "prefill", "--model", model, "--port", str(pp), "--host", host, "--advertise-host", host,
-                    "--bootstrap-port", str(bp), *common, *lw], f"http://{host}:{pp}", ns)  # fmt: skip
-    decode = Proc([DISAGG, "decode", "--model", model, "--port", str(dp), "--host", dhost, "--advertise-host", dhost,
-                   *common], f"http://{dhost}:{dp}")  # fmt: skip
+    prefill = Proc(
+        [
+            DISAGG,
+            "prefill",
+            "--model",
+            model,
+            "--port",
+            str(pp),
+            "--host",
+            host,
+            "--advertise-host",
+            host,
+            "--bootstrap-port",
+            str(bp),
+            *common,
+            *lw,
+        ],
+        f"http://{host}:{pp}",
+        ns,
+    )
+    decode = Proc(
+        [DISAGG, "decode", "--model", model, "--port", str(dp), "--host", dhost, "--advertise-host", dhost, *common],
+        f"http://{dhost}:{dp}",
+    )
     for p in (prefill, decode):
         p.wait_healthy()
-    router = Proc([DISAGG, "router", "--port", str(rp), "--served-model-name", "tiny", "--prefill", prefill.url,
-                   str(bp), "--decode", decode.url, "--auth-token-file", secret, "--verify-interval", "0"],
-                  f"http://127.0.0.1:{rp}")  # fmt: skip
+    router = Proc(
+        [
+            DISAGG,
+            "router",
+            "--port",
+            str(rp),
+            "--served-model-name",
+            "tiny",
+            "--prefill",
+            prefill.url,
+            str(bp),
+            "--decode",
+            decode.url,
+            "--auth-token-file",
+            secret,
+            "--verify-interval",
+            "0",
+        ],
+        f"http://127.0.0.1:{rp}",
+    )
     router.wait_healthy()
     return [prefill, decode, router]
 
@@ -169,8 +224,10 @@ def settled_bytes(url: str) -> float:
 
 def run_link(args, model: str, secret: str, mono: Proc, limited: bool) -> dict:
     max_len = max(args.sizes)
-    stacks = {"whole": pd_stack(model, secret, max_len, False, limited, min(args.sizes)),
-              "layer": pd_stack(model, secret, max_len, True, limited, min(args.sizes))}  # fmt: skip
+    stacks = {
+        "whole": pd_stack(model, secret, max_len, False, limited, min(args.sizes)),
+        "layer": pd_stack(model, secret, max_len, True, limited, min(args.sizes)),
+    }
     try:
         out: dict = {}
         rng = random.Random(11)
@@ -187,10 +244,13 @@ def run_link(args, model: str, secret: str, mono: Proc, limited: bool) -> dict:
                     times[name].append(ttft(url, ids))
             med = {k: statistics.median(v) * 1000 for k, v in times.items()}
             out[str(n)] = {
-                "mono_ms": med["mono"], "whole_ms": med["whole"], "layer_ms": med["layer"],
-                "whole_ratio": med["whole"] / med["mono"], "layer_ratio": med["layer"] / med["mono"],
+                "mono_ms": med["mono"],
+                "whole_ms": med["whole"],
+                "layer_ms": med["layer"],
+                "whole_ratio": med["whole"] / med["mono"],
+                "layer_ratio": med["layer"] / med["mono"],
                 "rounds_ms": {k: [round(x * 1000, 1) for x in v] for k, v in times.items()},
-            }  # fmt: skip
+            }
             print(f"{'limited' if limited else 'loopback'} {n}: {out[str(n)]}", flush=True)
         moved = {m: settled_bytes(s[0].url) - base[m] for m, s in stacks.items()}
         out["bytes_moved"] = moved
@@ -243,8 +303,20 @@ def main() -> None:
     WORKER_TOKEN["value"] = keys.derive(keys.read_secret(str(secret), "--auth-token-file"), keys.WORKER)
     result: dict = {"rate": args.rate, "rounds": args.rounds, "model": MODEL_SHAPE}
     result["kv_bytes_per_token"] = KV_BYTES_PER_TOKEN
-    mono = Proc([DISAGG, "serve", "--model", model, "--port", str(port := free_port()), *engine_flags(max(args.sizes)),
-                 "--served-model-name", "tiny"], f"http://127.0.0.1:{port}")  # fmt: skip
+    mono = Proc(
+        [
+            DISAGG,
+            "serve",
+            "--model",
+            model,
+            "--port",
+            str(port := free_port()),
+            *engine_flags(max(args.sizes)),
+            "--served-model-name",
+            "tiny",
+        ],
+        f"http://127.0.0.1:{port}",
+    )
     try:
         mono.wait_healthy()
         for link in args.links:
@@ -264,10 +336,14 @@ def main() -> None:
             r["transfer_over_compute"] = n * KV_BYTES_PER_TOKEN * 8 / rate_bps / (r["mono_ms"] / 1000)
     limited = result.get("limited", {})
     result["target"] = {
-        str(n): {"layer": limited[str(n)]["layer_ms"], "mono": limited[str(n)]["mono_ms"],
-                 "ratio": limited[str(n)]["layer_ratio"]}
-        for n in args.sizes if str(n) in limited and n >= 4096
-    }  # fmt: skip
+        str(n): {
+            "layer": limited[str(n)]["layer_ms"],
+            "mono": limited[str(n)]["mono_ms"],
+            "ratio": limited[str(n)]["layer_ratio"],
+        }
+        for n in args.sizes
+        if str(n) in limited and n >= 4096
+    }
     result["machine"] = machine_info()
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "layerwise.json").write_text(json.dumps(result, indent=2) + "\n")

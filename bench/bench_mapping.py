@@ -291,9 +291,14 @@ def main() -> None:
     t0 = time.time()
     result: dict = {"machine": machine_info(mooncake="mooncake-transfer-engine-non-cuda, TCP loopback")}
     result["shape"] = {
-        "layers": LAYERS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "dtype": "bfloat16",
-        "page_size": PAGE_SIZE, "tokens": TOKENS, "rounds": args.rounds,
-    }  # fmt: skip
+        "layers": LAYERS,
+        "kv_heads": KV_HEADS,
+        "head_dim": HEAD_DIM,
+        "dtype": "bfloat16",
+        "page_size": PAGE_SIZE,
+        "tokens": TOKENS,
+        "rounds": args.rounds,
+    }
     result["mappings"] = measure(MAPPINGS, args.rounds)
     result["seconds"] = round(time.time() - t0, 1)
     RESULTS.mkdir(exist_ok=True)

@@ -150,8 +150,11 @@ def main() -> None:
         configs = [("tp2", ("--tp-size", "2")), ("tp2_ep2", ("--tp-size", "2", "--ep-size", "2"))]
         for name, flags in configs if r % 2 == 0 else configs[::-1]:
             tput[name].append(throughput(mla, flags, seed=r))
-        print(f"round {r}: transfer {runs['mla'][-1]} / {runs['gqa'][-1]}; tok/s {tput['tp2'][-1]:.1f} / "
-              f"{tput['tp2_ep2'][-1]:.1f}", flush=True)  # fmt: skip
+        print(
+            f"round {r}: transfer {runs['mla'][-1]} / {runs['gqa'][-1]}; tok/s {tput['tp2'][-1]:.1f} / "
+            f"{tput['tp2_ep2'][-1]:.1f}",
+            flush=True,
+        )
     res["transfer"] = {
         k: {
             "bytes_per_request": v[0]["bytes_per_request"],

@@ -16,16 +16,28 @@ instance, `--chunked-prefill-size` (-1 turns chunking off there, 0 here) nor `--
 
 from __future__ import annotations
 
+from disagg_api import speculative_settings as _speculative
 from disagg_api.setting import Setting
+from disagg_api.speculative_settings import SPECULATIVE
 from disagg_api.tier_settings import TIERS
 
 DTYPES = ("float32", "bfloat16", "float16")
-SPECULATIVE_ALGORITHMS = ("NGRAM", "EAGLE", "STANDALONE")  # SGLang's names
 TRANSFER_BACKENDS = ("mooncake", "fake")
 TRANSFER_PROTOCOLS = ("tcp", "rdma")
+# Speculative decoding's settings are declared in `speculative_settings`; named here as well, as the operator reads
+# them (`settings.SPECULATIVE_ALGORITHM`).
+SPECULATIVE_ALGORITHMS = _speculative.SPECULATIVE_ALGORITHMS
+SPECULATIVE_ALGORITHM = _speculative.SPECULATIVE_ALGORITHM
+SPECULATIVE_DRAFT_MODEL_PATH = _speculative.SPECULATIVE_DRAFT_MODEL_PATH
+SPECULATIVE_NUM_STEPS = _speculative.SPECULATIVE_NUM_STEPS
+SPECULATIVE_EAGLE_TOPK = _speculative.SPECULATIVE_EAGLE_TOPK
+SPECULATIVE_NUM_DRAFT_TOKENS = _speculative.SPECULATIVE_NUM_DRAFT_TOKENS
+SPECULATIVE_NGRAM_MIN_MATCH_WINDOW_SIZE = _speculative.SPECULATIVE_NGRAM_MIN_MATCH_WINDOW_SIZE
+SPECULATIVE_NGRAM_MAX_MATCH_WINDOW_SIZE = _speculative.SPECULATIVE_NGRAM_MAX_MATCH_WINDOW_SIZE
 
 
-# The engine: model, weights, KV cache, scheduling, speculative decoding, ranks, HTTP front end.
+# The engine: model, weights, KV cache (its tiers: `tier_settings`), scheduling, speculative decoding
+# (`speculative_settings`), ranks, HTTP front end.
 MODEL = Setting(
     "--model",
     default=None,
@@ -65,60 +77,19 @@ CHUNK_SIZE = Setting("--chunk-size", int, 512, sglang="--chunked-prefill-size")
 DISABLE_OVERLAP = Setting("--disable-overlap", bool, False, sglang="--disable-overlap-schedule", accepts_sglang=True)
 # Single-rank CUDA instances without a draft model replay their decode steps as CUDA graphs (engine/cuda_graphs.py).
 DISABLE_CUDA_GRAPH = Setting(
-    "--disable-cuda-graph", bool, False, help="run CUDA decode steps eagerly", sglang="--disable-cuda-graph"
+    "--disable-cuda-graph",
+    bool,
+    False,
+    help="on a CUDA device, run decode steps eagerly instead of replaying the step captured per batch size "
+    "(single-rank instances without a draft model capture them)",
+    sglang="--disable-cuda-graph",
 )
 CUDA_GRAPH_MAX_BS = Setting(
-    "--cuda-graph-max-bs", int, 64, help="the largest decode batch run as a CUDA graph", sglang="--cuda-graph-max-bs"
-)
-SPECULATIVE_ALGORITHM = Setting(
-    "--speculative-algorithm",
-    str.upper,
-    choices=("", *SPECULATIVE_ALGORITHMS),
-    help="speculative decoding: NGRAM drafts from n-gram matches in the request's own tokens (no draft "
-    "model); EAGLE from a one-layer draft head fed with the model's hidden states; STANDALONE from a smaller "
-    "model with the same tokenizer (both: --speculative-draft-model-path, single-rank instances). Greedy and "
-    "seeded answers stay token-identical. Turns overlap scheduling off",
-    sglang="--speculative-algorithm",
-)
-SPECULATIVE_DRAFT_MODEL_PATH = Setting(
-    "--speculative-draft-model-path",
-    help="EAGLE: the draft head (SGLang's EAGLE checkpoint layout); STANDALONE: the draft model",
-    sglang="--speculative-draft-model-path",
-)
-SPECULATIVE_NUM_STEPS = Setting(
-    "--speculative-num-steps",
+    "--cuda-graph-max-bs",
     int,
-    3,
-    help="EAGLE/STANDALONE: draft tokens per request and step (one draft forward each)",
-    sglang="--speculative-num-steps",
-)
-SPECULATIVE_EAGLE_TOPK = Setting(
-    "--speculative-eagle-topk",
-    int,
-    1,
-    help="EAGLE/STANDALONE: drafts per position; 1 (a chain) is what is supported",
-    sglang="--speculative-eagle-topk",
-)
-SPECULATIVE_NUM_DRAFT_TOKENS = Setting(
-    "--speculative-num-draft-tokens",
-    int,
-    8,
-    help="NGRAM: draft tokens verified with a request's decode step, at most",
-    sglang="--speculative-num-draft-tokens",
-)
-SPECULATIVE_NGRAM_MIN_MATCH_WINDOW_SIZE = Setting(
-    "--speculative-ngram-min-match-window-size",
-    int,
-    2,
-    help="NGRAM: shortest suffix of the request's tokens that must have occurred before to propose a draft",
-    sglang="--speculative-ngram-min-match-window-size",
-)
-SPECULATIVE_NGRAM_MAX_MATCH_WINDOW_SIZE = Setting(
-    "--speculative-ngram-max-match-window-size",
-    int,
-    8,
-    help="NGRAM: longest suffix matched (the longest one that occurred before proposes the draft)",
-    sglang="--speculative-ngram-max-match-window-size",
+    64,
+    help="the largest decode batch with a CUDA graph (capped by --max-running-requests); larger ones run eagerly",
+    sglang="--cuda-graph-max-bs",
 )
 TP_SIZE = Setting("--tp-size", int, 1, help="tensor parallel ranks (one scheduler process each)", sglang="--tp-size")
 PP_SIZE = Setting("--pp-size", int, 1, help="pipeline parallel stages (one scheduler process each)", sglang="--pp-size")
@@ -235,13 +206,7 @@ ENGINE = (
     DISABLE_OVERLAP,
     DISABLE_CUDA_GRAPH,
     CUDA_GRAPH_MAX_BS,
-    SPECULATIVE_ALGORITHM,
-    SPECULATIVE_DRAFT_MODEL_PATH,
-    SPECULATIVE_NUM_STEPS,
-    SPECULATIVE_EAGLE_TOPK,
-    SPECULATIVE_NUM_DRAFT_TOKENS,
-    SPECULATIVE_NGRAM_MIN_MATCH_WINDOW_SIZE,
-    SPECULATIVE_NGRAM_MAX_MATCH_WINDOW_SIZE,
+    *SPECULATIVE,
     TP_SIZE,
     PP_SIZE,
     EP_SIZE,

@@ -80,8 +80,12 @@ def test_a_decode_that_spans_nodes_runs_as_leaderworkerset_groups(kube_cluster, 
     assert lws["spec"]["leaderWorkerTemplate"]["restartPolicy"] == "RecreateGroupOnPodRestart"
 
     # LWS's webhook told each pod where the leader is and which pod it is.
-    pods = wait_until(lambda: (p := group_pods(kube_cluster, namespace)) and len(p) == 2 and p, 60, POLL_S,
-                      what="the group's two pods")  # fmt: skip
+    pods = wait_until(
+        lambda: (p := group_pods(kube_cluster, namespace)) and len(p) == 2 and p,
+        60,
+        POLL_S,
+        what="the group's two pods",
+    )
     assert set(pods) == {f"{GROUP}-0", f"{GROUP}-0-1"}
     leader, worker = env_of(pods[f"{GROUP}-0"]), env_of(pods[f"{GROUP}-0-1"])
     assert leader["LWS_LEADER_ADDRESS"] == worker["LWS_LEADER_ADDRESS"] == f"{GROUP}-0.{GROUP}.{namespace}"
@@ -101,8 +105,12 @@ def test_a_decode_that_spans_nodes_runs_as_leaderworkerset_groups(kube_cluster, 
 
     # Scaling the model scales the groups.
     apply_cr(kube_cluster, namespace, spanning(2))
-    wait_until(lambda: set(group_pods(kube_cluster, namespace)) == {f"{GROUP}-{g}{w}" for g in (0, 1)
-               for w in ("", "-1")}, 90, POLL_S, what="a second group of two pods")  # fmt: skip
+    wait_until(
+        lambda: set(group_pods(kube_cluster, namespace)) == {f"{GROUP}-{g}{w}" for g in (0, 1) for w in ("", "-1")},
+        90,
+        POLL_S,
+        what="a second group of two pods",
+    )
     wait_until(lambda: ready(kube_cluster, namespace), 90, POLL_S, what="the model Ready with two decode groups")
     assert kube_cluster.get("-n", namespace, "dm", "tiny")["status"]["decode"]["readyReplicas"] == 2
 
@@ -112,10 +120,23 @@ def test_a_decode_that_spans_nodes_runs_as_leaderworkerset_groups(kube_cluster, 
     hold = '{"metadata":{"finalizers":["disagg.test/hold"]}}'
     kube_cluster.kubectl("-n", namespace, "patch", "pod", f"{GROUP}-1-1", "--type=merge", "-p", hold)
     kube_cluster.kubectl("-n", namespace, "delete", "pod", f"{GROUP}-1-1", "--wait=false")
-    wait_until(lambda: leader_uid(kube_cluster, namespace) != before[f"{GROUP}-1"], 90, POLL_S,
-               what="LWS deleting the group's leader")  # fmt: skip
-    kube_cluster.kubectl("-n", namespace, "patch", "pod", f"{GROUP}-1-1", "--type=merge",
-                         "-p", '{"metadata":{"finalizers":null}}', check=False)  # fmt: skip
+    wait_until(
+        lambda: leader_uid(kube_cluster, namespace) != before[f"{GROUP}-1"],
+        90,
+        POLL_S,
+        what="LWS deleting the group's leader",
+    )
+    kube_cluster.kubectl(
+        "-n",
+        namespace,
+        "patch",
+        "pod",
+        f"{GROUP}-1-1",
+        "--type=merge",
+        "-p",
+        '{"metadata":{"finalizers":null}}',
+        check=False,
+    )
 
     def group_recreated() -> bool:
         now = {n: p["metadata"]["uid"] for n, p in group_pods(kube_cluster, namespace).items()}
@@ -156,8 +177,12 @@ def test_with_prefill_per_decode_a_prefill_that_spans_nodes_follows_decode_in_gr
     assert kube_cluster.get("-n", namespace, "leaderworkersets", prefill)["spec"]["replicas"] == 1
 
     kube_cluster.kubectl("-n", namespace, "scale", "dm/tiny", "--replicas=4")
-    wait_until(lambda: kube_cluster.get("-n", namespace, "leaderworkersets", prefill)["spec"]["replicas"] == 2, 30,
-               POLL_S, what="two prefill groups for four decodes")  # fmt: skip
+    wait_until(
+        lambda: kube_cluster.get("-n", namespace, "leaderworkersets", prefill)["spec"]["replicas"] == 2,
+        30,
+        POLL_S,
+        what="two prefill groups for four decodes",
+    )
     wait_until(lambda: ready(kube_cluster, namespace), 120, POLL_S, what="the model Ready with two prefill groups")
     pods = kube_cluster.get("-n", namespace, "pods", "-l", f"{names.LWS_NAME_LABEL}={prefill}")["items"]
     assert sorted(p["metadata"]["name"] for p in pods) == [f"{prefill}-{g}{w}" for g in (0, 1) for w in ("", "-1")]

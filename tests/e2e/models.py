@@ -235,10 +235,21 @@ print(urllib.request.urlopen(req, timeout=float(sys.argv[4])).read().decode())
 def chat_from_pod(node: RealNode, model: Model, pod: str = "client", question: str = QUESTION) -> dict:
     timeout = scaled(120)
     proc = node.kubectl(
-        "-n", model.namespace, "exec", pod, "--", "python3", "-c", CHAT,
-        model.endpoint, model.served_name, question, str(timeout),
-        check=False, timeout=timeout + 30,
-    )  # fmt: skip
+        "-n",
+        model.namespace,
+        "exec",
+        pod,
+        "--",
+        "python3",
+        "-c",
+        CHAT,
+        model.endpoint,
+        model.served_name,
+        question,
+        str(timeout),
+        check=False,
+        timeout=timeout + 30,
+    )
     assert proc.returncode == 0, f"chat from pod {pod} failed:\n{proc.stderr}\n{diagnostics(node, model.namespace)}"
     return json.loads(proc.stdout)
 

@@ -50,7 +50,11 @@ def test_a_deleted_pod_takes_its_group_down_and_the_group_comes_back(real_node: 
         return len(now) == 2 and all(now.get(n) not in (None, uid) for n, uid in before.items())
 
     wait_until(recreated, 120, POLL_S, what="LWS recreating the group, its leader included")
-    wait_until(lambda: model_ready(real_node, model.namespace, model.name, prefills=2), 600, 2 * POLL_S,
-               what="the model Ready again")  # fmt: skip
+    wait_until(
+        lambda: model_ready(real_node, model.namespace, model.name, prefills=2),
+        600,
+        2 * POLL_S,
+        what="the model Ready again",
+    )
     reply = chat_from_pod(real_node, model)
     assert "Paris" in reply["choices"][0]["message"]["content"], reply

@@ -45,10 +45,16 @@ class Geometry:
     def model(self) -> ModelConfig:
         mla = MLAConfig(kv_lora_rank=self.head_dim - 8, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8)
         return ModelConfig(
-            arch="llama", vocab_size=16, hidden_size=64, intermediate_size=64, num_layers=self.layers,
-            num_heads=8, num_kv_heads=self.kv_heads, head_dim=self.head_dim,
+            arch="llama",
+            vocab_size=16,
+            hidden_size=64,
+            intermediate_size=64,
+            num_layers=self.layers,
+            num_heads=8,
+            num_kv_heads=self.kv_heads,
+            head_dim=self.head_dim,
             mla=mla if self.kind == "mla" else None,
-        )  # fmt: skip
+        )
 
     @property
     def pool_kind(self) -> KVKind:

@@ -38,8 +38,14 @@ class KVStore:
 
     def flags(self) -> tuple[str, ...]:
         """The worker flags that put this store under an instance's host tier."""
-        return ("--hicache-storage-backend", "mooncake", "--hicache-store-master", self.address,
-                "--hicache-store-metadata-server", self.metadata)  # fmt: skip
+        return (
+            "--hicache-storage-backend",
+            "mooncake",
+            "--hicache-store-master",
+            self.address,
+            "--hicache-store-metadata-server",
+            self.metadata,
+        )
 
     def start(self) -> KVStore:
         """Start the master and the store server, each unless it runs; return once the store takes writes."""
@@ -57,7 +63,7 @@ class KVStore:
                     str(self.http),
                     "-metrics_port",
                     str(self.metrics),
-                ],  # fmt: skip
+                ],
                 {},
             )
         wait_until(lambda: listening(self.rpc) and listening(self.http), 30, interval=0.1, what="the store's master")
@@ -77,7 +83,7 @@ class KVStore:
                 str(self.client_port),
                 "-protocol",
                 "tcp",
-            ],  # fmt: skip
+            ],
             {"MC_MIN_RPC_PORT": str(self.window), "MC_MAX_RPC_PORT": str(self.window + 7)},
         )
         wait_until(self.writable, 60, interval=0.5, what="Mooncake Store taking writes")

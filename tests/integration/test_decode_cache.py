@@ -28,8 +28,16 @@ FLAGS = ("--page-size", str(PAGE), "--chunk-size", "32", "--max-total-tokens", "
 @pytest.fixture(scope="module")
 def stack(tiny_model):
     # No pair verification: its probes would move the transfer bytes this test counts.
-    router_flags = ("--policy", "cache_aware", "--tokenizer", tiny_model, "--decode-only-tokens", str(THRESHOLD),
-                    "--verify-interval", "0")  # fmt: skip
+    router_flags = (
+        "--policy",
+        "cache_aware",
+        "--tokenizer",
+        tiny_model,
+        "--decode-only-tokens",
+        str(THRESHOLD),
+        "--verify-interval",
+        "0",
+    )
     s = PDStack(
         tiny_model, *FLAGS, decode_flags=("--decode-prefix-cache", "--local-prefill"), router_flags=router_flags
     ).wait_healthy()

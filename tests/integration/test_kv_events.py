@@ -128,8 +128,10 @@ def two_prefills(tiny_model):
     port = free_port()
     targets = [a for p, b in prefills for a in ("--prefill", p.url, str(b))]
     router_args = ["--policy", "cache_aware", "--tokenizer", tiny_model, "--health-interval", "0.5"]
-    router = Proc(["router", "--port", str(port), "--served-model-name", "tiny", *targets, "--decode", decode.url,
-                   *router_args], port)  # fmt: skip
+    router = Proc(
+        ["router", "--port", str(port), "--served-model-name", "tiny", *targets, "--decode", decode.url, *router_args],
+        port,
+    )
     procs = [router, decode, mono, *(p for p, _ in prefills)]
     try:
         for p in reversed(procs):
@@ -156,8 +158,13 @@ def test_cache_aware_routing_sends_a_shared_prefix_where_it_is_cached(two_prefil
         ids = system + suffix
         assert generate(router.url, ids, n=6) == generate(mono.url, ids, n=6)
     # Every follow-up ran where the prefix was: its 64 tokens came from that cache, none from the other's.
-    report_after(holder.url, time.time(), lambda st: st["cache_hit_tokens"] >= before[holder.url] + 3 * 64, scaled(10),
-                 "the three follow-ups' cache hits")  # fmt: skip
+    report_after(
+        holder.url,
+        time.time(),
+        lambda st: st["cache_hit_tokens"] >= before[holder.url] + 3 * 64,
+        scaled(10),
+        "the three follow-ups' cache hits",
+    )
     assert hit_tokens(other.url) == before[other.url]
     routing = requests.get(f"{router.url}/health", timeout=scaled(5)).json()["routing"]
     assert routing.get("cache_hit", 0) >= 3, routing

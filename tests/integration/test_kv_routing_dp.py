@@ -57,8 +57,12 @@ def test_a_follow_up_runs_on_the_attention_group_that_holds_its_prefix(tmp_path)
         try:
             with cf.ThreadPoolExecutor(len(prefixes)) as pool:
                 futures = [pool.submit(generate, stack.router.url, ids + [1], 2) for ids in prefixes]
-                wait_until(lambda: bootstrapping(stack.prefill.url) == len(prefixes), timeout=30, interval=0.05,
-                           what="prefill holding every first turn")  # fmt: skip
+                wait_until(
+                    lambda: bootstrapping(stack.prefill.url) == len(prefixes),
+                    timeout=30,
+                    interval=0.05,
+                    what="prefill holding every first turn",
+                )
                 os.killpg(stack.decode.proc.pid, signal.SIGCONT)
                 for f in futures:
                     f.result()

@@ -162,9 +162,15 @@ def test_a_new_instance_on_the_same_store_computes_only_what_the_store_lacks(sta
     names = len(turns[0]) // PAGE
     wait_until(lambda: written(pd.prefill) >= names, 30, what="prefill writing the first turn to the store")
     fresh = serve(
-        tiny_model, "--served-model-name", "tiny", *FLAGS, *TIERS, *store.flags(),
-        "--hicache-storage-prefetch-policy", "wait_complete",
-    ).wait_healthy()  # fmt: skip
+        tiny_model,
+        "--served-model-name",
+        "tiny",
+        *FLAGS,
+        *TIERS,
+        *store.flags(),
+        "--hicache-storage-prefetch-policy",
+        "wait_complete",
+    ).wait_healthy()
     try:
         assert run(fresh.url, turns[1]) == run(mono.url, turns[1])
         new_tokens = len(turns[1]) - names * PAGE

@@ -34,8 +34,11 @@ def store_pod() -> tuple[ModelSpec, dict]:
     cr["metadata"].update(namespace="ns1", uid="uid-1")
     cr["spec"]["kvCache"] = {"store": {"memory": "64Mi"}}
     spec = ModelSpec.from_cr(cr)
-    [deployment] = [c for c in build_children(spec, OperatorConfig()) if c["metadata"]["name"] == "tiny-kvstore"
-                    and c["kind"] == "Deployment"]  # fmt: skip
+    [deployment] = [
+        c
+        for c in build_children(spec, OperatorConfig())
+        if c["metadata"]["name"] == "tiny-kvstore" and c["kind"] == "Deployment"
+    ]
     return spec, deployment["spec"]["template"]["spec"]
 
 

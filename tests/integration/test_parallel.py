@@ -91,11 +91,23 @@ def test_a_failure_on_a_later_stage_alone_is_drained_at_once(tiny_model):
     bound on any machine) and no stage keeps it in its bootstrap queue."""
     port, boot = free_port(), free_port()
     prefill = Proc(
-        ["prefill", "--model", tiny_model, "--port", str(port), "--bootstrap-port", str(boot), "--pp-size", "2",
-         "--bootstrap-timeout", f"{scaled(60):g}", *FLAGS],
+        [
+            "prefill",
+            "--model",
+            tiny_model,
+            "--port",
+            str(port),
+            "--bootstrap-port",
+            str(boot),
+            "--pp-size",
+            "2",
+            "--bootstrap-timeout",
+            f"{scaled(60):g}",
+            *FLAGS,
+        ],
         port,
         env={"DISAGG_FAULT_FAIL_SENDERS_ON_STAGE": "1"},
-    ).wait_healthy()  # fmt: skip
+    ).wait_healthy()
     try:
         body = {
             "input_ids": [5, 6, 7, 8],

@@ -51,9 +51,15 @@ def stack(tiny_model, tmp_path_factory):
 def forgeries(decode_endpoint: str) -> list[bytes]:
     """What a third party can send without the model's secret: sealed with keys it can guess, or not at all."""
     hello = DecodeHello(
-        decode_id="forged", reply_endpoint=decode_endpoint, session_id="127.0.0.1:1", buffer_ptrs=[4096],
-        buffer_nbytes=[4096], page_nbytes=64, start_layer=0, aux_item_nbytes=64,
-    )  # fmt: skip
+        decode_id="forged",
+        reply_endpoint=decode_endpoint,
+        session_id="127.0.0.1:1",
+        buffer_ptrs=[4096],
+        buffer_nbytes=[4096],
+        page_nbytes=64,
+        start_layer=0,
+        aux_item_nbytes=64,
+    )
     room = random.getrandbits(63)
     update = RoomUpdate(room=room, tp_rank=0, pp_rank=0, status=4, reason="forged", quiesced=True, aux=b"")
     guesses = [keys.control_key(""), keys.control_key("secret"), b""]

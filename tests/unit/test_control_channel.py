@@ -62,9 +62,15 @@ def test_a_peer_with_the_model_key_is_heard(channel):
 def test_forged_unsealed_oversized_and_malformed_frames_are_dropped_and_counted(channel):
     before = {r: rejected(r) for r in ("unauthenticated", "oversized", "malformed")}
     forged_hello = DecodeHello(
-        decode_id="evil", reply_endpoint="tcp://127.0.0.1:1", session_id="s", buffer_ptrs=[1], buffer_nbytes=[1],
-        page_nbytes=1, start_layer=0, aux_item_nbytes=1,
-    )  # fmt: skip
+        decode_id="evil",
+        reply_endpoint="tcp://127.0.0.1:1",
+        session_id="s",
+        buffer_ptrs=[1],
+        buffer_nbytes=[1],
+        page_nbytes=1,
+        start_layer=0,
+        aux_item_nbytes=1,
+    )
     forged_update = RoomUpdate(room=7, tp_rank=0, pp_rank=0, status=4, reason="", quiesced=True, aux=b"x")
     frames = [
         seal(keys.control_key("a guess"), encode(forged_hello)),

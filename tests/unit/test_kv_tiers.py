@@ -188,8 +188,12 @@ def test_mla_latents_and_draft_kv_come_back_from_host_memory_with_the_same_answe
     if kind == "mla":
         model = str(make_tiny(tmp_path / "mla", arch="deepseek_v3"))
     else:  # a one-layer draft; of the model's KV shape it lives in the model's pool, else in one of its own
-        draft = make_tiny(tmp_path / "draft", seed=3, num_kv_heads=2 if kind == "draft_in_pool" else 1,
-                          overrides={"num_hidden_layers": 1})  # fmt: skip
+        draft = make_tiny(
+            tmp_path / "draft",
+            seed=3,
+            num_kv_heads=2 if kind == "draft_in_pool" else 1,
+            overrides={"num_hidden_layers": 1},
+        )
         spec = Spec(algorithm="STANDALONE", draft_model_path=str(draft), num_steps=3)
     prompts = varied_prompts(6, seed=5)
     plain = answers_twice(load_engine(spec_config(model, spec, TierConfig())), prompts)

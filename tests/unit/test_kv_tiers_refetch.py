@@ -80,7 +80,7 @@ def test_a_request_waiting_for_the_store_lets_those_behind_it_in(tiny_model):
             model_path=tiny_model,
             cache=CacheConfig(page_size=PS, max_total_tokens=256, tiers=cfg),
             scheduler=SchedulerConfig(chunk_size=16),
-        )  # fmt: skip
+        )
     )
     tiers = engine.tiers
     assert tiers is not None

@@ -163,9 +163,15 @@ def test_tp_sizes_that_do_not_divide_the_experts_are_named():
 @given(seed=st.integers(0, 2**16), tokens=st.integers(1, 12))
 def test_grouped_routing_picks_top_k_inside_the_best_groups(seed, tokens):
     moe = MoEConfig(
-        num_experts=16, top_k=4, intermediate_size=8, layers=(0,), scoring="sigmoid", n_group=4, topk_group=2,
+        num_experts=16,
+        top_k=4,
+        intermediate_size=8,
+        layers=(0,),
+        scoring="sigmoid",
+        n_group=4,
+        topk_group=2,
         routed_scaling_factor=2.5,
-    )  # fmt: skip
+    )
     router = Router(8, moe)
     g = torch.Generator().manual_seed(seed)
     router.weight.data = torch.randn(16, 8, generator=g)

@@ -302,8 +302,11 @@ def test_a_role_of_groups_counts_as_updated_only_the_groups_whose_leader_runs_th
     ]
     prefill = RoleObservation(1, 1, 1)
     counted = with_leader_counts(s, {"prefill": prefill, "decode": lagging, "router": None}, pods)
-    assert counted == {"prefill": prefill, "decode": RoleObservation(2, 2, 1, template_hash=NEW, update_revision=NEW),
-                       "router": None}  # fmt: skip
+    assert counted == {
+        "prefill": prefill,
+        "decode": RoleObservation(2, 2, 1, template_hash=NEW, update_revision=NEW),
+        "router": None,
+    }
     pods[0] = PodInfo("m-decode-group-0", "decode", ready_since=0.0, revision=NEW, terminating=True)
     assert with_leader_counts(s, {"decode": lagging}, pods)["decode"].updated == 1  # a leader on its way out
     pods[0] = PodInfo("m-decode-group-0", "decode", ready_since=9.0, revision=NEW)
@@ -387,8 +390,10 @@ def test_a_change_to_one_role_with_a_surge_replaces_its_old_pods_once_the_new_on
     serving = [PodInfo("m-decode-2", "decode", ready_since=4.0, revision="b")]
     assert plan_rollout(s, observed, serving, hashes, 5.0).partitions == {"prefill": 0, "decode": 0}
     # Every decode pod on the new template: the surge pod goes.
-    done = {**observed, "decode": RoleObservation(3, 3, 3, template_hash=NEW, current_revision="b",
-                                                  update_revision="b", desired=3)}  # fmt: skip
+    done = {
+        **observed,
+        "decode": RoleObservation(3, 3, 3, template_hash=NEW, current_revision="b", update_revision="b", desired=3),
+    }
     assert plan_rollout(s, done, serving, hashes, 9.0).replicas["decode"] == 3  # two decode pods not Ready yet
     serving += [PodInfo(f"m-decode-{i}", "decode", ready_since=8.0, revision="b") for i in (0, 1)]
     end = plan_rollout(s, done, serving, hashes, 9.0)
@@ -397,9 +402,11 @@ def test_a_change_to_one_role_with_a_surge_replaces_its_old_pods_once_the_new_on
 
 def test_the_default_surge_is_one_pod_per_role():
     s = ModelSpec.from_cr(
-        {"metadata": {"name": "m", "namespace": "ns", "uid": "u"},
-         "spec": {"model": {"hostPath": "/m", "path": "x"}, "image": "img"}}
-    )  # fmt: skip
+        {
+            "metadata": {"name": "m", "namespace": "ns", "uid": "u"},
+            "spec": {"model": {"hostPath": "/m", "path": "x"}, "image": "img"},
+        }
+    )
     assert s.rollout.max_surge == 1
 
 
@@ -453,10 +460,16 @@ def test_with_a_surge_a_verified_pair_serves_at_every_moment_however_late_the_ro
 def test_a_model_with_a_role_of_groups_or_without_replicas_rolls_in_place():
     s = spec(1, 1, maxSurge=1)
     grouped = ModelSpec.from_cr(
-        {"metadata": {"name": "m", "namespace": "ns", "uid": "u"},
-         "spec": {"model": {"hostPath": "/m", "path": "x"}, "image": "img", "prefill": {"replicas": 1},
-                  "decode": {"replicas": 2, "tpSize": 2, "gpusPerNode": 1}}}
-    )  # fmt: skip
+        {
+            "metadata": {"name": "m", "namespace": "ns", "uid": "u"},
+            "spec": {
+                "model": {"hostPath": "/m", "path": "x"},
+                "image": "img",
+                "prefill": {"replicas": 1},
+                "decode": {"replicas": 2, "tpSize": 2, "gpusPerNode": 1},
+            },
+        }
+    )
     observed = {r: RoleObservation(1, 1, 1, template_hash=OLD, desired=1) for r in ("prefill", "decode")}
     hashes = {"prefill": NEW, "decode": NEW}
     assert plan_rollout(s, observed, [], hashes, 0.0).replicas == {"prefill": 2, "decode": 2}

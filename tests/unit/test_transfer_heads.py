@@ -24,9 +24,15 @@ PAGE_SIZE, HEAD_NBYTES = 4, 16
 
 def model(kv_heads: int, layers: int) -> ModelConfig:
     return ModelConfig(
-        arch="llama", vocab_size=16, hidden_size=64, intermediate_size=64, num_layers=layers,
-        num_heads=16, num_kv_heads=kv_heads, head_dim=4,
-    )  # fmt: skip
+        arch="llama",
+        vocab_size=16,
+        hidden_size=64,
+        intermediate_size=64,
+        num_layers=layers,
+        num_heads=16,
+        num_kv_heads=kv_heads,
+        head_dim=4,
+    )
 
 
 def prefill_topology(m: ModelConfig, tp: int, pp: int, page_size: int = PAGE_SIZE, kv_dtype: str = "float32"):
@@ -52,7 +58,7 @@ def prefill_topology(m: ModelConfig, tp: int, pp: int, page_size: int = PAGE_SIZ
                     kv_head_start=heads.start,
                     num_kv_heads=len(heads),
                     head_nbytes=HEAD_NBYTES,
-                )  # fmt: skip
+                )
             )
     return Topology(instance_id="i", tp_size=tp, pp_size=pp, page_size=page_size, kv_dtype=kv_dtype, ranks=ranks)
 
@@ -62,9 +68,16 @@ def decode_layout(m: ModelConfig, shard: Shard, head_nbytes: int = HEAD_NBYTES, 
     n = 2 * len(layers)
     page = PAGE_SIZE * len(heads) * head_nbytes
     return KVLayout(
-        [4096] * n, [page * 8] * n, page, PAGE_SIZE, kv_dtype, 8, start_layer=layers.start,
-        kv_head_start=heads.start, num_kv_heads=len(heads),
-    )  # fmt: skip
+        [4096] * n,
+        [page * 8] * n,
+        page,
+        PAGE_SIZE,
+        kv_dtype,
+        8,
+        start_layer=layers.start,
+        kv_head_start=heads.start,
+        num_kv_heads=len(heads),
+    )
 
 
 def plan(m: ModelConfig, prefill: tuple[int, int], decode: tuple[int, int], tp_rank: int, pp_rank: int = 0):
@@ -174,14 +187,29 @@ def test_codec_round_trips_head_slices_and_refuses_them_malformed(src, dst, n, r
     from disagg_worker.disagg.messages import CodecError, DecodeHello, RoomRequest, decode, encode
 
     req = RoomRequest(
-        decode_id="d", reply_endpoint="e", room=7, dest_pages=[1, 2], aux_slot=0, src_head=src, dst_head=dst,
-        num_heads=n, decode_ranks=ranks,
-    )  # fmt: skip
+        decode_id="d",
+        reply_endpoint="e",
+        room=7,
+        dest_pages=[1, 2],
+        aux_slot=0,
+        src_head=src,
+        dst_head=dst,
+        num_heads=n,
+        decode_ranks=ranks,
+    )
     assert decode(encode(req)) == req
     hello = DecodeHello(
-        decode_id="d", reply_endpoint="e", session_id="s", buffer_ptrs=[1], buffer_nbytes=[2], page_nbytes=3,
-        start_layer=0, aux_item_nbytes=16, num_kv_heads=heads, head_nbytes=head_nbytes,
-    )  # fmt: skip
+        decode_id="d",
+        reply_endpoint="e",
+        session_id="s",
+        buffer_ptrs=[1],
+        buffer_nbytes=[2],
+        page_nbytes=3,
+        start_layer=0,
+        aux_item_nbytes=16,
+        num_kv_heads=heads,
+        head_nbytes=head_nbytes,
+    )
     assert decode(encode(hello)) == hello
     frame = encode(req)
     for bad in (
@@ -241,9 +269,13 @@ def test_a_prefill_room_takes_one_request_per_decode_rank_that_announced_it():
 
     def req(decode_id: str, ranks: int = 2, pages: int = 3) -> RoomRequest:
         return RoomRequest(
-            decode_id=decode_id, reply_endpoint="e", room=9, dest_pages=list(range(pages)), aux_slot=0,
+            decode_id=decode_id,
+            reply_endpoint="e",
+            room=9,
+            dest_pages=list(range(pages)),
+            aux_slot=0,
             decode_ranks=ranks,
-        )  # fmt: skip
+        )
 
     room = PrefillRoom(9)
     peer = object()

@@ -145,9 +145,12 @@ def test_silent_instance_is_declared_dead_once_its_port_refuses():
         dead_seen.set()
 
     mon = HeartbeatMonitor(
-        0.01, 2, lambda a, r, d: events.append(("lost", a)), on_dead,
+        0.01,
+        2,
+        lambda a, r, d: events.append(("lost", a)),
+        on_dead,
         check=lambda a, t: answers[a].pop(0) if answers[a] else "id",
-    )  # fmt: skip
+    )
     mon.watch("a:1", "id")
     mon.watch("b:1", "id")
     assert dead_seen.wait(scaled(5))

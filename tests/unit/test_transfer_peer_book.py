@@ -17,9 +17,15 @@ LAYOUT = KVLayout([0x1000, 0x9000], [4096, 4096], page_nbytes=512, page_size=4, 
 
 def hello(decode_id: str, endpoint: str, session: str) -> DecodeHello:
     return DecodeHello(
-        decode_id=decode_id, reply_endpoint=endpoint, session_id=session, buffer_ptrs=[0x100, 0x200],
-        buffer_nbytes=[4096, 4096], page_nbytes=512, start_layer=0, aux_item_nbytes=16,
-    )  # fmt: skip
+        decode_id=decode_id,
+        reply_endpoint=endpoint,
+        session_id=session,
+        buffer_ptrs=[0x100, 0x200],
+        buffer_nbytes=[4096, 4096],
+        page_nbytes=512,
+        start_layer=0,
+        aux_item_nbytes=16,
+    )
 
 
 def test_a_new_incarnation_at_an_old_endpoint_or_session_replaces_the_old_one():

@@ -57,17 +57,32 @@ def run_room(tp_p, tp_d, kv, src, dst, chunks, prefill_staging, decode_staging) 
         area = StagingArea(decode_staging)
         offsets, staged = reserve_staging(targets, lay, dst, area.alloc)
         hello = DecodeHello(
-            decode_id=f"d{d}", reply_endpoint="e", session_id="s", buffer_ptrs=lay.buffer_ptrs,
-            buffer_nbytes=lay.buffer_nbytes, page_nbytes=lay.page_nbytes, start_layer=0, aux_item_nbytes=16,
-            staging_ptr=area.ptr, staging_nbytes=area.nbytes, num_kv_heads=lay.num_kv_heads,
+            decode_id=f"d{d}",
+            reply_endpoint="e",
+            session_id="s",
+            buffer_ptrs=lay.buffer_ptrs,
+            buffer_nbytes=lay.buffer_nbytes,
+            page_nbytes=lay.page_nbytes,
+            start_layer=0,
+            aux_item_nbytes=16,
+            staging_ptr=area.ptr,
+            staging_nbytes=area.nbytes,
+            num_kv_heads=lay.num_kv_heads,
             head_nbytes=lay.head_nbytes,
-        )  # fmt: skip
+        )
         for t, offset in zip(targets, offsets, strict=True):
             req = RoomRequest(
-                decode_id=f"d{d}", reply_endpoint="e", room=1, dest_pages=dst, aux_slot=0, staging_offset=offset,
-                src_head=t.heads.src, dst_head=t.heads.dst, num_heads=-1 if t.whole else t.heads.count,
+                decode_id=f"d{d}",
+                reply_endpoint="e",
+                room=1,
+                dest_pages=dst,
+                aux_slot=0,
+                staging_offset=offset,
+                src_head=t.heads.src,
+                dst_head=t.heads.dst,
+                num_heads=-1 if t.whole else t.heads.count,
                 decode_ranks=t.decode_ranks,
-            )  # fmt: skip
+            )
             _, src_layout = prefill[t.tp_rank]
             peer = DecodePeer.from_hello(hello, src_layout)
             assert not peer.error and not peer.check_dest(req, src_layout)
@@ -93,9 +108,15 @@ def send_chunks(lay: KVLayout, peer: DecodePeer, req: RoomRequest, src: list[int
     room, first = PrefillRoom(req.room), 0
     for n in chunks:
         job = SendJob(
-            room=room, peer=peer, request=req, src_pages=src[first : first + n],
-            dst_pages=req.dest_pages[first : first + n], last=False, first=False, first_index=first,
-        )  # fmt: skip
+            room=room,
+            peer=peer,
+            request=req,
+            src_pages=src[first : first + n],
+            dst_pages=req.dest_pages[first : first + n],
+            last=False,
+            first=False,
+            first_index=first,
+        )
         for s, d, nbytes in writes._plan(job):
             ctypes.memmove(d, s, nbytes)
         if job.staged is not None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from disagg_api import settings as S
+from disagg_api import speculative_settings as SP
 from disagg_worker.errors import ConfigError
 from disagg_worker.flags import from_flag
 
@@ -22,13 +22,13 @@ class SpeculativeConfig:
     one forward of the draft each, as one chain (`eagle_topk` 1). Every draft is verified in the request's
     next forward."""
 
-    algorithm: str = from_flag(S.SPECULATIVE_ALGORITHM)  # "": off
-    num_draft_tokens: int = from_flag(S.SPECULATIVE_NUM_DRAFT_TOKENS)
-    min_match: int = from_flag(S.SPECULATIVE_NGRAM_MIN_MATCH_WINDOW_SIZE)
-    max_match: int = from_flag(S.SPECULATIVE_NGRAM_MAX_MATCH_WINDOW_SIZE)
-    num_steps: int = from_flag(S.SPECULATIVE_NUM_STEPS)
-    eagle_topk: int = from_flag(S.SPECULATIVE_EAGLE_TOPK)
-    draft_model_path: str = from_flag(S.SPECULATIVE_DRAFT_MODEL_PATH)
+    algorithm: str = from_flag(SP.SPECULATIVE_ALGORITHM)  # "": off
+    num_draft_tokens: int = from_flag(SP.SPECULATIVE_NUM_DRAFT_TOKENS)
+    min_match: int = from_flag(SP.SPECULATIVE_NGRAM_MIN_MATCH_WINDOW_SIZE)
+    max_match: int = from_flag(SP.SPECULATIVE_NGRAM_MAX_MATCH_WINDOW_SIZE)
+    num_steps: int = from_flag(SP.SPECULATIVE_NUM_STEPS)
+    eagle_topk: int = from_flag(SP.SPECULATIVE_EAGLE_TOPK)
+    draft_model_path: str = from_flag(SP.SPECULATIVE_DRAFT_MODEL_PATH)
 
     @property
     def enabled(self) -> bool:
@@ -44,8 +44,10 @@ class SpeculativeConfig:
         return self.num_steps if self.uses_draft_model else self.num_draft_tokens
 
     def __post_init__(self) -> None:
-        if self.algorithm and self.algorithm not in S.SPECULATIVE_ALGORITHMS:
-            raise ConfigError(f"--speculative-algorithm {self.algorithm}: one of {', '.join(S.SPECULATIVE_ALGORITHMS)}")
+        if self.algorithm and self.algorithm not in SP.SPECULATIVE_ALGORITHMS:
+            raise ConfigError(
+                f"--speculative-algorithm {self.algorithm}: one of {', '.join(SP.SPECULATIVE_ALGORITHMS)}"
+            )
         if not self.algorithm:
             return
         if not 1 <= self.num_draft_tokens <= 16:

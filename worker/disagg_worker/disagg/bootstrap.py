@@ -32,9 +32,20 @@ from dataclasses import asdict, dataclass, fields
 from aiohttp import web
 
 _INT_FIELDS = (
-    "tp_rank", "tp_size", "pp_rank", "pp_size", "rank_port", "page_size", "start_layer", "num_layers",
-    "kv_head_start", "num_kv_heads", "head_nbytes", "dp_rank", "dp_size",
-)  # fmt: skip
+    "tp_rank",
+    "tp_size",
+    "pp_rank",
+    "pp_size",
+    "rank_port",
+    "page_size",
+    "start_layer",
+    "num_layers",
+    "kv_head_start",
+    "num_kv_heads",
+    "head_nbytes",
+    "dp_rank",
+    "dp_size",
+)
 _STR_FIELDS = ("rank_ip", "kv_dtype", "session_id", "kv_kind")
 KV_KINDS = ("mha", "mla")
 

@@ -65,9 +65,13 @@ def fetch_topology(url: str, token: str = "", timeout: float = 2.0) -> Topology 
     try:  # the instance is complete: a topology this process cannot read will not get better by waiting
         ranks = [RankRegistration.from_json(r) for r in body["ranks"]]
         return Topology(
-            instance_id=body["instance_id"], tp_size=body["tp_size"], pp_size=body["pp_size"],
-            page_size=body["page_size"], kv_dtype=body["kv_dtype"], ranks=ranks,
-        )  # fmt: skip
+            instance_id=body["instance_id"],
+            tp_size=body["tp_size"],
+            pp_size=body["pp_size"],
+            page_size=body["page_size"],
+            kv_dtype=body["kv_dtype"],
+            ranks=ranks,
+        )
     except (KeyError, TypeError, ValueError) as e:
         raise BootstrapError(f"malformed topology from {url}: {e!r}") from None
 

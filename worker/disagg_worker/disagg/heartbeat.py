@@ -22,9 +22,13 @@ OnLost = Callable[[str, str, bool], None]
 
 class HeartbeatMonitor:
     def __init__(
-        self, interval_s: float, max_misses: int, on_lost: OnLost,
-        on_dead: Callable[[str], None] | None = None, check=check_health,
-    ):  # fmt: skip
+        self,
+        interval_s: float,
+        max_misses: int,
+        on_lost: OnLost,
+        on_dead: Callable[[str], None] | None = None,
+        check=check_health,
+    ):
         self._interval = interval_s
         self._on_dead = on_dead
         self._silent: dict[str, str] = {}  # addr -> instance id of a lost, not known dead, instance

@@ -131,9 +131,13 @@ class LayerStream:
     so that a fault test interrupts a room whose first groups left and whose others did not."""
 
     def __init__(
-        self, num_layers: int, group_size: int, metrics: TransferMetrics, cuda: bool = False,
+        self,
+        num_layers: int,
+        group_size: int,
+        metrics: TransferMetrics,
+        cuda: bool = False,
         stall: tuple[int, str] = (-1, ""),
-    ):  # fmt: skip
+    ):
         self.groups = plan_groups(num_layers, group_size)
         self._stall = stall
         self._ends = {g.stop - 1: g for g in self.groups}

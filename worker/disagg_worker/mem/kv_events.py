@@ -111,8 +111,14 @@ class EventLog:
         return {str(g): [f"{n:016x}" for n in held] for g, held in self.held.items()}
 
     def header(self) -> dict:
-        return {"epoch": self.epoch, "seq": self.seq, "page_size": self.page_size, "model": self.model,
-                "hash_scheme": HASH_SCHEME, "key_id": self.key_id}  # fmt: skip
+        return {
+            "epoch": self.epoch,
+            "seq": self.seq,
+            "page_size": self.page_size,
+            "model": self.model,
+            "hash_scheme": HASH_SCHEME,
+            "key_id": self.key_id,
+        }
 
     def since(self, epoch: str, seq: int) -> dict:
         """What a reader that saw event `seq` of `epoch` lacks: the events after it, or a snapshot."""
@@ -120,8 +126,11 @@ class EventLog:
         if epoch == self.epoch and seq == self.seq:
             return {**self.header(), "events": []}
         if epoch == self.epoch and first - 1 <= seq < self.seq:
-            events = [{"seq": s, "group": g, "kind": k, "pages": [f"{n:016x}" for n in names]}
-                      for s, g, (k, names) in self.ring if s > seq]  # fmt: skip
+            events = [
+                {"seq": s, "group": g, "kind": k, "pages": [f"{n:016x}" for n in names]}
+                for s, g, (k, names) in self.ring
+                if s > seq
+            ]
             return {**self.header(), "events": events}
         tiers = {"host": [f"{n:016x}" for n in self.host], "store": [f"{n:016x}" for n in self.store]}
         return {**self.header(), "snapshot": self.holdings(), **tiers}

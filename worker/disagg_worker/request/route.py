@@ -10,9 +10,16 @@ from disagg_worker.request.messages import BootstrapInfo, Route
 
 # Every field the router sets; a client's own values for them are dropped (`router/payload.py`).
 FIELDS = (
-    "bootstrap_host", "bootstrap_port", "bootstrap_room", "bootstrap_sig", "bootstrap_dp_rank", "data_parallel_rank",
-    "local_prefill", "resume_token_ids", "resume_text_chars",
-)  # fmt: skip
+    "bootstrap_host",
+    "bootstrap_port",
+    "bootstrap_room",
+    "bootstrap_sig",
+    "bootstrap_dp_rank",
+    "data_parallel_rank",
+    "local_prefill",
+    "resume_token_ids",
+    "resume_text_chars",
+)
 
 
 def target_fields(key: str, host: str, port: int, room: int, dp_rank: int | None = None) -> dict:

@@ -78,8 +78,14 @@ def call_item(call: dict, status: str = "completed", arguments: str | None = Non
     fn = call["function"]
     args = fn["arguments"] if arguments is None else arguments
     item_id = "fc_" + call["id"].removeprefix("call_")
-    return {"type": "function_call", "id": item_id, "call_id": call["id"], "name": fn["name"], "arguments": args,
-            "status": status}  # fmt: skip
+    return {
+        "type": "function_call",
+        "id": item_id,
+        "call_id": call["id"],
+        "name": fn["name"],
+        "arguments": args,
+        "status": status,
+    }
 
 
 def incomplete_reason(finish_reason: str | None) -> str | None:
@@ -149,8 +155,9 @@ class ResponseEvents:
             out += self.event("response.output_item.added", output_index=index, item=call_item(call, "in_progress", ""))
             at = {"item_id": item["id"], "output_index": index}
             out += self.event("response.function_call_arguments.delta", **at, delta=item["arguments"])
-            out += self.event("response.function_call_arguments.done", **at, arguments=item["arguments"],
-                              name=item["name"])  # fmt: skip
+            out += self.event(
+                "response.function_call_arguments.done", **at, arguments=item["arguments"], name=item["name"]
+            )
             out += self.event("response.output_item.done", output_index=index, item=item)
             self.output.append(item)
         response = self.head.response(status, self.output, counts, incomplete)

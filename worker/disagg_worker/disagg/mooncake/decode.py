@@ -1,12 +1,12 @@
 """Decode side of the `mooncake` backend.
 
-Per prefill instance (bootstrap address): resolve the topology once, check compatibility and
-map it (`mapping`: which prefill ranks, heads and layers feed this rank; a mismatch fails the
-instance's rooms at once with its message), send a `DecodeHello` to each target rank, then watch
-it with heartbeats. Per room: send each target rank a `RoomRequest` (with the head slice wanted
-from it) after `init()` and the handshake; apply `RoomUpdate`s from prefill; Success once every
-target reported it; its waiting timeout counts from that request (resolving the instance has a
-deadline of its own, as long). Threads: `control` (zmq updates, waiting timeouts), a resolver pool (blocking
+Per prefill instance (bootstrap address): resolve the topology once, check compatibility and map it
+(`decode_resolve`, `mapping`: which prefill ranks, heads and layers feed this rank; a mismatch fails
+the instance's rooms at once with its message), send a `DecodeHello` to each target rank, then watch
+it with heartbeats. Per room: send each target rank a `RoomRequest` (with the head slice wanted from
+it) after `init()` and the handshake; apply `RoomUpdate`s from prefill; Success once every target
+reported it; its waiting timeout counts from that request (resolving the instance has a deadline of
+its own, as long). Threads: `control` (zmq updates, waiting timeouts), a resolver pool (blocking
 HTTP), heartbeat.
 
 A room whose destination is fragmented is staged (`staging`): prefill writes it into a range of
@@ -33,12 +33,12 @@ from disagg_worker import keys
 from disagg_worker.config import DisaggConfig
 from disagg_worker.disagg.base import KVLayout, KVManager, KVReceiver, RankInfo, TransferFailure, check_pages
 from disagg_worker.disagg.bootstrap import RankRegistration
-from disagg_worker.disagg.bootstrap_client import BootstrapError, fetch_topology
 from disagg_worker.disagg.channel import ControlChannel
 from disagg_worker.disagg.heartbeat import HeartbeatMonitor
-from disagg_worker.disagg.mapping import Target, check_compatible
-from disagg_worker.disagg.messages import DecodeHello, RoomAbort, RoomRequest, RoomUpdate
+from disagg_worker.disagg.mapping import Target
+from disagg_worker.disagg.messages import RoomAbort, RoomRequest, RoomUpdate
 from disagg_worker.disagg.metrics import TransferMetrics
+from disagg_worker.disagg.mooncake.decode_resolve import decode_hello, resolve
 from disagg_worker.disagg.mooncake.decode_state import DecodeInstance, DecodeRoom, InstanceState
 from disagg_worker.disagg.mooncake.slices import reserve_staging, unstage
 from disagg_worker.disagg.mooncake.staging import open_registered
@@ -160,11 +160,18 @@ class MooncakeDecodeManager(KVManager):
         for t, offset in zip(inst.targets, offsets, strict=True):
             self._greet_if_stale(inst, _endpoint(t.rank))
             msg = RoomRequest(
-                decode_id=self.decode_id, reply_endpoint=self.channel.endpoint, room=state.room,
-                dest_pages=state.dest_pages, aux_slot=state.aux_slot, staging_offset=offset,
-                src_head=t.heads.src, dst_head=t.heads.dst, num_heads=-1 if t.whole else t.heads.count,
-                decode_ranks=t.decode_ranks, skip_pages=state.skip_pages,
-            )  # fmt: skip
+                decode_id=self.decode_id,
+                reply_endpoint=self.channel.endpoint,
+                room=state.room,
+                dest_pages=state.dest_pages,
+                aux_slot=state.aux_slot,
+                staging_offset=offset,
+                src_head=t.heads.src,
+                dst_head=t.heads.dst,
+                num_heads=-1 if t.whole else t.heads.count,
+                decode_ranks=t.decode_ranks,
+                skip_pages=state.skip_pages,
+            )
             self.channel.send(_endpoint(t.rank), msg)
 
     def _greet_if_stale(self, inst: DecodeInstance, endpoint: str) -> None:
@@ -213,35 +220,14 @@ class MooncakeDecodeManager(KVManager):
             self._fail_instance(inst.addr, f"prefill instance {inst.addr}: {e!r}", dead=False)
 
     def _resolve(self, inst: DecodeInstance) -> None:
-        deadline = time.monotonic() + self.cfg.waiting_timeout_s
-        error = f"prefill bootstrap server {inst.addr} not ready within {self.cfg.waiting_timeout_s:g}s"
-        while not self._stop.is_set() and time.monotonic() < deadline:
-            try:
-                topo = fetch_topology(inst.addr, self.cfg.bootstrap_token)
-            except BootstrapError as e:
-                error = str(e)
-                break
-            except (OSError, ValueError, KeyError):
-                topo = None
-            if topo is not None:
-                targets, error = check_compatible(topo, self.cfg, self.layout, self.rank.tp_rank, self.rank.pp_rank)
-                if not error:
-                    self._ready(inst, topo.instance_id, targets)
-                    return
-                break
-            time.sleep(TUNING.transfer.resolve_retry_s)
-        self._fail_instance(inst.addr, f"prefill instance {inst.addr}: {error}", dead=False)
+        instance_id, targets, error = resolve(inst.addr, self.cfg, self.layout, self.rank, self._stop)
+        if error:
+            self._fail_instance(inst.addr, f"prefill instance {inst.addr}: {error}", dead=False)
+        else:
+            self._ready(inst, instance_id, targets)
 
     def _ready(self, inst: DecodeInstance, instance_id: str, targets: list[Target]) -> None:
-        lay = self.layout
-        hello = DecodeHello(
-            decode_id=self.decode_id, reply_endpoint=self.channel.endpoint, session_id=self.engine.session_id,
-            buffer_ptrs=lay.buffer_ptrs, buffer_nbytes=lay.buffer_nbytes, page_nbytes=lay.page_nbytes,
-            start_layer=lay.start_layer, aux_item_nbytes=lay.aux_item_nbytes,
-            staging_ptr=self.staging.ptr, staging_nbytes=self.staging.nbytes,
-            num_kv_heads=lay.num_kv_heads, head_nbytes=lay.head_nbytes, kv_kind=lay.kind.value,
-            draft_kv=lay.draft_kv,
-        )  # fmt: skip
+        hello = decode_hello(self.decode_id, self.channel.endpoint, self.engine.session_id, self.layout, self.staging)
         with self._lock:
             for t in targets:
                 self.channel.send(_endpoint(t.rank), hello)

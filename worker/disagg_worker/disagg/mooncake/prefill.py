@@ -3,7 +3,8 @@
 Threads: `control` (zmq: decode hellos, room requests and aborts; timeouts; registration with
 the bootstrap server) and the transfer threads of `PrefillWrites` (one per decode peer: write
 planning, the per-peer budget, staging). The scheduler thread only calls non-blocking handle
-methods.
+methods; what its sends become (their checks, one job per decode rank) is `PrefillSends`' business
+(`prefill_sends`).
 
 Protocol: a `DecodeHello` (once per decode rank) says where that rank's pool lives
 (`DecodePeer`); a `RoomRequest` names one room's destination pages and the KV heads that decode
@@ -31,18 +32,20 @@ import functools
 import logging
 import threading
 import time
+from collections.abc import Callable
 
 from disagg_worker import keys
 from disagg_worker.config import DisaggConfig
-from disagg_worker.disagg.base import KVLayout, KVManager, KVSender, RankInfo, check_pages
+from disagg_worker.disagg.base import KVLayout, KVManager, KVSender, RankInfo
 from disagg_worker.disagg.bootstrap import RankRegistration
 from disagg_worker.disagg.bootstrap_client import BootstrapError, register_rank
 from disagg_worker.disagg.channel import ControlChannel
-from disagg_worker.disagg.layerwise import LayerStream, StreamRound, layer_buffers, unstreamed_parts
+from disagg_worker.disagg.layerwise import LayerStream
 from disagg_worker.disagg.messages import DecodeHello, Message, RoomAbort, RoomRequest, RoomUpdate
 from disagg_worker.disagg.metrics import TransferMetrics
 from disagg_worker.disagg.mooncake.peer_book import KnownPeer, PeerBook
 from disagg_worker.disagg.mooncake.prefill_room import PrefillRoom, SendJob
+from disagg_worker.disagg.mooncake.prefill_sends import PrefillSends
 from disagg_worker.disagg.mooncake.prefill_writes import PrefillWrites
 from disagg_worker.disagg.mooncake.staging import open_registered
 from disagg_worker.disagg.poll import KVPoll
@@ -53,22 +56,22 @@ log = logging.getLogger(__name__)
 
 
 class PrefillSender(KVSender):
-    def __init__(self, mgr: MooncakePrefillManager, state: PrefillRoom):
+    def __init__(self, state: PrefillRoom, sends: PrefillSends, fail: Callable[[PrefillRoom, str], None]):
         self.room = state.room
-        self._mgr = mgr
         self._state = state
+        self._sends, self._fail = sends, fail
 
     def poll(self) -> KVPoll:
         return self._state.cell.get()
 
     def send(self, page_indices: list[int], last: bool, aux: bytes | None = None) -> None:
-        self._mgr.send(self._state, list(page_indices), last, aux or b"")
+        self._sends.send(self._state, list(page_indices), last, aux or b"")
 
     def stream(self, page_indices: list[int]) -> None:
-        self._mgr.stream(self._state, list(page_indices))
+        self._sends.stream(self._state, list(page_indices))
 
     def abort(self, reason: str = "aborted by prefill") -> None:
-        self._mgr.fail(self._state, reason)
+        self._fail(self._state, reason)
 
     def failure_reason(self) -> str:
         return self._state.cell.reason
@@ -82,9 +85,14 @@ class MooncakePrefillManager(KVManager):
         super().__init__(cfg, layout, rank, metrics)
         self.engine, buffers, staging = open_registered(cfg, layout)
         self.writes = PrefillWrites(
-            self.engine, layout, buffers, staging,
-            on_failed=self._write_failed, on_notice=self._still_transferring, on_settled=self._send_settled,
-        )  # fmt: skip
+            self.engine,
+            layout,
+            buffers,
+            staging,
+            on_failed=self._write_failed,
+            on_notice=self._still_transferring,
+            on_settled=self._send_settled,
+        )
         port = cfg.control_port_of(cfg.rank_index(rank.tp_rank, rank.pp_rank, rank.dp_rank))
         self.channel = ControlChannel(cfg.advertise_host, port, keys.control_key(cfg.auth_token))
         self.rooms: RoomTable[PrefillRoom] = RoomTable()
@@ -97,18 +105,31 @@ class MooncakePrefillManager(KVManager):
             cuda = bool(layout.buffers) and layout.buffers[0].device.type == "cuda"
             stall = cfg.fault_stall_after_layer_group
             self.layer_stream = LayerStream(layout.model_layers, cfg.layer_group_size, metrics, cuda, stall)
+        self.sends = PrefillSends(layout, cfg.waiting_timeout_s, self.writes.put, self.fail, self.layer_stream)
         self._control = self.supervise(self._control_loop, "kv-prefill-control")
 
     def registration(self) -> RankRegistration:
         cfg, lay = self.cfg, self.layout
         return RankRegistration(
-            tp_rank=self.rank.tp_rank, tp_size=cfg.attn_tp_size, pp_rank=self.rank.pp_rank, pp_size=cfg.pp_size,
-            dp_rank=self.rank.dp_rank, dp_size=cfg.dp_size,
-            rank_ip=cfg.advertise_host, rank_port=self.channel.port, page_size=lay.page_size,
-            kv_dtype=lay.kv_dtype, session_id=self.engine.session_id, start_layer=lay.start_layer,
-            num_layers=lay.num_layers, kv_head_start=lay.kv_head_start, num_kv_heads=lay.num_kv_heads,
-            head_nbytes=lay.head_nbytes, kv_kind=lay.kind.value, draft_kv=lay.draft_kv,
-        )  # fmt: skip
+            tp_rank=self.rank.tp_rank,
+            tp_size=cfg.attn_tp_size,
+            pp_rank=self.rank.pp_rank,
+            pp_size=cfg.pp_size,
+            dp_rank=self.rank.dp_rank,
+            dp_size=cfg.dp_size,
+            rank_ip=cfg.advertise_host,
+            rank_port=self.channel.port,
+            page_size=lay.page_size,
+            kv_dtype=lay.kv_dtype,
+            session_id=self.engine.session_id,
+            start_layer=lay.start_layer,
+            num_layers=lay.num_layers,
+            kv_head_start=lay.kv_head_start,
+            num_kv_heads=lay.num_kv_heads,
+            head_nbytes=lay.head_nbytes,
+            kv_kind=lay.kind.value,
+            draft_kv=lay.draft_kv,
+        )
 
     # ---- scheduler-facing ------------------------------------------------------------
     def create_sender(self, room: int) -> KVSender:
@@ -116,88 +137,12 @@ class MooncakePrefillManager(KVManager):
         if not self.rooms.add(room, state):
             outcome = self.rooms.tombstone(room) or "in use"
             state.cell.fail(f"room {room} was already used on this instance ({outcome})")
-            return PrefillSender(self, state)
+            return PrefillSender(state, self.sends, self.fail)
         with self._early_lock:
             early = self._early.pop(room, None)
         for req in early[1] if early is not None else ():
             self._attach(state, req)
-        return PrefillSender(self, state)
-
-    def send(self, state: PrefillRoom, pages: list[int], last: bool, aux: bytes) -> None:
-        """`PrefillSender.send`: check the pages, count them, queue them for the peer's transfer thread."""
-        status = state.cell.get()
-        if status is KVPoll.Failed:
-            return
-        if status < KVPoll.WaitingForInput or not state.ready or state.last_queued:
-            self.fail(state, f"send() in status {status.name}" + (" after the last chunk" if state.last_queued else ""))
-            return
-        problem = check_pages(pages, self.layout.num_pages)
-        skip = state.dests[0][1].skip_pages  # the room's first pages, which decode holds already
-        allocated = skip + len(state.dests[0][1].dest_pages)
-        held = min(max(skip - state.sent, 0), len(pages))  # pages of this send that decode holds
-        if state.sent + len(pages) > allocated:
-            problem = f"{state.sent + len(pages)} pages sent but decode allocated {allocated}"
-        elif last and pages and held == len(pages):
-            problem = f"decode holds the room's last page (it skips {skip}): it must receive the last token's KV"
-        aux_limit = min(peer.aux_item_nbytes for peer, _ in state.dests)
-        if last and len(aux) > aux_limit:
-            problem = f"aux record of {len(aux)} bytes exceeds decode's {aux_limit}"
-        if problem:
-            self.fail(state, problem)
-            return
-        lay = self.layout
-        rest = layer_buffers(range(lay.model_layers, lay.num_layers), lay.num_layers, lay.kind.buffers_per_layer)
-        parts = unstreamed_parts(state.sent + held, pages[held:], state.streamed, rest)
-        if not parts and not last:  # all held or streamed: nothing to write (a last send always settles a job)
-            state.skip_send(len(pages))
-            return
-        parts = parts or [(0, [], [])]  # the last send of a fully streamed room: the aux record alone
-        first_index = state.queue_send(
-            len(pages), last, aux, self.cfg.waiting_timeout_s, jobs=len(state.dests) * len(parts)
-        )
-        first_index += held - skip  # from here on, positions in dest_pages
-        first = state.cell.advance(KVPoll.Transferring)
-        for offset, part, buffers in parts:
-            self._put_jobs(state, part, first_index + offset, last, first, buffers)
-
-    def _put_jobs(
-        self, state: PrefillRoom, pages: list[int], first_index: int, last: bool, first: bool,
-        buffers: list[int] | None, ready: object = None, stream: StreamRound | None = None,
-    ) -> None:  # fmt: skip
-        """One job per decode rank of the room: `pages` at destination positions from `first_index`."""
-        for peer, req in state.dests:
-            dst = req.dest_pages[first_index : first_index + len(pages)]
-            job = SendJob(
-                room=state, peer=peer, request=req, src_pages=pages, dst_pages=dst, last=last, first=first,
-                first_index=first_index, buffers=buffers, ready=ready, stream=stream,
-            )  # fmt: skip
-            self.writes.put(job)
-
-    def stream(self, state: PrefillRoom, pages: list[int]) -> None:
-        """`PrefillSender.stream`: arm this rank's layer stream with the pages the next forward completes."""
-        if self.layer_stream is None or state.cell.get() is KVPoll.Failed or not pages:
-            return
-        start, problem = state.check_stream(len(pages))
-        if problem:
-            self.fail(state, problem)
-            return
-        state.streamed = start + len(pages)
-        held = min(max(state.skip - start, 0), len(pages))  # pages decode holds: never sent
-        if held < len(pages):
-            self.layer_stream.arm(functools.partial(self._send_group, state, pages[held:], start + held - state.skip))
-
-    def _send_group(
-        self, state: PrefillRoom, pages: list[int], first_index: int, layers: range, ready: object, rnd: StreamRound
-    ) -> None:
-        """The forward computed `layers` (the forward's thread): queue their writes of the armed pages."""
-        jobs = len(state.dests)
-        if not state.queue_stream(jobs, self.cfg.waiting_timeout_s):
-            return  # the room failed: nothing more of it is written
-        rnd.queued(jobs)
-        first = state.cell.advance(KVPoll.Transferring)
-        lay = self.layout
-        buffers = layer_buffers(layers, lay.num_layers, lay.kind.buffers_per_layer)
-        self._put_jobs(state, pages, first_index, False, first, buffers, ready, rnd)
+        return PrefillSender(state, self.sends, self.fail)
 
     def fail(self, state: PrefillRoom, reason: str) -> None:
         """Fail a room (any thread) and tell decode whether writes of it may still land."""
@@ -227,9 +172,14 @@ class MooncakePrefillManager(KVManager):
     def _tell(self, req: RoomRequest, status: KVPoll, reason: str, quiesced: bool, aux: bytes = b"") -> None:
         """Send decode a `RoomUpdate` for the room of `req`."""
         update = RoomUpdate(
-            room=req.room, tp_rank=self.rank.tp_rank, pp_rank=self.rank.pp_rank,
-            status=int(status), reason=reason, quiesced=quiesced, aux=aux,
-        )  # fmt: skip
+            room=req.room,
+            tp_rank=self.rank.tp_rank,
+            pp_rank=self.rank.pp_rank,
+            status=int(status),
+            reason=reason,
+            quiesced=quiesced,
+            aux=aux,
+        )
         self.channel.send(req.reply_endpoint, update)
 
     def _tell_all(self, state: PrefillRoom, status: KVPoll, reason: str, quiesced: bool, aux: bytes = b"") -> None:

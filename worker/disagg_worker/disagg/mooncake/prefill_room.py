@@ -1,5 +1,5 @@
-"""State of one room on a prefill rank, shared by its control side (`prefill`) and its writes
-(`prefill_writes`).
+"""State of one room on a prefill rank, shared by its control side (`prefill`), its sends
+(`prefill_sends`) and its writes (`prefill_writes`).
 
 A room is written to one decode rank, or to several when decode has more TP ranks than prefill
 (each takes its slice of this rank's KV heads); each send becomes one `SendJob` per decode rank.

@@ -1,15 +1,15 @@
 """Writes of a prefill rank: planning, the per-peer budget and staging.
 
-Each send() becomes a `SendJob` for the transfer thread of its decode peer (`TransferWorkers`),
-which plans its writes when it starts it. Contiguous page runs go straight from the pool into
-decode's pool, one write per run per KV buffer. When decode named a staging range for the room
-(its destination is fragmented), each send is gathered into the local staging area and written
-as one block per KV buffer; decode scatters it before Success (`staging`). When decode wants only
-some of this rank's KV heads, or holds more heads than this rank, the head slice moves as whole
-slice pages through the same staging areas (`slices`). When nothing else is
-in flight to the peer, large writes are split into pieces (`split_writes`), which Mooncake moves
-over several of its TCP lanes at once. At most `max_writes_in_flight` writes are outstanding per
-peer; the rest wait in their job.
+Each send() becomes a `SendJob` (`prefill_sends`) for the transfer thread of its decode peer
+(`TransferWorkers`), which plans its writes when it starts it. Contiguous page runs go straight from
+the pool into decode's pool, one write per run per KV buffer. When decode named a staging range for
+the room (its destination is fragmented), each send is gathered into the local staging area and
+written as one block per KV buffer; decode scatters it before Success (`staging`). When decode wants
+only some of this rank's KV heads, or holds more heads than this rank, the head slice moves as whole
+slice pages through the same staging areas (`slices`). When nothing else is in flight to the peer,
+large writes are split into pieces (`split_writes`), which Mooncake moves over several of its TCP
+lanes at once. At most `max_writes_in_flight` writes are outstanding per peer; the rest wait in
+their job.
 
 What decode must hear is the control side's business (`prefill`): the transfer threads report
 through three callbacks: a write of a job failed, a job is still on the wire after the notice
@@ -153,9 +153,11 @@ class PrefillWrites:
                 writes.append((self.staging.ptr + off + k * block, dst, block))
             return writes
         index, ptrs = list(range(job.first_index, job.first_index + m)), self.layout.buffer_ptrs
-        return [(ptrs[i] + src * pn, peer.staged_dst(req.staging_offset, n_dest, i, j), n * pn)
-                for src, j, n in group_runs(job.src_pages, index)
-                for i in bufs]  # fmt: skip
+        return [
+            (ptrs[i] + src * pn, peer.staged_dst(req.staging_offset, n_dest, i, j), n * pn)
+            for src, j, n in group_runs(job.src_pages, index)
+            for i in bufs
+        ]
 
     def _sliced_writes(self, job: SendJob) -> list[Write]:
         """Writes of a head slice (`slices`): a scattered or fragmented source is gathered into the
@@ -166,8 +168,13 @@ class PrefillWrites:
             return []  # a replicated head another prefill rank writes: nothing from this one
         shape = PageShape(lay.page_size, lay.num_kv_heads, lay.head_nbytes)
         token, page, bufs = count * lay.head_nbytes, shape.slice_nbytes(count), self._buffers_of(job)
-        src = SliceSide([lay.buffer_ptrs[i] for i in bufs], job.src_pages, lay.page_nbytes,
-                        lay.num_kv_heads * lay.head_nbytes, req.src_head * lay.head_nbytes)  # fmt: skip
+        src = SliceSide(
+            [lay.buffer_ptrs[i] for i in bufs],
+            job.src_pages,
+            lay.page_nbytes,
+            lay.num_kv_heads * lay.head_nbytes,
+            req.src_head * lay.head_nbytes,
+        )
         if not src.contiguous(lay.page_size, token) or worth_staging(job.src_pages):
             off = self.staging.alloc(m * page * len(bufs))
             if off >= 0:
@@ -184,8 +191,13 @@ class PrefillWrites:
             dst = SliceSide([base + b * n_dest * page for b in dst_buffers], index, page, token)
         else:
             bases = [peer.buffer_ptrs[b] for b in dst_buffers]
-            dst = SliceSide(bases, job.dst_pages, peer.page_nbytes, peer.num_kv_heads * lay.head_nbytes,
-                            req.dst_head * lay.head_nbytes)  # fmt: skip
+            dst = SliceSide(
+                bases,
+                job.dst_pages,
+                peer.page_nbytes,
+                peer.num_kv_heads * lay.head_nbytes,
+                req.dst_head * lay.head_nbytes,
+            )
         return slice_writes(src, dst, lay.page_size, token)
 
     def _progress(self, job: SendJob) -> Progress:

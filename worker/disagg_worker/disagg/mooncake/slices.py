@@ -70,12 +70,15 @@ def slice_writes(src: SliceSide, dst: SliceSide, page_size: int, token_nbytes: i
             for sb, db in zip(src.bases, dst.bases, strict=True)
         ]
     return [
-        (sb + s * src.page_stride + t * src.token_stride + src.offset,
-         db + d * dst.page_stride + t * dst.token_stride + dst.offset, token_nbytes)
+        (
+            sb + s * src.page_stride + t * src.token_stride + src.offset,
+            db + d * dst.page_stride + t * dst.token_stride + dst.offset,
+            token_nbytes,
+        )
         for s, d in zip(src.index, dst.index, strict=True)
         for t in range(page_size)
         for sb, db in zip(src.bases, dst.bases, strict=True)
-    ]  # fmt: skip
+    ]
 
 
 @dataclass(frozen=True)
