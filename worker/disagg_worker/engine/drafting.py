@@ -162,8 +162,10 @@ class ModelDrafter:
         if not self.eagle:
             return self.model(fwd, self.kv).argmax(-1).tolist(), None
         dev = self.model.fc.weight.device  # the aux record's hidden state arrives on the CPU
-        rows = [h.to(dev) if h is not None else torch.zeros(n, self.model.config.hidden_size, device=dev) for h, n in
-                zip(hidden, fwd.extend_lens, strict=True)]  # fmt: skip
+        rows = [
+            h.to(dev) if h is not None else torch.zeros(n, self.model.config.hidden_size, device=dev)
+            for h, n in zip(hidden, fwd.extend_lens, strict=True)
+        ]
         out = self.model(fwd, self.kv, torch.cat(rows))
         last = out[fwd.logits_indices]
         return self.model.logits(last).argmax(-1).tolist(), last

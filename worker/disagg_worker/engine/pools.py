@@ -99,9 +99,14 @@ def size_pool(
     pages = pages_for_fraction(total, resident, page_bytes, cache.mem_fraction_static, one_request, fewest)
     log.info(
         "%s %s: %d KV pages (%d tokens, %.2f GiB) beside %.2f GiB held, of %.2f GiB",
-        FLAG, cache.mem_fraction_static, pages, pages * cache.page_size, pages * page_bytes / 2**30,
-        resident / 2**30, total / 2**30,
-    )  # fmt: skip
+        FLAG,
+        cache.mem_fraction_static,
+        pages,
+        pages * cache.page_size,
+        pages * page_bytes / 2**30,
+        resident / 2**30,
+        total / 2**30,
+    )
     return dataclasses.replace(cfg, cache=dataclasses.replace(cache, num_pages=pages, mem_fraction_static=0.0))
 
 

@@ -352,6 +352,9 @@ def build_tiers(
         store = MooncakeStore(tiers.store_master, tiers.metadata_server, cfg.disagg.advertise_host, prefix)
     log.info(
         "KV tiers: %d pages (%.1f MB) of host memory, %s; store %s",
-        host.slots, host.slots * page_nbytes / 1e6, tiers.write_policy, tiers.store_master or "none",
-    )  # fmt: skip
+        host.slots,
+        host.slots * page_nbytes / 1e6,
+        tiers.write_policy,
+        tiers.store_master or "none",
+    )
     return KVTiers(tiers, host, radix, store)
