@@ -21,7 +21,8 @@ the spans of one request come from the process that holds its trace context.
 
 Sampling: the router samples new traces at `--otlp-traces-sampling-ratio` (or follows the client's sampled
 flag); the workers follow their parent. Off, nothing of this exists: no `Tracer` (every caller holds None), no
-middleware, no `traced` request, and the engine's only cost is testing `req.trail is not None`.
+middleware, no `traced` request, and the engine's only cost is calling the methods of the trail every untraced
+request holds, `request.trail.NO_TRAIL`, which do nothing.
 """
 
 from __future__ import annotations

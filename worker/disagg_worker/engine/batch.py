@@ -130,7 +130,7 @@ def build_batch(plan: Plan, page_size: int) -> ScheduledBatch:
     pos = 0
     for r, n in zip(plan.reqs, plan.extend, strict=True):
         pos += n
-        if r.trail is not None and r.num_generated == 0:  # a chunk of its prompt
+        if r.num_generated == 0:  # a chunk of its prompt
             r.trail.end("scheduler.waiting")
             r.trail.begin("forward", tokens=n, position=r.num_computed)
         if r.pending:

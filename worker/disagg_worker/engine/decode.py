@@ -100,8 +100,7 @@ class DecodeStage:
             return
         receiver = self.kv.create_receiver(bootstrap.room, bootstrap.address)
         self.prealloc[req.rid] = DecodeReq(req, receiver, peer=bootstrap.address)
-        if req.trail is not None:
-            req.trail.begin("decode.prealloc", room=bootstrap.room)
+        req.trail.begin("decode.prealloc", room=bootstrap.room)
 
     def abort(self, rid: str) -> bool:
         d = self.prealloc.pop(rid, None) or self.transfer.get(rid)
@@ -152,16 +151,15 @@ class DecodeStage:
         d.pages = pages
         d.aux_slot = self.free_slots.pop()
         d.receiver.init(pages[d.req.prefix_pages :], d.aux_slot, skip_pages=d.req.prefix_pages)
-        if d.req.trail is not None:
-            sent = len(pages) - d.req.prefix_pages
-            d.req.trail.end("decode.prealloc", pages=len(pages), cached_pages=d.req.prefix_pages)
-            d.req.trail.begin("kv.transfer", pages=sent, bytes=sent * self.page_nbytes, peer=d.peer)
+        sent = len(pages) - d.req.prefix_pages
+        d.req.trail.end("decode.prealloc", pages=len(pages), cached_pages=d.req.prefix_pages)
+        d.req.trail.begin("kv.transfer", pages=sent, bytes=sent * self.page_nbytes, peer=d.peer)
         return True
 
     def _poll_transfer(self) -> None:
         for rid, d in list(self.transfer.items()):
             state = d.receiver.poll()
-            if d.req.trail is not None and state.terminal:
+            if state.terminal:
                 d.req.trail.end("kv.transfer", status=state.name)
             if state is KVPoll.Success:
                 del self.transfer[rid]

@@ -43,7 +43,7 @@ from disagg_worker.request import messages as msg
 from disagg_worker.request.errors import INTERNAL_ERROR
 from disagg_worker.request.limits import RequestLimits
 from disagg_worker.request.params import SamplingParams
-from disagg_worker.request.trail import Trail
+from disagg_worker.request.trail import NO_TRAIL, Trail
 from disagg_worker.tuning import TUNING
 
 log = logging.getLogger(__name__)
@@ -146,7 +146,7 @@ class Engine:
             eos_ids=self.eos_ids,
             max_context_len=self.max_context_len,
             matcher=matcher,
-            trail=Trail() if m.traced else None,
+            trail=Trail() if m.traced else NO_TRAIL,
         )
         if m.resumed:
             req.sampling.skip(list(m.input_ids[-m.resumed :]))

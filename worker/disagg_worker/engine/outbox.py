@@ -11,6 +11,7 @@ import re
 
 from disagg_worker.engine.request import Req
 from disagg_worker.request.messages import TokenOut
+from disagg_worker.request.trail import Stage
 
 log = logging.getLogger(__name__)
 TopLogprobs = list[tuple[int, float]]
@@ -55,7 +56,7 @@ class Outbox:
         self._outs.append(
             TokenOut(
                 **_prompt_scores(req),
-                **_stages(req, len(tokens)),
+                stages=_stages(req, len(tokens)),
                 rid=req.rid,
                 token_ids=tokens,
                 logprobs=[logprob] if logprob is not None else None,
@@ -80,7 +81,7 @@ class Outbox:
         self._outs.append(
             TokenOut(
                 **_prompt_scores(req),
-                **_stages(req, len(tokens)),
+                stages=_stages(req, len(tokens)),
                 rid=req.rid,
                 token_ids=tokens,
                 logprobs=[lp for lp in logprobs if lp is not None] if logprobs else None,
@@ -112,15 +113,14 @@ def _prompt_scores(req: Req) -> dict:
     return {"prompt_logprobs": [lp for lp, _ in scores], "prompt_top_logprobs": [top for _, top in scores]}
 
 
-def _stages(req: Req, new_tokens: int) -> dict:
-    """A traced request's stages that ended, with each output: its first tokens mark `first_token` and begin
-    `decoding` (not on prefill, which hands the request off), and its end ends every stage still open."""
+def _stages(req: Req, new_tokens: int) -> tuple[Stage, ...]:
+    """A traced request's stages that ended, with each output (none for an untraced one, whose trail records
+    nothing): its first tokens mark `first_token` and begin `decoding` (not on prefill, which hands the request
+    off), and its end ends every stage still open."""
     trail = req.trail
-    if trail is None:
-        return {}
     if new_tokens and len(req.output_ids) == new_tokens and not req.handoff:
         trail.mark("first_token")
         trail.begin("decoding")
     if req.finish_reason is not None:
         trail.finish(finish_reason=req.finish_reason.value, output_tokens=len(req.output_ids))
-    return {"stages": trail.take()}
+    return trail.take()

@@ -86,8 +86,7 @@ class PrefillStage:
         else:  # prefill computes the prompt and its first token, then hands the request off
             req.hand_off_after_first_token()
             self.bootstrapping[req.rid] = PrefillReq(req, self.kv.create_sender(bootstrap.room))
-            if req.trail is not None:
-                req.trail.begin("prefill.bootstrap", room=bootstrap.room)
+            req.trail.begin("prefill.bootstrap", room=bootstrap.room)
 
     def abort(self, rid: str) -> bool:
         held = False
@@ -126,8 +125,7 @@ class PrefillStage:
             upto = pages_for(prompt, self.page_size) if done >= prompt else done // self.page_size
             start = max(p.streamed_pages, p.sent_pages)
             if upto > start:
-                if req.trail is not None:
-                    req.trail.begin_once("kv.transfer")
+                req.trail.begin_once("kv.transfer")
                 p.sender.stream(req.pages[start:upto])
                 p.streamed_pages = upto
 
@@ -138,8 +136,7 @@ class PrefillStage:
             p = self.prefilling.get(req.rid)
             full = done // self.page_size
             if p is not None and full > p.sent_pages:
-                if req.trail is not None:
-                    req.trail.begin_once("kv.transfer")
+                req.trail.begin_once("kv.transfer")
                 p.sender.send(req.pages[p.sent_pages : full], last=False)
                 p.sent_pages = full
         for s in outcome.handed_off:
@@ -158,8 +155,7 @@ class PrefillStage:
                 self.outbox.reject(p.req, 500, why)
             elif state >= KVPoll.WaitingForInput:
                 del self.bootstrapping[rid]
-                if p.req.trail is not None:
-                    p.req.trail.end("prefill.bootstrap")
+                p.req.trail.end("prefill.bootstrap")
                 self.prefilling[rid] = p
                 self.scheduler.add(p.req)
 
@@ -172,8 +168,7 @@ class PrefillStage:
         p.first = s
         total = pages_for(len(s.req.prompt_ids), self.page_size)
         aux = pack_aux(s.token, s.logprob, s.top, s.req.draft_aux)  # with a draft model: decode's first draft
-        if s.req.trail is not None:
-            s.req.trail.begin_once("kv.transfer")
+        s.req.trail.begin_once("kv.transfer")
         p.sender.send(s.req.pages[p.sent_pages : total], last=True, aux=aux)
         p.sent_pages = total
         self.inflight[s.req.rid] = p
@@ -184,8 +179,7 @@ class PrefillStage:
             if not state.terminal:
                 continue
             del self.inflight[rid]
-            if p.req.trail is not None:
-                self._trace_transfer(p.req.trail, p, state)
+            self._trace_transfer(p.req.trail, p, state)
             self.scheduler.release(p.req)
             if state is KVPoll.Success and p.first is not None:
                 self.outbox.emit(p.req, [p.first.token], p.first.logprob)

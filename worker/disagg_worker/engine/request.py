@@ -9,7 +9,7 @@ from typing import Any
 
 from disagg_worker.engine.sampling import SamplingParams, SamplingState
 from disagg_worker.mem.radix import Node
-from disagg_worker.request.trail import Trail
+from disagg_worker.request.trail import NO_TRAIL, Trail
 
 
 class FinishReason(str, Enum):
@@ -57,8 +57,8 @@ class Req:
     # The prompt's logprobs as its chunks are computed (`SamplingParams.prompt_logprobs`): (logprob, top-N) of
     # prompt tokens 1.., sent with the first output.
     prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list, repr=False)
-    # A traced request's stages (`request/trail.py`); None, and never looked at beyond that, for the others.
-    trail: Trail | None = field(default=None, repr=False)
+    # A traced request's stages (`request/trail.py`); the others hold `NO_TRAIL`, which records nothing.
+    trail: Trail = field(default=NO_TRAIL, repr=False)
 
     def __post_init__(self) -> None:
         self.sampling = SamplingState.create(self.params, self.prompt_ids, self.output_ids)

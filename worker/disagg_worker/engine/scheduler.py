@@ -83,8 +83,7 @@ class Scheduler:
         self.by_rid[req.rid] = req
         self.waiting.append(req)
         self.tiers.prefetch(req.rid, self._prefix(req))
-        if req.trail is not None:
-            req.trail.begin("scheduler.waiting")
+        req.trail.begin("scheduler.waiting")
 
     def add_running(
         self, req: Req, pages: list[int], first_token: int, logprob: float | None, top: TopLogprobs | None = None
@@ -309,8 +308,7 @@ class Scheduler:
 
     def _process_one(self, batch: ScheduledBatch, result: StepResult, i: int, outcome: StepOutcome) -> None:
         r = batch.reqs[i]
-        if r.trail is not None:
-            r.trail.end("forward")
+        r.trail.end("forward")
         if i in result.prompt:  # by position: a chunk computed again (after a retraction) replaces its scores
             start, scores = result.prompt[i]
             r.prompt_logprobs[start:] = scores

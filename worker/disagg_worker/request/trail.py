@@ -4,7 +4,8 @@ The scheduler process runs no OpenTelemetry: a request sent with `GenerateReq.tr
 `engine.request.Req`, the queues and the scheduler mark its stages on it (`begin`/`end`, wall-clock
 nanoseconds), and each `TokenOut` carries the stages completed since the last one back to the HTTP process,
 which makes them spans of the request's trace with these start and end times (`disagg_worker.tracing`). An
-untraced request has no trail: the engine's only cost is a test of `req.trail is not None` where a stage
+untraced request holds `NO_TRAIL`, one `NoTrail` shared by all of them, which records nothing: the engine marks
+every request's stages with plain calls, and an untraced one costs a call that does nothing where a stage
 changes.
 """
 
@@ -71,3 +72,34 @@ class Trail:
         """The stages done since the last take (each is sent once)."""
         done, self._done = tuple(self._done), []
         return done
+
+
+class NoTrail(Trail):
+    """The trail of an untraced request: it records nothing and has nothing to send (`take` is empty). It holds
+    no state, so one (`NO_TRAIL`) serves every untraced request."""
+
+    __slots__ = ()
+
+    def __init__(self) -> None:
+        pass
+
+    def begin(self, name: str, **attrs: str | int | float | bool) -> None:
+        pass
+
+    def begin_once(self, name: str, **attrs: str | int | float | bool) -> None:
+        pass
+
+    def end(self, name: str, **attrs: str | int | float | bool) -> None:
+        pass
+
+    def mark(self, name: str, **attrs: str | int | float | bool) -> None:
+        pass
+
+    def finish(self, **attrs: str | int | float | bool) -> None:
+        pass
+
+    def take(self) -> tuple[Stage, ...]:
+        return ()
+
+
+NO_TRAIL = NoTrail()
