@@ -31,7 +31,7 @@ from disagg_worker.request.errors import INSTANCE_FAILED, APIError, unavailable
 from disagg_worker.request.limits import body_limit_bytes
 from disagg_worker.router.attempt import Attempt, Opened, json_or_error
 from disagg_worker.router.auth import RouterAuth
-from disagg_worker.router.hops import Hop
+from disagg_worker.router.hops import NO_HOP, Hop
 from disagg_worker.router.payload import JoinedPayload, SharedBody
 from disagg_worker.router.policies.prefix import Prompt
 from disagg_worker.router.prompt import PromptTokens
@@ -164,13 +164,11 @@ class Router:
                 else:
                     opened = await self._try_pair(path, body, choice, p, d, prompt, hop)
             except BaseException:  # the client left
-                if hop is not None:
-                    hop.end("the client left")
+                hop.end("the client left")
                 raise
             if isinstance(opened, Opened):
                 return self._track(opened)
-            if hop is not None:
-                hop.end(f"the attempt failed ({opened.status})", opened.status)
+            hop.end(f"the attempt failed ({opened.status})", opened.status)
             last = opened
             if opened.code == INSTANCE_FAILED:
                 self.pool.failed_instances += 1
@@ -185,10 +183,11 @@ class Router:
             raise unavailable(self.no_pair(), retry_after=RETRY_AFTER_S)
         raise last.error()
 
-    def _hop(self, attempt: int, p: Worker | None, d: Worker, choice: dict[str, Any]) -> Hop | None:
-        """With tracing on, the spans of this attempt (None: off, or a request that is not sampled)."""
+    def _hop(self, attempt: int, p: Worker | None, d: Worker, choice: dict[str, Any]) -> Hop:
+        """With tracing on, the spans of this attempt (`NO_HOP`, which records nothing: off, or a request that is
+        not sampled)."""
         if self.tracer is None or self.tracer.current() is None:
-            return None
+            return NO_HOP
         return Hop(self.tracer, attempt, p, d, len(choice.get("resume_token_ids", ())))
 
     def has_pair(self) -> bool:
@@ -223,8 +222,7 @@ class Router:
     def close(self, o: Opened, error: str = "") -> None:
         """The client's answer is complete or abandoned (or its decode failed: `error`): give decode's response
         back."""
-        if o.hop is not None:
-            o.hop.end(error)
+        o.hop.end(error)
         o.resp.release()
         self.opened.discard(o)
         o.decode.give_back(o.decode_group)
@@ -246,7 +244,7 @@ class Router:
         p: Worker,
         d: Worker,
         prompt: Prompt | None = None,
-        hop: Hop | None = None,
+        hop: Hop = NO_HOP,
     ) -> Opened | Attempt:
         room_id = secrets.randbits(63)
         # DP attention: the attention groups each side runs the request on (None: a side runs one group).
@@ -280,7 +278,7 @@ class Router:
         return Opened(opened[0], opened[1], prefill, d, dg, hop)
 
     async def _try_decode_only(
-        self, path: str, body: SharedBody, choice: dict, d: Worker, prompt: Prompt | None, hop: Hop | None = None
+        self, path: str, body: SharedBody, choice: dict, d: Worker, prompt: Prompt | None, hop: Hop = NO_HOP
     ) -> Opened | Attempt:
         """Conditional disaggregation: decode computes the prompt itself (`local_prefill`), no prefill involved."""
         dg, _ = self.pool.group_for(d, secrets.randbits(63), prompt, local=True)
@@ -290,12 +288,12 @@ class Router:
         return opened if isinstance(opened, Attempt) else Opened(opened[0], opened[1], None, d, dg, hop)
 
     async def _decode(
-        self, d: Worker, path: str, payload: JoinedPayload, group: int | None = None, hop: Hop | None = None
+        self, d: Worker, path: str, payload: JoinedPayload, group: int | None = None, hop: Hop = NO_HOP
     ) -> tuple[aiohttp.ClientResponse, bytes] | Attempt:
         """Decode's response and its first event; or what went wrong (decode's in-flight count then restored)."""
         d.take(group)
         resp: aiohttp.ClientResponse | None = None
-        headers = hop.decode_headers if hop is not None else None
+        headers = hop.decode_headers
         try:
             resp = await self.session.post(f"{d.url}{path}", data=payload, timeout=self.timeout, headers=headers)
             first = await self._first_event(resp) if resp.status == 200 else await resp.read()
@@ -319,10 +317,10 @@ class Router:
         return attempt
 
     async def _prefill(
-        self, p: Worker, path: str, payload: JoinedPayload, group: int | None = None, hop: Hop | None = None
+        self, p: Worker, path: str, payload: JoinedPayload, group: int | None = None, hop: Hop = NO_HOP
     ) -> Attempt:
         p.take(group)
-        headers = hop.prefill_headers if hop is not None else None
+        headers = hop.prefill_headers
         attempt: Attempt | None = None
         try:
             async with self.session.post(f"{p.url}{path}", data=payload, timeout=self.timeout, headers=headers) as r:
@@ -333,8 +331,8 @@ class Router:
             attempt = Attempt(502, APIError(502, lost("prefill", e).message, type="server_error").body())
         finally:
             p.give_back(group)
-            if hop is not None:  # 499: cancelled (the client left, or decode failed first)
-                hop.prefill_answered(attempt.status if attempt is not None else 499)
+            # 499: cancelled (the client left, or decode failed first)
+            hop.prefill_answered(attempt.status if attempt is not None else 499)
         attempt.worker = p
         self._note(p, attempt)
         return attempt

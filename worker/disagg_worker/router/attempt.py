@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import aiohttp
 
 from disagg_worker.request.errors import NOT_RETRIED, APIError
-from disagg_worker.router.hops import Hop
+from disagg_worker.router.hops import NO_HOP, Hop
 from disagg_worker.router.worker import Worker
 from disagg_worker.server.admission import RETRY_AFTER_S
 
@@ -54,7 +54,7 @@ class Opened:
     prefill: asyncio.Task | None  # None: decode computed the prompt itself
     decode: Worker
     decode_group: int | None = None
-    hop: Hop | None = None  # its spans, with tracing on
+    hop: Hop = NO_HOP  # its spans (with tracing on and the request sampled)
 
 
 def json_or_error(status: int, data: bytes) -> dict:
