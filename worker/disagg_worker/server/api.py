@@ -1,4 +1,6 @@
-"""OpenAI-compatible HTTP API of one engine instance (aiohttp).
+"""OpenAI-compatible HTTP API of one engine instance (aiohttp): the app, its middlewares, and the routes that
+report on the instance (/v1/models, /health, /metrics, /stats) or act on it (/flush_cache). The generation
+endpoints are `endpoints/`'s, one module each over a shared base.
 
 Every client error is an `APIError` with an OpenAI-style body and a 4xx status; the middleware turns
 anything else into a 500 whose message points at the log entry (an id), never at the exception, so
@@ -19,27 +21,17 @@ from disagg_worker.env import WorkerEnv, load_env
 from disagg_worker.request.errors import APIError
 from disagg_worker.request.limits import body_limit_bytes
 from disagg_worker.request.messages import FlushCacheReq, SchedulerStats
-from disagg_worker.request.route import route_of
-from disagg_worker.server import openai_format as fmt
-from disagg_worker.server.admission import DRAINING, Admission, admission_middleware, body_of
-from disagg_worker.server.chat_input import chat_input
-from disagg_worker.server.echo import Echo, prompt_text
+from disagg_worker.server.admission import DRAINING, Admission, admission_middleware
+from disagg_worker.server.endpoints.base import logged_internal_error
+from disagg_worker.server.endpoints.chat import add_chat_route
+from disagg_worker.server.endpoints.completions import add_completion_route
+from disagg_worker.server.endpoints.generate import add_generate_route
+from disagg_worker.server.endpoints.responses import add_response_routes
+from disagg_worker.server.endpoints.tokenize import add_tokenize_routes
 from disagg_worker.server.frontend import Frontend
 from disagg_worker.server.health import health_report
 from disagg_worker.server.kv_events_api import kv_events_handler
-from disagg_worker.server.metrics import PROBE_HEADER
-from disagg_worker.server.protocol import CompletionRequest, parse_chat, parse_completions, parse_generate, parse_json
-from disagg_worker.server.respond import (
-    PromptRun,
-    ends_stream,
-    logged_internal_error,
-    respond,
-    send_event,
-    sse_response,
-)
 from disagg_worker.server.response_store import ResponseStore
-from disagg_worker.server.responses_api import add_response_routes
-from disagg_worker.server.tokenize_api import add_tokenize_routes
 from disagg_worker.server.traced import traced_middlewares
 from disagg_worker.tracing import Tracer
 
@@ -102,18 +94,22 @@ def build_app(
     identity = identity if identity is not None else load_env()  # built once, at start-up
     app[SETTINGS] = {"model": model_name, "health_timeout_s": health_timeout_s, "identity": identity}
     app[SETTINGS]["local_prefill"] = local_prefill
-    app.router.add_post("/v1/completions", completions)
-    app.router.add_post("/v1/chat/completions", chat_completions)
-    app.router.add_post("/generate", generate)
+    add_completion_route(app, frontend_of, model_name)
+    add_chat_route(app, frontend_of, model_name)
+    add_generate_route(app, frontend_of)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/stats", stats)
     app.router.add_post("/flush_cache", flush_cache)
     app.router.add_get("/kv_events", kv_events_handler(lambda: frontend.kv_log))
-    add_tokenize_routes(app, lambda request: request.app[FRONTEND], model_name)
-    add_response_routes(app, lambda request: request.app[FRONTEND], model_name, responses)
+    add_tokenize_routes(app, frontend_of, model_name)
+    add_response_routes(app, frontend_of, model_name, responses)
     return app
+
+
+def frontend_of(request: web.Request) -> Frontend:
+    return request.app[FRONTEND]
 
 
 def with_tracing(tracer: Tracer | None, admission: Admission) -> list:
@@ -123,94 +119,6 @@ def with_tracing(tracer: Tracer | None, admission: Admission) -> list:
         return middlewares
     first, admitted = traced_middlewares(tracer)
     return [first, *middlewares, admitted]
-
-
-async def read_json(request: web.Request):
-    return await request.app[FRONTEND].parse(body_of(request), parse_json)
-
-
-async def completions(request: web.Request) -> web.StreamResponse:
-    fe, s = request.app[FRONTEND], request.app[SETTINGS]
-    body = await read_json(request)
-    reqs = parse_completions(body, s["model"], fe.limits)
-    prompts = [await prompt_run(fe, req) for req in reqs]
-    req = reqs[0]  # the fields besides the prompt are every prompt's
-    route, usage = route_of(body), req.stream_options_include_usage
-    token_ids = wants_token_ids(body)
-    return await respond(request, fe, s["model"], prompts, req.n, route, req.stream, usage, False, token_ids=token_ids)
-
-
-async def prompt_run(fe: Frontend, req: CompletionRequest) -> PromptRun:
-    """One prompt tokenised and admitted (a token prompt was, while parsing), with what its choices echo."""
-    if isinstance(req.prompt, list):
-        ids, params = req.prompt, req.sampling
-    else:
-        ids = await fe.encode(req.prompt)
-        params = fe.limits.admit(ids, req.sampling, req.max_tokens_set, prompt_param=req.param)
-    shown = prompt_text(fe.tokenizer, req.prompt)
-    echo = Echo(ids, shown, req.echo_only, params.logprobs is not None) if req.echo else None
-    return PromptRun(ids, params, echo)
-
-
-def wants_token_ids(body: dict) -> bool:
-    """vLLM's `return_token_ids`: each choice (and each streamed chunk) carries its token ids."""
-    value = body.get("return_token_ids", False)
-    if not isinstance(value, bool):
-        raise APIError(400, "return_token_ids must be a boolean", param="return_token_ids")
-    return value
-
-
-async def chat_completions(request: web.Request) -> web.StreamResponse:
-    fe, s = request.app[FRONTEND], request.app[SETTINGS]
-    body = await read_json(request)
-    req = parse_chat(body, s["model"], fe.limits)
-    key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    ids, params, tools = await chat_input(fe, req, key)
-    usage = req.stream_options_include_usage
-    route, token_ids = route_of(body), wants_token_ids(body)
-    return await respond(
-        request, fe, s["model"], [PromptRun(ids, params)], req.n, route, req.stream, usage, True, tools, token_ids
-    )
-
-
-async def generate(request: web.Request) -> web.StreamResponse:
-    """Native endpoint: token ids (or text) in, token ids and text out. A router's pair probe (PROBE_HEADER)
-    is served like any request but left out of the user-facing request metrics."""
-    fe = request.app[FRONTEND]
-    body = await read_json(request)
-    req = parse_generate(body, fe.limits)
-    if req.input_ids is not None:  # admitted while parsing
-        ids, params = req.input_ids, req.sampling
-    else:
-        ids = await fe.encode(req.text or "")
-        params = fe.limits.admit(ids, req.sampling, req.max_tokens_set, "sampling_params.max_new_tokens", "text")
-    route = route_of(body)
-    fe.check_resume(route, params)
-    choice = fmt.Choice(0)
-    if not req.stream:
-        async for d in fe.complete(ids, params, route, probe=PROBE_HEADER in request.headers):
-            choice.add(d)
-        return web.json_response(generate_body(choice, len(ids)))
-    resp = await sse_response(request)
-    async with ends_stream(request, resp):
-        async for d in fe.complete(ids, params, route):
-            choice.add(d)
-            await send_event(resp, generate_body(choice, len(ids)))
-    return resp
-
-
-def generate_body(c: fmt.Choice, prompt_tokens: int) -> dict:
-    return {
-        "text": c.text,
-        "output_ids": c.token_ids,
-        "meta_info": {
-            "prompt_tokens": prompt_tokens,
-            "completion_tokens": c.completion_tokens,
-            "cached_tokens": c.cached_tokens,
-            "finish_reason": c.finish_reason,
-            "output_token_logprobs": c.logprobs or None,
-        },
-    }
 
 
 async def models(request: web.Request) -> web.Response:

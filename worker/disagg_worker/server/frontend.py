@@ -1,7 +1,7 @@
 """The HTTP process's side of the engine: send tokenized requests, turn token streams into text.
 
-Path of a request: api.py parses and validates it -> `Frontend.complete` tokenizes and sends a
-GenerateReq over zmq to the scheduler process -> TokenOut messages come back on one PULL socket and
+Path of a request: its endpoint (`endpoints/`) parses and validates it -> `Frontend.complete` tokenizes and
+sends a GenerateReq over zmq to the scheduler process -> TokenOut messages come back on one PULL socket and
 are routed to the request's queue -> detokenized incrementally, cut at stop strings -> streamed.
 Tokenizing here keeps the scheduler process free of HTTP and text work: it only ever sees ids.
 Long texts are tokenized (and chat templates rendered) on a thread, off the event loop, so a
