@@ -4,25 +4,22 @@ endpoints are `endpoints/`'s, one module each over a shared base.
 
 Every client error is an `APIError` with an OpenAI-style body and a 4xx status; the middleware turns
 anything else into a 500 whose message points at the log entry (an id), never at the exception, so
-a bug never kills the server. Generation requests pass the admission gate first (`admission.py`:
-503 when draining or broken, 429 over the in-flight bound, 413 over the body limit).
+a bug never kills the server (`http/errors.py`). Generation requests pass the admission gate first
+(`http/admission.py`: 503 when draining or broken, 429 over the in-flight bound, 413 over the body limit).
 """
 
 from __future__ import annotations
 
-import asyncio
-import logging
-import uuid
 from dataclasses import asdict
 
 from aiohttp import web
 
 from disagg_worker.env import WorkerEnv, load_env
+from disagg_worker.http.admission import DRAINING, Admission
+from disagg_worker.http.middlewares import with_tracing
 from disagg_worker.request.errors import APIError
 from disagg_worker.request.limits import body_limit_bytes
 from disagg_worker.request.messages import FlushCacheReq, SchedulerStats
-from disagg_worker.server.admission import DRAINING, Admission, admission_middleware
-from disagg_worker.server.endpoints.base import logged_internal_error
 from disagg_worker.server.endpoints.chat import add_chat_route
 from disagg_worker.server.endpoints.completions import add_completion_route
 from disagg_worker.server.endpoints.generate import add_generate_route
@@ -32,46 +29,10 @@ from disagg_worker.server.frontend import Frontend
 from disagg_worker.server.health import health_report
 from disagg_worker.server.kv_events_api import kv_events_handler
 from disagg_worker.server.response_store import ResponseStore
-from disagg_worker.server.traced import traced_middlewares
-from disagg_worker.tracing import Tracer
-
-log = logging.getLogger(__name__)
 
 FRONTEND = web.AppKey("frontend", Frontend)
 ADMISSION = web.AppKey("admission", Admission)
 SETTINGS = web.AppKey("settings", dict)
-
-
-def error_response(e: APIError) -> web.Response:
-    return web.json_response(e.body(), status=e.status, headers=e.headers())
-
-
-def request_id(request: web.Request) -> str:
-    """The id a log line names a request by: the client's `X-Request-Id`, else one made for it (kept on it)."""
-    if "request_id" not in request:
-        request["request_id"] = request.headers.get("X-Request-Id") or uuid.uuid4().hex[:12]
-    return request["request_id"]
-
-
-@web.middleware
-async def error_middleware(request: web.Request, handler):
-    try:
-        return await handler(request)
-    except APIError as e:
-        return error_response(e)
-    except web.HTTPException as e:
-        if e.status >= 400:
-            return error_response(APIError(e.status, e.reason or "error", type="invalid_request_error"))
-        raise
-    except asyncio.CancelledError:
-        raise
-    except ConnectionResetError:  # the client left (mid-body, mid-stream): normal, not an error
-        log.debug(
-            "request %s (%s %s): the client left before its answer", request_id(request), request.method, request.path
-        )
-        return web.Response(status=499)  # nobody reads it: aiohttp drops it quietly on the closed connection
-    except Exception:  # a bug: a 500 that points at the log, and keep serving
-        return error_response(logged_internal_error(request))
 
 
 def build_app(
@@ -85,7 +46,7 @@ def build_app(
 ) -> web.Application:
     """`local_prefill`: a decode instance that computes the prompts the router marks so (/health says it);
     `responses`: where a monolithic server keeps its Responses API answers (a P/D worker keeps none).
-    With the frontend's tracer, generation requests get spans (`traced.py`)."""
+    With the frontend's tracer, generation requests get spans (`http/traced.py`)."""
     admission = Admission(max_inflight, lambda: body_limit_bytes(frontend.limits.max_context_len))
     # aiohttp's own cap stays as a backstop; read_body enforces the real limit first.
     app = web.Application(middlewares=with_tracing(frontend.tracer, admission), client_max_size=64 * 1024 * 1024)
@@ -110,15 +71,6 @@ def build_app(
 
 def frontend_of(request: web.Request) -> Frontend:
     return request.app[FRONTEND]
-
-
-def with_tracing(tracer: Tracer | None, admission: Admission) -> list:
-    """The middlewares of a front end: errors, admission, and with a tracer the request's span around them."""
-    middlewares = [error_middleware, admission_middleware(admission)]
-    if tracer is None:
-        return middlewares
-    first, admitted = traced_middlewares(tracer)
-    return [first, *middlewares, admitted]
 
 
 async def models(request: web.Request) -> web.Response:

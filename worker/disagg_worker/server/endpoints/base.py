@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -22,15 +21,14 @@ from typing import Protocol
 
 from aiohttp import web
 
-from disagg_worker.request.errors import APIError, internal_error
+from disagg_worker.http.admission import body_of
+from disagg_worker.http.errors import logged_internal_error
+from disagg_worker.request.errors import APIError
 from disagg_worker.request.messages import Route
 from disagg_worker.request.params import SamplingParams
-from disagg_worker.server.admission import body_of
 from disagg_worker.server.frontend import Delta, Frontend
 from disagg_worker.server.interleave import merged
 from disagg_worker.server.protocol import parse_json
-
-log = logging.getLogger(__name__)
 
 # How an endpoint finds the app's frontend when a request comes.
 FrontendOf = Callable[[web.Request], Frontend]
@@ -116,13 +114,6 @@ def usage_chunk(rid: str, model: str, obj: str, choices: list[Choice], prompt_to
         "choices": [],
         "usage": usage(choices, prompt_tokens),
     }
-
-
-def logged_internal_error(request: web.Request) -> APIError:
-    """Log the exception being handled under a fresh id; the client's message names the id only."""
-    ref = uuid.uuid4().hex[:12]
-    log.exception("internal error %s on %s %s", ref, request.method, request.path)
-    return internal_error(ref)
 
 
 async def read_json(fe: Frontend, request: web.Request):

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from aiohttp import web
 
+from disagg_worker.http.probe import PROBE_HEADER
 from disagg_worker.request.route import route_of
 from disagg_worker.server.endpoints.base import Choice, FrontendOf, ends_stream, read_json, send_event, sse_response
-from disagg_worker.server.metrics import PROBE_HEADER
 from disagg_worker.server.protocol import parse_generate
 
 
