@@ -13,10 +13,10 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from disagg_worker.config import DisaggConfig, EngineConfig, Role, SchedulerConfig, ServerArgs
+from disagg_worker.http.admission import Admission, admission_middleware, body_of
+from disagg_worker.http.drain import drain
+from disagg_worker.http.errors import error_middleware
 from disagg_worker.request.limits import BODY_OVERHEAD_BYTES, body_limit_bytes
-from disagg_worker.server.admission import Admission, admission_middleware, body_of
-from disagg_worker.server.api import error_middleware
-from disagg_worker.server.drain import drain
 
 LIMIT = 1000
 

@@ -11,8 +11,9 @@ NAME = PACKAGE.name
 # any part may raise; then the ground, which knows nothing of engines or processes (a request's shape, settings, the
 # model, paged memory), then the OpenTelemetry wrapper the HTTP processes use (which names the stages a request's
 # scheduler records); the transfer (`disagg`) sits under the engine, the ranks' machinery under the engine, the
-# processes that run an engine above it, the HTTP side above those, the router (which reuses the HTTP side's parts)
-# above that, the command line on top.
+# processes that run an engine above it; above those the HTTP kit both front ends use (`http`: transport, not
+# OpenAI: admission and body limits, errors, auth, drain, the tracing middleware, the probe header), the workers'
+# HTTP side above it, the router (which reuses the workers' OpenAI parsing) above that, the command line on top.
 FLOORS = [
     ("errors",),
     ("env", "keys", "tuning", "flags", "mem", "model", "bench"),
@@ -25,6 +26,7 @@ FLOORS = [
     ("ranks",),
     ("engine",),
     ("instance",),
+    ("http",),
     ("server",),
     ("router",),
     ("cli",),

@@ -9,7 +9,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
-from disagg_worker.server.auth import auth_middleware, require_keys
+from disagg_worker.http.auth import auth_middleware, require_keys
 
 UNAUTHORIZED = {"type": "invalid_request_error", "param": None, "code": "invalid_api_key"}
 

@@ -5,7 +5,7 @@ request's own types in request/; `tests/unit/test_imports.py` holds the floors):
 
   router/app.py            admits it, picks a prefill/decode pair (workers.py, by router/policies/) and adds the
                            signed bootstrap target (request/route.py); posts it to both, streams decode's
-  server/api.py            each worker: parses and validates the body (server/protocol.py ->
+  server/endpoints/chat.py each worker: parses and validates the body (server/protocol.py ->
                            request/params.py, request/limits.py) into a 4xx naming the field, or on
   server/frontend.py       tokenizes it (model/tokenizer.py), sends a GenerateReq over zmq
                            (request/messages.py) to the scheduler process
@@ -18,7 +18,7 @@ request's own types in request/; `tests/unit/test_imports.py` holds the floors):
   disagg/                  the KV pages move prefill -> decode: bootstrap server, control channel,
                            Mooncake transfer engine (RDMA on GPUs, TCP otherwise)
   engine/outbox.py         new tokens go back to the HTTP process as TokenOut
-  server/frontend.py       detokenizes, and server/openai_format.py streams OpenAI's chunks
+  server/frontend.py       detokenizes, and server/endpoints/chat.py (over base.py) streams OpenAI's chunks
 
 With --otlp-traces-endpoint the router and each HTTP process make OpenTelemetry spans of it (tracing.py),
 the scheduler's stages among them (request/trail.py).

@@ -25,6 +25,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from disagg_worker.http.admission import DRAINING, RETRY_AFTER_S
 from disagg_worker.mem.kv_events import page_hashes
 from disagg_worker.request import route
 from disagg_worker.request.errors import INSTANCE_FAILED, APIError, unavailable
@@ -39,7 +40,6 @@ from disagg_worker.router.stream import lost
 from disagg_worker.router.verify import PairVerifier
 from disagg_worker.router.worker import Worker
 from disagg_worker.router.workers import WorkerPool
-from disagg_worker.server.admission import DRAINING, RETRY_AFTER_S
 from disagg_worker.tracing import Tracer
 
 log = logging.getLogger(__name__)

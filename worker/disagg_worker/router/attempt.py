@@ -9,10 +9,10 @@ from dataclasses import dataclass
 
 import aiohttp
 
+from disagg_worker.http.admission import RETRY_AFTER_S
 from disagg_worker.request.errors import NOT_RETRIED, APIError
 from disagg_worker.router.hops import NO_HOP, Hop
 from disagg_worker.router.worker import Worker
-from disagg_worker.server.admission import RETRY_AFTER_S
 
 
 @dataclass

@@ -20,8 +20,8 @@ import argparse
 from dataclasses import dataclass, field
 
 from disagg_worker import keys
+from disagg_worker.http.auth import authorized
 from disagg_worker.request import route
-from disagg_worker.server.auth import authorized
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,9 @@
 """Completions' `echo` with `logprobs` through P/D: the prompt's logprobs come from prefill.
 
 Prefill computes the prompt, so its answer (the router reads it whole) holds the prompt's tokens with their
-logprobs (`server/echo.py`); decode's holds the same tokens with null logprobs, since it received the
-prompt's KV without computing it. The router puts prefill's values into decode's answer, or into the first
-event of decode's stream, before the client sees it. Such a stream does not migrate (a resumed stream would
+logprobs (`server/endpoints/completions.py`); decode's holds the same tokens with null logprobs, since it
+received the prompt's KV without computing it. The router puts prefill's values into decode's answer, or into
+the first event of decode's stream, before the client sees it. Such a stream does not migrate (a resumed stream would
 echo the prompt again).
 """
 

@@ -10,9 +10,9 @@ import logging
 import aiohttp
 from aiohttp import web
 
+from disagg_worker.http.admission import RETRY_AFTER_S, body_of
 from disagg_worker.request.errors import APIError, unavailable
 from disagg_worker.router.app import ROUTER
-from disagg_worker.server.admission import RETRY_AFTER_S, body_of
 
 log = logging.getLogger(__name__)
 PATHS = ("/tokenize", "/detokenize")

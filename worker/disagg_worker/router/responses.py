@@ -19,10 +19,10 @@ from collections.abc import Callable
 
 from aiohttp import web
 
+from disagg_worker.http.admission import body_of
 from disagg_worker.router.app import ROUTER, Opened, Router
 from disagg_worker.router.payload import SharedBody
 from disagg_worker.router.stream import DONE, UpstreamLost, read_chunk, sse_response
-from disagg_worker.server.admission import body_of
 from disagg_worker.server.protocol import parse_json
 from disagg_worker.server.response_store import ResponseStore
 from disagg_worker.server.responses_input import input_items

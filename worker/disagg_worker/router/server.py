@@ -1,9 +1,9 @@
 """HTTP handlers of the router, and its entry point.
 
-Generation requests pass the same admission gate as a worker's (`server/admission.py`: 503 while
+Generation requests pass the same admission gate as a worker's (`http/admission.py`: 503 while
 the router drains, 429 beyond --max-inflight or the bytes of bodies held at once, 413 beyond the body
 limit; the body is read, within a time limit, before the request takes a slot). On SIGTERM the router
-drains (`server/drain.py`): /health and /ready fail, new requests get 503, open streams finish within
+drains (`http/drain.py`): /health and /ready fail, new requests get 503, open streams finish within
 --drain-timeout, then it exits.
 """
 
@@ -18,6 +18,10 @@ from typing import Any
 
 from aiohttp import web
 
+from disagg_worker.http.admission import DRAINING, Admission, body_of
+from disagg_worker.http.auth import require_keys
+from disagg_worker.http.drain import CUT_GRACE_S, Signals, drain
+from disagg_worker.http.middlewares import with_tracing
 from disagg_worker.request.errors import APIError
 from disagg_worker.router.app import ROUTER, Opened, Router
 from disagg_worker.router.auth import RouterAuth
@@ -38,10 +42,6 @@ from disagg_worker.router.stream import DONE, UpstreamLost, choice_events, error
 from disagg_worker.router.verify import PairVerifier
 from disagg_worker.router.worker import GroupPolicy, Worker
 from disagg_worker.router.workers import WorkerPool
-from disagg_worker.server.admission import DRAINING, Admission, body_of
-from disagg_worker.server.api import with_tracing
-from disagg_worker.server.auth import require_keys
-from disagg_worker.server.drain import CUT_GRACE_S, Signals, drain
 from disagg_worker.server.protocol import parse_json
 from disagg_worker.server.response_store import ResponseStore
 from disagg_worker.tracing import Tracer

@@ -26,13 +26,13 @@ from dataclasses import dataclass
 
 import aiohttp
 
+from disagg_worker.http.probe import PROBE_HEADER
 from disagg_worker.request import route
 from disagg_worker.router.auth import RouterAuth
 from disagg_worker.router.handoff import HandoffMonitor
 from disagg_worker.router.policies.prefix import Prompt
 from disagg_worker.router.worker import GroupPolicy, Worker
 from disagg_worker.router.workers import WorkerPool
-from disagg_worker.server.metrics import PROBE_HEADER
 
 log = logging.getLogger(__name__)
 Pair = tuple[Worker, Worker]

@@ -1,85 +1,38 @@
-"""OpenAI-compatible HTTP API of one engine instance (aiohttp).
+"""OpenAI-compatible HTTP API of one engine instance (aiohttp): the app, its middlewares, and the routes that
+report on the instance (/v1/models, /health, /metrics, /stats) or act on it (/flush_cache). The generation
+endpoints are `endpoints/`'s, one module each over a shared base.
 
 Every client error is an `APIError` with an OpenAI-style body and a 4xx status; the middleware turns
 anything else into a 500 whose message points at the log entry (an id), never at the exception, so
-a bug never kills the server. Generation requests pass the admission gate first (`admission.py`:
-503 when draining or broken, 429 over the in-flight bound, 413 over the body limit).
+a bug never kills the server (`http/errors.py`). Generation requests pass the admission gate first
+(`http/admission.py`: 503 when draining or broken, 429 over the in-flight bound, 413 over the body limit).
 """
 
 from __future__ import annotations
 
-import asyncio
-import logging
-import uuid
 from dataclasses import asdict
 
 from aiohttp import web
 
 from disagg_worker.env import WorkerEnv, load_env
+from disagg_worker.http.admission import DRAINING, Admission
+from disagg_worker.http.middlewares import with_tracing
 from disagg_worker.request.errors import APIError
 from disagg_worker.request.limits import body_limit_bytes
 from disagg_worker.request.messages import FlushCacheReq, SchedulerStats
-from disagg_worker.request.route import route_of
-from disagg_worker.server import openai_format as fmt
-from disagg_worker.server.admission import DRAINING, Admission, admission_middleware, body_of
-from disagg_worker.server.chat_input import chat_input
-from disagg_worker.server.echo import Echo, prompt_text
+from disagg_worker.server.endpoints.chat import add_chat_route
+from disagg_worker.server.endpoints.completions import add_completion_route
+from disagg_worker.server.endpoints.generate import add_generate_route
+from disagg_worker.server.endpoints.responses import add_response_routes
+from disagg_worker.server.endpoints.tokenize import add_tokenize_routes
 from disagg_worker.server.frontend import Frontend
 from disagg_worker.server.health import health_report
 from disagg_worker.server.kv_events_api import kv_events_handler
-from disagg_worker.server.metrics import PROBE_HEADER
-from disagg_worker.server.protocol import CompletionRequest, parse_chat, parse_completions, parse_generate, parse_json
-from disagg_worker.server.respond import (
-    PromptRun,
-    ends_stream,
-    logged_internal_error,
-    respond,
-    send_event,
-    sse_response,
-)
 from disagg_worker.server.response_store import ResponseStore
-from disagg_worker.server.responses_api import add_response_routes
-from disagg_worker.server.tokenize_api import add_tokenize_routes
-from disagg_worker.server.traced import traced_middlewares
-from disagg_worker.tracing import Tracer
-
-log = logging.getLogger(__name__)
 
 FRONTEND = web.AppKey("frontend", Frontend)
 ADMISSION = web.AppKey("admission", Admission)
 SETTINGS = web.AppKey("settings", dict)
-
-
-def error_response(e: APIError) -> web.Response:
-    return web.json_response(e.body(), status=e.status, headers=e.headers())
-
-
-def request_id(request: web.Request) -> str:
-    """The id a log line names a request by: the client's `X-Request-Id`, else one made for it (kept on it)."""
-    if "request_id" not in request:
-        request["request_id"] = request.headers.get("X-Request-Id") or uuid.uuid4().hex[:12]
-    return request["request_id"]
-
-
-@web.middleware
-async def error_middleware(request: web.Request, handler):
-    try:
-        return await handler(request)
-    except APIError as e:
-        return error_response(e)
-    except web.HTTPException as e:
-        if e.status >= 400:
-            return error_response(APIError(e.status, e.reason or "error", type="invalid_request_error"))
-        raise
-    except asyncio.CancelledError:
-        raise
-    except ConnectionResetError:  # the client left (mid-body, mid-stream): normal, not an error
-        log.debug(
-            "request %s (%s %s): the client left before its answer", request_id(request), request.method, request.path
-        )
-        return web.Response(status=499)  # nobody reads it: aiohttp drops it quietly on the closed connection
-    except Exception:  # a bug: a 500 that points at the log, and keep serving
-        return error_response(logged_internal_error(request))
 
 
 def build_app(
@@ -93,7 +46,7 @@ def build_app(
 ) -> web.Application:
     """`local_prefill`: a decode instance that computes the prompts the router marks so (/health says it);
     `responses`: where a monolithic server keeps its Responses API answers (a P/D worker keeps none).
-    With the frontend's tracer, generation requests get spans (`traced.py`)."""
+    With the frontend's tracer, generation requests get spans (`http/traced.py`)."""
     admission = Admission(max_inflight, lambda: body_limit_bytes(frontend.limits.max_context_len))
     # aiohttp's own cap stays as a backstop; read_body enforces the real limit first.
     app = web.Application(middlewares=with_tracing(frontend.tracer, admission), client_max_size=64 * 1024 * 1024)
@@ -102,115 +55,22 @@ def build_app(
     identity = identity if identity is not None else load_env()  # built once, at start-up
     app[SETTINGS] = {"model": model_name, "health_timeout_s": health_timeout_s, "identity": identity}
     app[SETTINGS]["local_prefill"] = local_prefill
-    app.router.add_post("/v1/completions", completions)
-    app.router.add_post("/v1/chat/completions", chat_completions)
-    app.router.add_post("/generate", generate)
+    add_completion_route(app, frontend_of, model_name)
+    add_chat_route(app, frontend_of, model_name)
+    add_generate_route(app, frontend_of)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/stats", stats)
     app.router.add_post("/flush_cache", flush_cache)
     app.router.add_get("/kv_events", kv_events_handler(lambda: frontend.kv_log))
-    add_tokenize_routes(app, lambda request: request.app[FRONTEND], model_name)
-    add_response_routes(app, lambda request: request.app[FRONTEND], model_name, responses)
+    add_tokenize_routes(app, frontend_of, model_name)
+    add_response_routes(app, frontend_of, model_name, responses)
     return app
 
 
-def with_tracing(tracer: Tracer | None, admission: Admission) -> list:
-    """The middlewares of a front end: errors, admission, and with a tracer the request's span around them."""
-    middlewares = [error_middleware, admission_middleware(admission)]
-    if tracer is None:
-        return middlewares
-    first, admitted = traced_middlewares(tracer)
-    return [first, *middlewares, admitted]
-
-
-async def read_json(request: web.Request):
-    return await request.app[FRONTEND].parse(body_of(request), parse_json)
-
-
-async def completions(request: web.Request) -> web.StreamResponse:
-    fe, s = request.app[FRONTEND], request.app[SETTINGS]
-    body = await read_json(request)
-    reqs = parse_completions(body, s["model"], fe.limits)
-    prompts = [await prompt_run(fe, req) for req in reqs]
-    req = reqs[0]  # the fields besides the prompt are every prompt's
-    route, usage = route_of(body), req.stream_options_include_usage
-    token_ids = wants_token_ids(body)
-    return await respond(request, fe, s["model"], prompts, req.n, route, req.stream, usage, False, token_ids=token_ids)
-
-
-async def prompt_run(fe: Frontend, req: CompletionRequest) -> PromptRun:
-    """One prompt tokenised and admitted (a token prompt was, while parsing), with what its choices echo."""
-    if isinstance(req.prompt, list):
-        ids, params = req.prompt, req.sampling
-    else:
-        ids = await fe.encode(req.prompt)
-        params = fe.limits.admit(ids, req.sampling, req.max_tokens_set, prompt_param=req.param)
-    shown = prompt_text(fe.tokenizer, req.prompt)
-    echo = Echo(ids, shown, req.echo_only, params.logprobs is not None) if req.echo else None
-    return PromptRun(ids, params, echo)
-
-
-def wants_token_ids(body: dict) -> bool:
-    """vLLM's `return_token_ids`: each choice (and each streamed chunk) carries its token ids."""
-    value = body.get("return_token_ids", False)
-    if not isinstance(value, bool):
-        raise APIError(400, "return_token_ids must be a boolean", param="return_token_ids")
-    return value
-
-
-async def chat_completions(request: web.Request) -> web.StreamResponse:
-    fe, s = request.app[FRONTEND], request.app[SETTINGS]
-    body = await read_json(request)
-    req = parse_chat(body, s["model"], fe.limits)
-    key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    ids, params, tools = await chat_input(fe, req, key)
-    usage = req.stream_options_include_usage
-    route, token_ids = route_of(body), wants_token_ids(body)
-    return await respond(
-        request, fe, s["model"], [PromptRun(ids, params)], req.n, route, req.stream, usage, True, tools, token_ids
-    )
-
-
-async def generate(request: web.Request) -> web.StreamResponse:
-    """Native endpoint: token ids (or text) in, token ids and text out. A router's pair probe (PROBE_HEADER)
-    is served like any request but left out of the user-facing request metrics."""
-    fe = request.app[FRONTEND]
-    body = await read_json(request)
-    req = parse_generate(body, fe.limits)
-    if req.input_ids is not None:  # admitted while parsing
-        ids, params = req.input_ids, req.sampling
-    else:
-        ids = await fe.encode(req.text or "")
-        params = fe.limits.admit(ids, req.sampling, req.max_tokens_set, "sampling_params.max_new_tokens", "text")
-    route = route_of(body)
-    fe.check_resume(route, params)
-    choice = fmt.Choice(0)
-    if not req.stream:
-        async for d in fe.complete(ids, params, route, probe=PROBE_HEADER in request.headers):
-            choice.add(d)
-        return web.json_response(generate_body(choice, len(ids)))
-    resp = await sse_response(request)
-    async with ends_stream(request, resp):
-        async for d in fe.complete(ids, params, route):
-            choice.add(d)
-            await send_event(resp, generate_body(choice, len(ids)))
-    return resp
-
-
-def generate_body(c: fmt.Choice, prompt_tokens: int) -> dict:
-    return {
-        "text": c.text,
-        "output_ids": c.token_ids,
-        "meta_info": {
-            "prompt_tokens": prompt_tokens,
-            "completion_tokens": c.completion_tokens,
-            "cached_tokens": c.cached_tokens,
-            "finish_reason": c.finish_reason,
-            "output_token_logprobs": c.logprobs or None,
-        },
-    }
+def frontend_of(request: web.Request) -> Frontend:
+    return request.app[FRONTEND]
 
 
 async def models(request: web.Request) -> web.Response:

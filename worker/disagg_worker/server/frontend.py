@@ -1,7 +1,7 @@
 """The HTTP process's side of the engine: send tokenized requests, turn token streams into text.
 
-Path of a request: api.py parses and validates it -> `Frontend.complete` tokenizes and sends a
-GenerateReq over zmq to the scheduler process -> TokenOut messages come back on one PULL socket and
+Path of a request: its endpoint (`endpoints/`) parses and validates it -> `Frontend.complete` tokenizes and
+sends a GenerateReq over zmq to the scheduler process -> TokenOut messages come back on one PULL socket and
 are routed to the request's queue -> detokenized incrementally, cut at stop strings -> streamed.
 Tokenizing here keeps the scheduler process free of HTTP and text work: it only ever sees ids.
 Long texts are tokenized (and chat templates rendered) on a thread, off the event loop, so a
@@ -31,13 +31,13 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import zmq
 import zmq.asyncio
 
+from disagg_worker.http.admission import RETRY_AFTER_S
 from disagg_worker.mem.kv_events import EventLog
 from disagg_worker.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from disagg_worker.request import messages as msg
 from disagg_worker.request.errors import INSTANCE_FAILED, APIError, unavailable
 from disagg_worker.request.limits import RequestLimits
 from disagg_worker.request.params import SamplingParams, StopChecker
-from disagg_worker.server.admission import RETRY_AFTER_S
 from disagg_worker.server.groups import choose_group, group_problem, merge_stats
 from disagg_worker.server.metrics import ServerMetrics
 from disagg_worker.tracing import Tracer

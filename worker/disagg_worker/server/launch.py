@@ -2,7 +2,7 @@
 
 Life cycle: `start` returns once the instance serves; from then on the scheduler process is
 watched (its exit fails every waiting request at once, `frontend.py`). On SIGTERM the instance
-drains (`drain.py`: readiness fails, admitted requests finish within --drain-timeout), then `stop`
+drains (`http/drain.py`: readiness fails, admitted requests finish within --drain-timeout), then `stop`
 ends the scheduler process and the process exits 0.
 
 The scheduler process ignores SIGTERM and SIGINT (a signal to the whole process group, as systemd
@@ -24,12 +24,12 @@ from aiohttp import web
 
 from disagg_worker.config import Role, ServerArgs
 from disagg_worker.disagg.bootstrap import BootstrapServer
+from disagg_worker.http.admission import Admission
+from disagg_worker.http.auth import require_keys
+from disagg_worker.http.drain import CUT_GRACE_S, DrainReport, Signals, drain
 from disagg_worker.instance.process import group_inbox, spawn_schedulers
 from disagg_worker.model.tokenizer import Tokenizer
-from disagg_worker.server.admission import Admission
 from disagg_worker.server.api import ADMISSION, build_app
-from disagg_worker.server.auth import require_keys
-from disagg_worker.server.drain import CUT_GRACE_S, DrainReport, Signals, drain
 from disagg_worker.server.frontend import Frontend
 from disagg_worker.server.metrics import ServerMetrics
 from disagg_worker.server.response_store import ResponseStore
@@ -98,7 +98,7 @@ class EngineServer:
         await web.TCPSite(self.runner, a.host, a.port).start()
 
     async def drain(self, hurry: asyncio.Event | None = None) -> DrainReport | None:
-        """Finish what is admitted within the drain timeout (`drain.py`); None if the instance never served."""
+        """Finish what is admitted within the drain timeout (`http/drain.py`); None if the instance never served."""
         if self.admission is None or self.frontend is None:
             return None
         frontend = self.frontend

@@ -9,8 +9,6 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from disagg_worker.request import messages as msg
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
-# Set by the router on its synthetic pair-verification requests: served normally, counted apart from users'.
-PROBE_HEADER = "X-Disagg-Probe"
 
 
 class ServerMetrics:

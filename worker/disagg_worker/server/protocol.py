@@ -148,7 +148,7 @@ def _max_tokens(
     body: dict, key: str, default: int, limits: RequestLimits, prefix: str = "", least: int = 1
 ) -> tuple[int, bool]:
     """(max_new_tokens, whether the client set it); a default is capped at the context. `least` 0 (echo): 0 runs as 1
-    and the token is dropped (`server/echo.py`)."""
+    and the token is dropped (`server/endpoints/completions.py`)."""
     v = body.get(key)
     if v is None:
         return min(default, limits.max_context_len), False

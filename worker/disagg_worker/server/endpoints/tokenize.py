@@ -9,7 +9,6 @@ runs the model: the prompt's length is not checked against the context, `max_mod
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
@@ -17,9 +16,8 @@ from aiohttp import web
 from disagg_worker.model.tokenizer import Tokenizer
 from disagg_worker.request.errors import APIError, bad_request, model_not_found
 from disagg_worker.request.limits import RequestLimits
-from disagg_worker.server.admission import body_of
-from disagg_worker.server.frontend import Frontend
-from disagg_worker.server.protocol import parse_chat, parse_json
+from disagg_worker.server.endpoints.base import FrontendOf, read_json
+from disagg_worker.server.protocol import parse_chat
 from disagg_worker.server.tool_calls import ChatTools
 
 # The messages are read as chat reads them; the context is /tokenize's answer, not its limit.
@@ -69,10 +67,10 @@ def detokenize_body(tok: Tokenizer, body: Any) -> dict:
     return {"prompt": tok.decode(ids)}
 
 
-def add_tokenize_routes(app: web.Application, frontend: Callable[[web.Request], Frontend], model: str) -> None:
+def add_tokenize_routes(app: web.Application, frontend: FrontendOf, model: str) -> None:
     async def tokenize(request: web.Request) -> web.Response:
         fe = frontend(request)
-        body = await fe.parse(body_of(request), parse_json)
+        body = await read_json(fe, request)
         _check_model(body, model)
         size = len(str(body.get("prompt") or "")) + len(str(body.get("messages") or ""))
         answer = await fe.off_loop(size, tokenize_body, fe.tokenizer, body, model, fe.limits.max_context_len)
@@ -80,7 +78,7 @@ def add_tokenize_routes(app: web.Application, frontend: Callable[[web.Request], 
 
     async def detokenize(request: web.Request) -> web.Response:
         fe = frontend(request)
-        body = await fe.parse(body_of(request), parse_json)
+        body = await read_json(fe, request)
         _check_model(body, model)
         size = len(str(body.get("tokens") or ""))
         return web.json_response(await fe.off_loop(size, detokenize_body, fe.tokenizer, body))

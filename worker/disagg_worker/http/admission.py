@@ -22,8 +22,8 @@ from typing import Any
 
 from aiohttp import web
 
+from disagg_worker.http.body import BODY_READ_TIMEOUT_S, check_length, read_body
 from disagg_worker.request.errors import APIError, too_many_requests, unavailable
-from disagg_worker.server.body import BODY_READ_TIMEOUT_S, check_length, read_body
 
 # Requests whose bodies are read within a time limit and a byte budget before they take an in-flight slot.
 GENERATION_PATHS = frozenset(

@@ -12,7 +12,7 @@ from typing import Any
 
 from aiohttp import web
 
-from disagg_worker.server.admission import GENERATION_PATHS
+from disagg_worker.http.admission import GENERATION_PATHS
 from disagg_worker.tracing import Tracer
 
 _ARRIVED: Any = web.RequestKey("trace_arrived", int) if hasattr(web, "RequestKey") else "disagg.trace_arrived"

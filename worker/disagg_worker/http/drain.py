@@ -16,7 +16,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from disagg_worker.server.admission import Admission
+from disagg_worker.http.admission import Admission
 
 log = logging.getLogger(__name__)
 
