@@ -221,15 +221,20 @@ def test_a_grammar_compiler_fault_fails_that_request_alone_with_500(stack, mono,
 
 @pytest.mark.parametrize(
     "resume",
-    [[10**9], [-1], ["a"], list(range(10, 30))],
-    ids=["outside-vocabulary", "negative", "not-an-id", "more-than-max-tokens"],
+    [[10**9], [-1], ["a"], list(range(10, 30)), [10, 11]],
+    ids=["outside-vocabulary", "negative", "not-an-id", "more-than-max-tokens", "well-formed"],
 )
-def test_a_bad_migration_resume_is_a_400_naming_it_and_the_instance_serves_on(mono, resume):
-    """What a router sends a migrated request with, sent wrong by anyone else: refused, never a crash."""
+def test_a_client_resume_is_a_400_naming_it_and_the_instance_serves_on(mono, resume):
+    """What a router sends a migrated request with, sent by anyone else (well-formed or not): refused, since a
+    client's resume would put its own text in the answer's mouth; never a crash."""
     body = {"prompt": "Once upon a time", "max_tokens": 8, "resume_token_ids": resume}
     r = requests.post(f"{mono.url}/v1/completions", json=body, timeout=scaled(30))
     assert r.status_code == 400 and r.json()["error"]["param"] == "resume_token_ids", r.text
-    ok = requests.post(f"{mono.url}/v1/completions", json={**body, "resume_token_ids": [10, 11]}, timeout=scaled(30))
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "resume_text_chars": 3}
+    r = requests.post(f"{mono.url}/v1/chat/completions", json=chat, timeout=scaled(30))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "resume_text_chars", r.text
+    plain = {"prompt": "Once upon a time", "max_tokens": 8}
+    ok = requests.post(f"{mono.url}/v1/completions", json=plain, timeout=scaled(30))
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 8, ok.text
 
 

@@ -161,12 +161,14 @@ def test_a_frozen_decode_leaves_rotation_within_10_s_and_comes_back(workers):
             os.killpg(a.proc.pid, signal.SIGSTOP)
             try:
                 wait_until(lambda: health(router)[0] == 503, 10, interval=0.2, what="no verified pair on /health")
-                # Still Ready: it stays in its Service and refuses at once, with Retry-After and the reason.
+                # Still Ready: it stays in its Service and refuses at once, with Retry-After; why is in its log.
                 assert ready(router) == (200, {"status": "ok", "pair": False})
                 start = time.monotonic()
                 r = complete(router)
                 assert r.status_code == 503 and time.monotonic() - start < scaled(5)
-                assert r.headers.get("Retry-After") and "No healthy prefill/decode pair" in r.json()["error"]["message"]
+                message = r.json()["error"]["message"]
+                assert r.headers.get("Retry-After") and "No healthy prefill/decode pair" in message
+                assert "http" not in message and "127.0.0.1" not in message, "a client is told no worker's address"
             finally:
                 os.killpg(a.proc.pid, signal.SIGCONT)
         finally:

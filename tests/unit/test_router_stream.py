@@ -12,7 +12,7 @@ from aiohttp.test_utils import TestServer
 
 from disagg_worker.request.errors import APIError, bad_request
 from disagg_worker.router.batch import as_batch_prompt, prompt_bodies
-from disagg_worker.router.fanout import Merger, merge_bodies
+from disagg_worker.router.fanout import CHOICE_EVENTS, Merger, merge_bodies, stream_merged
 from disagg_worker.router.payload import WRITE_SLICE, SharedBody
 from disagg_worker.router.stream import DONE, UpstreamLost, choice_events, relay
 
@@ -193,3 +193,40 @@ def test_a_batch_prompts_own_error_names_it_as_a_worker_does():
     )
     other = bad_request("temperature: too hot", "temperature")
     assert as_batch_prompt(other, 2) is other
+
+
+def test_a_client_that_stops_reading_holds_each_choices_upstream_back_to_a_bounded_queue():
+    """n streams merged for a client that reads nothing: each choice's upstream is read only `CHOICE_EVENTS`
+    ahead of what was written, not to its end; once the client reads, every event arrives, then [DONE]."""
+    events_per_choice, read = 10 * CHOICE_EVENTS, [0, 0]
+
+    async def upstream(i: int):
+        for k in range(events_per_choice):
+            read[i] += 1
+            yield {"id": f"r{i}", "choices": [{"index": 0, "text": f"{i}:{k}"}]}
+
+    class Client:
+        def __init__(self) -> None:
+            self.reading = asyncio.Event()
+            self.written: list[bytes] = []
+
+        async def write(self, data: bytes) -> None:
+            await self.reading.wait()
+            self.written.append(data)
+
+    async def go() -> Client:
+        client = Client()
+        merged = asyncio.create_task(stream_merged(client, [upstream(0), upstream(1)], 2))  # type: ignore[arg-type]
+        for _ in range(50):
+            await asyncio.sleep(0)
+        held = list(read)
+        client.reading.set()
+        await merged
+        assert all(n <= CHOICE_EVENTS + 1 for n in held), held
+        return client
+
+    client = asyncio.run(go())
+    assert client.written[-1] == b"data: [DONE]\n\n"
+    texts = [json.loads(w[6:])["choices"][0] for w in client.written[:-1]]
+    for i in (0, 1):
+        assert [c["text"] for c in texts if c["index"] == i] == [f"{i}:{k}" for k in range(events_per_choice)]

@@ -35,6 +35,9 @@ class EngineTuning:
     # Compiled grammars kept for reuse (least recently used dropped first): a compiled JSON schema holds up
     # to a few MB of token masks, so the bound keeps clients' schemas from growing the process without end.
     grammar_cache_entries: int = 128
+    # Distinct grammars queued or compiling at once; a request whose grammar would be one more is refused at once
+    # with a 503 (retry later), so a flood of new schemas holds no unbounded queue of compilations.
+    grammar_queue_entries: int = 64
 
 
 @dataclass(frozen=True)

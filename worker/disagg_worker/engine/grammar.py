@@ -36,6 +36,10 @@ from disagg_worker.tuning import TUNING
 GRAMMAR_THREADS = 2
 
 
+class CompilerBusy(Exception):
+    """The grammar compiler's queue is full: the request is refused with a 503, nothing held against its grammar."""
+
+
 def new_matcher(compiled: Any) -> Any:
     """A request's own matcher of a compiled grammar (cheap: the masks are the compiled grammar's)."""
     import xgrammar as xgr
@@ -62,9 +66,11 @@ class Grammars:
         stop_ids: Sequence[int],
         cache_entries: int = TUNING.engine.grammar_cache_entries,
         fault_pattern: str = "",
+        queue_entries: int = TUNING.engine.grammar_queue_entries,
     ):
         self.model_path, self.vocab_size, self.stop_ids = model_path, vocab_size, list(stop_ids)
         self.cache_entries = cache_entries
+        self.queue_entries = queue_entries
         self.fault_pattern = fault_pattern
         self._compiled: OrderedDict[str, Any] = OrderedDict()
         self._too_slow: OrderedDict[str, None] = OrderedDict()
@@ -93,6 +99,10 @@ class Grammars:
             return done
         if pending is not None:
             return pending
+        if len(self._pending) >= self.queue_entries:
+            busy: Future = Future()
+            busy.set_exception(CompilerBusy(f"{len(self._pending)} grammars are compiling or queued; retry later"))
+            return busy
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=GRAMMAR_THREADS, thread_name_prefix="grammar")
         future = self._pool.submit(self.compiled, grammar)
@@ -105,6 +115,11 @@ class Grammars:
         with self._lock:
             self._pending.pop(grammar, None)
             self._started.pop(grammar, None)
+
+    def cancel(self, grammar: str, future: Future) -> bool:
+        """No request waits for `grammar`'s compilation any more: drop it if it has not started (one running is
+        left to finish, and cached: xgrammar's compile cannot be interrupted)."""
+        return future.cancel()  # its done callback forgets it as pending
 
     def compiling_for(self, grammar: str) -> float | None:
         """Seconds `grammar`'s compilation has been running; None while it waits for a thread."""

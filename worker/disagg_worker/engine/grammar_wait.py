@@ -5,7 +5,9 @@ schema never stalls the steps of the others. `poll` hands back each request whos
 matcher; refused (400) when its grammar does not compile, or when its compilation has run past the limit
 (that grammar is then refused at once, `Grammars.give_up`); refused with a 503 (retry later, nothing
 remembered against the grammar) when it waited for a thread past QUEUED_LIMITS times the limit behind slow
-ones; or failed alone (500) when the compiler raised anything else.
+ones, or at once when the compiler's queue is full (`Grammars.queue_entries`); or failed alone (500) when the
+compiler raised anything else. A request that leaves (aborted, or refused) takes its grammar's compilation
+with it when that has not started and no other request waits for it.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
-from disagg_worker.engine.grammar import Grammars, new_matcher
+from disagg_worker.engine.grammar import CompilerBusy, Grammars, new_matcher
 from disagg_worker.request.messages import GenerateReq
 
 log = logging.getLogger(__name__)
@@ -63,7 +65,16 @@ class GrammarWait:
         self.waiting[m.rid] = Waiting(m, compiled, time.monotonic())
 
     def abort(self, rid: str) -> bool:
-        return self.waiting.pop(rid, None) is not None
+        w = self.waiting.pop(rid, None)
+        if w is None:
+            return False
+        self._left(w)
+        return True
+
+    def _left(self, w: Waiting) -> None:
+        """`w` waits no more: its grammar's compilation is dropped if it has not started and no one else waits."""
+        if not w.compiled.done() and all(o.compiled is not w.compiled for o in self.waiting.values()):
+            self.grammars.cancel(w.m.params.grammar or "", w.compiled)
 
     def poll(self) -> list[Ready]:
         ready = []
@@ -71,6 +82,7 @@ class GrammarWait:
             outcome = self._outcome(w)
             if outcome is not None:
                 del self.waiting[rid]
+                self._left(w)
                 ready.append(outcome)
         return ready
 
@@ -86,6 +98,8 @@ class GrammarWait:
         error = w.compiled.exception()
         if error is None:
             return Ready(w.m, matcher=new_matcher(w.compiled.result()))
+        if isinstance(error, CompilerBusy):
+            return Ready(w.m, problem=f"the grammar compiler is busy: {error}", status=503)
         if isinstance(error, ValueError):
             return Ready(w.m, problem=str(error))
         log.error("request %s: compiling its grammar failed", w.m.rid, exc_info=error)

@@ -120,12 +120,25 @@ class Tokenizer:
         )
 
 
+# Tokens held back (their text ends in U+FFFD) before the detokenizer emits all but the last UNSETTLED_TAIL of
+# them: at most 3 bytes of an incomplete UTF-8 character can still change, and they lie in the last few tokens.
+HOLD_LIMIT = 16
+UNSETTLED_TAIL = 8
+
+
 class IncrementalDetokenizer:
     """Turns generated ids into text deltas whose concatenation equals decoding them all at once.
 
     Each step decodes a short window (from the previous emitted boundary) so that tokenizers that
     change leading spaces by context still decode right; text ending in U+FFFD (an incomplete
     multi-byte character) is held back until a later token completes it, or until `flush`.
+
+    Held back, not withheld without bound: tokens that never complete a character (a run of lone bytes, which
+    `logit_bias` on byte tokens makes a model emit) would grow the window with every push, each push decoding
+    all of it again (quadratic: seconds of the event loop for a few thousand tokens). Past `HOLD_LIMIT` held
+    tokens the text of all but the last `UNSETTLED_TAIL` is emitted once decoding everything shows it settled
+    (the full text starts with it: no later byte can turn its U+FFFD into a character), so the window, and
+    each push's work, stays bounded.
     """
 
     def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int] | None = None, skip_special_tokens: bool = True):
@@ -139,10 +152,21 @@ class IncrementalDetokenizer:
         """Add one generated token; returns the text it completes (possibly empty)."""
         self._ids.append(token_id)
         prefix_text, new_text = self._texts()
-        if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
+        if len(new_text) <= len(prefix_text):
             return ""
+        if new_text.endswith("\ufffd"):
+            return self._settled(prefix_text, new_text) if len(self._ids) - self._read > HOLD_LIMIT else ""
         self._prefix, self._read = self._read, len(self._ids)
         return new_text[len(prefix_text) :]
+
+    def _settled(self, prefix_text: str, new_text: str) -> str:
+        """The text of the held tokens but the last `UNSETTLED_TAIL`, when it can no longer change."""
+        upto = len(self._ids) - UNSETTLED_TAIL
+        text = self._tokenizer.decode(self._ids[self._prefix : upto], self._skip)
+        if len(text) <= len(prefix_text) or not new_text.startswith(text):
+            return ""
+        self._prefix, self._read = self._read, upto
+        return text[len(prefix_text) :]
 
     def flush(self) -> str:
         """Whatever is still held back (an incomplete character decodes to U+FFFD)."""

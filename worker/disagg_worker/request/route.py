@@ -22,6 +22,9 @@ FIELDS = (
 )
 
 
+ROUTER_ONLY = "{} are set by this model's router on the requests it routes, never by a client"
+
+
 def target_fields(key: str, host: str, port: int, room: int, dp_rank: int | None = None) -> dict:
     """The bootstrap fields of one routed request (with DP attention, the prefill's attention group), signed
     when the model has a target key (the group with the host: `BootstrapInfo.signed_host`)."""
@@ -64,6 +67,11 @@ def route_of(body) -> Route:
     if not isinstance(sig, str):
         raise APIError(400, "bootstrap_sig must be a string", param="bootstrap_sig")
     resume, chars = resume_of(body)
+    if (resume or chars) and bootstrap is None and not local:
+        # A migrated request comes from the router with its target (signed where the model has a key): a client's
+        # own resume would put its text in the answer's mouth.
+        field = "resume_token_ids" if resume else "resume_text_chars"
+        raise APIError(400, ROUTER_ONLY.format("resume_token_ids and resume_text_chars"), param=field)
     return Route(bootstrap, dp, local, sig, resume, chars)
 
 

@@ -209,8 +209,10 @@ class Router:
         return self.has_pair() or self.had_pair
 
     def no_pair(self) -> str:
-        """The 503 message when no pair can take a request; with verification, why none is verified."""
-        return NO_PAIR if self.verifier is None else f"{NO_PAIR} ({self.verifier.unready_reason()})"
+        """The 503 message when no pair can take a request; why none is verified goes to the log (it names workers)."""
+        if self.verifier is not None:
+            self.verifier.log_unready()
+        return NO_PAIR
 
     def _track(self, o: Opened) -> Opened:
         if self.cut_reason:  # the drain ended while this pair opened

@@ -19,6 +19,9 @@ from aiohttp import web
 from disagg_worker.request.errors import APIError
 from disagg_worker.router.stream import DONE, UPSTREAM_ERROR, UpstreamLost
 
+# Events of one choice that may wait to be written to the client (`stream_merged`).
+CHOICE_EVENTS = 64
+
 
 def merge_bodies(bodies: list[dict], per_prompt: int) -> dict:
     merged = dict(bodies[0])
@@ -88,8 +91,13 @@ async def stream_merged(
     """Write the merged events of `streams` (one a choice, `per_prompt` a prompt) to `out`, ending with [DONE]
     whatever each choice does.
 
-    `cut_reason()` names why the router closed the upstreams, if it did (a drain that timed out)."""
-    queue: asyncio.Queue[dict | None] = asyncio.Queue()
+    `cut_reason()` names why the router closed the upstreams, if it did (a drain that timed out).
+
+    Each choice may have at most `CHOICE_EVENTS` events waiting to be written: a client that reads slowly (or
+    not at all) holds its choices' upstreams back, as it holds a single stream's, instead of having the router
+    queue their answers without bound (the router's request timeout still ends them)."""
+    queue: asyncio.Queue[tuple[int, dict | None]] = asyncio.Queue()
+    credits = [asyncio.Semaphore(CHOICE_EVENTS) for _ in streams]
     merger = Merger(per_prompt)
 
     async def pump(i: int, events: AsyncIterator[dict]) -> None:
@@ -97,23 +105,26 @@ async def stream_merged(
             async for event in events:
                 relabelled = merger.relabel(i, event)
                 if relabelled is not None:
-                    queue.put_nowait(relabelled)
+                    await credits[i].acquire()  # returned once the event is written
+                    queue.put_nowait((i, relabelled))
         except UpstreamLost as e:
-            queue.put_nowait(choice_error(i, cut_reason() or e.message))
+            queue.put_nowait((-1, choice_error(i, cut_reason() or e.message)))
         except APIError as e:  # no pair took the choice's migration
-            queue.put_nowait(choice_error(i, e.message))
+            queue.put_nowait((-1, choice_error(i, e.message)))
         finally:
-            queue.put_nowait(None)
+            queue.put_nowait((-1, None))
 
     tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
     try:
         remaining = len(tasks)
         while remaining:
-            event = await queue.get()
+            i, event = await queue.get()
             if event is None:
                 remaining -= 1
                 continue
             await out.write(f"data: {json.dumps(event)}\n\n".encode())
+            if i >= 0:
+                credits[i].release()
         usage = merger.usage_event()
         if usage is not None:
             await out.write(f"data: {json.dumps(usage)}\n\n".encode())

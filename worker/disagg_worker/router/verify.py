@@ -96,6 +96,7 @@ class PairVerifier:
         self.clock = clock
         self.states: dict[Pair, PairState] = {}
         self.verified_once = False  # some pair has passed: the router's readiness from then on
+        self.logged_reason = ""  # the last `unready_reason` logged
 
     # ---- which pairs may carry requests ----------------------------------------------------
     def candidates(self) -> list[Pair]:
@@ -110,6 +111,14 @@ class PairVerifier:
 
     def ready(self) -> bool:
         return any(self.usable(p, d) for p, d in self.states)
+
+    def log_unready(self) -> None:
+        """Log why no pair carries requests, once each time the reason changes: it names the workers, which a
+        client's 503 does not (/health's "pairs" shows each pair's state to whoever may see it)."""
+        reason = self.unready_reason()
+        if reason != self.logged_reason:
+            self.logged_reason = reason
+            log.warning("no prefill/decode pair takes requests: %s", reason)
 
     def unready_reason(self) -> str:
         """Why no pair carries requests: the last result of each pair that is not usable (a few)."""
