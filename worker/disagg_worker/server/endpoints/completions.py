@@ -175,8 +175,10 @@ class Echo:
         out = {**choice, "text": prompt + text}
         if self.only:
             out["finish_reason"] = "length"
-        if self.logprobs:
-            out["logprobs"] = self._joined(tok, c.prompt_logprobs, c.prompt_top_logprobs, choice["logprobs"], prompt)
+        if self.logprobs:  # the answer's offsets count from its own start: shifted past the prompt
+            out["logprobs"] = self._joined(
+                tok, c.prompt_logprobs, c.prompt_top_logprobs, choice["logprobs"], len(prompt)
+            )
         return out
 
     def first_chunk(self, tok: Tokenizer, choice: dict, d: Delta) -> None:
@@ -185,14 +187,14 @@ class Echo:
         if self.only:
             choice["text"], choice["logprobs"], choice["finish_reason"] = "", None, "length"
         choice["text"] = prompt + choice["text"]
-        if self.logprobs:
-            choice["logprobs"] = self._joined(tok, d.prompt_logprobs, d.prompt_top_logprobs, choice["logprobs"], prompt)
+        if self.logprobs:  # a chunk's offsets already count the echoed prompt (`CompletionFormat.chunk`)
+            choice["logprobs"] = self._joined(tok, d.prompt_logprobs, d.prompt_top_logprobs, choice["logprobs"], 0)
 
-    def _joined(self, tok: Tokenizer, lps, tops, generated: dict | None, prompt: str) -> dict:
+    def _joined(self, tok: Tokenizer, lps, tops, generated: dict | None, shift: int) -> dict:
+        """The prompt's logprobs entries, then the answer's (its text offsets moved by `shift`)."""
         part = self.prompt_part(tok, lps, tops)
         if self.only or not generated:
             return part
-        shift = len(prompt)
         for key in ("tokens", "token_logprobs"):
             part[key] += generated[key]
         part["top_logprobs"] += generated["top_logprobs"] or [None] * len(generated["tokens"])
