@@ -69,6 +69,13 @@ RESPONSES_STORE_SIZE = Setting(
     help="Responses API answers kept for previous_response_id and GET /v1/responses/{id} (the oldest go first; "
     "0 keeps none); each router replica keeps its own",
 )
+RESPONSES_STORE_BYTES = Setting(
+    "--responses-store-bytes",
+    int,
+    64 * 1024 * 1024,
+    help="bytes of Responses API answers and their conversations kept, as JSON (the oldest go first; one answer "
+    "alone larger is not kept)",
+)
 RESPONSES_STORE_TTL = Setting(
     "--responses-store-ttl", float, 3600.0, help="seconds a stored Responses API answer is kept"
 )
@@ -129,6 +136,7 @@ ROUTER = (
     RETRIES,
     MIGRATION_LIMIT,
     RESPONSES_STORE_SIZE,
+    RESPONSES_STORE_BYTES,
     RESPONSES_STORE_TTL,
     STREAM_STALL_TIMEOUT,
     HEALTH_INTERVAL,

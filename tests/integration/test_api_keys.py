@@ -36,6 +36,20 @@ def test_the_monolithic_server_wants_a_key_everywhere_but_health(tiny_model, tmp
             r = requests.post(f"{url}/v1/completions", json=BODY, headers=auth, timeout=scaled(60))
             assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
             assert requests.get(f"{url}/metrics", headers=auth, timeout=scaled(30)).status_code == 200
+        # A stored response is its key's: to another key it does not exist (read, continued or deleted).
+        a, b = ({"Authorization": f"Bearer {key}"} for key in ("k-one", "k-two"))
+        made = requests.post(
+            f"{url}/v1/responses", json={"input": "hi", "max_output_tokens": 4}, headers=a, timeout=scaled(60)
+        )
+        assert made.status_code == 200, made.text
+        rid = made.json()["id"]
+        assert requests.get(f"{url}/v1/responses/{rid}", headers=b, timeout=scaled(30)).status_code == 404
+        follow = {"input": "more", "previous_response_id": rid, "max_output_tokens": 4}
+        r = requests.post(f"{url}/v1/responses", json=follow, headers=b, timeout=scaled(60))
+        assert r.status_code == 404 and r.json()["error"]["param"] == "previous_response_id", r.text
+        assert requests.delete(f"{url}/v1/responses/{rid}", headers=b, timeout=scaled(30)).status_code == 404
+        assert requests.get(f"{url}/v1/responses/{rid}", headers=a, timeout=scaled(30)).json()["id"] == rid
+        assert requests.post(f"{url}/v1/responses", json=follow, headers=a, timeout=scaled(60)).status_code == 200
     finally:
         mono.stop()
 

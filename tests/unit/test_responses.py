@@ -127,3 +127,37 @@ def test_streamed_events_come_in_order_and_add_up_to_the_whole_response():
     message, fn = response["output"]
     assert message["content"][0]["text"] == "Hello" and fn["call_id"] == "call_ab" and fn["arguments"] == '{"a": 1}'
     assert response["usage"]["total_tokens"] == 8
+
+
+def test_the_store_is_bounded_in_bytes_whatever_the_bodies_carry():
+    """300 answers each carrying ~1 MB of metadata stay under the byte bound; the newest are the ones kept, and
+    one answer alone over the bound is not kept at all."""
+    bound = 8 * 1024 * 1024
+    store = ResponseStore(max_entries=1000, max_bytes=bound)
+    big = "x" * (1024 * 1024)
+    for i in range(300):
+        store.put({"id": f"r{i}", "metadata": {"note": big}, "output": []}, [{"role": "user", "content": "hi"}])
+        assert store.nbytes <= bound
+    assert 0 < len(store) <= 8 and store.get("r299").response["metadata"]["note"] == big
+    with pytest.raises(APIError):
+        store.get("r0")
+    store.put({"id": "huge", "metadata": {"note": "x" * (bound + 1)}, "output": []}, [])
+    with pytest.raises(APIError):
+        store.get("huge")
+    assert store.get("r299") and store.nbytes <= bound
+
+
+def test_a_stored_response_is_its_callers_and_a_404_to_any_other():
+    store = ResponseStore()
+    store.put({"id": "mine", "output": [{"type": "message", "n": 1}]}, [{"role": "user", "content": "a"}], "key-a")
+    for attempt in (
+        lambda: store.get("mine", owner="key-b"),
+        lambda: store.continued({"previous_response_id": "mine"}, "key-b"),
+        lambda: store.delete("mine", "key-b"),
+        lambda: store.get("mine"),  # a caller without a key is another caller too
+    ):
+        with pytest.raises(APIError) as e:
+            attempt()
+        assert e.value.status == 404
+    assert store.get("mine", owner="key-a").response["id"] == "mine"
+    assert store.delete("mine", "key-a")["deleted"] is True

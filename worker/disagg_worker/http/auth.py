@@ -7,12 +7,15 @@ kubelet's probes and the router's health checks carry no key): `/health`, and th
 the admin routes (`/stats`, `/flush_cache`) included, is protected. Unknown paths are refused the
 same way, so an unauthenticated caller learns nothing about which routes exist.
 
+A request let in carries its caller (`caller_of`: a digest of its key), so that what it stores stays its own.
+
 Accepted keys: the API keys clients hold (`--api-key`, `--api-key-file`) and, on prefill and
 decode, the router's worker token derived from the model's shared secret (`keys.WORKER`).
 """
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 
 from aiohttp import web
@@ -20,6 +23,16 @@ from aiohttp import web
 from disagg_worker.request.errors import APIError
 
 OPEN_PATHS = frozenset({"/health", "/ready", "/livez"})
+
+
+# Who a request came from, as the API key it was let in with names it (a digest, never the key): what it stores
+# (a Responses API answer) is its own.
+CALLER = web.RequestKey("caller", str)
+
+
+def caller_of(request: web.Request) -> str:
+    """The digest of the key `request` was let in with; "" where the app takes no keys (then all are one caller)."""
+    return request.get(CALLER, "")
 
 
 def unauthorized(message: str) -> web.Response:
@@ -51,6 +64,7 @@ def auth_middleware(keys: tuple[str, ...]):
             return unauthorized("You didn't provide an API key: send it as 'Authorization: Bearer KEY'.")
         if not authorized(header, accepted):
             return unauthorized("Incorrect API key provided.")
+        request[CALLER] = hashlib.sha256(header.partition(" ")[2].strip().encode()).hexdigest()[:32]
         return await handler(request)
 
     return middleware

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from aiohttp import web
 
 from disagg_worker.http.admission import body_of
+from disagg_worker.http.auth import caller_of
 from disagg_worker.router.app import ROUTER, Opened, Router
 from disagg_worker.router.payload import SharedBody
 from disagg_worker.router.stream import DONE, UpstreamLost, read_chunk, sse_response
@@ -34,9 +35,9 @@ FINAL = ("response.completed", "response.incomplete")
 
 
 async def create(request: web.Request) -> web.StreamResponse:
-    router, store = request.app[ROUTER], request.app[STORE]
+    router, store, owner = request.app[ROUTER], request.app[STORE], caller_of(request)
     body = parse_json(body_of(request))
-    earlier = store.continued(body)
+    earlier = store.continued(body, owner)
     if earlier is not None:
         body = {**body, "input": [*earlier, *input_items(body)]}
     conversation = input_items(body)
@@ -44,10 +45,10 @@ async def create(request: web.Request) -> web.StreamResponse:
     try:
         if not o.resp.headers.get("Content-Type", "").startswith("text/event-stream"):
             if o.resp.status == 200:
-                store.put(json.loads(o.first), conversation)
+                store.put(json.loads(o.first), conversation, owner)
             return web.Response(body=o.first, status=o.resp.status, content_type="application/json")
         out = await sse_response(request)
-        await _relay(router, out, o, lambda r: store.put(r, conversation))
+        await _relay(router, out, o, lambda r: store.put(r, conversation, owner))
         return out
     except asyncio.CancelledError:
         if o.prefill is not None:
@@ -90,11 +91,11 @@ def _final(events: bytes, on_final: Callable[[dict], None]) -> None:
 
 
 async def get(request: web.Request) -> web.Response:
-    return web.json_response(request.app[STORE].get(request.match_info["id"]).response)
+    return web.json_response(request.app[STORE].get(request.match_info["id"], owner=caller_of(request)).response)
 
 
 async def delete(request: web.Request) -> web.Response:
-    return web.json_response(request.app[STORE].delete(request.match_info["id"]))
+    return web.json_response(request.app[STORE].delete(request.match_info["id"], caller_of(request)))
 
 
 def add_responses(app: web.Application, store: ResponseStore) -> None:

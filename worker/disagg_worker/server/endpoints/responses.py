@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator, Callable
 
 from aiohttp import web
 
+from disagg_worker.http.auth import caller_of
 from disagg_worker.request.errors import APIError, internal_error
 from disagg_worker.request.route import route_of
 from disagg_worker.server import responses_format as rf
@@ -39,7 +40,8 @@ def add_response_routes(app: web.Application, frontend: FrontendOf, model: str, 
     async def create(request: web.Request) -> web.StreamResponse:
         fe = frontend(request)
         body = await read_json(fe, request)
-        earlier = store.continued(body) if store is not None else None
+        owner = caller_of(request)
+        earlier = store.continued(body, owner) if store is not None else None
         conversation = [*(earlier or []), *input_items(body)]
         req = parse_responses(body, conversation, model, fe.limits)
         ids, params, tools = await chat_input(fe, req, "max_output_tokens", "input")
@@ -47,29 +49,29 @@ def add_response_routes(app: web.Application, frontend: FrontendOf, model: str, 
         deltas = aiter(fe.complete(ids, params, route_of(body)))
         first = await anext(deltas)  # a failure before the first token is an error response
         if req.stream:
-            return await _stream(request, head, first, deltas, tools, len(ids), lambda r: keep(r, conversation))
+            return await _stream(request, head, first, deltas, tools, len(ids), lambda r: keep(r, conversation, owner))
         choice = Choice(0)
         choice.add(first)
         async for d in deltas:
             choice.add(d)
-        return web.json_response(keep(_whole(head, choice, tools, len(ids)), conversation))
+        return web.json_response(keep(_whole(head, choice, tools, len(ids)), conversation, owner))
 
-    def keep(response: dict, conversation: list[dict]) -> dict:
+    def keep(response: dict, conversation: list[dict], owner: str) -> dict:
         if store is not None:
-            store.put(response, conversation)
+            store.put(response, conversation, owner)
         return response
 
     async def get(request: web.Request) -> web.Response:
         rid = request.match_info["id"]
         if store is None:
             raise not_found(rid)
-        return web.json_response(store.get(rid).response)
+        return web.json_response(store.get(rid, owner=caller_of(request)).response)
 
     async def delete(request: web.Request) -> web.Response:
         rid = request.match_info["id"]
         if store is None:
             raise not_found(rid)
-        return web.json_response(store.delete(rid))
+        return web.json_response(store.delete(rid, caller_of(request)))
 
     app.router.add_post("/v1/responses", create)
     app.router.add_get("/v1/responses/{id}", get)
