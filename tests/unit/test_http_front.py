@@ -16,6 +16,7 @@ from disagg_worker.config import DisaggConfig, EngineConfig, Role, SchedulerConf
 from disagg_worker.http.admission import Admission, admission_middleware, body_of
 from disagg_worker.http.drain import drain
 from disagg_worker.http.errors import error_middleware
+from disagg_worker.request.errors import APIError
 from disagg_worker.request.limits import BODY_OVERHEAD_BYTES, body_limit_bytes
 
 LIMIT = 1000
@@ -226,3 +227,26 @@ def test_the_inflight_bound_follows_the_scheduler_limits():
     assert args(Role.DECODE, max_prealloc_queue=50).inflight_limit == 58
     explicit = ServerArgs(EngineConfig("m"), max_inflight_requests=5)
     assert explicit.inflight_limit == 5
+
+
+def test_one_clients_stalled_uploads_leave_another_client_room():
+    """Client "a" holds its share of the body budget in uploads that never finish; client "b"'s request is
+    still admitted, and "a"'s next upload is refused (429) naming its share, not the server's budget."""
+    admission = Admission(8, lambda: LIMIT, body_budget=4000, client_budget=1500)
+    with admission.holding_body("a") as take_a:
+        take_a(900)
+        with admission.holding_body("a") as take_more:
+            take_more(500)
+            with pytest.raises(APIError) as refused, admission.holding_body("a") as take_again:
+                take_again(200)
+            assert refused.value.status == 429 and "This client's" in refused.value.message
+            with admission.holding_body("b") as take_b:
+                take_b(900)  # another client: admitted beside a's 1400 bytes
+                assert admission.client_bytes == {"a": 1400, "b": 900} and admission.body_bytes == 2300
+    assert admission.client_bytes == {} and admission.body_bytes == 0
+
+
+def test_a_clients_share_is_never_less_than_one_whole_body():
+    admission = Admission(8, lambda: LIMIT, body_budget=4000, client_budget=100)
+    with admission.holding_body("a") as take:
+        take(LIMIT)  # a whole body of the largest size is admitted whatever the share

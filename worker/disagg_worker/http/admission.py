@@ -8,7 +8,9 @@ One gate in front of the generation handlers, in this order:
 - then the body is read (`body.read_body`: 413 past the limit, 408 past its time limit) before the request
   takes a slot, so that slow uploads cannot hold every slot; the bytes of the bodies being read or held by
   admitted requests are bounded together (`body_budget`: 429 past it), so that many large bodies at once
-  cannot exhaust the process's memory; the checks above are made again once it has arrived.
+  cannot exhaust the process's memory, and where clients connect, each client's (`client_budget`: its API key,
+  else its address), so that one client's stalled uploads leave the others room; the checks above are made
+  again once it has arrived.
 An admitted request is counted until its handler returns (a stream: after its last event), so
 `wait_idle` tells a drain when everything admitted has finished. Handlers find the body with `body_of`.
 """
@@ -22,6 +24,7 @@ from typing import Any
 
 from aiohttp import web
 
+from disagg_worker.http.auth import caller_of
 from disagg_worker.http.body import BODY_READ_TIMEOUT_S, check_length, read_body
 from disagg_worker.request.errors import APIError, too_many_requests, unavailable
 
@@ -34,6 +37,9 @@ DRAINING = "draining"
 # Bytes of request bodies one front end holds at once (being read, or held by admitted requests). Parsed, a body
 # takes up to ~5x its bytes (a list of token ids), so 128 MiB keeps them well inside a 1 GiB router or worker.
 BODY_BUDGET_BYTES = 128 << 20
+# What one client (an API key, else an address) may hold of that budget at a front end clients reach (the router, a
+# monolithic server), so that one client's unfinished uploads leave the others room; at least one whole body.
+CLIENT_BODY_BUDGET_BYTES = BODY_BUDGET_BYTES // 4
 _BODY: Any = web.RequestKey("body", bytes) if hasattr(web, "RequestKey") else "disagg.body"  # aiohttp < 3.12
 
 
@@ -49,11 +55,16 @@ class Admission:
         body_limit: Callable[[], int],
         body_budget: int = BODY_BUDGET_BYTES,
         body_timeout_s: float = BODY_READ_TIMEOUT_S,
+        client_budget: int | None = None,
     ):
+        """`client_budget`: the bytes of bodies one client may hold (None: the whole budget, as at a P/D worker,
+        whose one client is the router)."""
         self.max_inflight = max_inflight
         # A function: the router learns its limit from the workers after it starts.
         self.body_limit = body_limit
         self.body_budget = body_budget
+        self.client_budget = client_budget if client_budget is not None else body_budget
+        self.client_bytes: dict[str, int] = {}  # held by each client that holds some
         self.body_timeout_s = body_timeout_s
         self.body_bytes = 0
         self.inflight = 0
@@ -75,26 +86,29 @@ class Admission:
         return None
 
     @contextmanager
-    def holding_body(self) -> Iterator[Callable[[int], None]]:
-        """Count a body's bytes against the budget while it is read and its request runs: yields `take(n)`,
-        which refuses (429) the request whose next `n` bytes would pass the budget."""
+    def holding_body(self, client: str = "") -> Iterator[Callable[[int], None]]:
+        """Count a body's bytes against the budget, and `client`'s share of it, while it is read and its request
+        runs: yields `take(n)`, which refuses (429) the request whose next `n` bytes would pass either."""
         held = 0
 
         def take(n: int) -> None:
             nonlocal held
             if self.body_bytes + n > self.body_budget:
-                message = (
-                    f"This server holds {self.body_bytes >> 20} MiB of request bodies, its limit; retry in "
-                    f"{RETRY_AFTER_S} s."
-                )
-                raise APIError(429, message, "requests", code="rate_limit_exceeded", retry_after=RETRY_AFTER_S)
+                raise _full(f"This server holds {self.body_bytes >> 20} MiB of request bodies, its limit")
+            mine = self.client_bytes.get(client, 0)
+            if mine + n > max(self.client_budget, self.body_limit()):
+                raise _full(f"This client's requests hold {mine >> 20} MiB of request bodies here, its share")
             self.body_bytes += n
+            self.client_bytes[client] = mine + n
             held += n
 
         try:
             yield take
         finally:
             self.body_bytes -= held
+            left = self.client_bytes.pop(client, 0) - held
+            if left > 0:
+                self.client_bytes[client] = left
 
     @contextmanager
     def admitted(self) -> Iterator[None]:
@@ -125,6 +139,16 @@ class Admission:
         return self.inflight == 0
 
 
+def _full(held: str) -> APIError:
+    message = f"{held}; retry in {RETRY_AFTER_S} s."
+    return APIError(429, message, "requests", code="rate_limit_exceeded", retry_after=RETRY_AFTER_S)
+
+
+def client_of(request: web.Request) -> str:
+    """Whose share of the body budget a request takes: its API key's (`auth.caller_of`), else its address's."""
+    return caller_of(request) or request.remote or ""
+
+
 def admission_middleware(admission: Admission, paths: frozenset[str] = GENERATION_PATHS):
     @web.middleware
     async def admit(request: web.Request, handler):
@@ -135,7 +159,9 @@ def admission_middleware(admission: Admission, paths: frozenset[str] = GENERATIO
             raise refusal
         limit = admission.body_limit()
         check_length(request, limit)
-        with admission.holding_body() as take:  # counted as the bytes arrive: a stalled upload holds what it sent
+        with admission.holding_body(
+            client_of(request)
+        ) as take:  # counted as the bytes arrive: a stalled upload holds what it sent
             request[_BODY] = await read_body(request, limit, take, admission.body_timeout_s)
             refusal = admission.refusal()  # the state may have changed while the body arrived
             if refusal is not None:

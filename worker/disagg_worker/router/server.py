@@ -18,7 +18,7 @@ from typing import Any
 
 from aiohttp import web
 
-from disagg_worker.http.admission import DRAINING, Admission, body_of
+from disagg_worker.http.admission import CLIENT_BODY_BUDGET_BYTES, DRAINING, Admission, body_of
 from disagg_worker.http.auth import require_keys
 from disagg_worker.http.drain import CUT_GRACE_S, Signals, drain
 from disagg_worker.http.middlewares import with_tracing
@@ -297,7 +297,7 @@ async def serve(ns, auth: RouterAuth, ready: asyncio.Event | None = None) -> Non
         tracer=Tracer.create("router", ns.otlp_traces_endpoint, ns.otlp_traces_sampling_ratio),
     )
     await router.start(ns.health_interval)
-    admission = Admission(ns.max_inflight, router.body_limit)
+    admission = Admission(ns.max_inflight, router.body_limit, client_budget=CLIENT_BODY_BUDGET_BYTES)
     store = ResponseStore(ns.responses_store_size, ns.responses_store_ttl, max_bytes=ns.responses_store_bytes)
     app = build_router_app(router, admission, store)
     require_keys(app, auth.api_keys)

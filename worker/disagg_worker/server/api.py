@@ -43,11 +43,15 @@ def build_app(
     identity: WorkerEnv | None = None,
     local_prefill: bool = False,
     responses: ResponseStore | None = None,
+    client_body_budget: int | None = None,
 ) -> web.Application:
     """`local_prefill`: a decode instance that computes the prompts the router marks so (/health says it);
-    `responses`: where a monolithic server keeps its Responses API answers (a P/D worker keeps none).
+    `responses`: where a monolithic server keeps its Responses API answers (a P/D worker keeps none);
+    `client_body_budget`: what one client's bodies may hold of the body budget (None: all of it).
     With the frontend's tracer, generation requests get spans (`http/traced.py`)."""
-    admission = Admission(max_inflight, lambda: body_limit_bytes(frontend.limits.max_context_len))
+    admission = Admission(
+        max_inflight, lambda: body_limit_bytes(frontend.limits.max_context_len), client_budget=client_body_budget
+    )
     # aiohttp's own cap stays as a backstop; read_body enforces the real limit first.
     app = web.Application(middlewares=with_tracing(frontend.tracer, admission), client_max_size=64 * 1024 * 1024)
     app[FRONTEND] = frontend

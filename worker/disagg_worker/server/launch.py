@@ -24,7 +24,7 @@ from aiohttp import web
 
 from disagg_worker.config import Role, ServerArgs
 from disagg_worker.disagg.bootstrap import BootstrapServer
-from disagg_worker.http.admission import Admission
+from disagg_worker.http.admission import CLIENT_BODY_BUDGET_BYTES, Admission
 from disagg_worker.http.auth import require_keys
 from disagg_worker.http.drain import CUT_GRACE_S, DrainReport, Signals, drain
 from disagg_worker.instance.process import group_inbox, spawn_schedulers
@@ -89,6 +89,8 @@ class EngineServer:
             a.inflight_limit,
             local_prefill=local,
             responses=responses,
+            # Clients reach a monolithic server; a P/D worker's one client is the router.
+            client_body_budget=CLIENT_BODY_BUDGET_BYTES if d.role is Role.MONOLITHIC else None,
         )
         require_keys(app, accepted_keys(a))
         self.admission = admission = app[ADMISSION]
