@@ -250,3 +250,5 @@ def test_a_clients_share_is_never_less_than_one_whole_body():
     admission = Admission(8, lambda: LIMIT, body_budget=4000, client_budget=100)
     with admission.holding_body("a") as take:
         take(LIMIT)  # a whole body of the largest size is admitted whatever the share
+    with admission.holding_body("") as take:  # no key, no share: the budget alone
+        take(3 * LIMIT)

@@ -8,9 +8,9 @@ One gate in front of the generation handlers, in this order:
 - then the body is read (`body.read_body`: 413 past the limit, 408 past its time limit) before the request
   takes a slot, so that slow uploads cannot hold every slot; the bytes of the bodies being read or held by
   admitted requests are bounded together (`body_budget`: 429 past it), so that many large bodies at once
-  cannot exhaust the process's memory, and where clients connect, each client's (`client_budget`: its API key,
-  else its address), so that one client's stalled uploads leave the others room; the checks above are made
-  again once it has arrived.
+  cannot exhaust the process's memory, and where clients connect with API keys, each key's (`client_budget`),
+  so that one client's stalled uploads leave the others room; the checks above are made again once it has
+  arrived.
 An admitted request is counted until its handler returns (a stream: after its last event), so
 `wait_idle` tells a drain when everything admitted has finished. Handlers find the body with `body_of`.
 """
@@ -37,7 +37,7 @@ DRAINING = "draining"
 # Bytes of request bodies one front end holds at once (being read, or held by admitted requests). Parsed, a body
 # takes up to ~5x its bytes (a list of token ids), so 128 MiB keeps them well inside a 1 GiB router or worker.
 BODY_BUDGET_BYTES = 128 << 20
-# What one client (an API key, else an address) may hold of that budget at a front end clients reach (the router, a
+# What one client (an API key) may hold of that budget at a front end clients reach (the router, a
 # monolithic server), so that one client's unfinished uploads leave the others room; at least one whole body.
 CLIENT_BODY_BUDGET_BYTES = BODY_BUDGET_BYTES // 4
 _BODY: Any = web.RequestKey("body", bytes) if hasattr(web, "RequestKey") else "disagg.body"  # aiohttp < 3.12
@@ -96,7 +96,7 @@ class Admission:
             if self.body_bytes + n > self.body_budget:
                 raise _full(f"This server holds {self.body_bytes >> 20} MiB of request bodies, its limit")
             mine = self.client_bytes.get(client, 0)
-            if mine + n > max(self.client_budget, self.body_limit()):
+            if client and mine + n > max(self.client_budget, self.body_limit()):
                 raise _full(f"This client's requests hold {mine >> 20} MiB of request bodies here, its share")
             self.body_bytes += n
             self.client_bytes[client] = mine + n
@@ -145,8 +145,10 @@ def _full(held: str) -> APIError:
 
 
 def client_of(request: web.Request) -> str:
-    """Whose share of the body budget a request takes: its API key's (`auth.caller_of`), else its address's."""
-    return caller_of(request) or request.remote or ""
+    """Whose share of the body budget a request takes: its API key's (`auth.caller_of`); "" (no share, the budget
+    alone) where the server takes no keys — an address names no client behind a gateway or a load balancer,
+    whose every request comes from one."""
+    return caller_of(request)
 
 
 def admission_middleware(admission: Admission, paths: frozenset[str] = GENERATION_PATHS):
