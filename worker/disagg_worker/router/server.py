@@ -231,8 +231,11 @@ async def ready(request: web.Request) -> web.Response:
     router = request.app[ROUTER]
     if request.app[ADMISSION].draining:
         return web.json_response({"status": DRAINING}, status=503)
-    if not router.takes_requests():
-        return web.json_response({"status": "unhealthy", "reason": router.no_pair()}, status=503)
+    if not router.takes_requests():  # the probe's reason names the pairs (the kubelet's events show it)
+        why = (
+            router.no_pair() if router.verifier is None else f"{router.no_pair()} ({router.verifier.unready_reason()})"
+        )
+        return web.json_response({"status": "unhealthy", "reason": why}, status=503)
     return web.json_response({"status": "ok", "pair": router.has_pair()})
 
 
