@@ -150,8 +150,9 @@ MISMATCHES = {
 
 @pytest.mark.parametrize("mismatch", list(MISMATCHES))
 def test_a_mismatched_pair_is_never_served_and_the_router_says_why(tiny_model, mismatch):
-    """The router's verification request meets the handshake's refusal: the pair never becomes ready, and a
-    client's request is refused at once with the handshake's message."""
+    """The router's verification request meets the handshake's refusal at once (not after a bootstrap timeout):
+    the pair never becomes ready, /health and /ready name the mismatch, and a client's request is refused with a
+    503 and Retry-After whose message names no worker (the workers' addresses stay in the router's log)."""
     prefill_flags, decode_flags, words = MISMATCHES[mismatch]
     stack = PDStack(tiny_model, *FLAGS, prefill_flags=prefill_flags, decode_flags=decode_flags)
     try:
@@ -159,21 +160,24 @@ def test_a_mismatched_pair_is_never_served_and_the_router_says_why(tiny_model, m
         stack.decode.wait_healthy()
         healthy_at = time.monotonic()
 
-        def refusal() -> str | None:
+        def named() -> tuple[int, dict] | None:
             try:  # the router may still be starting when both workers are healthy
-                r = requests.post(f"{stack.router.url}/generate", json={"input_ids": [5, 6, 7]}, timeout=scaled(60))
+                r = requests.get(f"{stack.router.url}/health", timeout=scaled(5))
             except requests.ConnectionError:
                 return None
-            assert r.status_code == 503, r.text
-            message = r.json()["error"]["message"]
-            return message if all(w in message for w in words) else None
+            pairs = r.json().get("pairs") or []
+            return (r.status_code, r.json()) if pairs and all(w in pairs[0]["error"] for w in words) else None
 
-        message = wait_until(refusal, timeout=30, interval=0.2, what="the router naming the mismatch")
+        status, health = wait_until(named, timeout=30, interval=0.2, what="the router's /health naming the mismatch")
         elapsed = time.monotonic() - healthy_at
-        assert elapsed < scaled(5), f"the refusal came {elapsed:.1f}s after both sides were healthy: {message}"
-        health = requests.get(f"{stack.router.url}/health", timeout=scaled(5))
-        assert health.status_code == 503 and not health.json()["pairs"][0]["verified"], health.text
-        assert all(w in health.json()["pairs"][0]["error"] for w in words), health.text
+        assert elapsed < scaled(5), f"the mismatch was named {elapsed:.1f}s after both sides were healthy"
+        assert status == 503 and not health["pairs"][0]["verified"], health
+        ready = requests.get(f"{stack.router.url}/ready", timeout=scaled(5))
+        assert ready.status_code == 503 and all(w in ready.json()["reason"] for w in words), ready.text
+        r = requests.post(f"{stack.router.url}/generate", json={"input_ids": [5, 6, 7]}, timeout=scaled(60))
+        assert r.status_code == 503 and r.headers.get("Retry-After"), r.text
+        message = r.json()["error"]["message"]
+        assert "retry later" in message and "http://" not in message and stack.decode.url not in message, message
     finally:
         stack.stop()
 
