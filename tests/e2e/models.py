@@ -221,14 +221,18 @@ def port_forward(node: RealNode, namespace: str, service: str, port: int) -> Ite
         proc.wait(timeout=scaled(10))
 
 
-# Run in the client pod: one chat request to the router by its Service name; prints the JSON reply.
+# Run in the client pod: one chat request to the router by its Service name; prints the JSON reply (an error
+# answer's status and body to stderr, so that a failure shows what the router said).
 CHAT = """
-import json, sys, urllib.request
+import json, sys, urllib.error, urllib.request
 body = {"model": sys.argv[2], "messages": [{"role": "user", "content": sys.argv[3]}],
         "temperature": 0, "max_tokens": 32}
 req = urllib.request.Request(sys.argv[1] + "/v1/chat/completions", data=json.dumps(body).encode(),
                              headers={"Content-Type": "application/json"})
-print(urllib.request.urlopen(req, timeout=float(sys.argv[4])).read().decode())
+try:
+    print(urllib.request.urlopen(req, timeout=float(sys.argv[4])).read().decode())
+except urllib.error.HTTPError as e:
+    sys.exit(f"HTTP {e.code} {dict(e.headers)}: {e.read().decode(errors='replace')}")
 """
 
 
