@@ -68,7 +68,7 @@ def build_app(
     admission = Admission(
         max_inflight, lambda: body_limit_bytes(frontend.limits.max_context_len), client_budget=client_body_budget
     )
-    middlewares = [*with_tracing(frontend.tracer, admission), *(web.middleware(p.middleware) for p in parts)]
+    middlewares = [*with_tracing(frontend.tracer, admission), *(as_middleware(p) for p in parts)]
     # aiohttp's own cap stays as a backstop; read_body enforces the real limit first.
     app = web.Application(middlewares=middlewares, client_max_size=64 * 1024 * 1024)
     app.cleanup_ctx.extend(p.context for p in parts)
@@ -89,6 +89,14 @@ def build_app(
     add_tokenize_routes(app, frontend_of, model_name)
     add_response_routes(app, frontend_of, model_name, responses)
     return app
+
+
+def as_middleware(part: AppPart):
+    @web.middleware
+    async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+        return await part.middleware(request, handler)
+
+    return middleware
 
 
 def frontend_of(request: web.Request) -> Frontend:
