@@ -9,6 +9,7 @@ test can kill it while it holds a request (the file exists otherwise: nothing st
 from __future__ import annotations
 
 import concurrent.futures as cf
+import random
 import re
 import time
 from pathlib import Path
@@ -17,6 +18,7 @@ import openai
 import pytest
 import requests
 
+from disagg_worker import keys
 from tests.integration.procs import FAST_FAILURE, Proc, free_port, report_after, scaled, serve, wait_until
 from tests.integration.test_pd import LAYERWISE, assert_clean
 from tests.integration.test_pd_faults import STALLED, stall_env
@@ -25,44 +27,60 @@ pytestmark = pytest.mark.integration
 FLAGS = ("--page-size", "4", "--chunk-size", "32", "--max-total-tokens", "8192", "--served-model-name", "tiny")
 HEADER = "x-prefiller-host-port"
 USER = [{"role": "user", "content": "Tell me a story about the sea."}]
+SECRET, CLIENT_KEY = "the-models-secret", "a-clients-key"
+KEY_FLAGS = ("--api-key", CLIENT_KEY)
 LONG_PROMPT = list(range(100, 160))  # 60 tokens: streamed by layer group, so a stalled prefill holds it
 
 
 class PD:
     """The prefill and decode processes, and the file whose absence stalls the prefill's streamed forwards."""
 
-    def __init__(self, model: str, release: Path):
-        self.model, self.release = model, release
+    def __init__(self, model: str, release: Path, *flags: str, decode_flags: tuple[str, ...] = ()):
+        self.model, self.release, self.flags = model, release, flags
         self.bootstrap_port = free_port()
         self.prefill = self.start_prefill()
         port = free_port()
         # The decode learns the prefills' bootstrap port as the router does: one port for every prefill.
         args = ["decode", "--model", model, "--port", str(port), *FLAGS, *FAST_FAILURE]
-        self.decode = Proc([*args, "--bootstrap-port", str(self.bootstrap_port)], port)
+        self.decode = Proc([*args, *flags, *decode_flags, "--bootstrap-port", str(self.bootstrap_port)], port)
 
     def start_prefill(self, port: int | None = None) -> Proc:
         port = port or free_port()
         args = ["prefill", "--model", self.model, "--port", str(port), "--bootstrap-port", str(self.bootstrap_port)]
-        return Proc([*args, *FLAGS, *FAST_FAILURE, *LAYERWISE], port, stall_env(self.release))
+        return Proc([*args, *FLAGS, *FAST_FAILURE, *LAYERWISE, *self.flags], port, stall_env(self.release))
 
     @property
     def named(self) -> str:
         return f"127.0.0.1:{self.prefill.port}"
 
 
-@pytest.fixture(scope="module")
-def pd(tiny_model, tmp_path_factory):
-    release = tmp_path_factory.mktemp("handoff") / "release"
-    release.touch()
-    s = PD(tiny_model, release)
+def running(s: PD):
     try:
         s.prefill.wait_healthy()
         s.decode.wait_healthy()
         yield s
     finally:
-        release.touch()
+        s.release.touch()
         s.decode.stop()
         s.prefill.stop()
+
+
+@pytest.fixture(scope="module")
+def pd(tiny_model, tmp_path_factory):
+    release = tmp_path_factory.mktemp("handoff") / "release"
+    release.touch()
+    yield from running(PD(tiny_model, release))
+
+
+@pytest.fixture(scope="module")
+def authed(tiny_model, tmp_path_factory):
+    """Prefill and decode with the model's secret (the prefill takes nothing but the router's worker token), the
+    decode also with a client's API key."""
+    where = tmp_path_factory.mktemp("handoff-auth")
+    (where / "release").touch()
+    (where / "secret").write_text(SECRET)
+    s = PD(tiny_model, where / "release", "--auth-token-file", str(where / "secret"), decode_flags=KEY_FLAGS)
+    yield from running(s)
 
 
 @pytest.fixture(scope="module")
@@ -72,10 +90,8 @@ def mono(tiny_model):
     p.stop()
 
 
-def client(url: str, headers: dict[str, str] | None = None) -> openai.OpenAI:
-    return openai.OpenAI(
-        base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=scaled(60), default_headers=headers
-    )
+def client(url: str, headers: dict[str, str] | None = None, key: str = "unused") -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, timeout=scaled(60), default_headers=headers)
 
 
 def metric(url: str, name: str) -> float:
@@ -217,3 +233,55 @@ def test_a_prefill_killed_while_it_holds_the_request_fails_it_cleanly_and_decode
     # The same decode hands off to the restarted prefill as before.
     again = client(pd.decode.url, {HEADER: pd.named}).completions.create(model="tiny", prompt="Hi", max_tokens=3)
     assert again.choices[0].text
+
+
+def test_with_the_models_secret_the_legs_are_authenticated_as_the_routers(authed, mono):
+    """The client presents its API key to decode; the prefill, which takes only the worker token, answers the
+    hand-off's leg, and decode takes the bootstrap target the hand-off signed (an unsigned one it refuses)."""
+    c = client(authed.decode.url, {HEADER: authed.named}, key=CLIENT_KEY)
+    got = c.completions.create(model="tiny", prompt="Once upon a time", max_tokens=8, temperature=0)
+    expected = client(mono.url).completions.create(model="tiny", prompt="Once upon a time", max_tokens=8, temperature=0)
+    assert got.choices[0].text == expected.choices[0].text
+    with pytest.raises(openai.AuthenticationError):
+        client(authed.prefill.url, key=CLIENT_KEY).completions.create(model="tiny", prompt="Hi", max_tokens=2)
+    decode_idle(authed)
+
+
+def decode_idle(p: PD) -> None:
+    """Decode holds no request and no page (its /health, open without a key, says; it keeps no prefix cache)."""
+
+    def idle() -> bool:
+        load = requests.get(f"{p.decode.url}/health", timeout=scaled(5)).json().get("load", {})
+        return load.get("requests") == 0 and load.get("kv_used") == 0
+
+    wait_until(idle, timeout=scaled(30), what="decode idle, every page free")
+
+
+def sidecar(p: PD, body: dict, signed: bool) -> requests.Response:
+    """What llm-d's routing sidecar does for SGLang: the same body with the bootstrap fields to the prefill and to
+    the decode at once, the decode's answer the client's (signed as docs/routing.md says, or not)."""
+    room = random.getrandbits(63)
+    target = {"bootstrap_host": "127.0.0.1", "bootstrap_port": p.bootstrap_port, "bootstrap_room": room}
+    if signed:
+        target["bootstrap_sig"] = keys.sign_target(
+            keys.derive(SECRET, keys.TARGET), "127.0.0.1", p.bootstrap_port, room
+        )
+    worker = {"Authorization": f"Bearer {keys.derive(SECRET, keys.WORKER)}"}
+    leg = {**body, **target}
+    with cf.ThreadPoolExecutor(2) as pool:
+        prefill = pool.submit(requests.post, f"{p.prefill.url}/v1/completions", json=leg, headers=worker, timeout=60)
+        decode = pool.submit(requests.post, f"{p.decode.url}/v1/completions", json=leg, headers=worker, timeout=60)
+        answer = decode.result(timeout=scaled(60))
+        prefill.result(timeout=scaled(60))
+    return answer
+
+
+def test_a_sidecar_that_calls_prefill_itself_drives_the_pair_with_the_bootstrap_fields_in_the_body(authed, mono):
+    body = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 8, "temperature": 0}
+    expected = requests.post(f"{mono.url}/v1/completions", json=body, timeout=scaled(60)).json()
+    r = sidecar(authed, body, signed=True)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == expected["choices"][0]["text"]
+    refused = sidecar(authed, body, signed=False)
+    assert refused.status_code == 403 and "not signed" in refused.json()["error"]["message"]
+    decode_idle(authed)
