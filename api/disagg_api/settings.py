@@ -238,7 +238,15 @@ TRANSFER_BACKEND = Setting(
 )
 TRANSFER_PROTOCOL = Setting("--transfer-protocol", default="tcp", choices=TRANSFER_PROTOCOLS)
 IB_DEVICE = Setting("--ib-device", sglang="--disaggregation-ib-device", accepts_sglang=True)
-BOOTSTRAP_PORT = Setting("--bootstrap-port", int, 8998, sglang="--disaggregation-bootstrap-port", accepts_sglang=True)
+BOOTSTRAP_PORT = Setting(
+    "--bootstrap-port",
+    int,
+    8998,
+    help="prefill: the port of its bootstrap server; decode: that of the prefills a gateway names "
+    "(x-prefiller-host-port), as the router's --bootstrap-port",
+    sglang="--disaggregation-bootstrap-port",
+    accepts_sglang=True,
+)
 ADVERTISE_HOST = Setting("--advertise-host", default="127.0.0.1")
 BOOTSTRAP_TIMEOUT = Setting("--bootstrap-timeout", float, 30.0)
 WAITING_TIMEOUT = Setting(
@@ -300,6 +308,13 @@ LOCAL_PREFILL = Setting(
     False,
     help="decode: compute the prompts the router marks local_prefill itself (conditional disaggregation)",
 )
+PREFILL_ALLOW = Setting(
+    "--prefill-allow",
+    help="decode: the prefill instances a request's x-prefiller-host-port header (a gateway's choice of prefill) "
+    "may name, comma-separated: CIDRs (10.0.0.0/8), host names (the prefills' headless Service: the name and "
+    "the addresses it resolves to), or * for any host; empty: loopback only. A header naming another host is "
+    "refused (400): this instance sends the prompt and its worker token there",
+)
 AUTH_TOKEN_FILE = Setting(
     "--auth-token-file",
     help="file holding the model's shared secret (bootstrap token, router-to-worker token, target signing)",
@@ -352,6 +367,7 @@ DISAGG = (
     MAX_PREALLOC_QUEUE,
     DECODE_PREFIX_CACHE,
     LOCAL_PREFILL,
+    PREFILL_ALLOW,
     AUTH_TOKEN_FILE,
     TCP_LANES,
     DISABLE_LAYER_PIPELINE,

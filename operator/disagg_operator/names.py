@@ -21,6 +21,11 @@ ROLE_LABEL = f"{GROUP}/role"
 # A worker pod's pairing revision: a hash of what prefill and decode must agree on (image, model, transfer, page
 # size, KV dtype). The router pairs only pods of equal revision, so a rollout never mixes incompatible halves.
 REVISION_LABEL = f"{GROUP}/revision"
+# llm-d's labels of a model server pod (its endpoint picker and routing sidecar select by them): the P/D role
+# (`prefill` / `decode`) and the engine whose protocol the pod speaks (SGLang's: the bootstrap fields in the body).
+LLMD_ROLE_LABEL = "llm-d.ai/role"
+LLMD_ENGINE_LABEL = "llm-d.ai/engine-type"
+LLMD_ENGINE = "sglang"
 # Set by the StatefulSet controller on every pod: which template revision the pod runs.
 CONTROLLER_REVISION_LABEL = "controller-revision-hash"
 LABEL_NAME = "app.kubernetes.io/name"

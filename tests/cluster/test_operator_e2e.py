@@ -149,6 +149,13 @@ def test_example_becomes_ready_with_owned_children(kube_cluster, operator, names
     assert row[:5] == [name, "True", *expected]
     assert row[5] == f"http://{name}-router.{namespace}.svc:8000"
     assert event_with(kube_cluster, namespace, name, "AllReplicasReady")["type"] == "Normal"
+    # The pods carry llm-d's labels, so that llm-d's picker and sidecar find the roles (the API server keeps them).
+    for role in ("prefill", "decode"):
+        pods = kube_cluster.get("-n", namespace, "pods", "-l", f"disagg.dev/model={name},disagg.dev/role={role}")
+        assert pods["items"], role
+        for pod in pods["items"]:
+            assert pod["metadata"]["labels"]["llm-d.ai/role"] == role
+            assert pod["metadata"]["labels"]["llm-d.ai/engine-type"] == "sglang"
 
 
 def test_scaling_decode_with_kubectl_scale(kube_cluster, operator, namespace):

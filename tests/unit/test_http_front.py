@@ -13,7 +13,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from disagg_worker.config import DisaggConfig, EngineConfig, Role, SchedulerConfig, ServerArgs
-from disagg_worker.http.admission import Admission, admission_middleware, body_of
+from disagg_worker.http.admission import LEG_HEADER, Admission, admission_middleware, body_of
 from disagg_worker.http.drain import drain
 from disagg_worker.http.errors import error_middleware
 from disagg_worker.request.errors import APIError
@@ -146,6 +146,36 @@ def test_requests_beyond_the_inflight_bound_get_429_then_are_admitted_again():
     assert refused[0] == 429 and refused[1]["Retry-After"] == "1"
     assert json.loads(refused[2])["error"]["code"] == "rate_limit_exceeded"
     assert [d[0] for d in done] == [200, 200] and again[0] == 200
+
+
+def test_a_hand_offs_own_leg_is_let_through_uncounted_and_a_forged_one_is_not():
+    """A decode's hand-off sends its decode leg to its own port (`LEG_HEADER`, the process's token): the client's
+    request holds the slot, so the leg passes a full gate, and a drain, uncounted, its body still within the limit."""
+
+    async def go():
+        release = asyncio.Event()
+        admission = Admission(1, lambda: LIMIT)
+        async with TestServer(app_with(admission, release)) as srv:
+            plain = b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}"
+            held = asyncio.create_task(raw_exchange(srv.port, plain))
+            while admission.inflight < 1:
+                await asyncio.sleep(0.01)
+            admission.start_drain()
+
+            def leg(token: str, size: int = 2) -> bytes:
+                head = f"POST /generate HTTP/1.1\r\nHost: x\r\n{LEG_HEADER}: {token}\r\nContent-Length: {size}\r\n\r\n"
+                return head.encode() + b"{}"
+
+            release.set()  # the legs return at once; the held request too, once its turn comes
+            ok = await raw_exchange(srv.port, leg(admission.leg_token))
+            forged = await raw_exchange(srv.port, leg("guessed"))
+            oversize = await raw_exchange(srv.port, leg(admission.leg_token, LIMIT + 1))
+            return ok, forged, oversize, await held
+
+    ok, forged, oversize, held = run(go())
+    assert ok[0] == 200 and json.loads(ok[2]) == {"read": 2}
+    assert forged[0] == 503  # counted like any other request: the instance drains
+    assert oversize[0] == 413 and held[0] == 200
 
 
 def test_drain_refuses_new_requests_and_waits_for_held_ones():

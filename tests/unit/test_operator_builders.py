@@ -529,6 +529,23 @@ def test_the_crs_own_labels_reach_every_child_and_pod_but_not_its_internal_ones(
             assert "team" not in obj["spec"]["selector"]["matchLabels"]
 
 
+def test_worker_pods_carry_llm_ds_labels_and_the_router_does_not(tiny):
+    """llm-d's endpoint picker and routing sidecar find the P/D roles by `llm-d.ai/role` and speak SGLang's protocol
+    to pods labelled `llm-d.ai/engine-type: sglang`; the labels select nothing of ours (no selector holds them)."""
+    tiny["metadata"]["labels"] = {"llm-d.ai/role": "x"}  # the CR's own value of the key does not win
+    kids = children_by_kind_name(tiny)
+    for role in ("prefill", "decode"):
+        sts = kids[("StatefulSet", f"tiny-{role}")]
+        pod_labels = sts["spec"]["template"]["metadata"]["labels"]
+        assert (pod_labels["llm-d.ai/role"], pod_labels["llm-d.ai/engine-type"]) == (role, "sglang")
+        assert not {"llm-d.ai/role", "llm-d.ai/engine-type"} & set(sts["spec"]["selector"]["matchLabels"])
+    router_pod = kids[("Deployment", "tiny-router")]["spec"]["template"]["metadata"]["labels"]
+    assert "llm-d.ai/engine-type" not in router_pod
+    tiny["spec"]["decode"] = {**tiny["spec"].get("decode", {}), "replicas": 1, "tpSize": 2, "gpusPerNode": 1}
+    group = children_by_kind_name(tiny)[("LeaderWorkerSet", "tiny-decode-group")]["spec"]["leaderWorkerTemplate"]
+    assert group["workerTemplate"]["metadata"]["labels"]["llm-d.ai/role"] == "decode"
+
+
 def test_served_model_name_defaults_to_the_crs_name(tiny):
     del tiny["spec"]["servedModelName"]
     spec = ModelSpec.from_cr(tiny)

@@ -45,10 +45,21 @@ def cmd_role(role: Role):
         args = server_args_from_cli(ns, role)
         if args.engine.disagg.node_rank > 0:  # a pod of a multi-node instance other than pod 0: its ranks only
             return worker_node.run(args)
-        launch.run(args)
+        launch.run(args, handoff_parts(args))
         return 0
 
     return run
+
+
+def handoff_parts(args) -> tuple:
+    """What joins a decode instance's app from the router: the hand-off a gateway asks for with
+    `x-prefiller-host-port` (`router/decode_handoff.py`). The CLI composes it, as it sits above both the server
+    and the router (the server imports no router)."""
+    if args.engine.disagg.role is not Role.DECODE:
+        return ()
+    from disagg_worker.router.decode_handoff import DecodeHandOff
+
+    return (DecodeHandOff.of(args),)
 
 
 def cmd_router(ns: argparse.Namespace) -> int:

@@ -125,6 +125,8 @@ class DisaggConfig:
     decode_prefix_cache: bool = from_flag(S.DECODE_PREFIX_CACHE)
     # Decode: compute prompts the router marks `local_prefill` itself (too little lacking to be worth a transfer).
     local_prefill: bool = from_flag(S.LOCAL_PREFILL)
+    # Decode: the prefills a gateway's `x-prefiller-host-port` may name (`router/prefiller.py`; "": loopback only).
+    prefill_allow: str = from_flag(S.PREFILL_ALLOW)
     # Mooncake TCP connections per peer (MC_TCP_LANES_PER_PEER wins if set). A lane carries one write at a time, so a
     # request's many small writes finish sooner over more: 64 of 4 KiB took 4.0 ms over 4 lanes (default), 2.3 over 16.
     tcp_lanes: int = from_flag(S.TCP_LANES)

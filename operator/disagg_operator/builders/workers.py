@@ -153,6 +153,12 @@ def worker_ports(role: str) -> list[dict[str, Any]]:
     return ports
 
 
+def llmd_labels(role: str) -> dict[str, str]:
+    """llm-d's labels of a worker pod: its P/D role and SGLang's protocol, which llm-d's endpoint picker and its
+    routing sidecar drive (the bootstrap fields in the body; docs/routing.md, "P/D through a gateway")."""
+    return {names.LLMD_ROLE_LABEL: role, names.LLMD_ENGINE_LABEL: names.LLMD_ENGINE}
+
+
 def worker_pod_template(spec: ModelSpec, role: str, cfg: OperatorConfig) -> dict[str, Any]:
     w = spec.worker(role)
     vols, mounts = model_volumes(spec)
@@ -173,8 +179,9 @@ def worker_pod_template(spec: ModelSpec, role: str, cfg: OperatorConfig) -> dict
         **probes(),
         **drain_on_stop(),
     }
+    pod_labels = {**role_labels(spec, role), names.REVISION_LABEL: pairing_revision(spec), **llmd_labels(role)}
     return {
-        "metadata": {"labels": {**role_labels(spec, role), names.REVISION_LABEL: pairing_revision(spec)}},
+        "metadata": {"labels": pod_labels},
         "spec": {
             "containers": [container],
             "volumes": vols + [tmp_vol, shm, auth_vol],

@@ -11,6 +11,10 @@ One gate in front of the generation handlers, in this order:
   cannot exhaust the process's memory, and where clients connect with API keys, each key's (`client_budget`),
   so that one client's stalled uploads leave the others room; the checks above are made again once it has
   arrived.
+A decode instance's hand-off (a gateway named the prefill, `router/decode_handoff.py`) sends its decode leg back
+to its own port: that leg carries `LEG_HEADER` with this process's `leg_token` and is let through uncounted, its
+body read within the limit, since the client's request it serves was admitted and counted already (counting it
+twice would halve the bound, and refuse a leg of an admitted request once a drain began).
 An admitted request is counted until its handler returns (a stream: after its last event), so
 `wait_idle` tells a drain when everything admitted has finished. Handlers find the body with `body_of`.
 """
@@ -18,6 +22,8 @@ An admitted request is counted until its handler returns (a stream: after its la
 from __future__ import annotations
 
 import asyncio
+import hmac
+import secrets
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -40,6 +46,9 @@ BODY_BUDGET_BYTES = 128 << 20
 # What one client (an API key) may hold of that budget at a front end clients reach (the router, a
 # monolithic server), so that one client's unfinished uploads leave the others room; at least one whole body.
 CLIENT_BODY_BUDGET_BYTES = BODY_BUDGET_BYTES // 4
+# The header naming a hand-off's own decode leg (its value: `Admission.leg_token`, which never leaves the process's
+# loopback connections to itself).
+LEG_HEADER = "X-Disagg-Handoff-Leg"
 _BODY: Any = web.RequestKey("body", bytes) if hasattr(web, "RequestKey") else "disagg.body"  # aiohttp < 3.12
 
 
@@ -73,6 +82,12 @@ class Admission:
         self.broken = ""
         self._idle = asyncio.Event()
         self._idle.set()
+        self.leg_token = secrets.token_urlsafe(24)
+
+    def is_leg(self, request: web.Request) -> bool:
+        """A hand-off's own decode leg, sent by this process to itself (`LEG_HEADER`)."""
+        presented = request.headers.get(LEG_HEADER, "")
+        return bool(presented) and hmac.compare_digest(presented.encode(), self.leg_token.encode())
 
     def refusal(self) -> APIError | None:
         """Why a new request is refused now (None: admit it)."""
@@ -155,6 +170,9 @@ def admission_middleware(admission: Admission, paths: frozenset[str] = GENERATIO
     @web.middleware
     async def admit(request: web.Request, handler):
         if request.path not in paths:
+            return await handler(request)
+        if admission.is_leg(request):  # its client's request holds the slot and the body's bytes
+            request[_BODY] = await read_body(request, admission.body_limit(), timeout_s=admission.body_timeout_s)
             return await handler(request)
         refusal = admission.refusal()
         if refusal is not None:

@@ -17,9 +17,10 @@ prompt it cannot take) is the answer. Afterwards a failure ends the stream with 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import secrets
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any
 
 import aiohttp
@@ -30,7 +31,7 @@ from disagg_worker.mem.kv_events import page_hashes
 from disagg_worker.request import route
 from disagg_worker.request.errors import INSTANCE_FAILED, APIError, unavailable
 from disagg_worker.request.limits import body_limit_bytes
-from disagg_worker.router.attempt import Attempt, Opened, json_or_error
+from disagg_worker.router.attempt import Attempt, Opened, error_in, first_event, json_or_error
 from disagg_worker.router.auth import RouterAuth
 from disagg_worker.router.hops import NO_HOP, Hop
 from disagg_worker.router.payload import JoinedPayload, SharedBody
@@ -44,7 +45,6 @@ from disagg_worker.tracing import Tracer
 
 log = logging.getLogger(__name__)
 
-STATUS_OF_TYPE = {"invalid_request_error": 400, "not_found_error": 404}
 # After decode failed a request, how long prefill may take to refuse it with a better reason (a
 # prefill refuses what it cannot take at once; one still waiting for a handshake is cancelled).
 EXPLAIN_WAIT_S = 0.5
@@ -69,7 +69,11 @@ class Router:
         migration_limit: int = 0,
         stall_s: float | None = None,
         tracer: Tracer | None = None,
+        session: aiohttp.ClientSession | None = None,
+        decode_headers: Mapping[str, str] = MappingProxyType({}),
     ):
+        """`session`: the one its legs go out on, for a router that is not started (one in front of a decode
+        instance's static pair, `decode_handoff.py`); `decode_headers`: added to every decode leg."""
         self.pool = pool
         self.tracer = tracer  # with tracing on: each attempt's spans (`hops.py`)
         self.prompts = prompts  # the cache-aware policy's tokenizer
@@ -87,7 +91,8 @@ class Router:
         # Decode streams open now; a drain that times out closes them (`cut`).
         self.opened: set[Opened] = set()
         self.cut_reason = ""
-        self._session: aiohttp.ClientSession | None = None
+        self._session = session
+        self.decode_headers = decode_headers
         # With a verifier, requests go only to verified same-revision pairs (router/verify.py).
         self.verifier = verifier
         self.had_pair = False  # without a verifier: latched by `has_pair`
@@ -295,11 +300,11 @@ class Router:
         """Decode's response and its first event; or what went wrong (decode's in-flight count then restored)."""
         d.take(group)
         resp: aiohttp.ClientResponse | None = None
-        headers = hop.decode_headers
+        headers = {**self.decode_headers, **hop.decode_headers}
         try:
             resp = await self.session.post(f"{d.url}{path}", data=payload, timeout=self.timeout, headers=headers)
-            first = await self._first_event(resp) if resp.status == 200 else await resp.read()
-            attempt = self._error_in(resp.status, first)
+            first = await first_event(resp) if resp.status == 200 else await resp.read()
+            attempt = error_in(resp.status, first)
             if attempt is None:
                 return resp, first
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
@@ -345,36 +350,6 @@ class Router:
         if attempt.status == 503 and attempt.code == DRAINING and w.healthy:
             log.info("%s worker %s is draining: not picked until its /health is 200", w.role, w.url)
             w.healthy = False
-
-    @staticmethod
-    async def _first_event(resp: aiohttp.ClientResponse) -> bytes:
-        """For a stream, read up to the end of the first SSE event; otherwise the whole body."""
-        if not resp.headers.get("Content-Type", "").startswith("text/event-stream"):
-            return await resp.read()
-        buf = b""
-        while b"\n\n" not in buf:
-            chunk = await resp.content.readany()
-            if not chunk:
-                break
-            buf += chunk
-        return buf
-
-    @staticmethod
-    def _error_in(status: int, first: bytes) -> Attempt | None:
-        if status != 200:
-            return Attempt(status, json_or_error(status, first))
-        text = first.decode(errors="replace").strip()
-        if not text:
-            return Attempt(502, APIError(502, lost("decode", None).message, type="server_error").body())
-        if text.startswith("data: "):
-            try:
-                event = json.loads(text[6:].split("\n\n")[0])
-            except ValueError:
-                return None
-            if isinstance(event, dict) and "error" in event:
-                kind = event["error"].get("type", "server_error")
-                return Attempt(STATUS_OF_TYPE.get(kind, 500), event)
-        return None
 
     @staticmethod
     async def _explain(decode_error: Attempt, prefill: asyncio.Task) -> Attempt:

@@ -1,5 +1,5 @@
 """What one pair answered: an error before anything reached the client (`Attempt`), or a decode stream that
-started (`Opened`)."""
+started (`Opened`); and how decode's first answer is read into one or the other (`first_event`, `error_in`)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,10 @@ import aiohttp
 from disagg_worker.http.admission import RETRY_AFTER_S
 from disagg_worker.request.errors import NOT_RETRIED, APIError
 from disagg_worker.router.hops import NO_HOP, Hop
+from disagg_worker.router.stream import lost
 from disagg_worker.router.worker import Worker
+
+STATUS_OF_TYPE = {"invalid_request_error": 400, "not_found_error": 404}
 
 
 @dataclass
@@ -65,3 +68,34 @@ def json_or_error(status: int, data: bytes) -> dict:
     except ValueError:
         pass
     return APIError(status, data.decode(errors="replace")[:500] or f"HTTP {status}", type="server_error").body()
+
+
+async def first_event(resp: aiohttp.ClientResponse) -> bytes:
+    """For a stream, read up to the end of the first SSE event; otherwise the whole body."""
+    if not resp.headers.get("Content-Type", "").startswith("text/event-stream"):
+        return await resp.read()
+    buf = b""
+    while b"\n\n" not in buf:
+        chunk = await resp.content.readany()
+        if not chunk:
+            break
+        buf += chunk
+    return buf
+
+
+def error_in(status: int, first: bytes) -> Attempt | None:
+    """The failure decode's status and first event say (None: the answer started)."""
+    if status != 200:
+        return Attempt(status, json_or_error(status, first))
+    text = first.decode(errors="replace").strip()
+    if not text:
+        return Attempt(502, APIError(502, lost("decode", None).message, type="server_error").body())
+    if text.startswith("data: "):
+        try:
+            event = json.loads(text[6:].split("\n\n")[0])
+        except ValueError:
+            return None
+        if isinstance(event, dict) and "error" in event:
+            kind = event["error"].get("type", "server_error")
+            return Attempt(STATUS_OF_TYPE.get(kind, 500), event)
+    return None

@@ -13,6 +13,7 @@ import asyncio
 import json
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -86,9 +87,16 @@ def parse_request(raw: bytes, router: Router, path: str) -> tuple[list[Part], An
     return parts, body.get("n", 1)
 
 
-def make_handler(path: str):
+def app_router(request: web.Request) -> Router:
+    return request.app[ROUTER]
+
+
+def make_handler(path: str, router_of: Callable[[web.Request], Router] = app_router):
+    """The handler of generation path `path`, sending each request on through `router_of(request)` (the app's
+    router; a decode instance's hand-off gives each request a router of its own pair, `decode_handoff.py`)."""
+
     async def handler(request: web.Request) -> web.StreamResponse:
-        router = request.app[ROUTER]
+        router = router_of(request)
         raw = body_of(request)
         # A large body is parsed, serialised (and tokenised) on a thread: the loop keeps serving the other streams.
         inline = len(raw) <= INLINE_BODY_BYTES and router.prompts is None

@@ -10,9 +10,12 @@ a bug never kills the server (`http/errors.py`). Generation requests pass the ad
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import asdict
+from typing import Protocol
 
 from aiohttp import web
+from aiohttp.typedefs import Handler
 
 from disagg_worker.env import WorkerEnv, load_env
 from disagg_worker.http.admission import DRAINING, Admission
@@ -30,6 +33,17 @@ from disagg_worker.server.health import health_report
 from disagg_worker.server.kv_events_api import kv_events_handler
 from disagg_worker.server.response_store import ResponseStore
 
+
+class AppPart(Protocol):
+    """A part composed above the server that joins its app (the decode's hand-off for gateways,
+    `router/decode_handoff.py`): a middleware run on every request after admission, and a cleanup context that
+    holds what it needs while the app runs (aiohttp's `cleanup_ctx`)."""
+
+    async def middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse: ...
+
+    def context(self, app: web.Application) -> AsyncIterator[None]: ...
+
+
 FRONTEND = web.AppKey("frontend", Frontend)
 ADMISSION = web.AppKey("admission", Admission)
 SETTINGS = web.AppKey("settings", dict)
@@ -44,16 +58,20 @@ def build_app(
     local_prefill: bool = False,
     responses: ResponseStore | None = None,
     client_body_budget: int | None = None,
+    parts: Sequence[AppPart] = (),
 ) -> web.Application:
     """`local_prefill`: a decode instance that computes the prompts the router marks so (/health says it);
     `responses`: where a monolithic server keeps its Responses API answers (a P/D worker keeps none);
     `client_body_budget`: what one client's bodies may hold of the body budget (None: all of it).
-    With the frontend's tracer, generation requests get spans (`http/traced.py`)."""
+    With the frontend's tracer, generation requests get spans (`http/traced.py`); `parts`: what joins the app
+    from above (none: the instance serves its own endpoints only)."""
     admission = Admission(
         max_inflight, lambda: body_limit_bytes(frontend.limits.max_context_len), client_budget=client_body_budget
     )
+    middlewares = [*with_tracing(frontend.tracer, admission), *(as_middleware(p) for p in parts)]
     # aiohttp's own cap stays as a backstop; read_body enforces the real limit first.
-    app = web.Application(middlewares=with_tracing(frontend.tracer, admission), client_max_size=64 * 1024 * 1024)
+    app = web.Application(middlewares=middlewares, client_max_size=64 * 1024 * 1024)
+    app.cleanup_ctx.extend(p.context for p in parts)
     app[FRONTEND] = frontend
     app[ADMISSION] = admission
     identity = identity if identity is not None else load_env()  # built once, at start-up
@@ -71,6 +89,14 @@ def build_app(
     add_tokenize_routes(app, frontend_of, model_name)
     add_response_routes(app, frontend_of, model_name, responses)
     return app
+
+
+def as_middleware(part: AppPart):
+    @web.middleware
+    async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+        return await part.middleware(request, handler)
+
+    return middleware
 
 
 def frontend_of(request: web.Request) -> Frontend:

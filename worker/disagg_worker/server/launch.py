@@ -18,6 +18,7 @@ import os
 import shutil
 import signal
 import tempfile
+from collections.abc import Sequence
 from multiprocessing.process import BaseProcess
 
 from aiohttp import web
@@ -29,7 +30,7 @@ from disagg_worker.http.auth import require_keys
 from disagg_worker.http.drain import CUT_GRACE_S, DrainReport, Signals, drain
 from disagg_worker.instance.process import group_inbox, spawn_schedulers
 from disagg_worker.model.tokenizer import Tokenizer
-from disagg_worker.server.api import ADMISSION, build_app
+from disagg_worker.server.api import ADMISSION, AppPart, build_app
 from disagg_worker.server.frontend import Frontend
 from disagg_worker.server.metrics import ServerMetrics
 from disagg_worker.server.response_store import ResponseStore
@@ -44,8 +45,10 @@ STARTUP_TIMEOUT_S = 600.0
 class EngineServer:
     """A running instance; `start` returns once it serves, `stop` ends the scheduler process too."""
 
-    def __init__(self, args: ServerArgs):
+    def __init__(self, args: ServerArgs, parts: Sequence[AppPart] = ()):
+        """`parts`: what joins the HTTP app from above (`api.AppPart`: a decode's hand-off for gateways)."""
         self.args = args
+        self.parts = parts
         self.ipc_dir = tempfile.mkdtemp(prefix="disagg-")
         self.to_engine = f"ipc://{self.ipc_dir}/to-engine"
         self.from_engine = f"ipc://{self.ipc_dir}/from-engine"
@@ -91,6 +94,7 @@ class EngineServer:
             responses=responses,
             # Clients reach a monolithic server; a P/D worker's one client is the router.
             client_body_budget=CLIENT_BODY_BUDGET_BYTES if d.role is Role.MONOLITHIC else None,
+            parts=self.parts,
         )
         require_keys(app, accepted_keys(a))
         self.admission = admission = app[ADMISSION]
@@ -162,7 +166,8 @@ async def serve_until_signalled(server: EngineServer, banner: str = "") -> None:
         await server.stop()
 
 
-def run(args: ServerArgs) -> None:
+def run(args: ServerArgs, parts: Sequence[AppPart] = ()) -> None:
+    """Serve until SIGTERM; `parts` join the HTTP app (`EngineServer`)."""
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s server %(levelname)s %(message)s")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     url = f"http://{args.host}:{args.port}"
@@ -176,4 +181,4 @@ def run(args: ServerArgs) -> None:
             f'-d \'{{"model": "{args.engine.model_name}", "prompt": "Once upon a time", "max_tokens": 16}}\''
         )
     )
-    asyncio.run(serve_until_signalled(EngineServer(args), banner))
+    asyncio.run(serve_until_signalled(EngineServer(args, parts), banner))
