@@ -179,8 +179,8 @@ OTLP_TRACES_SAMPLING_RATIO = Setting(
     "--otlp-traces-sampling-ratio",
     float,
     1.0,
-    help="with --otlp-traces-endpoint, the share of new traces sampled (a request that comes with a W3C "
-    "traceparent follows its sampled flag)",
+    help="with --otlp-traces-endpoint, the share of requests sampled; a client's W3C traceparent joins its trace "
+    "but never forces sampling (a worker follows the router's decision)",
 )
 
 ENGINE = (

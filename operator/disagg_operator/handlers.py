@@ -21,7 +21,7 @@ from . import names, prober
 from .apply import Kube, load_client
 from .apply_errors import ReconcileError
 from .config import OperatorConfig
-from .observe import PodInfo, observe_group_set, observe_pod
+from .observe import OwnerLink, PodInfo, observe_group_set, observe_link, observe_pod
 from .reconcile import Runtime
 from .scaling import ScalerObservation, observe_scaler
 from .status import Event, PodProblem, RoleObservation, observe_workload, pod_problem
@@ -108,6 +108,17 @@ def router_sets(namespace: str | None, labels: Mapping[str, str], body: kopf.Bod
     return {_key(namespace, labels): (labels.get(names.ROLE_LABEL), observe_workload(body))}
 
 
+@kopf.index("apps", "v1", "deployments", labels=MANAGED)
+def deployment_links(namespace: str | None, labels: Mapping[str, str], body: kopf.Body, **_: Any) -> dict:
+    return {_key(namespace, labels): observe_link(body)}
+
+
+@kopf.index("apps", "v1", "replicasets", labels=MANAGED)
+def replica_set_links(namespace: str | None, labels: Mapping[str, str], body: kopf.Body, **_: Any) -> dict:
+    """The router Deployment's ReplicaSets (they carry its pod template's labels): who created a router pod."""
+    return {_key(namespace, labels): observe_link(body)}
+
+
 @kopf.index("", "v1", "pods", labels=MANAGED)
 def failing_pods(namespace: str | None, labels: Mapping[str, str], body: kopf.Body, **_: Any) -> dict | None:
     problem = pod_problem(body)
@@ -132,6 +143,7 @@ class Seen:
     problems: list[PodProblem]
     pods: list[PodInfo]
     scaler: ScalerObservation | None
+    links: tuple[OwnerLink, ...] = ()  # the model's Deployments and ReplicaSets (router_trust.py)
 
     @classmethod
     def of(cls, key: tuple, kw: Mapping[str, Any], seen: PodProblem | None = None) -> "Seen":
@@ -140,7 +152,9 @@ class Seen:
         observed = dict(kw["worker_sets"].get(key, ())) | dict(kw["group_sets"].get(key, ()))
         observed |= dict(kw["router_sets"].get(key, ()))
         problems = list(kw["failing_pods"].get(key, ())) + ([seen] if seen else [])
-        return cls(observed, problems, list(kw["pod_infos"].get(key, ())), next(iter(kw["scalers"].get(key, ())), None))
+        links = (*kw["deployment_links"].get(key, ()), *kw["replica_set_links"].get(key, ()))
+        pods, scaler = list(kw["pod_infos"].get(key, ())), next(iter(kw["scalers"].get(key, ())), None)
+        return cls(observed, problems, pods, scaler, links)
 
     @property
     def prefill_replicas(self) -> int | None:
@@ -182,7 +196,7 @@ def converge(runtime: Runtime, cr: Mapping[str, Any], read: Callable[[], Seen], 
                 runtime.sync_scaler(cr, seen.scaler, seen.prefill_replicas, recreate=work.scaler_gone)
         finally:  # the status says what happened, a failure included
             seen = read()
-            runtime.refresh_status(cr, seen.observed, seen.problems, seen.pods)
+            runtime.refresh_status(cr, seen.observed, seen.problems, seen.pods, seen.links)
 
 
 @kopf.on.resume(*CR)

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .observe import PodInfo, PodProblem, RoleObservation
+from .observe import OwnerLink, PodInfo, PodProblem, RoleObservation
 from .routerview import RouterView
 
 Observed = Mapping[str, RoleObservation | None]
@@ -26,6 +26,7 @@ class Inputs:
     observed: Observed
     problems: tuple[PodProblem, ...]
     pods: tuple[PodInfo, ...]
+    links: tuple[OwnerLink, ...] = ()  # the model's ReplicaSets and Deployments (router_trust.py)
 
 
 @dataclass
@@ -41,6 +42,7 @@ class ModelState:
     latched: dict[str, PodProblem] = field(default_factory=dict)  # pod -> failure, reported until its role is whole
     inputs: Inputs | None = None  # what the status was last computed from; None until then, or once deleted
     view: RouterView | None = None  # the routers' latest reports (prober.py); None: readiness alone speaks
+    refused: tuple[str, ...] = ()  # the router-labelled pods last named as not the Deployment's (router_trust.py)
     # role -> (template hash, partition) last applied: within one template a partition only goes down, even when
     # a handler plans from an index that has not yet seen the latest apply.
     partitions: dict[str, tuple[str, int]] = field(default_factory=dict)

@@ -49,9 +49,22 @@ class PodInfo:
     revision: str = ""  # the StatefulSet's controller-revision-hash
     terminating: bool = False
     unschedulable_since: float | None = None  # epoch seconds since the scheduler found no node for it
+    owner_kind: str = ""  # the kind and uid of its controlling owner reference ("" when it has none)
+    owner_uid: str = ""
 
     def available(self, now: float, min_ready_s: float) -> bool:
         return self.ready_since is not None and not self.terminating and now - self.ready_since >= min_ready_s
+
+
+@dataclass(frozen=True)
+class OwnerLink:
+    """One ReplicaSet or Deployment: its uid, kind and name, and the uid of its controlling owner ("" when none).
+    The links lead from a router pod to the Deployment that created it, and on to the model (router_trust.py)."""
+
+    uid: str
+    kind: str
+    name: str
+    owner_uid: str = ""
 
 
 @dataclass(frozen=True)
@@ -101,11 +114,27 @@ def parse_time(stamp: str | None) -> float | None:
     return datetime.datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
 
 
+def controller_of(meta: Mapping[str, Any]) -> tuple[str, str]:
+    """(kind, uid) of an object's controlling owner reference; ("", "") when it has none."""
+    for ref in meta.get("ownerReferences") or []:
+        if isinstance(ref, Mapping) and ref.get("controller") is True:
+            return str(ref.get("kind", "")), str(ref.get("uid", ""))
+    return "", ""
+
+
+def observe_link(obj: Mapping[str, Any]) -> OwnerLink:
+    meta = obj.get("metadata") or {}
+    return OwnerLink(
+        str(meta.get("uid", "")), str(obj.get("kind", "")), str(meta.get("name", "")), controller_of(meta)[1]
+    )
+
+
 def observe_pod(pod: Mapping[str, Any]) -> PodInfo:
     meta, st = pod.get("metadata", {}), pod.get("status") or {}
     labels = meta.get("labels") or {}
     ready: Mapping[str, Any] = next((c for c in st.get("conditions") or [] if c.get("type") == "Ready"), {})
     scheduled: Mapping[str, Any] = next((c for c in st.get("conditions") or [] if c.get("type") == "PodScheduled"), {})
+    owner_kind, owner_uid = controller_of(meta)
     return PodInfo(
         name=meta.get("name", ""),
         role=labels.get(names.ROLE_LABEL, ""),
@@ -119,6 +148,8 @@ def observe_pod(pod: Mapping[str, Any]) -> PodInfo:
         unschedulable_since=parse_time(scheduled.get("lastTransitionTime"))
         if scheduled.get("status") == "False" and scheduled.get("reason") == "Unschedulable"
         else None,
+        owner_kind=owner_kind,
+        owner_uid=owner_uid,
     )
 
 

@@ -11,6 +11,7 @@ import asyncio
 import json
 import logging
 from collections.abc import Mapping
+from typing import Any
 
 import aiohttp
 
@@ -65,6 +66,17 @@ def keep_or_replace(old: RouterView | None, new: RouterView, misses: dict[str, i
     return None if not new.probed else new
 
 
+def take_reports(runtime: Runtime, reports: Mapping[str, Mapping[str, Any]], misses: dict[str, int]) -> None:
+    """Merge each model's reports into its view, one model at a time: a report that fails to merge (parsing is
+    total, so this is a bug) is logged and leaves the other models' views current."""
+    for uid, by_pod in reports.items():
+        try:
+            if (model := runtime.known(uid)) is not None:  # not forgotten meanwhile
+                model.view = keep_or_replace(model.view, merge_reports(by_pod), misses, uid)
+        except Exception:
+            log.exception("merging the router reports of %s failed", uid)
+
+
 async def run(runtime: Runtime) -> None:
     """Until cancelled: probe the routers (when enabled), then tick every known CR in a worker thread."""
     cfg = runtime.cfg
@@ -74,16 +86,14 @@ async def run(runtime: Runtime) -> None:
         await asyncio.sleep(cfg.tick_s)
         try:
             if cfg.router_probe:
-                targets = runtime.router_pods()
-                crs = {uid: i.cr for uid, i in runtime.latest_inputs().items() if uid in targets}
+                targets = runtime.router_pods()  # only the pods the model's router Deployment created
+                crs = {uid: i.cr for uid, i in runtime.latest_inputs().items() if targets.get(uid)}
                 known = await asyncio.to_thread(tokens.for_crs, crs)
                 reports = await read_routers(targets, cfg.router_probe_timeout_s, known)
                 for uid, by_pod in reports.items():  # a plain answer to a token: a stale token (a new Secret)
                     if uid in known and any(r is not None and "workers" not in r for r in by_pod.values()):
                         tokens.forget(crs[uid])
-                for uid, by_pod in reports.items():
-                    if (model := runtime.known(uid)) is not None:  # not forgotten meanwhile
-                        model.view = keep_or_replace(model.view, merge_reports(by_pod), misses, uid)
+                take_reports(runtime, reports, misses)
         except Exception:  # one failed round must not stop the clock
             log.exception("reading the router pods failed")
         context = runtime.handler_context

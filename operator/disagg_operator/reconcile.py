@@ -23,9 +23,10 @@ from .apply import Kube
 from .apply_errors import ReconcileError, describe_api_error, not_ours, owned_by
 from .config import OperatorConfig
 from .model_state import Inputs, ModelState, Observed
-from .observe import PodInfo
+from .observe import OwnerLink, PodInfo
 from .prune import prune
 from .rollout import RolloutPlan, given_up, plan_rollout, with_leader_counts
+from .router_trust import router_targets
 from .routerview import verified_pairs
 from .scaling import ScalerObservation, sync_scaler
 from .spec import ModelSpec
@@ -43,6 +44,7 @@ from .status import (
 log = logging.getLogger(__name__)
 
 EventSink = Callable[[Mapping[str, Any], Event], None]
+UNTRUSTED_ROUTERS = "pods labelled as the router but not created by its Deployment are not probed: "
 
 
 def now() -> str:
@@ -293,10 +295,11 @@ class Runtime:
         observed: Observed,
         problems: Iterable[PodProblem],
         pods: Iterable[PodInfo] = (),
+        links: Iterable[OwnerLink] = (),
     ) -> bool:
         """Write the CR's status when it differs from the last one written; post an Event per transition."""
         spec = ModelSpec.from_cr(cr)
-        inputs = Inputs(cr, observed, tuple(problems), tuple(pods))
+        inputs = Inputs(cr, observed, tuple(problems), tuple(pods), tuple(links))
         m = self.model(spec.uid)
         with m.lock:
             if spec.uid in self.gone:  # a handler that started before the CR's deletion: nothing to report
@@ -315,6 +318,10 @@ class Runtime:
 
     def _refresh(self, spec: ModelSpec, m: ModelState, inputs: Inputs) -> bool:
         cr, observed = inputs.cr, with_leader_counts(spec, inputs.observed, inputs.pods)
+        refused = router_targets(spec.uid, spec.name, inputs.pods, inputs.links).refused
+        if refused and refused != m.refused:
+            self.post_event(cr, Event("Warning", "RouterPodRefused", UNTRUSTED_ROUTERS + ", ".join(refused)))
+        m.refused = refused
         m.latched = latch_problems(m.latched, inputs.problems, settled_roles(spec, observed))
         previous = m.written or cr.get("status") or {}
         findings = Findings(
@@ -364,9 +371,10 @@ class Runtime:
             self.refresh_cached(uid)
 
     def router_pods(self) -> dict[str, dict[str, str]]:
-        """uid -> {router pod name: pod IP} for every CR with router pods that have an address."""
+        """uid -> {router pod name: pod IP} for every CR, of the router pods its Deployment created that have an
+        address (router_trust.py): no other pod is probed or shown the model's health token."""
         return {
-            uid: {p.name: p.ip for p in i.pods if p.role == names.ROUTER and p.ip and not p.terminating}
+            uid: router_targets(uid, i.cr["metadata"]["name"], i.pods, i.links).probe
             for uid, i in self.latest_inputs().items()
         }
 

@@ -51,41 +51,66 @@ class RouterView:
     window_s: int = 0
 
 
+def _text(value: Any, default: str = "") -> str:
+    return value if isinstance(value, str) else default
+
+
+def _count(value: Any) -> int:
+    """A non-negative int from a report, 0 for anything else (bool, float, str, a dict...)."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
+
+
+def _entries(value: Any) -> list[Mapping[str, Any]]:
+    """The objects of a report's list; not a list reads as empty, an entry that is not an object is skipped."""
+    return [x for x in value if isinstance(x, Mapping)] if isinstance(value, list) else []
+
+
 def _pair(p: Mapping[str, Any]) -> PairResult:
     return PairResult(
-        str(p.get("prefill", "?")),
-        str(p.get("decode", "?")),
-        bool(p.get("verified")),
-        str(p.get("error") or ""),
-        str(p.get("revision") or ""),
+        _text(p.get("prefill"), "?"),
+        _text(p.get("decode"), "?"),
+        p.get("verified") is True,  # only a JSON true verifies; anything else reads as failed
+        _text(p.get("error")),
+        _text(p.get("revision")),
     )
 
 
 def _worker(w: Mapping[str, Any], stall_after: int) -> WorkerHandoff:
-    stalled = w.get("stalled_queues") or []
+    queues = w.get("stalled_queues")
+    stalled = [q for q in queues if isinstance(q, str)] if isinstance(queues, list) else []
     return WorkerHandoff(
-        str(w.get("pod", "?")),
-        str(w.get("role", "?")),
-        int(w.get("bootstrap_failures", 0)),
-        int(w.get("transfer_failures", 0)),
+        _text(w.get("pod"), "?"),
+        _text(w.get("role"), "?"),
+        _count(w.get("bootstrap_failures")),
+        _count(w.get("transfer_failures")),
         f"{', '.join(stalled)} hold requests without handoff progress for over {stall_after} s" if stalled else "",
     )
 
 
 def merge_reports(reports: Mapping[str, Mapping[str, Any] | None]) -> RouterView:
     """`reports`: router pod name -> its parsed /health (None when it did not answer). Pairs keep the worst
-    result any router saw; worker counters keep the largest any router saw (they read the same workers)."""
-    answered = {pod: r for pod, r in reports.items() if r}
+    result any router saw; worker counters keep the largest any router saw (they read the same workers).
+
+    Parsing is total: a report is JSON from a pod, so a field of the wrong type reads as absent (a pair as failed),
+    and one malformed report changes only what its own pod says."""
+    answered = {pod: r for pod, r in reports.items() if isinstance(r, Mapping) and r}
     pairs: dict[tuple[str, str], PairResult] = {}
     workers: dict[str, WorkerHandoff] = {}
+    without_pair = []
     window = 0
-    for report in answered.values():
-        for p in map(_pair, report.get("pairs") or []):
+    for pod, report in answered.items():
+        mine = [_pair(p) for p in _entries(report.get("pairs"))]
+        if not any(p.verified for p in mine):
+            without_pair.append(pod)
+        for p in mine:
             old = pairs.get((p.prefill, p.decode))
             pairs[(p.prefill, p.decode)] = p if old is None or old.verified else old
-        handoff = report.get("handoff") or {}
-        window = max(window, int(handoff.get("window_s", 0)))
-        for w in (_worker(x, int(handoff.get("stall_after_s", 0))) for x in handoff.get("workers") or []):
+        handoff = report.get("handoff")
+        if not isinstance(handoff, Mapping):
+            handoff = {}
+        window = max(window, _count(handoff.get("window_s")))
+        stall_after = _count(handoff.get("stall_after_s"))
+        for w in (_worker(x, stall_after) for x in _entries(handoff.get("workers"))):
             old_w = workers.get(w.pod)
             if old_w is None or (w.bootstrap_failures + w.transfer_failures, w.stalled) > (
                 old_w.bootstrap_failures + old_w.transfer_failures,
@@ -95,9 +120,7 @@ def merge_reports(reports: Mapping[str, Mapping[str, Any] | None]) -> RouterView
     return RouterView(
         probed=len(reports),
         reached=len(answered),
-        without_pair=tuple(
-            sorted(pod for pod, r in answered.items() if not any(p.get("verified") for p in r.get("pairs") or []))
-        ),
+        without_pair=tuple(sorted(without_pair)),
         pairs=tuple(pairs[k] for k in sorted(pairs)),
         workers=tuple(workers[k] for k in sorted(workers)),
         window_s=window,

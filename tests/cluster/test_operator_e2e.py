@@ -6,6 +6,7 @@ kwok plays the kubelets, so pods become Ready without running the worker.
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
@@ -28,6 +29,8 @@ from test_operator_support import (
 
 from disagg_operator import names
 from disagg_operator.config import OperatorConfig
+from disagg_operator.observe import observe_link, observe_pod
+from disagg_operator.router_trust import router_targets
 
 CHILD_KINDS = "statefulsets,deployments,services,poddisruptionbudgets,networkpolicies,secrets"
 # What the operator watches besides its CRs: the children but the Secret, their pods, the RoleScaler.
@@ -121,6 +124,7 @@ def test_the_service_account_can_do_what_the_operator_needs_and_no_more(kube_clu
 
     assert can("patch", "statefulsets", "-n", "default") and can("create", "networkpolicies", "-n", "default")
     assert can("patch", "disaggregatedmodels.disagg.dev/status", "-n", "default")
+    assert can("watch", "replicasets", "-n", "default") and not can("create", "replicasets", "-n", "default")
     assert not can("delete", "statefulsets", "-n", "default")
     assert not can("list", "secrets", "-n", "default")
     assert not can("create", "clusterroles")
@@ -350,6 +354,44 @@ def test_an_object_with_a_childs_name_that_the_model_did_not_create_is_left_alon
     wait_ready(kube_cluster, namespace, "tiny", timeout=120)
     owners = kube_cluster.get("-n", namespace, "service", "tiny-router")["metadata"]["ownerReferences"]
     assert [o["kind"] for o in owners] == [names.KIND]
+
+
+def test_a_pod_labelled_as_the_router_that_its_deployment_did_not_create_is_refused(kube_cluster, operator, namespace):
+    """Two forged router pods (the router's own pod template, so its labels: one with no owner, one claiming the
+    router Deployment itself as its controller) are named in a Warning Event and never probed; the real router
+    pods, which the Deployment's ReplicaSet created, are not named. (The forged pods' /health cannot be served
+    here: kwok's pod IPs lead nowhere, so the probe-target selection itself is unit-tested in
+    tests/unit/test_operator_router_trust.py.)"""
+    apply_cr(kube_cluster, namespace, load_example("dm-cpu-tcp.yaml"))
+    wait_ready(kube_cluster, namespace, "tiny")
+    deployment = kube_cluster.get("-n", namespace, "deployment", "tiny-router")
+    owner = {"apiVersion": "apps/v1", "kind": "Deployment", "name": "tiny-router", "controller": True}
+    for name, refs in (("forged-a", []), ("forged-b", [{**owner, "uid": deployment["metadata"]["uid"]}])):
+        template = deployment["spec"]["template"]
+        pod = {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": name, "labels": template["metadata"]["labels"], "ownerReferences": refs},
+            "spec": template["spec"],
+        }
+        kube_cluster.kubectl("-n", namespace, "apply", "-f", "-", input=json.dumps(pod))
+
+    def refused() -> str | None:
+        said = [e["message"] for e in events_for(kube_cluster, namespace, "tiny") if e["reason"] == "RouterPodRefused"]
+        return next((m for m in said if "forged-a" in m and "forged-b" in m), None)
+
+    message = wait_until(refused, 60, interval=POLL_S, what="a RouterPodRefused Event naming both forged pods")
+    assert message.endswith("not probed: forged-a, forged-b"), message
+    # What the operator's indexes hold (the objects it watches: labelled as its own) admits the real pods.
+    managed = f"{names.LABEL_MANAGED_BY}={names.MANAGED_BY},{names.MODEL_LABEL}=tiny"
+    pods = [observe_pod(p) for p in kube_cluster.get("-n", namespace, "pods", "-l", managed)["items"]]
+    objs = kube_cluster.get("-n", namespace, "deployments,replicasets", "-l", managed)["items"]
+    uid = kube_cluster.get("-n", namespace, "dm", "tiny")["metadata"]["uid"]
+    targets = router_targets(uid, "tiny", pods, [observe_link(o) for o in objs])
+    real = [p.name for p in pods if p.role == names.ROUTER and p.name.startswith("tiny-router-")]
+    assert real and sorted(targets.probe) == sorted(real) and targets.refused == ("forged-a", "forged-b")
+    said = [e["message"] for e in events_for(kube_cluster, namespace, "tiny") if e["reason"] == "RouterPodRefused"]
+    assert [p for p in real if any(p in m for m in said)] == []
 
 
 def test_policies_and_secret_files_are_what_the_api_server_keeps(kube_cluster, operator, namespace):

@@ -324,6 +324,27 @@ def test_a_batch_is_bounded_and_a_bad_prompt_of_it_is_named(both, model):
         assert e.value.body["param"] == "prompt[1]", (name, e.value.body)
 
 
+def test_echo_with_logprobs_is_bounded_at_the_edge_and_a_small_one_is_served(both, model):
+    """prompt tokens x (logprobs + 1) x n over the bound (tuning.py: 2^18) is a 400 naming the fields, from the
+    router before any worker reads it and from a monolithic server; a small echo still scores the prompt."""
+    long_ids = [7] * 3000  # 3000 x 6 x 16 = 288000 entries; fits the context (4096) and the KV (8192)
+    for name, c in both.items():
+        with pytest.raises(openai.BadRequestError) as e:
+            complete(c, model, prompt=long_ids, echo=True, logprobs=5, n=16, max_tokens=1)
+        assert e.value.body["param"] == "echo, logprobs, n", (name, e.value.body)
+        assert "3000 prompt tokens x (logprobs 5 + 1) x n 16" in e.value.message, name
+        small = complete(c, model, prompt="Once upon a time", echo=True, logprobs=5, n=2, max_tokens=2, temperature=0)
+        for choice in small.choices:
+            lps = choice.logprobs
+            assert choice.text.startswith("Once upon a time"), name
+            assert lps.token_logprobs[0] is None and all(v is not None for v in lps.token_logprobs[1:]), name
+            assert all(len(top) >= 1 for top in lps.top_logprobs[1:]), name
+    # A text prompt through a router without --tokenizer counts as its UTF-8 bytes (no more tokens than that).
+    with pytest.raises(openai.BadRequestError) as e:
+        complete(both["pd"], model, prompt="ab" * 1500, echo=True, logprobs=5, n=16, max_tokens=1)
+    assert e.value.body["param"] == "echo, logprobs, n" and "UTF-8 bytes" in e.value.message
+
+
 def test_an_api_key_is_checked_as_the_client_sends_it(tiny_model, both, model, mono, stack):
     keyed = serve(tiny_model, *FLAGS, "--api-key", "sk-right").wait_healthy()
     try:

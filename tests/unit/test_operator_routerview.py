@@ -121,3 +121,37 @@ def test_a_router_that_misses_one_probe_does_not_flip_the_status_to_readiness_on
     assert keep_or_replace(view, silent, misses, "u") is silent
     assert keep_or_replace(silent, seen, misses, "u") is seen and misses == {}
     assert keep_or_replace(None, merge_reports({}), misses, "u") is None
+
+
+def test_a_malformed_report_reads_field_by_field_as_absent_or_failed():
+    good = {"pairs": [pair("p0", "d0", True)], "handoff": handoff(worker("d0", "decode", tf=2))}
+    forged_truths = [{"verified": {"yes": 1}}, {"verified": "true"}, {"verified": 1}]
+    bad = {
+        "r-bad": {"pairs": "verified", "handoff": {"workers": 7, "window_s": "300"}},
+        "r-types": {
+            "pairs": [*({"prefill": "p0", "decode": "d0", **v} for v in forged_truths), 3, None],
+            "handoff": {"window_s": {}, "workers": [{"pod": ["d0"], "bootstrap_failures": "9"}, "x"]},
+        },
+        "r-handoff": {"pairs": [pair("p0", "d0", True)], "handoff": "stalled"},
+        "r-list": ["not", "an", "object"],
+    }
+    view = merge_reports({"r-good": good, **bad})  # type: ignore[dict-item]
+    assert view.probed == 5 and view.reached == 4  # a list is no report
+    assert view.without_pair == ("r-bad", "r-types")  # a verified field that is not JSON true verifies nothing
+    # Entries that are not objects are skipped; r-types' failed p0 -> d0 is the worst result, as any failure is.
+    assert [(p.prefill, p.decode, p.verified) for p in view.pairs] == [("p0", "d0", False)]
+    assert {(w.pod, w.bootstrap_failures, w.transfer_failures) for w in view.workers} == {("d0", 0, 2), ("?", 0, 0)}
+    assert view.window_s == 300
+    assert merge_reports({"r-good": good}).pairs == (PairResult("p0", "d0", True, "", "r1"),)
+
+
+def test_one_models_reports_failing_to_merge_leave_the_others_views_current():
+    from disagg_operator.config import OperatorConfig
+    from disagg_operator.prober import take_reports
+    from disagg_operator.reconcile import Runtime
+
+    rt = Runtime(None, OperatorConfig(), lambda cr, e: None)  # type: ignore[arg-type]
+    first, second = rt.model("u1"), rt.model("u2")
+    reports = {"u1": 5, "u2": {"r": {"pairs": [pair("p0", "d0", True)]}}}  # u1's is not even a mapping of pods
+    take_reports(rt, reports, {})  # type: ignore[arg-type]
+    assert first.view is None and second.view is not None and second.view.pairs[0].verified

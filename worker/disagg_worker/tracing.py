@@ -19,25 +19,79 @@ wall-clock start and end times (prefill: `prefill.bootstrap`, `scheduler.waiting
 server span with those times (`Tracer.stages`): no context object crosses into the scheduler process, and
 the spans of one request come from the process that holds its trace context.
 
-Sampling: the router samples new traces at `--otlp-traces-sampling-ratio` (or follows the client's sampled
-flag); the workers follow their parent. Off, nothing of this exists: no `Tracer` (every caller holds None), no
-middleware, no `traced` request, and the engine's only cost is calling the methods of the trail every untraced
-request holds, `request.trail.NO_TRAIL`, which do nothing.
+Sampling: a server decides for its own clients at `--otlp-traces-sampling-ratio`, whatever sampled flag their
+`traceparent` carries (it still joins their trace): a client cannot make its requests expensive. Only a peer's
+parent is followed (`Trust`): a worker follows the router's decision, carried by the `traceparent` of each leg, so
+the router's trace goes on in the workers as one trace.
+
+Off, nothing of this exists: no `Tracer` (every caller holds None), no middleware, no `traced` request, and the
+engine's only cost is calling the methods of the trail every untraced request holds, `request.trail.NO_TRAIL`,
+which do nothing.
 """
 
 from __future__ import annotations
 
+import enum
+import random
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from disagg_worker.request.trail import Stage
 
 if TYPE_CHECKING:
-    from opentelemetry.trace import Span
+    from opentelemetry.context import Context
+    from opentelemetry.sdk.trace.sampling import Sampler, SamplingResult
+    from opentelemetry.trace import Link, Span, SpanKind
+    from opentelemetry.util.types import Attributes
 
 OTLP_TRACES_PATH = "/v1/traces"
+# The context key that marks a request's remote parent as its peer's (set by `Tracer.server_span`).
+_PEER_PARENT = "disagg.peer-parent"
+
+
+class Trust(enum.Enum):
+    """Whose `traceparent` sampled flag a server follows."""
+
+    NONE = "none"  # the router, a monolithic server: their callers are clients
+    PEER = "peer"  # a worker holding the model's secret: only requests let in with the router's worker token
+    ALL = "all"  # a worker without one: only the router calls it (`serve --local`, a test stack)
+
+
+def edge_sampler(ratio: float) -> Sampler:
+    """Parent-based sampling at `ratio` for new traces and for the parents of peers; for a remote parent a client
+    sent, the server's own draw at `ratio`: random, not by trace id, since a client chooses its trace id (and
+    TraceIdRatioBased samples the low ids at any ratio above 0)."""
+    from opentelemetry import context as otel_context
+    from opentelemetry import trace
+    from opentelemetry.sdk.trace.sampling import Decision, ParentBased, Sampler, SamplingResult, TraceIdRatioBased
+
+    class EdgeSampler(Sampler):
+        def __init__(self) -> None:
+            self.follow = ParentBased(TraceIdRatioBased(ratio))
+
+        def should_sample(
+            self,
+            parent_context: Context | None,
+            trace_id: int,
+            name: str,
+            kind: SpanKind | None = None,
+            attributes: Attributes = None,
+            links: Sequence[Link] | None = None,
+            trace_state: Any = None,
+        ) -> SamplingResult:
+            parent = trace.get_current_span(parent_context).get_span_context()
+            peer = otel_context.get_value(_PEER_PARENT, parent_context) is True
+            if not parent.is_valid or not parent.is_remote or peer:
+                return self.follow.should_sample(parent_context, trace_id, name, kind, attributes, links, trace_state)
+            decision = Decision.RECORD_AND_SAMPLE if random.random() < ratio else Decision.DROP
+            return SamplingResult(decision, attributes if decision.is_sampled() else None, parent.trace_state)
+
+        def get_description(self) -> str:
+            return f"EdgeSampler{{{ratio}}}"
+
+    return EdgeSampler()
 
 
 def traces_url(endpoint: str) -> str:
@@ -50,27 +104,27 @@ def traces_url(endpoint: str) -> str:
 class Tracer:
     """One process's spans, exported to one OTLP/HTTP endpoint; `create` returns None when tracing is off."""
 
-    def __init__(self, role: str, endpoint: str, ratio: float = 1.0, exporter: Any = None):
+    def __init__(self, role: str, endpoint: str, ratio: float = 1.0, exporter: Any = None, trust: Trust = Trust.NONE):
         """`role`: router, prefill, decode or monolithic (the service is `disagg-<role>`); `exporter`: where spans
-        go (default: OTLP/HTTP to `endpoint`; a test passes an in-memory one)."""
+        go (default: OTLP/HTTP to `endpoint`; a test passes an in-memory one); `trust`: whose sampled flag it
+        follows (`Trust`)."""
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
         from opentelemetry.sdk.resources import Resource
         from opentelemetry.sdk.trace import TracerProvider
         from opentelemetry.sdk.trace.export import BatchSpanProcessor
-        from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
         from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-        self.role = role
+        self.role, self.trust = role, trust
         self.provider = TracerProvider(
-            resource=Resource.create({"service.name": f"disagg-{role}"}), sampler=ParentBased(TraceIdRatioBased(ratio))
+            resource=Resource.create({"service.name": f"disagg-{role}"}), sampler=edge_sampler(ratio)
         )
         self.provider.add_span_processor(BatchSpanProcessor(exporter or OTLPSpanExporter(traces_url(endpoint))))
         self.tracer = self.provider.get_tracer("disagg")
         self.propagator = TraceContextTextMapPropagator()
 
     @classmethod
-    def create(cls, role: str, endpoint: str, ratio: float = 1.0) -> Tracer | None:
-        return cls(role, endpoint, ratio) if endpoint else None
+    def create(cls, role: str, endpoint: str, ratio: float = 1.0, trust: Trust = Trust.NONE) -> Tracer | None:
+        return cls(role, endpoint, ratio, trust=trust) if endpoint else None
 
     def shutdown(self) -> None:
         """Export what is left and stop the export thread."""
@@ -78,13 +132,17 @@ class Tracer:
 
     @contextmanager
     def server_span(
-        self, name: str, headers: Mapping[str, str], start_ns: int | None = None, **attrs: Any
+        self, name: str, headers: Mapping[str, str], start_ns: int | None = None, peer: bool = False, **attrs: Any
     ) -> Iterator[Span]:
         """A request's span in this process, begun now or at `start_ns`, the current span while the block runs: a
-        child of the W3C context in `headers` (its `traceparent`), else the root of a new trace."""
+        child of the W3C context in `headers` (its `traceparent`), else the root of a new trace. `peer`: the
+        request was let in with the router's worker token; whether its sampled flag is followed is `trust`'s."""
+        from opentelemetry import context as otel_context
         from opentelemetry import trace
 
         parent = self.propagator.extract(headers)
+        if self.trust is Trust.ALL or (self.trust is Trust.PEER and peer):
+            parent = otel_context.set_value(_PEER_PARENT, True, parent)
         kind = trace.SpanKind.SERVER
         span = self.tracer.start_span(name, context=parent, kind=kind, attributes=attrs, start_time=start_ns)
         with trace.use_span(span, end_on_exit=True, record_exception=False, set_status_on_exception=True):

@@ -123,10 +123,24 @@ class RouterTuning:
 
 
 @dataclass(frozen=True)
+class RequestTuning:
+    """Bounds on what one request may make a front end hold (the router, a worker's HTTP process)."""
+
+    # Completions' echo with logprobs answers, per choice, every prompt token's logprob and its top-`logprobs`
+    # alternatives: prompt tokens x (logprobs + 1) x n entries. The router holds each choice's prefill answer
+    # whole (its JSON bytes, then the parsed objects) to fill decode's in: measured ~75-100 MB for one choice of a
+    # 32k-token prompt at logprobs 20 (688k entries), so 110-150 bytes an entry. 2^18 entries keep one request to
+    # ~40 MB (262144 x 150 B): a 32k prompt at logprobs 7 and n 1, or a 4k prompt at logprobs 5 and n 10, passes;
+    # a 32k prompt at logprobs 20, or a 3k prompt at logprobs 5 and n 16, is a 400.
+    echo_logprob_entries: int = 1 << 18
+
+
+@dataclass(frozen=True)
 class Tuning:
     engine: EngineTuning = field(default_factory=EngineTuning)
     transfer: TransferTuning = field(default_factory=TransferTuning)
     router: RouterTuning = field(default_factory=RouterTuning)
+    request: RequestTuning = field(default_factory=RequestTuning)
 
 
 TUNING = Tuning()

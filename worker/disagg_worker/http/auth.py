@@ -7,7 +7,8 @@ kubelet's probes and the router's health checks carry no key): `/health`, and th
 the admin routes (`/stats`, `/flush_cache`) included, is protected. Unknown paths are refused the
 same way, so an unauthenticated caller learns nothing about which routes exist.
 
-A request let in carries its caller (`caller_of`: a digest of its key), so that what it stores stays its own.
+A request let in carries its caller (`caller_of`: a digest of its key), so that what it stores stays its own, and
+whether that key is the router's (`from_peer`: a worker then follows the router's trace sampling, `tracing.py`).
 
 Accepted keys: the API keys clients hold (`--api-key`, `--api-key-file`) and, on prefill and
 decode, the router's worker token derived from the model's shared secret (`keys.WORKER`).
@@ -30,6 +31,14 @@ OPEN_PATHS = frozenset({"/health", "/ready", "/livez"})
 CALLER = web.RequestKey("caller", str)
 
 
+# Whether a request was let in with one of the peer keys (the router's worker token).
+PEER = web.RequestKey("peer", bool)
+
+
+def from_peer(request: web.Request) -> bool:
+    return request.get(PEER, False)
+
+
 def caller_of(request: web.Request) -> str:
     """The digest of the key `request` was let in with; "" where the app takes no keys (then all are one caller)."""
     return request.get(CALLER, "")
@@ -49,11 +58,12 @@ def authorized(header: str, accepted: tuple[bytes, ...]) -> bool:
     return any([hmac.compare_digest(presented, key) for key in accepted])  # noqa: C419 - compare every key
 
 
-def auth_middleware(keys: tuple[str, ...]):
-    """A middleware that lets through requests carrying one of `keys`; `keys` must not be empty."""
-    if not keys or not all(keys):
+def auth_middleware(keys: tuple[str, ...], peers: tuple[str, ...] = ()):
+    """A middleware that lets through requests carrying one of `keys` (`keys` must not be empty) or of `peers`,
+    marking the latter (`from_peer`)."""
+    if not keys + peers or not all(keys + peers):
         raise ValueError("auth_middleware needs at least one non-empty key")
-    accepted = tuple(k.encode() for k in keys)
+    accepted, peer_keys = tuple(k.encode() for k in keys + peers), tuple(k.encode() for k in peers)
 
     @web.middleware
     async def middleware(request: web.Request, handler):
@@ -65,12 +75,14 @@ def auth_middleware(keys: tuple[str, ...]):
         if not authorized(header, accepted):
             return unauthorized("Incorrect API key provided.")
         request[CALLER] = hashlib.sha256(header.partition(" ")[2].strip().encode()).hexdigest()[:32]
+        request[PEER] = bool(peer_keys) and authorized(header, peer_keys)
         return await handler(request)
 
     return middleware
 
 
-def require_keys(app: web.Application, keys: tuple[str, ...]) -> None:
-    """Put authentication in front of every route of `app` (before it starts); no keys: nothing changes."""
-    if keys:
-        app.middlewares.insert(0, auth_middleware(keys))
+def require_keys(app: web.Application, keys: tuple[str, ...], peers: tuple[str, ...] = ()) -> None:
+    """Put authentication in front of every route of `app` (before it starts): its clients' `keys` and its
+    `peers`' (the router's worker token); none: nothing changes."""
+    if keys or peers:
+        app.middlewares.insert(0, auth_middleware(keys, peers))

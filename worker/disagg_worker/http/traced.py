@@ -1,7 +1,8 @@
 """The HTTP side of tracing (`disagg_worker.tracing`): a generation request's server span and its admission.
 
 Installed only when tracing is on: `traced_middlewares` gives the middleware that goes first (the request's
-span, a child of the `traceparent` it came with, current while it is handled) and the one that goes after the
+span, a child of the `traceparent` it came with, sampled as `Tracer.trust` says for a request from the router or
+from a client, current while it is handled) and the one that goes after the
 admission gate (`admission` from the request's arrival to that point: its body read and a slot taken).
 """
 
@@ -13,6 +14,7 @@ from typing import Any
 from aiohttp import web
 
 from disagg_worker.http.admission import GENERATION_PATHS
+from disagg_worker.http.auth import from_peer
 from disagg_worker.tracing import Tracer
 
 _ARRIVED: Any = web.RequestKey("trace_arrived", int) if hasattr(web, "RequestKey") else "disagg.trace_arrived"
@@ -28,7 +30,7 @@ def traced_middlewares(tracer: Tracer) -> tuple[Any, Any]:
         request[_ARRIVED] = arrived = time.time_ns()
         name = f"{tracer.role} {request.method} {request.path}"
         attrs = {"disagg.role": tracer.role, "http.request.method": request.method, "http.route": request.path}
-        with tracer.server_span(name, request.headers, arrived, **attrs) as s:
+        with tracer.server_span(name, request.headers, arrived, from_peer(request), **attrs) as s:
             response = await handler(request)
             s.set_attribute("http.response.status_code", response.status)
             return response

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 from disagg_worker.request.errors import bad_request
 from disagg_worker.request.params import MAX_TOKEN_ID, SamplingParams
+from disagg_worker.tuning import TUNING
 
 if TYPE_CHECKING:
     from disagg_worker.request.messages import EngineInfo
@@ -31,6 +32,8 @@ CONTEXT_EXCEEDED = "context_length_exceeded"
 BODY_BYTES_PER_TOKEN = 32
 # Everything besides the prompt: sampling fields, up to MAX_STOP_STRINGS escaped stop strings.
 BODY_OVERHEAD_BYTES = 1 << 20
+# The fields whose product `check_echo_logprobs` bounds (with the prompt's length).
+ECHO_LOGPROBS_PARAM = "echo, logprobs, n"
 
 
 def body_limit_bytes(max_context_len: int) -> int:
@@ -39,6 +42,23 @@ def body_limit_bytes(max_context_len: int) -> int:
     A body beyond it holds a prompt that cannot fit the context, whatever its encoding.
     """
     return BODY_BYTES_PER_TOKEN * max(1, max_context_len) + BODY_OVERHEAD_BYTES
+
+
+def check_echo_logprobs(prompt_tokens: int, logprobs: int | None, n: int, counted: str = "tokens") -> None:
+    """Completions' `echo` with `logprobs`: prompt tokens x (logprobs + 1) x n prompt-logprob entries in one
+    answer, at most `TUNING.request.echo_logprob_entries` (tuning.py gives the arithmetic). `prompt_tokens`
+    counts every prompt of a batch; `counted` says what it counts when that is not tokens."""
+    if logprobs is None:
+        return
+    bound = TUNING.request.echo_logprob_entries
+    entries = prompt_tokens * (logprobs + 1) * n
+    if entries > bound:
+        raise bad_request(
+            f"echo with logprobs answers every prompt token's logprobs in each choice: {prompt_tokens} prompt "
+            f"{counted} x (logprobs {logprobs} + 1) x n {n} = {entries} entries, more than the {bound} one request "
+            "may hold; lower logprobs or n, or send a shorter prompt",
+            ECHO_LOGPROBS_PARAM,
+        )
 
 
 @dataclass(frozen=True)

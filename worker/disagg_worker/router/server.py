@@ -28,7 +28,7 @@ from disagg_worker.router.app import ROUTER, Opened, Router
 from disagg_worker.router.auth import RouterAuth
 from disagg_worker.router.batch import as_batch_prompt, prompt_bodies, valid_n
 from disagg_worker.router.discovery import DnsSource
-from disagg_worker.router.echo import scores_prompt, with_prompt_logprobs
+from disagg_worker.router.echo import check_echo_bound, scores_prompt, with_prompt_logprobs
 from disagg_worker.router.fanout import merge_bodies, stream_merged
 from disagg_worker.router.handoff import HandoffMonitor
 from disagg_worker.router.metrics import metrics_handler
@@ -83,6 +83,7 @@ def parse_request(raw: bytes, router: Router, path: str) -> tuple[list[Part], An
     body = parse_json(raw)
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
+    check_echo_bound(path, body, router.prompts)
     parts = [Part(SharedBody.of(b), router.prompt_of(path, b)) for b in prompt_bodies(path, body)]
     return parts, body.get("n", 1)
 

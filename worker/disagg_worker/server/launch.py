@@ -34,7 +34,7 @@ from disagg_worker.server.api import ADMISSION, AppPart, build_app
 from disagg_worker.server.frontend import Frontend
 from disagg_worker.server.metrics import ServerMetrics
 from disagg_worker.server.response_store import ResponseStore
-from disagg_worker.tracing import Tracer
+from disagg_worker.tracing import Tracer, Trust
 
 log = logging.getLogger(__name__)
 LOCAL_HOST = "127.0.0.1"
@@ -78,7 +78,7 @@ class EngineServer:
         inboxes = [group_inbox(self.to_engine, g, d.dp_size) for g in range(d.dp_size)]
         prefill = d.role is Role.PREFILL
         key_id = d.kv_names[1]
-        tracer = Tracer.create(d.role.value, a.otlp_traces_endpoint, a.otlp_traces_sampling_ratio)
+        tracer = Tracer.create(d.role.value, a.otlp_traces_endpoint, a.otlp_traces_sampling_ratio, trace_trust(a))
         self.frontend = frontend = Frontend(tokenizer, inboxes, self.from_engine, metrics, prefill, key_id, tracer)
         frontend.start()
         await _wait_ready(frontend, self.procs)
@@ -96,7 +96,7 @@ class EngineServer:
             client_body_budget=CLIENT_BODY_BUDGET_BYTES if d.role is Role.MONOLITHIC else None,
             parts=self.parts,
         )
-        require_keys(app, accepted_keys(a))
+        require_keys(app, a.api_keys, peer_keys(a))
         self.admission = admission = app[ADMISSION]
         frontend.watch(self.procs, on_exit=lambda reason: setattr(admission, "broken", reason))
         self.runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=CUT_GRACE_S)
@@ -135,11 +135,20 @@ class EngineServer:
         shutil.rmtree(self.ipc_dir, ignore_errors=True)
 
 
-def accepted_keys(args: ServerArgs) -> tuple[str, ...]:
-    """Bearer tokens this instance's HTTP port accepts: the API keys, and the router's worker token
-    when the instance has the model's shared secret (prefill and decode in a deployment)."""
+def peer_keys(args: ServerArgs) -> tuple[str, ...]:
+    """Bearer tokens this instance's HTTP port accepts besides the API keys: the router's worker token when the
+    instance has the model's shared secret (prefill and decode in a deployment)."""
     worker = args.engine.disagg.worker_token
-    return args.api_keys + ((worker,) if worker else ())
+    return (worker,) if worker else ()
+
+
+def trace_trust(args: ServerArgs) -> Trust:
+    """Whose sampled flag this instance's traces follow (`tracing.Trust`): a monolithic server's callers are
+    clients; a worker with the model's secret knows the router by its token; one without is called by the
+    router alone."""
+    if args.engine.disagg.role is Role.MONOLITHIC:
+        return Trust.NONE
+    return Trust.PEER if peer_keys(args) else Trust.ALL
 
 
 async def _wait_ready(frontend: Frontend, procs: list[BaseProcess]) -> None:

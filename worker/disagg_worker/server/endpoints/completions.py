@@ -5,7 +5,8 @@ logprobs, and `echo`.
 `echo`: the answer starts with the prompt, and with `logprobs` the prompt's tokens come with theirs as vLLM
 returns them: the first prompt token's logprob is null (nothing precedes it), each other's is its
 log-probability given the tokens before it (`engine/prompt_logprobs.py`), its top-N alternatives beside it.
-With `max_tokens: 0` the prompt is the whole answer (the one token the engine generates is dropped).
+With `max_tokens: 0` the prompt is the whole answer (the one token the engine generates is dropped). Such an
+answer holds prompt tokens x (logprobs + 1) x n entries, bounded per request (`request/limits.py`).
 
 Through P/D the prompt is computed by prefill: decode's answer carries the prompt's tokens with null logprobs,
 which the router fills in from prefill's answer (`router/echo.py`).
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 from aiohttp import web
 
 from disagg_worker.model.tokenizer import Tokenizer
+from disagg_worker.request.limits import check_echo_logprobs
 from disagg_worker.request.route import route_of
 from disagg_worker.server.endpoints.base import (
     Choice,
@@ -43,6 +45,8 @@ def add_completion_route(app: web.Application, frontend: FrontendOf, model: str)
         reqs = parse_completions(body, model, fe.limits)
         runs = [await prompt_run(fe, req) for req in reqs]
         req = reqs[0]  # the fields besides the prompt are every prompt's
+        if req.echo:
+            check_echo_logprobs(sum(len(run.ids) for run, _ in runs), req.sampling.logprobs, req.n)
         route = route_of(body)
         delivery = Delivery(req.stream, req.stream_options_include_usage, wants_token_ids(body))
         echoes = [echo for _, echo in runs for _ in range(req.n)]  # what choice i echoes (None: nothing)
