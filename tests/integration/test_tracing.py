@@ -172,7 +172,11 @@ def test_a_pd_request_is_one_trace_across_router_prefill_and_decode(stack, jaege
                 assert parent_of(s) == server["spanID"], (role, name)
                 assert 0 <= s["duration"] < server["duration"], (role, name)
                 assert server["startTime"] <= s["startTime"] and end(s) <= end(server) + ROUNDING_US, (role, name)
-        assert leg["startTime"] <= server["startTime"] and end(server) <= end(leg) + ROUNDING_US, role
+        # Across processes only what causality orders: the leg sent the request before the worker took it, and
+        # the worker's stages produced the answer before the leg had read all of it (the worker's own span may
+        # end after the leg: it closes once its last bytes are written, which the router may read first).
+        last_stage = max(end(s) for name in stages for s in names[f"disagg-{role}:{name}"])
+        assert leg["startTime"] <= server["startTime"] and last_stage <= end(leg) + ROUNDING_US, role
 
     # The transfer, as each side saw it.
     sent, received = one["disagg-prefill:kv.transfer"]["attrs"], one["disagg-decode:kv.transfer"]["attrs"]
@@ -190,18 +194,20 @@ def test_a_pd_request_is_one_trace_across_router_prefill_and_decode(stack, jaege
     assert one[f"disagg-decode:decode {SERVER}"]["attrs"]["disagg.finish_reason"] == "length"
 
     # Each level of the streamed answer's path lies inside the one above it: client > router > attempt > decode
-    # leg > decode's span > the time decode's stages cover; prefill's stages cover part of its span and no more
-    # (its KV transfer begins with the first chunk's pages and overlaps the later chunks' forwards, so what is
-    # compared is the time at least one stage covers).
+    # leg > the time decode's stages cover, and decode's span > that time; prefill's stages cover part of its
+    # span and no more (its KV transfer begins with the first chunk's pages and overlaps the later chunks'
+    # forwards, so what is compared is the time at least one stage covers).
     covered = {}
     for role, stages in (("prefill", PREFILL_STAGES), ("decode", DECODE_STAGES)):
         server = one[f"disagg-{role}:{role} {SERVER}"]
         spans_of = [s for n in stages for s in names[f"disagg-{role}:{n}"]]
         covered[role] = union_us([(s["startTime"], end(s)) for s in spans_of])
         assert 0 < covered[role] <= server["duration"], (role, covered, server)
+    # (Within the router, then within decode; between them the leg covers the time decode's stages cover.)
     chain = [latency_us, root["duration"], attempt["duration"], one["disagg-router:decode"]["duration"]]
-    chain += [one[f"disagg-decode:decode {SERVER}"]["duration"], covered["decode"]]
+    chain += [covered["decode"]]
     assert all(a + ROUNDING_US >= b for a, b in zip(chain, chain[1:], strict=False)), chain
+    assert one[f"disagg-decode:decode {SERVER}"]["duration"] + ROUNDING_US >= covered["decode"], covered
     decode = [one[f"disagg-decode:{n}"] for n in DECODE_STAGES]
     for a, b in zip(decode, decode[1:], strict=False):
         assert end(a) <= b["startTime"] + ROUNDING_US, ("decode", a["operationName"], b["operationName"])
