@@ -21,6 +21,7 @@ from disagg_worker.request.errors import APIError
 from disagg_worker.request.limits import RequestLimits
 from disagg_worker.request.params import MAX_STOP_TOKEN_IDS, SamplingParams
 from disagg_worker.server.protocol import parse_chat, parse_completions
+from tests.timing import scaled
 from tests.unit.test_engine import GREEDY, assert_idle_accounting, make_engine, tokens_of, varied_prompts
 
 VOCAB = 50
@@ -108,6 +109,7 @@ def test_a_grammar_whose_compilation_runs_past_the_limit_is_a_400_and_refused_at
     assert outs["s"][-1].error.startswith("regex: the pattern did not compile within")
     assert len(tokens_of(outs["ok"])) == GREEDY.max_new_tokens
     engine.grammars.submit = real_submit  # type: ignore[method-assign]
+    engine.grammar_wait.limit_s = scaled(60)  # a real compilation: its time is the machine's, not the test's
     again = run(engine, True, lambda e: e.handle(msg.GenerateReq("s2", [5, 6, 7], slow)))
     assert again["s2"][-1].error_status == 400 and "did not compile within" in again["s2"][-1].error
 
@@ -121,6 +123,7 @@ def test_a_grammar_queued_behind_slow_ones_is_a_503_and_not_held_against_it(tiny
     outs = run(engine, True, lambda e: e.handle(msg.GenerateReq("q", [5, 6, 7], queued)))
     assert outs["q"][-1].error_status == 503 and "busy" in outs["q"][-1].error
     engine.grammars.submit = real_submit  # type: ignore[method-assign]
+    engine.grammar_wait.limit_s = scaled(60)  # a real compilation: its time is the machine's, not the test's
     again = run(engine, True, lambda e: e.handle(msg.GenerateReq("q2", [5, 6, 7], queued)))
     assert again["q2"][-1].error_status == 0 and again["q2"][-1].finish_reason in ("stop", "length")
     assert tokens_of(again["q2"])  # the grammar compiled this time: the 503 held nothing against it
