@@ -16,6 +16,9 @@ pytest.importorskip("grpc")
 from disagg_worker.epp import answers  # noqa: E402
 from disagg_worker.epp.exchange import Exchange, Reader  # noqa: E402
 from disagg_worker.epp.generated.envoy.config.core.v3 import base_pb2 as core  # noqa: E402
+from disagg_worker.epp.generated.envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import (  # noqa: E402
+    ProcessingMode,
+)
 from disagg_worker.epp.generated.envoy.service.ext_proc.v3 import external_processor_pb2 as pb  # noqa: E402
 from disagg_worker.epp.metrics import EppMetrics  # noqa: E402
 from disagg_worker.epp.pick import ROLE, Picker, address  # noqa: E402
@@ -182,6 +185,22 @@ def test_a_request_is_answered_at_its_body_end_with_the_header_the_metadata_and_
     assert a.inflight == 1
     x.close()
     assert a.inflight == 0
+
+
+def test_a_buffered_body_gets_its_headers_answered_at_once_and_the_pick_answers_the_body():
+    pool, (a,) = pool_of("10.0.0.1:8000")
+    x = exchange(pool)
+    first = headers("/v1/chat/completions")
+    first.protocol_config.request_body_mode = ProcessingMode.BUFFERED
+    (h,) = run(x, first)
+    assert h.WhichOneof("response") == "request_headers" and not h.request_headers.response.header_mutation.set_headers
+    (out,) = run(x, body(json.dumps(CHAT).encode(), True))
+    common = out.request_body.response
+    assert [h.header.raw_value for h in common.header_mutation.set_headers] == [b"10.0.0.1:8000"]
+    assert common.clear_route_cache and not common.HasField("body_mutation")
+    assert (
+        out.dynamic_metadata.fields[answers.LB].struct_value.fields[answers.DESTINATION].string_value == "10.0.0.1:8000"
+    )
 
 
 def test_a_request_without_a_body_is_picked_at_its_headers():

@@ -56,16 +56,22 @@ def _header(name: str, value: str) -> core.HeaderValueOption:
     return core.HeaderValueOption(header=core.HeaderValue(key=name, raw_value=value.encode()), append_action=OVERWRITE)
 
 
-def routed(value: str, body_bytes: int | None) -> pb.ProcessingResponse:
-    """The pick, as the answer to the request's headers: the destination header (and the body's new length when
-    the body is sent back), the same value in `envoy.lb`, and the route recomputed with the header set."""
+def routed(value: str, body: bytes | None, buffered: bool = False) -> pb.ProcessingResponse:
+    """The pick: the destination header (and the body's length when the body is sent back), the same value in
+    `envoy.lb`, and the route recomputed with the header set. FULL_DUPLEX_STREAMED (and a request without a body):
+    the answer to the request's headers, the body following it (`body_back`); BUFFERED: the answer to the whole
+    body, which carries it (`body`) only when it changed (None: unchanged)."""
     headers = [_header(DESTINATION, value)]
-    if body_bytes is not None:
-        headers.append(_header("content-length", str(body_bytes)))
+    if body is not None:
+        headers.append(_header("content-length", str(len(body))))
     common = pb.CommonResponse(header_mutation=pb.HeaderMutation(set_headers=headers), clear_route_cache=True)
     metadata = struct_pb2.Struct()
     metadata.fields[LB].struct_value.fields[DESTINATION].string_value = value
-    return pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=common), dynamic_metadata=metadata)
+    if not buffered:
+        return pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=common), dynamic_metadata=metadata)
+    if body is not None:
+        common.body_mutation.body = body
+    return pb.ProcessingResponse(request_body=pb.BodyResponse(response=common), dynamic_metadata=metadata)
 
 
 def streamed(piece: bytes, end: bool, request: bool = True) -> pb.ProcessingResponse:

@@ -5,7 +5,9 @@ at the body's end: the workers' parser checks it (its 4xx otherwise), cache_awar
 picked (503, 429 otherwise) -> the answer to the headers (destination header + `envoy.lb` metadata, route
 recomputed) and the body streamed back (with `data_parallel_rank` added under DP attention) -> the response's
 headers (which endpoint served: metrics; the prompt is computed) -> the stream ends (the request is closed on its
-endpoint). A request without a body is picked at its headers. A message the picker does not expect is let
+endpoint). A request without a body is picked at its headers. A gateway configured with request_body_mode
+BUFFERED (which keeps the body, so that FailOpen can still send it on when the picker is gone) gets its headers
+answered at once and the pick as the answer to the body. A message the picker does not expect is let
 through; whatever fails inside the picker fails this request alone, with a 500.
 """
 
@@ -19,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from disagg_worker.epp import answers
+from disagg_worker.epp.generated.envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
 from disagg_worker.epp.generated.envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from disagg_worker.epp.metrics import EppMetrics
 from disagg_worker.epp.pick import Choice, Picker
@@ -28,6 +31,9 @@ from disagg_worker.router.policies.prefix import Prompt
 from disagg_worker.router.prompt import PromptTokens, prompt_of
 
 log = logging.getLogger(__name__)
+# The body mode in which the gateway holds the whole body and sends it in one message (the picker answers the
+# headers first; the pick answers the body).
+BUFFERED = (ProcessingMode.BUFFERED,)
 # A body this large, or any body when prompts are tokenised, is read on a thread: the loop keeps answering the
 # other streams (as the router does).
 INLINE_BODY_BYTES = 64 * 1024
@@ -53,6 +59,9 @@ class Exchange:
     buffer: BodyBuffer | None = None
     choice: Choice | None = None
     prefilled: bool = False
+    # The gateway buffers the body and sends it whole (BUFFERED; its config says so in the first message): the
+    # headers are answered at once and the pick answers the body. Otherwise FULL_DUPLEX_STREAMED.
+    buffered: bool = False
 
     async def answer(self, req: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
         """The answers to one message of the gateway's (none while a body is still coming)."""
@@ -81,10 +90,11 @@ class Exchange:
     def _headers(self, req: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
         self.path = path_of(answers.headers_of(req.request_headers.headers).get(":path", ""))
         self.subset = answers.subset_of(req)
+        self.buffered = req.protocol_config.request_body_mode in BUFFERED
         if req.request_headers.end_of_stream:
             return [answers.routed(self._pick(None, time.monotonic()).value, None)]
         self.buffer = BodyBuffer(self.picker.body_limit())
-        return []
+        return [answers.passed("request_headers")] if self.buffered else []
 
     async def _body(self, chunk: pb.HttpBody) -> list[pb.ProcessingResponse]:
         if self.buffer is None:  # a body after the pick (or without headers): it goes back as it came
@@ -94,13 +104,19 @@ class Exchange:
             return []
         raw, self.buffer, since = self.buffer.bytes(), None, time.monotonic()
         if self.path not in CHECKS:
-            return [answers.routed(self._pick(None, since).value, len(raw)), *answers.body_back(raw)]
+            return self._routed(self._pick(None, since), raw, changed=False)
         inline = len(raw) <= INLINE_BODY_BYTES and self.reader.prompts is None
         body, prompt = self._read(raw) if inline else await asyncio.to_thread(self._read, raw)
         choice = self._pick(prompt, since)
-        if choice.group is not None:  # the attention group, named to the worker as the router names it
-            raw = json.dumps({**body, "data_parallel_rank": choice.group}).encode()
-        return [answers.routed(choice.value, len(raw)), *answers.body_back(raw)]
+        if choice.group is None:
+            return self._routed(choice, raw, changed=False)
+        # The attention group, named to the worker as the router names it.
+        return self._routed(choice, json.dumps({**body, "data_parallel_rank": choice.group}).encode(), changed=True)
+
+    def _routed(self, choice: Choice, raw: bytes, changed: bool) -> list[pb.ProcessingResponse]:
+        if self.buffered:
+            return [answers.routed(choice.value, raw if changed else None, buffered=True)]
+        return [answers.routed(choice.value, raw), *answers.body_back(raw)]
 
     def _read(self, raw: bytes) -> tuple[dict[str, Any], Prompt | None]:
         r = self.reader
