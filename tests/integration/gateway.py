@@ -49,14 +49,14 @@ def _cluster(name: str, ports: list[int], **kw) -> dict:
     }
 
 
-def ext_proc(failure_mode_allow: bool) -> dict:
+def ext_proc(failure_mode_allow: bool, cluster: str = "epp") -> dict:
     """The filter; FailOpen (`failure_mode_allow`) with the body BUFFERED: Envoy keeps it and sends it on when the
     picker is gone (streamed to the picker, FULL_DUPLEX_STREAMED, a body is no longer Envoy's to send)."""
     return {
         "name": "envoy.filters.http.ext_proc",
         "typed_config": {
             "@type": f"{TYPES}.filters.http.ext_proc.v3.ExternalProcessor",
-            "grpc_service": {"envoy_grpc": {"cluster_name": "epp"}, "timeout": "10s"},
+            "grpc_service": {"envoy_grpc": {"cluster_name": cluster}, "timeout": "10s"},
             "failure_mode_allow": failure_mode_allow,
             "processing_mode": {
                 "request_header_mode": "SEND",
@@ -121,7 +121,11 @@ def listener(name: str, port: int, filters: list[dict]) -> dict:
     return {"name": name, "address": _socket(port), "filter_chains": [chain]}
 
 
-def envoy_config(admin: int, listeners: dict[str, int], epp_port: int, endpoints: list[int], subset: list[str]) -> dict:
+def envoy_config(
+    admin: int, listeners: dict[str, int], epp_port: int, endpoints: list[int], subset: list[str], shed_port: int = 0
+) -> dict:
+    """The listeners of the module docstring; with `shed_port`, a "shed" listener too, as "close" but asking the
+    picker there (one that sheds)."""
     http2 = {
         "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
             "@type": f"{TYPES}.upstreams.http.v3.HttpProtocolOptions",
@@ -142,9 +146,15 @@ def envoy_config(admin: int, listeners: dict[str, int], epp_port: int, endpoints
                 listener("close", listeners["close"], [ext_proc(False)]),
                 listener("open", listeners["open"], [ext_proc(True)]),
                 listener("subset", listeners["subset"], [set_subset(subset), ext_proc(False)]),
+                *([listener("shed", listeners["shed"], [ext_proc(False, "epp_shed")])] if shed_port else []),
             ],
             "clusters": [
                 _cluster("epp", [epp_port], type="STATIC", typed_extension_protocol_options=http2),
+                *(
+                    [_cluster("epp_shed", [shed_port], type="STATIC", typed_extension_protocol_options=http2)]
+                    if shed_port
+                    else []
+                ),
                 original_dst,
                 _cluster("pool", endpoints, type="STATIC", lb_policy="ROUND_ROBIN"),
             ],

@@ -30,6 +30,7 @@ from tests.integration.gateway import (  # noqa: E402
     health_status,
     start_epp,
 )
+from tests.integration.procs import Stream as SSE  # noqa: E402
 from tests.integration.procs import free_port, scaled, serve, wait_until  # noqa: E402
 
 pytestmark = pytest.mark.integration
@@ -71,9 +72,19 @@ def epp(servers, tiny_model):
 
 
 @pytest.fixture(scope="module")
-def envoy(epp, servers):
-    listeners = {name: free_port() for name in ("close", "open", "subset")}
-    config = envoy_config(free_port(), listeners, epp.grpc, [p.port for p in servers], [addr(servers[1])])
+def shedding(servers):
+    """A second picker of the same pool that takes no more than one request an endpoint holds."""
+    p = start_epp(*endpoints(servers), "--policy", "least_load", "--max-queue", "1", "--served-model-name", "tiny")
+    wait_ready(p)
+    yield p
+    p.stop()
+
+
+@pytest.fixture(scope="module")
+def envoy(epp, shedding, servers):
+    listeners = {name: free_port() for name in ("close", "open", "subset", "shed")}
+    ports = [p.port for p in servers]
+    config = envoy_config(free_port(), listeners, epp.grpc, ports, [addr(servers[1])], shedding.grpc)
     e = Envoy(config, listeners).wait_ready()
     yield e
     e.stop()
@@ -160,6 +171,26 @@ def test_the_subset_hint_is_honoured_through_envoy(envoy, servers):
     assert {served_by(envoy.url("subset"), CHAT) for _ in range(4)} == {addr(servers[1])}
 
 
+def test_a_saturated_pool_answers_429_through_envoy(envoy, servers):
+    # A long stream open on each instance (sent to it directly): each reports a request held.
+    long = {"model": "tiny", "prompt": "Once", "max_tokens": 1500, "temperature": 0, "ignore_eos": True}
+    streams = [SSE(p.url, "/v1/completions", long) for p in servers]
+    try:
+        wait_until(lambda: all(s.started.is_set() for s in streams), timeout=scaled(30), what="both streams started")
+
+        def shed() -> list[requests.Response]:  # (a 429 Response is falsy)
+            r = requests.post(f"{envoy.url('shed')}/v1/chat/completions", json=CHAT, timeout=scaled(30))
+            return [r] if r.status_code == 429 else []
+
+        (r,) = wait_until(shed, timeout=scaled(30), what="the picker sees the pool full")
+        assert r.json()["error"]["code"] == "rate_limit_exceeded" and r.headers["retry-after"] == "1"
+        assert not any(s.ended_at for s in streams)  # the pool was full while the 429 came
+    finally:
+        for s in streams:  # the instances are idle again for what follows
+            s.join(scaled(120))
+    assert all(s.done for s in streams)
+
+
 def headers(path: str, end: bool = False) -> pb.ProcessingRequest:
     m = core.HeaderMap(headers=[core.HeaderValue(key=":path", raw_value=path.encode())])
     return pb.ProcessingRequest(request_headers=pb.HttpHeaders(headers=m, end_of_stream=end))
@@ -206,35 +237,30 @@ def test_our_own_client_no_endpoint_ready_is_a_503_and_not_ready_in_health():
         dead.stop()
 
 
-def routed(port: int) -> bool:
+def hold(port: int) -> Stream | None:
+    """A request picked and held open (its stream not ended), or None when the picker refused it."""
     s = Stream(port)
-    try:
-        s.send(headers("/v1/models", end=True))
-        return s.next().HasField("request_headers")
-    finally:
-        s.close()
+    s.send(headers("/v1/models", end=True))
+    if s.next().HasField("request_headers"):
+        return s
+    s.close()
+    return None
 
 
-def test_our_own_client_a_full_pool_is_shed_with_429_and_health_names_the_services(servers):
-    p = start_epp(*endpoints(servers), "--policy", "least_load", "--max-queue", "1", "--served-model-name", "tiny")
-    held = []
+def test_our_own_client_a_full_pool_is_shed_with_429_and_health_names_the_services(shedding, servers):
+    p, held = shedding, []
     try:
-        wait_ready(p)
         for service in ("liveness", "readiness", "envoy.service.ext_proc.v3.ExternalProcessor"):
             assert health_status(p.health, service) == health_status(p.grpc, service) == "SERVING"
-        for _ in servers:  # one request open on each endpoint
-            s = Stream(p.grpc)
-            held.append(s)
-            s.send(headers("/v1/models", end=True))
-            assert s.next().HasField("request_headers")
+        for _ in servers:  # one request open on each endpoint (once the load of earlier tests is gone)
+            held.append(wait_until(lambda: hold(p.grpc), timeout=scaled(30), what="a request picked"))
         code, err = immediate(p.grpc, headers("/v1/models", end=True))
         assert code == 429 and err["error"]["code"] == "rate_limit_exceeded"
         held.pop().close()  # an endpoint has room again, once the picker saw the stream end
-        wait_until(lambda: routed(p.grpc), timeout=scaled(30), what="a request picked again")
+        held.append(wait_until(lambda: hold(p.grpc), timeout=scaled(30), what="a request picked again"))
     finally:
         for s in held:
             s.close()
-        p.stop()
 
 
 def test_with_the_picker_killed_failclose_is_a_5xx_and_failopen_still_serves(envoy, epp, servers):
