@@ -13,7 +13,8 @@ NAME = PACKAGE.name
 # scheduler records); the transfer (`disagg`) sits under the engine, the ranks' machinery under the engine, the
 # processes that run an engine above it; above those the HTTP kit both front ends use (`http`: transport, not
 # OpenAI: admission and body limits, errors, auth, drain, the tracing middleware, the probe header), the workers'
-# HTTP side above it, the router (which reuses the workers' OpenAI parsing) above that, the command line on top.
+# HTTP side above it, the router (which reuses the workers' OpenAI parsing) above that, the endpoint picker a gateway
+# asks (which reuses the router's pool, policies and discovery) above the router, the command line on top.
 FLOORS = [
     ("errors",),
     ("env", "keys", "tuning", "flags", "mem", "model", "bench"),
@@ -29,6 +30,7 @@ FLOORS = [
     ("http",),
     ("server",),
     ("router",),
+    ("epp",),
     ("cli",),
 ]
 FLOOR_OF = {part: n for n, parts in enumerate(FLOORS) for part in parts}

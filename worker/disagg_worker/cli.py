@@ -1,4 +1,5 @@
-"""The `disagg` command: serve, model make-tiny|make-random|convert-gguf, bench serve (and the P/D roles)."""
+"""The `disagg` command: serve, model make-tiny|make-random|convert-gguf, bench serve (and the P/D roles, the
+router and the endpoint picker)."""
 
 from __future__ import annotations
 
@@ -64,6 +65,13 @@ def handoff_parts(args) -> tuple:
 
 def cmd_router(ns: argparse.Namespace) -> int:
     from disagg_worker.router.server import run
+
+    run(ns)
+    return 0
+
+
+def cmd_epp(ns: argparse.Namespace) -> int:
+    from disagg_worker.epp.service import run
 
     run(ns)
     return 0
@@ -161,6 +169,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_router_args(router)
     router.set_defaults(func=cmd_router)
+
+    epp = sub.add_parser(
+        "epp",
+        help="pick endpoints for a Gateway API gateway (Envoy ext_proc: the Inference Extension's endpoint picker)",
+    )
+    from disagg_worker.epp.args import add_epp_args
+
+    add_epp_args(epp)
+    epp.set_defaults(func=cmd_epp)
 
     model = sub.add_parser("model", help="model utilities")
     msub = model.add_subparsers(dest="model_command", required=True)

@@ -27,7 +27,6 @@ import aiohttp
 from aiohttp import web
 
 from disagg_worker.http.admission import DRAINING, RETRY_AFTER_S
-from disagg_worker.mem.kv_events import page_hashes
 from disagg_worker.request import route
 from disagg_worker.request.errors import INSTANCE_FAILED, APIError, unavailable
 from disagg_worker.request.limits import body_limit_bytes
@@ -36,7 +35,7 @@ from disagg_worker.router.auth import RouterAuth
 from disagg_worker.router.hops import NO_HOP, Hop
 from disagg_worker.router.payload import JoinedPayload, SharedBody
 from disagg_worker.router.policies.prefix import Prompt
-from disagg_worker.router.prompt import PromptTokens
+from disagg_worker.router.prompt import PromptTokens, prompt_of
 from disagg_worker.router.stream import lost
 from disagg_worker.router.verify import PairVerifier
 from disagg_worker.router.worker import Worker
@@ -127,11 +126,7 @@ class Router:
     def prompt_of(self, path: str, body: dict[str, Any]) -> Prompt | None:
         """The prompt as the cache-aware policy scores it: None without a tokenizer, before any worker's page
         size is known, or for a body the router does not read (then routed by load)."""
-        ref = self.pool.kv_index.reference()
-        if self.prompts is None or ref is None:
-            return None
-        ids = self.prompts.ids(path, body)
-        return Prompt(len(ids), page_hashes(ids, ref[0], key=self.auth.kv_key), ref[0]) if ids else None
+        return prompt_of(self.prompts, self.pool.kv_index, self.auth.kv_key, path, body)
 
     def body_limit(self) -> int:
         """--max-body-bytes, else the limit of the largest context a worker reported (`request/limits.py`)."""

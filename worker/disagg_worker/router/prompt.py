@@ -11,8 +11,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from disagg_worker.mem.kv_events import page_hashes
 from disagg_worker.model.tokenizer import Tokenizer
 from disagg_worker.request.limits import RequestLimits
+from disagg_worker.router.kv_index import KVIndex
+from disagg_worker.router.policies.prefix import Prompt
 from disagg_worker.server.protocol import parse_chat, parse_completions, parse_generate
 from disagg_worker.server.tool_calls import ChatTools
 
@@ -54,3 +57,13 @@ class PromptTokens:
             text = tok.apply_chat_template(messages, chat.add_generation_prompt, offered)
             return tok.encode(text, add_special_tokens=False)
         return None
+
+
+def prompt_of(prompts: PromptTokens | None, index: KVIndex, kv_key: bytes, path: str, body: Any) -> Prompt | None:
+    """The prompt as the cache-aware policy scores it, its pages named with the workers' key: None without a
+    tokenizer, before any worker's page size is known, or for a body not read this way (then routed by load)."""
+    ref = index.reference()
+    if prompts is None or ref is None:
+        return None
+    ids = prompts.ids(path, body)
+    return Prompt(len(ids), page_hashes(ids, ref[0], key=kv_key), ref[0]) if ids else None
