@@ -11,17 +11,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import openai
 import pytest
+import requests
 
-pytest.importorskip("grpc")
-pytest.importorskip("envoy")
-
-import openai  # noqa: E402
-import requests  # noqa: E402
-
-from disagg_worker.epp.generated.envoy.config.core.v3 import base_pb2 as core  # noqa: E402
-from disagg_worker.epp.generated.envoy.service.ext_proc.v3 import external_processor_pb2 as pb  # noqa: E402
-from tests.integration.gateway import (  # noqa: E402
+from disagg_worker.epp.generated.envoy.config.core.v3 import base_pb2 as core
+from disagg_worker.epp.generated.envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from tests.integration.gateway import (
     SERVED,
     SUBSET_HINT,
     Envoy,
@@ -30,8 +26,8 @@ from tests.integration.gateway import (  # noqa: E402
     health_status,
     start_epp,
 )
-from tests.integration.procs import Stream as SSE  # noqa: E402
-from tests.integration.procs import free_port, scaled, serve, wait_until  # noqa: E402
+from tests.integration.procs import Stream as SSE
+from tests.integration.procs import free_port, scaled, serve, wait_until
 
 pytestmark = pytest.mark.integration
 FLAGS = ("--page-size", "4", "--chunk-size", "32", "--max-total-tokens", "8192", "--served-model-name", "tiny")

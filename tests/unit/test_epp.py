@@ -11,24 +11,22 @@ import time
 
 import pytest
 
-pytest.importorskip("grpc")
-
-from disagg_worker.epp import answers  # noqa: E402
-from disagg_worker.epp.exchange import Exchange, Reader  # noqa: E402
-from disagg_worker.epp.generated.envoy.config.core.v3 import base_pb2 as core  # noqa: E402
-from disagg_worker.epp.generated.envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import (  # noqa: E402
+from disagg_worker.epp import answers
+from disagg_worker.epp.exchange import Exchange, Reader
+from disagg_worker.epp.generated.envoy.config.core.v3 import base_pb2 as core
+from disagg_worker.epp.generated.envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import (
     ProcessingMode,
 )
-from disagg_worker.epp.generated.envoy.service.ext_proc.v3 import external_processor_pb2 as pb  # noqa: E402
-from disagg_worker.epp.metrics import EppMetrics  # noqa: E402
-from disagg_worker.epp.pick import ROLE, Picker, address  # noqa: E402
-from disagg_worker.epp.request_body import BodyBuffer, read_request, scored  # noqa: E402
-from disagg_worker.mem.kv_events import EventLog, page_hashes  # noqa: E402
-from disagg_worker.request.errors import APIError  # noqa: E402
-from disagg_worker.router.policies import Policy  # noqa: E402
-from disagg_worker.router.policies.prefix import Prompt  # noqa: E402
-from disagg_worker.router.worker import Worker  # noqa: E402
-from disagg_worker.router.workers import WorkerPool  # noqa: E402
+from disagg_worker.epp.generated.envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from disagg_worker.epp.metrics import EppMetrics
+from disagg_worker.epp.pick import ROLE, Picker, address
+from disagg_worker.epp.request_body import BodyBuffer, read_request, scored
+from disagg_worker.mem.kv_events import EventLog, page_hashes
+from disagg_worker.request.errors import APIError
+from disagg_worker.router.policies import Policy
+from disagg_worker.router.policies.prefix import Prompt
+from disagg_worker.router.worker import Worker
+from disagg_worker.router.workers import WorkerPool
 
 PAGE = 4
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
