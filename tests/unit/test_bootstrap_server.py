@@ -208,3 +208,23 @@ def test_an_instance_with_dp_attention_answers_each_attention_group_apart():
             register_rank(srv.url, replace(REG, rank_port=7000), TOKEN)
     finally:
         srv.stop()
+
+
+def test_a_local_instance_listens_and_registers_on_the_loopback_address_it_advertises():
+    """Two instances on one machine advertising 127.0.0.1 and 127.0.0.2 share one bootstrap port, as pods do; an
+    instance advertising another address listens on every interface, and its own ranks reach it over loopback."""
+    from disagg_worker.config import DisaggConfig
+    from disagg_worker.disagg.bootstrap import leader_url, listen_host
+
+    assert [listen_host(h) for h in ("127.0.0.2", "::1", "10.0.0.5", "pod.example")] == [
+        "127.0.0.2",
+        "::1",
+        "0.0.0.0",
+        "0.0.0.0",
+    ]
+    urls = [leader_url(DisaggConfig(advertise_host=h, bootstrap_port=9000)) for h in ("127.0.0.2", "::1", "10.0.0.5")]
+    assert urls == ["http://127.0.0.2:9000", "http://[::1]:9000", "http://127.0.0.1:9000"]
+    pod1 = DisaggConfig(
+        advertise_host="10.0.0.6", tp_size=2, nnodes=2, node_rank=1, dist_init_addr="10.0.0.5:5000", bootstrap_port=9000
+    )
+    assert leader_url(pod1) == "http://10.0.0.5:9000"

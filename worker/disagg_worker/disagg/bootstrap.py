@@ -31,6 +31,9 @@ from dataclasses import asdict, dataclass, fields
 
 from aiohttp import web
 
+from disagg_worker.config import DisaggConfig
+from disagg_worker.disagg.channel import is_loopback
+
 _INT_FIELDS = (
     "tp_rank",
     "tp_size",
@@ -48,6 +51,21 @@ _INT_FIELDS = (
 )
 _STR_FIELDS = ("rank_ip", "kv_dtype", "session_id", "kv_kind")
 KV_KINDS = ("mha", "mla")
+
+
+def listen_host(advertise_host: str) -> str:
+    """Where a prefill instance's bootstrap server listens: on the loopback address it advertises alone (a local
+    run; instances advertising 127.0.0.1 and 127.0.0.2 then share one bootstrap port, as pods do), else on every
+    interface (decode comes through the pod's address; NetworkPolicy guards it)."""
+    return advertise_host if is_loopback(advertise_host) else "0.0.0.0"
+
+
+def leader_url(d: DisaggConfig) -> str:
+    """The bootstrap server this pod's ranks register with, pod 0's: on pod 0 itself, at the loopback address it
+    listens on (`listen_host`; 127.0.0.1 when it listens on every interface)."""
+    own = d.node_rank == 0 or not d.dist_init_addr
+    host = d.advertise_host if own and is_loopback(d.advertise_host) else d.leader_host
+    return f"http://[{host}]:{d.bootstrap_port}" if ":" in host else f"http://{host}:{d.bootstrap_port}"
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ import torch
 
 from disagg_worker.config import EngineConfig, Role
 from disagg_worker.disagg import AUX_ITEM_NBYTES, KVLayout, KVManager, RankInfo, create_kv_manager
+from disagg_worker.disagg.bootstrap import leader_url
 from disagg_worker.engine import cuda_graphs
 from disagg_worker.engine.decode import DecodeReq, DecodeStage
 from disagg_worker.engine.drafting import Draft, draft_head_nbytes, load_draft
@@ -201,8 +202,7 @@ def build_kv_manager(
         layout = KVLayout.from_pool(
             kv_pool, cfg.cache.kv_dtype, start_layer=start_layer, kv_heads=heads, draft_kv=draft_kv, draft_layers=extra
         )
-        url = f"http://{d.leader_host}:{d.bootstrap_port}"  # pod 0's bootstrap server
-        rank = RankInfo(shard.attn_tp_rank, shard.pp_rank, url, shard.dp_rank)
+        rank = RankInfo(shard.attn_tp_rank, shard.pp_rank, leader_url(d), shard.dp_rank)
         return create_kv_manager(d, layout, rank)
     if d.role is Role.DECODE:
         layout = KVLayout.from_pool(

@@ -24,7 +24,7 @@ from multiprocessing.process import BaseProcess
 from aiohttp import web
 
 from disagg_worker.config import Role, ServerArgs
-from disagg_worker.disagg.bootstrap import BootstrapServer
+from disagg_worker.disagg.bootstrap import BootstrapServer, listen_host
 from disagg_worker.http.admission import CLIENT_BODY_BUDGET_BYTES, Admission
 from disagg_worker.http.auth import require_keys
 from disagg_worker.http.drain import CUT_GRACE_S, DrainReport, Signals, drain
@@ -37,7 +37,6 @@ from disagg_worker.server.response_store import ResponseStore
 from disagg_worker.tracing import Tracer, Trust
 
 log = logging.getLogger(__name__)
-LOCAL_HOST = "127.0.0.1"
 
 STARTUP_TIMEOUT_S = 600.0
 
@@ -62,12 +61,14 @@ class EngineServer:
         a = self.args
         if a.engine.disagg.role is Role.PREFILL:
             d = a.engine.disagg
-            # This instance's own ranks register at 127.0.0.1 (`DisaggConfig.leader_host`): loopback only in a local run
-            # (advertised there too); every interface otherwise, decode coming through the pod's address (NetworkPolicy
-            # guards it).
-            host = LOCAL_HOST if d.advertise_host == LOCAL_HOST else "0.0.0.0"
+            # This instance's own ranks register with it at the address it listens on (`bootstrap.leader_url`).
             self.bootstrap = BootstrapServer(
-                d.bootstrap_port, d.attn_tp_size, d.pp_size, d.bootstrap_token, host=host, dp_size=d.dp_size
+                d.bootstrap_port,
+                d.attn_tp_size,
+                d.pp_size,
+                d.bootstrap_token,
+                host=listen_host(d.advertise_host),
+                dp_size=d.dp_size,
             ).start()
         self.procs = spawn_schedulers(a.engine, self.to_engine, self.from_engine, a.log_level)
         d = a.engine.disagg
