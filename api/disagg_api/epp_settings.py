@@ -1,10 +1,10 @@
 """Every setting of `disagg epp`, the endpoint picker a Gateway API gateway asks which pod serves a request
 (`disagg_worker.epp`), declared once.
 
-Its parser is made from `EPP` (`disagg_worker.epp.args`; the static endpoint list, `--endpoint URL`, is the one flag
-spelled there). The pool is found and scored as the router finds and scores its workers, so those flags are the
-router's own (`router_settings`): the same name, default and meaning. The ports are the conventional ones of an
-endpoint picker (the Gateway API Inference Extension's: 9002 ext_proc, 9003 gRPC health, 9090 metrics).
+Its parser is made from `EPP` (`disagg_worker.epp.args`; the static lists, `--endpoint URL` and `--prefill URL`, are
+the flags spelled there). The pool is found and scored as the router finds and scores its workers, so those flags
+are the router's own (`router_settings`): the same name, default and meaning. The ports are the conventional ones
+of an endpoint picker (the Gateway API Inference Extension's: 9002 ext_proc, 9003 gRPC health, 9090 metrics).
 """
 
 from __future__ import annotations
@@ -30,6 +30,11 @@ ENDPOINT_DNS = Setting(
     "--endpoint-dns",
     help="HOST:PORT of a headless Service of the pods that take client traffic (each A record an endpoint)",
 )
+PREFILL_DNS = Setting(
+    "--prefill-dns",
+    help="HOST:PORT of a headless Service of the prefill pods (each A record a prefill): P/D mode, as --prefill; the "
+    "endpoints are then decodes, and each request names the prefill picked for it in x-prefiller-host-port",
+)
 MAX_QUEUE = Setting(
     "--max-queue",
     int,
@@ -50,6 +55,7 @@ FALLBACKS = Setting(
 EPP_HEAD = (engine.HOST, GRPC_PORT, GRPC_HEALTH_PORT, METRICS_PORT, R.SERVED_MODEL_NAME)
 EPP = (
     ENDPOINT_DNS,
+    PREFILL_DNS,
     R.POLICY,
     R.TOKENIZER,
     R.CACHE_AWARE_BALANCE_TOKENS,

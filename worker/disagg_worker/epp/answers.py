@@ -1,8 +1,9 @@
 """The ext_proc messages of the endpoint picker protocol (GIE's, v1), in Envoy's own types (`generated/`): what
 the gateway sends that the picker reads (headers, the subset hint, the endpoint that served), and the answers it
 sends back: the pick (header `x-gateway-destination-endpoint` and the same value in the dynamic metadata
-`envoy.lb`), the body streamed back (FULL_DUPLEX_STREAMED), and the refusals as ImmediateResponses carrying the
-OpenAI error body the router would give.
+`envoy.lb`; in P/D mode the prefill in header `x-prefiller-host-port`, llm-d's), the body streamed back
+(FULL_DUPLEX_STREAMED), and the refusals as ImmediateResponses carrying the OpenAI error body the router would
+give.
 """
 
 from __future__ import annotations
@@ -14,10 +15,12 @@ from google.protobuf import struct_pb2
 from disagg_worker.epp.generated.envoy.config.core.v3 import base_pb2 as core
 from disagg_worker.epp.generated.envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from disagg_worker.request.errors import APIError
+from disagg_worker.router.prefiller import HEADER
 
 DESTINATION = "x-gateway-destination-endpoint"
 SERVED = "x-gateway-destination-endpoint-served"
 SUBSET = "x-gateway-destination-endpoint-subset"
+PREFILLER = HEADER  # llm-d's header naming the prefill to a decode (`router/prefiller.py`)
 LB = "envoy.lb"
 SUBSET_HINT = "envoy.lb.subset_hint"
 # The most of a body one StreamedBodyResponse carries back (gRPC's default message bound is 4 MiB).
@@ -56,12 +59,15 @@ def _header(name: str, value: str) -> core.HeaderValueOption:
     return core.HeaderValueOption(header=core.HeaderValue(key=name, raw_value=value.encode()), append_action=OVERWRITE)
 
 
-def routed(value: str, body: bytes | None, buffered: bool = False) -> pb.ProcessingResponse:
+def routed(value: str, body: bytes | None, buffered: bool = False, prefiller: str = "") -> pb.ProcessingResponse:
     """The pick: the destination header (and the body's length when the body is sent back), the same value in
-    `envoy.lb`, and the route recomputed with the header set. FULL_DUPLEX_STREAMED (and a request without a body):
-    the answer to the request's headers, the body following it (`body_back`); BUFFERED: the answer to the whole
-    body, which carries it (`body`) only when it changed (None: unchanged)."""
+    `envoy.lb`, and the route recomputed with the header set; in P/D mode the prefill in `x-prefiller-host-port`
+    (`prefiller`; a client's own header of that name is overwritten). FULL_DUPLEX_STREAMED (and a request without a
+    body): the answer to the request's headers, the body following it (`body_back`); BUFFERED: the answer to the
+    whole body, which carries it (`body`) only when it changed (None: unchanged)."""
     headers = [_header(DESTINATION, value)]
+    if prefiller:
+        headers.append(_header(PREFILLER, prefiller))
     if body is not None:
         headers.append(_header("content-length", str(len(body))))
     common = pb.CommonResponse(header_mutation=pb.HeaderMutation(set_headers=headers), clear_route_cache=True)

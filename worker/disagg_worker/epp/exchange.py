@@ -2,13 +2,14 @@
 
 request headers (the path; the subset hint) -> body chunks, gathered within the body limit (413 past it) ->
 at the body's end: the workers' parser checks it (its 4xx otherwise), cache_aware's prompt is named, the endpoint
-picked (503, 429 otherwise) -> the answer to the headers (destination header + `envoy.lb` metadata, route
-recomputed) and the body streamed back (with `data_parallel_rank` added under DP attention) -> the response's
-headers (which endpoint served: metrics; the prompt is computed) -> the stream ends (the request is closed on its
-endpoint). A request without a body is picked at its headers. A gateway configured with request_body_mode
-BUFFERED (which keeps the body, so that FailOpen can still send it on when the picker is gone) gets its headers
-answered at once and the pick as the answer to the body. A message the picker does not expect is let
-through; whatever fails inside the picker fails this request alone, with a 500.
+picked, and in P/D mode the prefill (503, 429 otherwise) -> the answer to the headers (destination header +
+`envoy.lb` metadata, in P/D mode `x-prefiller-host-port`, route recomputed) and the body streamed back (with
+`data_parallel_rank` added under DP attention) -> the response's headers (which endpoint served: metrics; the
+prompt is computed, the prefill's part is over) -> the stream ends (the request is closed on its endpoint). A
+request without a body is picked at its headers. A gateway configured with request_body_mode BUFFERED (which
+keeps the body, so that FailOpen can still send it on when the picker is gone) gets its headers answered at once
+and the pick as the answer to the body. A message the picker does not expect is let through; whatever fails
+inside the picker fails this request alone, with a 500.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from disagg_worker.epp.generated.envoy.extensions.filters.http.ext_proc.v3.proce
 from disagg_worker.epp.generated.envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from disagg_worker.epp.metrics import EppMetrics
 from disagg_worker.epp.pick import Choice, Picker
-from disagg_worker.epp.request_body import CHECKS, BodyBuffer, path_of, read_request, scored
+from disagg_worker.epp.request_body import CHECKS, HANDED_OFF, BodyBuffer, path_of, read_request, scored
 from disagg_worker.request.errors import APIError, server_error
 from disagg_worker.router.policies.prefix import Prompt
 from disagg_worker.router.prompt import PromptTokens, prompt_of
@@ -92,7 +93,8 @@ class Exchange:
         self.subset = answers.subset_of(req)
         self.buffered = req.protocol_config.request_body_mode in BUFFERED
         if req.request_headers.end_of_stream:
-            return [answers.routed(self._pick(None, time.monotonic()).value, None)]
+            choice = self._pick(None, time.monotonic())
+            return [answers.routed(choice.value, None, prefiller=choice.prefiller)]
         self.buffer = BodyBuffer(self.picker.body_limit())
         return [answers.passed("request_headers")] if self.buffered else []
 
@@ -115,8 +117,8 @@ class Exchange:
 
     def _routed(self, choice: Choice, raw: bytes, changed: bool) -> list[pb.ProcessingResponse]:
         if self.buffered:
-            return [answers.routed(choice.value, raw if changed else None, buffered=True)]
-        return [answers.routed(choice.value, raw), *answers.body_back(raw)]
+            return [answers.routed(choice.value, raw if changed else None, True, choice.prefiller)]
+        return [answers.routed(choice.value, raw, prefiller=choice.prefiller), *answers.body_back(raw)]
 
     def _read(self, raw: bytes) -> tuple[dict[str, Any], Prompt | None]:
         r = self.reader
@@ -125,7 +127,7 @@ class Exchange:
 
     def _pick(self, prompt: Prompt | None, since: float) -> Choice:
         """The endpoint, picked for `prompt`; the decision's time (since the whole request was in) measured."""
-        self.choice = self.picker.choose(prompt, self.subset)
+        self.choice = self.picker.choose(prompt, self.subset, handed_off=self.path in HANDED_OFF)
         self.metrics.picked(self.choice, time.monotonic() - since)
         return self.choice
 

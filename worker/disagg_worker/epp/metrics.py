@@ -1,7 +1,7 @@
-"""The endpoint picker's /metrics (Prometheus text, on --metrics-port): its answers and decisions, which endpoint
-served each request as the gateway reported it, and its pool as the router's /metrics shows a pool (the router's
-own collector, `router/metrics.py`: endpoints' health, open requests, the index of their prefix caches, and
-cache_aware's choices, under the router's names)."""
+"""The endpoint picker's /metrics (Prometheus text, on --metrics-port): its answers and decisions (the endpoints
+picked, in P/D mode the prefills), which endpoint served each request as the gateway reported it, and its pool as
+the router's /metrics shows a pool (the router's own collector, `router/metrics.py`: endpoints' health, open
+requests, the index of their prefix caches, and cache_aware's choices, under the router's names)."""
 
 from __future__ import annotations
 
@@ -29,6 +29,12 @@ class EppMetrics:
             registry=r,
         )
         self.picks = Counter("disagg_epp_picked", "Requests sent to an endpoint, by endpoint", ["endpoint"], registry=r)
+        self.prefill_picks = Counter(
+            "disagg_epp_prefill_picked",
+            "P/D mode: requests whose prefill the picker named (x-prefiller-host-port), by prefill",
+            ["prefill"],
+            registry=r,
+        )
         self.served_by = Counter(
             "disagg_epp_served",
             "Responses by the endpoint the gateway reports as serving (x-gateway-destination-endpoint-served) and "
@@ -48,6 +54,8 @@ class EppMetrics:
 
     def picked(self, c: Choice, seconds: float) -> None:
         self.picks.labels(c.endpoints[0]).inc()
+        if c.prefill is not None:
+            self.prefill_picks.labels(c.prefiller).inc()
         self.decision.observe(seconds)
 
     def served(self, c: Choice, served: str) -> None:

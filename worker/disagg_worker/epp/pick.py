@@ -1,14 +1,22 @@
 """Which endpoint serves a request: the router's pool and policies (`router/workers.py`, `router/policies/`) over
-the pods that take client traffic, within the gateway's subset hint, with shedding when all are full.
+the pods that take client traffic, within the gateway's subset hint, with shedding when all are full; in P/D mode
+also which prefill computes its prompt.
 
-Each endpoint is a `Worker` of role `ROLE` in the pool: a monolithic instance computes the prompts it is sent,
-as a prefill does, so the policies score it as they score a prefill (cache_aware: the prompt tokens it would
-compute, from its KV events, plus those of this picker's requests still prefilling there; least_load; round
-robin). Under DP attention the attention group is the router's choice too (`policies/groups.py`), named to the
-worker in the body (`data_parallel_rank`).
+Monolithic mode (no prefill configured): each endpoint is a `Worker` of role `ROLE` in the pool: a monolithic
+instance computes the prompts it is sent, as a prefill does, so the policies score it as they score a prefill
+(cache_aware: the prompt tokens it would compute, from its KV events, plus those of this picker's requests still
+prefilling there; least_load; round robin). Under DP attention the attention group is the router's choice too
+(`policies/groups.py`), named to the worker in the body (`data_parallel_rank`).
+
+P/D mode (prefills configured): the endpoints are decodes (role "decode") and the prefills a second set of the
+pool (role "prefill"); a request the decode hands off (`request_body.HANDED_OFF`) gets both, in the router's order
+(`WorkerPool.pick_pair`): the decode first, scored by the policy as the router scores decodes, then the prefill, as
+it scores prefills. The prefill is named to the decode in llm-d's header `x-prefiller-host-port`, and the decode runs
+the prefill leg itself (`router/decode_handoff.py`), choosing the attention groups of its pair: the picker names
+none. The subset hint and shedding apply to the endpoints (the decodes).
 
 Refusals are the protocol's (the GIE endpoint picker protocol): 503 when no endpoint is ready or none of the
-hint's is, 429 when every candidate holds `max_queue` requests.
+hint's is, or (P/D) no prefill is; 429 when every candidate holds `max_queue` requests.
 """
 
 from __future__ import annotations
@@ -25,11 +33,13 @@ from disagg_worker.router.worker import Worker
 from disagg_worker.router.workers import WorkerPool
 
 ROLE = "prefill"
+PREFILL, DECODE = "prefill", "decode"
 # The body limit before any endpoint has said its context (`--max-body-bytes` 0): a 128k-token model, as the
 # router's.
 FALLBACK_CONTEXT = 131072
 NO_ENDPOINT = "No endpoint of the pool is ready; retry later."
 NONE_IN_SUBSET = "None of the endpoints the gateway allows (x-gateway-destination-endpoint-subset) is ready."
+NO_PREFILL = "No prefill instance of the pool is ready; retry later."
 
 
 def address(w: Worker) -> str:
@@ -47,17 +57,25 @@ def shed(limit: int) -> APIError:
 @dataclass(frozen=True)
 class Choice:
     """The endpoint picked (first of `endpoints`, the fallbacks after it), its attention group and the prompt
-    tokens it computes."""
+    tokens it computes; in P/D mode the prefill picked with it (None: the request is not handed off) and the
+    prompt tokens the prefill computes."""
 
     worker: Worker
     endpoints: tuple[str, ...]
     group: int | None
     tokens: int
+    prefill: Worker | None = None
+    prefill_tokens: int = 0
 
     @property
     def value(self) -> str:
         """The header's and the metadata's value: the endpoints, comma-separated, in order."""
         return ",".join(self.endpoints)
+
+    @property
+    def prefiller(self) -> str:
+        """The value of `x-prefiller-host-port`: the prefill as `ip:port` ("" when none was picked)."""
+        return address(self.prefill) if self.prefill is not None else ""
 
 
 @dataclass
@@ -66,21 +84,29 @@ class Picker:
     max_queue: int = 0  # requests an endpoint may hold before it takes no more (0: no bound)
     fallbacks: int = 0  # endpoints named after the picked one
     max_body_bytes: int = 0  # 0: from the endpoints' context
+    pd: bool = False  # P/D mode: the endpoints are decodes, and the pool's prefills are picked beside them
+
+    @property
+    def role(self) -> str:
+        """The role of the endpoints (the workers that take client traffic) in the pool."""
+        return DECODE if self.pd else ROLE
 
     def ready(self) -> bool:
-        return any(w.healthy for w in self.pool.workers(ROLE))
+        """An endpoint is healthy (and, in P/D mode, a prefill too)."""
+        healthy = any(w.healthy for w in self.pool.workers(self.role))
+        return healthy and (not self.pd or any(w.healthy for w in self.pool.workers(PREFILL)))
 
     def body_limit(self) -> int:
         """--max-body-bytes, else the limit of the largest context an endpoint reported (`request/limits.py`)."""
         if self.max_body_bytes > 0:
             return self.max_body_bytes
-        known = [w.max_model_len for w in self.pool.workers(ROLE) if w.max_model_len]
+        known = [w.max_model_len for w in self.pool.workers(self.role) if w.max_model_len]
         return body_limit_bytes(max(known) if known else FALLBACK_CONTEXT)
 
     def candidates(self, subset: frozenset[str] | None) -> list[Worker]:
         """The ready endpoints the request may go to (within `subset` when the gateway sent one); 503 if none,
         429 if all are full."""
-        ready = [w for w in self.pool.workers(ROLE) if w.healthy]
+        ready = [w for w in self.pool.workers(self.role) if w.healthy]
         if subset is not None:
             ready = [w for w in ready if address(w) in subset]
             if not ready:
@@ -94,21 +120,40 @@ class Picker:
             raise shed(self.max_queue)
         return room
 
-    def choose(self, prompt: Prompt | None, subset: frozenset[str] | None = None) -> Choice:
+    def prefills(self) -> list[Worker]:
+        """The ready prefills (P/D mode); 503 naming them if none is."""
+        ready = [w for w in self.pool.workers(PREFILL) if w.healthy]
+        if not ready:
+            raise unavailable(NO_PREFILL, retry_after=1)
+        return ready
+
+    def choose(self, prompt: Prompt | None, subset: frozenset[str] | None = None, handed_off: bool = False) -> Choice:
         """The endpoint for a request with `prompt` (None: not read), by the pool's policy, and its fallbacks by
-        load; an `APIError` (503, 429) when none may take it. Opens the request on it (`done` closes it)."""
+        load; in P/D mode, when the decode hands the request off (`handed_off`), the prefill too. An `APIError`
+        (503, 429) when none may take it. Opens the request on them (`prefilled` and `done` close it)."""
         candidates = self.candidates(subset)
-        w = self.pool.routing.pick(ROLE, candidates, prompt)
-        group, tokens = self.pool.group_for(w, secrets.randbits(63), prompt)
+        prefills = self.prefills() if self.pd and handed_off else []
+        w = self.pool.routing.pick(self.role, candidates, prompt)
+        # A decode receives the KV and names its own pair's groups; a monolithic endpoint computes the prompt.
+        group, tokens = (None, 0) if self.pd else self.pool.group_for(w, secrets.randbits(63), prompt)
         rest = sorted((c for c in candidates if c is not w), key=by_load)[: self.fallbacks]
         w.take(group)
         w.add_tokens(tokens, group)
-        return Choice(w, tuple(address(x) for x in (w, *rest)), group, tokens)
+        p = self.pool.routing.pick(PREFILL, prefills, prompt) if prefills else None
+        p_tokens = self.pool.uncached(p, prompt) if p is not None else 0
+        if p is not None:
+            p.take(None)
+            p.add_tokens(p_tokens, None)
+        return Choice(w, tuple(address(x) for x in (w, *rest)), group, tokens, p, p_tokens)
 
     @staticmethod
     def prefilled(c: Choice) -> None:
-        """The endpoint answered (its response headers came): the prompt is computed."""
+        """The endpoint answered (its response headers came): the prompt is computed, and a prefill's part of the
+        request is over (a decode answers once the KV arrived)."""
         c.worker.release_tokens(c.tokens, c.group)
+        if c.prefill is not None:
+            c.prefill.release_tokens(c.prefill_tokens)
+            c.prefill.give_back(None)
 
     @staticmethod
     def done(c: Choice) -> None:

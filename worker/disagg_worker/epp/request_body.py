@@ -56,6 +56,10 @@ CHECKS: dict[str, Callable[[Any, str], object]] = {
     RESPONSES: lambda body, model: parse_responses(body, input_items(body), model, _NO_LIMITS),
 }
 
+# The paths a decode hands off when a request names its prefill (`router/decode_handoff.py`; the Responses API it
+# refuses with a 400 saying why): in P/D mode the picker names a prefill for these alone.
+HANDED_OFF = frozenset({CHAT, COMPLETIONS, GENERATE, RESPONSES})
+
 
 def read_request(path: str, raw: bytes, model: str) -> dict[str, Any]:
     """The body of a request to `path` (one of `CHECKS`) once its worker's parser accepts it; the parser's

@@ -2,8 +2,9 @@
 (`envoy.service.ext_proc.v3.ExternalProcessor/Process`, --grpc-port, one `Exchange` per request), gRPC health
 (--grpc-health-port, and on the ext_proc port too: `liveness`, `readiness`, the ext_proc service's name), the
 Prometheus /metrics (--metrics-port), and the watch of the pool: membership (DNS of a headless Service and the
-static --endpoint list), health and KV events, each --health-interval, exactly as the router watches its workers
-(`router/workers.py`). Readiness follows the pool: SERVING while at least one endpoint is healthy.
+static --endpoint list; in P/D mode the prefills' too, --prefill-dns and --prefill), health and KV events, each
+--health-interval, exactly as the router watches its workers (`router/workers.py`). Readiness follows the pool:
+SERVING while at least one endpoint is healthy (in P/D mode, and at least one prefill).
 
 SIGTERM or SIGINT: readiness and the ext_proc service turn NOT_SERVING, then the servers stop, giving open
 streams a grace to finish.
@@ -26,7 +27,7 @@ from disagg_worker.epp.exchange import Exchange, Reader
 from disagg_worker.epp.generated.envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from disagg_worker.epp.generated.envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from disagg_worker.epp.metrics import EppMetrics
-from disagg_worker.epp.pick import ROLE, Picker
+from disagg_worker.epp.pick import DECODE, PREFILL, ROLE, Picker
 from disagg_worker.router.auth import RouterAuth
 from disagg_worker.router.discovery import DnsSource
 from disagg_worker.router.policies import Policy
@@ -61,10 +62,19 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
             exchange.close()
 
 
+def pd_mode(ns) -> bool:
+    """Prefills are configured: the endpoints are decodes."""
+    return bool(ns.prefill or ns.prefill_dns)
+
+
 def build_pool(ns) -> WorkerPool:
-    """The pool of the endpoints (`--endpoint`, `--endpoint-dns`), scored by `--policy`."""
-    static = [Worker(url.rstrip("/"), ROLE) for url in ns.endpoint or []]
-    dns = [DnsSource.parse(ns.endpoint_dns, ROLE)] if ns.endpoint_dns else []
+    """The pool of the endpoints (`--endpoint`, `--endpoint-dns`), and in P/D mode of the prefills (`--prefill`,
+    `--prefill-dns`), scored by `--policy`."""
+    role = DECODE if pd_mode(ns) else ROLE
+    static = [Worker(url.rstrip("/"), role) for url in ns.endpoint or []]
+    static += [Worker(url.rstrip("/"), PREFILL) for url in ns.prefill or []]
+    dns = [DnsSource.parse(ns.endpoint_dns, role)] if ns.endpoint_dns else []
+    dns += [DnsSource.parse(ns.prefill_dns, PREFILL)] if ns.prefill_dns else []
     pool = WorkerPool(static=static, dns=dns, policy=Policy(ns.policy), group_policy=GroupPolicy(ns.dp_group_policy))
     pool.balance_tokens = ns.cache_aware_balance_tokens
     # A round waits for its slowest endpoint (a /health and a /kv_events timeout): an index is silent only after it
@@ -75,15 +85,16 @@ def build_pool(ns) -> WorkerPool:
     return pool
 
 
-async def watch(pool: WorkerPool, session: aiohttp.ClientSession, interval_s: float, status) -> None:
+async def watch(picker: Picker, session: aiohttp.ClientSession, interval_s: float, status) -> None:
     """Keep the pool current (`WorkerPool.watch`'s round) and readiness with it, until cancelled."""
+    pool = picker.pool
     while True:
         try:
             await pool.refresh_dns()
             await pool.check_health(session)
         except Exception:  # one failed round must not stop the watching
             log.exception("endpoint refresh failed")
-        await status(READINESS, SERVING if any(w.healthy for w in pool.workers()) else NOT_SERVING)
+        await status(READINESS, SERVING if picker.ready() else NOT_SERVING)
         await asyncio.sleep(interval_s)
 
 
@@ -91,7 +102,9 @@ async def serve(ns, auth: RouterAuth, started: asyncio.Event | None = None) -> N
     pool = build_pool(ns)
     pool.worker_headers = auth.worker_headers()
     pool.kv_index.key_id = auth.kv_key_id  # the workers name their cached pages with the model's key
-    picker = Picker(pool, max_queue=ns.max_queue, fallbacks=ns.fallbacks, max_body_bytes=ns.max_body_bytes)
+    picker = Picker(
+        pool, max_queue=ns.max_queue, fallbacks=ns.fallbacks, max_body_bytes=ns.max_body_bytes, pd=pd_mode(ns)
+    )
     policy_reads = ns.policy == Policy.CACHE_AWARE.value and ns.tokenizer
     reader = Reader(ns.served_model_name, PromptTokens.load(ns.tokenizer) if policy_reads else None, auth.kv_key)
     metrics = EppMetrics(pool)
@@ -114,7 +127,7 @@ async def serve(ns, auth: RouterAuth, started: asyncio.Event | None = None) -> N
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), headers=pool.worker_headers) as session:
-        watching = asyncio.create_task(watch(pool, session, ns.health_interval, health_servicer.set))
+        watching = asyncio.create_task(watch(picker, session, ns.health_interval, health_servicer.set))
         await main.start()
         await probes.start()
         print(f"disagg epp: ext_proc on {ns.host}:{ns.grpc_port}, health on {ns.grpc_health_port}", flush=True)
