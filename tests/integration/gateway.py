@@ -10,8 +10,9 @@ Envoy's listeners (one per case, same routes):
 - "subset": as "close", with the subset hint (`envoy.lb.subset_hint`) set in the request's metadata by Envoy's
   set_metadata filter and forwarded to the picker.
 The first route, taken when the picker set `x-gateway-destination-endpoint`, is the ORIGINAL_DST cluster that
-connects to the address the header names; a client's own header of that name is removed before any filter
-(early header mutation), so only the picker's is routed by. Each response names its upstream in
+connects to the address the header names; a client's own header of that name, and its own
+`x-prefiller-host-port` (the prefill a decode hands off to, in P/D mode), are removed before any filter (early
+header mutation), so only the picker's are followed. Each response names its upstream in
 `x-gateway-destination-endpoint-served`.
 """
 
@@ -31,6 +32,7 @@ from tests.integration.procs import Proc, free_port, scaled, wait_until
 
 DESTINATION = "x-gateway-destination-endpoint"
 SERVED = "x-gateway-destination-endpoint-served"
+PREFILLER = "x-prefiller-host-port"
 SUBSET_HINT = "envoy.lb.subset_hint"
 TYPES = "type.googleapis.com/envoy.extensions"
 
@@ -104,7 +106,7 @@ def listener(name: str, port: int, filters: list[dict]) -> dict:
                 "name": "envoy.http.early_header_mutation.header_mutation",
                 "typed_config": {
                     "@type": f"{TYPES}.http.early_header_mutation.header_mutation.v3.HeaderMutation",
-                    "mutations": [{"remove": DESTINATION}],
+                    "mutations": [{"remove": DESTINATION}, {"remove": PREFILLER}],
                 },
             }
         ],
