@@ -4,8 +4,10 @@ InferencePool serves each request, and it answers with the router's own choice (
 
 Path of a request: the gateway's ext_proc stream (`service.py`) -> `exchange.py` (headers, the body gathered
 within its limit) -> `request_body.py` (the workers' parsers check it; the prompt cache_aware scores) ->
-`pick.py` (the router's pool and policy pick an endpoint within the subset hint, or refuse: 503, 429) ->
-`answers.py` (destination header and `envoy.lb` metadata, the body streamed back, or an ImmediateResponse) ->
-the gateway sends the request to the endpoint; its response headers come back through the stream (`metrics.py`:
-which endpoint served). The protocol's types are Envoy's own, generated from its .proto files (`generated/`).
+`pick.py` (the router's pool and policy pick an endpoint within the subset hint, and in P/D mode a prefill
+beside the decode, or refuse: 503, 429) -> `answers.py` (destination header and `envoy.lb` metadata, in P/D mode
+`x-prefiller-host-port`, the body streamed back, or an ImmediateResponse) -> the gateway sends the request to
+the endpoint (in P/D mode a decode, which runs the prefill leg itself); its response headers come back through the
+stream (`metrics.py`: which endpoint served). The protocol's types are Envoy's own, generated from its .proto files
+(`generated/`).
 """
