@@ -184,6 +184,15 @@ def test_the_router_splits_a_completions_batch_as_the_workers_do():
     assert (e.value.status, e.value.param) == (400, "prompt") and "144 choices" in e.value.message
 
 
+def test_a_batch_element_that_is_itself_a_batch_is_refused_naming_it():
+    """Sent on alone, `["0", "0"]` would be read as a batch of two prompts, not as prompt 0 of this batch (a worker
+    refuses it in the batch): the router refuses it before any pair is picked."""
+    for element in (["0", "0"], [[5], [6]], [5, True]):
+        with pytest.raises(APIError) as e:
+            prompt_bodies("/v1/completions", {"prompt": ["fine", element], "max_tokens": 2})
+        assert (e.value.status, e.value.param) == (400, "prompt[1]")
+
+
 def test_a_batch_prompts_own_error_names_it_as_a_worker_does():
     e = as_batch_prompt(bad_request("prompt: must not be empty", "prompt"), 2)
     assert isinstance(e, APIError) and (e.status, e.param, e.message) == (

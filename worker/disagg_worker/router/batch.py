@@ -2,14 +2,16 @@
 router: each prompt becomes its own request, with the batch's other fields and `n`, so that each goes to its own
 pair exactly as that prompt sent alone would (`fanout.py` merges the answers, prompt i's choice j as index
 i * n + j). The batch is split and bounded as a worker splits and bounds it (`server/protocol.py`); what else is
-wrong with a prompt is its worker's to say, in the words a worker uses for a batch's prompt i (`prompt[i]`).
+wrong with a prompt is its worker's to say, in the words a worker uses for a batch's prompt i (`prompt[i]`), but for
+one thing: an element that is itself a list of strings or of lists. Sent on alone it would be read as a batch of
+its own, not as the one prompt it is in the batch, so the router refuses it as a worker refuses it in the batch.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from disagg_worker.request.errors import APIError
+from disagg_worker.request.errors import APIError, bad_request
 from disagg_worker.server.protocol import MAX_N, check_batch, split_prompts
 
 
@@ -27,6 +29,9 @@ def prompt_bodies(path: str, body: dict[str, Any]) -> list[dict[str, Any]]:
     if len(prompts) == 1 or not valid_n(n):
         return [body]
     check_batch(len(prompts), n)
+    for i, p in enumerate(prompts):
+        if isinstance(p, list) and not all(type(t) is int for t in p):
+            raise bad_request(f"prompt[{i}]: must be a non-empty string or list of token ids", f"prompt[{i}]")
     return [{**body, "prompt": p} for p in prompts]
 
 
