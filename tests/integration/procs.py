@@ -161,7 +161,8 @@ class PDStack:
     """A router in front of `prefills` prefill and `decodes` decode instances, each its own process.
 
     `prefill_flags` / `decode_flags` come after the shared flags and win over them; `router_flags`
-    are added to the router's command line; `env` is added to the workers' environment."""
+    are added to the router's command line; `env` is added to the workers' environment, and `decode_envs[i]` to
+    decode i's besides."""
 
     def __init__(
         self,
@@ -173,6 +174,7 @@ class PDStack:
         decodes: int = 1,
         env: dict | None = None,
         prefills: int = 1,
+        decode_envs: tuple[dict, ...] = (),
     ):
         self.model = model
         self.env = env
@@ -183,7 +185,8 @@ class PDStack:
         self.bootstrap_ports = [free_port() for _ in range(prefills)]
         self.bootstrap_port = self.bootstrap_ports[0]
         self.prefills = [self.start_prefill(bootstrap_port=b) for b in self.bootstrap_ports]
-        self.decodes = [self.start_decode() for _ in range(decodes)]
+        extra = [*decode_envs, *[{}] * decodes][:decodes]
+        self.decodes = [self.start_decode(env=e) for e in extra]
         port = free_port()
         prefill_args = [
             a for p, b in zip(self.prefills, self.bootstrap_ports, strict=True) for a in ("--prefill", p.url, str(b))
@@ -239,10 +242,10 @@ class PDStack:
             self.env,
         )
 
-    def start_decode(self, port: int | None = None) -> Proc:
+    def start_decode(self, port: int | None = None, env: dict | None = None) -> Proc:
         port = port or free_port()
         args = ["decode", "--model", self.model, "--port", str(port), *self.flags, *self.decode_flags]
-        return Proc(args, port, self.env)
+        return Proc(args, port, {**(self.env or {}), **(env or {})})
 
     def wait_healthy(self) -> PDStack:
         """Every process serves; if one does not, all are stopped (a failed start leaves nothing running)."""

@@ -89,6 +89,7 @@ def disagg_config(ns: argparse.Namespace, role: Role, env: WorkerEnv) -> DisaggC
         mc_tcp_lanes_per_peer=env.mc_tcp_lanes_per_peer,
         fault_fail_senders_on_stage=env.fault_fail_senders_on_stage,
         fault_stall_after_layer_group=env.fault_stall_after_layer_group,
+        fault_stall_decode=env.fault_stall_decode if role is Role.DECODE else "",
         mc_rpc_port_range=env.mc_rpc_port_range,
     )
     disagg.check()

@@ -140,9 +140,11 @@ class DisaggConfig:
     # From the environment at start-up (`disagg_worker.env`): MC_TCP_LANES_PER_PEER as set (None: not); it wins.
     mc_tcp_lanes_per_peer: str | None = None
     # Tests only (`env`): prefill ranks of this pipeline stage fail every new sender locally (-1: off); a streamed
-    # forward stalls after layer group N while the file PATH does not exist ((N, PATH); (-1, ""): off).
+    # forward stalls after layer group N while the file PATH does not exist ((N, PATH); (-1, ""): off); a decode's
+    # scheduler loop takes no step while the file `fault_stall_decode` exists ("": off).
     fault_fail_senders_on_stage: int = -1
     fault_stall_after_layer_group: tuple[int, str] = (-1, "")
+    fault_stall_decode: str = ""
     # MC_MIN_RPC_PORT / MC_MAX_RPC_PORT as the user set them (None: not set); not with transfer_port_base.
     mc_rpc_port_range: tuple[str | None, str | None] = (None, None)
 

@@ -17,7 +17,9 @@ pod's name and its `disagg.dev/revision` label; reported on /health), and a test
 new KV sender locally (the fault tests of parallel ranks), `DISAGG_FAULT_GRAMMAR_PATTERN=P`, which
 makes compiling the regex P raise an exception of a type no compiler raises (the isolation tests), and
 `DISAGG_FAULT_STALL_AFTER_LAYER_GROUP=N:PATH`, which makes a prefill rank's layer-wise streamed forward stop
-after queuing layer group N while the file PATH does not exist (the P/D fault tests of layer-wise streaming).
+after queuing layer group N while the file PATH does not exist (the P/D fault tests of layer-wise streaming),
+and `DISAGG_FAULT_STALL_DECODE=PATH`, which makes a decode instance's scheduler loop take no step while the file
+PATH exists, its HTTP side and its reports (so its /health) going on (the router's stalled-decode tests).
 Others reach Mooncake untouched: `MC_LOG_LEVEL` (`serve --local` and the worker image default it to
 WARNING) and the engine's timeouts (`MC_TRANSFER_TIMEOUT`, `MC_TCP_PROGRESS_TIMEOUT_SEC`).
 """
@@ -47,6 +49,9 @@ class WorkerEnv:
     # Fault injection for tests (DISAGG_FAULT_STALL_AFTER_LAYER_GROUP=N:PATH): a prefill rank's streamed forward
     # stalls after queuing layer group N while the file PATH does not exist. (-1, ""): off.
     fault_stall_after_layer_group: tuple[int, str] = (-1, "")
+    # Fault injection for tests (DISAGG_FAULT_STALL_DECODE=PATH): a decode's scheduler loop takes no step while the
+    # file PATH exists. "": off.
+    fault_stall_decode: str = ""
     # MC_MIN_RPC_PORT and MC_MAX_RPC_PORT as the user set them (None: not set).
     mc_rpc_port_range: tuple[str | None, str | None] = (None, None)
 
@@ -60,6 +65,7 @@ def load_env(environ: Mapping[str, str] | None = None) -> WorkerEnv:
         fault_fail_senders_on_stage=int(env.get("DISAGG_FAULT_FAIL_SENDERS_ON_STAGE", "-1")),
         fault_grammar_pattern=env.get("DISAGG_FAULT_GRAMMAR_PATTERN", ""),
         fault_stall_after_layer_group=group_and_path(env.get("DISAGG_FAULT_STALL_AFTER_LAYER_GROUP", "")),
+        fault_stall_decode=env.get("DISAGG_FAULT_STALL_DECODE", ""),
         mc_rpc_port_range=(env.get("MC_MIN_RPC_PORT"), env.get("MC_MAX_RPC_PORT")),
     )
 

@@ -14,6 +14,9 @@ page faults per 1k-token prefill on the runner thread vs ~70 inline).
 While requests wait on KV transfers (P/D roles) the loop sleeps on its inbox and an eventfd that
 the transfer layer signals on every status move, so it reacts at once; it still polls every
 `transfer_poll_ms` (tuning.py) for what no status move announces (pages freed by finished requests).
+
+A test hook (`DISAGG_FAULT_STALL_DECODE`, `env.py`): while `stall_file` exists the loop takes no step and reads
+no message, but goes on reporting, so the instance's /health still answers 200: a decode stuck in its engine.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from disagg_worker.tuning import TUNING
 log = logging.getLogger(__name__)
 
 LOOP = TUNING.engine
+STALL_POLL_S = 0.05  # the fault hook's check for its file while it stalls the loop
 
 
 class Steppable(Protocol):
@@ -108,8 +112,10 @@ class Stepper:
 
 
 class EngineLoop:
-    def __init__(self, engine: Engine, recv_addr: str, send_addr: str):
+    def __init__(self, engine: Engine, recv_addr: str, send_addr: str, stall_file: str = ""):
+        """`stall_file`: tests only, the loop takes no step while it exists ("": never)."""
         self.engine = engine
+        self.stall_file = stall_file
         self.ctx = zmq.Context()
         self.stepper = Stepper(engine, after_tick=self._send_outputs)
         self.recv = self.ctx.socket(zmq.PULL)
@@ -131,6 +137,10 @@ class EngineLoop:
     def serve_forever(self) -> None:
         self.publish(self.engine.info())
         while not self.stopped:
+            if self.stall_file and os.path.exists(self.stall_file):
+                time.sleep(STALL_POLL_S)
+                self._flush()  # its reports go on: the heartbeat that keeps /health at 200
+                continue
             news = self._drain_inbox(self._wait_ms())
             if news and not self.stepper.computing:
                 # DP attention: the other groups may sleep until their next report, and this one is about to wait

@@ -147,7 +147,7 @@ def _die_with_parent() -> None:
 def _serve(engine: Engine, recv_addr: str, send_addr: str) -> None:
     from disagg_worker.instance.loop import EngineLoop
 
-    loop = EngineLoop(engine, recv_addr, send_addr)
+    loop = EngineLoop(engine, recv_addr, send_addr, stall_file=engine.cfg.disagg.fault_stall_decode)
     signal.signal(signal.SIGUSR1, lambda *_: setattr(loop, "stopped", True))
     try:
         loop.serve_forever()
