@@ -62,6 +62,14 @@ STREAM_STALL_TIMEOUT = Setting(
     help="seconds a decode stream may send nothing before the router counts its decode as failed (and migrates "
     "the stream); 0: only --request-timeout ends it",
 )
+STALL_HOLD = Setting(
+    "--stall-hold",
+    float,
+    60.0,
+    help="seconds a decode that sent nothing on any of its streams while one of them stalled (--stream-stall-"
+    "timeout) stays out of rotation, whatever its /health says: the stalled streams migrate elsewhere and new "
+    "requests avoid it; afterwards it is picked again",
+)
 RESPONSES_STORE_SIZE = Setting(
     "--responses-store-size",
     int,
@@ -139,6 +147,7 @@ ROUTER = (
     RESPONSES_STORE_BYTES,
     RESPONSES_STORE_TTL,
     STREAM_STALL_TIMEOUT,
+    STALL_HOLD,
     HEALTH_INTERVAL,
     engine.LOG_LEVEL,
     engine.API_KEY,

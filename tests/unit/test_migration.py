@@ -1,6 +1,7 @@
 """A migrated request goes on where it stopped: the engine given the tokens a request generated elsewhere
 (`GenerateReq.resumed`) samples next what the uninterrupted request would have sampled, greedy, seeded and under
-a grammar, on one instance and through a prefill/decode hand-off; and what the router keeps of a stream."""
+a grammar, on one instance and through a prefill/decode hand-off; what the router keeps of a stream; and whose a
+stalled stream is (its decode's, held out of rotation, or its own) and how often it migrates."""
 
 from __future__ import annotations
 
@@ -17,6 +18,11 @@ from disagg_worker.engine.sampling import SamplingParams
 from disagg_worker.instance.loop import Stepper
 from disagg_worker.request import messages as msg
 from disagg_worker.router.migrate import Progress, failure_of
+from disagg_worker.router.policies import Policy
+from disagg_worker.router.stall import Verdict, judge, may_migrate, verdict
+from disagg_worker.router.verify import PairVerifier
+from disagg_worker.router.worker import Worker
+from disagg_worker.router.workers import WorkerPool
 from tests.timing import scaled
 from tests.unit.test_engine import assert_idle_accounting, make_engine
 
@@ -153,3 +159,47 @@ def test_only_an_error_the_request_did_not_cause_migrates_a_stream():
     assert failure_of(event("server_error", "instance_failed")) is None  # it may be what took the decode down
     assert failure_of(event("invalid_request_error", None)) is None
     assert failure_of({"choices": [{"index": 0, "delta": {"content": "x"}}]}) is None
+
+
+def test_a_stall_is_the_decodes_when_none_of_its_streams_delivered_for_half_the_timeout():
+    # The stalled stream's own window opens with its siblings' last events (they stop a step or two apart).
+    assert verdict(last_event=100.0, now=160.0, stall_s=60.0) is Verdict.DECODE
+    assert verdict(last_event=129.0, now=160.0, stall_s=60.0) is Verdict.DECODE
+    assert verdict(last_event=159.9, now=160.0, stall_s=60.0) is Verdict.REQUEST  # its other streams went on
+    assert verdict(last_event=0.0, now=160.0, stall_s=60.0) is Verdict.DECODE  # it never delivered
+
+
+def test_a_stalled_decode_is_held_out_and_a_slow_request_leaves_its_decode_in_rotation():
+    d = Worker("http://d", "decode", healthy=True, last_event=100.0)
+    assert judge(d, now=100.5, stall_s=2.0, hold_s=30.0) is Verdict.REQUEST
+    assert d.available(100.5) and "held_out_s" not in d.describe(100.5)
+    assert judge(d, now=102.0, stall_s=2.0, hold_s=30.0) is Verdict.DECODE
+    assert not d.available(102.0) and d.describe(102.0)["held_out_s"] == 30.0
+    assert judge(d, now=110.0, stall_s=2.0, hold_s=30.0) is Verdict.DECODE  # a second stream: the hold goes on
+    assert not d.available(139.9) and d.available(140.0)
+    d.hold_out(120.0)  # a shorter hold never cuts a longer one
+    assert d.held_until == 140.0
+
+
+def test_a_held_out_decode_is_neither_picked_nor_paired_until_its_hold_passes():
+    p = Worker("http://p", "prefill", 8998, healthy=True)
+    x, y = Worker("http://x", "decode", healthy=True), Worker("http://y", "decode", healthy=True)
+    pool = WorkerPool(static=[p, x, y], policy=Policy.ROUND_ROBIN)
+    verifier = PairVerifier(pool)
+    verifier.refresh()
+    for pair in [(p, x), (p, y)]:
+        verifier.passed(*pair)
+    x.hold_out(time.monotonic() + 60)
+    assert {pool.pick("decode") for _ in range(6)} == {y}
+    assert {verifier.pick_pair() for _ in range(6)} == {(p, y)}
+    assert not verifier.usable(p, x) and "held out" in verifier.unready_reason()
+    y.hold_out(time.monotonic() + 60)
+    assert pool.pick("decode") is None and verifier.pick_pair() is None and not verifier.ready()
+    x.held_until = y.held_until = 0.0
+    assert {pool.pick("decode") for _ in range(6)} == {x, y} and verifier.ready()
+
+
+def test_a_choice_migrates_for_a_stall_once_and_for_other_failures_as_the_limit_allows():
+    assert may_migrate("stall", stalls=1) and not may_migrate("stall", stalls=2)
+    for cause in ("connection", "ended", "timeout", "error_event"):
+        assert may_migrate(cause, stalls=0) and may_migrate(cause, stalls=1) and may_migrate(cause, stalls=2)

@@ -120,6 +120,11 @@ class RouterTuning:
     # a dead scheduler) or refuses the connection leaves at once; one that is merely slow to answer (a loaded
     # machine, a long tokenisation on its event loop) is not taken out for a single late answer.
     health_timeouts_to_unhealthy: int = 2
+    # A stream stalled (--stream-stall-timeout): its decode is taken for stalled when none of its streams delivered
+    # an event for this share of the timeout (`router/stall.py`). Not the whole timeout: a decode's streams stop
+    # together but their last events arrive a step or two apart, so the stalled stream's own window opens with its
+    # siblings' last events. A decode that makes progress delivers on some stream every step, milliseconds apart.
+    stalled_decode_silence: float = 0.5
 
 
 @dataclass(frozen=True)

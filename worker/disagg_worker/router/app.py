@@ -67,6 +67,7 @@ class Router:
         prompts: PromptTokens | None = None,
         migration_limit: int = 0,
         stall_s: float | None = None,
+        stall_hold_s: float = 60.0,
         tracer: Tracer | None = None,
         session: aiohttp.ClientSession | None = None,
         decode_headers: Mapping[str, str] = MappingProxyType({}),
@@ -84,9 +85,11 @@ class Router:
         self.timeout = aiohttp.ClientTimeout(total=request_timeout_s, sock_connect=5)
         self.max_body_bytes = max_body_bytes
         # A streamed choice whose decode fails goes on on another pair this many times (`migrate.py`); a stream
-        # that sends nothing for `stall_s` counts as failed (None: only the request timeout ends it).
+        # that sends nothing for `stall_s` counts as failed (None: only the request timeout ends it), and its decode,
+        # if silent on all its streams, is held out of rotation for `stall_hold_s` (`stall.py`).
         self.migration_limit = migration_limit
         self.stall_s = stall_s
+        self.stall_hold_s = stall_hold_s
         # Decode streams open now; a drain that times out closes them (`cut`).
         self.opened: set[Opened] = set()
         self.cut_reason = ""

@@ -14,6 +14,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from disagg_worker.router.stall import Verdict
 from disagg_worker.router.verify import PairVerifier
 from disagg_worker.router.workers import WorkerPool
 
@@ -63,10 +64,21 @@ class PoolCollector:
         )
         for side in ("prefill", "decode", "pair"):
             retries.add_metric([side], pool.retries.get(side, 0))
-        yield from (routes, decisions, failed, migrations, retries)
+        stalls = CounterMetricFamily(
+            "disagg_router_stream_stalls",
+            "Streams that sent nothing within --stream-stall-timeout, by whose the stall was (decode: none of its "
+            "decode's streams delivered meanwhile, and it was held out of rotation; request: the others went on)",
+            labels=["verdict"],
+        )
+        for v in Verdict:
+            stalls.add_metric([v.value], pool.stalls.get(v.value, 0))
+        yield from (routes, decisions, failed, migrations, retries, stalls)
         labels = ["worker", "role"]
         healthy = GaugeMetricFamily("disagg_router_worker_healthy", "1 while its /health is 200", labels=labels)
         inflight = GaugeMetricFamily("disagg_router_worker_inflight", "This router's requests on it", labels=labels)
+        held = GaugeMetricFamily(
+            "disagg_router_worker_held_out", "1 while out of rotation after its streams stalled", labels=labels
+        )
         pages = GaugeMetricFamily("disagg_router_kv_index_pages", "Prefix-cache pages indexed", labels=labels)
         age = GaugeMetricFamily(
             "disagg_router_kv_index_age_seconds", "Since the worker's KV events were last applied", labels=labels
@@ -82,6 +94,7 @@ class PoolCollector:
             key = [w.url, w.role]  # the URL, stable (a pod name appears only once the worker reported)
             healthy.add_metric(key, float(w.healthy))
             inflight.add_metric(key, w.inflight)
+            held.add_metric(key, float(w.held_out(now)))
             if not pool.indexed(w):
                 continue
             i, current = pool.kv_index.known(w.url), pool.kv_index.status(w.url, now)[0]
@@ -92,7 +105,7 @@ class PoolCollector:
                 age.add_metric(key, now - i.updated)
             for s in INDEX_STATES:
                 state.add_metric([*key, s], float(s == current))
-        yield from (healthy, inflight, pages, age, snapshots, events, state)
+        yield from (healthy, inflight, held, pages, age, snapshots, events, state)
 
 
 class PairCollector:

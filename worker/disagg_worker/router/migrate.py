@@ -9,7 +9,9 @@ choice to another pair, the failed decode left out: the same body plus `resume_t
 extended by those ids (never by re-tokenised text), max_tokens counts them, a seeded request's generator and a
 structured output's grammar are moved past them (`engine/sampling.py`), and the usage counts each token once.
 The client's stream continues with the next token, under the first response's id. Each choice migrates at most
-`limit` times; the next failure ends it with an error event, as a stream ends without migration.
+`limit` times, and for a stall once (`stall.py`); the next failure ends it with an error event, as a stream ends
+without migration. Each event stamps its decode's `last_event`; when a stream stalls, a decode silent on all its
+streams is held out of rotation (`stall.judge`) before the stream migrates, so the stream and new requests avoid it.
 
 A failure the request caused (`internal_error`) or one that took the instance down while it held the request
 (`instance_failed`) is not migrated: the request could do the same to the next instance.
@@ -18,6 +20,7 @@ A failure the request caused (`internal_error`) or one that took the instance do
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,6 +31,7 @@ from disagg_worker.router.app import Router
 from disagg_worker.router.attempt import Opened
 from disagg_worker.router.payload import SharedBody
 from disagg_worker.router.policies.prefix import Prompt
+from disagg_worker.router.stall import STALL, judge, may_migrate
 from disagg_worker.router.stream import UpstreamLost, choice_events
 
 log = logging.getLogger(__name__)
@@ -41,6 +45,7 @@ class Progress:
     chars: int = 0
     finished: bool = False
     migrations: int = 0
+    stalls: int = 0
 
     def note(self, event: dict) -> None:
         for c in event.get("choices", []):
@@ -87,6 +92,7 @@ class MigratingChoice:
                 return
             try:
                 async for event in choice_events(o.first, o.resp, self.router.stall_s):
+                    o.decode.last_event = time.monotonic()
                     lost = failure_of(event)
                     if lost is not None:
                         raise lost
@@ -94,13 +100,23 @@ class MigratingChoice:
                     yield self._as_sent(event)
                 return
             except UpstreamLost as e:
+                if e.cause == STALL:  # before it migrates: a stalled decode is left out of the next pick
+                    self._judge(o)
                 if self.progress.finished:  # every token arrived: only the end of the stream was lost
                     return
-                if self.progress.migrations >= self.router.migration_limit or self.router.cut_reason:
+                p, limit = self.progress, self.router.migration_limit
+                if p.migrations >= limit or not may_migrate(e.cause, p.stalls) or self.router.cut_reason:
                     raise
                 if self.progress.chars and not self.progress.token_ids:  # a worker that sends no token ids (an
                     raise  # older revision): a resume would repeat the answer from its start
                 await self._migrate(o, e)
+
+    def _judge(self, o: Opened) -> None:
+        """The stream from `o.decode` stalled: hold the decode out if it stalled as a whole (`stall.py`)."""
+        self.progress.stalls += 1
+        r = self.router
+        v = judge(o.decode, time.monotonic(), r.stall_s or 0.0, r.stall_hold_s)
+        r.pool.stalls[v.value] += 1
 
     async def _migrate(self, o: Opened, e: UpstreamLost) -> None:
         failed, p = o.decode, self.progress

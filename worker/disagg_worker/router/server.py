@@ -219,7 +219,7 @@ async def health(request: web.Request) -> web.Response:
     router = request.app[ROUTER]
     pool, verifier = router.pool, router.verifier
     now = time.monotonic()
-    body: dict = {"workers": [w.describe() for w in pool.workers()]}
+    body: dict = {"workers": [w.describe(now) for w in pool.workers()]}
     if pool.policy is Policy.CACHE_AWARE:
         for w, d in zip(pool.workers(), body["workers"], strict=True):
             if pool.indexed(w):
@@ -304,6 +304,7 @@ async def serve(ns, auth: RouterAuth, ready: asyncio.Event | None = None) -> Non
         max_body_bytes=ns.max_body_bytes,
         migration_limit=ns.migration_limit,
         stall_s=ns.stream_stall_timeout or None,
+        stall_hold_s=ns.stall_hold,
         # Only cache_aware reads prompts: other policies tokenise nothing, even when given --tokenizer.
         prompts=PromptTokens.load(ns.tokenizer) if ns.policy == Policy.CACHE_AWARE.value and ns.tokenizer else None,
         tracer=Tracer.create("router", ns.otlp_traces_endpoint, ns.otlp_traces_sampling_ratio),

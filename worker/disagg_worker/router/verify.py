@@ -3,9 +3,10 @@
 Two workers that each answer /health can still be unable to hand a request over (a prefill restarted behind the
 same address, a blocked transfer port, mismatched builds). So a pair is usable only when both workers pass their
 health check, report the same pairing revision (a rollout never pairs an old prefill with a new decode), and the
-pair's latest verification passed. A verification is a synthetic request through the normal path: /generate on
-both workers with a one-token prompt, one new token and the bootstrap fields, so decode really bootstraps with
-prefill and receives the KV pages. It carries PROBE_HEADER, so workers keep it out of their user-facing request metrics.
+pair's latest verification passed; and neither may be held out (a decode whose streams all stalled, `stall.py`).
+A verification is a synthetic request through the normal path: /generate on both workers with a one-token
+prompt, one new token and the bootstrap fields, so decode really bootstraps with prefill and receives the KV
+pages. It carries PROBE_HEADER, so workers keep it out of their user-facing request metrics.
 
 Verified pairs are re-verified every `interval_s`; a user request that succeeds on a pair verifies it too, so a
 busy pair costs no probes. A failed pair (or one whose worker fails its health check) is out of rotation and
@@ -55,12 +56,14 @@ def stable(text: str, limit: int = 300) -> str:
     return re.sub(r"\d{5,}", "N", " ".join(text.split()))[:limit]
 
 
-def _why(p: Worker, d: Worker, state: PairState) -> str:
-    """Why a pair does not carry requests: a side that is down or draining, else its last verification."""
+def _why(p: Worker, d: Worker, state: PairState, now: float) -> str:
+    """Why a pair does not carry requests: a side that is down, draining or held out, else its last verification."""
     for w in (p, d):
         if not w.healthy:
             status = w.report.get("status")
             return f"{w.role} {w.name} is {'draining' if status == 'draining' else 'not healthy'}"
+        if w.held_out(now):
+            return f"{w.role} {w.name} is held out: its streams stalled"
     return state.error
 
 
@@ -106,8 +109,9 @@ class PairVerifier:
         ]
 
     def usable(self, p: Worker, d: Worker) -> bool:
-        state = self.states.get((p, d))
-        return bool(state and state.verified and p.healthy and d.healthy and same_revision(p, d))
+        """Verified, of one revision, and both sides available (healthy, not held out after a stall)."""
+        state, now = self.states.get((p, d)), self.clock()
+        return bool(state and state.verified and p.available(now) and d.available(now) and same_revision(p, d))
 
     def ready(self) -> bool:
         return any(self.usable(p, d) for p, d in self.states)
@@ -125,7 +129,8 @@ class PairVerifier:
         failing = sorted(((p, d, s) for (p, d), s in self.states.items() if not self.usable(p, d)), key=_urls)
         if not failing:
             return "no prefill and decode instance of one revision has been seen healthy"
-        named = [f"{p.name} -> {d.name}: {_why(p, d, s)}" for p, d, s in failing[:3]]
+        now = self.clock()
+        named = [f"{p.name} -> {d.name}: {_why(p, d, s, now)}" for p, d, s in failing[:3]]
         return "; ".join(named) + (f"; and {len(failing) - 3} more" if len(failing) > 3 else "")
 
     def pick_pair(

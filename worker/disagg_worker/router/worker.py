@@ -1,6 +1,6 @@
 """One worker as the router sees it: its role and address, its health and latest /health report, the load it
-reported and the load this router put on it (per attention group with DP attention), and how a request's
-attention group is picked there."""
+reported and the load this router put on it (per attention group with DP attention), how a request's
+attention group is picked there, and whether it is held out of rotation (a decode found stalled, `stall.py`)."""
 
 from __future__ import annotations
 
@@ -42,6 +42,22 @@ class Worker:
     # Prompt tokens this router's running prefills compute here (what their cache did not hold), and per group.
     pending_tokens: int = 0
     group_pending: dict[int, int] = field(default_factory=dict)
+    # When (monotonic) a migrating stream from it last delivered an event, on any of its streams (`migrate.py`).
+    last_event: float = 0.0
+    # Out of rotation until then (monotonic), whatever its /health says: a decode whose streams all stalled
+    # (`stall.py`). The pool's picks and pair verification take it for unavailable meanwhile.
+    held_until: float = 0.0
+
+    def hold_out(self, until: float) -> None:
+        """Keep the worker out of rotation until `until` (monotonic); a later hold only extends it."""
+        self.held_until = max(self.held_until, until)
+
+    def held_out(self, now: float) -> bool:
+        return now < self.held_until
+
+    def available(self, now: float) -> bool:
+        """It may take a request now: healthy and not held out."""
+        return self.healthy and not self.held_out(now)
 
     def reported(self, key: str) -> int:
         """A figure of the worker's load as its last /health said (`requests` it holds, from every router, in any
@@ -124,8 +140,10 @@ class Worker:
         if isinstance(report, dict):
             self.report = report
 
-    def describe(self) -> dict:
+    def describe(self, now: float) -> dict:
         d: dict = {"url": self.url, "role": self.role, "healthy": self.healthy, "inflight": self.inflight}
+        if self.held_out(now):
+            d["held_out_s"] = round(self.held_until - now, 1)
         if self.role == "prefill":
             d["bootstrap_port"] = self.bootstrap_port
         if self.report.get("pod") or self.revision:

@@ -1,8 +1,8 @@
 """The router's workers: static ones plus those found through DNS (`discovery.py`), kept current each health
 round, and the choice of the prefill/decode pair that serves the next request. The pool keeps the workers and
-leaves out the unhealthy and the excluded; which of the rest serves is its policy's (`policies/`), and under
-DP attention which attention group (`policies/groups.py`). It also holds the router's counts of how requests
-were routed (/health, /metrics).
+leaves out the unhealthy, the held out (a decode found stalled: `stall.py`) and the excluded; which of the rest
+serves is its policy's (`policies/`), and under DP attention which attention group (`policies/groups.py`). It
+also holds the router's counts of how requests were routed (/health, /metrics).
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import time
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -26,7 +27,8 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class WorkerPool:
-    """Static workers plus those found through DNS; only healthy ones are picked, by `policy`."""
+    """Static workers plus those found through DNS; only available ones (healthy, not held out) are picked, by
+    `policy`."""
 
     static: list[Worker] = field(default_factory=list)
     dns: list[DnsSource] = field(default_factory=list)
@@ -47,6 +49,8 @@ class WorkerPool:
     retries: collections.Counter[str] = field(default_factory=collections.Counter)
     # Streams that went on on another pair when their decode failed, by cause (router/migrate.py).
     migrations: collections.Counter[str] = field(default_factory=collections.Counter)
+    # Streams that stalled, by whose the stall was: "decode" (held out) or "request" (router/stall.py).
+    stalls: collections.Counter[str] = field(default_factory=collections.Counter)
     # What the policy and the group choice score by, over this pool's index and counter (`policies/prefix.py`).
     score: PrefixScore = field(init=False)
     routing: RoutingPolicy = field(init=False)
@@ -80,8 +84,10 @@ class WorkerPool:
     def pick(
         self, role: str, exclude: frozenset[Worker] | set[Worker] = frozenset(), prompt: Prompt | None = None
     ) -> Worker | None:
-        """A healthy `role` worker not in `exclude`, as the policy picks it for `prompt`; None if there is none."""
-        candidates = [w for w in self.workers(role) if w.healthy and w not in exclude]
+        """An available (healthy, not held out) `role` worker not in `exclude`, as the policy picks it for `prompt`;
+        None if there is none."""
+        now = time.monotonic()
+        candidates = [w for w in self.workers(role) if w.available(now) and w not in exclude]
         return self.routing.pick(role, candidates, prompt) if candidates else None
 
     def pick_pair(
