@@ -23,7 +23,7 @@ pytestmark = pytest.mark.integration
 STREAMS = 4
 MAX_TOKENS = 300  # long enough that no stream ends between its tenth token and the stall
 STALL_AFTER_EVENTS = 10
-STALL_S = scaled(2.0)  # --stream-stall-timeout
+STALL_S = scaled(3.0)  # --stream-stall-timeout: far beyond a step of Y, on a loaded machine too
 HOLD_S = scaled(8.0)  # --stall-hold: long enough for the requests sent while X is held out
 FLAGS = ("--page-size", "16", "--chunk-size", "64")
 
