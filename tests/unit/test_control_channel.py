@@ -1,5 +1,6 @@
 """The KV control channel trusts no one who merely reaches its port: over real zmq sockets, only frames sealed with
-the model's key are acted on; a forged, unsealed, oversized or malformed frame is dropped and counted."""
+the model's key are acted on; a forged, unsealed, oversized or malformed frame is dropped and counted, and so is an
+authentic frame captured off the wire and sent again, to its receiver or another."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import zmq
 
 from disagg_worker import keys
 from disagg_worker.disagg.channel import MAX_FRAME_BYTES, REJECTED, ControlChannel, seal
+from disagg_worker.disagg.envelope import Stamp, stamp
 from disagg_worker.disagg.messages import DecodeHello, RoomAbort, RoomUpdate, encode
 
 KEY = keys.control_key("the model's secret")
@@ -77,13 +79,88 @@ def test_forged_unsealed_oversized_and_malformed_frames_are_dropped_and_counted(
         seal(keys.control_key(""), encode(forged_update)),  # the key of an instance without a secret
         encode(forged_update),  # no MAC at all
         b"x" * (MAX_FRAME_BYTES + 64),
-        seal(KEY, b'{"type": "RoomUpdate"'),  # authentic but not a message
-        seal(KEY, encode(REAL)),
+        seal(KEY, b'{"type": "RoomUpdate"'),  # authentic but not stamped
+        seal(KEY, stamp(Stamp("tcp://k:1", channel.endpoint, 1, 1), b'{"type": "RoomUpdate"')),  # not a message
+        seal(KEY, stamp(Stamp("tcp://k:1", channel.endpoint, 1, 2), encode(REAL))),
     ]
     push(channel.endpoint, frames)
     want = {
         "unauthenticated": before["unauthenticated"] + 3,
         "oversized": before["oversized"] + 1,
-        "malformed": before["malformed"] + 1,
+        "malformed": before["malformed"] + 2,
     }
     assert recv_all(channel, 1, want) == [REAL]  # only the sealed, well-formed frame is acted on
+
+
+def capture(sender: ControlChannel, msgs: list) -> tuple[int, list[bytes]]:
+    """Frames `sender` sealed for a port, as someone on the path saw them (the port is free again after)."""
+    ctx = zmq.Context()
+    tap = ctx.socket(zmq.PULL)
+    tap.setsockopt(zmq.LINGER, 0)
+    port = tap.bind_to_random_port("tcp://127.0.0.1")
+    for m in msgs:
+        assert sender.send(f"tcp://127.0.0.1:{port}", m)
+    frames = []
+    while len(frames) < len(msgs):
+        assert tap.poll(10_000), "the sender's frames never came"
+        frames.append(tap.recv())
+    tap.close(0)
+    ctx.term()
+    return port, frames
+
+
+def test_an_authentic_frame_sent_again_is_dropped_and_counted_while_fresh_frames_pass(channel):
+    sender = ControlChannel("127.0.0.1", key=KEY)
+    first, second = RoomAbort(decode_id="d", room=1, reason="one"), RoomAbort(decode_id="d", room=2, reason="two")
+    try:
+        port, frames = capture(sender, [first, second])
+        receiver = ControlChannel("127.0.0.1", port, key=KEY)  # where the captured frames were going
+        try:
+            before = rejected("replayed")
+            push(receiver.endpoint, frames)  # delivered once, as the path would have
+            assert recv_all(receiver, 2, {}) == [first, second]
+            push(receiver.endpoint, frames[::-1] + frames)
+            assert sender.send(receiver.endpoint, REAL)  # a fresh frame still passes, after the replays
+            assert recv_all(receiver, 1, {"replayed": before + 4}) == [REAL]
+            push(receiver.endpoint, frames[:1])  # a frame captured before a fresh one is still old
+            assert recv_all(receiver, 0, {"replayed": before + 5}) == []
+        finally:
+            receiver.close()
+    finally:
+        sender.close()
+
+
+def test_a_frame_replayed_to_another_rank_is_dropped_as_misaddressed(channel):
+    sender = ControlChannel("127.0.0.1", key=KEY)
+    try:
+        _, frames = capture(sender, [REAL])
+        before = rejected("misaddressed")
+        push(channel.endpoint, frames)  # a rank that has never heard this sender
+        assert recv_all(channel, 0, {"misaddressed": before + 1}) == []
+    finally:
+        sender.close()
+
+
+def test_a_restarted_sender_is_heard_and_its_previous_lifes_frames_are_not():
+    sender = ControlChannel("127.0.0.1", key=KEY)
+    sender_port = sender.port
+    old = [RoomAbort(decode_id="d", room=i, reason="old life") for i in range(3)]
+    try:
+        port, frames = capture(sender, old)
+    finally:
+        sender.close()
+    receiver = ControlChannel("127.0.0.1", port, key=KEY)
+    try:
+        push(receiver.endpoint, frames)
+        assert recv_all(receiver, 3, {}) == old
+        restarted = ControlChannel("127.0.0.1", sender_port, key=KEY)  # same endpoint, newer epoch, counting anew
+        try:
+            assert restarted.send(receiver.endpoint, REAL)
+            assert recv_all(receiver, 1, {}) == [REAL]  # its first frame, below the old life's last count
+            before = rejected("replayed")
+            push(receiver.endpoint, frames[-1:])
+            assert recv_all(receiver, 0, {"replayed": before + 1}) == []
+        finally:
+            restarted.close()
+    finally:
+        receiver.close()

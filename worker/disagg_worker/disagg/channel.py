@@ -16,6 +16,19 @@ Whoever reaches the port is not trusted: every frame carries an HMAC-SHA256 of i
 derived from the model's secret (`keys.control_key`), and is at most MAX_FRAME_BYTES. A frame that fails
 either check, or does not decode, is dropped and counted (`disagg_kv_control_frames_rejected_total`), never
 acted on. zmq itself drops a peer that sends a frame beyond ZMQ_MAX_FRAME_BYTES before it is held.
+
+Nor is an authentic frame acted on twice: its sealed body starts with a stamp (`envelope`) naming its
+sender (that channel's endpoint), the endpoint it was sent to, the sender channel's start (epoch) and a
+per-sender counter. The receiver keeps, per sender, the highest (epoch, counter) it has acted on and drops
+a frame not above it (reason "replayed") or addressed to another endpoint ("misaddressed"), so a frame
+captured off the network and sent again, to this rank or another, changes nothing. What it does not cover:
+a receiver that restarts forgets its table, so it acts once on a frame captured before, until it hears that
+sender again. Such a frame names rooms of the previous process, which the new one does not have (a request,
+update or abort for a room it does not know expires or is ignored); a replayed DecodeHello describes the
+decode rank as it was then, and stands only until that rank's own next hello (decode greets each prefill
+instance it resolves, so a restarted one, before sending it requests, and again after a silence). A sender whose
+clock steps back across its restart is not heard by a receiver that remembers its last life until its epoch
+passes that one again. Frames are sealed, not encrypted: anyone on the path can read them.
 """
 
 from __future__ import annotations
@@ -25,10 +38,12 @@ import hmac
 import ipaddress
 import logging
 import threading
+import time
 
 import zmq
 from prometheus_client import Counter
 
+from disagg_worker.disagg.envelope import Freshness, Stamp, stamp, unstamp
 from disagg_worker.disagg.messages import CodecError, Message, decode, encode
 
 log = logging.getLogger(__name__)
@@ -42,7 +57,8 @@ RCVHWM = 16
 MAC_BYTES = 32
 REJECTED = Counter(
     "disagg_kv_control_frames_rejected_total",
-    "Control frames dropped unread: oversized, unauthenticated (a bad HMAC) or malformed",
+    "Control frames dropped unread: oversized, unauthenticated (a bad HMAC), malformed, replayed (acted on before)"
+    " or misaddressed (sealed for another endpoint)",
     ["reason"],
 )
 
@@ -99,11 +115,18 @@ class ControlChannel:
         self._poller.register(self._pull, zmq.POLLIN)
         self._lock = threading.Lock()
         self._push: dict[str, zmq.Socket] = {}
+        self._epoch = time.time_ns()  # wall clock, so a restarted channel's frames are newer than its last life's
+        self._sent = 0  # frames stamped, under _lock
+        self._heard = Freshness()  # recv's thread only
 
     def send(self, endpoint: str, msg: Message) -> bool:
         """Queue `msg` for `endpoint`; False if it was dropped (peer queue full)."""
-        frame = seal(self._key, encode(msg))
+        payload = encode(msg)
         with self._lock:
+            # Numbered and sent under one lock: a peer receives this sender's frames in counter order, so a
+            # receiver drops nothing honest as replayed.
+            self._sent += 1
+            frame = seal(self._key, stamp(Stamp(self.endpoint, endpoint, self._epoch, self._sent), payload))
             sock = self._push.get(endpoint)
             if sock is None:
                 sock = self._ctx.socket(zmq.PUSH)
@@ -159,7 +182,14 @@ class ControlChannel:
             _reject("unauthenticated", "its HMAC does not match this model's key")
             return None
         try:
-            return decode(body)
+            stamped, payload = unstamp(body)
+            if stamped.dest != self.endpoint:
+                _reject("misaddressed", f"from {stamped.sender} for {stamped.dest}")
+                return None
+            if not self._heard.admit(stamped):
+                _reject("replayed", f"from {stamped.sender}: epoch {stamped.epoch} frame {stamped.counter}")
+                return None
+            return decode(payload)
         except (CodecError, RecursionError, TypeError) as e:
             _reject("malformed", str(e)[:200])
             return None
