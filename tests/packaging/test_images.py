@@ -96,3 +96,56 @@ def test_worker_image_writes_only_under_tmp():
     env = dict(re.findall(r"\b([A-Z_]+)=(\S+)", text.split("\nENV PATH=/opt/disagg/bin", 1)[1].split("\nUSER", 1)[0]))
     for var in ("HOME", "XDG_CACHE_HOME", "HF_HOME", "TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "MPLCONFIGDIR"):
         assert env[var].startswith("/tmp/"), (var, env.get(var))
+
+
+def test_worker_image_dependency_layer_depends_only_on_what_it_installs():
+    """The layer of torch and its libraries is built from a list of the image's requirements, made in a stage of
+    its own: a test dependency or a linter's setting in pyproject.toml leaves the list, so the layer, unchanged."""
+    import tomllib
+
+    sys.path.insert(0, str(REPO / "hack/images"))
+    try:
+        from requirements import requirements
+    finally:
+        sys.path.pop(0)
+    text = (REPO / "Dockerfile.worker").read_text()
+    deps_stage = text.split("AS deps\n", 1)[1].split("\nFROM ", 1)[0]
+    assert "COPY --from=requirements /requirements.txt ./" in deps_stage
+    assert not re.search(r"^COPY (?!--from=requirements )", deps_stage, re.M), "the stage copies nothing else"
+    assert "-r requirements.txt" in deps_stage
+    extras = re.search(r"^ARG EXTRAS=(\S+)$", text, re.M).group(1).split(",")
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    listed = requirements(project, extras)
+    wanted = project["dependencies"] + [r for e in extras for r in project["optional-dependencies"][e]]
+    assert listed == wanted and "torch" in " ".join(listed)
+    assert not any(r.startswith(("pytest", "hypothesis", "ruff", "mypy")) for r in listed), "no test tools"
+    # An extra naming the project stands for its extras' requirements, each once.
+    nested = {
+        "name": "Disagg",
+        "dependencies": ["a"],
+        "optional-dependencies": {"x": ["b", "a"], "y": ["disagg[x]", "c"]},
+    }
+    assert requirements(nested, ["y", "x"]) == ["a", "b", "c"]
+
+
+def test_the_requirements_list_runs_as_the_image_runs_it():
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "hack/images/requirements.py"),
+            str(REPO / "pyproject.toml"),
+            "worker,mooncake-cpu",
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=scaled(30),
+    ).stdout.split()
+    assert out[0] == "pyyaml>=6" and "mooncake-transfer-engine-non-cuda>=0.3.13" in out
+    bad = subprocess.run(
+        [sys.executable, str(REPO / "hack/images/requirements.py"), str(REPO / "pyproject.toml"), "worker,nope"],
+        capture_output=True,
+        text=True,
+        timeout=scaled(30),
+    )
+    assert bad.returncode != 0 and "no extra 'nope'" in bad.stderr
