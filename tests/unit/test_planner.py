@@ -12,6 +12,7 @@ import pytest
 from disagg_operator.planner import plan
 from disagg_operator.planner.capacity import CapacityModel, StepModel, estimated_ttft_ms
 from disagg_operator.planner.constraints import Recommendation
+from disagg_operator.planner.from_cr import planner_spec
 from disagg_operator.planner.inputs import Mode, Observations, PlannerSpec, Replicas, RoleLimits, Slo
 
 MODEL = CapacityModel(StepModel(20, 0.1), StepModel(10, 0, 1e-4), max_prefill_tokens=8192, decode_kv_tokens=200_000)
@@ -161,3 +162,33 @@ def test_missing_observations_or_model_freeze_the_planner_and_say_so():
 def test_the_ttft_estimate_is_infinite_where_the_replicas_cannot_keep_up():
     assert math.isinf(estimated_ttft_ms(MODEL, 20000, 2000, 1))  # over one prefill's 10k tok/s
     assert estimated_ttft_ms(MODEL, 0, 2000, 1) == pytest.approx(220)  # idle: the prompt alone
+
+
+def test_a_crs_scaling_block_reads_as_the_planners_spec_with_the_schemas_defaults():
+    cr_spec = {
+        "prefill": {"resources": {"gpus": 2}},
+        "decode": {"resources": {"gpus": 1}},
+        "scaling": {
+            "slo": {"ttftMs": 500, "itlMs": 50},
+            "planner": {"mode": "Apply", "gpuBudget": 12, "decode": {"maxReplicas": 6}},
+        },
+    }
+    assert planner_spec(cr_spec) == PlannerSpec(
+        slo=Slo(500, 50, 90),
+        mode=Mode.APPLY,
+        prefill=RoleLimits(1, 8, 2),
+        decode=RoleLimits(1, 6, 1),
+        gpu_budget=12,
+        max_step=4,
+        scale_down_stabilization_s=300,
+    )
+    ratio = {
+        "scaling": {
+            "slo": {"ttftMs": 1, "itlMs": 1},
+            "prefillPerDecode": 0.5,
+            "planner": {"relation": "PrefillPerDecode"},
+        }
+    }
+    assert planner_spec(ratio).prefill_per_decode == 0.5
+    assert planner_spec({"scaling": {"slo": {"ttftMs": 1, "itlMs": 1}, "planner": {"mode": "Off"}}}) is None
+    assert planner_spec({"scaling": {}}) is None
