@@ -14,6 +14,7 @@ from disagg_api import settings as S
 
 from . import names
 from .crd_kvcache import KV_CACHE_RULES, kv_cache_schema
+from .crd_planner import PLANNER_RULES, planner_schema, slo_schema
 from .crd_roles import ATTN_TP, RANK_RULES, SPAN_RULES, engine_props, router_schema, tracing_schema, worker_role_schema
 from .crd_status import status_schema
 from .schema import QUANTITY, integer, obj, rule, string
@@ -161,6 +162,7 @@ ROOT_RULES = [
 ]
 
 RULES = ROOT_RULES + SPEC_RULES + MODEL_RULES + SPECULATIVE_RULES + IMMUTABLE_RULES + SPAN_RULES + KV_CACHE_RULES
+RULES += PLANNER_RULES
 
 
 def _rules_at(where: str) -> list[dict]:
@@ -220,7 +222,8 @@ def _scaling() -> dict:
         "description": "Prefill pods per decode pod: prefill follows decode's replicas (rounded up, at least one), "
         "so one autoscaler on decode scales both; prefill.replicas is then ignored.",
     }
-    return obj({"prefillPerDecode": ratio}, "Scaling of the roles relative to one another.", default={})
+    props = {"prefillPerDecode": ratio, "slo": slo_schema(), "planner": planner_schema()}
+    return obj(props, "Scaling of the roles.", default={}, rules=_rules_at("spec.scaling"))
 
 
 def _speculative() -> dict:

@@ -33,6 +33,8 @@ def tiny(**spec) -> dict:
     return cr
 
 
+SLO = {"ttftMs": 500, "itlMs": 50}
+
 VIOLATIONS = [
     ("prefill replicas", tiny(prefill__replicas=-1), "self.prefill.replicas >= 0"),
     (
@@ -101,8 +103,8 @@ VIOLATIONS = [
         "(self.prefill.tpSize * self.prefill.ppSize == 1",
     ),
     ("kv dtype", tiny(prefill__engine={"kvDtype": "bfloat16"}), "engine.kvDtype"),
-    ("prefill gpus", tiny(prefill__tpSize=2, prefill__resources={"gpus": 3}), "self.prefill.resources.gpus"),
-    ("decode gpus", tiny(decode__resources={"gpus": 2}), "self.decode.resources.gpus"),
+    ("prefill gpus", tiny(prefill__tpSize=2, prefill__resources={"gpus": 3}), "self.prefill.resources.gpus == 0"),
+    ("decode gpus", tiny(decode__resources={"gpus": 2}), "self.decode.resources.gpus == 0"),
     (
         "prefill ranks not whole nodes",
         tiny(prefill__tpSize=12, decode__tpSize=4),
@@ -126,7 +128,7 @@ VIOLATIONS = [
     (
         "gpus per pod of a group",
         tiny(decode__tpSize=4, decode__gpusPerNode=2, decode__resources={"gpus": 4}),
-        "self.decode.resources.gpus",
+        "self.decode.resources.gpus == 0",
     ),
     ("rdma needs mooncake", tiny(transfer={"backend": "fake", "protocol": "rdma"}), "protocol != 'rdma'"),
     (
@@ -155,6 +157,53 @@ VIOLATIONS = [
         "has(self.decode.hostRatio) && has(self.decode.hostSize)",
     ),
     ("a KV store without memory", tiny(kvCache={"store": {"memory": "0Gi"}}), "self.store.memory.matches"),
+    ("an slo with the planner off", tiny(scaling={"slo": SLO, "planner": {"mode": "Off"}}), "mode != 'Off'"),
+    ("a planner without an slo", tiny(scaling={"planner": {"mode": "Apply"}}), "mode == 'Off' || has(self.slo)"),
+    (
+        "a planner keeping a ratio that is not set",
+        tiny(scaling={"slo": SLO, "planner": {"relation": "PrefillPerDecode"}}),
+        "'PrefillPerDecode' || has(self.prefillPerDecode)",
+    ),
+    (
+        "a planner sizing prefill on its own beside a ratio",
+        tiny(scaling={"slo": SLO, "prefillPerDecode": 0.5, "planner": {}}),
+        "'Independent' || !has(self.prefillPerDecode)",
+    ),
+    (
+        "prefill bounds where prefill follows decode",
+        tiny(
+            scaling={
+                "slo": SLO,
+                "prefillPerDecode": 0.5,
+                "planner": {"relation": "PrefillPerDecode", "prefill": {"maxReplicas": 4}},
+            }
+        ),
+        "!has(self.planner.prefill)",
+    ),
+    (
+        "a fast loop slower than the slow one",
+        tiny(scaling={"slo": SLO, "planner": {"intervalSeconds": 30, "correctionIntervalSeconds": 60}}),
+        "correctionIntervalSeconds <=",
+    ),
+    (
+        "prefill minimum above its maximum",
+        tiny(scaling={"slo": SLO, "planner": {"prefill": {"minReplicas": 3, "maxReplicas": 2}}}),
+        "has(self.planner.prefill.minReplicas)",
+    ),
+    (
+        "decode minimum above the default maximum",
+        tiny(scaling={"slo": SLO, "planner": {"decode": {"minReplicas": 9}}}),
+        "has(self.planner.decode.minReplicas)",
+    ),
+    (
+        "a gpu budget below the minimums",
+        tiny(
+            prefill__resources={"gpus": 1},
+            decode__resources={"gpus": 1},
+            scaling={"slo": SLO, "planner": {"gpuBudget": 1}},
+        ),
+        "gpuBudget >=",
+    ),
     (
         "cache size without a download cache",
         tiny(model={"hostPath": "/m", "path": "x", "cacheSize": "10Gi"}),
@@ -270,3 +319,26 @@ def test_speculative_algorithms_are_checked_at_apply(kube_cluster, crd_installed
     assert proc.returncode != 0 and "spec.speculative.algorithm" in proc.stderr and "STANDALONE" in proc.stderr
     apply_cr(kube_cluster, namespace, tiny(speculative={"algorithm": "NGRAM"}))
     apply_cr(kube_cluster, namespace, tiny(speculative={"algorithm": "EAGLE", "draftModelPath": "drafts/eagle"}))
+
+
+def test_a_planner_within_its_rules_is_taken_with_its_defaults(kube_cluster, crd_installed, namespace):
+    cr = tiny(
+        prefill__resources={"gpus": 1},
+        decode__resources={"gpus": 1},
+        scaling={"slo": SLO, "planner": {"mode": "Apply", "gpuBudget": 2, "decode": {"maxReplicas": 1}}},
+    )
+    out = kube_cluster.kubectl(
+        "-n", namespace, "apply", "--dry-run=server", "-o", "json", "-f", "-", input=json.dumps(cr)
+    )
+    scaling = json.loads(out.stdout)["spec"]["scaling"]
+    assert scaling["slo"] == {**SLO, "percentile": 90}
+    assert scaling["planner"] == {
+        "mode": "Apply",
+        "gpuBudget": 2,
+        "decode": {"maxReplicas": 1},
+        "intervalSeconds": 60,
+        "correctionIntervalSeconds": 10,
+        "relation": "Independent",
+        "maxStepReplicas": 4,
+        "scaleDownStabilizationSeconds": 300,
+    }
