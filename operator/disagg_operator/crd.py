@@ -13,6 +13,7 @@ import yaml
 from disagg_api import settings as S
 
 from . import names
+from .crd_gateway import GATEWAY_RULES, gateway_schema
 from .crd_kvcache import KV_CACHE_RULES, kv_cache_schema
 from .crd_roles import ATTN_TP, RANK_RULES, SPAN_RULES, engine_props, router_schema, tracing_schema, worker_role_schema
 from .crd_status import status_schema
@@ -161,6 +162,7 @@ ROOT_RULES = [
 ]
 
 RULES = ROOT_RULES + SPEC_RULES + MODEL_RULES + SPECULATIVE_RULES + IMMUTABLE_RULES + SPAN_RULES + KV_CACHE_RULES
+RULES += GATEWAY_RULES
 
 
 def _rules_at(where: str) -> list[dict]:
@@ -317,6 +319,7 @@ def spec_schema() -> dict:
             "speculative": _speculative(),
             "tracing": tracing_schema(),
             "kvCache": kv_cache_schema(),
+            "gateway": gateway_schema(),
         },
         "The desired state of a disaggregated deployment.",
         required=["model", "image"],

@@ -22,6 +22,7 @@ from . import builders, names
 from .apply import Kube
 from .apply_errors import ReconcileError, describe_api_error, not_ours, owned_by
 from .config import OperatorConfig
+from .gateway_step import reconcile_gateway
 from .model_state import Inputs, ModelState, Observed
 from .observe import OwnerLink, PodInfo
 from .prune import prune
@@ -228,6 +229,7 @@ class Runtime:
             )
             if others:
                 prune(self.kube, spec, builders.retired_children(spec), m.pruned, m.owned)
+                reconcile_gateway(lambda objs: self._apply(spec, m, objs), self.kube, self.cfg, cr, m, self.post_event)
         except ReconcileError as e:
             m.errors = [str(e)]
             raise
@@ -328,6 +330,7 @@ class Runtime:
             self.plan(spec, m, observed, inputs.pods, cr.get("status")),
             builders.pairing_revision(spec),
             m.view,
+            tuple(m.gateway_errors),
         )
         new = compute_status(
             spec,
