@@ -27,7 +27,7 @@ LWS_MISSING = (
 GATEWAY_CRDS = {
     names.POOL_KIND: (
         f"{names.POOL_PLURAL}.{names.INFERENCE_GROUP}",
-        "the Gateway API Inference Extension's (the chart's gateway.installInferencePoolCRD installs it)",
+        "the Gateway API Inference Extension's; the chart's gateway.installInferencePoolCRD installs it",
     ),
     names.ROUTE_KIND: (f"{names.ROUTE_PLURAL}.{names.GATEWAY_GROUP}", "the Gateway API's standard channel"),
 }
@@ -36,7 +36,7 @@ GATEWAY_CRDS = {
 def crd_missing(kind: str) -> str:
     crd, source = GATEWAY_CRDS[kind]
     return (
-        f"{kind} is not installed in this cluster (CRD {crd}, {source}): spec.gateway needs it; the model serves "
+        f"{kind} is not installed in this cluster: spec.gateway needs the CRD {crd} ({source}); the model serves "
         "through its router meanwhile"
     )
 
