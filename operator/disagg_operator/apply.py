@@ -26,8 +26,6 @@ PLURALS = {
     names.SCALER_KIND: names.SCALER_PLURAL,
     names.LWS_KIND: names.LWS_PLURAL,
     "ServiceAccount": "serviceaccounts",
-    "Role": "roles",
-    "RoleBinding": "rolebindings",
     names.POOL_KIND: names.POOL_PLURAL,
     names.ROUTE_KIND: names.ROUTE_PLURAL,
 }

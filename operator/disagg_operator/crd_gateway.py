@@ -88,6 +88,7 @@ def gateway_schema() -> dict:
         },
         "Serve the model through a Gateway API gateway (the Gateway API Inference Extension): the operator makes "
         "an InferencePool (named after the model) of the decode pods, its endpoint picker (`disagg epp`: a "
-        "Deployment, Service, ServiceAccount, Role and RoleBinding named <model>-epp), NetworkPolicies that let "
-        "the gateway in, and optionally an HTTPRoute. Needs the InferencePool CRD (inference.networking.k8s.io/v1).",
+        "Deployment, Service and ServiceAccount named <model>-epp, granted no API access), NetworkPolicies that "
+        "let the gateway in, and optionally an HTTPRoute. Needs the InferencePool CRD "
+        "(inference.networking.k8s.io/v1).",
     )

@@ -23,11 +23,13 @@ def reconcile_gateway(
     kube: Kube,
     cfg: OperatorConfig,
     cr: Mapping[str, Any],
+    spec: ModelSpec,
     m: ModelState,
     post_event: Callable[[Mapping[str, Any], Event], None],
 ) -> None:
-    """Apply what `spec.gateway` asks for and delete what it no longer does; `m.gateway_errors` says how it went."""
-    spec = ModelSpec.from_cr(cr)
+    """Apply what `spec.gateway` asks for and delete what it no longer does; `m.gateway_errors` says how it went.
+    Without the block this is the prune alone: one read per name per operator start (prune.py), none after, and a
+    cluster without the CRDs answers those reads with 404, which is "absent", not a failure."""
     try:
         apply(builders.build_gateway_children(spec, cfg))
         prune(kube, spec, builders.retired_gateway(spec), m.pruned, m.owned)

@@ -138,7 +138,7 @@ def group_set_name(cr_name: str, role: str) -> str:
 
 
 def epp_name(cr_name: str) -> str:
-    """The endpoint picker's Deployment, Service, ServiceAccount, Role, RoleBinding and NetworkPolicy."""
+    """The endpoint picker's Deployment, Service, ServiceAccount and NetworkPolicy."""
     return child_name(cr_name, EPP)
 
 

@@ -14,6 +14,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from kubernetes.client.exceptions import ApiException
@@ -229,7 +230,7 @@ class Runtime:
             )
             if others:
                 prune(self.kube, spec, builders.retired_children(spec), m.pruned, m.owned)
-                reconcile_gateway(lambda objs: self._apply(spec, m, objs), self.kube, self.cfg, cr, m, self.post_event)
+                reconcile_gateway(partial(self._apply, spec, m), self.kube, self.cfg, cr, spec, m, self.post_event)
         except ReconcileError as e:
             m.errors = [str(e)]
             raise

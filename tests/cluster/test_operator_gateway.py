@@ -1,5 +1,5 @@
 """`spec.gateway` on a real API server with the Gateway API v1.6.3 CRDs and the InferencePool CRD the chart ships:
-the model gets its InferencePool, its endpoint picker's Deployment, Service, ServiceAccount, Role and RoleBinding,
+the model gets its InferencePool, its endpoint picker's Deployment, Service and ServiceAccount (granted no API access),
 the NetworkPolicies and the HTTPRoute, each accepted by the API server and owned by the model, and status.gateway
 names them; removing the block deletes them all. Without the InferencePool CRD the model is Degraded naming it (a
 Warning Event too) while the rest of it reconciles and gets Ready; installing the CRD heals it.
@@ -41,8 +41,6 @@ MADE = {
     "deployment": "tiny-epp",
     "service": "tiny-epp",
     "serviceaccount": "tiny-epp",
-    "role": "tiny-epp",
-    "rolebinding": "tiny-epp",
     "networkpolicy": "tiny-epp",
 }
 ROUTE = {"parentRefs": [{"name": "inference-gateway"}], "hostnames": ["tiny.example.com"]}
@@ -148,7 +146,12 @@ def test_the_gateway_objects_are_made_owned_and_reported_then_removed_with_the_b
     assert route["rules"][0]["backendRefs"][0]["name"] == "tiny"
     args = objs["deployment"]["spec"]["template"]["spec"]["containers"][0]["args"]
     assert args[0] == "epp" and args[args.index("--endpoint-dns") + 1].startswith(f"tiny-decode.{namespace}.svc.")
-    assert {r["resources"][0] for r in objs["role"]["rules"]} == {"pods", "inferencepools"}
+    # The picker makes no API call: its account mounts no token and may read nothing, not even its own pool.
+    assert objs["serviceaccount"]["automountServiceAccountToken"] is False
+    picker = f"system:serviceaccount:{namespace}:tiny-epp"
+    for verb, what in (("list", "pods"), ("get", "inferencepools.inference.networking.k8s.io")):
+        can = kube_cluster.kubectl("auth", "can-i", "--as", picker, verb, what, "-n", namespace, check=False)
+        assert can.stdout.strip() == "no", (verb, what)
     assert get(kube_cluster, namespace, "networkpolicy", "tiny-gateway") is not None
 
     gateway = wait_until(

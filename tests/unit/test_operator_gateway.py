@@ -37,8 +37,6 @@ def test_no_gateway_block_builds_nothing_and_retires_every_gateway_object():
         ("HTTPRoute", "m"),
         ("InferencePool", "m"),
         ("ServiceAccount", "m-epp"),
-        ("Role", "m-epp"),
-        ("RoleBinding", "m-epp"),
         ("Service", "m-epp"),
         ("Deployment", "m-epp"),
         ("NetworkPolicy", "m-epp"),
@@ -65,8 +63,6 @@ def test_every_gateway_object_is_owned_by_the_model():
     made = children(with_gateway(httpRoute=ROUTE))
     assert {k for k, _ in made} == {
         "ServiceAccount",
-        "Role",
-        "RoleBinding",
         "Service",
         "Deployment",
         "NetworkPolicy",
@@ -123,22 +119,16 @@ def test_cache_aware_mounts_the_model_for_its_tokenizer():
     assert {"name": "model", "mountPath": "/models", "readOnly": True} in c["volumeMounts"]
 
 
-def test_the_picker_service_and_its_least_rbac():
+def test_the_picker_service_and_an_identity_granted_nothing():
     made = children(with_gateway())
     ports = [(p["name"], p["port"]) for p in made[("Service", "m-epp")]["spec"]["ports"]]
     assert ports == [("grpc-ext-proc", 9002), ("grpc-health", 9003), ("http-metrics", 9090)]
     assert made[("Service", "m-epp")]["spec"]["ports"][0]["appProtocol"] == "http2"
-    assert made[("Role", "m-epp")]["rules"] == [
-        {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
-        {
-            "apiGroups": ["inference.networking.k8s.io"],
-            "resources": ["inferencepools"],
-            "verbs": ["get", "list", "watch"],
-        },
-    ]
-    binding = made[("RoleBinding", "m-epp")]
-    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "m-epp"}
-    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "m-epp", "namespace": "ns"}]
+    # `disagg epp` finds its endpoints by DNS and makes no API call: its own ServiceAccount, no token, no Role.
+    assert made[("ServiceAccount", "m-epp")]["automountServiceAccountToken"] is False
+    assert not {k for k, _ in made} & {"Role", "RoleBinding", "ClusterRole", "ClusterRoleBinding"}
+    pod = made[("Deployment", "m-epp")]["spec"]["template"]["spec"]
+    assert pod["serviceAccountName"] == "m-epp" and pod["automountServiceAccountToken"] is False
 
 
 def test_the_gateway_pods_are_let_in_to_the_picker_and_the_pool():

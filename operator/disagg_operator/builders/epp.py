@@ -3,9 +3,8 @@ Envoy's ext_proc, which decode pod takes each request; its Service, and the iden
 
 The picker finds the pool's pods as the router finds them, through the decode role's headless Service
 (`--endpoint-dns`), and reads their /health and KV events with the model's worker token (`--auth-token-file`).
-It makes no API calls: its pods mount no ServiceAccount token. The ServiceAccount's Role still grants what a Gateway
-API Inference Extension picker reads (pods and InferencePools, read-only, in the model's namespace), so that a
-picker that watches its pool needs nothing more than its token mounted.
+It makes no Kubernetes API call, so it is granted none: a ServiceAccount of its own (not the namespace's default,
+which others may bind roles to) with no Role, and its pods mount no token.
 """
 
 from typing import Any
@@ -37,11 +36,6 @@ from .workers import model_volumes
 GRPC_PORT = E.GRPC_PORT.default
 HEALTH_PORT = E.GRPC_HEALTH_PORT.default
 METRICS_PORT = E.METRICS_PORT.default
-# What a Gateway API Inference Extension picker reads, read-only, in its own namespace.
-READS = [
-    {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
-    {"apiGroups": [names.INFERENCE_GROUP], "resources": [names.POOL_PLURAL], "verbs": ["get", "list", "watch"]},
-]
 
 
 def epp_args(spec: ModelSpec, gateway: GatewaySpec, cfg: OperatorConfig) -> list[str]:
@@ -150,26 +144,6 @@ def build_epp_service_account(spec: ModelSpec) -> dict[str, Any]:
         "kind": "ServiceAccount",
         "metadata": metadata(spec, names.epp_name(spec.name), names.EPP, names.EPP),
         "automountServiceAccountToken": False,
-    }
-
-
-def build_epp_role(spec: ModelSpec) -> dict[str, Any]:
-    return {
-        "apiVersion": "rbac.authorization.k8s.io/v1",
-        "kind": "Role",
-        "metadata": metadata(spec, names.epp_name(spec.name), names.EPP, names.EPP),
-        "rules": READS,
-    }
-
-
-def build_epp_role_binding(spec: ModelSpec) -> dict[str, Any]:
-    name = names.epp_name(spec.name)
-    return {
-        "apiVersion": "rbac.authorization.k8s.io/v1",
-        "kind": "RoleBinding",
-        "metadata": metadata(spec, name, names.EPP, names.EPP),
-        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
-        "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": spec.namespace}],
     }
 
 

@@ -20,8 +20,6 @@ from .epp import (
     HEALTH_PORT,
     METRICS_PORT,
     build_epp_deployment,
-    build_epp_role,
-    build_epp_role_binding,
     build_epp_service,
     build_epp_service_account,
 )
@@ -138,8 +136,6 @@ def build_gateway_children(spec: ModelSpec, cfg: OperatorConfig) -> list[dict[st
     route = build_http_route(spec, gateway)
     return [
         build_epp_service_account(spec),
-        build_epp_role(spec),
-        build_epp_role_binding(spec),
         build_epp_service(spec),
         build_epp_deployment(spec, gateway, cfg),
         build_epp_network_policy(spec, gateway),
@@ -151,8 +147,6 @@ def build_gateway_children(spec: ModelSpec, cfg: OperatorConfig) -> list[dict[st
 
 GATEWAY_KINDS = (
     ("v1", "ServiceAccount"),
-    ("rbac.authorization.k8s.io/v1", "Role"),
-    ("rbac.authorization.k8s.io/v1", "RoleBinding"),
     ("v1", "Service"),
     ("apps/v1", "Deployment"),
     ("networking.k8s.io/v1", "NetworkPolicy"),
