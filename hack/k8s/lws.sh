@@ -7,17 +7,26 @@
 # The API server reaches the webhooks at https://127.0.0.1:$LWS_WEBHOOK_PORT, with a CA made here (LWS's own
 # certificate rotation serves a Service name, which a controller outside the cluster does not have). The pod
 # webhooks see only pods of a LeaderWorkerSet (their objectSelector), as LWS's own manifests have it.
+#
+# The webhook and health ports are the first ports from LWS_WEBHOOK_PORT / LWS_HEALTH_PORT (19443 / 18081) up
+# that nothing listens on: clusters of other checkouts run on the same machine, and a controller that cannot bind
+# a port another one holds exits while that other one answers /readyz, so the webhooks registered here would reach
+# the other cluster's controller (whose CA this API server does not trust: every LeaderWorkerSet write refused).
 set -euo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 REPO="$(cd "$HERE/../.." && pwd)"
 CLUSTER_DIR="${DISAGG_CLUSTER_DIR:-$REPO/.cluster}"
 DIR="$CLUSTER_DIR/lws"
-PORT="${LWS_WEBHOOK_PORT:-19443}"
-HEALTH="${LWS_HEALTH_PORT:-18081}"
 FACTOR="${DISAGG_TEST_TIME_FACTOR:-1}"
 
 log() { printf '[lws %(%H:%M:%S)T] %s\n' -1 "$*" >&2; }
+
+free_port() {  # PORT: the first port from PORT up that nothing on 127.0.0.1 listens on
+  local p=$1
+  while (exec 3<>"/dev/tcp/127.0.0.1/$p") 2>/dev/null; do p=$((p + 1)); done
+  echo "$p"
+}
 scaled() { awk -v s="$1" -v f="$FACTOR" 'BEGIN { if (f < 1) f = 1; printf "%d\n", s * f + 0.5 }'; }
 
 certs() {
@@ -84,6 +93,8 @@ up() {
   share="$(dirname "$bin")/share/lws"
   [[ -x "$bin/lws-controller" && -f "$share/crd.yaml" ]] || { log "lws-controller is not built (hack/k8s/build.sh)"; exit 1; }
   down
+  PORT=$(free_port "${LWS_WEBHOOK_PORT:-19443}")
+  HEALTH=$(free_port "${LWS_HEALTH_PORT:-18081}")
   mkdir -p "$DIR"
   certs
   cat >"$DIR/config.yaml" <<YAML
@@ -116,14 +127,21 @@ YAML
     >"$DIR/controller.log" 2>&1 </dev/null 8>&- 9>&- &
   echo $! >"$DIR/pid"
   start=$SECONDS
+  alive() {
+    kill -0 "$(<"$DIR/pid")" 2>/dev/null && return
+    log "lws-controller exited:"; tail -20 "$DIR/controller.log" >&2; exit 1
+  }
   until curl -fsS "http://127.0.0.1:$HEALTH/readyz" >/dev/null 2>&1; do
-    kill -0 "$(<"$DIR/pid")" 2>/dev/null || { log "lws-controller exited:"; tail -20 "$DIR/controller.log" >&2; exit 1; }
+    alive
     (( SECONDS - start < limit )) || { log "lws-controller not ready in ${limit}s"; exit 1; }
     sleep 0.5
   done
+  # A port taken between free_port and the bind: what answered was another controller, and this one has exited.
+  sleep 0.5
+  alive
   # The webhooks go in once the controller serves them: with failurePolicy Fail, earlier LWS writes would fail.
   webhooks | "$bin/kubectl" --kubeconfig "$kubeconfig" apply -f - >/dev/null
-  log "LeaderWorkerSet controller up in $((SECONDS - start))s (webhooks on 127.0.0.1:$PORT)"
+  log "LeaderWorkerSet controller up in $((SECONDS - start))s (webhooks on 127.0.0.1:$PORT, health on :$HEALTH)"
 }
 
 down() {

@@ -349,8 +349,8 @@ start_node() {
   lws up "$KUBECONFIG_PATH"
 }
 
-# The LeaderWorkerSet controller beside this control plane (hack/k8s/lws.sh), on ports of its own so that it
-# never meets the kwok cluster's.
+# The LeaderWorkerSet controller beside this control plane (hack/k8s/lws.sh), on ports from ones of its own so that
+# it never meets the kwok cluster's (lws.sh moves up past ports already taken).
 lws() { DISAGG_CLUSTER_DIR="$NODE_DIR" LWS_WEBHOOK_PORT=19444 LWS_HEALTH_PORT=18082 "$REPO/hack/k8s/lws.sh" "$@"; }
 
 up() {

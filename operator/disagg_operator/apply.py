@@ -25,6 +25,9 @@ PLURALS = {
     names.KIND: names.PLURAL,
     names.SCALER_KIND: names.SCALER_PLURAL,
     names.LWS_KIND: names.LWS_PLURAL,
+    "ServiceAccount": "serviceaccounts",
+    names.POOL_KIND: names.POOL_PLURAL,
+    names.ROUTE_KIND: names.ROUTE_PLURAL,
 }
 WRITE_VERBS = ("apply", "create", "patch", "patch_status", "delete")
 

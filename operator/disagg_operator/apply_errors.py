@@ -1,5 +1,5 @@
 """What applying a model's children can fail with, told as a user can act on it: an object of the model's name that
-another owner holds, an API the cluster lacks (LeaderWorkerSet), a refused write."""
+another owner holds, an API the cluster lacks (LeaderWorkerSet, InferencePool, HTTPRoute), a refused write."""
 
 from collections.abc import Mapping
 from typing import Any
@@ -23,6 +23,23 @@ LWS_MISSING = (
     "gpusPerNode) runs as one; install LWS (sigs.k8s.io/lws, see the chart's README) or fit each instance on a node"
 )
 
+# The CRDs `spec.gateway` needs, by the kind whose apply fails with 404 where its API is not served.
+GATEWAY_CRDS = {
+    names.POOL_KIND: (
+        f"{names.POOL_PLURAL}.{names.INFERENCE_GROUP}",
+        "the Gateway API Inference Extension's; the chart's gateway.installInferencePoolCRD installs it",
+    ),
+    names.ROUTE_KIND: (f"{names.ROUTE_PLURAL}.{names.GATEWAY_GROUP}", "the Gateway API's standard channel"),
+}
+
+
+def crd_missing(kind: str) -> str:
+    crd, source = GATEWAY_CRDS[kind]
+    return (
+        f"{kind} is not installed in this cluster: spec.gateway needs the CRD {crd} ({source}); the model serves "
+        "through its router meanwhile"
+    )
+
 
 def owned_by(obj: Mapping[str, Any], spec: ModelSpec) -> bool:
     """Whether the operator made `obj` for this model: an owner reference to this CR. (What an earlier CR of the
@@ -44,5 +61,7 @@ def describe_api_error(obj: Mapping[str, Any], e: ApiException) -> ReconcileErro
     what = f"{obj['kind']} {obj['metadata']['name']}"
     if obj["kind"] == names.LWS_KIND and e.status == 404:  # the API itself is absent, not the object
         return ReconcileError(LWS_MISSING, permanent=False)
+    if obj["kind"] in GATEWAY_CRDS and e.status == 404:
+        return ReconcileError(crd_missing(obj["kind"]), permanent=False)
     permanent = e.status in (400, 403, 422)
     return ReconcileError(f"applying {what} failed ({e.status} {e.reason})", permanent)

@@ -13,9 +13,11 @@ import yaml
 from disagg_api import settings as S
 
 from . import names
+from .crd_gateway import GATEWAY_RULES, gateway_schema
 from .crd_kvcache import KV_CACHE_RULES, kv_cache_schema
 from .crd_planner import PLANNER_RULES, planner_schema, slo_schema
 from .crd_roles import ATTN_TP, RANK_RULES, SPAN_RULES, engine_props, router_schema, tracing_schema, worker_role_schema
+from .crd_speculative import SPECULATIVE_RULES, speculative_schema
 from .crd_status import status_schema
 from .schema import QUANTITY, integer, obj, rule, string
 from .spec import DEFAULT_DRAIN_TIMEOUT, DEFAULT_MAX_SURGE, DEFAULT_PROGRESS_DEADLINE, ORDERS
@@ -107,32 +109,6 @@ SPEC_RULES = (
     ]
 )
 
-SPECULATIVE_RULES = [
-    (
-        "spec.speculative",
-        "self.ngramMinMatchWindowSize <= self.ngramMaxMatchWindowSize",
-        "speculative.ngramMinMatchWindowSize must not exceed speculative.ngramMaxMatchWindowSize",
-    ),
-    (
-        "spec.speculative",
-        "self.algorithm == 'NGRAM' ? !has(self.draftModelPath) : has(self.draftModelPath)",
-        "speculative.draftModelPath is the draft of EAGLE (its head) and STANDALONE (a smaller model); NGRAM "
-        "takes none",
-    ),
-    (
-        "spec",
-        "!has(self.speculative) || !has(self.speculative.draftModelPath) || has(self.model.pvc) || "
-        "has(self.model.hostPath)",
-        "speculative.draftModelPath is read from the model's volume: it needs model.pvc or model.hostPath",
-    ),
-    (
-        "spec",
-        "!has(self.speculative) || self.speculative.algorithm == 'NGRAM' || (self.prefill.tpSize * "
-        "self.prefill.ppSize == 1 && self.decode.tpSize * self.decode.ppSize == 1)",
-        "speculative EAGLE and STANDALONE run on single-rank instances (tpSize and ppSize 1); NGRAM works with any",
-    ),
-]
-
 IMMUTABLE_RULES = [
     (
         "spec.transfer",
@@ -162,7 +138,7 @@ ROOT_RULES = [
 ]
 
 RULES = ROOT_RULES + SPEC_RULES + MODEL_RULES + SPECULATIVE_RULES + IMMUTABLE_RULES + SPAN_RULES + KV_CACHE_RULES
-RULES += PLANNER_RULES
+RULES += PLANNER_RULES + GATEWAY_RULES
 
 
 def _rules_at(where: str) -> list[dict]:
@@ -224,35 +200,6 @@ def _scaling() -> dict:
     }
     props = {"prefillPerDecode": ratio, "slo": slo_schema(), "planner": planner_schema()}
     return obj(props, "Scaling of the roles.", default={}, rules=_rules_at("spec.scaling"))
-
-
-def _speculative() -> dict:
-    return obj(
-        {
-            "algorithm": string(
-                "NGRAM: drafts from n-gram matches in each request's own tokens (no draft model); EAGLE: from a "
-                "one-layer draft head fed with the model's hidden states; STANDALONE: from a smaller model with the "
-                "same tokenizer. Drafts are verified in the request's next decode step: answers stay token-identical.",
-                16,
-                enum=list(S.SPECULATIVE_ALGORITHMS),
-            ),
-            "numDraftTokens": integer(8, 1, "NGRAM: draft tokens verified with a decode step, at most.", 16),
-            "numSteps": integer(3, 1, "EAGLE and STANDALONE: draft tokens per request and decode step.", 16),
-            "draftModelPath": string(
-                "EAGLE and STANDALONE: directory of the draft inside the model's volume (model.pvc or "
-                "model.hostPath). Prefill runs it over the prompt and sends its KV with the model's pages.",
-                1024,
-            ),
-            "ngramMinMatchWindowSize": integer(
-                2, 1, "Shortest suffix of a request's tokens that must have occurred before to draft.", 64
-            ),
-            "ngramMaxMatchWindowSize": integer(8, 1, "Longest suffix matched.", 64),
-        },
-        "Speculative decoding, the same for both roles (decode drafts; prefill runs a draft model over the prompt, "
-        "NGRAM needs nothing from it). Absent: off.",
-        required=["algorithm"],
-        rules=_rules_at("spec.speculative"),
-    )
 
 
 def spec_schema() -> dict:
@@ -317,9 +264,10 @@ def spec_schema() -> dict:
             "drain": _drain(),
             "rollout": _rollout(),
             "scaling": _scaling(),
-            "speculative": _speculative(),
+            "speculative": speculative_schema(),
             "tracing": tracing_schema(),
             "kvCache": kv_cache_schema(),
+            "gateway": gateway_schema(),
         },
         "The desired state of a disaggregated deployment.",
         required=["model", "image"],

@@ -17,7 +17,7 @@ def engine_props(with_defaults: bool) -> dict:
     return {f.name: f.schema(with_defaults) for f in ENGINE_FIELDS}
 
 
-def _placement_props() -> dict:
+def placement_props() -> dict:
     quantities = {"type": "object", "additionalProperties": {"x-kubernetes-int-or-string": True}}
     return {
         "resources": obj(
@@ -89,7 +89,7 @@ def worker_role_schema(role: str) -> dict:
             ),
             "engine": obj(engine_props(False), f"Engine settings for {role} only, over spec.engine.", default={}),
             **(_decode_props() if role == names.DECODE else {}),
-            **_placement_props(),
+            **placement_props(),
         },
         f"The {role} role.",
         default={},
@@ -126,7 +126,7 @@ def tracing_schema() -> dict:
 
 
 def router_schema() -> dict:
-    props = _placement_props()
+    props = placement_props()
     props["resources"] = {
         **props["resources"],
         "description": "Pod resources, each over a default: requests cpu 250m and memory 256Mi, a memory limit "

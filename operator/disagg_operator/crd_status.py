@@ -1,5 +1,5 @@
 """The status schema of the DisaggregatedModel CRD: per-role counts, the rollout in progress, KV handoff health,
-the KV store and the conditions."""
+the KV store, the gateway's pool and picker, and the conditions."""
 
 from . import names
 from .schema import conditions, integer, obj
@@ -71,6 +71,19 @@ def _kvstore_status() -> dict:
     )
 
 
+def _gateway_status() -> dict:
+    return obj(
+        {
+            "pool": {"type": "string", "description": "The InferencePool an HTTPRoute's backendRef names."},
+            "endpointPicker": {"type": "string", "description": "The picker's Service, host:port of ext_proc."},
+            "httpRoute": {"type": "string", "description": "The HTTPRoute made for spec.gateway.httpRoute."},
+            "readyReplicas": integer(),
+            "ready": {"type": "string", "description": "Picker pods ready/desired, for printing."},
+        },
+        "The model's InferencePool and endpoint picker (present with spec.gateway).",
+    )
+
+
 def status_schema() -> dict:
     return obj(
         {
@@ -80,6 +93,7 @@ def status_schema() -> dict:
             "rollout": _rollout_status(),
             "transfer": _transfer_status(),
             "kvStore": _kvstore_status(),
+            "gateway": _gateway_status(),
             "conditions": conditions(),
         }
     )

@@ -29,6 +29,8 @@ from .status import Event, PodProblem, RoleObservation, observe_workload, pod_pr
 MANAGED = {names.LABEL_MANAGED_BY: names.MANAGED_BY}
 logger = logging.getLogger(__name__)
 WORKERS = 16
+# A model whose gateway objects could not be applied (a CRD not installed yet) is reconciled again this often.
+GATEWAY_RETRY_S = 30
 CR = (names.GROUP, names.VERSION, names.PLURAL)
 SCALERS = (names.GROUP, names.VERSION, names.SCALER_PLURAL)
 CHILD_KINDS = [
@@ -210,6 +212,10 @@ def reconcile(namespace: str | None, name: str, body: kopf.Body, memo: kopf.Memo
         if e.permanent:
             raise kopf.PermanentError(str(e)) from e
         raise kopf.TemporaryError(str(e), delay=30) from e
+    # Everything else is applied and reported; the gateway's objects are tried again until they go through.
+    m = memo.runtime.known(body["metadata"]["uid"])
+    if m is not None and m.gateway_errors:
+        raise kopf.TemporaryError(m.gateway_errors[0], delay=GATEWAY_RETRY_S)
 
 
 def _on_child(

@@ -39,6 +39,7 @@ class ModelState:
     lock: threading.RLock = field(default_factory=threading.RLock)
     written: dict | None = None  # the status last written (None: none yet; the CR's own status stands in)
     errors: list[str] = field(default_factory=list)  # the latest reconcile's failures (empty: it succeeded)
+    gateway_errors: list[str] = field(default_factory=list)  # the gateway's children's, apart (gateway_step.py)
     latched: dict[str, PodProblem] = field(default_factory=dict)  # pod -> failure, reported until its role is whole
     inputs: Inputs | None = None  # what the status was last computed from; None until then, or once deleted
     view: RouterView | None = None  # the routers' latest reports (prober.py); None: readiness alone speaks

@@ -56,6 +56,8 @@ WORKER_ROLES = (PREFILL, DECODE)
 ROLES = (PREFILL, DECODE, ROUTER)
 # Mooncake Store's pod (`spec.kvCache.store`): its `disagg.dev/role` label, though it serves no requests itself.
 KVSTORE = "kvstore"
+# The endpoint picker a Gateway API gateway asks (`spec.gateway`; `disagg epp`): its pods' role label.
+EPP = "epp"
 
 # Ports (the worker's command-line contract; `builders.ports` says which pod listens where and who may connect).
 HTTP_PORT = 8000
@@ -72,6 +74,16 @@ KVSTORE_METADATA_PORT = 8080
 KVSTORE_ADMIN_PORT = 9003
 KVSTORE_TRANSFER_PORTS = (17100, 17107)
 KVSTORE_CLIENT_HTTP_PORT = 9300
+
+# The Gateway API Inference Extension (`spec.gateway`): the model's InferencePool, and the HTTPRoute to it.
+INFERENCE_GROUP = "inference.networking.k8s.io"
+POOL_API_VERSION = f"{INFERENCE_GROUP}/v1"
+POOL_KIND, POOL_PLURAL = "InferencePool", "inferencepools"
+GATEWAY_GROUP = "gateway.networking.k8s.io"
+ROUTE_API_VERSION = f"{GATEWAY_GROUP}/v1"
+ROUTE_KIND, ROUTE_PLURAL = "HTTPRoute", "httproutes"
+# The label Istio and kgateway put on the pods they deploy for a Gateway (the Gateway API's own key).
+GATEWAY_NAME_LABEL = f"{GATEWAY_GROUP}/gateway-name"
 
 # Secrets reach pods as read-only files, only in the pods that use them.
 AUTH_TOKEN_KEY = "token"  # key of the model's shared secret in its Secret
@@ -123,6 +135,16 @@ def group_set_name(cr_name: str, role: str) -> str:
     `<cr>-decode-group-<instance>` (the leader) and `...-<instance>-<pod>`, and LWS names its own headless Service
     (the leaders' addresses, not-ready ones included) after it."""
     return child_name(cr_name, f"{role}-group")
+
+
+def epp_name(cr_name: str) -> str:
+    """The endpoint picker's Deployment, Service, ServiceAccount and NetworkPolicy."""
+    return child_name(cr_name, EPP)
+
+
+def gateway_policy_name(cr_name: str) -> str:
+    """The NetworkPolicy that admits the gateway (and the picker) to the pool's pods."""
+    return child_name(cr_name, "gateway")
 
 
 def auth_secret_name(cr_name: str) -> str:

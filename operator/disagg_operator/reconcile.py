@@ -14,6 +14,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from kubernetes.client.exceptions import ApiException
@@ -22,6 +23,7 @@ from . import builders, names
 from .apply import Kube
 from .apply_errors import ReconcileError, describe_api_error, not_ours, owned_by
 from .config import OperatorConfig
+from .gateway_step import reconcile_gateway
 from .model_state import Inputs, ModelState, Observed
 from .observe import OwnerLink, PodInfo
 from .prune import prune
@@ -228,6 +230,7 @@ class Runtime:
             )
             if others:
                 prune(self.kube, spec, builders.retired_children(spec), m.pruned, m.owned)
+                reconcile_gateway(partial(self._apply, spec, m), self.kube, self.cfg, cr, spec, m, self.post_event)
         except ReconcileError as e:
             m.errors = [str(e)]
             raise
@@ -328,6 +331,7 @@ class Runtime:
             self.plan(spec, m, observed, inputs.pods, cr.get("status")),
             builders.pairing_revision(spec),
             m.view,
+            tuple(m.gateway_errors),
         )
         new = compute_status(
             spec,

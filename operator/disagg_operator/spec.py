@@ -14,6 +14,7 @@ from disagg_api.setting import Setting
 
 from . import names
 from .engine_fields import DEFAULT_ENGINE, ENGINE_FIELDS
+from .gateway_spec import GatewaySpec
 from .kvcache import KVCacheSpec
 
 DEFAULT_DRAIN_TIMEOUT = 30
@@ -291,6 +292,7 @@ class ModelSpec:
     speculative: SpeculativeSpec | None = None  # None: no speculative decoding
     tracing: TracingSpec | None = None  # None: no traces
     kv_cache: KVCacheSpec | None = None  # None: no host tier, no store
+    gateway: GatewaySpec | None = None  # None: no InferencePool, no endpoint picker
 
     @property
     def grace_period_s(self) -> int:
@@ -356,6 +358,7 @@ class ModelSpec:
             speculative=SpeculativeSpec.from_dict(spec.get("speculative")),
             tracing=TracingSpec.from_dict(spec.get("tracing")),
             kv_cache=KVCacheSpec.from_dict(spec.get("kvCache")),
+            gateway=GatewaySpec.from_dict(spec.get("gateway"), Placement.from_dict(spec.get("gateway") or {})),
         )
 
 

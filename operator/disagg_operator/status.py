@@ -10,6 +10,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import names
+from .builders.epp import epp_endpoint
+from .builders.gateway import build_http_route, pool_name
 from .builders.kvstore import model_store, store_master
 from .observe import PodProblem, RoleObservation, observe_workload, pod_problem
 from .rollout import RolloutPlan, progressing_condition, rollout_status
@@ -27,8 +29,10 @@ class Findings:
     rollout: RolloutPlan | None = None
     revision: str = ""
     router: RouterView | None = None
+    gateway: tuple[str, ...] = ()  # why the gateway's children could not be applied (gateway_step.py)
 
 
+GATEWAY_UNAVAILABLE = "GatewayUnavailable"  # Degraded's reason (and the Event's) when only the gateway fails
 # The state of each condition a user should hear about through an Event (the others are news only on change).
 BAD = {names.PAIRING_VERIFIED: "False", names.HANDOFF_STALLED: "True", names.WEIGHTS_CACHE_AT_RISK: "True"}
 
@@ -66,6 +70,22 @@ def kvstore_status(spec: ModelSpec, obs: RoleObservation | None) -> dict[str, An
         return None
     obs = obs or RoleObservation()
     return {"readyReplicas": obs.ready, "ready": f"{obs.ready}/1", "master": store_master(spec)}
+
+
+def gateway_status(spec: ModelSpec, obs: RoleObservation | None) -> dict[str, Any] | None:
+    """The InferencePool a gateway routes to, its endpoint picker and whether the picker's pods are ready (a ready
+    picker has a healthy decode pod to pick); None (removed) without `spec.gateway`."""
+    if spec.gateway is None:
+        return None
+    obs = obs or RoleObservation()
+    out = {
+        "pool": pool_name(spec),
+        "endpointPicker": epp_endpoint(spec),
+        "readyReplicas": obs.ready,
+        "ready": f"{obs.ready}/{spec.gateway.replicas}",
+    }
+    route = build_http_route(spec, spec.gateway)
+    return {**out, "httpRoute": route["metadata"]["name"]} if route else out
 
 
 def selector(spec: ModelSpec, role: str) -> str:
@@ -119,9 +139,11 @@ def desired_conditions(
     errors: list[str],
     pairing: tuple[str, str, str] = ("True", "", ""),
     rollout: tuple[bool, str, str] | None = None,
+    gateway: tuple[str, ...] = (),
 ) -> list[dict[str, Any]]:
     """Ready, Progressing and Degraded, without timestamps. `errors` are spec or apply failures; `pairing` is
-    PairingVerified (Ready requires it) and `rollout` the Progressing of a rollout in progress."""
+    PairingVerified (Ready requires it) and `rollout` the Progressing of a rollout in progress. `gateway`'s
+    failures make the model Degraded but neither block nor un-Ready it: its router serves all the same."""
     counts = _counts(spec, observed)
     pending = [r for r in names.ROLES if not _settled(spec, r, observed.get(r))]
     zero = [r for r in names.ROLES if spec.replicas(r) == 0]
@@ -141,8 +163,10 @@ def desired_conditions(
     if errors:
         degraded = _condition(names.DEGRADED, True, "ReconcileFailed", "; ".join(errors))
     elif problems:
-        msg = "; ".join(f"{p.role} pod {p.pod}: {p.reason}" for p in problems)
+        msg = "; ".join([f"{p.role} pod {p.pod}: {p.reason}" for p in problems] + list(gateway))
         degraded = _condition(names.DEGRADED, True, "PodFailing", msg)
+    elif gateway:
+        degraded = _condition(names.DEGRADED, True, GATEWAY_UNAVAILABLE, "; ".join(gateway))
     else:
         degraded = _condition(names.DEGRADED, False, "AsExpected", "no failing pods")
     return [ready, progressing, degraded]
@@ -177,9 +201,8 @@ def compute_status(
     plan, view = findings.rollout, findings.router
     rollout = rollout_status(plan, findings.revision, previous.get("rollout"), now) if plan else None
     pairing = pairing_condition(spec, observed.get(names.ROUTER), view)
-    conds = desired_conditions(
-        spec, observed, problems, errors, pairing, progressing_condition(spec, plan, rollout, now) if plan else None
-    )
+    progress = progressing_condition(spec, plan, rollout, now) if plan else None
+    conds = desired_conditions(spec, observed, problems, errors, pairing, progress, findings.gateway)
     conds.append(_condition(names.PAIRING_VERIFIED, *pairing))
     conds.append(_condition(names.HANDOFF_STALLED, *handoff_condition(view)))
     conds.append(_condition(names.WEIGHTS_CACHE_AT_RISK, *cache_condition(spec)))
@@ -190,6 +213,7 @@ def compute_status(
         "rollout": rollout,
         "transfer": transfer_status(view),
         "kvStore": kvstore_status(spec, observed.get(names.KVSTORE)),
+        "gateway": gateway_status(spec, observed.get(names.EPP)),
         "conditions": with_times(conds, list(previous.get("conditions") or []), generation, now),
     }
 

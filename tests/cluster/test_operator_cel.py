@@ -205,6 +205,11 @@ VIOLATIONS = [
         "gpuBudget >=",
     ),
     (
+        "a cache-aware gateway picker with a downloaded model",
+        tiny(gateway={"policy": "cache_aware"}, model={"huggingFaceId": "Qwen/Qwen2.5-0.5B-Instruct"}),
+        "self.gateway.policy != 'cache_aware'",
+    ),
+    (
         "cache size without a download cache",
         tiny(model={"hostPath": "/m", "path": "x", "cacheSize": "10Gi"}),
         "!has(self.cacheSize)",

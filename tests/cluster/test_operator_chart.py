@@ -1,7 +1,8 @@
 """The Helm chart as a cluster would receive it: `helm template` rendered, parsed, and its objects checked.
 
-No RBAC wildcards, delete only on the kinds of the KV store's children (Deployments, Services, NetworkPolicies:
-they go when `spec.kvCache.store` does), Secrets only read and created; every object carries the standard labels; the
+No RBAC wildcards and no RBAC kinds, delete only on the kinds of the children a spec change retires (the KV store's
+Deployment, Service and NetworkPolicy, when `spec.kvCache.store` goes; the gateway's objects, when `spec.gateway`
+does), Secrets only read and created; every object carries the standard labels; the
 operator Deployment's flags and settings are ones the operator understands. This tier is where helm is built
 (hack/k8s/build.sh), so rendering never needs a skip; no cluster is started.
 """
@@ -33,6 +34,7 @@ VARIANTS = {
     "one-namespace": ["--set", "watchNamespace=team-a"],
     "one-namespace-ha": ["--set", "watchNamespace=team-a", "--set", "replicas=2"],
     "dashboards-and-rules": ["--set", "dashboards.enabled=true", "--set", "prometheusRule.enabled=true"],
+    "inferencepool-crd": ["--set", "gateway.installInferencePoolCRD=true"],
 }
 
 Render = Callable[..., list[dict]]
@@ -68,7 +70,7 @@ def deployment_container(objects: list[dict]) -> dict:
 
 
 @pytest.mark.parametrize("values", VARIANTS.values(), ids=VARIANTS.keys())
-def test_rbac_grants_no_wildcards_delete_only_on_the_stores_kinds_and_secrets_only_get_and_create(
+def test_rbac_grants_no_wildcards_delete_only_on_retired_kinds_and_secrets_only_get_and_create(
     render: Render, values: list[str]
 ):
     roles = of_kind(render(*values), "ClusterRole", "Role")
@@ -81,9 +83,18 @@ def test_rbac_grants_no_wildcards_delete_only_on_the_stores_kinds_and_secrets_on
         assert not {"deletecollection", "escalate", "bind", "impersonate"} & set(r["verbs"]), r
         if "delete" in r["verbs"]:
             deletable |= {(group, resource) for group in r["apiGroups"] for resource in r["resources"]}
-    assert deletable == {("apps", "deployments"), ("", "services"), ("networking.k8s.io", "networkpolicies")}
+    assert deletable == {
+        ("apps", "deployments"),
+        ("", "services"),
+        ("networking.k8s.io", "networkpolicies"),
+        ("", "serviceaccounts"),
+        ("inference.networking.k8s.io", "inferencepools"),
+        ("gateway.networking.k8s.io", "httproutes"),
+    }
     secrets = [r for r in rules if "secrets" in r["resources"]]
     assert [(r["resources"], r["verbs"]) for r in secrets] == [(["secrets"], ["get", "create"])]
+    # The operator grants nothing: no RBAC object is its to read or write (the picker it makes is bound to no Role).
+    assert not [r for r in rules if "rbac.authorization.k8s.io" in r["apiGroups"]]
 
 
 @pytest.mark.parametrize("values", VARIANTS.values(), ids=VARIANTS.keys())
@@ -213,3 +224,11 @@ def test_the_prometheusrule_holds_the_rules_with_the_thresholds_given(render: Re
 def test_a_threshold_out_of_range_fails_at_install(render: Render):
     with pytest.raises(AssertionError, match="kvUsageRatio"):
         render("--set", "prometheusRule.enabled=true", "--set", "prometheusRule.thresholds.kvUsageRatio=2")
+
+
+def test_the_inferencepool_crd_is_installed_only_when_asked_and_kept_on_uninstall(render: Render):
+    assert of_kind(render(), "CustomResourceDefinition") == []
+    [crd] = of_kind(render(*VARIANTS["inferencepool-crd"]), "CustomResourceDefinition")
+    vendored = yaml.safe_load((CHART / "files" / "inference.networking.k8s.io_inferencepools.yaml").read_text())
+    assert crd["spec"] == vendored["spec"] and crd["metadata"]["name"] == "inferencepools.inference.networking.k8s.io"
+    assert crd["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"

@@ -81,6 +81,17 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 - apiGroups: ["leaderworkerset.x-k8s.io"]
   resources: ["leaderworkersets"]
   verbs: ["get", "list", "watch", "create", "patch"]
+# spec.gateway: the endpoint picker's ServiceAccount (bound to no Role: the picker makes no API call, and the
+# operator writes no RBAC), the InferencePool and the HTTPRoute; each deleted when the model's spec no longer asks.
+- apiGroups: [""]
+  resources: ["serviceaccounts"]
+  verbs: ["get", "create", "patch", "delete"]
+- apiGroups: ["inference.networking.k8s.io"]
+  resources: ["inferencepools"]
+  verbs: ["get", "create", "patch", "delete"]
+- apiGroups: ["gateway.networking.k8s.io"]
+  resources: ["httproutes"]
+  verbs: ["get", "create", "patch", "delete"]
 - apiGroups: [""]
   resources: ["events"]
   verbs: ["create"]

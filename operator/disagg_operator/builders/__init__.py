@@ -6,6 +6,7 @@ from typing import Any
 from .. import names
 from ..config import OperatorConfig
 from ..spec import ModelSpec
+from .gateway import build_gateway_children, retired_gateway
 from .groups import build_worker_group_set
 from .kvstore import build_kvstore_deployment, build_kvstore_service, model_store, retired_kvstore
 from .policy import build_bootstrap_service, build_network_policies, build_pdb
@@ -23,11 +24,13 @@ from .workers import (
 
 __all__ = [
     "build_children",
+    "build_gateway_children",
     "build_auth_secret",
     "build_role_scaler",
     "build_worker_set",
     "build_worker_statefulset",
     "retired_children",
+    "retired_gateway",
     "worker_set_name",
     "new_token",
     "pairing_revision",
