@@ -39,6 +39,7 @@ from disagg_worker.mem.kv_pool import KVPool
 from disagg_worker.mem.radix import RadixCache
 from disagg_worker.model.config import ModelConfig
 from disagg_worker.model.loader import load_model
+from disagg_worker.model.lora import LoraLayers, read_adapters
 from disagg_worker.model.parallel import Shard
 from disagg_worker.ranks.dist import Comm
 from disagg_worker.ranks.group import RankGroup, StageWork
@@ -55,6 +56,8 @@ def load_rank(
     shard = comm.shard if comm is not None else Shard()
     collectives = comm.collectives() if comm is not None else None
     model, model_cfg = load_model(cfg.model_path, DTYPES[cfg.dtype], cfg.device, shard, collectives, cfg.quantization)
+    if cfg.lora.enabled:  # checked at start-up (`cli_args.check_lora`): every adapter resident from here on
+        model.lora = LoraLayers.attach(model, read_adapters(cfg.lora.adapters), cfg.lora.max_lora_rank)
     draft = load_draft(cfg, model, model_cfg) if drafts else None
     return_freed_memory()
     return model, model_cfg, draft, size_pool(cfg, model_cfg, shard, draft, comm)

@@ -235,7 +235,7 @@ class Scheduler:
     @staticmethod
     def _prefix(req: Req) -> list[int]:
         """Tokens whose KV may come from the cache: not the last (it computes logits), none to score a prompt."""
-        return req.fill_ids[: req.seq_len - 1] if not req.params.prompt_logprobs else []
+        return req.cache_ids(req.seq_len - 1) if not req.params.prompt_logprobs else []
 
     def _needs_page(self, req: Req, n: int) -> int:
         return max(0, pages_for(req.num_computed + n, self.page_size) - len(req.pages))
@@ -388,7 +388,7 @@ class Scheduler:
     def _release_now(self, req: Req) -> None:
         computed = min(req.num_computed, len(req.fill_ids))
         full = computed // self.page_size
-        tokens = req.fill_ids[: full * self.page_size]
+        tokens = req.cache_ids(full * self.page_size)
         redundant = self.radix.insert(tokens, req.pages[:full])
         self.allocator.free(redundant + req.pages[full:])
         if req.prefix_node is not None:
