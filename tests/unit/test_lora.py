@@ -9,7 +9,14 @@ from dataclasses import replace
 import pytest
 import torch
 
+from disagg_worker.cli import build_parser
+from disagg_worker.cli_args import server_args_from_cli
+from disagg_worker.config import Role
 from disagg_worker.engine.request import lora_ids
+from disagg_worker.env import load_env
+from disagg_worker.errors import ConfigError
+from disagg_worker.lora_config import LoraConfig
+from disagg_worker.model.cpu_linear import PackedLinear, can_pack
 from disagg_worker.model.loader import load_model
 from disagg_worker.model.lora import LoraLayers, read_adapters
 from disagg_worker.model.lora_files import LoraError
@@ -124,3 +131,41 @@ def test_the_prefix_cache_knows_an_adapters_tokens_apart():
     a, b = lora_ids(ids, "a"), lora_ids(ids, "b")
     assert len({tuple(ids), tuple(a), tuple(b)}) == 3 and min(a + b) > 1 << 32
     assert lora_ids(ids, "a") == a and max(a + b) < 1 << 63  # the same on every instance; a page name's int64
+
+
+@pytest.mark.skipif(not can_pack(torch.device("cpu"), torch.bfloat16), reason="no oneDNN bfloat16 on this CPU")
+def test_bfloat16_projections_packed_for_onednn_get_their_deltas_too(setup):
+    base, paths, ref = setup
+    model, cfg = load_model(base, torch.bfloat16, "cpu")
+    assert any(isinstance(m, PackedLinear) for m in model.modules())
+    model.lora = LoraLayers.attach(model, read_adapters(list(paths.items())), max_rank=16)
+    kv, alloc = model_pool(cfg, 64, PAGE_SIZE, torch.bfloat16), PageAllocator(64, 0)
+    rows = [None, "attn", "mlp"]
+    seqs = [alloc.new_seq(32, PAGE_SIZE) for _ in rows]
+    logits = model(replace(make_batch(seqs, [PROMPTS[0]] * 3, PAGE_SIZE), lora_slots=[0, 1, 2]), kv)
+    for i, adapter in enumerate(rows):
+        want = peft_logits(ref, PROMPTS[0], adapter)
+        # bfloat16's rounding against float32's, far below what the adapter moves (over 1 on these logits)
+        assert (logits[i] - want).abs().max() < 0.15
+        if adapter is not None:
+            assert (want - peft_logits(ref, PROMPTS[0], None)).abs().max() > 1
+
+
+@pytest.mark.parametrize(
+    ("modules", "max_loras", "problem"),
+    [
+        (("a=/x", "b=/y"), 1, "--max-loras 1 holds fewer adapters than the 2 of --lora-modules"),
+        (("a=/x", "a=/y"), 2, "each adapter needs a name of its own"),
+        (("a",), 1, "--lora-modules a: expected NAME=PATH"),
+    ],
+)
+def test_adapters_that_cannot_all_be_resident_or_named_are_refused(modules, max_loras, problem):
+    with pytest.raises(ConfigError, match=problem):
+        LoraConfig(modules=modules, max_loras=max_loras)
+
+
+@pytest.mark.parametrize("role", [Role.PREFILL, Role.DECODE])
+def test_a_prefill_or_decode_instance_refuses_adapters_until_pd_carries_them(role):
+    ns = build_parser().parse_args([role.value, "--model", "m", "--lora-modules", "a=/x"])
+    with pytest.raises(ConfigError, match=f"served by `disagg serve` for now, not by a {role.value} instance"):
+        server_args_from_cli(ns, role, load_env({}))
