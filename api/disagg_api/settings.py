@@ -64,7 +64,9 @@ LORA_MODULES = Setting(
     "adapter_config.json and adapter_model.safetensors); a request selects one by its model field",
     sglang="--lora-paths",
 )
-MAX_LORAS = Setting("--max-loras", int, 1, help="LoRA adapters resident at once (at least the --lora-modules given)")
+MAX_LORAS = Setting(
+    "--max-loras", int, 1, help="LoRA adapters resident at once; requests of the others wait for a slot"
+)
 MAX_LORA_RANK = Setting("--max-lora-rank", int, 16, help="the largest rank r an adapter may have")
 PAGE_SIZE = Setting("--page-size", int, 16, sglang="--page-size")
 NUM_PAGES = Setting("--num-pages", int, 0)

@@ -12,7 +12,9 @@ import torch
 from disagg_worker.cli import build_parser
 from disagg_worker.cli_args import server_args_from_cli
 from disagg_worker.config import Role
-from disagg_worker.engine.request import lora_ids
+from disagg_worker.engine.lora_registry import Resident
+from disagg_worker.engine.request import Req, lora_ids
+from disagg_worker.engine.sampling import SamplingParams
 from disagg_worker.env import load_env
 from disagg_worker.errors import ConfigError
 from disagg_worker.lora_config import LoraConfig
@@ -154,7 +156,7 @@ def test_bfloat16_projections_packed_for_onednn_get_their_deltas_too(setup):
 @pytest.mark.parametrize(
     ("modules", "max_loras", "problem"),
     [
-        (("a=/x", "b=/y"), 1, "--max-loras 1 holds fewer adapters than the 2 of --lora-modules"),
+        (("a=/x", "b=/y"), 0, "--max-loras 0: must be at least 1"),
         (("a=/x", "a=/y"), 2, "each adapter needs a name of its own"),
         (("a",), 1, "--lora-modules a: expected NAME=PATH"),
     ],
@@ -169,3 +171,26 @@ def test_a_prefill_or_decode_instance_refuses_adapters_until_pd_carries_them(rol
     ns = build_parser().parse_args([role.value, "--model", "m", "--lora-modules", "a=/x"])
     with pytest.raises(ConfigError, match=f"served by `disagg serve` for now, not by a {role.value} instance"):
         server_args_from_cli(ns, role, load_env({}))
+
+
+def test_more_adapters_than_slots_wait_for_one_no_running_request_uses_the_least_recently_used_reloaded():
+    loads: list[tuple[int, int]] = []
+    resident = Resident(max_loras=2, num_adapters=3, load=lambda slot, adapter: loads.append((slot, adapter)))
+
+    def req(adapter: int) -> Req:
+        return Req(rid=str(adapter), prompt_ids=[5], params=SamplingParams(), lora_adapter=adapter)
+
+    a, b, c, base = req(1), req(2), req(3), req(0)
+    for r in (a, b, base):
+        assert resident.fits(r)
+        resident.acquire(r)
+    assert (a.lora_slot, b.lora_slot, base.lora_slot, loads) == (1, 2, 0, [])  # adapters 1 and 2 start resident
+    assert not resident.fits(c) and resident.fits(req(1))  # both slots in use: 3 waits, 1 shares its slot
+    resident.release(b)
+    resident.release(a)  # slot 1 used last: slot 2 is the least recently used
+    assert resident.fits(c)
+    resident.acquire(c)
+    assert (c.lora_slot, loads) == (2, [(2, 3)])
+    again = req(2)
+    resident.acquire(again)  # adapter 2 is no longer resident: loaded into the free slot 1
+    assert (again.lora_slot, loads[-1]) == (1, (1, 2))

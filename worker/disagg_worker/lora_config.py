@@ -23,17 +23,12 @@ class LoraConfig:
             raise ConfigError(f"--lora-modules: each adapter needs a name of its own, got {', '.join(names)}")
         if self.max_lora_rank < 1:
             raise ConfigError(f"--max-lora-rank {self.max_lora_rank}: must be at least 1")
-        # Every adapter stays resident from start-up: swapping adapters in and out (an LRU of `max_loras`, the
-        # requests of the others waiting) is not built yet, so a deployment that would need it is refused.
-        if len(pairs) > self.max_loras:
-            raise ConfigError(
-                f"--max-loras {self.max_loras} holds fewer adapters than the {len(pairs)} of --lora-modules: every "
-                "adapter stays resident for now, so pass --max-loras of at least their number"
-            )
+        if self.max_loras < 1:
+            raise ConfigError(f"--max-loras {self.max_loras}: must be at least 1")
 
     @property
     def adapters(self) -> list[tuple[str, str]]:
-        """(name, path) of each adapter, in order: adapter i is slot i + 1 of the model's stacked weights."""
+        """(name, path) of each adapter, in order: adapter i + 1 (`engine/lora_registry.py`)."""
         pairs = []
         for word in self.modules:
             name, eq, path = word.partition("=")

@@ -149,7 +149,7 @@ class Engine:
             max_context_len=self.max_context_len,
             matcher=matcher,
             trail=Trail() if m.traced else NO_TRAIL,
-            lora_slot=self.loras.slot(m.params.lora),
+            lora_adapter=self.loras.adapter(m.params.lora),
         )
         if m.resumed:
             req.sampling.skip(list(m.input_ids[-m.resumed :]))

@@ -67,8 +67,9 @@ class Req:
     # The prompt's logprobs as its chunks are computed (`SamplingParams.prompt_logprobs`): (logprob, top-N) of
     # prompt tokens 1.., sent with the first output.
     prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list, repr=False)
-    # The LoRA adapter it runs under: its slot in the model (`model/lora.py`; 0: the base model). Its name is
-    # `params.lora`.
+    # The LoRA adapter it runs under (`engine/lora_registry.py`; 0: the base model; its name is `params.lora`), and
+    # the model's slot holding it while the request is admitted (`model/lora.py`).
+    lora_adapter: int = 0
     lora_slot: int = 0
     # A traced request's stages (`request/trail.py`); the others hold `NO_TRAIL`, which records nothing.
     trail: Trail = field(default=NO_TRAIL, repr=False)

@@ -8,11 +8,14 @@ GEMM (`layers.Merged`: q/k/v, gate/up on CUDA) gets each part's delta added to i
 
 The projections keep their modules and names (a forward hook, not a subclass or a wrapper), so the state dict,
 the weight formats and the merging stay as they are. `select` tells the hooks, once per forward, which rows run
-under which adapter (`ForwardBatch.lora_slots`: per request, 0 for the base, adapter i at slot i).
+under which slot (`ForwardBatch.lora_slots`: per request, 0 for the base). Every adapter is kept in host memory;
+`max_loras` slots on the model's device hold the resident ones, adapter i in slot i from the start, another one
+copied in by `load` (the scheduler chooses which: `engine/lora_registry.py`).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 import torch
@@ -20,6 +23,8 @@ from torch import nn
 
 from disagg_worker.model.layers import Merged
 from disagg_worker.model.lora_files import Adapter, LoraError, read_adapter
+
+log = logging.getLogger(__name__)
 
 # A merged projection's attribute on its module, and the projections it holds, in order (`model/merged.py`).
 MERGED_PARTS = {"qkv": ("q_proj", "k_proj", "v_proj"), "gate_up": ("gate_proj", "up_proj")}
@@ -29,25 +34,25 @@ Segments = list[tuple[int, torch.Tensor]]
 
 
 class LoraLayers:
-    """The adapters resident in one model, slot i + 1 holding `adapters[i]`."""
+    """The adapters of one model, in host memory, and those resident in its slots (on its device)."""
 
-    def __init__(self, weights: dict[str, dict[int, tuple[torch.Tensor, torch.Tensor, float]]]):
-        self.weights = weights  # module name -> slot -> (A, B, scaling), on the model's device and dtype
+    def __init__(self, adapters: Sequence[Adapter], device: torch.device, dtype: torch.dtype):
+        self.adapters = list(adapters)  # adapter i + 1 is adapters[i], its weights in host memory
+        self.device, self.dtype = device, dtype
+        self.weights: dict[str, dict[int, tuple[torch.Tensor, torch.Tensor, float]]] = {}  # module -> slot -> ...
         self.segments: Segments = []
 
     @classmethod
-    def attach(cls, model: nn.Module, adapters: Sequence[Adapter], max_rank: int) -> LoraLayers:
-        """Check `adapters` against `model` and hook its projections; LoraError naming the adapter otherwise."""
+    def attach(cls, model: nn.Module, adapters: Sequence[Adapter], max_rank: int, max_loras: int = 0) -> LoraLayers:
+        """Check `adapters` against `model`, hook its projections and make the first `max_loras` (0: all)
+        resident; LoraError naming the adapter otherwise."""
         check_adapters(model, adapters, max_rank)
         modules = dict(model.named_modules())
         param = next(model.parameters())
-        weights: dict[str, dict[int, tuple[torch.Tensor, torch.Tensor, float]]] = {}
-        for slot, adapter in enumerate(adapters, start=1):
-            for name, (a, b) in adapter.weights.items():
-                ab = (a.to(param.device, param.dtype), b.to(param.device, param.dtype), adapter.scaling)
-                weights.setdefault(name, {})[slot] = ab
-        layers = cls(weights)
-        for name in weights:
+        layers = cls(adapters, param.device, param.dtype)
+        for slot in range(1, min(max_loras or len(adapters), len(adapters)) + 1):
+            layers.load(slot, slot)
+        for name in sorted({name for adapter in adapters for name in adapter.weights}):
             modules[name].register_forward_hook(layers._hook(name))
         for name, module in modules.items():
             for attr, parts in MERGED_PARTS.items():
@@ -56,6 +61,17 @@ class LoraLayers:
                     names = [f"{name}.{p}" if name else p for p in parts]
                     setattr(module, attr, _MergedWithLora(merged, names, layers))
         return layers
+
+    def load(self, slot: int, adapter: int) -> None:
+        """Make `adapter` (from 1) resident in `slot`, in place of the one there. No forward in flight may read the
+        slot: the scheduler hands it over only once no running request holds it."""
+        for per_slot in self.weights.values():
+            per_slot.pop(slot, None)
+        held = self.adapters[adapter - 1]
+        for name, (a, b) in held.weights.items():
+            ab = (a.to(self.device, self.dtype), b.to(self.device, self.dtype), held.scaling)
+            self.weights.setdefault(name, {})[slot] = ab
+        log.info("LoRA adapter %s resident in slot %d", held.name, slot)
 
     def select(self, slots: Sequence[int] | None, extend_lens: Sequence[int], device: torch.device) -> None:
         """Which rows of the coming forward run under which adapter: request i's `extend_lens[i]` rows under
