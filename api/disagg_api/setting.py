@@ -20,6 +20,8 @@ class Setting:
     sglang: str = ""  # SGLang's flag for the same setting ("": SGLang has none)
     accepts_sglang: bool = False  # the worker takes `sglang` too: its values mean the same here
     sglang_negates: bool = False  # a switch whose `sglang` turns on what this flag turns off (on by default here)
+    # Takes one or more words and may be given again, each adding to a tuple (`--lora-modules a=p b=q`, vLLM's way).
+    repeated: bool = False
 
     @property
     def dest(self) -> str:
@@ -34,6 +36,8 @@ class Setting:
         """The command-line words that set it to `value` (a switch: its flag when `value` is true, else none)."""
         if self.switch:
             return [self.flag] if value else []
+        if self.repeated:
+            return [word for item in value for word in (self.flag, str(item))]
         return [self.flag, str(value)]
 
 

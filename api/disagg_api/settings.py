@@ -55,6 +55,19 @@ SEED = Setting("--seed", int, 0, sglang="--random-seed", accepts_sglang=True)
 MAX_CONTEXT_LEN = Setting("--max-context-len", int, 0, sglang="--context-length", accepts_sglang=True)
 FORWARD = Setting("--forward", default="model", choices=("model", "noop"))
 TORCH_THREADS = Setting("--torch-threads", int, 0, help="0: half the cores on CPU")
+# LoRA adapters (`docs/lora.md`): vLLM's flags.
+LORA_MODULES = Setting(
+    "--lora-modules",
+    default=(),
+    repeated=True,
+    help="LoRA adapters in PEFT's format to serve beside the base model, as NAME=PATH (a directory with "
+    "adapter_config.json and adapter_model.safetensors); a request selects one by its model field",
+    sglang="--lora-paths",
+)
+MAX_LORAS = Setting(
+    "--max-loras", int, 1, help="LoRA adapters resident at once; requests of the others wait for a slot"
+)
+MAX_LORA_RANK = Setting("--max-lora-rank", int, 16, help="the largest rank r an adapter may have")
 PAGE_SIZE = Setting("--page-size", int, 16, sglang="--page-size")
 NUM_PAGES = Setting("--num-pages", int, 0)
 MAX_TOTAL_TOKENS = Setting("--max-total-tokens", int, 16384, sglang="--max-total-tokens")
@@ -193,6 +206,9 @@ ENGINE = (
     MAX_CONTEXT_LEN,
     FORWARD,
     TORCH_THREADS,
+    LORA_MODULES,
+    MAX_LORAS,
+    MAX_LORA_RANK,
     PAGE_SIZE,
     NUM_PAGES,
     MAX_TOTAL_TOKENS,

@@ -20,7 +20,7 @@ FLOORS = [
     ("env", "keys", "tuning", "flags", "mem", "model", "bench"),
     ("request",),
     ("tracing",),
-    ("speculative_config", "tier_config"),
+    ("speculative_config", "tier_config", "lora_config"),
     ("config",),
     ("disagg",),
     ("cli_args",),

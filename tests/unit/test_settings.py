@@ -22,11 +22,13 @@ from disagg_worker.config import (
     SpeculativeConfig,
 )
 from disagg_worker.env import load_env
-from disagg_worker.flags import NEGATED, SETTING, settings_of
+from disagg_worker.flags import NEGATED, SETTING, fill, settings_of
+from disagg_worker.lora_config import LoraConfig
 from disagg_worker.tier_config import TierConfig
 
 DECLARED = [v for module in (S, T) for v in vars(module).values() if isinstance(v, Setting)]
 CHAIN = (ServerArgs, EngineConfig, CacheConfig, TierConfig, SchedulerConfig, SpeculativeConfig, DisaggConfig)
+CHAIN += (LoraConfig,)
 # What no field holds as it is: files read at start-up, and --kv-dtype (which falls back to --dtype).
 READ_AT_START_UP = {S.API_KEY, S.API_KEY_FILE, S.AUTH_TOKEN_FILE, S.KV_DTYPE}
 COMMANDS = {"serve": (Role.MONOLITHIC, S.ENGINE), "prefill": (Role.PREFILL, S.ENGINE + S.DISAGG)}
@@ -73,7 +75,7 @@ def test_a_flag_left_out_takes_its_declared_default_in_the_parser_and_in_the_con
     }
     args = server_args_from_cli(ns, role, load_env({}))
     e = args.engine
-    for obj in (args, e, e.cache, e.cache.tiers, e.scheduler, e.scheduler.speculative, e.disagg):
+    for obj in (args, e, e.cache, e.cache.tiers, e.scheduler, e.scheduler.speculative, e.disagg, e.lora):
         for f in fields(obj):
             s = f.metadata.get(SETTING)
             if s is not None and not s.required:
@@ -86,7 +88,7 @@ def test_a_field_a_flag_fills_has_the_type_its_setting_parses_to(cls):
     for f in fields(cls):
         s = f.metadata.get(SETTING)
         if s is not None:
-            assert f.type == names.get(s.type, "str"), f.name
+            assert f.type == ("tuple[str, ...]" if s.repeated else names.get(s.type, "str")), f.name
 
 
 def test_every_setting_fills_one_field_of_the_chain_or_is_read_at_start_up():
@@ -127,6 +129,15 @@ def test_sglangs_flag_is_refused_where_its_values_mean_something_else_here(flag,
     with pytest.raises(SystemExit):
         parse(["serve", "--model", "m", flag, "-1"])
     assert "unrecognized arguments" in capsys.readouterr().err
+
+
+def test_a_repeated_setting_takes_several_words_and_several_uses():
+    words = ["--lora-modules", "a=/x", "b=/y", "--lora-modules", "c=/z", "--max-loras", "3"]
+    ns = parse(["serve", "--model", "m", *words])
+    lora = fill(LoraConfig, ns, S.ENGINE)
+    assert lora.adapters == [("a", "/x"), ("b", "/y"), ("c", "/z")] and lora.max_loras == 3
+    assert parse(["serve", "--model", "m"]).lora_modules == ()  # each parse its own: nothing left from the last
+    assert command_line([(S.LORA_MODULES, ("a=/x", "b=/y"))]) == ["--lora-modules", "a=/x", "--lora-modules", "b=/y"]
 
 
 def test_a_command_line_sets_each_setting_and_a_switch_only_when_on():

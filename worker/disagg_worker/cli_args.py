@@ -8,6 +8,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+import torch
+
 from disagg_api import settings as S
 from disagg_api.setting import Setting
 from disagg_worker import keys
@@ -25,9 +27,13 @@ from disagg_worker.disagg.channel import is_loopback
 from disagg_worker.disagg.mooncake.environ import device_problem
 from disagg_worker.env import WorkerEnv, load_env
 from disagg_worker.flags import add_flags, fill
+from disagg_worker.lora_config import LoraConfig
 from disagg_worker.model import formats
 from disagg_worker.model.config import ModelConfig
-from disagg_worker.model.parallel import check_parallel
+from disagg_worker.model.lora import check_adapters, read_adapters
+from disagg_worker.model.lora_files import LoraError
+from disagg_worker.model.parallel import Shard, check_parallel
+from disagg_worker.model.registry import build_model
 from disagg_worker.tier_config import TierConfig
 
 
@@ -63,11 +69,13 @@ def server_args_from_cli(
         settings,
         cache=cache,
         scheduler=sched,
+        lora=fill(LoraConfig, ns, settings),
         disagg=disagg_config(ns, role, env),
         fault_grammar_pattern=env.fault_grammar_pattern,
     )
     check_model(engine)
     check_tiers(engine)
+    check_lora(engine)
     check_exposure(engine.disagg)
     problem = device_problem(engine.disagg, engine.device)
     if problem:
@@ -108,6 +116,35 @@ def check_tiers(e: EngineConfig) -> None:
             f"--enable-hierarchical-cache runs on single-rank instances (here --tp-size {d.tp_size}, --pp-size "
             f"{d.pp_size}): each rank would copy its own pages, which the ranks' step commands do not carry"
         )
+
+
+def check_lora(e: EngineConfig) -> None:
+    """LoRA adapters on a monolithic single-rank instance, none named as the base model."""
+    if not e.lora.enabled:
+        return
+    if e.disagg.role is not Role.MONOLITHIC:
+        # Neither the hand-off nor the router carry the adapter yet: a decode would go on under another one.
+        raise ConfigError(
+            f"--lora-modules is served by `disagg serve` for now, not by a {e.disagg.role.value} instance"
+        )
+    if e.world_size > 1 or e.disagg.dp_size > 1:
+        raise ConfigError(
+            "--lora-modules runs on single-rank instances for now (--tp-size 1 --pp-size 1 --dp-size 1): the "
+            "adapters' weights are not split over ranks yet"
+        )
+    if e.model_name in dict(e.lora.adapters):
+        raise ConfigError(f"--lora-modules {e.model_name}=...: the base model's name, which requests use for it")
+    path = Path(e.model_path)
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"--lora-modules: adapters apply to a Hugging Face model directory, not {path}")
+    # Before any process starts: the adapters' files, their ranks and their fit to the model's modules (built on
+    # the meta device, which holds shapes and no weights).
+    try:
+        with torch.device("meta"):
+            model = build_model(ModelConfig.from_hf_dir(path), Shard())
+        check_adapters(model, read_adapters(e.lora.adapters), e.lora.max_lora_rank)
+    except LoraError as err:
+        raise ConfigError(str(err)) from None
 
 
 def check_exposure(d: DisaggConfig) -> None:

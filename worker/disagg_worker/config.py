@@ -16,6 +16,7 @@ from disagg_api import settings as S
 from disagg_worker import keys
 from disagg_worker.errors import ConfigError as ConfigError
 from disagg_worker.flags import from_flag
+from disagg_worker.lora_config import LoraConfig
 from disagg_worker.mem.sizing import check_fraction
 from disagg_worker.model.formats import weight_format
 from disagg_worker.model.source import served_name
@@ -306,6 +307,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     disagg: DisaggConfig = field(default_factory=DisaggConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)  # adapters served beside the base model
     fault_grammar_pattern: str = ""  # tests only: compiling this regex raises an unexpected exception (`env`)
 
     def __post_init__(self) -> None:

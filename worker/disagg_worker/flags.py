@@ -56,6 +56,8 @@ def _options(s: Setting, values: Mapping[str, str]) -> dict[str, Any]:
     help_ = ". ".join(part for part in (s.help, *listed) if part) or None
     if s.switch:
         return {"action": "store_true", "help": help_}
+    if s.repeated:
+        return {"action": _Extend, "nargs": "+", "default": s.default, "help": help_, "metavar": s.dest.upper()}
     options: dict[str, Any] = {"default": s.default, "help": help_}
     if s.type is not str:
         options["type"] = s.type
@@ -64,6 +66,14 @@ def _options(s: Setting, values: Mapping[str, str]) -> dict[str, Any]:
     if s.required:
         options["required"] = True
     return options
+
+
+class _Extend(argparse.Action):
+    """A repeated setting's words, each use adding to one tuple (argparse's own `extend` appends to a list,
+    which would be the default's: shared by every parse)."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        setattr(namespace, self.dest, (*getattr(namespace, self.dest), *values))
 
 
 def fill(cls: type[Config], ns: argparse.Namespace, settings: Collection[Setting], **given: Any) -> Config:

@@ -24,6 +24,7 @@ from disagg_worker.engine.drafting import Draft, draft_head_nbytes, load_draft
 from disagg_worker.engine.engine import Engine, EngineParts
 from disagg_worker.engine.executor import Executor, LocalExecutor, RankExecutor
 from disagg_worker.engine.expert_load import ExpertLoad
+from disagg_worker.engine.lora_registry import Resident
 from disagg_worker.engine.memory import return_freed_memory
 from disagg_worker.engine.monolithic import MonolithicStage
 from disagg_worker.engine.outbox import Outbox
@@ -39,6 +40,7 @@ from disagg_worker.mem.kv_pool import KVPool
 from disagg_worker.mem.radix import RadixCache
 from disagg_worker.model.config import ModelConfig
 from disagg_worker.model.loader import load_model
+from disagg_worker.model.lora import LoraLayers, read_adapters
 from disagg_worker.model.parallel import Shard
 from disagg_worker.ranks.dist import Comm
 from disagg_worker.ranks.group import RankGroup, StageWork
@@ -55,6 +57,9 @@ def load_rank(
     shard = comm.shard if comm is not None else Shard()
     collectives = comm.collectives() if comm is not None else None
     model, model_cfg = load_model(cfg.model_path, DTYPES[cfg.dtype], cfg.device, shard, collectives, cfg.quantization)
+    if cfg.lora.enabled:  # checked at start-up (`cli_args.check_lora`)
+        lora = cfg.lora
+        model.lora = LoraLayers.attach(model, read_adapters(lora.adapters), lora.max_lora_rank, lora.max_loras)
     draft = load_draft(cfg, model, model_cfg) if drafts else None
     return_freed_memory()
     return model, model_cfg, draft, size_pool(cfg, model_cfg, shard, draft, comm)
@@ -148,6 +153,7 @@ def build_engine(
         drafter=DraftPlanner(cfg.scheduler.speculative) if cfg.drafts else None,
         tiers=tiers,
         incoming=incoming,
+        adapters=resident_adapters(cfg, model),
     )
     executor: Executor
     kv: Transfers | None = rank.manager
@@ -177,6 +183,13 @@ def build_engine(
         expert_load=expert_load,
     )
     return Engine(cfg, model_cfg, parts)
+
+
+def resident_adapters(cfg: EngineConfig, model: torch.nn.Module | None) -> Resident:
+    """The LoRA adapters resident in `model`'s slots, which the scheduler loads others into (none without one)."""
+    lora = getattr(model, "lora", None)
+    load = lora.load if isinstance(lora, LoraLayers) else (lambda slot, adapter: None)
+    return Resident(cfg.lora.max_loras, len(cfg.lora.adapters), load)
 
 
 def aux_slots(cfg: EngineConfig) -> int:

@@ -109,6 +109,7 @@ def build_forward(
         seq_lens=ends,
         kv_slots=[slots[i, :e] for i, e in enumerate(ends)],
         num_logits=_num_logits(reqs, starts, extend, drafts),
+        lora_slots=[r.lora_slot for r in reqs] if any(r.lora_slot for r in reqs) else None,
     )
 
 

@@ -45,7 +45,7 @@ log = logging.getLogger(__name__)
 def wanted(cfg: EngineConfig, model: torch.nn.Module | None, single_rank: bool, drafting: bool) -> bool:
     """Whether this instance captures its decode steps: on a CUDA device, unless --disable-cuda-graph, on one rank
     (collectives are not captured) without a draft model (its steps read the target's hidden states), unless it
-    is a prefill instance (it decodes nothing)."""
+    is a prefill instance (it decodes nothing), nor with LoRA adapters (a step's rows each select their own)."""
     on_cuda = torch.device(cfg.device).type == "cuda"
     decodes = cfg.disagg.role is not Role.PREFILL
     return (
@@ -54,6 +54,7 @@ def wanted(cfg: EngineConfig, model: torch.nn.Module | None, single_rank: bool, 
         and cfg.scheduler.cuda_graph
         and single_rank
         and not drafting
+        and not cfg.lora.enabled
         and isinstance(model, CausalLM)
     )
 

@@ -25,6 +25,7 @@ from disagg_worker.engine.executor import Executor
 from disagg_worker.engine.expert_load import ExpertLoad
 from disagg_worker.engine.grammar import Grammars
 from disagg_worker.engine.grammar_wait import GrammarWait
+from disagg_worker.engine.lora_registry import LoraRegistry
 from disagg_worker.engine.monolithic import MonolithicStage
 from disagg_worker.engine.outbox import Outbox, internal_error
 from disagg_worker.engine.prefix_tiers import NoTiers
@@ -91,6 +92,7 @@ class Engine:
             cfg.model_path, model_cfg.vocab_size, sorted(self.eos_ids), fault_pattern=cfg.fault_grammar_pattern
         )
         self.grammar_wait = GrammarWait(self.grammars, TUNING.engine.grammar_compile_limit_s)
+        self.loras = LoraRegistry(cfg.lora)
 
     # ---- messages from the HTTP process -------------------------------------------------------
     def handle(self, m: msg.Message) -> None:
@@ -114,7 +116,7 @@ class Engine:
     def arrive(self, m: msg.GenerateReq) -> None:
         problem = self.limits.kv_problem(len(m.input_ids))  # it would wait for pages forever
         if not problem:  # the HTTP process checked them with the same rules: refused here too, never sampled
-            problem = m.params.problem(self.model_cfg.vocab_size)
+            problem = m.params.problem(self.model_cfg.vocab_size) or self.loras.problem(m.params.lora)
         if not problem and m.params.grammar is not None:  # the request waits for its grammar (`tick`)
             self.grammar_wait.add(m)
             return
@@ -147,6 +149,7 @@ class Engine:
             max_context_len=self.max_context_len,
             matcher=matcher,
             trail=Trail() if m.traced else NO_TRAIL,
+            lora_adapter=self.loras.adapter(m.params.lora),
         )
         if m.resumed:
             req.sampling.skip(list(m.input_ids[-m.resumed :]))

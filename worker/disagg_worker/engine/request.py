@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import time
 from dataclasses import dataclass, field, replace
 from enum import Enum
@@ -10,6 +11,15 @@ from typing import Any
 from disagg_worker.engine.sampling import SamplingParams, SamplingState
 from disagg_worker.mem.radix import Node
 from disagg_worker.request.trail import NO_TRAIL, Trail
+
+
+def lora_ids(ids: list[int], adapter: str) -> list[int]:
+    """`ids` moved above any vocabulary by an offset of `adapter`'s name: equal for one name on every instance
+    (the names of KV events, host and store pages match across them), apart for two names."""
+    offset = (
+        (int.from_bytes(hashlib.blake2b(adapter.encode(), digest_size=4).digest(), "little") & 0x3FFFFFFF) + 1
+    ) << 32
+    return [offset + t for t in ids]
 
 
 class FinishReason(str, Enum):
@@ -57,6 +67,10 @@ class Req:
     # The prompt's logprobs as its chunks are computed (`SamplingParams.prompt_logprobs`): (logprob, top-N) of
     # prompt tokens 1.., sent with the first output.
     prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list, repr=False)
+    # The LoRA adapter it runs under (`engine/lora_registry.py`; 0: the base model; its name is `params.lora`), and
+    # the model's slot holding it while the request is admitted (`model/lora.py`).
+    lora_adapter: int = 0
+    lora_slot: int = 0
     # A traced request's stages (`request/trail.py`); the others hold `NO_TRAIL`, which records nothing.
     trail: Trail = field(default=NO_TRAIL, repr=False)
 
@@ -76,6 +90,12 @@ class Req:
         if start >= p:
             return self.output_ids[start - p : end - p]
         return self.prompt_ids[start:] + self.output_ids[: end - p]
+
+    def cache_ids(self, end: int) -> list[int]:
+        """The ids under which the prefix cache knows tokens [0, end): an adapter's request's are moved into a range
+        of its own (`lora_ids`), so its pages (and their names) are never another adapter's or the base's."""
+        ids = self.fill_ids[:end]
+        return lora_ids(ids, self.params.lora) if self.params.lora else ids
 
     @property
     def seq_len(self) -> int:

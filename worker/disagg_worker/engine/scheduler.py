@@ -25,6 +25,7 @@ from collections.abc import Sized
 from disagg_worker.config import SchedulerConfig
 from disagg_worker.engine.batch import Plan, Sampled, ScheduledBatch, StepOutcome, StepResult, build_batch
 from disagg_worker.engine.in_flight import InFlight
+from disagg_worker.engine.lora_registry import Resident
 from disagg_worker.engine.outbox import Outbox, TopLogprobs, internal_error
 from disagg_worker.engine.prefix_tiers import NoTiers, Tiers
 from disagg_worker.engine.request import FinishReason, Req
@@ -53,12 +54,13 @@ class Scheduler:
         drafter: DraftPlanner | None = None,
         tiers: Tiers | None = None,
         incoming: Sized = (),
+        adapters: Resident | None = None,
     ):
-        """`future_inputs`: a request may be scheduled while its previous token is still being
-        sampled (the runner fills it in); False with pipeline stages, where it is not back yet.
-        `drafter`: proposes speculative drafts for decode steps (None: no speculation). `tiers`: host memory
-        and the store under the prefix cache (engine/tiers.py). `incoming`: the requests another stage will
-        hand to the running batch (decode's transfers), whose running slots are taken."""
+        """`future_inputs`: a request may be scheduled while its previous token is still being sampled (the runner
+        fills it in); False with pipeline stages, where it is not back yet. `drafter`: proposes speculative drafts
+        for decode steps (None: no speculation). `tiers`: host memory and the store under the prefix cache
+        (engine/tiers.py). `incoming`: the requests another stage will hand to the running batch (decode's
+        transfers), whose running slots are taken. `adapters`: the LoRA adapters resident (`lora_registry.py`)."""
         self.cfg = cfg
         self.drafter = drafter
         self.future_inputs = future_inputs
@@ -74,6 +76,7 @@ class Scheduler:
         self.incoming = incoming
         self.tiers = tiers if tiers is not None else NoTiers()
         self.in_flight = InFlight(page_size)
+        self.adapters = adapters if adapters is not None else Resident(0, 0)
 
     # ---- queue changes -------------------------------------------------------------------
     def add(self, req: Req) -> None:
@@ -186,8 +189,8 @@ class Scheduler:
         while self.waiting and len(self.running) + len(self.incoming) < self.cfg.max_running_requests:
             if budget <= 0 and plan.reqs:
                 return
-            # A request whose pages are still on their way from the KV store waits; those behind it need not.
-            req = next((r for r in self.waiting if self.tiers.ready(r.rid)), None)
+            # Waiting for its pages from the KV store, or for a slot for its LoRA adapter, a request lets others pass.
+            req = next((r for r in self.waiting if self.tiers.ready(r.rid) and self.adapters.fits(r)), None)
             if req is None or not self._admit(req):
                 return
             self.waiting.remove(req)
@@ -208,8 +211,8 @@ class Scheduler:
         claimed = self.claim_pages(req)
         if claimed is None:
             return False
-        req.pages = claimed
-        req.num_computed = req.cached_tokens
+        req.pages, req.num_computed = claimed, req.cached_tokens
+        self.adapters.acquire(req)
         return True
 
     def claim_pages(self, req: Req) -> list[int] | None:
@@ -235,7 +238,7 @@ class Scheduler:
     @staticmethod
     def _prefix(req: Req) -> list[int]:
         """Tokens whose KV may come from the cache: not the last (it computes logits), none to score a prompt."""
-        return req.fill_ids[: req.seq_len - 1] if not req.params.prompt_logprobs else []
+        return req.cache_ids(req.seq_len - 1) if not req.params.prompt_logprobs else []
 
     def _needs_page(self, req: Req, n: int) -> int:
         return max(0, pages_for(req.num_computed + n, self.page_size) - len(req.pages))
@@ -388,11 +391,10 @@ class Scheduler:
     def _release_now(self, req: Req) -> None:
         computed = min(req.num_computed, len(req.fill_ids))
         full = computed // self.page_size
-        tokens = req.fill_ids[: full * self.page_size]
+        tokens = req.cache_ids(full * self.page_size)
         redundant = self.radix.insert(tokens, req.pages[:full])
         self.allocator.free(redundant + req.pages[full:])
         if req.prefix_node is not None:
             self.radix.unlock(req.prefix_node)
-        req.prefix_node = None
-        req.pages = []
-        req.prefix_pages = 0
+        req.prefix_node, req.pages, req.prefix_pages = None, [], 0
+        self.adapters.release(req)

@@ -25,6 +25,8 @@ class ForwardBatch:
     # Per request: how many of its last new tokens get logits (None: one each). A speculative draft is
     # verified at every position after the request's last known token (`engine/speculative.py`).
     num_logits: list[int] | None = None
+    # Per request: the LoRA adapter it runs under (`model/lora.py`'s slot; 0: the base model). None: the base for all.
+    lora_slots: list[int] | None = None
 
     @property
     def is_decode(self) -> bool:

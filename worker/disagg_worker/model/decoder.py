@@ -28,6 +28,7 @@ from disagg_worker.model.attention import AttentionPlan
 from disagg_worker.model.batch import ForwardBatch
 from disagg_worker.model.config import ModelConfig
 from disagg_worker.model.layers import AllReduce, Exchange, GatedMLP, KVCacheView, RMSNorm, no_reduce
+from disagg_worker.model.lora import LoraLayers
 from disagg_worker.model.moe import MoE
 from disagg_worker.model.parallel import Shard
 from disagg_worker.model.rope import RotaryEmbedding, Rotation
@@ -162,6 +163,7 @@ class CausalLM(nn.Module):
         # An EAGLE draft reads the final hidden state of every new token: kept in `hidden` when asked.
         self.keep_hidden = False
         self.hidden: torch.Tensor | None = None
+        self.lora: LoraLayers | None = None  # adapters hooked on the projections (`model/lora.py`), if any
         if self.shard.last_stage:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tie_weights()
@@ -199,6 +201,8 @@ class CausalLM(nn.Module):
         the CPU; its tensors are moved to the model's device.
         """
         batch = batch.to(self.device)
+        if self.lora is not None:
+            self.lora.select(batch.lora_slots, batch.extend_lens, self.device)
         h = self.model(batch, kv, hidden, after_layer)
         if not self.shard.last_stage:
             return h

@@ -69,6 +69,9 @@ class SamplingParams:
     # {"type": "json_schema", "schema": {...}}, {"type": "regex", "pattern": ...} or {"type": "ebnf",
     # "grammar": ...}; None: free text.
     grammar: str | None = None
+    # The LoRA adapter the request runs under (a --lora-modules name, selected by the request's `model`); "": the
+    # base model. It travels with the parameters, which every hop carries.
+    lora: str = ""
 
     @property
     def is_greedy(self) -> bool:
@@ -162,6 +165,10 @@ def _check_grammar(v: object) -> str | None:
     return None if v is None or isinstance(v, str) else f"must be a JSON string or None, got {_fmt(v)}"
 
 
+def _check_text(v: object) -> str | None:
+    return None if isinstance(v, str) else f"must be a string, got {_fmt(v)}"
+
+
 def _check_stop_ids(v: object) -> str | None:
     if not isinstance(v, tuple) or not all(_is_int(t) and 0 <= t < MAX_TOKEN_ID for t in v):
         return "must be a tuple of non-negative token ids"
@@ -208,6 +215,7 @@ _CHECKS = {
     "skip_special_tokens": _check_bool,
     "prompt_logprobs": _check_bool,
     "grammar": _check_grammar,
+    "lora": _check_text,
 }
 
 

@@ -59,12 +59,14 @@ def build_app(
     responses: ResponseStore | None = None,
     client_body_budget: int | None = None,
     parts: Sequence[AppPart] = (),
+    adapters: Sequence[str] = (),
 ) -> web.Application:
     """`local_prefill`: a decode instance that computes the prompts the router marks so (/health says it);
     `responses`: where a monolithic server keeps its Responses API answers (a P/D worker keeps none);
     `client_body_budget`: what one client's bodies may hold of the body budget (None: all of it).
     With the frontend's tracer, generation requests get spans (`http/traced.py`); `parts`: what joins the app
-    from above (none: the instance serves its own endpoints only)."""
+    from above (none: the instance serves its own endpoints only); `adapters`: the LoRA adapters' names, served
+    by the completions and chat endpoints and listed by /v1/models with the model as their parent."""
     admission = Admission(
         max_inflight, lambda: body_limit_bytes(frontend.limits.max_context_len), client_budget=client_body_budget
     )
@@ -77,8 +79,9 @@ def build_app(
     identity = identity if identity is not None else load_env()  # built once, at start-up
     app[SETTINGS] = {"model": model_name, "health_timeout_s": health_timeout_s, "identity": identity}
     app[SETTINGS]["local_prefill"] = local_prefill
-    add_completion_route(app, frontend_of, model_name)
-    add_chat_route(app, frontend_of, model_name)
+    app[SETTINGS]["adapters"] = list(adapters)
+    add_completion_route(app, frontend_of, model_name, adapters)
+    add_chat_route(app, frontend_of, model_name, adapters)
     add_generate_route(app, frontend_of)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
@@ -104,10 +107,12 @@ def frontend_of(request: web.Request) -> Frontend:
 
 
 async def models(request: web.Request) -> web.Response:
-    """The served model, with its context as vLLM reports it (`max_model_len`); the router's body limit follows it."""
+    """The served model, with its context as vLLM reports it (`max_model_len`; the router's body limit follows it),
+    then its LoRA adapters, each with the model as its `parent` (vLLM's shape)."""
     name, context = request.app[SETTINGS]["model"], request.app[FRONTEND].limits.max_context_len
     model = {"id": name, "object": "model", "created": 0, "owned_by": "disagg", "max_model_len": context}
-    return web.json_response({"object": "list", "data": [model]})
+    adapters = [{**model, "id": a, "parent": name} for a in request.app[SETTINGS]["adapters"]]
+    return web.json_response({"object": "list", "data": [model, *adapters]})
 
 
 async def health(request: web.Request) -> web.Response:

@@ -96,6 +96,7 @@ class EngineServer:
             # Clients reach a monolithic server; a P/D worker's one client is the router.
             client_body_budget=CLIENT_BODY_BUDGET_BYTES if d.role is Role.MONOLITHIC else None,
             parts=self.parts,
+            adapters=[name for name, _ in a.engine.lora.adapters],
         )
         require_keys(app, a.api_keys, peer_keys(a))
         self.admission = admission = app[ADMISSION]

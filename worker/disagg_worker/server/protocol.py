@@ -14,7 +14,7 @@ Every rule that depends on the model (vocabulary, context, KV capacity) is `Requ
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -165,9 +165,10 @@ def _object(body: Any) -> dict:
     return body
 
 
-def _model(body: dict, served_model: str) -> str:
+def _model(body: dict, served_model: str, adapters: Collection[str] = ()) -> str:
+    """The model a request names: the served model, or one of its LoRA `adapters`; 404 naming `model` otherwise."""
     model = optional(body, "model", read_text, served_model)
-    if model != served_model:
+    if model != served_model and model not in adapters:
         raise model_not_found(model)
     return model
 
@@ -228,11 +229,14 @@ def _prompts(body: dict, limits: RequestLimits) -> list[tuple[str | list[int], s
     return [(_prompt(p, f"prompt[{i}]", limits), f"prompt[{i}]") for i, p in enumerate(batch)]
 
 
-def parse_completions(body: Any, served_model: str, limits: RequestLimits) -> list[CompletionRequest]:
+def parse_completions(
+    body: Any, served_model: str, limits: RequestLimits, adapters: Collection[str] = ()
+) -> list[CompletionRequest]:
     """POST /v1/completions: one request per prompt, in order (a batch's prompt i answers choices i * n to
-    i * n + n - 1). Token prompts are checked against the limits here, text ones once tokenised."""
+    i * n + n - 1). Token prompts are checked against the limits here, text ones once tokenised. A `model` among
+    `adapters` runs under that LoRA adapter (`SamplingParams.lora`)."""
     body = _object(body)
-    model = _model(body, served_model)
+    model = _model(body, served_model, adapters)
     if "prompt" not in body or body["prompt"] is None:
         raise bad_request("prompt: is required", "prompt")
     prompts = _prompts(body, limits)
@@ -247,6 +251,7 @@ def parse_completions(body: Any, served_model: str, limits: RequestLimits) -> li
         "logprobs": logprobs,
         "grammar": parse_openai_grammar(body),
         "prompt_logprobs": echo and logprobs is not None,
+        "lora": model if model != served_model else "",
     }
     sampling = _sampling(body, extra, {"max_new_tokens": "max_tokens"}, limits)
     echo_only = echo and body.get("max_tokens") == 0
@@ -305,10 +310,11 @@ def _chat_logprobs(body: dict) -> int | None:
     return (top or 0) if want else None
 
 
-def parse_chat(body: Any, served_model: str, limits: RequestLimits) -> ChatRequest:
-    """POST /v1/chat/completions. max_completion_tokens wins over the older max_tokens."""
+def parse_chat(body: Any, served_model: str, limits: RequestLimits, adapters: Collection[str] = ()) -> ChatRequest:
+    """POST /v1/chat/completions. max_completion_tokens wins over the older max_tokens; a `model` among `adapters`
+    runs under that LoRA adapter."""
     body = _object(body)
-    model = _model(body, served_model)
+    model = _model(body, served_model, adapters)
     tools = parse_tool_use(body)
     grammar = parse_openai_grammar(body)
     messages = _messages(body.get("messages"))
@@ -317,6 +323,7 @@ def parse_chat(body: Any, served_model: str, limits: RequestLimits) -> ChatReque
     key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     max_new, explicit = _max_tokens(body, key, DEFAULT_CHAT_MAX_TOKENS, limits)
     extra = {"max_new_tokens": max_new, "logprobs": _chat_logprobs(body), "grammar": grammar}
+    extra["lora"] = model if model != served_model else ""
     names = {"max_new_tokens": key, "logprobs": "top_logprobs"}
     sampling = _sampling(body, extra, names, limits)
     add_gen = optional(body, "add_generation_prompt", read_bool, True)

@@ -8,6 +8,7 @@ reason "tool_calls"). The prompt is read, rendered and admitted as the Responses
 from __future__ import annotations
 
 import time
+from collections.abc import Collection
 from dataclasses import replace
 
 from aiohttp import web
@@ -32,16 +33,18 @@ from disagg_worker.server.protocol import parse_chat
 from disagg_worker.server.tool_calls import ChatTools, ToolStream, call_deltas
 
 
-def add_chat_route(app: web.Application, frontend: FrontendOf, model: str) -> None:
+def add_chat_route(app: web.Application, frontend: FrontendOf, model: str, adapters: Collection[str] = ()) -> None:
+    """POST /v1/chat/completions of `model` and of its LoRA `adapters` (an answer names the one asked for)."""
+
     async def chat_completions(request: web.Request) -> web.StreamResponse:
         fe = frontend(request)
         body = await read_json(fe, request)
-        req = parse_chat(body, model, fe.limits)
+        req = parse_chat(body, model, fe.limits, adapters)
         key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
         ids, params, tools = await chat_input(fe, req, key)
         route = route_of(body)
         delivery = Delivery(req.stream, req.stream_options_include_usage, wants_token_ids(body))
-        answer = ChatFormat(model, fe.tokenizer, tools)
+        answer = ChatFormat(req.model, fe.tokenizer, tools)
         return await respond(request, fe, answer, [PromptRun(ids, params)], req.n, route, delivery)
 
     app.router.add_post("/v1/chat/completions", chat_completions)

@@ -15,6 +15,7 @@ which the router fills in from prefill's answer (`router/echo.py`).
 from __future__ import annotations
 
 import time
+from collections.abc import Collection
 from dataclasses import dataclass
 
 from aiohttp import web
@@ -38,11 +39,15 @@ from disagg_worker.server.frontend import Delta, Frontend
 from disagg_worker.server.protocol import CompletionRequest, parse_completions
 
 
-def add_completion_route(app: web.Application, frontend: FrontendOf, model: str) -> None:
+def add_completion_route(
+    app: web.Application, frontend: FrontendOf, model: str, adapters: Collection[str] = ()
+) -> None:
+    """POST /v1/completions of `model` and of its LoRA `adapters` (an answer names the one asked for)."""
+
     async def completions(request: web.Request) -> web.StreamResponse:
         fe = frontend(request)
         body = await read_json(fe, request)
-        reqs = parse_completions(body, model, fe.limits)
+        reqs = parse_completions(body, model, fe.limits, adapters)
         runs = [await prompt_run(fe, req) for req in reqs]
         req = reqs[0]  # the fields besides the prompt are every prompt's
         if req.echo:
@@ -50,7 +55,7 @@ def add_completion_route(app: web.Application, frontend: FrontendOf, model: str)
         route = route_of(body)
         delivery = Delivery(req.stream, req.stream_options_include_usage, wants_token_ids(body))
         echoes = [echo for _, echo in runs for _ in range(req.n)]  # what choice i echoes (None: nothing)
-        answer = CompletionFormat(model, fe.tokenizer, echoes, route.resume_chars)
+        answer = CompletionFormat(req.model, fe.tokenizer, echoes, route.resume_chars)
         return await respond(request, fe, answer, [run for run, _ in runs], req.n, route, delivery)
 
     app.router.add_post("/v1/completions", completions)
