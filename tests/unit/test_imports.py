@@ -21,6 +21,7 @@ FLOORS = [
     ("request",),
     ("tracing",),
     ("speculative_config", "tier_config", "lora_config"),
+    ("cache_config",),
     ("config",),
     ("disagg",),
     ("cli_args",),

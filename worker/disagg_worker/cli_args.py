@@ -8,8 +8,6 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-import torch
-
 from disagg_api import settings as S
 from disagg_api.setting import Setting
 from disagg_worker import keys
@@ -30,10 +28,7 @@ from disagg_worker.flags import add_flags, fill
 from disagg_worker.lora_config import LoraConfig
 from disagg_worker.model import formats
 from disagg_worker.model.config import ModelConfig
-from disagg_worker.model.lora import check_adapters, read_adapters
-from disagg_worker.model.lora_files import LoraError
-from disagg_worker.model.parallel import Shard, check_parallel
-from disagg_worker.model.registry import build_model
+from disagg_worker.model.parallel import check_parallel
 from disagg_worker.tier_config import TierConfig
 
 
@@ -137,12 +132,13 @@ def check_lora(e: EngineConfig) -> None:
     path = Path(e.model_path)
     if not (path / "config.json").is_file():
         raise ConfigError(f"--lora-modules: adapters apply to a Hugging Face model directory, not {path}")
-    # Before any process starts: the adapters' files, their ranks and their fit to the model's modules (built on
-    # the meta device, which holds shapes and no weights).
+    # Before any process starts: the adapters' files, their ranks and their fit to the model's modules. Imported
+    # here, so that a command line without adapters (and the router's, the bootstrap server's) loads no torch.
+    from disagg_worker.model.lora_check import check_fit
+    from disagg_worker.model.lora_files import LoraError
+
     try:
-        with torch.device("meta"):
-            model = build_model(ModelConfig.from_hf_dir(path), Shard())
-        check_adapters(model, read_adapters(e.lora.adapters), e.lora.max_lora_rank)
+        check_fit(path, e.lora.adapters, e.lora.max_lora_rank)
     except LoraError as err:
         raise ConfigError(str(err)) from None
 
