@@ -101,6 +101,10 @@ class Kube:
                 return None
             raise
 
+    def list(self, api_version: str, plural: str, namespace: str) -> dict:
+        """A namespace's objects of one kind (a plain GET of the collection)."""
+        return self._call("list", "GET", object_path(api_version, plural, namespace)) or {}
+
     def create_if_absent(self, obj: Mapping[str, Any]) -> bool:
         """Create `obj` unless an object of that name exists; True when it was created here."""
         meta = obj["metadata"]

@@ -124,6 +124,27 @@ def slo_schema() -> dict:
     )
 
 
+def _ms(doc: str) -> dict:
+    return {"type": "number", "minimum": 0, "maximum": 3_600_000, "description": doc}
+
+
+def profile_schema() -> dict:
+    """A step-time model measured beforehand: what the planner sizes by until workers record their steps."""
+    return obj(
+        {
+            "prefillBaseMs": _ms("A prefill step's fixed cost, in milliseconds."),
+            "prefillMsPerToken": _ms("A prefill step's cost per prompt token it computes, in milliseconds."),
+            "decodeBaseMs": _ms("A decode step's fixed cost (reading the weights), in milliseconds."),
+            "decodeMsPerKvToken": _ms("A decode step's cost per KV token its requests attend to, in milliseconds."),
+            "maxPrefillTokens": integer(None, 1, "The most prompt tokens one prefill step takes (its chunk)."),
+            "decodeKvTokens": integer(None, 1, "The KV tokens one decode replica's pool holds for requests."),
+        },
+        "Each role's step time as base + per token x tokens, measured on this model and device. Without it the "
+        "planner has no capacity model and holds the current replicas.",
+        required=["prefillBaseMs", "prefillMsPerToken", "decodeBaseMs", "decodeMsPerKvToken"],
+    )
+
+
 def planner_schema() -> dict:
     return obj(
         {
@@ -155,6 +176,7 @@ def planner_schema() -> dict:
                 default="Independent",
             ),
             "maxStepReplicas": integer(DEFAULT_MAX_STEP, 1, "The most replicas one decision adds or removes per role."),
+            "profile": profile_schema(),
             "scaleDownStabilizationSeconds": integer(
                 DEFAULT_STABILIZATION_S,
                 0,

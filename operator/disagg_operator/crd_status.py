@@ -84,6 +84,32 @@ def _gateway_status() -> dict:
     )
 
 
+def _planner_status() -> dict:
+    roles = obj({names.PREFILL: integer(), names.DECODE: integer()})
+    return obj(
+        {
+            "mode": {"type": "string", "description": "Advisory (reports only) or Apply (writes the replicas)."},
+            "desired": roles,
+            "current": roles,
+            "reason": {"type": "string", "description": "How the desired replicas were reached, in words."},
+            "estimatedTtftMs": integer(doc="TTFT the capacity model expects at the desired replicas."),
+            "estimatedItlMs": integer(doc="ITL the capacity model expects at the desired replicas."),
+            "unreachable": {
+                "type": "array",
+                "items": {"type": "string"},
+                "description": "The roles whose latency target no replica count meets.",
+            },
+            "advisoryRoles": {
+                "type": "array",
+                "items": {"type": "string"},
+                "description": "In Apply, the roles left alone because an HPA targets their scale subresource.",
+            },
+            "lastDecisionTime": {"type": "string", "format": "date-time", "description": "When this changed."},
+        },
+        "The SLO planner's latest recommendation (present with spec.scaling.planner mode Advisory or Apply).",
+    )
+
+
 def status_schema() -> dict:
     return obj(
         {
@@ -94,6 +120,7 @@ def status_schema() -> dict:
             "transfer": _transfer_status(),
             "kvStore": _kvstore_status(),
             "gateway": _gateway_status(),
+            "planner": _planner_status(),
             "conditions": conditions(),
         }
     )

@@ -17,7 +17,7 @@ from typing import Any, cast
 
 import kopf
 
-from . import names, prober
+from . import names, planner_loop, prober
 from .apply import Kube, load_client
 from .apply_errors import ReconcileError
 from .config import OperatorConfig
@@ -75,11 +75,13 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) 
     settings.execution.max_workers = WORKERS
     memo.runtime = Runtime(Kube(load_client(pool_size=2 * WORKERS)), OperatorConfig.from_env(), post_event)
     memo.clock = asyncio.create_task(prober.run(memo.runtime))
+    memo.planner = asyncio.create_task(planner_loop.run(memo.runtime))  # does nothing for a model without one
 
 
 @kopf.on.cleanup()
 async def stop_clock(memo: kopf.Memo, **_: Any) -> None:
     memo.clock.cancel()
+    memo.planner.cancel()
 
 
 def _plain(body: kopf.Body) -> dict[str, Any]:

@@ -95,6 +95,10 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 - apiGroups: [""]
   resources: ["events"]
   verbs: ["create"]
+# The planner's Apply leaves a role alone whose scale subresource an HPA targets (planner_loop.py).
+- apiGroups: ["autoscaling"]
+  resources: ["horizontalpodautoscalers"]
+  verbs: ["list"]
 {{- end -}}
 
 {{- define "disagg-operator.peeringName" -}}

@@ -9,6 +9,7 @@ from typing import Any
 
 from .. import crd_planner as D
 from .. import names
+from .capacity import CapacityModel, StepModel
 from .inputs import Mode, PlannerSpec, RoleLimits, Slo
 
 
@@ -43,3 +44,24 @@ def planner_spec(spec: Mapping[str, Any]) -> PlannerSpec | None:
         max_step=int(planner.get("maxStepReplicas", D.DEFAULT_MAX_STEP)),
         scale_down_stabilization_s=float(planner.get("scaleDownStabilizationSeconds", D.DEFAULT_STABILIZATION_S)),
     )
+
+
+def capacity_model(spec: Mapping[str, Any]) -> CapacityModel | None:
+    """`spec.scaling.planner.profile` as the planner's capacity model; None without one (the workers record no
+    steps yet, so there is nothing to fit: the planner holds and says so)."""
+    profile = ((spec.get("scaling") or {}).get("planner") or {}).get("profile")
+    if not profile:
+        return None
+    defaults = CapacityModel(StepModel(0.0), StepModel(0.0))
+    return CapacityModel(
+        StepModel(float(profile["prefillBaseMs"]), per_prefill_token_ms=float(profile["prefillMsPerToken"])),
+        StepModel(float(profile["decodeBaseMs"]), per_kv_token_ms=float(profile["decodeMsPerKvToken"])),
+        int(profile.get("maxPrefillTokens", defaults.max_prefill_tokens)),
+        int(profile.get("decodeKvTokens", defaults.decode_kv_tokens)),
+    )
+
+
+def decision_interval_s(spec: Mapping[str, Any]) -> float:
+    """Seconds between two decisions: the fast loop's interval (the core sizes and corrects in one decision)."""
+    planner = (spec.get("scaling") or {}).get("planner") or {}
+    return float(planner.get("correctionIntervalSeconds", D.DEFAULT_CORRECTION_INTERVAL_S))
