@@ -147,6 +147,11 @@ def gateway_policy_name(cr_name: str) -> str:
     return child_name(cr_name, "gateway")
 
 
+def handoff_policy_name(cr_name: str) -> str:
+    """The NetworkPolicy that admits the decode pods (their hand-off) and the picker to the prefill pods' HTTP port."""
+    return child_name(cr_name, "gateway-prefill")
+
+
 def auth_secret_name(cr_name: str) -> str:
     return child_name(cr_name, "auth")
 

@@ -146,6 +146,7 @@ def test_the_gateway_objects_are_made_owned_and_reported_then_removed_with_the_b
     assert route["rules"][0]["backendRefs"][0]["name"] == "tiny"
     args = objs["deployment"]["spec"]["template"]["spec"]["containers"][0]["args"]
     assert args[0] == "epp" and args[args.index("--endpoint-dns") + 1].startswith(f"tiny-decode.{namespace}.svc.")
+    assert args[args.index("--prefill-dns") + 1].startswith(f"tiny-prefill.{namespace}.svc.")
     # The picker makes no API call: its account mounts no token and may read nothing, not even its own pool.
     assert objs["serviceaccount"]["automountServiceAccountToken"] is False
     picker = f"system:serviceaccount:{namespace}:tiny-epp"
@@ -153,6 +154,7 @@ def test_the_gateway_objects_are_made_owned_and_reported_then_removed_with_the_b
         can = kube_cluster.kubectl("auth", "can-i", "--as", picker, verb, what, "-n", namespace, check=False)
         assert can.stdout.strip() == "no", (verb, what)
     assert get(kube_cluster, namespace, "networkpolicy", "tiny-gateway") is not None
+    assert get(kube_cluster, namespace, "networkpolicy", "tiny-gateway-prefill") is not None
 
     gateway = wait_until(
         lambda: (lambda g: g if g and g.get("ready") == "1/1" else None)(
@@ -173,6 +175,7 @@ def test_the_gateway_objects_are_made_owned_and_reported_then_removed_with_the_b
         lambda: not any(made(kube_cluster, namespace).values()), 120, POLL_S, what="the gateway's objects deleted"
     )
     assert get(kube_cluster, namespace, "networkpolicy", "tiny-gateway") is None
+    assert get(kube_cluster, namespace, "networkpolicy", "tiny-gateway-prefill") is None
     wait_until(
         lambda: "gateway" not in model(kube_cluster, namespace).get("status", {}),
         60,

@@ -8,7 +8,7 @@ import pytest
 from kubernetes.client.exceptions import ApiException
 
 from disagg_operator import names
-from disagg_operator.builders import build_gateway_children, retired_gateway
+from disagg_operator.builders import build_gateway_children, build_worker_statefulset, retired_gateway
 from disagg_operator.builders.common import front_end_labels
 from disagg_operator.config import OperatorConfig
 from disagg_operator.spec import ModelSpec
@@ -41,6 +41,7 @@ def test_no_gateway_block_builds_nothing_and_retires_every_gateway_object():
         ("Deployment", "m-epp"),
         ("NetworkPolicy", "m-epp"),
         ("NetworkPolicy", "m-gateway"),
+        ("NetworkPolicy", "m-gateway-prefill"),
     ]
     assert retired_gateway(ModelSpec.from_cr(with_gateway(enabled=False))) == retired_gateway(spec)
 
@@ -101,6 +102,8 @@ def test_the_picker_runs_disagg_epp_over_the_decode_service():
     ns = build_parser().parse_args(c["args"])
     assert ns.command == "epp"
     assert ns.endpoint_dns == "m-decode.ns.svc.cluster.local:8000"
+    # P/D mode: the picker names each request's prefill, from the prefill pods' headless Service.
+    assert ns.prefill_dns == "m-prefill.ns.svc.cluster.local:8000"
     assert (ns.grpc_port, ns.grpc_health_port, ns.metrics_port) == (9002, 9003, 9090)
     assert (ns.policy, ns.served_model_name, ns.auth_token_file) == ("round_robin", "m", "/var/run/disagg/auth/token")
     assert not ns.tokenizer
@@ -108,6 +111,41 @@ def test_the_picker_runs_disagg_epp_over_the_decode_service():
     assert pod["serviceAccountName"] == "m-epp" and pod["automountServiceAccountToken"] is False
     default = children(with_gateway())[("Deployment", "m-epp")]["spec"]["template"]["spec"]["containers"][0]
     assert default["image"] == "img"  # the worker image, which holds `disagg epp`
+
+
+def pod_of(cr: dict, role: str) -> dict:
+    return build_worker_statefulset(ModelSpec.from_cr(cr), role, CFG)["spec"]["template"]["spec"]
+
+
+def test_decode_pods_behind_a_gateway_admit_exactly_the_models_prefills():
+    from disagg_worker.cli import build_parser
+
+    (c,) = pod_of(with_gateway(), names.DECODE)["containers"]
+    ns = build_parser().parse_args(c["args"])
+    assert ns.prefill_allow == "m-prefill.ns.svc.cluster.local"
+    assert not ns.api_key_file  # the model has no API keys: the decode takes the worker token alone
+    # Without the block the flag is not given (loopback only), and the pods keep the template they had.
+    assert "--prefill-allow" not in pod_of(CR, names.DECODE)["containers"][0]["args"]
+    assert "--prefill-allow" not in pod_of(with_gateway(), names.PREFILL)["containers"][0]["args"]
+
+
+def test_decode_pods_behind_a_gateway_take_the_clients_api_keys():
+    from disagg_worker.cli import build_parser
+
+    cr = with_gateway()
+    cr["spec"]["apiKeySecret"] = {"name": "client-keys", "key": "keys.txt"}
+    pod = pod_of(cr, names.DECODE)
+    (c,) = pod["containers"]
+    assert build_parser().parse_args(c["args"]).api_key_file == "/var/run/disagg/api-keys/keys"
+    assert {v["name"]: v for v in pod["volumes"]}["api-keys"]["secret"]["secretName"] == "client-keys"
+    assert {"name": "api-keys", "mountPath": "/var/run/disagg/api-keys", "readOnly": True} in c["volumeMounts"]
+    # The prefill pods take no client's request: they never see the keys.
+    prefill = pod_of(cr, names.PREFILL)
+    assert "api-keys" not in {v["name"] for v in prefill["volumes"]}
+    assert "--api-key-file" not in prefill["containers"][0]["args"]
+    without = copy.deepcopy(CR)
+    without["spec"]["apiKeySecret"] = {"name": "client-keys"}
+    assert "api-keys" not in {v["name"] for v in pod_of(without, names.DECODE)["volumes"]}
 
 
 def test_cache_aware_mounts_the_model_for_its_tokenizer():
@@ -144,6 +182,12 @@ def test_the_gateway_pods_are_let_in_to_the_picker_and_the_pool():
     assert pool["podSelector"]["matchLabels"][names.ROLE_LABEL] == "decode"
     picker = {"podSelector": {"matchLabels": {names.MODEL_LABEL: "m", names.ROLE_LABEL: "epp"}}}
     assert pool["ingress"] == [{"ports": [{"protocol": "TCP", "port": 8000}], "from": [gateway, picker]}]
+
+    # The decode pods hand the request to its prefill, whose /health the picker reads: both reach its serving port.
+    prefill = made[("NetworkPolicy", "m-gateway-prefill")]["spec"]
+    assert prefill["podSelector"]["matchLabels"] == {names.MODEL_LABEL: "m", names.ROLE_LABEL: "prefill"}
+    decode = {"podSelector": {"matchLabels": {names.MODEL_LABEL: "m", names.ROLE_LABEL: "decode"}}}
+    assert prefill["ingress"] == [{"ports": [{"protocol": "TCP", "port": 8000}], "from": [decode, picker]}]
 
     mine = [{"namespaceSelector": {"matchLabels": {"team": "edge"}}}]
     allowed = children(with_gateway(httpRoute=ROUTE, allowFrom=mine))[("NetworkPolicy", "m-epp")]["spec"]

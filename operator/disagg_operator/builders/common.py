@@ -3,6 +3,7 @@
 from typing import Any
 
 from .. import names
+from ..config import OperatorConfig
 from ..spec import ModelSpec
 
 
@@ -115,3 +116,8 @@ def drain_on_stop() -> dict[str, Any]:
 def tmp_volume(size: str) -> tuple[dict[str, Any], dict[str, Any]]:
     """A writable /tmp of at most `size`, since the root filesystem is read-only."""
     return {"name": "tmp", "emptyDir": {"sizeLimit": size}}, {"name": "tmp", "mountPath": "/tmp"}
+
+
+def service_fqdn(spec: ModelSpec, service: str, cfg: OperatorConfig) -> str:
+    """A Service of the model's namespace by its fully qualified name (no search-list lookups in the pods)."""
+    return f"{service}.{spec.namespace}.svc.{cfg.cluster_domain}"

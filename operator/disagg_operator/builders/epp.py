@@ -2,7 +2,8 @@
 Envoy's ext_proc, which decode pod takes each request; its Service, and the identity its pods run as.
 
 The picker finds the pool's pods as the router finds them, through the decode role's headless Service
-(`--endpoint-dns`), and reads their /health and KV events with the model's worker token (`--auth-token-file`).
+(`--endpoint-dns`), and the prefills through theirs (`--prefill-dns`), and reads their /health and KV events with
+the model's worker token (`--auth-token-file`).
 It makes no Kubernetes API call, so it is granted none: a ServiceAccount of its own (not the namespace's default,
 which others may bind roles to) with no Role, and its pods mount no token.
 """
@@ -26,10 +27,11 @@ from .common import (
     pod_security_context,
     role_labels,
     selector_labels,
+    service_fqdn,
     tmp_volume,
 )
 from .placement import scheduling
-from .router import router_resources, service_fqdn
+from .router import router_resources
 from .secret import auth_token_file, auth_volume
 from .workers import model_volumes
 
@@ -40,8 +42,10 @@ METRICS_PORT = E.METRICS_PORT.default
 
 def epp_args(spec: ModelSpec, gateway: GatewaySpec, cfg: OperatorConfig) -> list[str]:
     """`disagg epp ...` arguments (after the `disagg` entrypoint), the block's extra args last. The endpoints are
-    the decode pods (the picker chooses no prefill: a decode pod serves a request that names its prefill)."""
+    the decode pods, and the picker runs in P/D mode: it also picks each request's prefill among the prefill pods
+    and names it in x-prefiller-host-port, which the decode pod it sends the request to hands the prompt to."""
     decode = service_fqdn(spec, names.child_name(spec.name, names.DECODE), cfg)
+    prefill = service_fqdn(spec, names.child_name(spec.name, names.PREFILL), cfg)
     values: list[tuple[Setting, Any]] = [
         (S.HOST, "0.0.0.0"),
         (E.GRPC_PORT, GRPC_PORT),
@@ -49,6 +53,7 @@ def epp_args(spec: ModelSpec, gateway: GatewaySpec, cfg: OperatorConfig) -> list
         (E.METRICS_PORT, METRICS_PORT),
         (R.SERVED_MODEL_NAME, spec.served_model_name),
         (E.ENDPOINT_DNS, f"{decode}:{names.HTTP_PORT}"),
+        (E.PREFILL_DNS, f"{prefill}:{names.HTTP_PORT}"),
         (R.POLICY, gateway.policy),
         (R.AUTH_TOKEN_FILE, auth_token_file()),
     ]

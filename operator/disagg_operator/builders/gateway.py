@@ -3,7 +3,9 @@ that take the gateway's requests, its endpoint picker (epp.py), the NetworkPolic
 with `spec.gateway.httpRoute`, the HTTPRoute from the named Gateways to the pool.
 
 The pool is the decode pods: in P/D they are what a Gateway API Inference Extension gateway sends a request to (a
-decode pod performs the hand-off to the prefill the request names; docs/routing.md). Applied after every other
+decode pod performs the hand-off to the prefill the request names; docs/routing.md). The picker names that prefill
+(`--prefill-dns`), the decode pods admit exactly the model's prefills (`--prefill-allow`, builders/workers.py), and
+a NetworkPolicy lets the decode pods and the picker reach the prefills' serving port. Applied after every other
 child, and on their own (reconcile.py): a cluster without the InferencePool or HTTPRoute CRD leaves the model
 serving through its router, Degraded naming the CRD.
 """
@@ -127,6 +129,23 @@ def build_pool_network_policy(spec: ModelSpec, gateway: GatewaySpec) -> dict[str
     }
 
 
+def build_handoff_network_policy(spec: ModelSpec) -> dict[str, Any]:
+    """The prefill pods, beside their own role's policy: the serving port from the decode pods, which hand a gateway's
+    request to the prefill it names (its prompt, with the model's worker token), and from the picker, which reads
+    the prefills' /health and KV events to pick one."""
+    peers = [{"podSelector": {"matchLabels": selector_labels(spec, role)}} for role in (POOL_ROLE, names.EPP)]
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": metadata(spec, names.handoff_policy_name(spec.name), "gateway", names.PREFILL),
+        "spec": {
+            "podSelector": {"matchLabels": selector_labels(spec, names.PREFILL)},
+            "policyTypes": ["Ingress"],
+            "ingress": [{"ports": [_tcp(names.HTTP_PORT)], "from": peers}],
+        },
+    }
+
+
 def build_gateway_children(spec: ModelSpec, cfg: OperatorConfig) -> list[dict[str, Any]]:
     """The gateway's objects in the order they are applied: the picker's identity, Service and pods, the
     NetworkPolicies, then the pool and the route (whose CRDs a cluster may lack). None without `spec.gateway`."""
@@ -140,6 +159,7 @@ def build_gateway_children(spec: ModelSpec, cfg: OperatorConfig) -> list[dict[st
         build_epp_deployment(spec, gateway, cfg),
         build_epp_network_policy(spec, gateway),
         build_pool_network_policy(spec, gateway),
+        build_handoff_network_policy(spec),
         build_inference_pool(spec, gateway),
         *([route] if route is not None else []),
     ]
@@ -170,4 +190,5 @@ def retired_gateway(spec: ModelSpec) -> list[dict[str, Any]]:
         ref(names.POOL_API_VERSION, names.POOL_KIND, pool_name(spec)),
         *(ref(v, k, epp) for v, k in GATEWAY_KINDS),
         ref("networking.k8s.io/v1", "NetworkPolicy", names.gateway_policy_name(spec.name)),
+        ref("networking.k8s.io/v1", "NetworkPolicy", names.handoff_policy_name(spec.name)),
     ]

@@ -20,6 +20,7 @@ from .common import (
     probes,
     role_labels,
     selector_labels,
+    service_fqdn,
     tmp_volume,
 )
 from .placement import scheduling
@@ -29,10 +30,6 @@ from .workers import model_volumes, tracing_settings
 # What a router asks for when its CR says nothing: it is one asyncio process that forwards requests.
 ROUTER_REQUESTS = {"cpu": "250m", "memory": "256Mi"}
 ROUTER_LIMITS = {"memory": "1Gi"}
-
-
-def service_fqdn(spec: ModelSpec, service: str, cfg: OperatorConfig) -> str:
-    return f"{service}.{spec.namespace}.svc.{cfg.cluster_domain}"
 
 
 def router_args(spec: ModelSpec, cfg: OperatorConfig) -> list[str]:

@@ -51,10 +51,10 @@ def auth_volume(spec: ModelSpec) -> tuple[dict[str, Any], dict[str, Any]]:
 
 
 def api_keys_file() -> str:
-    """Where the router finds the clients' API keys (`--api-key-file`)."""
+    """Where the router (and, behind a gateway, the decode pods) find the clients' API keys (`--api-key-file`)."""
     return f"{names.API_KEYS_MOUNT}/keys"
 
 
 def api_keys_volume(ref: SecretRef) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The clients' API keys as a file (router pods only)."""
+    """The clients' API keys as a file (router pods, and decode pods behind a gateway)."""
     return _secret_volume("api-keys", ref.name, ref.key, names.API_KEYS_MOUNT, "keys")

@@ -22,20 +22,23 @@ from .common import (
     probes,
     role_labels,
     selector_labels,
+    service_fqdn,
     tmp_volume,
 )
 from .kvstore import tier_settings, with_host_tier
 from .placement import scheduling
 from .ports import port_settings
-from .secret import auth_token_file, auth_volume
+from .secret import api_keys_file, api_keys_volume, auth_token_file, auth_volume
+
+DEFAULT_CFG = OperatorConfig()
 
 
-def worker_args(spec: ModelSpec, role: str) -> list[str]:
+def worker_args(spec: ModelSpec, role: str, cfg: OperatorConfig = DEFAULT_CFG) -> list[str]:
     """`disagg prefill|decode ...` arguments (after the `disagg` entrypoint), the CR's extra args last."""
-    return [role, *command_line(worker_settings(spec, role)), *spec.worker(role).placement.args]
+    return [role, *command_line(worker_settings(spec, role, cfg)), *spec.worker(role).placement.args]
 
 
-def worker_settings(spec: ModelSpec, role: str) -> list[tuple[Setting, Any]]:
+def worker_settings(spec: ModelSpec, role: str, cfg: OperatorConfig = DEFAULT_CFG) -> list[tuple[Setting, Any]]:
     """What a worker of `role` is told, in the order of its command line: a flag that moved, or that every pod
     gained, would change every pod template and roll every existing model's pods on upgrade.
 
@@ -64,13 +67,33 @@ def worker_settings(spec: ModelSpec, role: str) -> list[tuple[Setting, Any]]:
     optional = [(S.EP_SIZE, w.ep_size), (S.ENABLE_DP_ATTENTION, w.dp_attention), (S.DP_SIZE, w.dp_size)]
     optional += [(S.DECODE_PREFIX_CACHE, w.prefix_cache), (S.LOCAL_PREFILL, local_prefill)]
     out += [(setting, value) for setting, value in optional if value != setting.default]
-    out += w.engine.settings() + [(S.DRAIN_TIMEOUT, spec.drain_timeout_s)]
+    out += handoff_settings(spec, role, cfg) + w.engine.settings() + [(S.DRAIN_TIMEOUT, spec.drain_timeout_s)]
     s = spec.speculative
     if s is not None and (role == names.DECODE or s.draft_arg is not None):
         # Decode drafts; prefill runs a draft model over the prompt, and needs nothing for NGRAM (a flag it
         # ignored would only roll its pods). Only when set, like --ep-size.
         out += s.settings()
     return out + tracing_settings(spec) + tier_settings(spec, role)
+
+
+def takes_gateway_clients(spec: ModelSpec, role: str) -> bool:
+    """Whether `role`'s pods take clients' requests from a Gateway API gateway (`spec.gateway`: the decode pods)."""
+    return spec.gateway is not None and role == names.DECODE
+
+
+def handoff_settings(spec: ModelSpec, role: str, cfg: OperatorConfig) -> list[tuple[Setting, Any]]:
+    """A decode pod behind a gateway takes requests whose x-prefiller-host-port names the prefill the picker chose,
+    and sends that prefill the prompt: it admits exactly the model's prefill pods, the addresses their headless
+    Service resolves to (`--prefill-allow`); and it takes the clients' API keys (`spec.apiKeySecret`), as the router
+    does, beside the router's worker token. Nothing without the block: no pod rolls for it."""
+    if not takes_gateway_clients(spec, role):
+        return []
+    out: list[tuple[Setting, Any]] = [
+        (S.PREFILL_ALLOW, service_fqdn(spec, names.child_name(spec.name, names.PREFILL), cfg))
+    ]
+    if spec.api_key_secret:
+        out.append((S.API_KEY_FILE, api_keys_file()))
+    return out
 
 
 def tracing_settings(spec: ModelSpec) -> list[tuple[Setting, Any]]:
@@ -164,13 +187,16 @@ def worker_pod_template(spec: ModelSpec, role: str, cfg: OperatorConfig) -> dict
     vols, mounts = model_volumes(spec)
     tmp_vol, tmp_mount = tmp_volume(WORKER_TMP)
     auth_vol, auth_mount = auth_volume(spec)
+    if spec.api_key_secret and takes_gateway_clients(spec, role):
+        keys_vol, keys_mount = api_keys_volume(spec.api_key_secret)
+        vols, mounts = vols + [keys_vol], mounts + [keys_mount]
     shm = {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": SHM}}
     container = {
         "name": role,
         "image": spec.image,
         "imagePullPolicy": spec.image_pull_policy,
         "command": ["disagg"],
-        "args": worker_args(spec, role),
+        "args": worker_args(spec, role, cfg),
         "env": worker_env(spec, w),
         "ports": worker_ports(role),
         "resources": worker_resources(spec, w, cfg),
