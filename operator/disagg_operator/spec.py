@@ -293,6 +293,8 @@ class ModelSpec:
     tracing: TracingSpec | None = None  # None: no traces
     kv_cache: KVCacheSpec | None = None  # None: no host tier, no store
     gateway: GatewaySpec | None = None  # None: no InferencePool, no endpoint picker
+    # The SLO planner runs (spec.scaling.planner, Advisory or Apply): the operator reads the workers' /metrics.
+    planned: bool = False
 
     @property
     def grace_period_s(self) -> int:
@@ -359,7 +361,14 @@ class ModelSpec:
             tracing=TracingSpec.from_dict(spec.get("tracing")),
             kv_cache=KVCacheSpec.from_dict(spec.get("kvCache")),
             gateway=GatewaySpec.from_dict(spec.get("gateway"), Placement.from_dict(spec.get("gateway") or {})),
+            planned=_planned(spec.get("scaling") or {}),
         )
+
+
+def _planned(scaling: Mapping[str, Any]) -> bool:
+    """As planner/from_cr.planner_spec decides: a planner not Off, with its target."""
+    planner = scaling.get("planner")
+    return planner is not None and "slo" in scaling and planner.get("mode", "Advisory") != "Off"
 
 
 def _secret_ref(d: Mapping[str, Any] | None) -> SecretRef | None:

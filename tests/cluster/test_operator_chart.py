@@ -13,6 +13,7 @@ import json
 import os
 import subprocess
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -183,12 +184,29 @@ def test_operator_values_reach_the_operators_config(render: Render):
         "--set",
         "operator.clusterDomain=example.org",
     )
-    env = {e["name"]: e["value"] for e in deployment_container(objects)["env"]}
+    env = {e["name"]: e["value"] for e in deployment_container(objects)["env"] if "value" in e}
     cfg = OperatorConfig.from_env(env)
     assert (cfg.gpu_resource, cfg.router_probe, cfg.cluster_domain) == ("amd.com/gpu", False, "example.org")
-    assert OperatorConfig.from_env({e["name"]: e["value"] for e in deployment_container(render())["env"]}) == (
-        OperatorConfig()
+    defaults = {e["name"]: e["value"] for e in deployment_container(render())["env"] if "value" in e}
+    assert replace(OperatorConfig.from_env(defaults), pod_labels=()) == OperatorConfig()
+
+
+def test_the_operator_knows_its_own_pods_as_a_network_policy_peer(render: Render):
+    """The planner reads the workers' /metrics from the operator's pods: the peer a model's NetworkPolicies admit
+    is exactly the chart's operator pods, in the release's namespace."""
+    objects = render()
+    (deploy,) = [o for o in objects if o["kind"] == "Deployment"]
+    env = {e["name"]: e for e in deployment_container(objects)["env"]}
+    assert env["DISAGG_OPERATOR_NAMESPACE"]["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.namespace"}}
+    cfg = OperatorConfig.from_env(
+        {"DISAGG_OPERATOR_NAMESPACE": RELEASE_NS, **{k: e["value"] for k, e in env.items() if "value" in e}}
     )
+    peer = cfg.pod_peer
+    assert peer is not None
+    assert peer["namespaceSelector"] == {"matchLabels": {"kubernetes.io/metadata.name": RELEASE_NS}}
+    selector = peer["podSelector"]["matchLabels"]
+    assert selector == deploy["spec"]["selector"]["matchLabels"]
+    assert selector.items() <= deploy["spec"]["template"]["metadata"]["labels"].items()
 
 
 def test_dashboards_and_rules_are_off_by_default(render: Render):

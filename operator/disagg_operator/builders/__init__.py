@@ -84,7 +84,7 @@ def build_children(
         children.append(build_worker_set(spec, role, cfg, partitions.get(role, 0), surges.get(role, 0)))
     children.append(build_router_deployment(spec, cfg))
     children += [build_pdb(spec, role) for role in names.ROLES]
-    children += build_network_policies(spec)
+    children += build_network_policies(spec, cfg)
     return children
 
 

@@ -4,6 +4,7 @@ one for the kvstore pod)."""
 from typing import Any
 
 from .. import names
+from ..config import DEFAULT_CFG, OperatorConfig
 from ..spec import ModelSpec
 from .common import front_end_labels, metadata, selector_labels
 from .ports import Listener, role_listeners
@@ -53,10 +54,11 @@ def _ingress_rule(spec: ModelSpec, listener: Listener) -> dict[str, Any]:
     return rule
 
 
-def build_network_policy(spec: ModelSpec, role: str) -> dict[str, Any]:
+def build_network_policy(spec: ModelSpec, role: str, cfg: OperatorConfig = DEFAULT_CFG) -> dict[str, Any]:
     """Ingress to one role's pods: exactly the ports they listen on (`ports.role_listeners`), each from exactly
     the pods that connect to it; everything else is refused. The transfer engine has no authentication of its
-    own: only this model's peer role reaches its ports."""
+    own: only this model's peer role reaches its ports. While the SLO planner runs, the operator's pods read the
+    workers' /metrics on their serving port too (`_planner_rule`)."""
     return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
@@ -65,7 +67,8 @@ def build_network_policy(spec: ModelSpec, role: str) -> dict[str, Any]:
             "podSelector": {"matchLabels": selector_labels(spec, role)},
             "policyTypes": ["Ingress"],
             "ingress": [_ingress_rule(spec, listener) for listener in role_listeners(spec, role)]
-            + _group_rule(spec, role),
+            + _group_rule(spec, role)
+            + _planner_rule(spec, role, cfg),
         },
     }
 
@@ -79,7 +82,16 @@ def _group_rule(spec: ModelSpec, role: str) -> list[dict[str, Any]]:
     return [{"from": [{"podSelector": {"matchLabels": group}}]}]
 
 
-def build_network_policies(spec: ModelSpec) -> list[dict[str, Any]]:
+def _planner_rule(spec: ModelSpec, role: str, cfg: OperatorConfig) -> list[dict[str, Any]]:
+    """The operator's pods to a worker's serving port, where the planner scrapes /metrics (planner_loop.py), while
+    the model has a planner and the operator knows its own pods (the chart tells it)."""
+    peer = cfg.pod_peer
+    if not spec.planned or role not in names.WORKER_ROLES or peer is None:
+        return []
+    return [{"ports": [{"protocol": "TCP", "port": names.HTTP_PORT}], "from": [peer]}]
+
+
+def build_network_policies(spec: ModelSpec, cfg: OperatorConfig = DEFAULT_CFG) -> list[dict[str, Any]]:
     """One per role, and the kvstore pod's when the model has a store."""
     store = spec.kv_cache is not None and spec.kv_cache.store is not None
-    return [build_network_policy(spec, role) for role in names.ROLES + ((names.KVSTORE,) if store else ())]
+    return [build_network_policy(spec, role, cfg) for role in names.ROLES + ((names.KVSTORE,) if store else ())]

@@ -9,7 +9,7 @@ from disagg_api import settings as S
 from disagg_api.setting import Setting, command_line
 
 from .. import names
-from ..config import OperatorConfig
+from ..config import DEFAULT_CFG, OperatorConfig
 from ..spec import ModelSpec, WorkerRoleSpec
 from ..weights import SHM, WORKER_TMP, cache_size, worker_ephemeral_storage
 from .common import (
@@ -29,8 +29,6 @@ from .kvstore import tier_settings, with_host_tier
 from .placement import scheduling
 from .ports import port_settings
 from .secret import api_keys_file, api_keys_volume, auth_token_file, auth_volume
-
-DEFAULT_CFG = OperatorConfig()
 
 
 def worker_args(spec: ModelSpec, role: str, cfg: OperatorConfig = DEFAULT_CFG) -> list[str]:
