@@ -238,6 +238,27 @@ def test_a_client_resume_is_a_400_naming_it_and_the_instance_serves_on(mono, res
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 8, ok.text
 
 
+@pytest.mark.parametrize(
+    "routing",
+    [
+        {"bootstrap_host": "127.0.0.1", "bootstrap_port": 1, "bootstrap_room": 7, "resume_token_ids": [10, 11]},
+        {"local_prefill": True, "resume_token_ids": [10, 11]},
+        {"bootstrap_host": "127.0.0.1", "bootstrap_port": 1, "bootstrap_room": 7},
+    ],
+    ids=["resume-with-a-bootstrap-target", "resume-with-local-prefill", "bootstrap-target"],
+)
+def test_a_monolithic_server_takes_no_routing_fields_from_a_client(mono, routing):
+    """The router's fields that a monolithic server's stage would ignore (a bootstrap target, local_prefill) do not
+    carry a client's resume in: each is a 400 naming the field, and the answer is never the client's text."""
+    body = {"prompt": "Once upon a time", "max_tokens": 8, **routing}
+    r = requests.post(f"{mono.url}/v1/completions", json=body, timeout=scaled(30))
+    field = "local_prefill" if "local_prefill" in routing else "bootstrap_room"
+    assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "stream": True, **routing}
+    r = requests.post(f"{mono.url}/v1/chat/completions", json=chat, timeout=scaled(30))
+    assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+
+
 def router_counter(url: str, name: str) -> float:
     text = requests.get(f"{url}/metrics", timeout=scaled(10)).text
     return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " "))

@@ -75,6 +75,23 @@ def route_of(body) -> Route:
     return Route(bootstrap, dp, local, sig, resume, chars)
 
 
+def check_unrouted(route: Route) -> None:
+    """A monolithic server is reached by clients only (no router routes to it): a request naming a bootstrap
+    target, local_prefill or a resume is a client's, and a 400 naming the field. Its stage would ignore the
+    target and its signature, so a client's resume sent with bootstrap fields would otherwise be taken."""
+    named = (
+        ("bootstrap_room", route.bootstrap is not None),
+        ("local_prefill", route.local_prefill),
+        ("resume_token_ids", bool(route.resume)),
+        ("resume_text_chars", route.resume_chars > 0),
+    )
+    for field, present in named:
+        if present:
+            message = f"{field} is set by a P/D model's router on the requests it routes; a monolithic server takes it"
+            message += " from no one"
+            raise APIError(400, message, param=field)
+
+
 def resume_fields(token_ids: list[int], text_chars: int) -> dict:
     """The fields of a migrated request: the tokens it generated before its instance failed, and how many
     characters of their text its client has (the rest of their text is still to send)."""

@@ -38,6 +38,7 @@ from disagg_worker.request import messages as msg
 from disagg_worker.request.errors import INSTANCE_FAILED, APIError, unavailable
 from disagg_worker.request.limits import RequestLimits
 from disagg_worker.request.params import SamplingParams, StopChecker
+from disagg_worker.request.route import check_unrouted
 from disagg_worker.server.groups import choose_group, group_problem, merge_stats
 from disagg_worker.server.metrics import ServerMetrics
 from disagg_worker.tracing import Tracer
@@ -80,11 +81,15 @@ class Frontend:
         prefill: bool = False,
         kv_key_id: str = "",
         tracer: Tracer | None = None,
+        routed: bool = False,
     ):
         """`to_engine`: the scheduler's inbox, or one per attention group (DP attention); `prefill`: this is a
         prefill instance (a request's group then follows its bootstrap target); `kv_key_id`: the id of the key
-        naming the cached pages (`keys.kv_names`); `tracer`: with tracing on, what makes this process's spans."""
+        naming the cached pages (`keys.kv_names`); `tracer`: with tracing on, what makes this process's spans;
+        `routed`: a P/D worker, whose requests carry the router's routing fields (a monolithic server refuses them,
+        `route.check_unrouted`)."""
         self.tokenizer = tokenizer
+        self.routed = routed
         self.tracer = tracer
         self.metrics = metrics
         self.prefill = prefill
@@ -241,6 +246,8 @@ class Frontend:
         """Yield the engine's TokenOut messages for one request; aborts it if the consumer leaves."""
         if self.failed:
             raise unavailable(self.failed)
+        if not self.routed:
+            check_unrouted(route)
         field, problem = group_problem(route, self.dp_size, self.prefill)
         if problem:
             raise APIError(400, problem, param=field)
@@ -294,8 +301,12 @@ class Frontend:
         if out.error:
             span.set_attribute("disagg.error", out.error)
 
-    def check_resume(self, route: msg.Route, params: SamplingParams) -> None:
-        """A resume names tokens of the vocabulary, fewer than max_tokens: else a 400 naming resume_token_ids."""
+    def check_route(self, route: msg.Route, params: SamplingParams) -> None:
+        """What a request's routing fields must be, checked before a stream's 200: none at a monolithic server
+        (`route.check_unrouted`); a resume names tokens of the vocabulary, fewer than max_tokens: else a 400 naming
+        resume_token_ids."""
+        if not self.routed:
+            check_unrouted(route)
         if not route.resume:
             return
         self.limits.check_token_ids(route.resume, "resume_token_ids")
@@ -310,7 +321,7 @@ class Frontend:
         back there) comes first (the text returned). `detok` has read them."""
         if not route.resume:
             return params, ""
-        self.check_resume(route, params)
+        self.check_route(route, params)
         n = len(route.resume)
         held = "".join(detok.push(t) for t in route.resume)[route.resume_chars :]
         return replace(

@@ -80,7 +80,10 @@ class EngineServer:
         prefill = d.role is Role.PREFILL
         key_id = d.kv_names[1]
         tracer = Tracer.create(d.role.value, a.otlp_traces_endpoint, a.otlp_traces_sampling_ratio, trace_trust(a))
-        self.frontend = frontend = Frontend(tokenizer, inboxes, self.from_engine, metrics, prefill, key_id, tracer)
+        routed = d.role is not Role.MONOLITHIC
+        self.frontend = frontend = Frontend(
+            tokenizer, inboxes, self.from_engine, metrics, prefill, key_id, tracer, routed=routed
+        )
         frontend.start()
         await _wait_ready(frontend, self.procs)
         local = a.engine.disagg.local_prefill

@@ -203,7 +203,7 @@ async def respond(
                 shown["token_ids"] = c.token_ids
         return web.json_response(body)
     for p in prompts:
-        fe.check_resume(route, p.params)  # a 400, before the stream's 200
+        fe.check_route(route, p.params)  # a 400, before the stream's 200
     resp = await sse_response(request)
     choices = [Choice(i) for i in range(len(prompts) * n)]
     # A migrated request's stream goes on from where the client is: its start came with the first stream.

@@ -24,7 +24,7 @@ def add_generate_route(app: web.Application, frontend: FrontendOf) -> None:
             ids = await fe.encode(req.text or "")
             params = fe.limits.admit(ids, req.sampling, req.max_tokens_set, "sampling_params.max_new_tokens", "text")
         route = route_of(body)
-        fe.check_resume(route, params)
+        fe.check_route(route, params)
         choice = Choice(0)
         if not req.stream:
             async for d in fe.complete(ids, params, route, probe=PROBE_HEADER in request.headers):
