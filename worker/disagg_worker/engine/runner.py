@@ -117,10 +117,11 @@ class ModelRunner:
         chunk's rows are taken out first (`prompt_logprobs.split`)."""
         fwd = batch.forward
         if fwd.num_logits is not None and any(r.params.prompt_logprobs for r in batch.reqs):
-            logits, counts, scores = split(batch.reqs, fwd.extend_lens, fwd.seq_lens, fwd.num_logits, logits)
+            logits, counts, scores, failed = split(batch.reqs, fwd.extend_lens, fwd.seq_lens, fwd.num_logits, logits)
             batch.forward = replace(fwd, num_logits=counts)  # from here on, the rows sampling reads
             result = self._sample(batch, logits)
             result.prompt = scores
+            result.failed |= failed  # those requests fail alone (`Scheduler.process`), the batch goes on
             return result
         return self._sample(batch, logits)
 
