@@ -1,7 +1,8 @@
 """Generated input against the router (and through it, the workers) and a monolithic server: never a 5xx for
 a client error, always an OpenAI-style JSON error body, and every instance keeps serving with every page free.
 
-Two generators: malformed bodies (wrong types, garbage, one field at a time), and well-formed bodies whose
+Two generators: malformed bodies (wrong types, garbage, one field at a time; the Responses API's and the router's
+own fields among them), at the router and at a monolithic server, and well-formed bodies whose
 sampling fields take extreme values all together (the query of death is a combination: a huge top_k only
 crashed a sampler together with a top_p below 1). Then the failures the edge cannot refuse, injected: a
 grammar compiler raising what no compiler raises fails that request alone (500, its id), and a request held
@@ -81,12 +82,22 @@ FIELDS = [
     "bootstrap_room",
     "presence_penalty",
     "frequency_penalty",
+    "echo",
+    "local_prefill",
+    "resume_token_ids",
+    "resume_text_chars",
+    "input",
+    "instructions",
+    "previous_response_id",
+    "max_output_tokens",
 ]
 VALID = {
     "/v1/completions": {"prompt": "hi", "max_tokens": 2},
     "/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
     "/generate": {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 2}},
+    "/v1/responses": {"input": "hi", "max_output_tokens": 2},
 }
+KEEP = ("max_tokens", "sampling_params", "max_output_tokens")  # generations stay short
 
 
 @st.composite
@@ -100,7 +111,7 @@ def bodies(draw):
     body = dict(VALID[path])
     for _ in range(draw(st.integers(1, 3))):
         body[draw(st.sampled_from(FIELDS))] = draw(json_values)
-    removable = sorted(k for k in body if k not in ("max_tokens", "sampling_params"))  # keep generations short
+    removable = sorted(k for k in body if k not in KEEP)
     if removable and draw(st.booleans()):
         body.pop(draw(st.sampled_from(removable)), None)
     return path, json.dumps(body).encode()
@@ -113,6 +124,19 @@ def test_router_never_answers_a_client_error_with_5xx(stack, case):  # noqa: F81
     r = requests.post(
         f"{stack.router.url}{path}", data=raw, headers={"Content-Type": "application/json"}, timeout=scaled(60)
     )
+    assert r.status_code < 500, (path, raw, r.status_code, r.text[:300])
+    if r.status_code >= 400:
+        err = r.json()["error"]
+        assert isinstance(err["message"], str) and err["message"]
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
+@given(case=bodies())
+def test_a_monolithic_server_never_answers_a_client_error_with_5xx(mono, case):  # noqa: F811
+    """The same bodies at a monolithic server, which no router fronts: the router's own fields are a client's
+    there (a 400), never taken."""
+    path, raw = case
+    r = requests.post(f"{mono.url}{path}", data=raw, headers={"Content-Type": "application/json"}, timeout=scaled(60))
     assert r.status_code < 500, (path, raw, r.status_code, r.text[:300])
     if r.status_code >= 400:
         err = r.json()["error"]
@@ -147,6 +171,7 @@ EXTREMES = {
     ),
     "ignore_eos": st.booleans(),
     "stop": st.sampled_from(["a", "\n", ["x", "y"], "z" * 1025]),
+    "echo": st.booleans(),
 }
 
 
