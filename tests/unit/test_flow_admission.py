@@ -5,6 +5,7 @@ answer 429 with Retry-After; a bad priority is a 400 naming its field; a client 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 
 import pytest
@@ -16,6 +17,7 @@ from disagg_worker.cli import build_parser
 from disagg_worker.flow.identity import FAIRNESS_HEADER, OBJECTIVE_HEADER
 from disagg_worker.flow.policy import FlowPolicy
 from disagg_worker.http.admission import Admission, admission_middleware, body_of
+from disagg_worker.http.auth import require_keys
 from disagg_worker.http.errors import error_middleware
 from disagg_worker.http.flow_gate import NO_FLOW_CONTROL, FlowGate
 from disagg_worker.router.flow_control import FlowCollector, flow_control
@@ -38,14 +40,16 @@ def app_with(admission: Admission, release: asyncio.Event, served: list[str]) ->
 
 
 class Front:
-    """One in-flight slot, a flow gate of `policy` in front of it, and a client."""
+    """One in-flight slot, a flow gate of `policy` in front of it (behind API `keys`, if any), and a client."""
 
-    def __init__(self, policy: FlowPolicy):
+    def __init__(self, policy: FlowPolicy, keys: tuple[str, ...] = ()):
         self.gate = FlowGate(policy)
         self.admission = Admission(1, lambda: LIMIT, flow=self.gate)
         self.release = asyncio.Event()
         self.served: list[str] = []
-        self.server = TestServer(app_with(self.admission, self.release, self.served))
+        app = app_with(self.admission, self.release, self.served)
+        require_keys(app, keys)
+        self.server = TestServer(app)
 
     async def __aenter__(self) -> Front:
         await self.server.start_server()
@@ -190,5 +194,33 @@ def test_the_router_flags_build_the_gate_and_a_malformed_one_stops_start_up():
     assert isinstance(gate, FlowGate) and gate.policy.objectives == {"batch": -1, "chat": 4}
     assert gate.policy.ttl_s == 5.0 and gate.policy.queue_size == 256
     assert flow_control(parser.parse_args(["router"])) is NO_FLOW_CONTROL
-    with pytest.raises(SystemExit, match="--flow-key-priority"):
-        flow_control(parser.parse_args(["router", "--flow-control", "--flow-key-priority", "abc"]))
+    for bad in ("abc", "my-key=3"):  # not NAME=PRIORITY; a key itself, not its digest
+        with pytest.raises(SystemExit, match="--flow-key-priority"):
+            flow_control(parser.parse_args(["router", "--flow-control", "--flow-key-priority", bad]))
+    with pytest.raises(SystemExit, match="outside"):
+        flow_control(parser.parse_args(["router", "--flow-control", "--flow-objectives", "x=11"]))
+
+
+def test_a_keys_requests_are_capped_at_its_priority_and_are_its_own_flow():
+    """With API keys, the key (its digest, as `--flow-key-priority` names it) is the flow, whatever fairness id
+    the client sends, and a priority above the key's cap is served at the cap."""
+    key = "sk-team-a"
+    digest = hashlib.sha256(key.encode()).hexdigest()[:32]
+
+    async def go():
+        async with Front(FlowPolicy(key_max={digest: 1}), keys=(key, "sk-other")) as f:
+            auth = {"Authorization": f"Bearer {key}", FAIRNESS_HEADER: "someone-else"}
+            holder = f.send("holder", {"Authorization": "Bearer sk-other"})
+            await f.until(lambda: f.served == ["holder"])
+            capped = f.send("capped", auth, priority=9)
+            await f.until(lambda: f.gate.queued == 1)
+            other = f.send("other", {"Authorization": "Bearer sk-other"}, priority=5)
+            await f.until(lambda: f.gate.queued == 2)
+            flows = f.gate.queued_by_flow()
+            f.release.set()
+            await asyncio.gather(holder, capped, other)
+            return f.served, flows
+
+    served, flows = run(go())
+    assert served == ["holder", "other", "capped"]  # the cap (1) is below the other key's 5
+    assert flows[(1, digest)] == 1 and not any(flow == "someone-else" for _, flow in flows)

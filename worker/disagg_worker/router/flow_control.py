@@ -8,6 +8,7 @@ default), requests beyond --max-inflight get 429 at once, as before.
 from __future__ import annotations
 
 import argparse
+import re
 from collections.abc import Iterator
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -16,19 +17,26 @@ from disagg_worker.flow.policy import FlowPolicy, parse_priorities
 from disagg_worker.flow.stats import Outcome
 from disagg_worker.http.flow_gate import NO_FLOW_CONTROL, FlowControl, FlowGate
 
+# How `http.auth.caller_of` names a key: the first 32 hex digits of its SHA-256.
+KEY_DIGEST = re.compile(r"[0-9a-f]{32}")
+
 
 def flow_control(ns: argparse.Namespace) -> FlowControl:
     """The gate the flags ask for; SystemExit naming the flag that is malformed."""
     if not ns.flow_control:
         return NO_FLOW_CONTROL
     try:
+        key_max = parse_priorities(ns.flow_key_priority, "--flow-key-priority")
+        for digest in key_max:
+            if not KEY_DIGEST.fullmatch(digest):
+                raise ValueError(f"--flow-key-priority: {digest!r} is not a key's digest (32 lowercase hex digits)")
         policy = FlowPolicy(
             queue_size=ns.flow_queue_size,
             ttl_s=ns.flow_queue_ttl,
             objectives=parse_priorities(ns.flow_objectives, "--flow-objectives"),
             min_priority=ns.flow_min_priority,
             max_priority=ns.flow_max_priority,
-            key_max=parse_priorities(ns.flow_key_priority, "--flow-key-priority"),
+            key_max=key_max,
         )
         return FlowGate(policy)
     except ValueError as e:
