@@ -4,8 +4,10 @@ The rules, once:
 - one band per priority; `pop` serves the highest non-empty band first, so a band never waits for a lower one;
 - inside a band, flows are served round-robin, one request per turn (a flow that empties leaves the ring, one that
   arrives joins at its end). Per request, not per token: a request's token cost is unknown at admission (its
-  output length is known only when it ends), and round-robin per request is what the Gateway API Inference
-  Extension's flow control does by default; within a flow, first in first out;
+  output length is known only when it ends). The Gateway API Inference Extension's flow control offers the same
+  round-robin among its fairness policies; its default, global-strict, serves a band's oldest request first,
+  which lets one flow's burst hold back every other flow of its band, what this queue is for. Within a flow,
+  first in first out;
 - each entry has a deadline, its enqueue time plus the time to live; `expire(now)` takes out those past it;
 - the queue holds at most `capacity` entries. When full, a request of a band above the lowest queued band evicts
   that lowest band's newest entry (the one that has waited least) and takes its place; a request of the lowest
