@@ -168,7 +168,7 @@ class Admission:
     def start_drain(self) -> int:
         """Refuse new requests from now on, the queued ones too; returns how many are held."""
         self.draining = True
-        self.flow.refuse_all(unavailable(DRAIN_MESSAGE, RETRY_AFTER_S, DRAINING))
+        self.flow.refuse_all(lambda: unavailable(DRAIN_MESSAGE, RETRY_AFTER_S, DRAINING))
         return self.inflight
 
     async def wait_idle(self, timeout_s: float, hurry: asyncio.Event | None = None) -> bool:

@@ -56,8 +56,8 @@ class FlowControl(Protocol):
         """Give a freed slot to the next waiter; False when none waits (the slot is then free)."""
         ...
 
-    def refuse_all(self, error: APIError) -> None:
-        """Answer everything queued with `error` (a drain)."""
+    def refuse_all(self, error: Callable[[], APIError]) -> None:
+        """Answer everything queued with an `error()` each (a drain)."""
         ...
 
 
@@ -82,7 +82,7 @@ class NoFlowControl:
     def hand_on(self) -> bool:
         return False
 
-    def refuse_all(self, error: APIError) -> None:
+    def refuse_all(self, error: Callable[[], APIError]) -> None:
         pass
 
 
@@ -146,10 +146,10 @@ class FlowGate:
                 return True
         return False
 
-    def refuse_all(self, error: APIError) -> None:
+    def refuse_all(self, error: Callable[[], APIError]) -> None:
         while (entry := self.queue.pop()) is not None:
             if not entry.item.done():
-                entry.item.set_exception(error)
+                entry.item.set_exception(error())
 
     def _expire(self) -> None:
         for entry in self.queue.expire(self.clock()):
