@@ -107,7 +107,38 @@ STALL_AFTER = Setting(
     60.0,
     help="seconds a worker's handoff queue may hold requests without progress before /health calls it stalled",
 )
-MAX_INFLIGHT = Setting("--max-inflight", int, 1024, help="client requests held at once; more get 429 with Retry-After")
+MAX_INFLIGHT = Setting(
+    "--max-inflight",
+    int,
+    1024,
+    help="client requests held at once; more get 429 with Retry-After (with --flow-control: they wait in its queue)",
+)
+FLOW_CONTROL = Setting(
+    "--flow-control",
+    bool,
+    False,
+    help="requests beyond --max-inflight wait in a queue instead of a 429: the highest priority first, flows "
+    "(API keys, else x-gateway-inference-fairness-id) round-robin within a priority, the lowest shed first "
+    "(docs/flow-control.md)",
+)
+FLOW_QUEUE_SIZE = Setting(
+    "--flow-queue-size", int, 256, help="--flow-control: requests queued at most (beyond: the lowest priority is shed)"
+)
+FLOW_QUEUE_TTL = Setting(
+    "--flow-queue-ttl", float, 30.0, help="--flow-control: seconds a request may wait in the queue before a 429"
+)
+FLOW_OBJECTIVES = Setting(
+    "--flow-objectives",
+    help="--flow-control: NAME=PRIORITY,... the objectives x-gateway-inference-objective may name (a negative "
+    "priority is sheddable)",
+)
+FLOW_MIN_PRIORITY = Setting("--flow-min-priority", int, -10, help="--flow-control: the lowest priority allowed")
+FLOW_MAX_PRIORITY = Setting("--flow-max-priority", int, 10, help="--flow-control: the highest priority allowed")
+FLOW_KEY_PRIORITY = Setting(
+    "--flow-key-priority",
+    help="--flow-control: DIGEST=PRIORITY,... the highest priority each API key's requests get (higher asks are "
+    "lowered to it); DIGEST: the key's SHA-256, its first 32 hex digits",
+)
 REQUEST_TIMEOUT = Setting(
     "--request-timeout",
     float,
@@ -158,6 +189,13 @@ ROUTER = (
     HANDOFF_WINDOW,
     STALL_AFTER,
     MAX_INFLIGHT,
+    FLOW_CONTROL,
+    FLOW_QUEUE_SIZE,
+    FLOW_QUEUE_TTL,
+    FLOW_OBJECTIVES,
+    FLOW_MIN_PRIORITY,
+    FLOW_MAX_PRIORITY,
+    FLOW_KEY_PRIORITY,
     REQUEST_TIMEOUT,
     DRAIN_TIMEOUT,
     MAX_BODY_BYTES,

@@ -7,18 +7,20 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[2] / "worker" / "disagg_worker"
 NAME = PACKAGE.name
-# The worker's parts from the ground up: a part imports only parts before it. Under everything, the start-up error
-# any part may raise; then the ground, which knows nothing of engines or processes (a request's shape, settings, the
-# model, paged memory), then the OpenTelemetry wrapper the HTTP processes use (which names the stages a request's
-# scheduler records); the transfer (`disagg`) sits under the engine, the ranks' machinery under the engine, the
-# processes that run an engine above it; above those the HTTP kit both front ends use (`http`: transport, not
-# OpenAI: admission and body limits, errors, auth, drain, the tracing middleware, the probe header), the workers'
-# HTTP side above it, the router (which reuses the workers' OpenAI parsing) above that, the endpoint picker a gateway
-# asks (which reuses the router's pool, policies and discovery) above the router, the command line on top.
+# The worker's parts from the ground up: a part imports only parts before it. Under everything, the start-up error any
+# part may raise; then the ground, which knows nothing of engines or processes (a request's shape, settings, the
+# model, paged memory), flow control's pure queue and rules (`flow`), then the OpenTelemetry wrapper the HTTP
+# processes use (which names the stages a request's scheduler records); the transfer (`disagg`) sits under the engine,
+# the ranks' machinery under the engine, the processes that run an engine above it; above those the HTTP kit both
+# front ends use (`http`: transport, not OpenAI: admission and body limits, errors, auth, drain, the tracing
+# middleware, the probe header), the workers' HTTP side above it, the router (which reuses the workers' OpenAI
+# parsing) above that, the endpoint picker a gateway asks (which reuses the router's pool, policies and discovery)
+# above the router, the command line on top.
 FLOORS = [
     ("errors",),
     ("env", "keys", "tuning", "flags", "mem", "model", "bench"),
     ("request",),
+    ("flow",),
     ("tracing",),
     ("speculative_config", "tier_config", "lora_config"),
     ("cache_config",),

@@ -3,7 +3,9 @@
 One gate in front of the generation handlers, in this order:
 - the instance cannot serve (its scheduler process died): 503 with the reason;
 - it drains (SIGTERM): 503 with Retry-After, so the client or the router goes elsewhere;
-- it already holds `max_inflight` requests: 429 with Retry-After;
+- it already holds `max_inflight` requests: 429 with Retry-After; with flow control on (`flow_gate.py`), the
+  request waits in the flow queue instead, once its body has arrived (its priority may be in it), and takes the
+  slot the next finished request hands on;
 - the announced body is beyond the body limit: 413;
 - then the body is read (`body.read_body`: 413 past the limit, 408 past its time limit) before the request
   takes a slot, so that slow uploads cannot hold every slot; the bytes of the bodies being read or held by
@@ -24,14 +26,15 @@ from __future__ import annotations
 import asyncio
 import hmac
 import secrets
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from typing import Any
 
 from aiohttp import web
 
 from disagg_worker.http.auth import caller_of
 from disagg_worker.http.body import BODY_READ_TIMEOUT_S, check_length, read_body
+from disagg_worker.http.flow_gate import NO_FLOW_CONTROL, FlowControl
 from disagg_worker.request.errors import APIError, too_many_requests, unavailable
 
 # Requests whose bodies are read within a time limit and a byte budget before they take an in-flight slot.
@@ -40,6 +43,7 @@ GENERATION_PATHS = frozenset(
 )
 RETRY_AFTER_S = 1
 DRAINING = "draining"
+DRAIN_MESSAGE = "This server is shutting down and takes no new requests; retry on another instance."
 # Bytes of request bodies one front end holds at once (being read, or held by admitted requests). Parsed, a body
 # takes up to ~5x its bytes (a list of token ids), so 128 MiB keeps them well inside a 1 GiB router or worker.
 BODY_BUDGET_BYTES = 128 << 20
@@ -65,9 +69,12 @@ class Admission:
         body_budget: int = BODY_BUDGET_BYTES,
         body_timeout_s: float = BODY_READ_TIMEOUT_S,
         client_budget: int | None = None,
+        flow: FlowControl = NO_FLOW_CONTROL,
     ):
         """`client_budget`: the bytes of bodies one client may hold (None: the whole budget, as at a P/D worker,
-        whose one client is the router)."""
+        whose one client is the router); `flow`: where a request waits when every slot is taken (by default
+        nowhere: it is refused)."""
+        self.flow = flow
         self.max_inflight = max_inflight
         # A function: the router learns its limit from the workers after it starts.
         self.body_limit = body_limit
@@ -90,13 +97,12 @@ class Admission:
         return bool(presented) and hmac.compare_digest(presented.encode(), self.leg_token.encode())
 
     def refusal(self) -> APIError | None:
-        """Why a new request is refused now (None: admit it)."""
+        """Why a new request is refused now (None: admit it, or with flow control on let it wait for a slot)."""
         if self.broken:
             return unavailable(self.broken)
         if self.draining:
-            message = "This server is shutting down and takes no new requests; retry on another instance."
-            return unavailable(message, RETRY_AFTER_S, DRAINING)
-        if self.inflight >= self.max_inflight:
+            return unavailable(DRAIN_MESSAGE, RETRY_AFTER_S, DRAINING)
+        if self.inflight >= self.max_inflight and not self.flow.on:
             return too_many_requests(self.max_inflight, RETRY_AFTER_S)
         return None
 
@@ -127,18 +133,42 @@ class Admission:
 
     @contextmanager
     def admitted(self) -> Iterator[None]:
-        self.inflight += 1
-        self._idle.clear()
+        """Hold a slot, taken now, until the block ends."""
+        self._take()
         try:
             yield
         finally:
-            self.inflight -= 1
-            if self.inflight == 0:
-                self._idle.set()
+            self._release()
+
+    @asynccontextmanager
+    async def slot(self, request: web.Request, body: bytes) -> AsyncIterator[None]:
+        """Hold a slot until the block ends: a free one at once, else (flow control on) the one handed on to this
+        request once it has waited its turn in the flow queue (or the 429 that ended its wait)."""
+        who = self.flow.identify(request, body)  # a bad priority is a 400 whether or not it would wait
+        if self.inflight < self.max_inflight and not self.flow.queued:
+            self._take()
+        else:
+            await self.flow.wait(who, self._release)
+        try:
+            yield
+        finally:
+            self._release()
+
+    def _take(self) -> None:
+        self.inflight += 1
+        self._idle.clear()
+
+    def _release(self) -> None:
+        if self.flow.hand_on():  # the slot goes on to the queue's next request, never free in between
+            return
+        self.inflight -= 1
+        if self.inflight == 0:
+            self._idle.set()
 
     def start_drain(self) -> int:
-        """Refuse new requests from now on; returns how many are held."""
+        """Refuse new requests from now on, the queued ones too; returns how many are held."""
         self.draining = True
+        self.flow.refuse_all(lambda: unavailable(DRAIN_MESSAGE, RETRY_AFTER_S, DRAINING))
         return self.inflight
 
     async def wait_idle(self, timeout_s: float, hurry: asyncio.Event | None = None) -> bool:
@@ -186,7 +216,7 @@ def admission_middleware(admission: Admission, paths: frozenset[str] = GENERATIO
             refusal = admission.refusal()  # the state may have changed while the body arrived
             if refusal is not None:
                 raise refusal
-            with admission.admitted():
+            async with admission.slot(request, request[_BODY]):
                 return await handler(request)
 
     return admit

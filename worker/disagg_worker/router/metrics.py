@@ -1,5 +1,5 @@
 """The router's GET /metrics (Prometheus text): how it routed requests, its workers as it sees them, and its
-index of their prefix caches (`kv_index.py`).
+index of their prefix caches (`kv_index.py`), and its flow-control queue (`flow_control.py`).
 
 Read from the pool at each scrape (a collector over the pool), so that the numbers are the ones /health shows
 and nothing here keeps state of its own. Like a worker's /metrics, it takes the client API key when keys are on.
@@ -14,6 +14,8 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from disagg_worker.http.flow_gate import NO_FLOW_CONTROL, FlowControl
+from disagg_worker.router.flow_control import FlowCollector
 from disagg_worker.router.stall import Verdict
 from disagg_worker.router.verify import PairVerifier
 from disagg_worker.router.workers import WorkerPool
@@ -136,9 +138,10 @@ class PairCollector:
         yield from (pairs, stalled)
 
 
-def metrics_handler(pool: WorkerPool, verifier: PairVerifier | None = None):
+def metrics_handler(pool: WorkerPool, verifier: PairVerifier | None = None, flow: FlowControl = NO_FLOW_CONTROL):
     registry = CollectorRegistry(auto_describe=False)
     registry.register(PoolCollector(pool))
+    registry.register(FlowCollector(flow))
     if verifier is not None:
         registry.register(PairCollector(verifier))
 

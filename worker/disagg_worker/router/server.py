@@ -2,8 +2,9 @@
 
 Generation requests pass the same admission gate as a worker's (`http/admission.py`: 503 while
 the router drains, 429 beyond --max-inflight or the bytes of bodies held at once, 413 beyond the body
-limit; the body is read, within a time limit, before the request takes a slot). On SIGTERM the router
-drains (`http/drain.py`): /health and /ready fail, new requests get 503, open streams finish within
+limit; the body is read, within a time limit, before the request takes a slot; with --flow-control, a request
+beyond --max-inflight waits in a queue by priority and flow instead: `router/flow_control.py`). On SIGTERM the
+router drains (`http/drain.py`): /health and /ready fail, new requests get 503, open streams finish within
 --drain-timeout, then it exits.
 """
 
@@ -30,6 +31,7 @@ from disagg_worker.router.batch import as_batch_prompt, prompt_bodies, valid_n
 from disagg_worker.router.discovery import DnsSource
 from disagg_worker.router.echo import check_echo_bound, scores_prompt, with_prompt_logprobs
 from disagg_worker.router.fanout import merge_bodies, stream_merged
+from disagg_worker.router.flow_control import flow_control
 from disagg_worker.router.handoff import HandoffMonitor
 from disagg_worker.router.metrics import metrics_handler
 from disagg_worker.router.migrate import MigratingChoice, migrates, with_token_ids
@@ -65,7 +67,7 @@ def build_router_app(router: Router, admission: Admission, responses: ResponseSt
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)
     app.router.add_get("/livez", livez)
-    app.router.add_get("/metrics", metrics_handler(router.pool, router.verifier))
+    app.router.add_get("/metrics", metrics_handler(router.pool, router.verifier, admission.flow))
     return app
 
 
@@ -285,6 +287,7 @@ def build_verifier(ns, pool: WorkerPool, auth: RouterAuth) -> PairVerifier | Non
 
 async def serve(ns, auth: RouterAuth, ready: asyncio.Event | None = None) -> None:
     signals = Signals()
+    flow = flow_control(ns)  # before anything starts: a malformed --flow-* flag stops here
     pool = build_pool(ns)
     pool.worker_headers = auth.worker_headers()
     # A health round waits for its slowest worker (up to a /health and a /kv_events timeout): an index is silent
@@ -310,7 +313,7 @@ async def serve(ns, auth: RouterAuth, ready: asyncio.Event | None = None) -> Non
         tracer=Tracer.create("router", ns.otlp_traces_endpoint, ns.otlp_traces_sampling_ratio),
     )
     await router.start(ns.health_interval)
-    admission = Admission(ns.max_inflight, router.body_limit, client_budget=CLIENT_BODY_BUDGET_BYTES)
+    admission = Admission(ns.max_inflight, router.body_limit, client_budget=CLIENT_BODY_BUDGET_BYTES, flow=flow)
     store = ResponseStore(ns.responses_store_size, ns.responses_store_ttl, max_bytes=ns.responses_store_bytes)
     app = build_router_app(router, admission, store)
     require_keys(app, auth.api_keys)
