@@ -158,7 +158,7 @@ def copy_bandwidth(device: str, dtype: torch.dtype, nbytes: int, timer: Timer, r
     times = timer.repeat(lambda: dst.copy_(src), warmup=2, reps=reps)
     best = min(times)
     nbytes = n * torch.empty((), dtype=dtype).element_size()
-    return {"bytes": nbytes, "best_ms": round(best, 4), "gb_s": round(2 * nbytes / best / 1e6, 1)}
+    return {"bytes": nbytes, "best_ms": round(best, 4), "gb_s": significant(2 * nbytes / best / 1e6)}
 
 
 def matmul_tflops(device: str, dtype: torch.dtype, m: int, k: int, n: int, timer: Timer, reps: int) -> dict:
@@ -168,7 +168,13 @@ def matmul_tflops(device: str, dtype: torch.dtype, m: int, k: int, n: int, timer
     b = torch.randn(k, n, dtype=dtype, device=device)
     times = timer.repeat(lambda: a @ b, warmup=3, reps=reps)
     best = min(times)
-    return {"shape": [m, k, n], "best_ms": round(best, 4), "tflop_s": round(2 * m * k * n / best / 1e9, 2)}
+    return {"shape": [m, k, n], "best_ms": round(best, 4), "tflop_s": significant(2 * m * k * n / best / 1e9)}
+
+
+def significant(x: float, digits: int = 4) -> float:
+    """`x` to `digits` significant digits: a rate the other figures are divided by never rounds to 0 (a CPU copy
+    or matmul slowed by a loaded machine read 0.0 GB/s at one decimal, and the ratios after it divided by it)."""
+    return float(f"{x:.{digits}g}")
 
 
 def device_info(device: str) -> dict:

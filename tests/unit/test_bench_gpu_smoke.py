@@ -3,6 +3,7 @@ its figures, none an error. The GPU figures themselves come from hack/gpu/run.sh
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -30,3 +31,14 @@ def test_bench_gpu_quick_on_cpu_writes_every_section(tmp_path):
     assert res["prefill"]["prefill_matmul_ratio"] > 0
     assert res["idle"]["tokens"] == 4 * 4 and 0 <= res["idle"]["idle_share"] <= 1
     assert res["peer"]["ratio"] > 0
+
+
+def test_a_rate_the_ratios_divide_by_never_rounds_to_zero():
+    """A loaded machine slowed the CPU matmul to 0.004 TFLOP/s, which two decimals made 0.0 and the prefill
+    section's ratio divided by."""
+    spec = importlib.util.spec_from_file_location("gpu_setup", ROOT / "bench" / "gpu_setup.py")
+    assert spec is not None and spec.loader is not None
+    gpu_setup = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_setup)
+    significant = gpu_setup.significant
+    assert significant(0.004321) == 0.004321 and significant(123456.7) == 123500.0 and significant(5e-9) > 0
