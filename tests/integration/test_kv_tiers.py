@@ -19,11 +19,13 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from disagg_worker import keys
 from disagg_worker.engine.tiers import KVTiers
 from disagg_worker.mem.allocator import PageAllocator
 from disagg_worker.mem.host_tier import HostTier
 from disagg_worker.mem.kv_events import page_hashes
 from disagg_worker.mem.kv_pool import KVPool
+from disagg_worker.mem.page_tag import PageSeal
 from disagg_worker.mem.radix import RadixCache
 from disagg_worker.mem.store import MooncakeStore
 from disagg_worker.tier_config import TierConfig
@@ -65,7 +67,8 @@ def pool(pages: int) -> KVPool:
 
 @pytest.fixture(scope="module")
 def client(store):
-    c = MooncakeStore(store.address, store.metadata, "127.0.0.1", "")
+    seal = PageSeal(keys.store_tag_key(""), len(pool(1).page_bytes([0])))
+    c = MooncakeStore(store.address, store.metadata, "127.0.0.1", "", seal)
     yield c
     c.close()
 
