@@ -5,25 +5,32 @@
 - Through P/D, with host tiers on both sides and the store under prefill, every answer, greedy and seeded, equals a
   monolithic server's without tiers, before and after prefill's cache is flushed down to host memory.
 - A new instance on the same store computes only what the store lacks of a prompt another instance computed.
+- A page changed in the store (through a real client, as anyone who reaches the store's master can) fails its
+  tag: the instance reading it drops it, counts it, computes those tokens again and answers as monolithic.
 - `kill -9` of the store's master while requests run costs only recompute: every answer equal, none failed; the
   store, started again, is written again.
 """
 
 from __future__ import annotations
 
+import contextlib
 import random
+from collections.abc import Iterator
 
 import pytest
 import requests
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from mooncake.store import MooncakeDistributedStore
 
+from disagg_worker import keys
 from disagg_worker.engine.tiers import KVTiers
 from disagg_worker.mem.allocator import PageAllocator
 from disagg_worker.mem.host_tier import HostTier
 from disagg_worker.mem.kv_events import page_hashes
 from disagg_worker.mem.kv_pool import KVPool
+from disagg_worker.mem.page_tag import TAG_BYTES, PageSeal
 from disagg_worker.mem.radix import RadixCache
 from disagg_worker.mem.store import MooncakeStore
 from disagg_worker.tier_config import TierConfig
@@ -65,7 +72,8 @@ def pool(pages: int) -> KVPool:
 
 @pytest.fixture(scope="module")
 def client(store):
-    c = MooncakeStore(store.address, store.metadata, "127.0.0.1", "")
+    seal = PageSeal(keys.store_tag_key(""), len(pool(1).page_bytes([0])))
+    c = MooncakeStore(store.address, store.metadata, "127.0.0.1", "", seal)
     yield c
     c.close()
 
@@ -177,6 +185,69 @@ def test_a_new_instance_on_the_same_store_computes_only_what_the_store_lacks(sta
         assert computed(fresh) <= new_tokens
     finally:
         fresh.stop()
+
+
+def store_keys(store: KVStore) -> list[str]:
+    """Every key the store holds, as its master lists them to anyone who asks (its HTTP port, unauthenticated)."""
+    r = requests.get(f"http://127.0.0.1:{store.metrics}/get_all_keys", timeout=scaled(5))
+    r.raise_for_status()
+    return r.text.split()
+
+
+@contextlib.contextmanager
+def raw_client(store: KVStore) -> Iterator[MooncakeDistributedStore]:
+    """A client of the store's own, as anyone who reaches its master may set up."""
+    c = MooncakeDistributedStore()
+    assert c.setup("127.0.0.1", store.metadata, 0, 16 << 20, "tcp", "", store.address) == 0
+    try:
+        yield c
+    finally:
+        c.close()
+
+
+def rejected_pages(proc: Proc) -> float:
+    """The instance's `disagg_kv_store_pages_rejected_total`, every reason's together."""
+    lines = requests.get(f"{proc.url}/metrics", timeout=scaled(5)).text.splitlines()
+    return sum(float(ln.split()[-1]) for ln in lines if ln.startswith("disagg_kv_store_pages_rejected_total"))
+
+
+def test_a_page_tampered_in_the_store_is_computed_again_and_the_answer_equals_monolithic(stack, store, tiny_model):
+    pd, mono = stack
+    prompt = conversation(40, turns=2)[1]
+    want = run(mono.url, prompt)
+    assert run(pd.router.url, prompt) == want
+    names = page_hashes(prompt[: len(prompt) // PAGE * PAGE], PAGE)  # prefill has no secret: unkeyed names
+
+    def keys_of_prompt() -> list[str]:
+        by_name = {k.rpartition("/")[2]: k for k in store_keys(store) if k.startswith("disagg/")}
+        return [by_name[f"{n:016x}"] for n in names if f"{n:016x}" in by_name]
+
+    wait_until(lambda: len(keys_of_prompt()) == len(names), 30, what="prefill writing the prompt to the store")
+    tampered = 5
+    key = keys_of_prompt()[tampered]
+    with raw_client(store) as c:
+        value = bytes(b ^ 0xFF for b in c.get(key))  # every bit flipped, the length kept
+        assert c.upsert(key, value) == 0
+        assert bytes(c.get(key)) == value
+        fresh = serve(
+            tiny_model,
+            "--served-model-name",
+            "tiny",
+            *FLAGS,
+            *TIERS,
+            *store.flags(),
+            "--hicache-storage-prefetch-policy",
+            "wait_complete",
+        ).wait_healthy()
+        try:
+            assert run(fresh.url, prompt) == want
+            wait_until(lambda: rejected_pages(fresh) >= 1, 10, what="the tampered page counted as rejected")
+            assert computed(fresh) >= len(prompt) - tampered * PAGE  # from the tampered page on: computed
+            # Dropped from the store, so the page computed again is written in its place.
+            seal = PageSeal(keys.store_tag_key(""), len(value) - TAG_BYTES)
+            wait_until(lambda: seal.open(key, bytes(c.get(key))) is not None, 10, what="the page written again")
+        finally:
+            fresh.stop()
 
 
 def tier_pages(proc: Proc, op: str) -> float:

@@ -194,6 +194,11 @@ class DisaggConfig:
         """The key of the cached pages' names and its id (`keys.kv_names`; unkeyed without a shared secret)."""
         return keys.kv_names(self.auth_token)
 
+    @property
+    def store_tag_key(self) -> bytes:
+        """The key of the tags on pages in Mooncake Store (`keys.store_tag_key`; a fixed one without a secret)."""
+        return keys.store_tag_key(self.auth_token)
+
     def __post_init__(self) -> None:
         if self.nnodes < 1 or self.num_ranks % self.nnodes:
             raise ConfigError(

@@ -17,6 +17,8 @@ another purpose:
 - `KV_NAMES`: the key of the names of cached pages (`mem/kv_events.py`), so that whoever reads an instance's
   `/kv_events` cannot tell whether a prompt they guess is cached; `KV_NAMES_ID` names that key in each answer
   (a router keyed otherwise flags the instance instead of missing every page).
+- `STORE_TAGS`: the key of the integrity tag on every page kept in Mooncake Store (`mem/page_tag.py`): a page
+  changed in the store, or written there by anyone without the secret, fails it and is computed again.
 
 A secret or key that is asked for but empty is an error at start-up, never "no authentication".
 """
@@ -34,6 +36,7 @@ TARGET = "bootstrap-target"
 CONTROL = "kv-control-frames"
 KV_NAMES = "kv-page-names"
 KV_NAMES_ID = "kv-page-names-id"
+STORE_TAGS = "kv-store-page-tags"
 
 
 class SecretError(ValueError):
@@ -74,6 +77,12 @@ def control_key(secret: str) -> bytes:
     """The key of the control channel's frames; without a secret a fixed one (frames are then checked for
     integrity, not origin: such an instance listens on loopback only, `disagg.mooncake.environ`)."""
     return bytes.fromhex(derive(secret or "no-secret", CONTROL))
+
+
+def store_tag_key(secret: str) -> bytes:
+    """The key of the tags on the store's pages; without a secret a fixed one (a tag then catches corruption, not
+    forgery: anyone can compute it)."""
+    return bytes.fromhex(derive(secret or "no-secret", STORE_TAGS))
 
 
 def _target(host: str, port: int, room: int) -> bytes:

@@ -15,7 +15,8 @@ The radix cache tells the tiers (its `listener`) of every page it takes, hits an
 
 A slow or absent store costs only recompute: its calls run on the store thread, a read that takes longer than its
 policy allows is abandoned (its pages, if they come, stay in host memory for the next request), and a failing
-store is left alone for a while (`mem/store.py`).
+store is left alone for a while (`mem/store.py`). So does a page changed in the store: it fails its tag and is
+dropped there, read as a miss (`mem/page_tag.py`).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from disagg_worker.engine.prefix_tiers import NoTiers
 from disagg_worker.mem.host_tier import HostTier
 from disagg_worker.mem.kv_events import ROOT, Event, page_hashes
 from disagg_worker.mem.kv_pool import KVPool
+from disagg_worker.mem.page_tag import PageSeal
 from disagg_worker.mem.radix import RadixCache
 from disagg_worker.mem.store import MooncakeStore
 from disagg_worker.tier_config import TierConfig
@@ -349,7 +351,8 @@ def build_tiers(
     store = None
     if tiers.store:
         prefix = f"disagg/{digest}/{cfg.disagg.kv_names[1] or 'unkeyed'}"
-        store = MooncakeStore(tiers.store_master, tiers.metadata_server, cfg.disagg.advertise_host, prefix)
+        seal = PageSeal(cfg.disagg.store_tag_key, page_nbytes)
+        store = MooncakeStore(tiers.store_master, tiers.metadata_server, cfg.disagg.advertise_host, prefix, seal)
     log.info(
         "KV tiers: %d pages (%.1f MB) of host memory, %s; store %s",
         host.slots,

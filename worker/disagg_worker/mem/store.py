@@ -3,7 +3,10 @@
 The instance contributes no memory of its own (a segment of 0 bytes): the store's memory is its store servers'
 (`mooncake_client` processes, the operator's store pod), so pages outlive the instance that wrote them. A page is
 kept under `<prefix>/<name>`: the prefix says whose pages they are (the model, its KV layout, the key of its names),
-the name which token prefix they hold (`kv_events.page_hash`, keyed with the model's secret).
+the name which token prefix they hold (`kv_events.page_hash`, keyed with the model's secret). Each value carries a
+keyed tag over its key and bytes (`mem/page_tag.py`): a page that fails it is dropped from the store and read as a
+miss, so a page changed in the store (by a fault, or by anyone who reaches the store's unauthenticated master) is
+computed again, never served.
 
 Every call is blocking and may take seconds when the store is gone (Mooncake's own RPC timeouts), so only the tiers'
 store threads (a reader and a writer) call these methods, never the scheduler; a lock makes their calls one at a
@@ -17,8 +20,10 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
+
+from disagg_worker.mem.page_tag import PageSeal
 
 log = logging.getLogger(__name__)
 
@@ -26,12 +31,29 @@ RETRY_S = 5.0  # how long a failed store is left alone before it is tried again
 LOCAL_BUFFER = 64 << 20  # the client's registered buffer for puts and gets
 
 
+def mooncake_client() -> Any:
+    """A new client of Mooncake Store, not yet set up (what `MooncakeStore` makes unless handed another maker)."""
+    from mooncake.store import MooncakeDistributedStore
+
+    return MooncakeDistributedStore()
+
+
 class MooncakeStore:
-    def __init__(self, master: str, metadata_server: str, host: str, prefix: str):
+    def __init__(
+        self,
+        master: str,
+        metadata_server: str,
+        host: str,
+        prefix: str,
+        seal: PageSeal,
+        new_client: Callable[[], Any] = mooncake_client,
+    ):
         self.master = master
         self.metadata_server = metadata_server
         self.host = host
         self.prefix = prefix
+        self.seal = seal
+        self.new_client = new_client
         self._client: Any = None
         self._down_until = 0.0
         self._lock = threading.RLock()
@@ -48,9 +70,7 @@ class MooncakeStore:
             return True
         if time.monotonic() < self._down_until:
             return False
-        from mooncake.store import MooncakeDistributedStore
-
-        client = MooncakeDistributedStore()
+        client = self.new_client()
         rc = client.setup(self.host, self.metadata_server, 0, LOCAL_BUFFER, "tcp", "", self.master)
         if rc != 0:
             self._fail(f"setting up the client failed (rc {rc})")
@@ -76,11 +96,16 @@ class MooncakeStore:
     def _get_unlocked(self, names: Sequence[int]) -> list[bytes]:
         if not names or not self._connect_unlocked():
             return []
+        keys = [self.key(n) for n in names]
         out = []
-        for value in self._client.get_batch([self.key(n) for n in names]):
+        for key, value in zip(keys, self._client.get_batch(keys), strict=False):
             if not value:
                 break
-            out.append(bytes(value))
+            page = self.seal.open(key, bytes(value))
+            if page is None:
+                self._drop(key)
+                break
+            out.append(page)
         if len(out) < len(names):
             log.info("KV store: %d of %d pages read", len(out), len(names))
         return out
@@ -88,10 +113,18 @@ class MooncakeStore:
     def _put_unlocked(self, names: Sequence[int], values: Sequence[bytes]) -> bool:
         if not names or not self._connect_unlocked():
             return False
-        rc = self._client.put_batch([self.key(n) for n in names], list(values))
+        keys = [self.key(n) for n in names]
+        rc = self._client.put_batch(keys, [self.seal.seal(k, v) for k, v in zip(keys, values, strict=True)])
         if rc != 0:
             self._fail(f"writing {len(names)} pages failed (rc {rc})")
         return rc == 0
+
+    def _drop(self, key: str) -> None:
+        """Remove a page that failed its check, so that the page computed again can be written in its place (a put
+        under a key the store holds keeps the old value). Forced: the read just made holds a lease on it."""
+        rc = self._client.remove(key, True)
+        if rc != 0:
+            log.debug("KV store: removing %s failed (rc %d)", key, rc)
 
     def _fail(self, why: str) -> None:
         log.warning("KV store at %s: %s; computing instead, trying again in %.0f s", self.master, why, RETRY_S)
