@@ -19,7 +19,6 @@ only a later step may write a page before then, never a KV transfer or a load fr
 from __future__ import annotations
 
 import logging
-from collections import deque
 from collections.abc import Sized
 
 from disagg_worker.config import SchedulerConfig
@@ -30,6 +29,7 @@ from disagg_worker.engine.outbox import Outbox, TopLogprobs, internal_error
 from disagg_worker.engine.prefix_tiers import NoTiers, Tiers
 from disagg_worker.engine.request import FinishReason, Req
 from disagg_worker.engine.speculative import DraftPlanner
+from disagg_worker.engine.waiting import waiting_queue
 from disagg_worker.mem.allocator import PageAllocator, pages_for
 from disagg_worker.mem.radix import RadixCache
 from disagg_worker.request.errors import INTERNAL_ERROR
@@ -68,7 +68,7 @@ class Scheduler:
         self.allocator = allocator
         self.radix = radix
         self.outbox = outbox
-        self.waiting: deque[Req] = deque()
+        self.waiting = waiting_queue(cfg.scheduling_policy)  # in the order of admission (`engine/waiting.py`)
         self.running: list[Req] = []
         self.by_rid: dict[str, Req] = {}
         self.step_count = 0
@@ -84,7 +84,7 @@ class Scheduler:
             self.outbox.reject(req, 400, f"request id {req.rid!r} is already in use")
             return
         self.by_rid[req.rid] = req
-        self.waiting.append(req)
+        self.waiting.add(req)
         self.tiers.prefetch(req.rid, self._prefix(req))
         req.trail.begin("scheduler.waiting")
 
@@ -273,15 +273,15 @@ class Scheduler:
         ]
 
     def _retract_one(self, keep: list[Req]) -> bool:
-        """Send the newest retractable request back to the waiting queue, keeping its tokens."""
+        """Send the retractable request the policy picks (`WaitingQueue.victim`) back to waiting, keeping its tokens."""
         candidates = self._retractable(keep)
         if not candidates:
             return False
-        victim = candidates[-1]
+        victim = self.waiting.victim(candidates)
         self.running.remove(victim)
         self.release(victim)
         victim.num_computed = 0
-        self.waiting.appendleft(victim)
+        self.waiting.requeue(victim)
         log.info("retracted %s (%d tokens) to free pages", victim.rid, victim.seq_len)
         return True
 

@@ -1,0 +1,185 @@
+"""`--scheduling-policy priority`: a request's `priority` (an integer, higher first) parsed and checked on every
+endpoint, the waiting queue's order, and the engine admitting and retracting requests by it; fcfs ignores it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from disagg_api import settings as S
+from disagg_worker.engine.sampling import SamplingParams
+from disagg_worker.engine.waiting import POLICIES, FcfsQueue, PriorityQueue, waiting_queue
+from disagg_worker.instance.loop import Stepper
+from disagg_worker.request import messages as msg
+from disagg_worker.request.params import PRIORITY_MAX, PRIORITY_MIN
+from tests.unit.test_engine import make_engine, run_all, tokens_of, varied_prompts
+from tests.unit.test_protocol import USER, chat, completion, error, generate
+
+GREEDY = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
+
+
+# ---- the request's field ------------------------------------------------------------------------
+def test_priority_is_read_on_every_endpoint_and_defaults_to_zero():
+    assert completion({"prompt": "x"}).sampling.priority == 0
+    assert completion({"prompt": "x", "priority": 7}).sampling.priority == 7
+    assert chat({"messages": USER, "priority": -3}).sampling.priority == -3
+    assert generate({"input_ids": [1, 2], "priority": PRIORITY_MAX}).sampling.priority == PRIORITY_MAX
+    assert generate({"text": "hi", "priority": PRIORITY_MIN}).sampling.priority == PRIORITY_MIN
+
+
+BAD = ["high", 1.5, True, False, [1], {"p": 1}, PRIORITY_MAX + 1, PRIORITY_MIN - 1, 10**50]
+
+
+@pytest.mark.parametrize("value", BAD)
+def test_a_priority_that_is_not_a_bounded_integer_is_a_400_naming_it(value):
+    bodies = [
+        (completion, {"prompt": "x", "priority": value}),
+        (chat, {"messages": USER, "priority": value}),
+        (generate, {"input_ids": [1, 2], "priority": value}),
+    ]
+    for parse, body in bodies:
+        e = error(parse, body)
+        assert (e.status, e.param) == (400, "priority")
+        assert e.message.startswith("priority: ")
+
+
+def test_the_engine_refuses_an_out_of_range_priority_too():
+    """The scheduler checks what the HTTP process checked (`Engine.arrive`): the same rule, the same name."""
+    assert SamplingParams(priority=PRIORITY_MAX).problem() == ""
+    assert SamplingParams(priority=PRIORITY_MAX + 1).problem().startswith("priority: must be <=")
+    assert SamplingParams(priority=True).problem().startswith("priority: must be an integer")  # type: ignore[arg-type]
+
+
+# ---- the waiting queue --------------------------------------------------------------------------
+@dataclass(eq=False)
+class Waiting:
+    """What a waiting queue reads of a request."""
+
+    rid: str
+    priority: int
+    arrival: float
+    params: SamplingParams = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.params = SamplingParams(priority=self.priority)
+
+
+def test_the_policies_are_the_settings_choices():
+    assert tuple(POLICIES) == S.SCHEDULING_POLICY.choices and S.SCHEDULING_POLICY.default == "fcfs"
+    assert isinstance(waiting_queue("fcfs"), FcfsQueue) and isinstance(waiting_queue("priority"), PriorityQueue)
+
+
+def test_fcfs_keeps_arrival_order_and_puts_a_retracted_request_first():
+    q = FcfsQueue()
+    a, b, c = Waiting("a", 0, 1.0), Waiting("b", 9, 2.0), Waiting("c", -9, 3.0)
+    for r in (a, b, c):
+        q.add(r)
+    assert [r.rid for r in q] == ["a", "b", "c"]
+    q.remove(a)
+    q.requeue(a)
+    assert [r.rid for r in q] == ["a", "b", "c"]
+    assert q.victim([a, b, c]) is c  # the newest admitted, whatever its priority
+
+
+def test_priority_retracts_the_lowest_priority_then_the_latest_arrived():
+    q = PriorityQueue()
+    low_old, low_new, high = Waiting("lo", -1, 1.0), Waiting("lo2", -1, 5.0), Waiting("hi", 3, 9.0)
+    assert q.victim([low_new, high, low_old]) is low_new
+    assert q.victim([high]) is high
+
+
+OPS = st.lists(
+    st.one_of(
+        st.tuples(st.just("add"), st.integers(-3, 3), st.integers(0, 5)),
+        st.tuples(st.just("admit"), st.just(0), st.just(0)),
+        st.tuples(st.just("remove"), st.integers(0, 50), st.just(0)),
+        st.tuples(st.just("requeue"), st.integers(0, 50), st.just(0)),
+    ),
+    max_size=60,
+)
+
+
+@settings(max_examples=200)
+@given(OPS)
+def test_priority_order_is_highest_first_then_arrival_and_nothing_is_lost(ops):
+    """Whatever is added, admitted (the first taken), removed or retracted, the queue holds exactly what is left,
+    in the total order (-priority, arrival), ties kept in the order they were added."""
+    q, present, out, added = PriorityQueue(), {}, [], 0  # present: request -> when it was last added
+    for op, x, y in ops:
+        if op == "add":
+            r = Waiting(f"r{added}", x, float(y))
+        elif op == "requeue" and out:
+            r = out.pop(x % len(out))
+        elif op in ("admit", "remove") and present:
+            r = next(iter(q)) if op == "admit" else list(present)[x % len(present)]
+            q.remove(r)
+            del present[r]
+            out.append(r)
+            continue
+        else:
+            continue
+        (q.add if op == "add" else q.requeue)(r)
+        present[r], added = added, added + 1
+    order = [r for r in q]
+    assert len(q) == len(order) == len(present) and set(order) == set(present)
+    assert order == sorted(present, key=lambda r: (-r.priority, r.arrival, present[r]))
+
+
+# ---- the engine ---------------------------------------------------------------------------------
+def first_output_order(engine, requests: list[tuple[list[int], SamplingParams]]) -> tuple[list[str], dict]:
+    """The requests' ids in the order their first tokens came out, and their tokens; all are waiting before the
+    first step."""
+    stepper = Stepper(engine)
+    for i, (ids, params) in enumerate(requests):
+        engine.handle(msg.GenerateReq(str(i), ids, params))
+    order: list[str] = []
+    tokens: dict[str, list[int]] = {}
+    while stepper.busy:
+        stepper.step()
+        for o in engine.take_outputs():
+            if o.token_ids and o.rid not in order:
+                order.append(o.rid)
+            tokens.setdefault(o.rid, []).extend(o.token_ids)
+    stepper.close()
+    return order, tokens
+
+
+PRIORITIES = [0, 0, 5, -1, 5, 2]
+
+
+@pytest.mark.parametrize("policy,expected", [("priority", "245013"), ("fcfs", "012345")])
+def test_requests_are_admitted_by_priority_under_priority_and_by_arrival_under_fcfs(tiny_model, policy, expected):
+    """One running slot: each request runs alone, in the order admitted. Under priority the highest first, equal
+    priorities in arrival order; under fcfs arrival order whatever their priorities. Each gets the same tokens."""
+    prompts = varied_prompts(len(PRIORITIES), seed=5)
+    requests = [(p, replace(GREEDY, priority=pr)) for p, pr in zip(prompts, PRIORITIES, strict=True)]
+    engine = make_engine(tiny_model, max_running=1, overlap=False, policy=policy)
+    order, tokens = first_output_order(engine, requests)
+    assert "".join(order) == expected
+    alone = make_engine(tiny_model, max_running=1, overlap=False)
+    assert tokens == {str(i): tokens_of(run_all(alone, [r], overlap=False)["0"]) for i, r in enumerate(requests)}
+
+
+@pytest.fixture(scope="module")
+def pressed(tiny_model):
+    """16 requests of three priorities, too many for 128 tokens of KV at once, and each one's tokens alone."""
+    prompts = varied_prompts(16, seed=1)
+    params = [replace(GREEDY, max_new_tokens=30, priority=i % 3) for i in range(len(prompts))]
+    alone = make_engine(tiny_model, cache=False, chunk=0, overlap=False, max_running=1)
+    expected = [tokens_of(run_all(alone, [r], overlap=False)["0"]) for r in zip(prompts, params, strict=True)]
+    return prompts, params, expected
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_retraction_by_priority_under_page_pressure_keeps_outputs_and_pages(tiny_model, pressed, overlap, caplog):
+    """Too few pages for all at once: requests are retracted (the lowest priority first) and computed again, with
+    the tokens they would have had alone; at idle every page is free or cached (`run_all`)."""
+    prompts, params, expected = pressed
+    engine = make_engine(tiny_model, tokens=128, chunk=16, overlap=overlap, policy="priority")
+    caplog.set_level("INFO", logger="disagg_worker.engine.scheduler")
+    out = run_all(engine, list(zip(prompts, params, strict=True)), overlap=overlap)
+    assert [tokens_of(out[str(i)]) for i in range(len(prompts))] == expected
+    assert any("retracted" in r.message for r in caplog.records)
