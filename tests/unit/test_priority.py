@@ -1,5 +1,6 @@
 """`--scheduling-policy priority`: a request's `priority` (an integer, higher first) parsed and checked on every
-endpoint, the waiting queue's order, and the engine admitting and retracting requests by it; fcfs ignores it."""
+endpoint, the waiting queue's order, and the engine admitting, retracting and preempting requests by it, each
+request's tokens those it has alone and every page back at idle; fcfs ignores it."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from disagg_worker.engine.waiting import POLICIES, FcfsQueue, PriorityQueue, wai
 from disagg_worker.instance.loop import Stepper
 from disagg_worker.request import messages as msg
 from disagg_worker.request.params import PRIORITY_MAX, PRIORITY_MIN
-from tests.unit.test_engine import make_engine, run_all, tokens_of, varied_prompts
+from tests.unit.test_engine import assert_idle_accounting, make_engine, run_all, tokens_of, varied_prompts
 from tests.unit.test_protocol import USER, chat, completion, error, generate
 
 GREEDY = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
@@ -81,14 +82,35 @@ def test_fcfs_keeps_arrival_order_and_puts_a_retracted_request_first():
     q.remove(a)
     q.requeue(a)
     assert [r.rid for r in q] == ["a", "b", "c"]
-    assert q.victim([a, b, c]) is c  # the newest admitted, whatever its priority
+    assert q.victim([a, b, c], a) is c  # the newest admitted, whatever its priority
+    assert q.victim([], a) is None
+    assert q.preemptee(b, [a, c]) is None  # a waiting request never preempts a running one
 
 
-def test_priority_retracts_the_lowest_priority_then_the_latest_arrived():
+def test_priority_retracts_the_lowest_priority_then_the_latest_arrived_never_one_above_the_beneficiary():
     q = PriorityQueue()
-    low_old, low_new, high = Waiting("lo", -1, 1.0), Waiting("lo2", -1, 5.0), Waiting("hi", 3, 9.0)
-    assert q.victim([low_new, high, low_old]) is low_new
-    assert q.victim([high]) is high
+    low_old, low_new, mid, high = (
+        Waiting("lo", -1, 1.0),
+        Waiting("lo2", -1, 5.0),
+        Waiting("m", 1, 0.0),
+        Waiting("hi", 3, 9.0),
+    )
+    assert q.victim([low_new, high, low_old], high) is low_new
+    assert q.victim([high, mid], mid) is mid and q.victim([high], mid) is None
+    assert q.victim([low_old], low_new) is low_old  # equal priorities: running ones may make room for each other
+
+
+def test_a_waiting_request_preempts_only_running_ones_of_strictly_lower_priority():
+    q = PriorityQueue()
+    low_old, low_new, mid, high = (
+        Waiting("lo", -1, 1.0),
+        Waiting("lo2", -1, 5.0),
+        Waiting("m", 1, 0.0),
+        Waiting("hi", 3, 9.0),
+    )
+    assert q.preemptee(high, [low_old, mid, low_new]) is low_new
+    assert q.preemptee(mid, [high, low_old]) is low_old
+    assert q.preemptee(mid, [high, Waiting("m2", 1, 9.0)]) is None  # never one of its own priority
 
 
 OPS = st.lists(
@@ -183,3 +205,66 @@ def test_retraction_by_priority_under_page_pressure_keeps_outputs_and_pages(tiny
     out = run_all(engine, list(zip(prompts, params, strict=True)), overlap=overlap)
     assert [tokens_of(out[str(i)]) for i in range(len(prompts))] == expected
     assert any("retracted" in r.message for r in caplog.records)
+
+
+def stepped(engine, requests, arrive_later: dict[int, int]) -> tuple[list[tuple[str, int]], dict[str, list[int]]]:
+    """Run `requests` (request i arrives before step `arrive_later.get(i, 0)`): the (id, step) of each output with
+    tokens or a finish, and each request's tokens."""
+    stepper = Stepper(engine)
+    events: list[tuple[str, int]] = []
+    tokens: dict[str, list[int]] = {}
+    step = 0
+    while step == 0 or stepper.busy or len(tokens) < len(requests):
+        for i, (ids, params) in enumerate(requests):
+            if arrive_later.get(i, 0) == step:
+                engine.handle(msg.GenerateReq(str(i), ids, params))
+        stepper.step()
+        step += 1
+        assert step < 5000, "the engine did not finish"
+        for o in engine.take_outputs():
+            tokens.setdefault(o.rid, []).extend(o.token_ids)
+            if o.finish_reason:
+                events.append((o.rid, step))
+    stepper.close()
+    assert_idle_accounting(engine)
+    return events, tokens
+
+
+def alone_tokens(tiny_model, requests) -> dict[str, list[int]]:
+    engine = make_engine(tiny_model, cache=False, chunk=0, overlap=False, max_running=1)
+    return {str(i): tokens_of(run_all(engine, [r], overlap=False)["0"]) for i, r in enumerate(requests)}
+
+
+LONG = replace(GREEDY, max_new_tokens=40)
+
+
+@pytest.mark.parametrize("policy,first", [("priority", "1"), ("fcfs", "0")])
+def test_a_higher_priority_request_preempts_the_one_in_the_only_running_slot(tiny_model, policy, first):
+    """One running slot, held by a long low-priority request: a high-priority one arriving later takes it under
+    priority (the low one is retracted, then finishes after it with the tokens it would have had alone); under fcfs
+    it waits for the slot."""
+    prompts = varied_prompts(2, seed=7)
+    requests = [(prompts[0], replace(LONG, priority=-1)), (prompts[1], replace(GREEDY, priority=4))]
+    engine = make_engine(tiny_model, max_running=1, overlap=False, policy=policy)
+    events, tokens = stepped(engine, requests, arrive_later={1: 5})
+    assert events[0][0] == first
+    assert tokens == alone_tokens(tiny_model, requests)
+
+
+@pytest.mark.parametrize("policy,order", [("priority", ["1", "0"]), ("fcfs", ["0", "1"])])
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_higher_priority_request_that_does_not_fit_preempts_a_lower_one_and_pages_balance(
+    tiny_model, overlap, policy, order, caplog
+):
+    """64 tokens of KV: a running low-priority request leaves too few pages for a high-priority prompt, which
+    under priority preempts it (retracted, its pages released) and finishes first; the low one then finishes with
+    the tokens it would have had alone, and at idle every page is free or cached (`stepped`). Under fcfs the high
+    one waits for the pages."""
+    prompts = [list(range(100, 130)), list(range(200, 224))]
+    requests = [(prompts[0], replace(GREEDY, max_new_tokens=24, priority=0)), (prompts[1], replace(GREEDY, priority=1))]
+    engine = make_engine(tiny_model, tokens=64, chunk=8, overlap=overlap, policy=policy)
+    caplog.set_level("INFO", logger="disagg_worker.engine.scheduler")
+    events, tokens = stepped(engine, requests, arrive_later={1: 6})
+    assert [rid for rid, _ in events] == order
+    assert any(r.message.startswith("retracted 0 ") for r in caplog.records) == (policy == "priority")
+    assert tokens == alone_tokens(tiny_model, requests)

@@ -4,7 +4,9 @@ which running request gives its pages back when they run out; one class per `--s
 fcfs (the default): arrival order; a retracted request goes back to the front, and the newest admitted one is
 retracted first. priority: the highest `priority` first (`SamplingParams.priority`; higher first here, while vLLM
 serves lower values first), by arrival among equals (`Req.arrival`, then the order they were added); a retracted
-request goes back to its place by both, and the one retracted first is the lowest-priority, latest-arrived one.
+request goes back to its place by both, and the one retracted first is the lowest-priority, latest-arrived one. A
+waiting request that lacks a running slot or pages preempts running ones of lower priority (`preemptee`: they are
+retracted, the lowest first, until it fits); under fcfs none is ever preempted.
 """
 
 from __future__ import annotations
@@ -45,10 +47,15 @@ class WaitingQueue(ABC):
     def rank(self, req: Req) -> tuple:
         """Sorts requests in this policy's order of admission (the decode prealloc queue's order too)."""
 
-    def victim(self, candidates: Sequence[Req]) -> Req:
-        """Which of `candidates` (running requests, in the order they were admitted; at least one) to retract
-        first when pages run out: the newest admitted, and under a policy that ranks requests, the last ranked."""
-        return max(reversed(candidates), key=self.rank)
+    def victim(self, candidates: Sequence[Req], beneficiary: Req) -> Req | None:
+        """Which of `candidates` (retractable running requests, in the order admitted) to retract first when
+        `beneficiary`, running, lacks pages for its next tokens: the newest admitted; None when there is none."""
+        return candidates[-1] if candidates else None
+
+    def preemptee(self, waiting: Req, running: Sequence[Req]) -> Req | None:
+        """Which of `running` to retract first for `waiting`, the first waiting request, when it lacks a running
+        slot or its pages; None: it waits for them (fcfs, always)."""
+        return None
 
 
 class FcfsQueue(WaitingQueue):
@@ -73,7 +80,7 @@ class FcfsQueue(WaitingQueue):
         return len(self._reqs)
 
     def rank(self, req: Req) -> tuple:
-        return ()  # one rank for all: a stable sort keeps arrival order, `victim` takes the newest
+        return ()  # one rank for all: a stable sort keeps arrival order
 
 
 class PriorityQueue(WaitingQueue):
@@ -103,6 +110,19 @@ class PriorityQueue(WaitingQueue):
 
     def rank(self, req: Req) -> tuple[int, float]:
         return -req.params.priority, req.arrival
+
+    def victim(self, candidates: Sequence[Req], beneficiary: Req) -> Req | None:
+        """The lowest-priority, latest-arrived of those whose priority is not above `beneficiary`'s (one above it
+        would come back and preempt it in turn)."""
+        return self._last([r for r in candidates if r.params.priority <= beneficiary.params.priority])
+
+    def preemptee(self, waiting: Req, running: Sequence[Req]) -> Req | None:
+        """The lowest-priority, latest-arrived of those of lower priority than `waiting` (strictly: two of one
+        priority never preempt each other)."""
+        return self._last([r for r in running if r.params.priority < waiting.params.priority])
+
+    def _last(self, reqs: list[Req]) -> Req | None:
+        return max(reversed(reqs), key=self.rank) if reqs else None
 
 
 POLICIES: dict[str, type[WaitingQueue]] = {"fcfs": FcfsQueue, "priority": PriorityQueue}
