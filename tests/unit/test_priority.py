@@ -4,6 +4,7 @@ request's tokens those it has alone and every page back at idle; fcfs ignores it
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field, replace
 
 import pytest
@@ -11,12 +12,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from disagg_api import settings as S
+from disagg_worker.config import Role
+from disagg_worker.engine.assemble import load_engine
 from disagg_worker.engine.sampling import SamplingParams
 from disagg_worker.engine.waiting import POLICIES, FcfsQueue, PriorityQueue, waiting_queue
 from disagg_worker.instance.loop import Stepper
 from disagg_worker.request import messages as msg
 from disagg_worker.request.params import PRIORITY_MAX, PRIORITY_MIN
+from disagg_worker.router.payload import SharedBody
 from tests.unit.test_engine import assert_idle_accounting, make_engine, run_all, tokens_of, varied_prompts
+from tests.unit.test_pd_engines import ROOMS, config
 from tests.unit.test_protocol import USER, chat, completion, error, generate
 
 GREEDY = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
@@ -268,3 +273,42 @@ def test_a_higher_priority_request_that_does_not_fit_preempts_a_lower_one_and_pa
     assert [rid for rid, _ in events] == order
     assert any(r.message.startswith("retracted 0 ") for r in caplog.records) == (policy == "priority")
     assert tokens == alone_tokens(tiny_model, requests)
+
+
+# ---- P/D ----------------------------------------------------------------------------------------
+def test_the_router_passes_priority_on_to_both_legs():
+    body = SharedBody.of({"model": "m", "prompt": "x", "priority": 3, "stream": True})
+    assert json.loads(body.payload(n=1, bootstrap_room=7).decode())["priority"] == 3
+
+
+@pytest.mark.parametrize("policy,expected", [("priority", [3, 7, 2, 6, 1, 5, 0, 4]), ("fcfs", list(range(8)))])
+def test_decode_preallocates_in_the_policys_order(tiny_model, policy, expected):
+    """64 pages of 4 tokens on decode, two requests of 100 tokens at a time: those waiting in the prealloc queue get
+    their pages by priority (by arrival among equals) under priority, by arrival under fcfs."""
+    pd = [config(tiny_model, Role.PREFILL), config(tiny_model, Role.DECODE, tokens=256, max_running=4)]
+    p, d = (load_engine(replace(c, scheduler=replace(c.scheduler, scheduling_policy=policy))) for c in pd)
+    try:
+        sp, sd = Stepper(p), Stepper(d)
+        for i in range(8):
+            params = replace(GREEDY, max_new_tokens=4, priority=i % 4)
+            info = msg.BootstrapInfo("127.0.0.1", 1, next(ROOMS))
+            p.handle(msg.GenerateReq(f"p{i}", list(range(20 + i, 120 + i)), params, info))
+            d.handle(msg.GenerateReq(f"d{i}", list(range(20 + i, 120 + i)), params, info))
+        order: list[int] = []
+        for _ in range(5000):
+            if not (sp.busy or sd.busy):
+                break
+            sp.step()
+            sd.step()
+            held = [*d.stage.transfer, *(r.rid for r in d.scheduler.running)]  # preallocated: in transfer, then running
+            order += [int(rid[1:]) for rid in held if int(rid[1:]) not in order]
+            p.take_outputs(), d.take_outputs()
+        sp.close()
+        sd.close()
+        assert order == expected
+        for e in (p, d):
+            e.handle(msg.FlushCacheReq())
+            assert e.allocator.num_free == e.allocator.num_total
+    finally:
+        p.close()
+        d.close()
