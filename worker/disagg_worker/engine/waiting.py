@@ -4,9 +4,10 @@ which running request gives its pages back when they run out; one class per `--s
 fcfs (the default): arrival order; a retracted request goes back to the front, and the newest admitted one is
 retracted first. priority: the highest `priority` first (`SamplingParams.priority`; higher first here, while vLLM
 serves lower values first), by arrival among equals (`Req.arrival`, then the order they were added); a retracted
-request goes back to its place by both, and the one retracted first is the lowest-priority, latest-arrived one. A
-waiting request that lacks a running slot or pages preempts running ones of lower priority (`preemptee`: they are
-retracted, the lowest first, until it fits); under fcfs none is ever preempted.
+request goes back to its place by both, and the one retracted first for a running request's pages is the
+lowest-priority, latest-arrived one whose priority is not above that request's. A waiting request that lacks
+a running slot or pages preempts running ones of lower priority (`preemptee`: they are retracted, the lowest
+first, until it fits); under fcfs none is ever preempted.
 """
 
 from __future__ import annotations
