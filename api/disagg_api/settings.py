@@ -86,6 +86,12 @@ DISABLE_PREFIX_CACHE = Setting(
 )
 MAX_RUNNING_REQUESTS = Setting("--max-running-requests", int, 64, sglang="--max-running-requests")
 MAX_BATCH_TOKENS = Setting("--max-batch-tokens", int, 2048)
+SCHEDULING_POLICY = Setting(
+    "--scheduling-policy",
+    default="fcfs",
+    choices=("fcfs", "priority"),
+    help="the order waiting requests are admitted in: by arrival, or by their priority (higher first; vLLM's: lower)",
+)
 CHUNK_SIZE = Setting("--chunk-size", int, 512, sglang="--chunked-prefill-size")
 DISABLE_OVERLAP = Setting("--disable-overlap", bool, False, sglang="--disable-overlap-schedule", accepts_sglang=True)
 # Single-rank CUDA instances without a draft model replay their decode steps as CUDA graphs (engine/cuda_graphs.py).
@@ -218,6 +224,7 @@ ENGINE = (
     *TIERS,
     MAX_RUNNING_REQUESTS,
     MAX_BATCH_TOKENS,
+    SCHEDULING_POLICY,
     CHUNK_SIZE,
     DISABLE_OVERLAP,
     DISABLE_CUDA_GRAPH,

@@ -21,13 +21,26 @@ from disagg_worker.request import messages as msg
 
 
 def make_engine(
-    model: str, *, page_size=4, tokens=4096, cache=True, chunk=16, overlap=True, max_running=64, batch_tokens=2048
+    model: str,
+    *,
+    page_size=4,
+    tokens=4096,
+    cache=True,
+    chunk=16,
+    overlap=True,
+    max_running=64,
+    batch_tokens=2048,
+    policy="fcfs",
 ) -> Engine:
     cfg = EngineConfig(
         model_path=model,
         cache=CacheConfig(page_size=page_size, max_total_tokens=tokens, enable_prefix_cache=cache),
         scheduler=SchedulerConfig(
-            chunk_size=chunk, enable_overlap=overlap, max_running_requests=max_running, max_batch_tokens=batch_tokens
+            chunk_size=chunk,
+            enable_overlap=overlap,
+            max_running_requests=max_running,
+            max_batch_tokens=batch_tokens,
+            scheduling_policy=policy,
         ),
     )
     return load_engine(cfg)

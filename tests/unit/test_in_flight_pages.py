@@ -49,7 +49,7 @@ def test_taking_a_page_a_step_in_flight_writes_is_counted(tiny_model):
         in_flight = engine.schedule()
         a = next(r for r in s.running if r.rid == "a")
         s.running.remove(a)
-        s._release_now(a)  # the release the rule forbids: at once, under the step in flight
+        s.pages.give_back(a)  # the release the rule forbids: at once, under the step in flight
         assert s.take_pages(s.allocator.num_free) is not None
         assert engine.stats().pages_taken_in_flight == 1
         engine.process(in_flight, engine.run(in_flight))

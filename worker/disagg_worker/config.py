@@ -35,6 +35,7 @@ class SchedulerConfig:
     max_running_requests: int = from_flag(S.MAX_RUNNING_REQUESTS)
     max_batch_tokens: int = from_flag(S.MAX_BATCH_TOKENS)  # in one forward: prefill chunks + decode tokens
     chunk_size: int = from_flag(S.CHUNK_SIZE)  # largest prefill chunk of one request; 0 disables chunking
+    scheduling_policy: str = from_flag(S.SCHEDULING_POLICY)  # the waiting queue's order (`engine/waiting.py`)
     enable_overlap: bool = from_flag(S.DISABLE_OVERLAP, negated=True)
     cuda_graph: bool = from_flag(S.DISABLE_CUDA_GRAPH, negated=True)  # decode steps replayed (`engine.cuda_graphs`)
     cuda_graph_max_bs: int = from_flag(S.CUDA_GRAPH_MAX_BS)

@@ -3,9 +3,10 @@
 Life cycle of a request here:
 1. Prealloc queue: a KVReceiver is created for its room and handshakes with the prefill instance
    (found through its bootstrap server). Once it is ready, pages for the whole prompt and an aux
-   slot are preallocated, in arrival order, only while pages remain after reserving room for the
-   running requests' next tokens. With decode's prefix cache (`--decode-prefix-cache`) the prompt's
-   leading pages this instance already holds are taken from the cache instead, and prefill sends only
+   slot are preallocated, in the scheduling policy's order (`engine/waiting.py`: arrival, or priority),
+   only while pages remain after reserving room for the running requests' next tokens. With decode's
+   prefix cache (`--decode-prefix-cache`) the prompt's leading pages this instance already holds are
+   taken from the cache instead, and prefill sends only
    the pages after them (always the one holding the prompt's last token). A bounded queue, like
    prefill's bootstrap queue: when full, new requests are refused at once (503).
 2. Transfer queue: the prefill instance writes the prompt's KV straight into those pages; the
@@ -128,8 +129,8 @@ class DecodeStage:
         """Decode sends nothing after a forward."""
 
     def _poll_prealloc(self) -> None:
-        for rid, d in list(self.prealloc.items()):
-            state = d.receiver.poll()
+        for d in sorted(self.prealloc.values(), key=lambda d: self.scheduler.waiting.rank(d.req)):
+            rid, state = d.req.rid, d.receiver.poll()
             if state is KVPoll.Failed:
                 del self.prealloc[rid]
                 why = transfer_error(d.req.rid, "KV transfer handshake failed", d.receiver.failure_reason())
@@ -138,7 +139,7 @@ class DecodeStage:
             if state is KVPoll.Bootstrapping:
                 continue
             if not self._preallocate(d):
-                return  # first come, first served: later requests wait behind this one
+                return  # in the policy's order: the requests after this one wait behind it
             del self.prealloc[rid]
             self.transfer[rid] = d
 

@@ -1,12 +1,18 @@
 """Continuous batching over a paged KV cache.
 
-Life of a request here: `add` puts it in the waiting queue -> `schedule` admits it when its whole
-prompt fits (prefix pages come from the radix cache, the rest from the allocator) -> it is prefilled
-in chunks of at most `chunk_size` tokens, mixed in the same forward with the decode steps of the
-running requests -> after its last chunk each step samples one token (`process`), or several when
-a speculative draft was verified with it (`engine/speculative.py`) -> on finish its full pages go
-into the radix cache and the rest back to the allocator. A request marked `handoff`
+Life of a request here: `add` puts it in the waiting queue (in `--scheduling-policy`'s order,
+`engine/waiting.py`) -> `schedule` admits it when its whole prompt fits (prefix pages come from the
+radix cache, the rest from the allocator, `engine/pages.py`) -> it is prefilled in chunks of at most
+`chunk_size` tokens, mixed in the same forward with the decode steps of the running requests -> after
+its last chunk each step samples one token (`process`), or several when a speculative draft was
+verified with it (`engine/speculative.py`) -> on finish its full pages go into the radix cache and
+the rest back to the allocator. A request marked `handoff`
 (prefill in a P/D deployment) is instead handed back with its pages after its last token.
+
+When pages run short for the running requests' next tokens, one of them is retracted (back to waiting with its
+tokens, computed again once admitted again): the one the policy picks. Under priority, the first waiting request,
+when it lacks a running slot or its pages, also preempts running ones of lower priority: they are retracted before
+the step is planned, the lowest first, until it fits.
 
 `process` returns what a step did (`StepOutcome`): a role stage acts on it without hooking in.
 
@@ -19,7 +25,6 @@ only a later step may write a page before then, never a KV transfer or a load fr
 from __future__ import annotations
 
 import logging
-from collections import deque
 from collections.abc import Sized
 
 from disagg_worker.config import SchedulerConfig
@@ -27,9 +32,11 @@ from disagg_worker.engine.batch import Plan, Sampled, ScheduledBatch, StepOutcom
 from disagg_worker.engine.in_flight import InFlight
 from disagg_worker.engine.lora_registry import Resident
 from disagg_worker.engine.outbox import Outbox, TopLogprobs, internal_error
+from disagg_worker.engine.pages import RequestPages, cacheable_prefix
 from disagg_worker.engine.prefix_tiers import NoTiers, Tiers
 from disagg_worker.engine.request import FinishReason, Req
 from disagg_worker.engine.speculative import DraftPlanner
+from disagg_worker.engine.waiting import waiting_queue
 from disagg_worker.mem.allocator import PageAllocator, pages_for
 from disagg_worker.mem.radix import RadixCache
 from disagg_worker.request.errors import INTERNAL_ERROR
@@ -68,7 +75,7 @@ class Scheduler:
         self.allocator = allocator
         self.radix = radix
         self.outbox = outbox
-        self.waiting: deque[Req] = deque()
+        self.waiting = waiting_queue(cfg.scheduling_policy)  # in the order of admission (`engine/waiting.py`)
         self.running: list[Req] = []
         self.by_rid: dict[str, Req] = {}
         self.step_count = 0
@@ -77,6 +84,7 @@ class Scheduler:
         self.tiers = tiers if tiers is not None else NoTiers()
         self.in_flight = InFlight(page_size)
         self.adapters = adapters if adapters is not None else Resident(0, 0)
+        self.pages = RequestPages(page_size, allocator, radix, self.tiers, self.in_flight, self.adapters)
 
     # ---- queue changes -------------------------------------------------------------------
     def add(self, req: Req) -> None:
@@ -84,8 +92,8 @@ class Scheduler:
             self.outbox.reject(req, 400, f"request id {req.rid!r} is already in use")
             return
         self.by_rid[req.rid] = req
-        self.waiting.append(req)
-        self.tiers.prefetch(req.rid, self._prefix(req))
+        self.waiting.add(req)
+        self.tiers.prefetch(req.rid, cacheable_prefix(req))
         req.trail.begin("scheduler.waiting")
 
     def add_running(
@@ -120,17 +128,20 @@ class Scheduler:
 
     # ---- scheduling ---------------------------------------------------------------------
     def needs_sync(self) -> bool:
-        """True when the next decode steps may not get pages without retracting a request.
+        """True when the next decode steps may not get pages without retracting a request, or the first waiting
+        request would preempt a running one (`_preemptee`).
 
         Retraction must see every request's true state, so in overlap mode the loop waits for the
         batch in flight before scheduling when this is true.
         """
-        need = sum(1 for r in self.running if self._needs_page(r, 1))
-        return need > self.allocator.num_free + self.radix.evictable_pages
+        need = sum(1 for r in self.running if self.pages.needs(r, 1))
+        return need > self.allocator.num_free + self.radix.evictable_pages or self._preemptee(self.running) is not None
 
     def schedule(self) -> ScheduledBatch | None:
         plan = Plan()
         budget = self.cfg.max_batch_tokens
+        while (victim := self._preemptee(self._retractable([]))) is not None:
+            self._retract(victim)
         budget = self._plan_running(plan, budget)
         budget = self._plan_drafts(plan, budget)
         self._plan_admissions(plan, budget)
@@ -144,8 +155,8 @@ class Scheduler:
         return batch
 
     def _plan_running(self, plan: Plan, budget: int) -> int:
-        # Decode steps first, then the chunks of prompts already admitted.
-        order = sorted(self.running, key=lambda r: r.todo != 1)
+        # Decode steps first, then the chunks of prompts already admitted; each in the policy's order.
+        order = sorted(self.running, key=lambda r: (r.todo != 1, self.waiting.rank(r)))
         for r in order:
             if r not in self.running or r.finished or r.remaining_new_tokens() == 0:
                 continue  # retracted by an earlier request of this loop, or nothing to compute
@@ -176,7 +187,7 @@ class Scheduler:
             if not self.drafter.may_draft(r.rid, self.step_count):
                 continue
             draft = self.drafter.propose(r.rid, r.fill_ids, limit)
-            need = self._needs_page(r, 1 + len(draft))
+            need = self.pages.needs(r, 1 + len(draft))
             if not draft or need > self.allocator.num_free:
                 continue
             r.pages.extend(self.allocator.alloc(need) or [])
@@ -186,11 +197,10 @@ class Scheduler:
         return budget
 
     def _plan_admissions(self, plan: Plan, budget: int) -> None:
-        while self.waiting and len(self.running) + len(self.incoming) < self.cfg.max_running_requests:
+        while self.waiting and self._has_slot():
             if budget <= 0 and plan.reqs:
                 return
-            # Waiting for its pages from the KV store, or for a slot for its LoRA adapter, a request lets others pass.
-            req = next((r for r in self.waiting if self.tiers.ready(r.rid) and self.adapters.fits(r)), None)
+            req = self._next_admissible()
             if req is None or not self._admit(req):
                 return
             self.waiting.remove(req)
@@ -198,6 +208,25 @@ class Scheduler:
             n = self._take(req.todo, budget)
             plan.add(req, n)
             budget -= n
+
+    def _has_slot(self) -> bool:
+        return len(self.running) + len(self.incoming) < self.cfg.max_running_requests
+
+    def _next_admissible(self) -> Req | None:
+        """The first waiting request that may be admitted now: one waiting for its pages from the KV store, or for a
+        slot for its LoRA adapter, lets others pass."""
+        return next((r for r in self.waiting if self.tiers.ready(r.rid) and self.adapters.fits(r)), None)
+
+    def _preemptee(self, running: list[Req]) -> Req | None:
+        """The request of `running` that the first waiting one preempts when it lacks a running slot or its pages
+        (`WaitingQueue.preemptee`; fcfs: none): retracted before the step is planned, until it fits."""
+        req = self._next_admissible()
+        if req is None:
+            return None
+        victim = self.waiting.preemptee(req, running)
+        if victim is None or (self._has_slot() and self.pages.fits(req, self.reserved_pages())):
+            return None
+        return victim
 
     def _take(self, todo: int, budget: int) -> int:
         """Tokens of a request to compute in this step: the whole rest, or a chunk of it."""
@@ -216,54 +245,25 @@ class Scheduler:
         return True
 
     def claim_pages(self, req: Req) -> list[int] | None:
-        """The pages of `req`'s whole known sequence: the prefix the cache holds (locked, before the last token's
-        page; `req.prefix_node`, `prefix_pages`, `cached_tokens` set) then fresh ones, keeping the running
-        requests' reserve; None, with nothing taken, when they do not fit."""
-        prefix = self._prefix(req)
-        if not self.tiers.admit(req.rid, prefix, self.take_pages):
-            return None
-        match = self.radix.match_prefix(prefix)
-        self.radix.lock(match.node)
-        need = pages_for(req.seq_len, self.page_size) - len(match.pages)
-        pages = None
-        if need + self.reserved_pages() <= self.allocator.num_free + self.radix.evictable_pages:
-            pages = self.take_pages(need)
-        if pages is None:
-            self.radix.unlock(match.node)
-            return None
-        req.prefix_node, req.prefix_pages, req.cached_tokens = match.node, len(match.pages), match.num_tokens
-        self.tiers.forget(req.rid)
-        return list(match.pages) + pages
-
-    @staticmethod
-    def _prefix(req: Req) -> list[int]:
-        """Tokens whose KV may come from the cache: not the last (it computes logits), none to score a prompt."""
-        return req.cache_ids(req.seq_len - 1) if not req.params.prompt_logprobs else []
-
-    def _needs_page(self, req: Req, n: int) -> int:
-        return max(0, pages_for(req.num_computed + n, self.page_size) - len(req.pages))
+        """`RequestPages.claim`, keeping the running requests' reserve."""
+        return self.pages.claim(req, self.reserved_pages())
 
     def _ensure_pages(self, req: Req, n: int, protected: list[Req]) -> bool:
         """Pages for `req`'s next `n` tokens, retracting others (never `protected` ones) if needed."""
-        need = self._needs_page(req, n)
+        need = self.pages.needs(req, n)
         if need == 0:
             return True
-        pages = self.take_pages(need)
-        while pages is None and self._retract_one([req, *protected]):
-            pages = self.take_pages(need)
+        pages = self.pages.take(need)
+        while pages is None and self._retract_one(req, protected):
+            pages = self.pages.take(need)
         if pages is None:
             return False
         req.pages.extend(pages)
         return True
 
     def take_pages(self, n: int) -> list[int] | None:
-        """`n` free pages, evicting the prefix cache's unused ones if needed; None if there are not enough."""
-        short = n - self.allocator.num_free
-        if short > 0:
-            self.radix.evict(short)
-        pages = self.allocator.alloc(n)
-        self.in_flight.check_taken(pages)
-        return pages
+        """`RequestPages.take`: what a load into the cache (the tiers) or a test takes."""
+        return self.pages.take(n)
 
     def _retractable(self, keep: list[Req]) -> list[Req]:
         """Running requests that may give their pages back: not kept, not planned, none in flight (a step in
@@ -272,18 +272,20 @@ class Scheduler:
             r for r in self.running if not any(r is k for k in keep) and not r.pending and not self.in_flight.holds(r)
         ]
 
-    def _retract_one(self, keep: list[Req]) -> bool:
-        """Send the newest retractable request back to the waiting queue, keeping its tokens."""
-        candidates = self._retractable(keep)
-        if not candidates:
-            return False
-        victim = candidates[-1]
+    def _retract_one(self, req: Req, protected: list[Req]) -> bool:
+        """Retract the request the policy picks for `req`'s pages (`WaitingQueue.victim`); False if there is none."""
+        victim = self.waiting.victim(self._retractable([req, *protected]), req)
+        if victim is not None:
+            self._retract(victim)
+        return victim is not None
+
+    def _retract(self, victim: Req) -> None:
+        """Send a running request back to the waiting queue, keeping its tokens."""
         self.running.remove(victim)
         self.release(victim)
         victim.num_computed = 0
-        self.waiting.appendleft(victim)
+        self.waiting.requeue(victim)
         log.info("retracted %s (%d tokens) to free pages", victim.rid, victim.seq_len)
-        return True
 
     # ---- results ------------------------------------------------------------------------
     def process(self, batch: ScheduledBatch, result: StepResult) -> StepOutcome:
@@ -301,7 +303,7 @@ class Scheduler:
                 self.fail(r, "producing its next token")
                 outcome.failed.append(r)
         for r in self.in_flight.processed(batch):
-            self._release_now(r)
+            self.pages.give_back(r)
         return outcome
 
     def fail(self, req: Req, what: str) -> None:
@@ -379,22 +381,11 @@ class Scheduler:
             self.outbox.emit(req, [])
 
     def release(self, req: Req) -> None:
-        """Return a request's pages: whole computed pages to the radix cache, the rest freed.
+        """Return a request's pages (`RequestPages.give_back`): whole computed pages to the radix cache, the rest freed.
 
         For a request out of the queues (retracted, finished, or handed off); one a step in flight computes for
         keeps them until that step is processed (`engine/in_flight.py`)."""
         if self.in_flight.holds(req):
             self.in_flight.defer(req)
         else:
-            self._release_now(req)
-
-    def _release_now(self, req: Req) -> None:
-        computed = min(req.num_computed, len(req.fill_ids))
-        full = computed // self.page_size
-        tokens = req.cache_ids(full * self.page_size)
-        redundant = self.radix.insert(tokens, req.pages[:full])
-        self.allocator.free(redundant + req.pages[full:])
-        if req.prefix_node is not None:
-            self.radix.unlock(req.prefix_node)
-        req.prefix_node, req.pages, req.prefix_pages = None, [], 0
-        self.adapters.release(req)
+            self.pages.give_back(req)

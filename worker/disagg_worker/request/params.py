@@ -26,6 +26,8 @@ GREEDY_EPS = 1e-5
 # Best tokens considered by top-k/top-p before falling back to sorting the whole vocabulary.
 TOP_P_CANDIDATES = 1024
 _SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1
+# A request's `priority` under --scheduling-policy priority: a signed 32-bit integer, as vLLM's field.
+PRIORITY_MIN, PRIORITY_MAX = -(2**31), 2**31 - 1
 
 
 def _is_int(v: object) -> TypeGuard[int]:
@@ -72,6 +74,10 @@ class SamplingParams:
     # The LoRA adapter the request runs under (a --lora-modules name, selected by the request's `model`); "": the
     # base model. It travels with the parameters, which every hop carries.
     lora: str = ""
+    # Its place in the waiting queue under --scheduling-policy priority (`engine/waiting.py`): a higher value is
+    # admitted first (vLLM's `priority` field, whose order there is the opposite: lower first); ignored under fcfs.
+    # Not a sampling parameter, but it travels with them, as `lora` does.
+    priority: int = 0
 
     @property
     def is_greedy(self) -> bool:
@@ -216,6 +222,7 @@ _CHECKS = {
     "prompt_logprobs": _check_bool,
     "grammar": _check_grammar,
     "lora": _check_text,
+    "priority": _int_range(PRIORITY_MIN, PRIORITY_MAX),
 }
 
 

@@ -9,6 +9,8 @@ Default `max_new_tokens`: 16 for completions and /generate (OpenAI's completions
 chat, up to DEFAULT_CHAT_MAX_TOKENS. A default is shrunk to the room left in the context once
 the prompt length is known (`RequestLimits.fit`); an explicit value that does not fit is a 400.
 Every rule that depends on the model (vocabulary, context, KV capacity) is `RequestLimits`'s.
+`priority` (an integer, higher first under --scheduling-policy priority) is a field of the body itself on every
+endpoint, /generate's too (beside `sampling_params`, as SGLang's), and rides with the sampling parameters.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from typing import Any
 
 from disagg_worker.request.errors import bad_request, model_not_found
 from disagg_worker.request.limits import RequestLimits
-from disagg_worker.request.params import SamplingParams
+from disagg_worker.request.params import PRIORITY_MAX, PRIORITY_MIN, SamplingParams
 from disagg_worker.server.constraints import parse_native_grammar, parse_openai_grammar
 from disagg_worker.server.readers import (
     optional,
@@ -144,6 +146,14 @@ def _sampling(
     return params
 
 
+def _priority(body: dict) -> int:
+    """The request's `priority` (default 0): an integer in [PRIORITY_MIN, PRIORITY_MAX], else a 400 naming it."""
+    v = optional(body, "priority", read_int, 0)
+    if not PRIORITY_MIN <= v <= PRIORITY_MAX:
+        raise bad_request(f"priority: must be between {PRIORITY_MIN} and {PRIORITY_MAX}, got {show(v)}", "priority")
+    return v
+
+
 def _max_tokens(
     body: dict, key: str, default: int, limits: RequestLimits, prefix: str = "", least: int = 1
 ) -> tuple[int, bool]:
@@ -252,6 +262,7 @@ def parse_completions(
         "grammar": parse_openai_grammar(body),
         "prompt_logprobs": echo and logprobs is not None,
         "lora": model if model != served_model else "",
+        "priority": _priority(body),
     }
     sampling = _sampling(body, extra, {"max_new_tokens": "max_tokens"}, limits)
     echo_only = echo and body.get("max_tokens") == 0
@@ -324,6 +335,7 @@ def parse_chat(body: Any, served_model: str, limits: RequestLimits, adapters: Co
     max_new, explicit = _max_tokens(body, key, DEFAULT_CHAT_MAX_TOKENS, limits)
     extra = {"max_new_tokens": max_new, "logprobs": _chat_logprobs(body), "grammar": grammar}
     extra["lora"] = model if model != served_model else ""
+    extra["priority"] = _priority(body)
     names = {"max_new_tokens": key, "logprobs": "top_logprobs"}
     sampling = _sampling(body, extra, names, limits)
     add_gen = optional(body, "add_generation_prompt", read_bool, True)
@@ -353,6 +365,7 @@ def parse_generate(body: Any, limits: RequestLimits) -> GenerateRequest:
         "max_new_tokens": max_new,
         "logprobs": optional(raw, "logprobs", read_int, None, prefix),
         "grammar": parse_native_grammar(raw, prefix),
+        "priority": _priority(body),
     }
     names = {f: f for f in _SAMPLING_FIELDS}
     sampling = _sampling(raw, extra, names, limits, prefix)
