@@ -19,18 +19,22 @@ from disagg_worker.flow.policy import FlowPolicy
 from disagg_worker.http.admission import Admission, admission_middleware, body_of
 from disagg_worker.http.auth import require_keys
 from disagg_worker.http.errors import error_middleware
-from disagg_worker.http.flow_gate import NO_FLOW_CONTROL, FlowGate
+from disagg_worker.http.flow_gate import NO_FLOW_CONTROL, FlowGate, priority_of
 from disagg_worker.router.flow_control import FlowCollector, flow_control
 
 LIMIT = 10_000
 
 
-def app_with(admission: Admission, release: asyncio.Event, served: list[str]) -> web.Application:
-    """/generate notes the body's name when it starts, then holds its slot until `release` is set."""
+def app_with(
+    admission: Admission, release: asyncio.Event, served: list[str], given: dict[str, int | None]
+) -> web.Application:
+    """/generate notes the body's name when it starts (and the priority flow control gave it, in `given`), then
+    holds its slot until `release` is set."""
 
     async def generate(request: web.Request) -> web.Response:
         name = json.loads(body_of(request))["name"]
         served.append(name)
+        given[name] = priority_of(request)
         await release.wait()
         return web.json_response({"name": name})
 
@@ -47,7 +51,8 @@ class Front:
         self.admission = Admission(1, lambda: LIMIT, flow=self.gate)
         self.release = asyncio.Event()
         self.served: list[str] = []
-        app = app_with(self.admission, self.release, self.served)
+        self.given: dict[str, int | None] = {}
+        app = app_with(self.admission, self.release, self.served, self.given)
         require_keys(app, keys)
         self.server = TestServer(app)
 
@@ -219,8 +224,10 @@ def test_a_keys_requests_are_capped_at_its_priority_and_are_its_own_flow():
             flows = f.gate.queued_by_flow()
             f.release.set()
             await asyncio.gather(holder, capped, other)
-            return f.served, flows
+            return f.served, flows, f.given
 
-    served, flows = run(go())
+    served, flows, given = run(go())
     assert served == ["holder", "other", "capped"]  # the cap (1) is below the other key's 5
+    # What the router forwards (and the workers' priority scheduling reads) is the capped priority.
+    assert given == {"holder": 0, "other": 5, "capped": 1}
     assert flows[(1, digest)] == 1 and not any(flow == "someone-else" for _, flow in flows)

@@ -281,6 +281,21 @@ def test_the_router_passes_priority_on_to_both_legs():
     assert json.loads(body.payload(n=1, bootstrap_room=7).decode())["priority"] == 3
 
 
+def test_the_router_forwards_the_priority_its_flow_control_gave_over_the_clients():
+    from disagg_worker.router.server import parse_request
+
+    class NoPrompts:
+        prompts = None
+
+        def prompt_of(self, path, body):
+            return None
+
+    raw = json.dumps({"model": "m", "prompt": "x", "priority": 9}).encode()
+    for gave, forwarded in ((1, 1), (None, 9)):  # capped by flow control; flow control off: the client's own
+        (part,), _ = parse_request(raw, NoPrompts(), "/v1/completions", gave)
+        assert json.loads(part.body.payload(n=1).decode())["priority"] == forwarded
+
+
 @pytest.mark.parametrize("policy,expected", [("priority", [3, 7, 2, 6, 1, 5, 0, 4]), ("fcfs", list(range(8)))])
 def test_decode_preallocates_in_the_policys_order(tiny_model, policy, expected):
     """64 pages of 4 tokens on decode, two requests of 100 tokens at a time: those waiting in the prealloc queue get

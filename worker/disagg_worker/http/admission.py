@@ -34,7 +34,7 @@ from aiohttp import web
 
 from disagg_worker.http.auth import caller_of
 from disagg_worker.http.body import BODY_READ_TIMEOUT_S, check_length, read_body
-from disagg_worker.http.flow_gate import NO_FLOW_CONTROL, FlowControl
+from disagg_worker.http.flow_gate import NO_FLOW_CONTROL, PRIORITY, FlowControl
 from disagg_worker.request.errors import APIError, too_many_requests, unavailable
 
 # Requests whose bodies are read within a time limit and a byte budget before they take an in-flight slot.
@@ -145,6 +145,8 @@ class Admission:
         """Hold a slot until the block ends: a free one at once, else (flow control on) the one handed on to this
         request once it has waited its turn in the flow queue (or the 429 that ended its wait)."""
         who = self.flow.identify(request, body)  # a bad priority is a 400 whether or not it would wait
+        if self.flow.on:
+            request[PRIORITY] = who.priority
         if self.inflight < self.max_inflight and not self.flow.queued:
             self._take()
         else:

@@ -30,6 +30,15 @@ from disagg_worker.request.errors import APIError
 
 RETRY_AFTER_S = 1
 Waiter = asyncio.Future[None]
+# The priority flow control gave a request (its objective's, or the body's capped at its key's), set on the request
+# by the admission: the router writes it into the body it forwards, so that the workers' `--scheduling-policy
+# priority` orders by what the router allowed, never by what the client asked beyond its key.
+PRIORITY = web.RequestKey("flow_priority", int)
+
+
+def priority_of(request: web.Request) -> int | None:
+    """The priority flow control gave `request`; None where flow control is off."""
+    return request.get(PRIORITY)
 
 
 class FlowControl(Protocol):

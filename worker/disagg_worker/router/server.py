@@ -23,6 +23,7 @@ from aiohttp import web
 from disagg_worker.http.admission import CLIENT_BODY_BUDGET_BYTES, DRAINING, Admission, body_of
 from disagg_worker.http.auth import require_keys
 from disagg_worker.http.drain import CUT_GRACE_S, Signals, drain
+from disagg_worker.http.flow_gate import priority_of
 from disagg_worker.http.middlewares import with_tracing
 from disagg_worker.request.errors import APIError
 from disagg_worker.router.app import ROUTER, Opened, Router
@@ -80,11 +81,14 @@ class Part:
     prompt: Prompt | None
 
 
-def parse_request(raw: bytes, router: Router, path: str) -> tuple[list[Part], Any]:
-    """The request's prompts (`batch.py`: one unless a completions batch) and its `n`."""
+def parse_request(raw: bytes, router: Router, path: str, priority: int | None = None) -> tuple[list[Part], Any]:
+    """The request's prompts (`batch.py`: one unless a completions batch) and its `n`; `priority`: what flow control
+    gave the request (`flow_gate.priority_of`), written over the body's for the workers."""
     body = parse_json(raw)
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
+    if priority is not None:
+        body["priority"] = priority
     check_echo_bound(path, body, router.prompts)
     parts = [Part(SharedBody.of(b), router.prompt_of(path, b)) for b in prompt_bodies(path, body)]
     return parts, body.get("n", 1)
@@ -103,7 +107,7 @@ def make_handler(path: str, router_of: Callable[[web.Request], Router] = app_rou
         raw = body_of(request)
         # A large body is parsed, serialised (and tokenised) on a thread: the loop keeps serving the other streams.
         inline = len(raw) <= INLINE_BODY_BYTES and router.prompts is None
-        args = (raw, router, path)
+        args = (raw, router, path, priority_of(request))
         parts, n = parse_request(*args) if inline else await asyncio.to_thread(parse_request, *args)
         del raw  # from here on, the one serialised copy is the request
         if len(parts) > 1 or (path != "/generate" and valid_n(n) and n > 1):
