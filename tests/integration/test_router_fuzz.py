@@ -144,7 +144,11 @@ def test_a_monolithic_server_never_answers_a_client_error_with_5xx(mono, case): 
 
 
 def test_router_still_serves_after_the_fuzzing(stack):  # noqa: F811
-    r = requests.post(f"{stack.router.url}/v1/completions", json={"prompt": "hi", "max_tokens": 3}, timeout=scaled(60))
+    r = requests.post(
+        f"{stack.router.url}/v1/completions",
+        json={"prompt": "hi", "max_tokens": 3, "ignore_eos": True},
+        timeout=scaled(60),
+    )
     assert r.status_code == 200
     assert r.json()["usage"]["completion_tokens"] == 3
 
@@ -258,7 +262,7 @@ def test_a_client_resume_is_a_400_naming_it_and_the_instance_serves_on(mono, res
     chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "resume_text_chars": 3}
     r = requests.post(f"{mono.url}/v1/chat/completions", json=chat, timeout=scaled(30))
     assert r.status_code == 400 and r.json()["error"]["param"] == "resume_text_chars", r.text
-    plain = {"prompt": "Once upon a time", "max_tokens": 8}
+    plain = {"prompt": "Once upon a time", "max_tokens": 8, "ignore_eos": True}  # sampled: an EOS must not end it
     ok = requests.post(f"{mono.url}/v1/completions", json=plain, timeout=scaled(30))
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 8, ok.text
 
@@ -312,5 +316,9 @@ def test_a_request_held_by_an_instance_that_dies_is_a_500_not_retried_elsewhere(
     assert r.status_code == 500, r.text
     assert r.json()["error"]["code"] == "instance_failed" and "not retried" in r.json()["error"]["message"]
     assert router_counter(stack.router.url, counter) == before + 1
-    ok = requests.post(f"{stack.router.url}/v1/completions", json={"prompt": "hi", "max_tokens": 3}, timeout=scaled(60))
+    ok = requests.post(
+        f"{stack.router.url}/v1/completions",
+        json={"prompt": "hi", "max_tokens": 3, "ignore_eos": True},
+        timeout=scaled(60),
+    )
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3
