@@ -163,22 +163,19 @@ def test_through_pd_with_tiers_every_answer_equals_monolithic_before_and_after_a
     assert computed(pd.prefill) - before <= 2 * sum(len(p) % PAGE + PAGE for p in prompts)
 
 
+def fresh_instance(tiny_model, store):
+    """A new monolithic instance on the same store, whose reads wait until the store's pages are in."""
+    flags = ("--served-model-name", "tiny", *FLAGS, *TIERS, *store.flags())
+    return serve(tiny_model, *flags, "--hicache-storage-prefetch-policy", "wait_complete").wait_healthy()
+
+
 def test_a_new_instance_on_the_same_store_computes_only_what_the_store_lacks(stack, store, tiny_model):
     pd, mono = stack
     turns = conversation(3, turns=2)
     assert run(pd.router.url, turns[0]) == run(mono.url, turns[0])
     names = len(turns[0]) // PAGE
     wait_until(lambda: written(pd.prefill) >= names, 30, what="prefill writing the first turn to the store")
-    fresh = serve(
-        tiny_model,
-        "--served-model-name",
-        "tiny",
-        *FLAGS,
-        *TIERS,
-        *store.flags(),
-        "--hicache-storage-prefetch-policy",
-        "wait_complete",
-    ).wait_healthy()
+    fresh = fresh_instance(tiny_model, store)
     try:
         assert run(fresh.url, turns[1]) == run(mono.url, turns[1])
         new_tokens = len(turns[1]) - names * PAGE
@@ -229,16 +226,7 @@ def test_a_page_tampered_in_the_store_is_computed_again_and_the_answer_equals_mo
         value = bytes(b ^ 0xFF for b in c.get(key))  # every bit flipped, the length kept
         assert c.upsert(key, value) == 0
         assert bytes(c.get(key)) == value
-        fresh = serve(
-            tiny_model,
-            "--served-model-name",
-            "tiny",
-            *FLAGS,
-            *TIERS,
-            *store.flags(),
-            "--hicache-storage-prefetch-policy",
-            "wait_complete",
-        ).wait_healthy()
+        fresh = fresh_instance(tiny_model, store)
         try:
             assert run(fresh.url, prompt) == want
             wait_until(lambda: rejected_pages(fresh) >= 1, 10, what="the tampered page counted as rejected")
