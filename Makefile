@@ -25,7 +25,8 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 # The steps of `make test` run through hack/test/phase.sh, which records each one's wall time (see test:).
 phase = hack/test/phase.sh $(1)
 
-.PHONY: venv venv-install debian-packages serve serve-mono serve-tiny test test-prepare test-images test-image-operator \
+.PHONY: venv venv-install debian-packages serve serve-mono serve-tiny test test-prepare test-prepare-local test-prepare-cluster test-local-tiers \
+	test-cluster-tiers test-images test-image-operator \
 	test-image-worker test-fast test-stress lint lint-manifests manifest-tools prometheus-bin jaeger-bin images tiny-model \
 	demo-model clean
 
@@ -123,34 +124,55 @@ jaeger-bin:
 
 # `make test` in three steps, each timed (hack/test/phase.sh) into $(PHASES):
 #   1. the Debian packages of every step, in one apt-get run (apt runs cannot share the machine);
-#   2. everything the tests need, built side by side by make -j$(TEST_JOBS) (downloads beside compiles, the Go
-#      builds beside each other): the venv, the linters' runs (a tree that does not pass them is not tested),
-#      the control plane and the node's binaries, Prometheus, Jaeger, both images (the worker's after the venv,
-#      whose downloads fill pip's cache that its build reads);
-#   3. pytest: the unit tier first, on every core (pytest-xdist: its tests are pure, they start no server and
-#      bind no fixed port), then every other tier in one session, one test at a time (they share running
-#      stacks, a cluster and a node through module- and session-scoped fixtures). Each tier's time and slowest
-#      tests go to $(TIERS) (tests/phases.py).
-# hack/test/report.py prints both at the end, whatever the result.
+#   2. two lines of work side by side, in one make -j$(TEST_JOBS) (so that what both need, the venv, is built
+#      once; -k: a failure in one line still lets the other finish and report):
+#      - here: the venv, the linters' runs (a tree that does not pass them is not tested), Prometheus and Jaeger,
+#        then the unit tier on every core (pytest-xdist: its tests are pure, they start no server and bind no
+#        fixed port), then the tiers that run real processes on this machine (integration, packaging, parity,
+#        gpu) in one session of $(LOCAL_JOBS) pytest-xdist workers, each module whole in one worker
+#        (--dist loadfile: a module's stack, started by its module-scoped fixtures, serves all its tests; every
+#        process a test starts listens on a free port);
+#      - on a cluster: the control plane, the node's binaries and both images (the worker's after the venv, whose
+#        downloads fill pip's cache that its build reads), the chart's manifests through the linters, then the
+#        cluster and e2e tiers in one session, whose output lines start with [pytest-cluster].
+#      The cluster line spends most of its time waiting on the API server and the node's rollouts, and the
+#      integration tests wait on their processes' start-up and deadlines as much as they compute, so the lines
+#      overlap well; the Go builds start first, from the first second, since they are the longest step on a fresh
+#      machine. The cluster session runs its tests one at a time (they share a cluster and a node through
+#      session-scoped fixtures);
+#   3. hack/test/report.py prints every phase and each tier's time and slowest tests ($(TIERS), tests/phases.py),
+#      whatever the result.
 PHASES := build/test-phases.tsv
 TIERS := build/test-tiers.json
-TEST_JOBS ?= 4
+TEST_JOBS ?= 6
 UNIT_JOBS ?= $(shell nproc)
 UNIT_PYTEST = $(VENV)/bin/pytest -n $(UNIT_JOBS) $(PYTEST_ARGS) tests/unit
+CLUSTER_TIERS := tests/cluster tests/e2e
+LOCAL_JOBS ?= 2
+LOCAL_PYTEST = $(VENV)/bin/pytest -n $(LOCAL_JOBS) --dist loadfile $(PYTEST_ARGS) tests --ignore=tests/unit \
+	$(foreach t,$(CLUSTER_TIERS),--ignore=$(t))
 ALL_PACKAGES = $(SYSTEM_PACKAGES) $(TOOL_PACKAGES) $(IMAGE_PACKAGES) $(NODE_PACKAGES_WANTED)
 
 test:
 	@mkdir -p build && rm -f $(PHASES) $(TIERS); export DISAGG_PHASES=$(CURDIR)/$(PHASES); status=0; \
+	export DISAGG_TIER_REPORT=$(CURDIR)/$(TIERS); \
 	$(call phase,debian-packages) $(MAKE) --no-print-directory PACKAGES='$(ALL_PACKAGES)' debian-packages && \
-	$(MAKE) --no-print-directory -j$(TEST_JOBS) test-prepare || status=$$?; \
-	if [ $$status = 0 ]; then export DISAGG_TIER_REPORT=$(CURDIR)/$(TIERS); \
-	  $(call phase,--plain pytest-unit) $(UNIT_PYTEST) || status=$$?; \
-	  $(call phase,--plain pytest) $(VENV)/bin/pytest $(PYTEST_ARGS) tests --ignore=tests/unit || status=$$?; fi; \
+	$(MAKE) --no-print-directory -k -j$(TEST_JOBS) test-cluster-tiers test-local-tiers || status=$$?; \
 	python3 hack/test/report.py $(PHASES) $(TIERS); exit $$status
 
 # The node and the images only as root: the e2e tier skips itself otherwise (its node adds bridges and mounts).
 E2E_PREPARE := $(if $(SUDO),,node-bin test-images)
-test-prepare: lint lint-manifests prometheus-bin jaeger-bin $(E2E_PREPARE)
+test-prepare: test-prepare-local test-prepare-cluster
+test-prepare-local: lint prometheus-bin jaeger-bin
+test-prepare-cluster: lint-manifests $(E2E_PREPARE)
+
+# The unit tier, then the other local ones (a failed unit tier still lets them run: each session reports).
+test-local-tiers: test-prepare-local
+	@status=0; $(call phase,--plain pytest-unit) $(UNIT_PYTEST) || status=$$?; \
+	$(call phase,--plain pytest-local) $(LOCAL_PYTEST) || status=$$?; exit $$status
+
+test-cluster-tiers: test-prepare-cluster lint
+	@$(call phase,pytest-cluster) $(VENV)/bin/pytest $(PYTEST_ARGS) $(CLUSTER_TIERS)
 
 # The images the e2e tier runs (its fixture builds them again: buildah's layer cache finds them unchanged).
 test-images: test-image-worker

@@ -11,6 +11,7 @@ last end.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import time
@@ -112,8 +113,19 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     for line in render(tiers):
         terminalreporter.write_line(line)
     target = os.environ.get("DISAGG_TIER_REPORT")
-    if target:  # merged with what an earlier session of the same run wrote (make test runs two)
-        path = Path(target)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        earlier = json.loads(path.read_text()) if path.exists() else {}
-        path.write_text(json.dumps({**earlier, **tiers}, indent=1))
+    if target:
+        merge_into(Path(target), tiers)
+
+
+def merge_into(path: Path, tiers: dict[str, dict]) -> None:
+    """Add these tiers to the report file, keeping what the run's other sessions wrote (`make test` runs three,
+    two of them side by side): the read and the write happen under a lock on the file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        f.seek(0)
+        text = f.read()
+        earlier = json.loads(text) if text.strip() else {}
+        f.seek(0)
+        f.truncate()
+        f.write(json.dumps({**earlier, **tiers}, indent=1))

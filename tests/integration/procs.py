@@ -32,20 +32,39 @@ PORT_RANGE = range(20000, 32000)
 _given: set[int] = set()
 
 
+def worker_ports(ports: range, worker: str, workers: str) -> range:
+    """The share of `ports` of one pytest-xdist worker (`worker`: PYTEST_XDIST_WORKER, "gw0".., "" outside
+    xdist; `workers`: PYTEST_XDIST_WORKER_COUNT). Workers are separate processes, each with its own `_given`:
+    a port one has given to a server still starting is free to bind for another, so each hands out its own."""
+    if not worker:
+        return ports
+    index, count = int(worker.removeprefix("gw")), int(workers)
+    share = len(ports) // count
+    return ports[index * share : (index + 1) * share]
+
+
 def free_port() -> int:
-    """A port no server here was given yet and nothing listens on now."""
+    """A port no server here was given yet and nothing listens on now (in this pytest worker's share)."""
     rng = random.Random()
+    mine = worker_ports(
+        PORT_RANGE, os.environ.get("PYTEST_XDIST_WORKER", ""), os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")
+    )
     while True:
-        port = rng.choice(PORT_RANGE)
-        if port in _given:
+        port = rng.choice(mine)
+        if port in _given or not bindable(port):
             continue
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
         _given.add(port)
         return port
+
+
+def bindable(port: int, host: str = "127.0.0.1") -> bool:
+    """Whether nothing holds `port` on `host` now (a listener, or an outgoing connection's local port)."""
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
 
 
 class Proc:
@@ -146,10 +165,11 @@ def idle_and_flushed(url: str, timeout: float = 60) -> dict:
 
 
 # Failures are detected in seconds, not in the defaults' minutes; scaled, so that a loaded machine's slowness
-# is not taken for a failure.
+# is not taken for a failure. The bootstrap timeout also covers what decode does before it sends a destination
+# (compiling a request's grammar, waiting for pages): on a loaded 2-core machine that took over 5 s.
 FAST_FAILURE = [
     "--bootstrap-timeout",
-    f"{scaled(5):g}",
+    f"{scaled(15):g}",
     "--waiting-timeout",
     f"{scaled(8):g}",
     "--heartbeat-interval",

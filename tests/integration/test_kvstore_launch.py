@@ -21,7 +21,7 @@ from disagg_operator.builders import build_children
 from disagg_operator.builders.ports import role_listeners
 from disagg_operator.config import OperatorConfig
 from disagg_operator.spec import ModelSpec
-from tests.integration.procs import wait_until
+from tests.integration.procs import bindable, wait_until
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
@@ -54,6 +54,10 @@ def launched(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, sub
     _, pod = store_pod()
     workdir = tmp_path_factory.mktemp("kvstore")
     procs: dict[str, subprocess.Popen] = {}
+    # The pod's ports are fixed, and the master's (50051) lies in the kernel's ephemeral range, where any
+    # outgoing connection of this machine may hold it for a while: the store starts once every one is free.
+    fixed = [p["containerPort"] for c in pod["containers"] for p in c.get("ports", [])]
+    wait_until(lambda: all(bindable(p, "0.0.0.0") for p in fixed), 120, what=f"the store's ports {fixed} free")
     try:
         for container in pod["containers"]:
             argv, env = command(container)

@@ -81,7 +81,7 @@ def test_clients_that_leave_before_their_first_token_free_both_legs_at_once(stac
             url = f"{stack.router.url}/v1/completions"
             calls = [asyncio.create_task(session.post(url, json={"prompt": p, "max_tokens": 50})) for p in prompts]
             deadline = time.monotonic() + scaled(60)
-            while not (busy(stats(stack.prefill.url)) and stats(decode.url)["pages_used"] > 0):
+            while not (busy(stats(stack.prefill.url)) and stats(decode.url).get("pages_used", 0) > 0):
                 assert time.monotonic() < deadline and not any(c.done() for c in calls), "no leg held the requests"
                 await asyncio.sleep(0.02)
             left = time.time()
@@ -98,7 +98,8 @@ def test_clients_that_leave_before_their_first_token_free_both_legs_at_once(stac
 
 
 def busy(st: dict) -> bool:
-    return bool(st["queues"].get("prefill_forward") or st["running"])
+    """Whether a report shows prefill computing (an instance whose scheduler has not reported yet is not)."""
+    return bool(st.get("queues", {}).get("prefill_forward") or st.get("running"))
 
 
 def healthy(stack: PDStack, url: str) -> bool:

@@ -29,7 +29,17 @@ def stack(tiny_model):
     # Prefill computes the prompt 4 tokens a forward (750 forwards): seconds, against scheduler reports 0.5 s apart,
     # so that the prefill a report shows computing is still computing when it is killed.
     slow = ("--chunk-size", "4", "--max-batch-tokens", "4")
-    s = PDStack(tiny_model, *flags, prefills=2, prefill_flags=slow, router_flags=("--verify-interval", "0"))
+    # Decode's waiting timeout far away: the retry's prefill computes the prompt again at that pace (over 8 s on a
+    # loaded machine), and the failed attempt's pages must come back by the router's cancel, not by a timeout.
+    patient = ("--waiting-timeout", f"{scaled(120):g}")
+    s = PDStack(
+        tiny_model,
+        *flags,
+        prefills=2,
+        prefill_flags=slow,
+        decode_flags=patient,
+        router_flags=("--verify-interval", "0"),
+    )
     s.wait_healthy()
     yield s
     s.stop()
@@ -53,7 +63,7 @@ def test_a_prefill_killed_after_decode_preallocated_frees_decode_and_the_request
 
     def ask() -> None:
         body = {"prompt": prompt, "max_tokens": 20, "temperature": 0, "ignore_eos": True}
-        r = requests.post(f"{stack.router.url}/v1/completions", json=body, timeout=scaled(60))
+        r = requests.post(f"{stack.router.url}/v1/completions", json=body, timeout=scaled(120))
         answer.update(status=r.status_code, body=r.json(), at=time.monotonic())
 
     client = threading.Thread(target=ask)

@@ -50,7 +50,10 @@ def servers(tmp_path_factory):
     try:
         started.append(serve(str(model), "--served-model-name", "tiny"))
         started.append(serve(str(model), "--served-model-name", "tiny", *NGRAM))
-        started.append(PDStack(str(model), decode_flags=NGRAM))
+        # Decode's waiting timeout far away: it counts prefill's queue, which the module's concurrent prompts fill
+        # (over 8 s on a loaded machine); no test here is about a timeout.
+        patient = ("--waiting-timeout", f"{scaled(60):g}")
+        started.append(PDStack(str(model), decode_flags=(*NGRAM, *patient)))
         plain, spec = (p.wait_healthy(timeout=300) for p in started[:2])
         stack = started[2]
         assert isinstance(stack, PDStack)
