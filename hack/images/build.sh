@@ -4,15 +4,17 @@
 #      python-is-python3), since no image registry is reachable here; the Dockerfiles take it through
 #      their PYTHON_IMAGE argument and stay correct for `docker build` on the public python image;
 #   2. Dockerfile.worker (torch from PyPI: TORCH_INDEX empty) and Dockerfile.operator, tagged with the
-#      names the chart and examples use (ghcr.io/disagg/{worker,operator}:VERSION).
+#      names the chart and examples use (ghcr.io/disagg/{worker,operator}:VERSION);
+#   3. on request only (`envoy`), the e2e tier's gateway: tests/e2e/Dockerfile.envoy, tagged $ENVOY_IMAGE.
 # Layers are cached by buildah (--layers): a change to the project's code rebuilds its own layer only.
-# Usage: hack/images/build.sh [base|worker|operator|all] (default all); prints each image's name and size.
+# Usage: hack/images/build.sh [base|worker|operator|all|envoy] (default all); prints each image's name and size.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
 VERSION=${VERSION:-$(sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)}
 REGISTRY=${REGISTRY:-ghcr.io/disagg}
 BASE_IMAGE=${BASE_IMAGE:-localhost/disagg-python:3.11-bookworm}
+ENVOY_IMAGE=${ENVOY_IMAGE:-localhost/disagg-e2e-envoy:1.40.0}
 CACHE=${DISAGG_IMAGES_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/disagg/images}
 # pip's cache on this machine, shared with the builds: torch and its CUDA libraries download once.
 PIP_CACHE=${PIP_CACHE:-$(pip3 cache dir 2>/dev/null || echo "${XDG_CACHE_HOME:-$HOME/.cache}/pip")}
@@ -48,8 +50,8 @@ base() {
     log "built $BASE_IMAGE"
 }
 
-image() { # name dockerfile build-args...
-    local name=$1 file=$2
+image() { # name dockerfile build-args...  (the image's name: $REGISTRY/name:$VERSION, or $TAG when set)
+    local name=$1 file=$2 final=${TAG:-$REGISTRY/$1:$VERSION}
     shift 2
     local start=$SECONDS
     # runc, not crun: crun refuses a machine that mounts cgroup v1 beside an empty cgroup2 (hybrid mode).
@@ -61,7 +63,7 @@ image() { # name dockerfile build-args...
     # its libraries, gigabytes and minutes to install), the project, the demo model.
     local stage tag id tags=() before=()
     for stage in $(sed -n 's/^FROM .* AS \([a-z0-9_-]*\)$/\1/p' "$file"); do tags+=("localhost/disagg-$name-$stage:cache"); done
-    tags+=("$REGISTRY/$name:$VERSION")
+    tags+=("$final")
     for tag in "${tags[@]}"; do
         before=("$(buildah inspect --type image --format '{{.FromImageID}}' "$tag" 2>/dev/null || true)" "${before[@]}")
     done
@@ -73,7 +75,7 @@ image() { # name dockerfile build-args...
             buildah build "${args[@]}" --target "${stage%:cache}" -t "$tag" . >/dev/null
         fi
     done
-    log "built $REGISTRY/$name:$VERSION in $((SECONDS - start)) s"
+    log "built $final in $((SECONDS - start)) s"
     # What these names pointed at before and no longer do goes, last stage first, with the layers only it
     # used: a worker image whose dependencies changed would leave gigabytes behind on every build. An image
     # that still has a name or a child stays (rmi refuses it).
@@ -113,8 +115,13 @@ all)
     size operator
     size worker
     ;;
+envoy)
+    base
+    TAG=$ENVOY_IMAGE image envoy tests/e2e/Dockerfile.envoy
+    buildah images --format '{{.Name}}:{{.Tag}} {{.Size}}' | grep -F "$ENVOY_IMAGE" || true
+    ;;
 *)
-    echo "usage: $0 [base|worker|operator|all]" >&2
+    echo "usage: $0 [base|worker|operator|all|envoy]" >&2
     exit 2
     ;;
 esac

@@ -25,6 +25,12 @@ from checks import run as own_checks
 
 REPO = Path(__file__).resolve().parents[2]
 CRD_DIRS = (REPO / "crds", REPO / "charts" / "disagg-operator" / "crds")
+# The kinds spec.gateway makes beside the product's: the InferencePool (its CRD ships with the chart) and the
+# HTTPRoute (the Gateway API v1.6.3 CRDs the cluster tier installs).
+GATEWAY_CRDS = (
+    REPO / "charts" / "disagg-operator" / "files",
+    REPO / "tests" / "cluster" / "testdata" / "gateway-api-v1.6.3",
+)
 KUBERNETES_VERSION = "v1.36.0"
 OPTIONAL_CHECKS = ("container-seccomp-profile",)
 
@@ -44,7 +50,7 @@ class Finding:
 
 def crd_schemas(tools: Path, out: Path) -> None:
     """JSON schemas of every CRD the project ships or renders objects of, named group_kind_version.json."""
-    files = sorted({str(f) for d in (*CRD_DIRS, tools / "crds") for f in d.glob("*.yaml")})
+    files = sorted({str(f) for d in (*CRD_DIRS, *GATEWAY_CRDS, tools / "crds") for f in d.glob("*.yaml")})
     env = {**os.environ, "FILENAME_FORMAT": "{fullgroup}_{kind}_{version}"}
     cmd = [sys.executable, str(tools / "openapi2jsonschema.py"), *files]
     subprocess.run(cmd, cwd=out, env=env, check=True, capture_output=True, text=True)

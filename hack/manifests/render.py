@@ -6,7 +6,8 @@ pod) look within one run:
   default values, replicas=2, and its Grafana dashboard and PrometheusRule on;
 - examples.yaml: every document in examples/, and for each DisaggregatedModel the children the operator's own
   builders make of it (the generated auth Secret and the prefill RoleScaler included);
-- one file per CR in hack/manifests/crs/ (a GPU-shaped and a multi-replica model), the CR and its children.
+- one file per CR in hack/manifests/crs/ (a GPU-shaped, a multi-replica and a gateway-served model), the CR and its
+  children.
 """
 
 import argparse
@@ -17,7 +18,7 @@ from typing import Any
 import yaml
 
 from disagg_operator import names
-from disagg_operator.builders import build_auth_secret, build_children, build_role_scaler
+from disagg_operator.builders import build_auth_secret, build_children, build_gateway_children, build_role_scaler
 from disagg_operator.config import OperatorConfig
 from disagg_operator.spec import ModelSpec
 
@@ -32,11 +33,13 @@ CHART_VALUES = {
 
 
 def operator_children(cr: dict[str, Any]) -> list[dict[str, Any]]:
-    """What the operator applies for `cr`, in the namespace it would run in."""
+    """What the operator applies for `cr`, in the namespace it would run in (with `spec.gateway`, the pool's
+    objects too)."""
     cr = {**cr, "metadata": {**cr["metadata"], "namespace": NAMESPACE, "uid": "00000000-0000-0000-0000-000000000001"}}
     spec = ModelSpec.from_cr(cr)
     return [
         *build_children(spec, OperatorConfig()),
+        *build_gateway_children(spec, OperatorConfig()),
         build_auth_secret(spec, "token"),
         build_role_scaler(spec, names.PREFILL),
     ]

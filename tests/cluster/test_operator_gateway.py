@@ -41,6 +41,7 @@ MADE = {
     "deployment": "tiny-epp",
     "service": "tiny-epp",
     "serviceaccount": "tiny-epp",
+    "poddisruptionbudget": "tiny-epp",
     "networkpolicy": "tiny-epp",
 }
 ROUTE = {"parentRefs": [{"name": "inference-gateway"}], "hostnames": ["tiny.example.com"]}

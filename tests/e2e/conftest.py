@@ -35,6 +35,7 @@ REUSE = os.environ.get("DISAGG_REUSE_NODE", "") == "1"
 NODE_NAME = "disagg-node"
 OPERATOR_IMAGE = "ghcr.io/disagg/operator:0.1.0"
 WORKER_IMAGE = "ghcr.io/disagg/worker:0.1.0"
+ENVOY_IMAGE = "localhost/disagg-e2e-envoy:1.40.0"  # hack/images/build.sh envoy: a gateway's data plane
 
 _BUILD_ERRORS: list[str] = []
 
@@ -97,18 +98,25 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 def pytest_collection_finish(session: pytest.Session) -> None:
     """Build the node's binaries and the images from this tree before any test runs, outside the per-test
     timeout. buildah's layer cache makes an unchanged tree a matter of seconds (an image only checked for
-    presence would run stale code); the worker image is built only when a selected test runs it."""
+    presence would run stale code); the worker image is built only when a selected test runs it, the gateway's
+    Envoy likewise."""
     if session.config.option.collectonly or os.geteuid() != 0:
         return
     e2e = [item for item in session.items if item.get_closest_marker("e2e")]
     if not e2e:
         return
-    images = "all" if any("worker_image" in getattr(item, "fixturenames", ()) for item in e2e) else "operator"
+
+    def wanted(fixture: str) -> bool:
+        return any(fixture in getattr(item, "fixturenames", ()) for item in e2e)
+
+    images = "all" if wanted("worker_image") else "operator"
     capture = session.config.pluginmanager.getplugin("capturemanager")
     with capture.global_and_fixture_disabled():  # show the build's progress live
         try:
             _script("node/build.sh")
             _script("images/build.sh", images)
+            if wanted("envoy_image"):
+                _script("images/build.sh", "envoy")
         except RuntimeError as e:  # the e2e tests fail with it; the other tiers still run
             _BUILD_ERRORS.append(str(e))
 
@@ -162,6 +170,13 @@ def worker_image(real_node: RealNode, report: Callable[[str], None]) -> str:
     _script("node/node.sh", "import", WORKER_IMAGE)
     report(f"worker image in containerd {time.monotonic() - start:.0f}s after the import started")
     return WORKER_IMAGE
+
+
+@pytest.fixture(scope="session")
+def envoy_image(real_node: RealNode) -> str:
+    """The gateway's Envoy (tests/e2e/Dockerfile.envoy), imported into containerd."""
+    _script("node/node.sh", "import", ENVOY_IMAGE)
+    return ENVOY_IMAGE
 
 
 E2E_LABEL = "disagg.dev/e2e-test"  # on every namespace a test makes: a later session removes what one left

@@ -89,10 +89,10 @@ def example(namespace: str, **changes: object) -> dict:
 
 
 def model_ready(
-    node: RealNode, namespace: str, name: str, decodes: int = 1, prefills: int = 1, stores: int = 0
+    node: RealNode, namespace: str, name: str, decodes: int = 1, prefills: int = 1, stores: int = 0, epps: int = 0
 ) -> dict:
     """The CR once it is Ready and PairingVerified, for its current generation, with every pod Ready (`stores`:
-    the kvstore pods of `spec.kvCache.store`, 0 or 1); {} before."""
+    the kvstore pods of `spec.kvCache.store`, 0 or 1; `epps`: the endpoint picker's of `spec.gateway`); {} before."""
     obj = node.get("-n", namespace, f"disaggregatedmodels/{name}")
     conds = conditions(obj)
     if conds.get("Ready") != "True" or conds.get("PairingVerified") != "True":
@@ -101,7 +101,8 @@ def model_ready(
         return {}
     pods = node.get("-n", namespace, "pods", "-l", f"{MODEL_LABEL}={name}")["items"]
     roles = [p["metadata"]["labels"].get(ROLE_LABEL) for p in pods]
-    if sorted(roles) != sorted(["router", *["prefill"] * prefills, *["decode"] * decodes, *["kvstore"] * stores]):
+    wanted = ["router", *["prefill"] * prefills, *["decode"] * decodes, *["kvstore"] * stores, *["epp"] * epps]
+    if sorted(roles) != sorted(wanted):
         return {}
     return obj if all(pod_ready(p) for p in pods) else {}
 
@@ -113,6 +114,7 @@ def apply_model(
     prefills: int = 1,
     apply: Callable[[], object] | None = None,
     stores: int = 0,
+    epps: int = 0,
 ) -> Model:
     """`kubectl apply` the CR (or call `apply`, which applies it) and wait until it is Ready with every pod Ready."""
     namespace, name = cr["metadata"]["namespace"], cr["metadata"]["name"]
@@ -122,7 +124,7 @@ def apply_model(
         apply()
     try:
         obj = wait_until(
-            lambda: model_ready(node, namespace, name, decodes, prefills, stores),
+            lambda: model_ready(node, namespace, name, decodes, prefills, stores, epps),
             MODEL_READY_S,
             2 * POLL_S,
             what=f"DisaggregatedModel {name} Ready and paired",
@@ -151,12 +153,13 @@ def served(
     prefills: int = 1,
     apply: Callable[[], object] | None = None,
     stores: int = 0,
+    epps: int = 0,
 ) -> Iterator[Model]:
     """The CR applied (by `apply` if given) and Ready, with a client pod beside it; the time to Ready reported as
     `what`; the CR and its namespace deleted afterwards."""
     try:
         start = time.monotonic()
-        model = apply_model(node, cr, decodes, prefills, apply, stores)
+        model = apply_model(node, cr, decodes, prefills, apply, stores, epps)
         report(f"{what} Ready and PairingVerified {time.monotonic() - start:.0f}s after apply")
         client_pod(node, model.namespace, client_image)
         yield model
@@ -221,14 +224,17 @@ def port_forward(node: RealNode, namespace: str, service: str, port: int) -> Ite
         proc.wait(timeout=scaled(10))
 
 
-# Run in the client pod: one chat request to the router by its Service name; prints the JSON reply (an error
-# answer's status and body to stderr, so that a failure shows what the router said).
+# Run in the client pod: one chat request to the router by its Service name (with an API key when a fifth
+# argument gives one); prints the JSON reply (an error answer's status and body to stderr, so that a failure shows
+# what the router said).
 CHAT = """
 import json, sys, urllib.error, urllib.request
 body = {"model": sys.argv[2], "messages": [{"role": "user", "content": sys.argv[3]}],
         "temperature": 0, "max_tokens": 32}
-req = urllib.request.Request(sys.argv[1] + "/v1/chat/completions", data=json.dumps(body).encode(),
-                             headers={"Content-Type": "application/json"})
+headers = {"Content-Type": "application/json"}
+if len(sys.argv) > 5:
+    headers["Authorization"] = "Bearer " + sys.argv[5]
+req = urllib.request.Request(sys.argv[1] + "/v1/chat/completions", data=json.dumps(body).encode(), headers=headers)
 try:
     print(urllib.request.urlopen(req, timeout=float(sys.argv[4])).read().decode())
 except urllib.error.HTTPError as e:
@@ -236,7 +242,9 @@ except urllib.error.HTTPError as e:
 """
 
 
-def chat_from_pod(node: RealNode, model: Model, pod: str = "client", question: str = QUESTION) -> dict:
+def chat_from_pod(
+    node: RealNode, model: Model, pod: str = "client", question: str = QUESTION, api_key: str = ""
+) -> dict:
     timeout = scaled(120)
     proc = node.kubectl(
         "-n",
@@ -251,6 +259,7 @@ def chat_from_pod(node: RealNode, model: Model, pod: str = "client", question: s
         model.served_name,
         question,
         str(timeout),
+        *([api_key] if api_key else []),
         check=False,
         timeout=timeout + 30,
     )

@@ -37,12 +37,12 @@ SUBSET_HINT = "envoy.lb.subset_hint"
 TYPES = "type.googleapis.com/envoy.extensions"
 
 
-def _socket(port: int) -> dict:
-    return {"socket_address": {"address": "127.0.0.1", "port_value": port}}
+def socket_address(port: int, address: str = "127.0.0.1") -> dict:
+    return {"socket_address": {"address": address, "port_value": port}}
 
 
 def _cluster(name: str, ports: list[int], **kw) -> dict:
-    endpoints = [{"endpoint": {"address": _socket(p)}} for p in ports]
+    endpoints = [{"endpoint": {"address": socket_address(p)}} for p in ports]
     return {
         "name": name,
         "connect_timeout": "2s",
@@ -84,7 +84,10 @@ def set_subset(subset: list[str]) -> dict:
     }
 
 
-def listener(name: str, port: int, filters: list[dict]) -> dict:
+def listener(name: str, port: int, filters: list[dict], address: str = "127.0.0.1", fallback: bool = True) -> dict:
+    """A listener on `address:port` whose requests go through `filters` to the ORIGINAL_DST cluster when the picker
+    set the destination header, else (`fallback`) to the "pool" cluster by round robin; without `fallback` a
+    request the picker did not answer gets Envoy's 404 (no route)."""
     served = {
         "header": {"key": SERVED, "value": "%UPSTREAM_REMOTE_ADDRESS%"},
         "append_action": "OVERWRITE_IF_EXISTS_OR_ADD",
@@ -97,7 +100,7 @@ def listener(name: str, port: int, filters: list[dict]) -> dict:
             "response_headers_to_add": [served],
         },
         {"match": {"prefix": "/"}, "route": {"cluster": "pool", "timeout": "0s"}, "response_headers_to_add": [served]},
-    ]
+    ][: 2 if fallback else 1]
     hcm = {
         "@type": f"{TYPES}.filters.network.http_connection_manager.v3.HttpConnectionManager",
         "stat_prefix": name,
@@ -120,7 +123,24 @@ def listener(name: str, port: int, filters: list[dict]) -> dict:
         ],
     }
     chain = {"filters": [{"name": "envoy.filters.network.http_connection_manager", "typed_config": hcm}]}
-    return {"name": name, "address": _socket(port), "filter_chains": [chain]}
+    return {"name": name, "address": socket_address(port, address), "filter_chains": [chain]}
+
+
+# The picker's cluster speaks gRPC: HTTP/2 upstream.
+HTTP2 = {
+    "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+        "@type": f"{TYPES}.upstreams.http.v3.HttpProtocolOptions",
+        "explicit_http_config": {"http2_protocol_options": {}},
+    }
+}
+# The cluster that connects to the address the picker names in the destination header.
+ORIGINAL_DST = {
+    "name": "original_destination_cluster",
+    "type": "ORIGINAL_DST",
+    "connect_timeout": "2s",
+    "lb_policy": "CLUSTER_PROVIDED",
+    "original_dst_lb_config": {"use_http_header": True, "http_header_name": DESTINATION},
+}
 
 
 def envoy_config(
@@ -128,21 +148,8 @@ def envoy_config(
 ) -> dict:
     """The listeners of the module docstring; with `shed_port`, a "shed" listener too, as "close" but asking the
     picker there (one that sheds)."""
-    http2 = {
-        "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
-            "@type": f"{TYPES}.upstreams.http.v3.HttpProtocolOptions",
-            "explicit_http_config": {"http2_protocol_options": {}},
-        }
-    }
-    original_dst = {
-        "name": "original_destination_cluster",
-        "type": "ORIGINAL_DST",
-        "connect_timeout": "2s",
-        "lb_policy": "CLUSTER_PROVIDED",
-        "original_dst_lb_config": {"use_http_header": True, "http_header_name": DESTINATION},
-    }
     return {
-        "admin": {"address": _socket(admin)},
+        "admin": {"address": socket_address(admin)},
         "static_resources": {
             "listeners": [
                 listener("close", listeners["close"], [ext_proc(False)]),
@@ -151,13 +158,13 @@ def envoy_config(
                 *([listener("shed", listeners["shed"], [ext_proc(False, "epp_shed")])] if shed_port else []),
             ],
             "clusters": [
-                _cluster("epp", [epp_port], type="STATIC", typed_extension_protocol_options=http2),
+                _cluster("epp", [epp_port], type="STATIC", typed_extension_protocol_options=HTTP2),
                 *(
-                    [_cluster("epp_shed", [shed_port], type="STATIC", typed_extension_protocol_options=http2)]
+                    [_cluster("epp_shed", [shed_port], type="STATIC", typed_extension_protocol_options=HTTP2)]
                     if shed_port
                     else []
                 ),
-                original_dst,
+                ORIGINAL_DST,
                 _cluster("pool", endpoints, type="STATIC", lb_policy="ROUND_ROBIN"),
             ],
         },

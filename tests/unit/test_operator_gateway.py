@@ -39,6 +39,7 @@ def test_no_gateway_block_builds_nothing_and_retires_every_gateway_object():
         ("ServiceAccount", "m-epp"),
         ("Service", "m-epp"),
         ("Deployment", "m-epp"),
+        ("PodDisruptionBudget", "m-epp"),
         ("NetworkPolicy", "m-epp"),
         ("NetworkPolicy", "m-gateway"),
         ("NetworkPolicy", "m-gateway-prefill"),
@@ -66,6 +67,7 @@ def test_every_gateway_object_is_owned_by_the_model():
         "ServiceAccount",
         "Service",
         "Deployment",
+        "PodDisruptionBudget",
         "NetworkPolicy",
         "InferencePool",
         "HTTPRoute",
@@ -244,3 +246,11 @@ def test_a_cluster_without_the_inferencepool_crd_degrades_the_model_and_serves_i
     no_crd.apply_children(CR)  # spec.gateway removed: nothing of the gateway is left to fail
     no_crd.refresh_status(CR, ALL_READY, [])
     assert conds(no_crd.kube.status_writes[-1])["Degraded"]["status"] == "False"
+
+
+def test_a_node_drain_takes_one_picker_pod_at_a_time():
+    made = children(with_gateway(replicas=2))
+    pdb = made[("PodDisruptionBudget", "m-epp")]
+    deployment = made[("Deployment", "m-epp")]
+    assert pdb["spec"]["maxUnavailable"] == 1
+    assert pdb["spec"]["selector"] == deployment["spec"]["selector"]

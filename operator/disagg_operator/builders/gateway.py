@@ -25,6 +25,7 @@ from .epp import (
     build_epp_service,
     build_epp_service_account,
 )
+from .policy import build_pdb
 
 POOL_ROLE = names.DECODE
 
@@ -147,8 +148,9 @@ def build_handoff_network_policy(spec: ModelSpec) -> dict[str, Any]:
 
 
 def build_gateway_children(spec: ModelSpec, cfg: OperatorConfig) -> list[dict[str, Any]]:
-    """The gateway's objects in the order they are applied: the picker's identity, Service and pods, the
-    NetworkPolicies, then the pool and the route (whose CRDs a cluster may lack). None without `spec.gateway`."""
+    """The gateway's objects in the order they are applied: the picker's identity, Service, pods and their
+    disruption budget, the NetworkPolicies, then the pool and the route (whose CRDs a cluster may lack). None
+    without `spec.gateway`."""
     gateway = spec.gateway
     if gateway is None:
         return []
@@ -157,6 +159,7 @@ def build_gateway_children(spec: ModelSpec, cfg: OperatorConfig) -> list[dict[st
         build_epp_service_account(spec),
         build_epp_service(spec),
         build_epp_deployment(spec, gateway, cfg),
+        build_pdb(spec, names.EPP),  # a node drain takes one picker pod at a time: the pool keeps its picker
         build_epp_network_policy(spec, gateway),
         build_pool_network_policy(spec, gateway),
         build_handoff_network_policy(spec),
@@ -169,6 +172,7 @@ GATEWAY_KINDS = (
     ("v1", "ServiceAccount"),
     ("v1", "Service"),
     ("apps/v1", "Deployment"),
+    ("policy/v1", "PodDisruptionBudget"),
     ("networking.k8s.io/v1", "NetworkPolicy"),
 )
 
