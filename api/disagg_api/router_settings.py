@@ -62,6 +62,14 @@ STREAM_STALL_TIMEOUT = Setting(
     help="seconds a decode stream may send nothing before the router counts its decode as failed (and migrates "
     "the stream); 0: only --request-timeout ends it",
 )
+CLIENT_WRITE_TIMEOUT = Setting(
+    "--client-write-timeout",
+    float,
+    30.0,
+    help="seconds a write of a stream to its client may wait for the client to take bytes; a client that stops "
+    "reading for longer is disconnected and every choice of its request aborted on its decode (their pages "
+    "freed); 0: only --request-timeout ends such a stream",
+)
 STALL_HOLD = Setting(
     "--stall-hold",
     float,
@@ -161,6 +169,18 @@ MAX_BODY_BYTES = Setting(
     "on /v1/models, as the workers derive their own)",
 )
 
+# Flow control's settings (docs/flow-control.md): the operator's spec.router.flowControl and `serve --local` pass
+# them to the router.
+FLOW = (
+    FLOW_CONTROL,
+    FLOW_QUEUE_SIZE,
+    FLOW_QUEUE_TTL,
+    FLOW_OBJECTIVES,
+    FLOW_MIN_PRIORITY,
+    FLOW_MAX_PRIORITY,
+    FLOW_KEY_PRIORITY,
+)
+
 # Before the static worker lists in --help, then the rest, in --help's order.
 ROUTER_HEAD = (engine.HOST, engine.PORT, SERVED_MODEL_NAME)
 ROUTER = (
@@ -178,6 +198,7 @@ ROUTER = (
     RESPONSES_STORE_BYTES,
     RESPONSES_STORE_TTL,
     STREAM_STALL_TIMEOUT,
+    CLIENT_WRITE_TIMEOUT,
     STALL_HOLD,
     HEALTH_INTERVAL,
     engine.LOG_LEVEL,
@@ -189,13 +210,7 @@ ROUTER = (
     HANDOFF_WINDOW,
     STALL_AFTER,
     MAX_INFLIGHT,
-    FLOW_CONTROL,
-    FLOW_QUEUE_SIZE,
-    FLOW_QUEUE_TTL,
-    FLOW_OBJECTIVES,
-    FLOW_MIN_PRIORITY,
-    FLOW_MAX_PRIORITY,
-    FLOW_KEY_PRIORITY,
+    *FLOW,
     REQUEST_TIMEOUT,
     DRAIN_TIMEOUT,
     MAX_BODY_BYTES,

@@ -13,6 +13,7 @@ import yaml
 from disagg_api import settings as S
 
 from . import names
+from .crd_flow import FLOW_RULES
 from .crd_gateway import GATEWAY_RULES, gateway_schema
 from .crd_kvcache import KV_CACHE_RULES, kv_cache_schema
 from .crd_planner import PLANNER_RULES, planner_schema, slo_schema
@@ -138,7 +139,7 @@ ROOT_RULES = [
 ]
 
 RULES = ROOT_RULES + SPEC_RULES + MODEL_RULES + SPECULATIVE_RULES + IMMUTABLE_RULES + SPAN_RULES + KV_CACHE_RULES
-RULES += PLANNER_RULES + GATEWAY_RULES
+RULES += PLANNER_RULES + GATEWAY_RULES + FLOW_RULES
 
 
 def _rules_at(where: str) -> list[dict]:

@@ -3,6 +3,7 @@
 from disagg_api.router_settings import POLICIES as ROUTER_POLICIES
 
 from . import names
+from .crd_flow import flow_control_schema
 from .engine_fields import ENGINE_FIELDS
 from .schema import free_obj, integer, obj, string
 
@@ -160,6 +161,7 @@ def router_schema() -> dict:
                 "stream ends with an error event.",
                 maximum=100,
             ),
+            "flowControl": flow_control_schema(),
             **props,
         },
         "The router that receives requests and pairs a prefill with a decode worker.",

@@ -14,6 +14,7 @@ from disagg_api.setting import Setting
 
 from . import names
 from .engine_fields import DEFAULT_ENGINE, ENGINE_FIELDS
+from .flow_spec import FlowControlSpec
 from .gateway_spec import GatewaySpec
 from .kvcache import KVCacheSpec
 
@@ -129,6 +130,7 @@ class RouterSpec:
     decode_only_tokens: int = 0
     # Times a stream whose decode fails migrates to another pair; None: the router's default.
     migration_limit: int | None = None
+    flow_control: FlowControlSpec = field(default_factory=FlowControlSpec)  # off: no `--flow-*` flag
 
 
 @dataclass(frozen=True)
@@ -350,6 +352,7 @@ class ModelSpec:
                 Placement.from_dict(router),
                 int(router.get("decodeOnlyTokens", 0)),
                 None if router.get("migrationLimit") is None else int(router["migrationLimit"]),
+                FlowControlSpec.from_dict(router.get("flowControl")),
             ),
             auth_secret=spec.get("auth", {}).get("secretName"),
             labels=user_labels(meta.get("labels") or {}),

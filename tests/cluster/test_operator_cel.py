@@ -34,6 +34,7 @@ def tiny(**spec) -> dict:
 
 
 SLO = {"ttftMs": 500, "itlMs": 50}
+DIGEST = "0123456789abcdef0123456789abcdef"  # an API key's digest, as spec.router.flowControl names a key
 
 VIOLATIONS = [
     ("prefill replicas", tiny(prefill__replicas=-1), "self.prefill.replicas >= 0"),
@@ -214,6 +215,59 @@ VIOLATIONS = [
         tiny(model={"hostPath": "/m", "path": "x", "cacheSize": "10Gi"}),
         "!has(self.cacheSize)",
     ),
+    (
+        "a flow priority range upside down",
+        tiny(router__flowControl={"minPriority": 3, "maxPriority": 2}),
+        "self.minPriority <= self.maxPriority",
+    ),
+    ("an empty flow queue", tiny(router__flowControl={"queueSize": 0}), "self.queueSize >= 1"),
+    ("a flow queue without a time to live", tiny(router__flowControl={"queueTTLSeconds": 0}), "queueTTLSeconds > 0.0"),
+    (
+        "an objective named twice",
+        tiny(router__flowControl={"objectives": [{"name": "chat", "priority": 5}, {"name": "chat", "priority": 1}]}),
+        "self.objectives.exists_one",
+    ),
+    (
+        "an objective a header cannot carry",
+        tiny(router__flowControl={"objectives": [{"name": "chat, batch", "priority": 5}]}),
+        "o.name.matches(",
+    ),
+    (
+        "an objective above the highest priority",
+        tiny(router__flowControl={"objectives": [{"name": "chat", "priority": 11}]}),
+        "o.priority <= self.maxPriority",
+    ),
+    (
+        "a key named by the key itself",
+        tiny(
+            apiKeySecret={"name": "keys"},
+            router__flowControl={"keyPriorities": [{"digest": "sk-team-a-secret", "priority": 1}]},
+        ),
+        "k.digest.matches(",
+    ),
+    (
+        "a key capped twice",
+        tiny(
+            apiKeySecret={"name": "keys"},
+            router__flowControl={
+                "keyPriorities": [{"digest": DIGEST, "priority": 1}, {"digest": DIGEST, "priority": 2}]
+            },
+        ),
+        "self.keyPriorities.exists_one",
+    ),
+    (
+        "a key capped below the lowest priority",
+        tiny(
+            apiKeySecret={"name": "keys"},
+            router__flowControl={"minPriority": 0, "keyPriorities": [{"digest": DIGEST, "priority": -1}]},
+        ),
+        "k.priority <= self.maxPriority",
+    ),
+    (
+        "key caps without API keys",
+        tiny(router__flowControl={"keyPriorities": [{"digest": DIGEST, "priority": 1}]}),
+        "has(self.apiKeySecret)",
+    ),
 ]
 
 
@@ -244,7 +298,7 @@ def test_violation_is_rejected_with_the_rules_message(kube_cluster, crd_installe
     "name,fragment",
     [
         ("a" * 41, "size() <= 40"),
-        ("9lives", "name.matches("),
+        ("9lives", "metadata.name.matches("),
     ],
 )
 def test_names_that_cannot_name_children_are_rejected(kube_cluster, crd_installed, namespace, name, fragment):
@@ -347,3 +401,41 @@ def test_a_planner_within_its_rules_is_taken_with_its_defaults(kube_cluster, crd
         "maxStepReplicas": 4,
         "scaleDownStabilizationSeconds": 300,
     }
+
+
+def test_flow_control_within_its_rules_is_taken_with_the_routers_defaults(kube_cluster, crd_installed, namespace):
+    """Objectives at the range's ends and of every allowed spelling, a key's cap by its digest: taken, and the
+    settings left out get the router's defaults."""
+    objectives = [{"name": "chat", "priority": 10}, {"name": "batch.nightly_v2", "priority": -10}]
+    cr = tiny(
+        apiKeySecret={"name": "keys"},
+        router__flowControl={"objectives": objectives, "keyPriorities": [{"digest": DIGEST, "priority": 0}]},
+    )
+    out = kube_cluster.kubectl(
+        "-n", namespace, "apply", "--dry-run=server", "-o", "json", "-f", "-", input=json.dumps(cr)
+    )
+    assert json.loads(out.stdout)["spec"]["router"]["flowControl"] == {
+        "enabled": True,
+        "queueSize": 256,
+        "queueTTLSeconds": 30,
+        "minPriority": -10,
+        "maxPriority": 10,
+        "objectives": objectives,
+        "keyPriorities": [{"digest": DIGEST, "priority": 0}],
+    }
+    assert (
+        "flowControl"
+        not in json.loads(
+            kube_cluster.kubectl(
+                "-n", namespace, "apply", "--dry-run=server", "-o", "json", "-f", "-", input=json.dumps(tiny())
+            ).stdout
+        )["spec"]["router"]
+    )
+
+
+def test_the_flow_control_model_the_docs_show_is_taken(kube_cluster, crd_installed, namespace):
+    text = (REPO / "docs" / "flow-control.md").read_text().split("## With the operator", 1)[1]
+    cr = text.split("```yaml\n", 1)[1].split("```", 1)[0]
+    out = kube_cluster.kubectl("-n", namespace, "apply", "--dry-run=server", "-o", "json", "-f", "-", input=cr)
+    flow = json.loads(out.stdout)["spec"]["router"]["flowControl"]
+    assert flow["enabled"] is True and [o["name"] for o in flow["objectives"]] == ["chat", "batch"]

@@ -88,6 +88,7 @@ def test_rbac_grants_no_wildcards_delete_only_on_retired_kinds_and_secrets_only_
         ("apps", "deployments"),
         ("", "services"),
         ("networking.k8s.io", "networkpolicies"),
+        ("policy", "poddisruptionbudgets"),
         ("", "serviceaccounts"),
         ("inference.networking.k8s.io", "inferencepools"),
         ("gateway.networking.k8s.io", "httproutes"),

@@ -44,3 +44,30 @@ def test_the_tracing_flags_go_to_all_three_processes():
     for cmd in cmds.values():
         assert flag(cmd, "--otlp-traces-endpoint") == "localhost:4318"
         assert "--otlp-traces-sampling-ratio=0.5" in cmd
+
+
+def test_the_flow_control_flags_go_to_the_router_only_and_set_its_queue():
+    import argparse
+
+    from disagg_worker.cli import build_parser
+    from disagg_worker.flow.policy import FlowPolicy
+    from disagg_worker.router.args import add_router_args
+    from disagg_worker.router.flow_control import flow_control
+
+    flow = ["--flow-control", "--flow-queue-size", "8", "--flow-queue-ttl=5", "--flow-objectives", "chat=5,batch=-1"]
+    flow += ["--flow-min-priority", "-3", "--flow-max-priority", "6", "--flow-key-priority", "0" * 32 + "=2"]
+    argv = ["--model", "m", "--local", *flow]
+    assert build_parser().parse_args(["serve", *argv]).flow_queue_size == 8, "serve takes the router's flags"
+    cmds = plan(argv, 9000, "m", RoleRanks())
+    assert not any(a.startswith("--flow") for a in cmds["prefill"] + cmds["decode"])
+    parser = argparse.ArgumentParser()
+    add_router_args(parser)
+    router = parser.parse_args(cmds["router"][cmds["router"].index("router") + 1 :])
+    assert flow_control(router).policy == FlowPolicy(8, 5.0, {"chat": 5, "batch": -1}, -3, 6, {"0" * 32: 2})
+
+
+def test_flow_control_without_local_is_refused_before_a_model_is_read(capsys):
+    from disagg_worker.cli import main
+
+    assert main(["serve", "--model", "/nonexistent", "--flow-control"]) == 2
+    assert "disagg serve: --flow-control is the router's: it needs --local" in capsys.readouterr().err

@@ -6,12 +6,16 @@ from __future__ import annotations
 import argparse
 import sys
 
+from disagg_api import router_settings as R
 from disagg_worker.cli_args import add_disagg_args, add_engine_args, server_args_from_cli
 from disagg_worker.config import ConfigError, Role
+from disagg_worker.flags import add_flags
 from disagg_worker.keys import SecretError
 
 
 def cmd_serve(ns: argparse.Namespace) -> int:
+    if ns.flow_control and not ns.local:
+        raise ConfigError("--flow-control is the router's: it needs --local (one instance has no queue)")
     args = server_args_from_cli(ns, Role.MONOLITHIC)
     if args.engine.disagg.node_rank > 0:
         from disagg_worker.server import worker_node
@@ -156,6 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
             action="store_true",
             help=f"--local: DP attention on {role} only (--enable-dp-attention: on both)",
         )
+    add_flags(serve, R.FLOW)  # --local: the router's
     serve.set_defaults(func=cmd_serve)
 
     for role in (Role.PREFILL, Role.DECODE):

@@ -57,6 +57,7 @@ def router_args(spec: ModelSpec, cfg: OperatorConfig) -> list[str]:
         values.append((R.DECODE_ONLY_TOKENS, r.decode_only_tokens))
     if r.migration_limit is not None:
         values.append((R.MIGRATION_LIMIT, r.migration_limit))
+    values += r.flow_control.settings()
     values += tracing_settings(spec)
     return [names.ROUTER, *command_line(values), *r.placement.args]
 

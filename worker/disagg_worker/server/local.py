@@ -3,8 +3,9 @@
 The same command lines a cluster runs, on 127.0.0.1 with Mooncake over TCP, with a shared secret
 made for this run (a private file, removed at the end) as the operator makes one per model: the
 router authenticates itself to the workers and signs the bootstrap targets it names. API keys
-given to `serve --local` go to the router, the one endpoint clients see. Ctrl-C (or SIGTERM) stops
-every process; if any of them dies, the others are stopped too.
+given to `serve --local` go to the router, the one endpoint clients see, and so do flow control's
+flags (`--flow-control`, `--flow-*`: docs/flow-control.md). Ctrl-C (or SIGTERM) stops every process;
+if any of them dies, the others are stopped too.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from dataclasses import dataclass
 
 import requests
 
+from disagg_api import router_settings as R
+
 DISAGG = [sys.executable, "-m", "disagg_worker.cli"]
 
 
@@ -30,8 +33,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-# Flags that belong to the router, with a value.
-ROUTER_ONLY = ("--api-key", "--api-key-file")
+# Flags that belong to the router, with a value: the clients' API keys and flow control's settings.
+ROUTER_ONLY = ("--api-key", "--api-key-file", *(s.flag for s in R.FLOW if not s.switch))
+# ... and without a value.
+ROUTER_SWITCHES = tuple(s.flag for s in R.FLOW if s.switch)
 # ... and those every process takes (with a value): one trace spans all three.
 EVERY_PROCESS = ("--otlp-traces-endpoint", "--otlp-traces-sampling-ratio")
 # Flags this launcher sets per process (with a value): the ports, and each role's ranks.
@@ -53,6 +58,9 @@ def split_flags(argv: list[str]) -> tuple[list[str], list[str]]:
     for a in it:
         name = a.split("=", 1)[0]
         if a == "--local" or name in LAUNCHER_SWITCHES:
+            continue
+        if name in ROUTER_SWITCHES:
+            router.append(a)
             continue
         if name in LAUNCHER or name in ROUTER_ONLY or name in EVERY_PROCESS:
             value = [] if "=" in a else [next(it, "")]
