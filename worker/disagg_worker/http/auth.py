@@ -3,7 +3,8 @@
 OpenAI style: a request must carry `Authorization: Bearer <key>` with one of the accepted keys,
 else it is answered 401 with OpenAI's error body (`invalid_api_key`). The probe paths stay open (the
 kubelet's probes and the router's health checks carry no key): `/health`, and the router's `/ready` and
-`/livez`, which say nothing but ok or why not; every other path, `/metrics` and
+`/livez`, which say nothing but ok or not to a caller without a key (the router's `/health` and `/ready` name
+workers only to key holders and the operator: `router/auth.py`); every other path, `/metrics` and
 the admin routes (`/stats`, `/flush_cache`) included, is protected. Unknown paths are refused the
 same way, so an unauthenticated caller learns nothing about which routes exist.
 

@@ -2,7 +2,8 @@
 
 Path of a request: admission (in-flight bound, body limit: `server.py`) -> parse the JSON ->
 serialise it once (`payload.py`) -> split `n > 1` into n single-choice requests -> for each, pick
-a healthy (prefill, decode) pair and a fresh random 63-bit bootstrap room -> send the request with
+a healthy (prefill, decode) pair (both serving its LoRA adapter, if `model` names one) and a fresh random 63-bit
+bootstrap room -> send the request with
 the bootstrap fields to both at once -> stream decode's answer (`stream.py`). With conditional
 disaggregation (`policies/cache_aware.py`), a decode that lacks few of the prompt's tokens gets the request
 alone, marked `local_prefill`, and computes them itself.
@@ -68,6 +69,7 @@ class Router:
         migration_limit: int = 0,
         stall_s: float | None = None,
         stall_hold_s: float = 60.0,
+        client_write_timeout_s: float | None = None,
         tracer: Tracer | None = None,
         session: aiohttp.ClientSession | None = None,
         decode_headers: Mapping[str, str] = MappingProxyType({}),
@@ -90,6 +92,8 @@ class Router:
         self.migration_limit = migration_limit
         self.stall_s = stall_s
         self.stall_hold_s = stall_hold_s
+        # A client whose stream takes no bytes for this long is disconnected, its choices aborted (`stream.py`).
+        self.client_write_timeout_s = client_write_timeout_s
         # Decode streams open now; a drain that times out closes them (`cut`).
         self.opened: set[Opened] = set()
         self.cut_reason = ""
@@ -148,8 +152,9 @@ class Router:
         avoid: set[Worker] | None = None,
     ) -> Opened:
         """Find a pair that starts answering choice `choice` (its n and seed) of `body` (whose `prompt` the
-        cache-aware policy scores, when the router read it), `avoid`'s workers left out."""
-        tried: set[Worker] = set(avoid or ())
+        cache-aware policy scores, when the router read it), `avoid`'s workers and those lacking its LoRA adapter
+        left out."""
+        tried: set[Worker] = set(avoid or ()) | self.pool.lacking(body.model)
         last: Attempt | None = None
         for attempt in range(self.retries + 1):
             if last is not None:  # a retry, after a pause that doubles: failures do not become a burst of retries

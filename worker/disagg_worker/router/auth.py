@@ -1,8 +1,9 @@
 """What the router holds to authenticate its clients, itself to the workers, and the targets it names.
 
 - Clients present one of the API keys (`--api-key`, `--api-key-file`; `server.auth`). With keys set, the
-  detailed /health (worker addresses, pod names, pair errors) is shown only to a key holder or to the operator
-  (its key derived from the shared secret, `keys.HEALTH`); others get the plain status.
+  detailed /health (worker addresses, pod names, pair errors), and /ready's reason naming the failing pairs, are
+  shown only to a key holder or to the operator (its key derived from the shared secret, `keys.HEALTH`); others get
+  the plain status.
 - Every call to a worker carries the worker token derived from the model's shared secret
   (`--auth-token-file`, `keys.WORKER`).
 - Every request it routes names a bootstrap target (the prefill instance that holds the KV) with

@@ -72,6 +72,7 @@ class DecodeHandOff:
     allow: AllowList
     auth: RouterAuth = field(default_factory=RouterAuth)
     request_timeout_s: float = R.REQUEST_TIMEOUT.default
+    client_write_timeout_s: float = R.CLIENT_WRITE_TIMEOUT.default
     resolver: NameResolver = field(default_factory=NameResolver)
     _session: aiohttp.ClientSession | None = None
 
@@ -129,6 +130,7 @@ class DecodeHandOff:
             self.model_name,
             retries=0,
             request_timeout_s=self.request_timeout_s,
+            client_write_timeout_s=self.client_write_timeout_s,
             auth=self.auth,
             session=self._session,
             decode_headers=leg,

@@ -47,12 +47,12 @@ async def create(request: web.Request) -> web.StreamResponse:
             if o.resp.status == 200:
                 store.put(json.loads(o.first), conversation, owner)
             return web.Response(body=o.first, status=o.resp.status, content_type="application/json")
-        out = await sse_response(request)
+        out = await sse_response(request, router.client_write_timeout_s)
         await _relay(router, out, o, lambda r: store.put(r, conversation, owner))
         return out
-    except asyncio.CancelledError:
+    except (asyncio.CancelledError, ConnectionResetError):
         if o.prefill is not None:
-            o.prefill.cancel()  # the client left: abort the prefill side too
+            o.prefill.cancel()  # the client left (or stopped reading): abort the prefill side too
         raise
     finally:
         router.close(o)

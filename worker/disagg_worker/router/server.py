@@ -128,7 +128,7 @@ async def proxy_one(
             await with_prompt_logprobs(o, router.request_timeout_s)
         if not o.resp.headers.get("Content-Type", "").startswith("text/event-stream"):
             return web.Response(body=o.first, status=o.resp.status, content_type="application/json")
-        out = await sse_response(request)
+        out = await sse_response(request, router.client_write_timeout_s)
         try:
             await relay(out, o.first, o.resp)
         except UpstreamLost as e:
@@ -136,9 +136,9 @@ async def proxy_one(
             await out.write(error_event(router.cut_reason or e.message))
             await out.write(DONE)
         return out
-    except asyncio.CancelledError:
+    except (asyncio.CancelledError, ConnectionResetError):
         if o.prefill is not None:
-            o.prefill.cancel()  # the client left: abort the prefill side too
+            o.prefill.cancel()  # the client left (or stopped reading: `ClientStream`): abort the prefill side too
         raise
     finally:
         router.close(o)
@@ -151,7 +151,7 @@ async def proxy_migrating(
     choice = with_token_ids(router, path, body, {})
     c = MigratingChoice(router, path, body, choice, await router.open(path, body, choice, prompt), prompt)
     try:
-        out = await sse_response(request)
+        out = await sse_response(request, router.client_write_timeout_s)
         try:
             async for event in c.events():
                 await out.write(f"data: {json.dumps(event)}\n\n".encode())
@@ -162,7 +162,7 @@ async def proxy_migrating(
             await out.write(error_event(e.message))
         await out.write(DONE)
         return out
-    except asyncio.CancelledError:
+    except (asyncio.CancelledError, ConnectionResetError):
         c.cancel()
         raise
     finally:
@@ -197,10 +197,17 @@ async def fan_out(request: web.Request, router: Router, path: str, parts: list[P
             await asyncio.gather(*(with_prompt_logprobs(o, router.request_timeout_s) for o in ok))
         if first.fields.get("stream") is not True:
             return web.json_response(merge_bodies([json.loads(o.first) for o in ok], n))
-        out = await sse_response(request)
+        out = await sse_response(request, router.client_write_timeout_s)
         streams = [c.events() for c in migrating] or [choice_events(o.first, o.resp) for o in ok]
         await stream_merged(out, streams, n, lambda: router.cut_reason)
         return out
+    except (asyncio.CancelledError, ConnectionResetError):  # the client left, or stopped reading: abort prefills too
+        for c in migrating:
+            c.cancel()
+        for o in opened:
+            if isinstance(o, Opened) and o.prefill is not None:
+                o.prefill.cancel()
+        raise
     finally:
         for c in migrating:
             c.close()
@@ -215,7 +222,9 @@ async def models(request: web.Request) -> web.Response:
     known = [w.max_model_len for w in router.pool.workers() if w.max_model_len]
     if known:
         model["max_model_len"] = max(known)
-    return web.json_response({"object": "list", "data": [model]})
+    # The LoRA adapters the workers serve, each with the model as its parent (vLLM's shape, as a worker lists them).
+    adapters = [{**model, "id": a, "parent": router.model_name} for a in router.pool.adapters()]
+    return web.json_response({"object": "list", "data": [model, *adapters]})
 
 
 async def health(request: web.Request) -> web.Response:
@@ -242,14 +251,17 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def ready(request: web.Request) -> web.Response:
-    """The readiness probe: 200 once the router has had a pair (`Router.takes_requests`) until it drains."""
+    """The readiness probe: 200 once the router has had a pair (`Router.takes_requests`) until it drains. An open
+    path: while not ready, its reason names pods and addresses only to a caller `RouterAuth.shows_health_details`
+    lets see them."""
     router = request.app[ROUTER]
     if request.app[ADMISSION].draining:
         return web.json_response({"status": DRAINING}, status=503)
-    if not router.takes_requests():  # the probe's reason names the pairs (the kubelet's events show it)
-        why = (
-            router.no_pair() if router.verifier is None else f"{router.no_pair()} ({router.verifier.unready_reason()})"
-        )
+    if not router.takes_requests():
+        why = router.no_pair()  # generic; why no pair serves goes to the log, which names the workers
+        # ... and to whoever may see /health's pairs: with API keys, a key holder or the operator, not a probe.
+        if router.verifier is not None and router.auth.shows_health_details(request.headers.get("Authorization", "")):
+            why = f"{why} ({router.verifier.unready_reason()})"
         return web.json_response({"status": "unhealthy", "reason": why}, status=503)
     return web.json_response({"status": "ok", "pair": router.has_pair()})
 
@@ -312,6 +324,7 @@ async def serve(ns, auth: RouterAuth, ready: asyncio.Event | None = None) -> Non
         migration_limit=ns.migration_limit,
         stall_s=ns.stream_stall_timeout or None,
         stall_hold_s=ns.stall_hold,
+        client_write_timeout_s=ns.client_write_timeout or None,
         # Only cache_aware reads prompts: other policies tokenise nothing, even when given --tokenizer.
         prompts=PromptTokens.load(ns.tokenizer) if ns.policy == Policy.CACHE_AWARE.value and ns.tokenizer else None,
         tracer=Tracer.create("router", ns.otlp_traces_endpoint, ns.otlp_traces_sampling_ratio),

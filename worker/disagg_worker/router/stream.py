@@ -5,20 +5,25 @@ times out, or ends without it, the client's stream ends with an OpenAI-style err
 `data: [DONE]`: a client can always tell a truncated answer from a finished one.
 
 `relay` passes one stream on chunk by chunk (complete events only); `choice_events` yields the
-events of one choice of an `n > 1` request, for the router to merge them.
+events of one choice of an `n > 1` request, for the router to merge them. Every stream to a client is a
+`ClientStream`: a client that stops reading is disconnected after --client-write-timeout, and its request's
+upstreams are given back, which aborts its choices on their decodes.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from collections.abc import AsyncIterator
 
 import aiohttp
 from aiohttp import web
 
+from disagg_worker.http.errors import request_id
 from disagg_worker.request.errors import APIError
 
+log = logging.getLogger(__name__)
 DONE = b"data: [DONE]\n\n"
 UPSTREAM_ERROR = "upstream_error"
 
@@ -51,9 +56,43 @@ def error_event(message: str, code: str = UPSTREAM_ERROR) -> bytes:
     return f"data: {json.dumps(body)}\n\n".encode()
 
 
-async def sse_response(request: web.Request) -> web.StreamResponse:
-    """The client's stream, its headers sent."""
-    out = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+class ClientStalled(ConnectionResetError):
+    """The client took no bytes of its stream within the router's write timeout: the router disconnected it.
+    A ConnectionResetError, as for a client that left: its handler gives back (and aborts) every upstream."""
+
+
+class ClientStream(web.StreamResponse):
+    """The client's SSE stream, whose every write completes within `write_timeout_s` (None: no limit).
+
+    A write waits only once the buffers towards the client are full: a client that stops reading holds it. Past
+    the limit the connection is aborted (closing it would wait for the client to take what is buffered) and the
+    write raises ClientStalled, so that a client that reads nothing cannot hold its choices, their decodes' pages
+    and a router slot until the request timeout."""
+
+    def __init__(self, request: web.Request, write_timeout_s: float | None) -> None:
+        super().__init__(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        self._client = request
+        self.write_timeout_s = write_timeout_s
+
+    async def write(self, data: bytes | bytearray | memoryview) -> None:
+        try:
+            async with asyncio.timeout(self.write_timeout_s):
+                await super().write(data)
+        except TimeoutError:
+            log.warning(
+                "request %s: the client took no bytes of its stream for %g s: disconnected, its choices aborted",
+                request_id(self._client),
+                self.write_timeout_s,
+            )
+            transport = self._client.transport
+            if transport is not None:
+                transport.abort()
+            raise ClientStalled(f"no bytes taken for {self.write_timeout_s:g} s") from None
+
+
+async def sse_response(request: web.Request, write_timeout_s: float | None = None) -> ClientStream:
+    """The client's stream, its headers sent; a client that takes none of it for `write_timeout_s` is cut off."""
+    out = ClientStream(request, write_timeout_s)
     await out.prepare(request)
     return out
 
