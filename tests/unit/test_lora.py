@@ -167,10 +167,13 @@ def test_adapters_that_cannot_all_be_resident_or_named_are_refused(modules, max_
 
 
 @pytest.mark.parametrize("role", [Role.PREFILL, Role.DECODE])
-def test_a_prefill_or_decode_instance_refuses_adapters_until_pd_carries_them(role):
-    ns = build_parser().parse_args([role.value, "--model", "m", "--lora-modules", "a=/x"])
-    with pytest.raises(ConfigError, match=f"served by `disagg serve` for now, not by a {role.value} instance"):
-        server_args_from_cli(ns, role, load_env({}))
+def test_a_prefill_or_decode_instance_serves_adapters_on_one_rank(setup, role):
+    base, paths, _ = setup
+    args = [role.value, "--model", str(base), "--lora-modules", f"attn={paths['attn']}"]
+    cfg = server_args_from_cli(build_parser().parse_args(args), role, load_env({}))
+    assert cfg.engine.lora.adapters == [("attn", str(paths["attn"]))]
+    with pytest.raises(ConfigError, match="--lora-modules runs on single-rank instances"):
+        server_args_from_cli(build_parser().parse_args([*args, "--tp-size", "2"]), role, load_env({}))
 
 
 def test_more_adapters_than_slots_wait_for_one_no_running_request_uses_the_least_recently_used_reloaded():

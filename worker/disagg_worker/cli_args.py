@@ -114,14 +114,10 @@ def check_tiers(e: EngineConfig) -> None:
 
 
 def check_lora(e: EngineConfig) -> None:
-    """LoRA adapters on a monolithic single-rank instance, none named as the base model."""
+    """LoRA adapters on a single-rank instance (monolithic, prefill or decode: P/D carries the adapter,
+    docs/lora.md), none named as the base model."""
     if not e.lora.enabled:
         return
-    if e.disagg.role is not Role.MONOLITHIC:
-        # Neither the hand-off nor the router carry the adapter yet: a decode would go on under another one.
-        raise ConfigError(
-            f"--lora-modules is served by `disagg serve` for now, not by a {e.disagg.role.value} instance"
-        )
     if e.world_size > 1 or e.disagg.dp_size > 1:
         raise ConfigError(
             "--lora-modules runs on single-rank instances for now (--tp-size 1 --pp-size 1 --dp-size 1): the "

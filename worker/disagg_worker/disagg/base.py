@@ -11,6 +11,7 @@ Backends implement `KVManager` and are listed in `backends.BACKENDS`; handles ne
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import struct
@@ -33,7 +34,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-_FIRST_TOKEN = struct.Struct("<qd")
+# The first token, its logprob, and the tag of the LoRA adapter the prompt was computed under (`adapter_tag`).
+_FIRST_TOKEN = struct.Struct("<qdQ")
 _TOP_COUNT = struct.Struct("<I")
 _TOP_ENTRY = struct.Struct("<qd")
 # The aux record of the most a request can ask for: its first token, logprob and MAX_LOGPROBS alternatives.
@@ -150,12 +152,18 @@ class TransferFailure:
     pages_unsafe: bool = False
 
 
+def adapter_tag(adapter: str) -> int:
+    """What the aux record says of the LoRA adapter a prompt's KV was computed under: 0 for the base model, else
+    64 bits of a hash of its name (the same on every instance), so that decode refuses KV of another adapter."""
+    return int.from_bytes(hashlib.blake2b(adapter.encode(), digest_size=8).digest(), "little") if adapter else 0
+
+
 def pack_first_token(
-    token_id: int, logprob: float | None = None, top: Sequence[tuple[int, float]] | None = None
+    token_id: int, logprob: float | None = None, top: Sequence[tuple[int, float]] | None = None, adapter: str = ""
 ) -> bytes:
-    """The aux record of a request: its first output token and optionally its logprob and the top
-    alternatives (token id, logprob) prefill saw for it."""
-    head = _FIRST_TOKEN.pack(token_id, math.nan if logprob is None else logprob)
+    """The aux record of a request: its first output token, the adapter its prompt ran under (`adapter_tag`) and
+    optionally its logprob and the top alternatives (token id, logprob) prefill saw for it."""
+    head = _FIRST_TOKEN.pack(token_id, math.nan if logprob is None else logprob, adapter_tag(adapter))
     if top is None:
         return head
     return head + _TOP_COUNT.pack(len(top)) + b"".join(_TOP_ENTRY.pack(t, lp) for t, lp in top)
@@ -166,10 +174,11 @@ def pack_aux(
     logprob: float | None = None,
     top: Sequence[tuple[int, float]] | None = None,
     draft: bytes = b"",
+    adapter: str = "",
 ) -> bytes:
     """The whole aux record: the first token's part, then (speculation with a draft model) what the draft
     hands decode, at offset AUX_ITEM_NBYTES (`engine.drafting.pack_draft_head`)."""
-    head = pack_first_token(token_id, logprob, top)
+    head = pack_first_token(token_id, logprob, top, adapter)
     return head.ljust(AUX_ITEM_NBYTES, b"\0") + draft if draft else head
 
 
@@ -179,8 +188,13 @@ def unpack_draft(aux: bytes) -> bytes:
 
 
 def unpack_first_token(aux: bytes) -> tuple[int, float | None]:
-    token_id, logprob = _FIRST_TOKEN.unpack_from(aux)
+    token_id, logprob, _ = _FIRST_TOKEN.unpack_from(aux)
     return token_id, None if math.isnan(logprob) else logprob
+
+
+def unpack_adapter_tag(aux: bytes) -> int:
+    """The `adapter_tag` of the adapter the prompt's KV was computed under (0: the base model)."""
+    return int(_FIRST_TOKEN.unpack_from(aux)[2])
 
 
 def unpack_top_logprobs(aux: bytes) -> list[tuple[int, float]] | None:

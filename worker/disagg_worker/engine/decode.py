@@ -9,8 +9,11 @@ Life cycle of a request here:
    taken from the cache instead, and prefill sends only
    the pages after them (always the one holding the prompt's last token). A bounded queue, like
    prefill's bootstrap queue: when full, new requests are refused at once (503).
+   A request under a LoRA adapter is preallocated once its adapter holds a slot (`lora_registry.Resident`; the
+   others pass it meanwhile), and holds the slot until its pages are released.
 2. Transfer queue: the prefill instance writes the prompt's KV straight into those pages; the
-   receiver is polled without blocking. Success: the first token is read from the aux slot.
+   receiver is polled without blocking. Success: the first token is read from the aux slot, and the adapter
+   the aux record names must be the request's (else the request fails: KV of another adapter never decodes).
 3. Running batch: the request joins the decode batch directly; its prompt is never recomputed.
 A request the router marks `local_prefill` skips all this (`--local-prefill`): the scheduler computes
 its prompt here like a monolithic instance's, from the prefix cache when it holds the start, in a running
@@ -32,7 +35,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from disagg_worker.config import DisaggConfig
-from disagg_worker.disagg import KVPoll, KVReceiver, unpack_draft, unpack_first_token, unpack_top_logprobs
+from disagg_worker.disagg import (
+    KVPoll,
+    KVReceiver,
+    adapter_tag,
+    unpack_adapter_tag,
+    unpack_draft,
+    unpack_first_token,
+    unpack_top_logprobs,
+)
 from disagg_worker.engine.batch import ScheduledBatch, StepOutcome
 from disagg_worker.engine.drafting import received_draft
 from disagg_worker.engine.outbox import Outbox, transfer_error
@@ -136,8 +147,8 @@ class DecodeStage:
                 why = transfer_error(d.req.rid, "KV transfer handshake failed", d.receiver.failure_reason())
                 self.outbox.reject(d.req, 500, why)
                 continue
-            if state is KVPoll.Bootstrapping:
-                continue
+            if state is KVPoll.Bootstrapping or not self.scheduler.adapters.fits(d.req):
+                continue  # a request whose adapter waits for a slot lets the others pass, as in the scheduler
             if not self._preallocate(d):
                 return  # in the policy's order: the requests after this one wait behind it
             del self.prealloc[rid]
@@ -150,6 +161,7 @@ class DecodeStage:
         if pages is None:
             return False
         d.pages = pages
+        self.scheduler.adapters.acquire(d.req)  # released with its pages (`RequestPages.release`), or on failure
         d.aux_slot = self.free_slots.pop()
         d.receiver.init(pages[d.req.prefix_pages :], d.aux_slot, skip_pages=d.req.prefix_pages)
         sent = len(pages) - d.req.prefix_pages
@@ -165,6 +177,9 @@ class DecodeStage:
             if state is KVPoll.Success:
                 del self.transfer[rid]
                 aux = d.receiver.aux_bytes()
+                if unpack_adapter_tag(aux) != adapter_tag(d.req.params.lora):
+                    self._refuse_adapter(d)
+                    continue
                 token, logprob = unpack_first_token(aux)
                 self.free_slots.append(d.aux_slot)
                 if self.draft_model:
@@ -172,6 +187,7 @@ class DecodeStage:
                 self.scheduler.add_running(d.req, d.pages, token, logprob, unpack_top_logprobs(aux))
             elif state is KVPoll.Failed:
                 del self.transfer[rid]
+                self.scheduler.adapters.release(d.req)  # no forward reads its slot
                 self._give_back_prefix(d)  # no transfer writes the held pages: only the others may be unsafe
                 failure = d.receiver.failure()
                 if failure is not None and failure.pages_unsafe:
@@ -180,6 +196,16 @@ class DecodeStage:
                     self._free(d)
                 why = transfer_error(d.req.rid, "KV transfer failed", d.receiver.failure_reason())
                 self.outbox.reject(d.req, 500, why)
+
+    def _refuse_adapter(self, d: DecodeReq) -> None:
+        """The KV that arrived was computed under another LoRA adapter than the request's: the request fails (the
+        transfer is over, so its pages are free again), never decoding on the wrong KV."""
+        self.scheduler.adapters.release(d.req)
+        self._free(d)
+        mine = f"LoRA adapter {d.req.params.lora}" if d.req.params.lora else "the base model"
+        why = f"request {d.req.rid}: prefill computed the prompt under another adapter than {mine}: refused"
+        log.warning("%s", why)
+        self.outbox.reject(d.req, 500, why)
 
     def _poll_quarantine(self) -> None:
         for d in list(self.quarantine):

@@ -25,7 +25,7 @@ from disagg_worker.engine.executor import Executor
 from disagg_worker.engine.expert_load import ExpertLoad
 from disagg_worker.engine.grammar import Grammars
 from disagg_worker.engine.grammar_wait import GrammarWait
-from disagg_worker.engine.lora_registry import LoraRegistry
+from disagg_worker.engine.lora_registry import LoraRegistry, adapter_names
 from disagg_worker.engine.monolithic import MonolithicStage
 from disagg_worker.engine.outbox import Outbox, internal_error
 from disagg_worker.engine.prefix_tiers import NoTiers
@@ -281,6 +281,8 @@ class Engine:
             dp_rank=self.shard.dp_rank,
             kv_events=tuple(self.radix.take_events() + self.tiers.take_events()),
             broken=self.manager.broken if self.manager is not None else "",
+            lora_running=adapter_names(s.running),
+            lora_waiting=adapter_names(s.waiting),
         )
 
     def queue_sizes(self) -> dict[str, int]:

@@ -11,7 +11,7 @@ released (after the last step that computes for it), so a slot is never reloaded
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from disagg_worker.engine.request import Req
 from disagg_worker.lora_config import LoraConfig
@@ -30,6 +30,11 @@ class LoraRegistry:
         if not name or name in self.adapters:
             return ""
         return f"LoRA adapter {name} is not served by this instance"
+
+
+def adapter_names(reqs: Iterable[Req]) -> tuple[str, ...]:
+    """The adapters `reqs` run under, each once, sorted (the base model is none): what /metrics reports."""
+    return tuple(sorted({r.params.lora for r in reqs if r.params.lora}))
 
 
 class Resident:

@@ -12,7 +12,7 @@ Life cycle of a request here:
    pages a chunk completes are armed before its forward (`before_forward`, `KVSender.stream`) and leave
    layer group by layer group while it runs; the sends after the step then carry only what no stream sent.
    Success: pages go to the prefix cache and the request answers with its token. Failure: pages freed,
-   500 with the cause.
+   500 with the cause. The aux record names the LoRA adapter the prompt ran under (`disagg.adapter_tag`).
 A traced request's trail (`request/trail.py`) marks `prefill.bootstrap` (1), the scheduler marks its waiting
 and each chunk's `forward` (2), and `kv.transfer` runs from its first pages sent to the sender's end (3).
 """
@@ -167,7 +167,8 @@ class PrefillStage:
             return
         p.first = s
         total = pages_for(len(s.req.prompt_ids), self.page_size)
-        aux = pack_aux(s.token, s.logprob, s.top, s.req.draft_aux)  # with a draft model: decode's first draft
+        # With a draft model: decode's first draft; with a LoRA adapter: its tag, which decode checks.
+        aux = pack_aux(s.token, s.logprob, s.top, s.req.draft_aux, s.req.params.lora)
         s.req.trail.begin_once("kv.transfer")
         p.sender.send(s.req.pages[p.sent_pages : total], last=True, aux=aux)
         p.sent_pages = total

@@ -151,6 +151,9 @@ class SchedulerStats:
     broken: str = ""
     # Pages taken while a step in flight still wrote them (`engine/in_flight.py`): 0 unless its rule broke.
     pages_taken_in_flight: int = 0
+    # The LoRA adapters of the scheduler's running requests and of its waiting ones, each named once, in order.
+    lora_running: tuple[str, ...] = ()
+    lora_waiting: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -93,9 +93,11 @@ async def stream_merged(
 
     `cut_reason()` names why the router closed the upstreams, if it did (a drain that timed out).
 
-    Each choice may have at most `CHOICE_EVENTS` events waiting to be written: a client that reads slowly (or
-    not at all) holds its choices' upstreams back, as it holds a single stream's, instead of having the router
-    queue their answers without bound (the router's request timeout still ends them)."""
+    Each choice may have at most `CHOICE_EVENTS` events waiting to be written: a client that reads slowly holds
+    its choices' upstreams back, as it holds a single stream's, instead of having the router queue their answers
+    without bound. One that reads nothing is disconnected once a write has waited for it longer than `out`
+    allows (`ClientStream`): the write raises, every pump is cancelled, and the caller gives back (and so aborts)
+    every choice's upstream."""
     queue: asyncio.Queue[tuple[int, dict | None]] = asyncio.Queue()
     credits = [asyncio.Semaphore(CHOICE_EVENTS) for _ in streams]
     merger = Merger(per_prompt)

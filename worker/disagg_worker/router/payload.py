@@ -39,11 +39,15 @@ class SharedBody:
     tail: bytes
     # The client's own values of PER_REQUEST fields.
     fields: dict[str, Any]
+    # The body's `model` ("" when it names none, or not as text): the pool pairs by its LoRA adapter.
+    model: str = ""
 
     @classmethod
     def of(cls, body: dict[str, Any]) -> SharedBody:
         rest = {k: v for k, v in body.items() if k not in PER_REQUEST and k not in route.FIELDS}
-        return cls(_dumps(rest)[1:], {k: body[k] for k in PER_REQUEST if k in body})
+        model = body.get("model")
+        fields = {k: body[k] for k in PER_REQUEST if k in body}
+        return cls(_dumps(rest)[1:], fields, model if isinstance(model, str) else "")
 
     def payload(self, **fields: Any) -> JoinedPayload:
         """The body with `fields` set (over the client's), as one upstream request's payload."""

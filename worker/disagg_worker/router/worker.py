@@ -1,6 +1,7 @@
 """One worker as the router sees it: its role and address, its health and latest /health report, the load it
 reported and the load this router put on it (per attention group with DP attention), how a request's
-attention group is picked there, and whether it is held out of rotation (a decode found stalled, `stall.py`)."""
+attention group is picked there, the LoRA adapters it serves, and whether it is held out of rotation (a decode found
+stalled, `stall.py`)."""
 
 from __future__ import annotations
 
@@ -126,6 +127,12 @@ class Worker:
     def name(self) -> str:
         """The pod name the worker reports, or its URL."""
         return str(self.report.get("pod") or self.url)
+
+    @property
+    def adapters(self) -> list[str]:
+        """The LoRA adapters the worker serves, as its last /health listed them (`lora_adapters`)."""
+        names = self.report.get("lora_adapters")
+        return [a for a in names if isinstance(a, str)] if isinstance(names, list) else []
 
     @property
     def revision(self) -> str:

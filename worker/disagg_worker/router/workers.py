@@ -1,8 +1,9 @@
 """The router's workers: static ones plus those found through DNS (`discovery.py`), kept current each health
 round, and the choice of the prefill/decode pair that serves the next request. The pool keeps the workers and
-leaves out the unhealthy, the held out (a decode found stalled: `stall.py`) and the excluded; which of the rest
-serves is its policy's (`policies/`), and under DP attention which attention group (`policies/groups.py`). It
-also holds the router's counts of how requests were routed (/health, /metrics).
+leaves out the unhealthy, the held out (a decode found stalled: `stall.py`) and the excluded (for a LoRA adapter:
+the workers that do not serve it, `lacking`); which of the rest serves is its policy's (`policies/`), and under
+DP attention which attention group (`policies/groups.py`). It also holds the router's counts of how requests were
+routed (/health, /metrics).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
+from disagg_worker.request.errors import model_not_found
 from disagg_worker.router import discovery
 from disagg_worker.router.discovery import DnsSource
 from disagg_worker.router.kv_index import KVIndex
@@ -101,6 +103,23 @@ class WorkerPool:
             return None, d
         p = self.pick("prefill", exclude, prompt)
         return (p, d) if p is not None else None
+
+    def adapters(self) -> list[str]:
+        """The LoRA adapters a pair could serve (a prefill and a decode hold each), in the order the workers list
+        them: the router's /v1/models."""
+        named = dict.fromkeys(a for w in self.workers() for a in w.adapters)
+        held = [{a for w in self.workers(role) for a in w.adapters} for role in ("prefill", "decode")]
+        return [a for a in named if all(a in h for h in held)]
+
+    def lacking(self, model: str) -> set[Worker]:
+        """The workers a request for `model` may not go to: for a LoRA adapter some worker serves, those that do
+        not (none for any other name: the base model's, or one the workers refuse themselves). A 404 naming `model`
+        when no pair could serve it (no prefill or no decode holds it, whatever their health)."""
+        if not model or not any(model in w.adapters for w in self.workers()):
+            return set()
+        if model not in self.adapters():
+            raise model_not_found(model)
+        return {w for w in self.workers() if model not in w.adapters}
 
     def decode_only(self, d: Worker, prompt: Prompt | None) -> bool:
         """Decode `d` computes the prompt itself, with no prefill (conditional disaggregation: the policy's)."""

@@ -122,6 +122,8 @@ async def health(request: web.Request) -> web.Response:
     report = health_report(fe.stats, s["identity"], fe.group_stats, fe.dp_size)
     if s["local_prefill"]:  # the router sends such a decode prompts to compute itself (conditional disaggregation)
         report["local_prefill"] = True
+    if s["adapters"]:  # the router pairs a request for an adapter only with instances that hold it
+        report["lora_adapters"] = s["adapters"]
     if admission.draining:
         reason = "the instance is shutting down: it finishes the requests it holds and takes no new ones"
         return web.json_response({"status": DRAINING, "reason": reason, **report}, status=503)

@@ -75,7 +75,8 @@ class EngineServer:
         # The tokenizer loads while the scheduler processes load the model: from a GGUF file each takes
         # seconds. zmq queues the schedulers' messages until the frontend binds its socket.
         tokenizer = await asyncio.to_thread(Tokenizer.from_path, a.engine.model_path)
-        metrics = ServerMetrics(instance=f"{a.host}:{a.port}", role=d.role.value)
+        max_loras = a.engine.lora.max_loras if a.engine.lora.enabled else 0
+        metrics = ServerMetrics(instance=f"{a.host}:{a.port}", role=d.role.value, max_loras=max_loras)
         inboxes = [group_inbox(self.to_engine, g, d.dp_size) for g in range(d.dp_size)]
         prefill = d.role is Role.PREFILL
         key_id = d.kv_names[1]

@@ -12,7 +12,8 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 
 
 
 class ServerMetrics:
-    def __init__(self, instance: str, role: str = "monolithic"):
+    def __init__(self, instance: str, role: str = "monolithic", max_loras: int = 0):
+        """`max_loras`: the instance's --max-loras when it serves LoRA adapters (0: none, and no LoRA gauge)."""
         self.registry = CollectorRegistry()
         r, labels = self.registry, ["instance"]
         self.instance = instance
@@ -51,6 +52,7 @@ class ServerMetrics:
         )
         self.requests = Counter("disagg_requests", "Requests finished", labels, registry=r).labels(instance)
         self.gie = PickerGauges(r, instance)
+        self.lora = LoraGauges(r, instance, max_loras) if max_loras else None
         self.probes = Counter(
             "disagg_probe_requests", "Router pair probes served (not in the request metrics)", labels, registry=r
         ).labels(instance)
@@ -64,6 +66,8 @@ class ServerMetrics:
         if s.cache_query_tokens:
             self.hit_rate.set(s.cache_hit_tokens / s.cache_query_tokens)
         self.gie.observe(s)
+        if self.lora is not None:
+            self.lora.observe(s)
         ranks = s.rank_queues or {(0, 0): s.queues}
         for (tp, pp), queues in ranks.items():
             for name, size in queues.items():
@@ -108,6 +112,27 @@ class PickerGauges:
         self.queued.labels(self.instance).set(s.waiting + sum(s.queues.get(q, 0) for q in self.QUEUED))
         self.running.labels(self.instance).set(s.running)
         self.usage.labels(self.instance).set(s.pages_used / s.pages_total if s.pages_total else 0.0)
+
+
+class LoraGauges:
+    """vLLM's `vllm:lora_requests_info`, under its name (which LoRA-aware endpoint pickers read) and the project's:
+    one series, labelled with the adapters of the running requests and of the waiting ones (comma-separated names)
+    and --max-loras, whose value is the time of the scheduler's report it follows. Only the latest labels are kept
+    (vLLM keeps every set seen, each at the time it was last set; a reader takes the newest either way)."""
+
+    NAMES = ("disagg_lora_requests_info", "vllm:lora_requests_info")
+    LABELS = ("instance", "running_lora_adapters", "waiting_lora_adapters", "max_lora")
+
+    def __init__(self, r: CollectorRegistry, instance: str, max_loras: int):
+        doc = "The LoRA adapters of the running and the waiting requests, as of the value's time"
+        self.gauges = [Gauge(name, doc, self.LABELS, registry=r) for name in self.NAMES]
+        self.instance, self.max_loras = instance, str(max_loras)
+
+    def observe(self, s: msg.SchedulerStats) -> None:
+        labels = (self.instance, ",".join(s.lora_running), ",".join(s.lora_waiting), self.max_loras)
+        for g in self.gauges:
+            g.clear()
+            g.labels(*labels).set(s.time)
 
 
 class RequestTimer:

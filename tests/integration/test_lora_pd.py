@@ -1,0 +1,92 @@
+"""LoRA adapters through P/D: a router, a prefill holding three adapters and a decode holding two of them (one slot,
+its prefix cache on). Each adapter's and the base model's greedy tokens equal transformers + PEFT's (those
+test_lora.py checks the monolithic server gives), one at a time and mixed at once; the decode's cached pages of
+one adapter are never another's; the router lists the adapters a pair serves and answers 404 naming `model` for
+one no pair serves; a decode without the adapter refuses it (404 naming `model`) when a gateway hands it off, the
+prefill's half freed; the workers' /metrics report lora_requests_info."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+
+import pytest
+import requests
+
+from tests.integration.procs import FAST_FAILURE, PDStack, Proc, free_port, idle_now, scaled
+from tests.integration.test_lora import LONG, PROMPTS, adapters, complete, expected, tokens
+
+pytestmark = pytest.mark.integration
+__all__ = ["adapters", "expected"]  # test_lora.py's module fixtures: the adapters and PEFT's answers
+SERVED = ("tiny", "attn", "mlp")  # the base model, then the adapters both roles hold
+HEADER = "x-prefiller-host-port"
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_model, adapters):
+    modules = [f"{name}={path}" for name, path in adapters.items()]
+    s = PDStack(
+        tiny_model,
+        "--page-size",
+        "4",
+        "--max-lora-rank",
+        "8",
+        prefill_flags=("--lora-modules", *modules, "--max-loras", "2"),  # attn, mlp and all
+        decode_flags=("--lora-modules", *modules[:2], "--max-loras", "1", "--decode-prefix-cache"),
+    ).wait_healthy()
+    yield s
+    s.stop()
+
+
+def test_each_adapter_and_the_base_answer_through_pd_as_peft_does_also_mixed_at_once(stack, expected):
+    for model in SERVED:
+        answer = complete(stack.router.url, model, PROMPTS[0])
+        assert (answer["model"], tokens(answer)) == (model, expected[(model, 0)])
+    asks = [(m, i) for i in range(len(PROMPTS)) for m in SERVED] * 2  # two adapters for decode's one slot
+    with cf.ThreadPoolExecutor(len(asks)) as pool:
+        got = list(pool.map(lambda a: tokens(complete(stack.router.url, a[0], PROMPTS[a[1]])), asks))
+    assert got == [expected[a] for a in asks]
+    assert "LoRA adapter mlp resident in slot 1" in stack.decode.logs()  # it took attn's one slot, in turn
+
+
+def test_the_decodes_cached_pages_of_one_adapter_are_never_another_adapters(stack, expected):
+    long = len(PROMPTS)
+    for model in ("attn", "attn", "mlp", "tiny"):  # attn's pages cached on decode, then the same prompt again
+        assert tokens(complete(stack.router.url, model, LONG)) == expected[(model, long)], model
+
+
+def test_the_router_lists_the_adapters_a_pair_serves_with_the_base_as_parent(stack):
+    data = requests.get(f"{stack.router.url}/v1/models", timeout=10).json()["data"]
+    assert [(m["id"], m.get("parent")) for m in data] == [("tiny", None), ("attn", "tiny"), ("mlp", "tiny")]
+
+
+@pytest.mark.parametrize("model", ["all", "nope"])  # all: held by the prefill alone; nope: by no worker
+def test_an_adapter_no_pair_serves_is_a_404_naming_model(stack, model):
+    body = {"model": model, "prompt": PROMPTS[0], "max_tokens": 2}
+    r = requests.post(f"{stack.router.url}/v1/completions", json=body, timeout=scaled(30))
+    error = r.json()["error"]
+    assert (r.status_code, error["param"], error["code"]) == (404, "model", "model_not_found")
+    assert f"`{model}`" in error["message"]
+
+
+def test_a_decode_without_the_adapter_refuses_it_when_handed_off_and_the_prefill_lets_go(stack, tiny_model):
+    port = free_port()
+    args = ["decode", "--model", tiny_model, "--port", str(port), "--served-model-name", "tiny", "--page-size", "4"]
+    decode = Proc([*args, *FAST_FAILURE, "--bootstrap-port", str(stack.bootstrap_port)], port).wait_healthy()
+    try:
+        prefill = {HEADER: f"127.0.0.1:{stack.prefill.port}"}
+        body = {"prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+        r = requests.post(f"{decode.url}/v1/completions", json={**body, "model": "attn"}, headers=prefill, timeout=30)
+        error = r.json()["error"]
+        assert (r.status_code, error["param"], error["code"]) == (404, "model", "model_not_found"), r.text
+        idle_now(stack.prefill.url)  # the prefill's half, which waited for this decode, ended
+        r = requests.post(f"{decode.url}/v1/completions", json={**body, "model": "tiny"}, headers=prefill, timeout=30)
+        assert (r.status_code, r.json()["choices"][0]["finish_reason"]) == (200, "length"), r.text  # the base
+    finally:
+        decode.stop()
+
+
+def test_the_workers_report_lora_requests_info(stack):
+    for proc, max_lora in ((stack.prefill, "2"), (stack.decode, "1")):
+        text = requests.get(f"{proc.url}/metrics", timeout=10).text
+        for name in ("disagg_lora_requests_info", "vllm:lora_requests_info"):
+            assert any(line.startswith(name) and f'max_lora="{max_lora}"' in line for line in text.splitlines())
