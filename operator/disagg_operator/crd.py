@@ -16,6 +16,7 @@ from . import names
 from .crd_flow import FLOW_RULES
 from .crd_gateway import GATEWAY_RULES, gateway_schema
 from .crd_kvcache import KV_CACHE_RULES, kv_cache_schema
+from .crd_lora import LORA_RULES, lora_schema
 from .crd_planner import PLANNER_RULES, planner_schema, slo_schema
 from .crd_roles import ATTN_TP, RANK_RULES, SPAN_RULES, engine_props, router_schema, tracing_schema, worker_role_schema
 from .crd_speculative import SPECULATIVE_RULES, speculative_schema
@@ -139,7 +140,7 @@ ROOT_RULES = [
 ]
 
 RULES = ROOT_RULES + SPEC_RULES + MODEL_RULES + SPECULATIVE_RULES + IMMUTABLE_RULES + SPAN_RULES + KV_CACHE_RULES
-RULES += PLANNER_RULES + GATEWAY_RULES + FLOW_RULES
+RULES += PLANNER_RULES + GATEWAY_RULES + FLOW_RULES + LORA_RULES
 
 
 def _rules_at(where: str) -> list[dict]:
@@ -269,6 +270,7 @@ def spec_schema() -> dict:
             "tracing": tracing_schema(),
             "kvCache": kv_cache_schema(),
             "gateway": gateway_schema(),
+            "lora": lora_schema(),
         },
         "The desired state of a disaggregated deployment.",
         required=["model", "image"],

@@ -104,6 +104,8 @@ MODEL_MOUNT = "/models"
 # Models built into the worker image (Dockerfile.worker), by the name `spec.model.builtin` gives them.
 BUILTIN_MODELS = {"smollm2": "/opt/models/SmolLM2-135M-Instruct"}
 HF_CACHE_MOUNT = "/cache/huggingface"
+# Where each LoRA adapter of `spec.lora` is mounted in a worker pod: LORA_MOUNT/NAME.
+LORA_MOUNT = "/lora"
 
 # Condition types.
 READY = "Ready"

@@ -49,6 +49,9 @@ class RouterView:
     pairs: tuple[PairResult, ...] = ()
     workers: tuple[WorkerHandoff, ...] = ()
     window_s: int = 0
+    # The LoRA adapters a healthy prefill and a healthy decode both serve, in the view of every router that lists
+    # its workers; None when none does (a router shows its workers only to the operator's probe token).
+    adapters: frozenset[str] | None = None
 
 
 def _text(value: Any, default: str = "") -> str:
@@ -87,6 +90,18 @@ def _worker(w: Mapping[str, Any], stall_after: int) -> WorkerHandoff:
     )
 
 
+def _paired_adapters(workers: Any) -> frozenset[str] | None:
+    """The adapters one router's healthy prefills and healthy decodes both list; None without a workers list."""
+    if not isinstance(workers, list):
+        return None
+    held: dict[str, set[str]] = {"prefill": set(), "decode": set()}
+    for w in _entries(workers):
+        names = w.get("lora_adapters")
+        if w.get("healthy") is True and w.get("role") in held and isinstance(names, list):
+            held[w["role"]].update(a for a in names if isinstance(a, str))
+    return frozenset(held["prefill"] & held["decode"])
+
+
 def merge_reports(reports: Mapping[str, Mapping[str, Any] | None]) -> RouterView:
     """`reports`: router pod name -> its parsed /health (None when it did not answer). Pairs keep the worst
     result any router saw; worker counters keep the largest any router saw (they read the same workers).
@@ -98,7 +113,11 @@ def merge_reports(reports: Mapping[str, Mapping[str, Any] | None]) -> RouterView
     workers: dict[str, WorkerHandoff] = {}
     without_pair = []
     window = 0
+    adapters: frozenset[str] | None = None
     for pod, report in answered.items():
+        mine_adapters = _paired_adapters(report.get("workers"))
+        if mine_adapters is not None:
+            adapters = mine_adapters if adapters is None else adapters & mine_adapters
         mine = [_pair(p) for p in _entries(report.get("pairs"))]
         if not any(p.verified for p in mine):
             without_pair.append(pod)
@@ -124,6 +143,7 @@ def merge_reports(reports: Mapping[str, Mapping[str, Any] | None]) -> RouterView
         pairs=tuple(pairs[k] for k in sorted(pairs)),
         workers=tuple(workers[k] for k in sorted(workers)),
         window_s=window,
+        adapters=adapters,
     )
 
 
@@ -176,6 +196,15 @@ def pairing_condition(spec: ModelSpec, router: RoleObservation | None, view: Rou
             f"{ok} of {len(view.pairs)} pairs verified; out of rotation: {_named(failing)}",
         )
     return "True", "PairsVerified", f"all {ok} prefill->decode pairs verified"
+
+
+def missing_adapters(spec: ModelSpec, view: RouterView | None) -> tuple[str, ...]:
+    """The adapters of `spec.lora` no healthy prefill and decode pair serves, as the routers see them; none when
+    the routers show no workers (the pods' readiness then says it: a worker that cannot load an adapter does not
+    start)."""
+    if spec.lora is None or view is None or view.adapters is None:
+        return ()
+    return tuple(a for a in spec.lora.names if a not in view.adapters)
 
 
 def handoff_condition(view: RouterView | None) -> tuple[str, str, str]:

@@ -17,6 +17,7 @@ from .engine_fields import DEFAULT_ENGINE, ENGINE_FIELDS
 from .flow_spec import FlowControlSpec
 from .gateway_spec import GatewaySpec
 from .kvcache import KVCacheSpec
+from .lora_spec import LoraSpec
 
 DEFAULT_DRAIN_TIMEOUT = 30
 DEFAULT_PROGRESS_DEADLINE = 600
@@ -295,6 +296,7 @@ class ModelSpec:
     tracing: TracingSpec | None = None  # None: no traces
     kv_cache: KVCacheSpec | None = None  # None: no host tier, no store
     gateway: GatewaySpec | None = None  # None: no InferencePool, no endpoint picker
+    lora: LoraSpec | None = None  # None: no LoRA adapters
     # The SLO planner runs (spec.scaling.planner, Advisory or Apply): the operator reads the workers' /metrics.
     planned: bool = False
 
@@ -365,6 +367,7 @@ class ModelSpec:
             kv_cache=KVCacheSpec.from_dict(spec.get("kvCache")),
             gateway=GatewaySpec.from_dict(spec.get("gateway"), Placement.from_dict(spec.get("gateway") or {})),
             planned=_planned(spec.get("scaling") or {}),
+            lora=LoraSpec.from_dict(spec.get("lora")),
         )
 
 

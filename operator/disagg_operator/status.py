@@ -15,7 +15,7 @@ from .builders.gateway import build_http_route, pool_name
 from .builders.kvstore import model_store, store_master
 from .observe import PodProblem, RoleObservation, observe_workload, pod_problem
 from .rollout import RolloutPlan, progressing_condition, rollout_status
-from .routerview import RouterView, handoff_condition, pairing_condition, transfer_status
+from .routerview import RouterView, handoff_condition, missing_adapters, pairing_condition, transfer_status
 from .spec import ModelSpec
 from .weights import cache_condition
 
@@ -140,10 +140,12 @@ def desired_conditions(
     pairing: tuple[str, str, str] = ("True", "", ""),
     rollout: tuple[bool, str, str] | None = None,
     gateway: tuple[str, ...] = (),
+    unserved: tuple[str, ...] = (),
 ) -> list[dict[str, Any]]:
     """Ready, Progressing and Degraded, without timestamps. `errors` are spec or apply failures; `pairing` is
     PairingVerified (Ready requires it) and `rollout` the Progressing of a rollout in progress. `gateway`'s
-    failures make the model Degraded but neither block nor un-Ready it: its router serves all the same."""
+    failures make the model Degraded but neither block nor un-Ready it: its router serves all the same.
+    `unserved`: the LoRA adapters of `spec.lora` no healthy pair serves (Ready waits for them)."""
     counts = _counts(spec, observed)
     pending = [r for r in names.ROLES if not _settled(spec, r, observed.get(r))]
     zero = [r for r in names.ROLES if spec.replicas(r) == 0]
@@ -157,6 +159,13 @@ def desired_conditions(
         ready = _condition(names.READY, False, "ReplicasNotReady", f"ready: {counts}")
     elif pairing[0] != "True":
         ready = _condition(names.READY, False, "PairingNotVerified", f"{pairing[1]}: {pairing[2]}")
+    elif unserved:
+        ready = _condition(
+            names.READY,
+            False,
+            "AdaptersNotServed",
+            f"no healthy prefill and decode pair serves LoRA adapter {', '.join(unserved)} yet",
+        )
     else:
         ready = _condition(names.READY, True, "AllReplicasReady", f"ready: {counts}")
     progressing = _progressing(pending, counts, errors, rollout)
@@ -202,7 +211,8 @@ def compute_status(
     rollout = rollout_status(plan, findings.revision, previous.get("rollout"), now) if plan else None
     pairing = pairing_condition(spec, observed.get(names.ROUTER), view)
     progress = progressing_condition(spec, plan, rollout, now) if plan else None
-    conds = desired_conditions(spec, observed, problems, errors, pairing, progress, findings.gateway)
+    unserved = missing_adapters(spec, view)
+    conds = desired_conditions(spec, observed, problems, errors, pairing, progress, findings.gateway, unserved)
     conds.append(_condition(names.PAIRING_VERIFIED, *pairing))
     conds.append(_condition(names.HANDOFF_STALLED, *handoff_condition(view)))
     conds.append(_condition(names.WEIGHTS_CACHE_AT_RISK, *cache_condition(spec)))

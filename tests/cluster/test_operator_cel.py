@@ -268,6 +268,36 @@ VIOLATIONS = [
         tiny(router__flowControl={"keyPriorities": [{"digest": DIGEST, "priority": 1}]}),
         "has(self.apiKeySecret)",
     ),
+    (
+        "an adapter from two sources",
+        tiny(lora={"adapters": [{"name": "sql", "configMap": "sql", "hostPath": "/srv/sql"}]}),
+        "[has(self.configMap), has(self.pvc), has(self.hostPath)]",
+    ),
+    (
+        "an adapter's path without a pvc",
+        tiny(lora={"adapters": [{"name": "sql", "configMap": "sql", "path": "v2"}]}),
+        "!has(self.path) || has(self.pvc)",
+    ),
+    (
+        "an adapter's path out of its pvc",
+        tiny(lora={"adapters": [{"name": "sql", "pvc": "adapters", "path": "sql/../../etc"}]}),
+        "[.][.]",
+    ),
+    (
+        "an adapter named twice",
+        tiny(lora={"adapters": [{"name": "sql", "configMap": "a"}, {"name": "sql", "configMap": "b"}]}),
+        "self.adapters.exists_one",
+    ),
+    (
+        "an adapter named as the served model",
+        tiny(lora={"adapters": [{"name": "tiny-llama", "configMap": "a"}]}),
+        "a.name != ",
+    ),
+    (
+        "adapters on a tensor-parallel decode",
+        tiny(decode__tpSize=2, lora={"adapters": [{"name": "sql", "configMap": "a"}]}),
+        "r.tpSize == 1 && r.ppSize == 1",
+    ),
 ]
 
 
@@ -439,3 +469,36 @@ def test_the_flow_control_model_the_docs_show_is_taken(kube_cluster, crd_install
     out = kube_cluster.kubectl("-n", namespace, "apply", "--dry-run=server", "-o", "json", "-f", "-", input=cr)
     flow = json.loads(out.stdout)["spec"]["router"]["flowControl"]
     assert flow["enabled"] is True and [o["name"] for o in flow["objectives"]] == ["chat", "batch"]
+
+
+def test_adapters_within_the_rules_are_taken_with_the_workers_defaults(kube_cluster, crd_installed, namespace):
+    """Each source once, a name of every allowed spelling: taken, the slots at the workers' defaults; a name that
+    cannot be a directory of /lora is refused by the schema."""
+    adapters = [
+        {"name": "sql", "configMap": "sql-adapter"},
+        {"name": "Chat.v2_final-1", "pvc": "adapters", "path": "chat/v2"},
+        {"name": "med", "hostPath": "/srv/adapters/med"},
+    ]
+    out = kube_cluster.kubectl(
+        "-n",
+        namespace,
+        "apply",
+        "--dry-run=server",
+        "-o",
+        "json",
+        "-f",
+        "-",
+        input=json.dumps(tiny(lora={"adapters": adapters})),
+    )
+    assert json.loads(out.stdout)["spec"]["lora"] == {"adapters": adapters, "maxLoras": 1, "maxLoraRank": 16}
+    bad = tiny(lora={"adapters": [{"name": "../sql", "configMap": "a"}]})
+    proc = apply_cr(kube_cluster, namespace, bad, check=False)
+    assert proc.returncode != 0 and "spec.lora.adapters[0].name" in proc.stderr
+
+
+def test_the_lora_model_the_docs_show_is_taken(kube_cluster, crd_installed, namespace):
+    text = (REPO / "docs" / "lora.md").read_text().split("## With the operator", 1)[1]
+    cr = text.split("```yaml\n", 1)[1].split("```", 1)[0]
+    out = kube_cluster.kubectl("-n", namespace, "apply", "--dry-run=server", "-o", "json", "-f", "-", input=cr)
+    lora = json.loads(out.stdout)["spec"]["lora"]
+    assert [a["name"] for a in lora["adapters"]] == ["sql", "chat"] and lora["maxLoras"] == 2

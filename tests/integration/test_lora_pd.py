@@ -2,8 +2,9 @@
 its prefix cache on). Each adapter's and the base model's greedy tokens equal transformers + PEFT's (those
 test_lora.py checks the monolithic server gives), one at a time and mixed at once; the decode's cached pages of
 one adapter are never another's; the router lists the adapters a pair serves and answers 404 naming `model` for
-one no pair serves; a decode without the adapter refuses it (404 naming `model`) when a gateway hands it off, the
-prefill's half freed; the workers' /metrics report lora_requests_info."""
+one no pair serves, and its /health lists each worker's adapters (what the operator's Ready reads); a decode
+without the adapter refuses it (404 naming `model`) when a gateway hands it off, the prefill's half freed; the
+workers' /metrics report lora_requests_info."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import concurrent.futures as cf
 import pytest
 import requests
 
+from disagg_operator.routerview import merge_reports
 from tests.integration.procs import FAST_FAILURE, PDStack, Proc, free_port, idle_now, scaled
 from tests.integration.test_lora import LONG, PROMPTS, adapters, complete, expected, tokens
 
@@ -57,6 +59,14 @@ def test_the_decodes_cached_pages_of_one_adapter_are_never_another_adapters(stac
 def test_the_router_lists_the_adapters_a_pair_serves_with_the_base_as_parent(stack):
     data = requests.get(f"{stack.router.url}/v1/models", timeout=10).json()["data"]
     assert [(m["id"], m.get("parent")) for m in data] == [("tiny", None), ("attn", "tiny"), ("mlp", "tiny")]
+
+
+def test_the_routers_health_lists_each_workers_adapters_as_the_operators_ready_reads_them(stack):
+    report = requests.get(f"{stack.router.url}/health", timeout=10).json()
+    held = {w["role"]: w.get("lora_adapters") for w in report["workers"]}
+    assert held == {"prefill": ["attn", "mlp", "all"], "decode": ["attn", "mlp"]}
+    # spec.lora's Ready (operator/disagg_operator/routerview.py) on this very report: what a pair serves.
+    assert merge_reports({"router-0": report}).adapters == {"attn", "mlp"}
 
 
 @pytest.mark.parametrize("model", ["all", "nope"])  # all: held by the prefill alone; nope: by no worker

@@ -71,6 +71,7 @@ def worker_settings(spec: ModelSpec, role: str, cfg: OperatorConfig = DEFAULT_CF
         # Decode drafts; prefill runs a draft model over the prompt, and needs nothing for NGRAM (a flag it
         # ignored would only roll its pods). Only when set, like --ep-size.
         out += s.settings()
+    out += spec.lora.settings() if spec.lora is not None else []  # the same on both roles; only when set
     return out + tracing_settings(spec) + tier_settings(spec, role)
 
 
@@ -108,12 +109,15 @@ def _digest(obj: Any, length: int) -> str:
 
 def pairing_revision(spec: ModelSpec) -> str:
     """What prefill and decode must agree on to exchange KV pages, hashed: the image (its code and wire format),
-    the model, the transfer, the page size, the KV dtype and a draft model. Both roles' pods carry the same value."""
+    the model, the transfer, the page size, the KV dtype, a draft model and the LoRA adapters (their names and
+    files). Both roles' pods carry the same value."""
     e = spec.prefill.engine
     parts: list[Any] = [spec.image, spec.model.model_arg, spec.transfer.backend, spec.transfer.protocol]
     parts += [e.page_size, e.kv_dtype]
     if spec.speculative is not None and spec.speculative.draft_arg is not None:  # its KV travels with the pages
         parts += [spec.speculative.algorithm, spec.speculative.draft_arg]
+    if spec.lora is not None:  # KV computed under an adapter is decoded under the same one (only when set)
+        parts += [[a.name, *a.source()] for a in spec.lora.adapters]
     return _digest(parts, 10)
 
 
@@ -188,6 +192,9 @@ def worker_pod_template(spec: ModelSpec, role: str, cfg: OperatorConfig) -> dict
     if spec.api_key_secret and takes_gateway_clients(spec, role):
         keys_vol, keys_mount = api_keys_volume(spec.api_key_secret)
         vols, mounts = vols + [keys_vol], mounts + [keys_mount]
+    if spec.lora is not None:
+        lora_vols, lora_mounts = spec.lora.volumes()
+        vols, mounts = vols + lora_vols, mounts + lora_mounts
     shm = {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": SHM}}
     container = {
         "name": role,

@@ -155,4 +155,6 @@ class Worker:
             d["bootstrap_port"] = self.bootstrap_port
         if self.report.get("pod") or self.revision:
             d.update(pod=self.name, revision=self.revision)
+        if self.adapters:  # the operator's Ready waits for a healthy pair serving each declared adapter
+            d["lora_adapters"] = self.adapters
         return d
