@@ -6,8 +6,8 @@ pod) look within one run:
   default values, replicas=2, and its Grafana dashboard and PrometheusRule on;
 - examples.yaml: every document in examples/, and for each DisaggregatedModel the children the operator's own
   builders make of it (the generated auth Secret and the prefill RoleScaler included);
-- one file per CR in hack/manifests/crs/ (a GPU-shaped, a multi-replica and a gateway-served model), the CR and its
-  children.
+- one file per CR in hack/manifests/crs/ (a GPU-shaped, a multi-replica, a gateway-served and a LoRA-serving
+  model), the CR and its children.
 """
 
 import argparse
