@@ -16,6 +16,7 @@ import requests
 from disagg_operator.routerview import merge_reports
 from tests.integration.procs import FAST_FAILURE, PDStack, Proc, free_port, idle_now, scaled
 from tests.integration.test_lora import LONG, PROMPTS, adapters, complete, expected, tokens
+from tests.timing import wait_until
 
 pytestmark = pytest.mark.integration
 __all__ = ["adapters", "expected"]  # test_lora.py's module fixtures: the adapters and PEFT's answers
@@ -100,3 +101,39 @@ def test_the_workers_report_lora_requests_info(stack):
         text = requests.get(f"{proc.url}/metrics", timeout=10).text
         for name in ("disagg_lora_requests_info", "vllm:lora_requests_info"):
             assert any(line.startswith(name) and f'max_lora="{max_lora}"' in line for line in text.splitlines())
+
+
+def resident_decode(stack: PDStack, model: str) -> str | None:
+    """The decode the router's last health round saw holding `model` resident (None: none yet)."""
+    report = requests.get(f"{stack.router.url}/health", timeout=10).json()
+    warm = [w["url"] for w in report["workers"] if w["role"] == "decode" and model in w.get("lora_resident", [])]
+    return warm[0] if len(warm) == 1 else None
+
+
+def test_requests_for_an_adapter_go_to_the_decode_holding_it_resident(tiny_model, adapters, expected):
+    """Two decodes of one slot each, both starting with `attn` in it: the first `mlp` request loads `mlp` into
+    one of them, and every later one goes there (round robin would send every other one to the second decode,
+    which would load it too)."""
+    modules = [f"{name}={path}" for name, path in adapters.items()][:2]  # attn, mlp
+    s = PDStack(
+        tiny_model,
+        "--page-size",
+        "4",
+        "--max-lora-rank",
+        "8",
+        prefill_flags=("--lora-modules", *modules, "--max-loras", "2"),
+        decode_flags=("--lora-modules", *modules, "--max-loras", "1"),
+        router_flags=("--policy", "round_robin"),
+        decodes=2,
+    ).wait_healthy()
+    try:
+        assert tokens(complete(s.router.url, "mlp", PROMPTS[0])) == expected[("mlp", 0)]
+        warm = wait_until(lambda: resident_decode(s, "mlp"), scaled(30), 0.2, what="the router seeing mlp resident")
+        for i in range(4):
+            assert tokens(complete(s.router.url, "mlp", PROMPTS[i % 3])) == expected[("mlp", i % 3)]
+        loads = {d.url: d.logs().count("LoRA adapter mlp resident in slot") for d in s.decodes}
+        assert loads == {d.url: int(d.url == warm) for d in s.decodes}, "mlp loaded once, on the decode it stayed on"
+        # The base model and `attn` still go to both: affinity narrows an adapter's requests only.
+        assert tokens(complete(s.router.url, "attn", PROMPTS[1])) == expected[("attn", 1)]
+    finally:
+        s.stop()

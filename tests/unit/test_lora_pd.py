@@ -24,6 +24,7 @@ from disagg_worker.router.payload import SharedBody
 from disagg_worker.router.worker import Worker
 from disagg_worker.router.workers import WorkerPool
 from disagg_worker.server.metrics import ServerMetrics
+from disagg_worker.tuning import TUNING
 from tests.lora_adapters import ATTENTION, MLP, write_adapter
 
 ROOMS = itertools.count(3 << 40)  # the fake backend pairs rooms process-wide: none another module uses
@@ -141,10 +142,30 @@ def test_kv_computed_under_another_adapter_fails_that_decode_request_alone(engin
     assert not got["d-ok"].error and len(got["d-ok"].token_ids) == N
 
 
-def worker(url: str, role: str, adapters: list[str]) -> Worker:
+def worker(url: str, role: str, adapters: list[str], resident: tuple[str, ...] = (), requests: int = 0) -> Worker:
     w = Worker(url, role, healthy=True)
-    w.take_report(json.dumps({"lora_adapters": adapters}).encode())  # as its /health lists them
+    report = {"lora_adapters": adapters, "lora_resident": list(resident), "load": {"requests": requests}}
+    w.take_report(json.dumps(report).encode())  # as its /health lists them
     return w
+
+
+def test_an_adapters_request_goes_first_where_it_is_resident_unless_that_is_far_busier():
+    slack = TUNING.router.lora_affinity_slack
+    p = worker("http://p", "prefill", ["attn", "mlp"], ("attn", "mlp"))
+    warm = worker("http://d1", "decode", ["attn", "mlp"], ("mlp",), requests=slack)
+    cold = worker("http://d2", "decode", ["attn", "mlp"], ("attn",))
+    pool = WorkerPool(static=[p, warm, cold])
+    assert pool.cold("mlp", set()) == {cold}
+    assert {pool.pick_pair(pool.cold("mlp", set())) for _ in range(4)} == {(p, warm)}
+    assert pool.cold("attn", set()) == {warm} and pool.cold("", set()) == set()  # the base model: no affinity
+    # Far busier: any instance that serves it (the adapter then loads there).
+    busier = worker("http://d1", "decode", ["attn", "mlp"], ("mlp",), requests=slack + 1)
+    assert WorkerPool(static=[p, busier, cold]).cold("mlp", set()) == set()
+    # Out of rotation, or left out by the caller: the rest go by the policy alone.
+    warm.healthy = False
+    assert pool.cold("mlp", set()) == set()
+    warm.healthy = True
+    assert pool.cold("mlp", {warm}) == set()
 
 
 def test_the_pool_pairs_an_adapters_request_only_with_workers_that_serve_it():

@@ -125,6 +125,10 @@ class RouterTuning:
     # together but their last events arrive a step or two apart, so the stalled stream's own window opens with its
     # siblings' last events. A decode that makes progress delivers on some stream every step, milliseconds apart.
     stalled_decode_silence: float = 0.5
+    # LoRA affinity (`WorkerPool.cold`): a request for an adapter goes to the instances of a role where it is
+    # resident while the least busy of them holds at most this many requests more than the least busy instance that
+    # serves it at all; beyond, to any (the adapter then loads there: a copy into a slot, and a wait for a free one).
+    lora_affinity_slack: int = 8
 
 
 @dataclass(frozen=True)

@@ -283,6 +283,7 @@ class Engine:
             broken=self.manager.broken if self.manager is not None else "",
             lora_running=adapter_names(s.running),
             lora_waiting=adapter_names(s.waiting),
+            lora_resident=self.loras.names(s.adapters.resident()),
         )
 
     def queue_sizes(self) -> dict[str, int]:

@@ -25,6 +25,11 @@ class LoraRegistry:
         """Adapter `name`'s number ("": the base model, 0); 0 for a name not served (refused by `problem`)."""
         return self.adapters.get(name, 0)
 
+    def names(self, adapters: Iterable[int]) -> tuple[str, ...]:
+        """The names of adapters numbered `adapters` (the base model, 0, has none), in that order."""
+        by_number = {i: name for name, i in self.adapters.items()}
+        return tuple(by_number[a] for a in adapters if a in by_number)
+
     def problem(self, name: str) -> str:
         """Why a request for adapter `name` cannot run here ("" when it can)."""
         if not name or name in self.adapters:
@@ -47,6 +52,10 @@ class Resident:
         self.last_used = dict.fromkeys(self.held, 0)
         self.load = load
         self._clock = itertools.count(1)
+
+    def resident(self) -> tuple[int, ...]:
+        """The adapters the slots hold, in slot order: those a request runs under without loading one."""
+        return tuple(self.held[s] for s in sorted(self.held))
 
     def _slot_of(self, adapter: int) -> int | None:
         return next((s for s, a in self.held.items() if a == adapter), None)

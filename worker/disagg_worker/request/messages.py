@@ -154,6 +154,9 @@ class SchedulerStats:
     # The LoRA adapters of the scheduler's running requests and of its waiting ones, each named once, in order.
     lora_running: tuple[str, ...] = ()
     lora_waiting: tuple[str, ...] = ()
+    # The adapters its slots hold (--max-loras of them at most), in slot order: the router prefers an instance
+    # where a request's adapter is resident.
+    lora_resident: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -160,7 +160,9 @@ class Router:
             if last is not None:  # a retry, after a pause that doubles: failures do not become a burst of retries
                 self.pool.retries[last.worker.role if last.worker is not None else "pair"] += 1
                 await asyncio.sleep(RETRY_BACKOFF_S * 2 ** (attempt - 1))
-            pair = self.pick_pair(tried, prompt)
+            # LoRA affinity first: an instance holding the adapter resident, when one is about as free.
+            cold = self.pool.cold(body.model, tried)
+            pair = (cold and self.pick_pair(tried | cold, prompt)) or self.pick_pair(tried, prompt)
             if pair is None or self.cut_reason:
                 break
             p, d = pair

@@ -135,6 +135,12 @@ class Worker:
         return [a for a in names if isinstance(a, str)] if isinstance(names, list) else []
 
     @property
+    def resident(self) -> list[str]:
+        """The LoRA adapters the worker's slots hold, as its last /health listed them (`lora_resident`)."""
+        names = self.report.get("lora_resident")
+        return [a for a in names if isinstance(a, str)] if isinstance(names, list) else []
+
+    @property
     def revision(self) -> str:
         """Pairing revision: only a prefill and a decode of the same revision are paired."""
         return str(self.report.get("revision") or "")
@@ -157,4 +163,5 @@ class Worker:
             d.update(pod=self.name, revision=self.revision)
         if self.adapters:  # the operator's Ready waits for a healthy pair serving each declared adapter
             d["lora_adapters"] = self.adapters
+            d["lora_resident"] = self.resident  # which the router prefers for a request of one (`WorkerPool.cold`)
         return d

@@ -1,7 +1,8 @@
 """The router's workers: static ones plus those found through DNS (`discovery.py`), kept current each health
 round, and the choice of the prefill/decode pair that serves the next request. The pool keeps the workers and
 leaves out the unhealthy, the held out (a decode found stalled: `stall.py`) and the excluded (for a LoRA adapter:
-the workers that do not serve it, `lacking`); which of the rest serves is its policy's (`policies/`), and under
+the workers that do not serve it, `lacking`, and first those that do not hold it resident while one that does is
+about as free, `cold`); which of the rest serves is its policy's (`policies/`), and under
 DP attention which attention group (`policies/groups.py`). It also holds the router's counts of how requests were
 routed (/health, /metrics).
 """
@@ -23,6 +24,7 @@ from disagg_worker.router.kv_index import KVIndex
 from disagg_worker.router.policies import Policy, RoutingPolicy, groups, make_policy
 from disagg_worker.router.policies.prefix import PrefixScore, Prompt
 from disagg_worker.router.worker import GroupPolicy, Worker
+from disagg_worker.tuning import TUNING
 
 log = logging.getLogger(__name__)
 
@@ -120,6 +122,22 @@ class WorkerPool:
         if model not in self.adapters():
             raise model_not_found(model)
         return {w for w in self.workers() if model not in w.adapters}
+
+    def cold(self, model: str, exclude: frozenset[Worker] | set[Worker]) -> set[Worker]:
+        """LoRA affinity: for a request of adapter `model`, the available workers of each role that serve it
+        without holding it resident, when a resident one is about as free (`RouterTuning.lora_affinity_slack`);
+        none for the base model, for a role where no instance holds it resident, or where those are far busier."""
+        now = time.monotonic()
+        out: set[Worker] = set()
+        if not model:
+            return out
+        for role in ("prefill", "decode"):
+            serving = [w for w in self.workers(role) if w.available(now) and w not in exclude and model in w.adapters]
+            warm = [w for w in serving if model in w.resident]
+            slack = TUNING.router.lora_affinity_slack
+            if warm and min(w.busy for w in warm) <= min(w.busy for w in serving) + slack:
+                out |= {w for w in serving if model not in w.resident}
+        return out
 
     def decode_only(self, d: Worker, prompt: Prompt | None) -> bool:
         """Decode `d` computes the prompt itself, with no prefill (conditional disaggregation: the policy's)."""

@@ -124,6 +124,8 @@ async def health(request: web.Request) -> web.Response:
         report["local_prefill"] = True
     if s["adapters"]:  # the router pairs a request for an adapter only with instances that hold it
         report["lora_adapters"] = s["adapters"]
+        # ... and prefers those where it is resident (no load into a slot, no wait for one).
+        report["lora_resident"] = list(fe.stats.lora_resident) if fe.stats is not None else []
     if admission.draining:
         reason = "the instance is shutting down: it finishes the requests it holds and takes no new ones"
         return web.json_response({"status": DRAINING, "reason": reason, **report}, status=503)
