@@ -124,3 +124,49 @@ def test_a_request_no_decode_hands_off_names_no_prefill():
     assert set_headers(out) == {answers.DESTINATION: "10.0.1.1:8000"}
     x.close()
     assert all(p.inflight == 0 for p in prefills)
+
+
+def serving(w: Worker, adapters: list[str], resident: list[str]) -> Worker:
+    w.report = {"lora_adapters": adapters, "lora_resident": resident}  # as its /health lists them
+    return w
+
+
+def test_a_request_for_an_adapter_goes_to_a_pair_serving_it_resident_first_and_others_are_refused():
+    pool, (d1, d2), (p1, p2) = pd_pool()
+    serving(d1, ["attn", "mlp"], ["attn"])
+    serving(d2, ["attn", "mlp"], ["mlp"])
+    serving(p1, ["attn"], ["attn"])
+    serving(p2, ["attn", "mlp"], ["mlp"])
+    picker = Picker(pool, pd=True)
+    assert picker.adapters() == ["attn", "mlp"]
+    c = picker.choose(None, handed_off=True, adapter="mlp")
+    assert (c.worker, c.prefill) == (d2, p2)  # the decode holding it resident; the one prefill serving it
+    d2.inflight = 20  # far busier: the other decode, which serves it too, takes it (and loads it)
+    assert picker.choose(None, handed_off=True, adapter="mlp").worker is d1
+    assert picker.choose(None, handed_off=True).worker is d1  # the base: by load alone
+
+    # Through the exchange: the body's `model` selects the adapter; a name no pair serves is the workers' 404.
+    x = Exchange(picker, Reader("m"), EppMetrics())
+    raw = json.dumps({**CHAT, "model": "attn"}).encode()
+    out = run(
+        x, headers("/v1/chat/completions"), pb.ProcessingRequest(request_body=pb.HttpBody(body=raw, end_of_stream=True))
+    )
+    assert set_headers(out[0])[answers.DESTINATION] == "10.0.1.1:8000"  # attn resident there
+    x.close()
+    x = Exchange(picker, Reader("m"), EppMetrics())
+    raw = json.dumps({**CHAT, "model": "sql"}).encode()
+    out = run(
+        x, headers("/v1/chat/completions"), pb.ProcessingRequest(request_body=pb.HttpBody(body=raw, end_of_stream=True))
+    )
+    refused = out[-1].immediate_response
+    assert refused.status.code == 404 and b'"param": "model"' in refused.body
+    x.close()
+
+
+def test_no_ready_endpoint_serving_the_adapter_is_a_503_naming_it():
+    pool, (d1, d2), _ = pd_pool()
+    serving(d1, ["attn"], [])
+    d1.healthy = False
+    with pytest.raises(APIError) as e:
+        Picker(pool, pd=True).choose(None, adapter="attn")
+    assert e.value.status == 503 and "LoRA adapter attn" in e.value.message

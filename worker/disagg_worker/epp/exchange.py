@@ -26,7 +26,7 @@ from disagg_worker.epp.generated.envoy.extensions.filters.http.ext_proc.v3.proce
 from disagg_worker.epp.generated.envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from disagg_worker.epp.metrics import EppMetrics
 from disagg_worker.epp.pick import Choice, Picker
-from disagg_worker.epp.request_body import CHECKS, HANDED_OFF, BodyBuffer, path_of, read_request, scored
+from disagg_worker.epp.request_body import CHECKS, HANDED_OFF, BodyBuffer, adapter_of, path_of, read_request, scored
 from disagg_worker.request.errors import APIError, server_error
 from disagg_worker.router.policies.prefix import Prompt
 from disagg_worker.router.prompt import PromptTokens, prompt_of
@@ -109,7 +109,7 @@ class Exchange:
             return self._routed(self._pick(None, since), raw, changed=False)
         inline = len(raw) <= INLINE_BODY_BYTES and self.reader.prompts is None
         body, prompt = self._read(raw) if inline else await asyncio.to_thread(self._read, raw)
-        choice = self._pick(prompt, since)
+        choice = self._pick(prompt, since, adapter_of(self.path, body, self.reader.model))
         if choice.group is None:
             return self._routed(choice, raw, changed=False)
         # The attention group, named to the worker as the router names it.
@@ -122,12 +122,13 @@ class Exchange:
 
     def _read(self, raw: bytes) -> tuple[dict[str, Any], Prompt | None]:
         r = self.reader
-        body = read_request(self.path, raw, r.model)
+        body = read_request(self.path, raw, r.model, self.picker.adapters())
         return body, prompt_of(r.prompts, self.picker.pool.kv_index, r.kv_key, *scored(self.path, body))
 
-    def _pick(self, prompt: Prompt | None, since: float) -> Choice:
-        """The endpoint, picked for `prompt`; the decision's time (since the whole request was in) measured."""
-        self.choice = self.picker.choose(prompt, self.subset, handed_off=self.path in HANDED_OFF)
+    def _pick(self, prompt: Prompt | None, since: float, adapter: str = "") -> Choice:
+        """The endpoint, picked for `prompt` (under LoRA adapter `adapter`); the decision's time (since the whole
+        request was in) measured."""
+        self.choice = self.picker.choose(prompt, self.subset, handed_off=self.path in HANDED_OFF, adapter=adapter)
         self.metrics.picked(self.choice, time.monotonic() - since)
         return self.choice
 

@@ -15,8 +15,13 @@ it scores prefills. The prefill is named to the decode in llm-d's header `x-pref
 the prefill leg itself (`router/decode_handoff.py`), choosing the attention groups of its pair: the picker names
 none. The subset hint and shedding apply to the endpoints (the decodes).
 
+A request whose `model` names a LoRA adapter (docs/lora.md) goes only to endpoints (and prefills) that serve it,
+as the workers' /health lists them, and first to those holding it resident while one is about as free
+(`WorkerPool.cold`): the router's rules.
+
 Refusals are the protocol's (the GIE endpoint picker protocol): 503 when no endpoint is ready or none of the
-hint's is, or (P/D) no prefill is; 429 when every candidate holds `max_queue` requests.
+hint's is, or (P/D) no prefill is, or none serving the request's adapter is; 429 when every candidate holds
+`max_queue` requests.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ PREFILL, DECODE = "prefill", "decode"
 # router's.
 FALLBACK_CONTEXT = 131072
 NO_ENDPOINT = "No endpoint of the pool is ready; retry later."
+NO_ADAPTER = "No {role} serving LoRA adapter {model} is ready; retry later."
 NONE_IN_SUBSET = "None of the endpoints the gateway allows (x-gateway-destination-endpoint-subset) is ready."
 NO_PREFILL = "No prefill instance of the pool is ready; retry later."
 
@@ -96,6 +102,12 @@ class Picker:
         healthy = any(w.healthy for w in self.pool.workers(self.role))
         return healthy and (not self.pd or any(w.healthy for w in self.pool.workers(PREFILL)))
 
+    def adapters(self) -> list[str]:
+        """The LoRA adapters a request may name: those a prefill and a decode both serve (P/D), or an endpoint."""
+        if self.pd:
+            return self.pool.adapters()
+        return list(dict.fromkeys(a for w in self.pool.workers(self.role) for a in w.adapters))
+
     def body_limit(self) -> int:
         """--max-body-bytes, else the limit of the largest context an endpoint reported (`request/limits.py`)."""
         if self.max_body_bytes > 0:
@@ -103,9 +115,9 @@ class Picker:
         known = [w.max_model_len for w in self.pool.workers(self.role) if w.max_model_len]
         return body_limit_bytes(max(known) if known else FALLBACK_CONTEXT)
 
-    def candidates(self, subset: frozenset[str] | None) -> list[Worker]:
-        """The ready endpoints the request may go to (within `subset` when the gateway sent one); 503 if none,
-        429 if all are full."""
+    def candidates(self, subset: frozenset[str] | None, adapter: str = "") -> list[Worker]:
+        """The ready endpoints the request may go to (within `subset` when the gateway sent one; serving LoRA
+        adapter `adapter` when it names one); 503 if none, 429 if all are full."""
         ready = [w for w in self.pool.workers(self.role) if w.healthy]
         if subset is not None:
             ready = [w for w in ready if address(w) in subset]
@@ -113,6 +125,7 @@ class Picker:
                 raise unavailable(NONE_IN_SUBSET, retry_after=1)
         if not ready:
             raise unavailable(NO_ENDPOINT, retry_after=1)
+        ready = self._for_adapter(ready, adapter, "endpoint")
         if self.max_queue <= 0:
             return ready
         room = [w for w in ready if w.busy < self.max_queue]
@@ -120,19 +133,34 @@ class Picker:
             raise shed(self.max_queue)
         return room
 
-    def prefills(self) -> list[Worker]:
-        """The ready prefills (P/D mode); 503 naming them if none is."""
+    def prefills(self, adapter: str = "") -> list[Worker]:
+        """The ready prefills (P/D mode), serving LoRA adapter `adapter` when it names one; 503 naming them if none
+        is."""
         ready = [w for w in self.pool.workers(PREFILL) if w.healthy]
         if not ready:
             raise unavailable(NO_PREFILL, retry_after=1)
-        return ready
+        return self._for_adapter(ready, adapter, "prefill")
 
-    def choose(self, prompt: Prompt | None, subset: frozenset[str] | None = None, handed_off: bool = False) -> Choice:
+    def _for_adapter(self, ready: list[Worker], adapter: str, what: str) -> list[Worker]:
+        """Of `ready`, those serving LoRA adapter `adapter` (all for the base model: ""), those holding it resident
+        first when one is about as free (`WorkerPool.cold`); 503 when none serves it."""
+        if not adapter:
+            return ready
+        serving = [w for w in ready if adapter in w.adapters]
+        if not serving:
+            raise unavailable(NO_ADAPTER.format(role=what, model=adapter), retry_after=1)
+        cold = self.pool.cold(adapter, set())
+        return [w for w in serving if w not in cold] or serving
+
+    def choose(
+        self, prompt: Prompt | None, subset: frozenset[str] | None = None, handed_off: bool = False, adapter: str = ""
+    ) -> Choice:
         """The endpoint for a request with `prompt` (None: not read), by the pool's policy, and its fallbacks by
-        load; in P/D mode, when the decode hands the request off (`handed_off`), the prefill too. An `APIError`
-        (503, 429) when none may take it. Opens the request on them (`prefilled` and `done` close it)."""
-        candidates = self.candidates(subset)
-        prefills = self.prefills() if self.pd and handed_off else []
+        load; in P/D mode, when the decode hands the request off (`handed_off`), the prefill too; for LoRA adapter
+        `adapter` ("": the base model) only those serving it. An `APIError` (503, 429) when none may take it. Opens
+        the request on them (`prefilled` and `done` close it)."""
+        candidates = self.candidates(subset, adapter)
+        prefills = self.prefills(adapter) if self.pd and handed_off else []
         w = self.pool.routing.pick(self.role, candidates, prompt)
         # A decode receives the KV and names its own pair's groups; a monolithic endpoint computes the prompt.
         group, tokens = (None, 0) if self.pd else self.pool.group_for(w, secrets.randbits(63), prompt)

@@ -10,7 +10,7 @@ the router leaves them to it.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 from disagg_worker.request.errors import too_large
@@ -47,13 +47,13 @@ def path_of(target: str) -> str:
     return target.partition("?")[0]
 
 
-# The paths whose bodies the picker reads, each with the parser its worker runs on it; any other request is
-# picked by load alone.
-CHECKS: dict[str, Callable[[Any, str], object]] = {
-    CHAT: lambda body, model: parse_chat(body, model, _NO_LIMITS),
-    COMPLETIONS: lambda body, model: parse_completions(body, model, _NO_LIMITS),
-    GENERATE: lambda body, model: parse_generate(body, _NO_LIMITS),
-    RESPONSES: lambda body, model: parse_responses(body, input_items(body), model, _NO_LIMITS),
+# The paths whose bodies the picker reads, each with the parser its worker runs on it (with the LoRA adapters a
+# request may name: chat and completions take them, as the workers do); any other request is picked by load alone.
+CHECKS: dict[str, Callable[[Any, str, Collection[str]], object]] = {
+    CHAT: lambda body, model, adapters: parse_chat(body, model, _NO_LIMITS, adapters),
+    COMPLETIONS: lambda body, model, adapters: parse_completions(body, model, _NO_LIMITS, adapters),
+    GENERATE: lambda body, model, adapters: parse_generate(body, _NO_LIMITS),
+    RESPONSES: lambda body, model, adapters: parse_responses(body, input_items(body), model, _NO_LIMITS),
 }
 
 # The paths a decode hands off when a request names its prefill (`router/decode_handoff.py`; the Responses API it
@@ -61,12 +61,18 @@ CHECKS: dict[str, Callable[[Any, str], object]] = {
 HANDED_OFF = frozenset({CHAT, COMPLETIONS, GENERATE, RESPONSES})
 
 
-def read_request(path: str, raw: bytes, model: str) -> dict[str, Any]:
+def read_request(path: str, raw: bytes, model: str, adapters: Collection[str] = ()) -> dict[str, Any]:
     """The body of a request to `path` (one of `CHECKS`) once its worker's parser accepts it; the parser's
-    `APIError` (400 naming the field, 404 for another model than `model`) otherwise."""
+    `APIError` (400 naming the field, 404 for another model than `model` or one of `adapters`) otherwise."""
     body = parse_json(raw)
-    CHECKS[path](body, model)
+    CHECKS[path](body, model, adapters)
     return body
+
+
+def adapter_of(path: str, body: dict[str, Any], model: str) -> str:
+    """The LoRA adapter a request read by `read_request` runs under ("": the base model)."""
+    named = body.get("model") if path in (CHAT, COMPLETIONS) else None
+    return named if isinstance(named, str) and named != model else ""
 
 
 def scored(path: str, body: dict[str, Any]) -> tuple[str, dict[str, Any]]:
