@@ -4,7 +4,8 @@ test_lora.py checks the monolithic server gives), one at a time and mixed at onc
 one adapter are never another's; the router lists the adapters a pair serves and answers 404 naming `model` for
 one no pair serves, and its /health lists each worker's adapters (what the operator's Ready reads); a decode
 without the adapter refuses it (404 naming `model`) when a gateway hands it off, the prefill's half freed; the
-workers' /metrics report lora_requests_info."""
+workers' /metrics report lora_requests_info; an adapter's requests stay on the decode holding it resident; seeded
+sampling under each adapter equals a monolithic server's."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import pytest
 import requests
 
 from disagg_operator.routerview import merge_reports
-from tests.integration.procs import FAST_FAILURE, PDStack, Proc, free_port, idle_now, scaled
+from tests.integration.procs import FAST_FAILURE, PDStack, Proc, free_port, idle_now, scaled, serve
 from tests.integration.test_lora import LONG, PROMPTS, adapters, complete, expected, tokens
 from tests.timing import wait_until
 
@@ -137,3 +138,41 @@ def test_requests_for_an_adapter_go_to_the_decode_holding_it_resident(tiny_model
         assert tokens(complete(s.router.url, "attn", PROMPTS[1])) == expected[("attn", 1)]
     finally:
         s.stop()
+
+
+def sampled(url: str, model: str, ids: list[int], seed: int) -> list[int]:
+    body = {"model": model, "prompt": ids, "max_tokens": 8, "temperature": 1.0, "top_p": 0.9, "seed": seed}
+    r = requests.post(f"{url}/v1/completions", json={**body, "ignore_eos": True, "return_token_ids": True}, timeout=60)
+    assert r.status_code == 200, r.text
+    return tokens(r.json())
+
+
+def test_seeded_sampling_under_each_adapter_through_pd_equals_a_monolithic_servers(stack, tiny_model, adapters):
+    """The first token is sampled at prefill and the rest at decode, each under the request's adapter: the same
+    seeded tokens as one monolithic instance (chunked prefill on there, the prompt in chunks of 4) gives."""
+    modules = [f"{name}={path}" for name, path in adapters.items()][:2]
+    mono = serve(
+        tiny_model,
+        "--served-model-name",
+        "tiny",
+        "--page-size",
+        "4",
+        "--chunk-size",
+        "4",
+        "--max-lora-rank",
+        "8",
+        "--lora-modules",
+        *modules,
+        "--max-loras",
+        "2",
+    ).wait_healthy()
+    try:
+        for model in SERVED:
+            for seed in (1, 2):
+                want = sampled(mono.url, model, PROMPTS[0], seed)
+                assert sampled(stack.router.url, model, PROMPTS[0], seed) == want, (model, seed)
+        # ... and the seeds matter, as do the adapters: not the same tokens whatever is asked.
+        answers = {(m, s): tuple(sampled(mono.url, m, PROMPTS[0], s)) for m in SERVED for s in (1, 2)}
+        assert len(set(answers.values())) > len(SERVED)
+    finally:
+        mono.stop()
