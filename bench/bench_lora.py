@@ -99,8 +99,8 @@ def plot(res: dict, path: Path) -> None:
     c, m = res["config"], res["machine"]
     fig, ax = plt.subplots(figsize=(6, 4))
     bars = [res["base"]["output_tok_s"], res["adapters"]["output_tok_s"]]
-    ax.bar(["base model alone", f"{c['adapters']} adapters mixed\n(rank {c['rank']}, all projections)"], bars,
-           color=["tab:gray", "tab:blue"])  # fmt: skip
+    labels = ["base model alone", f"{c['adapters']} adapters mixed\n(rank {c['rank']}, all projections)"]
+    ax.bar(labels, bars, color=["tab:gray", "tab:blue"])
     for x, y in enumerate(bars):
         ax.text(x, y, f"{y:.0f}", ha="center", va="bottom")
     ax.set_ylabel("output tok/s")

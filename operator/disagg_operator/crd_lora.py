@@ -18,12 +18,12 @@ SERVED_NAME = "(has(self.spec.servedModelName) ? self.spec.servedModelName : sel
 LORA_RULES: list[tuple[str, str, str]] = [
     (
         ADAPTER,
-        "[has(self.configMap), has(self.pvc), has(self.hostPath)].filter(x, x).size() == 1",
+        "(has(self.configMap) ? 1 : 0) + (has(self.pvc) ? 1 : 0) + (has(self.hostPath) ? 1 : 0) == 1",
         "lora.adapters[]: set exactly one of configMap, pvc and hostPath (where the adapter's directory is)",
     ),
     (
         ADAPTER,
-        "!has(self.path) || has(self.pvc)",
+        "has(self.pvc) || !has(self.path)",
         "lora.adapters[].path is a directory inside the adapter's pvc: it needs pvc",
     ),
     (
@@ -44,7 +44,8 @@ LORA_RULES: list[tuple[str, str, str]] = [
     ),
     (
         "spec",
-        "!has(self.lora) || [self.prefill, self.decode].all(r, r.tpSize == 1 && r.ppSize == 1 && r.dpSize == 1)",
+        "!has(self.lora) || (self.prefill.tpSize == 1 && self.prefill.ppSize == 1 && self.prefill.dpSize == 1 && "
+        "self.decode.tpSize == 1 && self.decode.ppSize == 1 && self.decode.dpSize == 1)",
         "lora serves adapters on single-rank instances for now: prefill and decode need tpSize, ppSize and dpSize 1",
     ),
 ]

@@ -271,12 +271,12 @@ VIOLATIONS = [
     (
         "an adapter from two sources",
         tiny(lora={"adapters": [{"name": "sql", "configMap": "sql", "hostPath": "/srv/sql"}]}),
-        "[has(self.configMap), has(self.pvc), has(self.hostPath)]",
+        "(has(self.configMap) ? 1 : 0)",
     ),
     (
         "an adapter's path without a pvc",
         tiny(lora={"adapters": [{"name": "sql", "configMap": "sql", "path": "v2"}]}),
-        "!has(self.path) || has(self.pvc)",
+        "has(self.pvc) || !has(self.path)",
     ),
     (
         "an adapter's path out of its pvc",
@@ -296,7 +296,7 @@ VIOLATIONS = [
     (
         "adapters on a tensor-parallel decode",
         tiny(decode__tpSize=2, lora={"adapters": [{"name": "sql", "configMap": "a"}]}),
-        "r.tpSize == 1 && r.ppSize == 1",
+        "self.decode.tpSize == 1 && self.decode.ppSize == 1",
     ),
 ]
 

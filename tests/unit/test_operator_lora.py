@@ -59,8 +59,8 @@ def test_both_roles_get_every_adapter_at_its_mount_and_the_slots(tiny):
     spec = ModelSpec.from_cr(with_lora(tiny, maxLoras=2, maxLoraRank=32))
     for role in ("prefill", "decode"):
         lora = worker_lora(worker_args(spec, role, CFG))
-        assert lora.adapters == [("sql", "/lora/sql"), ("chat", "/lora/chat"), ("legal", "/lora/legal"),
-                                   ("med", "/lora/med")]  # fmt: skip
+        mounts = [("sql", "/lora/sql"), ("chat", "/lora/chat"), ("legal", "/lora/legal"), ("med", "/lora/med")]
+        assert lora.adapters == mounts
         assert (lora.max_loras, lora.max_lora_rank) == (2, 32)
 
 
