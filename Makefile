@@ -132,10 +132,9 @@ jaeger-bin:
 #        gpu) in one session of $(LOCAL_JOBS) pytest-xdist workers, each module whole in one worker
 #        (--dist loadfile: a module's stack, started by its module-scoped fixtures, serves all its tests; every
 #        process a test starts listens on a free port);
-#      - on a cluster: the control plane and the chart's manifests through the linters, then the cluster and e2e
-#        tiers in one session, whose output lines start with [pytest-cluster]; beside it, the node's binaries and
-#        both images (the worker's after the venv, whose downloads fill pip's cache that its build reads), which
-#        the e2e tier, after the cluster tier, waits for.
+#      - on a cluster: the control plane, the node's binaries and both images (the worker's after the venv, whose
+#        downloads fill pip's cache that its build reads), the chart's manifests through the linters, then the
+#        cluster and e2e tiers in one session, whose output lines start with [pytest-cluster].
 #      The cluster line spends most of its time waiting on the API server and the node's rollouts, and the
 #      integration tests wait on their processes' start-up and deadlines as much as they compute, so the lines
 #      overlap well; the Go builds start first, from the first second, since they are the longest step on a fresh
@@ -158,7 +157,7 @@ test:
 	@mkdir -p build && rm -f $(PHASES) $(TIERS); export DISAGG_PHASES=$(CURDIR)/$(PHASES); status=0; \
 	export DISAGG_TIER_REPORT=$(CURDIR)/$(TIERS); \
 	$(call phase,debian-packages) $(MAKE) --no-print-directory PACKAGES='$(ALL_PACKAGES)' debian-packages && \
-	$(MAKE) --no-print-directory -k -j$(TEST_JOBS) test-cluster-tiers test-local-tiers $(E2E_PREPARE) || status=$$?; \
+	$(MAKE) --no-print-directory -k -j$(TEST_JOBS) test-cluster-tiers test-local-tiers || status=$$?; \
 	python3 hack/test/report.py $(PHASES) $(TIERS); exit $$status
 
 # The node and the images only as root: the e2e tier skips itself otherwise (its node adds bridges and mounts).
@@ -172,11 +171,7 @@ test-local-tiers: test-prepare-local
 	@status=0; $(call phase,--plain pytest-unit) $(UNIT_PYTEST) || status=$$?; \
 	$(call phase,--plain pytest-local) $(LOCAL_PYTEST) || status=$$?; exit $$status
 
-# The cluster tier needs the control plane only: its session starts while the node's binaries and the images
-# still build beside it (goals of the same make run); the e2e tier's fixtures build them again, which waits for
-# make's build to finish (hack/node/build.sh and hack/images/build.sh hold a lock while they build) and then
-# finds them built.
-test-cluster-tiers: lint-manifests lint
+test-cluster-tiers: test-prepare-cluster lint
 	@$(call phase,pytest-cluster) $(VENV)/bin/pytest $(PYTEST_ARGS) $(CLUSTER_TIERS)
 
 # The images the e2e tier runs (its fixture builds them again: buildah's layer cache finds them unchanged).
