@@ -35,14 +35,22 @@ def test_every_entry_is_dispatched_expired_evicted_removed_or_queued_once_and_th
     for step in steps:
         if step[0] == "push":
             now += step[3]
+            flows = q.by_flow()  # before the push
             result = q.push(pushed, step[1], step[2], now)
             if result.entry is not None:
                 live[pushed] = result.entry
-            else:  # refused: only when full, and nothing queued is below it
-                assert len(q) == capacity and min(q.by_band()) >= step[1]
+            else:  # refused: only when full, nothing queued below it, no flow of its band two beyond its own
+                lowest = min(q.by_band())
+                assert len(q) == capacity and lowest >= step[1]
+                mine = flows.get((step[1], step[2]), 0)
+                assert step[1] < lowest or all(n < mine + 2 for (b, _), n in flows.items() if b == lowest)
             if result.evicted is not None:
-                assert result.entry is not None and result.evicted.priority < step[1]
-                left.append(live.pop(result.evicted.item))
+                e = result.evicted
+                assert result.entry is not None and e.priority <= step[1]
+                assert e.priority < step[1] or flows[(e.priority, e.flow)] >= flows.get((step[1], step[2]), 0) + 2
+                assert flows[(e.priority, e.flow)] == max(n for (b, _), n in flows.items() if b == e.priority)
+                assert e.priority == min(b for b, _ in flows)
+                left.append(live.pop(e.item))
             pushed += 1
         elif step[0] == "pop":
             entry = q.pop()
@@ -112,6 +120,22 @@ def test_a_full_queue_sheds_the_lowest_bands_newest_and_refuses_the_lowest():
     urgent = q.push("urgent", 5, "y", 4.0)
     assert urgent.entry is not None and urgent.evicted is not None and urgent.evicted.item == "batch-new"
     assert [q.pop().item for _ in range(3)] == ["urgent", "chat", "batch-old"]  # type: ignore[union-attr]
+
+
+def test_a_full_queue_sheds_the_burst_of_one_flow_for_another_flow_of_its_band():
+    q: FlowQueue[str] = FlowQueue(4, ttl_s=10.0)
+    for i in range(4):
+        q.push(f"a{i}", 0, "a", float(i))  # tenant a's burst fills the queue
+    b0 = q.push("b0", 0, "b", 4.0)
+    assert b0.entry is not None and b0.evicted is not None and b0.evicted.item == "a3"  # a's newest goes
+    b1 = q.push("b1", 0, "b", 5.0)
+    assert b1.entry is not None and b1.evicted is not None and b1.evicted.item == "a2"
+    b2 = q.push("b2", 0, "b", 6.0)  # a holds 2, b 2: equal shares, nothing traded
+    assert b2.entry is None and b2.evicted is None
+    late = q.push("a4", 0, "a", 7.0)
+    assert late.entry is None
+    assert sorted(q.by_flow().items()) == [((0, "a"), 2), ((0, "b"), 2)]
+    assert [q.pop().item for _ in range(4)] == ["a0", "b0", "a1", "b1"]  # type: ignore[union-attr]
 
 
 def test_an_entry_expires_at_its_enqueue_time_plus_the_ttl():

@@ -9,9 +9,12 @@ The rules, once:
   which lets one flow's burst hold back every other flow of its band, what this queue is for. Within a flow,
   first in first out;
 - each entry has a deadline, its enqueue time plus the time to live; `expire(now)` takes out those past it;
-- the queue holds at most `capacity` entries. When full, a request of a band above the lowest queued band evicts
-  that lowest band's newest entry (the one that has waited least) and takes its place; a request of the lowest
-  band, or of one below it, is refused.
+- the queue holds at most `capacity` entries. When full, the entry shed is taken from the lowest queued band, from
+  its flow holding the most (ties: the one whose newest came last), and is that flow's newest (the one that has
+  waited least). A request of a band above the lowest evicts it and takes its place; a request of the lowest band
+  does so only when that flow holds at least two more than the request's own flow (so one tenant's burst cannot
+  fill the queue against the others of its band, and two flows of equal share never trade places); any other
+  request, and one of a band below the lowest, is refused.
 Every entry pushed leaves exactly once: popped (dispatched), expired, evicted, removed (its client left), or it
 is still queued.
 """
@@ -80,8 +83,9 @@ class _Band(Generic[T]):
             self.ring.remove(entry.flow)
         return True
 
-    def newest(self) -> Entry[T]:
-        return max((entries[-1] for entries in self.flows.values()), key=lambda e: e.seq)
+    def shed_candidate(self) -> Entry[T]:
+        """The newest entry of the flow holding the most (ties: the flow whose newest came last)."""
+        return max((entries[-1] for entries in self.flows.values()), key=lambda e: (len(self.flows[e.flow]), e.seq))
 
     def expired(self, now: float) -> list[Entry[T]]:
         """Entries past their deadline: within a flow the oldest first (one time to live for all)."""
@@ -110,10 +114,9 @@ class FlowQueue(Generic[T]):
         """Queue `item` (see the module for what happens when the queue is full)."""
         evicted = None
         if self._size >= self.capacity:
-            lowest = min(self._bands)
-            if priority <= lowest:
+            evicted = self._shed_for(priority, flow)
+            if evicted is None:
                 return Pushed(None)
-            evicted = self._bands[lowest].newest()
             self._take(evicted)
         entry = Entry(item, priority, flow, now + self.ttl_s, self._seq)
         self._seq += 1
@@ -156,6 +159,17 @@ class FlowQueue(Generic[T]):
     def by_flow(self) -> dict[tuple[int, str], int]:
         """Entries queued for each (band, flow) with some."""
         return {(p, f): len(es) for p, band in self._bands.items() for f, es in band.flows.items()}
+
+    def _shed_for(self, priority: int, flow: str) -> Entry[T] | None:
+        """The entry a request of (`priority`, `flow`) displaces from the full queue; None: it is refused."""
+        lowest = min(self._bands)
+        if priority < lowest:
+            return None
+        band = self._bands[lowest]
+        candidate = band.shed_candidate()
+        if priority == lowest and len(band.flows[candidate.flow]) < len(band.flows.get(flow, ())) + 2:
+            return None
+        return candidate
 
     def _take(self, entry: Entry[T]) -> None:
         self._bands[entry.priority].remove(entry)

@@ -5,7 +5,7 @@ on a future of its own, instead of an immediate 429. A request that finishes han
 queue's next entry (`hand_on`: the slot is never free in between, so a newcomer cannot take it ahead of those
 waiting). A waiter is answered 429 with Retry-After, in OpenAI's shape, when
 - its time to live passes in the queue ("waited ... in the queue"),
-- it is evicted for a request of a higher band ("shed for a request of higher priority"),
+- it is evicted for a request of a higher band, or of its band's flow with fewer waiting ("shed ..."),
 - the queue is full and holds nothing below it ("the queue ... is full").
 A client that leaves while its request waits takes it out of the queue; a drain refuses everything queued (503).
 With flow control off (`NO_FLOW_CONTROL`, the default) nothing waits: the admission answers 429 at once.
@@ -126,7 +126,7 @@ class FlowGate:
         waiter: Waiter = asyncio.get_running_loop().create_future()
         pushed = self.queue.push(waiter, who.priority, who.flow, self.clock())
         if pushed.evicted is not None:
-            self._fail(pushed.evicted, Outcome.EVICTED, _shed())
+            self._fail(pushed.evicted, Outcome.EVICTED, _shed(pushed.evicted.priority < who.priority))
         if pushed.entry is None:
             self.stats.count(Outcome.REFUSED, who.priority, who.flow)
             raise _queue_full(self.policy.queue_size)
@@ -179,8 +179,9 @@ def _expired(ttl_s: float) -> APIError:
     return _too_many(f"This request waited {ttl_s:g} s in the queue for a slot and was not served; retry later.")
 
 
-def _shed() -> APIError:
-    return _too_many("This request was shed from the queue for a request of higher priority; retry later.")
+def _shed(for_higher: bool) -> APIError:
+    why = "of higher priority" if for_higher else "of a flow with fewer waiting (its own flow held the most)"
+    return _too_many(f"This request was shed from the queue for a request {why}; retry later.")
 
 
 def _queue_full(size: int) -> APIError:
