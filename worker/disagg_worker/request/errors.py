@@ -59,14 +59,23 @@ def server_error(message: str) -> APIError:
     return APIError(500, message, "server_error")
 
 
-def unavailable(message: str, retry_after: int | None = None, code: str = "service_unavailable") -> APIError:
+# The code of a 503 (the instance cannot take the request now: another may), and of a 429 (OpenAI's): what a
+# stream's error event carries where its status cannot (the stream's 200 went first), so that the router knows
+# a decode's refusal of a stream it never started.
+SERVICE_UNAVAILABLE = "service_unavailable"
+RATE_LIMIT_EXCEEDED = "rate_limit_exceeded"
+STATUS_OF_CODE = {SERVICE_UNAVAILABLE: 503, RATE_LIMIT_EXCEEDED: 429}
+CODE_OF_STATUS = {status: code for code, status in STATUS_OF_CODE.items()}
+
+
+def unavailable(message: str, retry_after: int | None = None, code: str = SERVICE_UNAVAILABLE) -> APIError:
     return APIError(503, message, "server_error", code=code, retry_after=retry_after)
 
 
 def too_many_requests(limit: int, retry_after: int = 1) -> APIError:
     # OpenAI answers a rate limit with 429, type "requests", code "rate_limit_exceeded".
     message = f"This server is at its limit of {limit} requests in flight; retry in {retry_after} s."
-    return APIError(429, message, "requests", code="rate_limit_exceeded", retry_after=retry_after)
+    return APIError(429, message, "requests", code=RATE_LIMIT_EXCEEDED, retry_after=retry_after)
 
 
 def too_large(limit: int) -> APIError:

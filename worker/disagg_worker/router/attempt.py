@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import aiohttp
 
 from disagg_worker.http.admission import RETRY_AFTER_S
-from disagg_worker.request.errors import NOT_RETRIED, APIError
+from disagg_worker.request.errors import NOT_RETRIED, STATUS_OF_CODE, APIError
 from disagg_worker.router.hops import NO_HOP, Hop
 from disagg_worker.router.stream import lost
 from disagg_worker.router.worker import Worker
@@ -96,6 +96,7 @@ def error_in(status: int, first: bytes) -> Attempt | None:
         except ValueError:
             return None
         if isinstance(event, dict) and "error" in event:
-            kind = event["error"].get("type", "server_error")
-            return Attempt(STATUS_OF_TYPE.get(kind, 500), event)
+            error = event["error"]
+            status = STATUS_OF_CODE.get(error.get("code")) or STATUS_OF_TYPE.get(error.get("type"), 500)
+            return Attempt(status, event)
     return None

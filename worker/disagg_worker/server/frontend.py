@@ -35,7 +35,7 @@ from disagg_worker.http.admission import RETRY_AFTER_S
 from disagg_worker.mem.kv_events import EventLog
 from disagg_worker.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from disagg_worker.request import messages as msg
-from disagg_worker.request.errors import INSTANCE_FAILED, APIError, unavailable
+from disagg_worker.request.errors import CODE_OF_STATUS, INSTANCE_FAILED, APIError, unavailable
 from disagg_worker.request.limits import RequestLimits
 from disagg_worker.request.params import SamplingParams, StopChecker
 from disagg_worker.request.route import check_unrouted
@@ -280,7 +280,7 @@ class Frontend:
                         out.error_status or 500,
                         out.error,
                         type="invalid_request_error" if out.error_status < 500 else "server_error",
-                        code=out.error_code or None,
+                        code=out.error_code or CODE_OF_STATUS.get(out.error_status),
                         retry_after=RETRY_AFTER_S if out.error_status == 503 else None,
                     )
                 yield out
