@@ -3,20 +3,21 @@
 One prefill and one decode of the tiny model (Mooncake TCP) and two `disagg router`s over that pair:
   fcfs: as the router runs by default, every request admitted at once (`--max-inflight` 1024): the workers
         queue what they hold in arrival order;
-  flow: `--flow-control` with `--max-inflight` 8 (`--flow-max-inflight`): beyond that, requests wait in the
+  flow: `--flow-control` with `--max-inflight` 4 (`--flow-max-inflight`): beyond that, requests wait in the
         router's queue, the highest priority first, the two tenants' flows round-robin within a priority.
 Three streams of open-loop Poisson arrivals, from the same seed for both routers, streamed `/v1/completions` of
 random token ids (so the prefix cache never helps):
-  A, the batch tenant (`x-gateway-inference-fairness-id: tenant-a`): long prompts at 10x B's rate, more than the
-    pair can serve, so a queue builds up;
-  B, the interactive tenant (`tenant-b`): short prompts at a rate the pair serves easily;
+  A, the batch tenant (`x-gateway-inference-fairness-id: tenant-a`): prompts of 2048 tokens at 10x B's rate
+    (20/s), more than the pair can serve, so a queue builds up;
+  B, the interactive tenant (`tenant-b`): prompts of 128 tokens, 2/s, a rate the pair serves easily alone;
   urgent: now and then a request of B's with `priority` 10.
 Phases, each `--seconds` long: B and urgent alone through the fcfs router (the idle figure), then A, B and urgent
 through fcfs, then through flow (A's queue at the flow router starts empty; its time to live, `--flow-queue-ttl`
 20 s, answers what waits longer with 429). Requests of a phase still running when it ends are awaited before the
-next one starts. Reports per phase and tenant: answered, refused (429), TTFT p50/p90; the pair's output tokens/s
-over the phase; and the ratios the flow-control issue sets targets for: B's TTFT p90 against B alone (<= 1.5x),
-urgent's against idle (<= 2x), output tokens/s flow / fcfs (>= 0.9: flow control keeps the pair busy).
+next one starts. Reports per phase and tenant: answered, refused (429), other failures with their messages, TTFT
+p50/p90; the pair's output tokens/s over the phase; and the ratios the flow-control issue sets targets for: B's
+TTFT p90 against B alone (<= 1.5x), urgent's against idle (<= 2x), output tokens/s flow / fcfs (>= 0.9: flow
+control keeps the pair busy).
 Writes bench/results/flow.json and flow.png.  Usage: python bench/bench_flow.py [--seconds S] [--seed N]
 """
 
@@ -63,6 +64,7 @@ class Result:
     status: int
     ttft_s: float  # 0 when no token came
     tokens: int
+    error: str = ""  # the error body's message, for a status other than 200
 
 
 def tenants(a: argparse.Namespace) -> list[Tenant]:
@@ -93,8 +95,8 @@ async def one(session: aiohttp.ClientSession, url: str, t: Tenant, prompt: list[
     first, tokens = 0.0, 0
     async with session.post(f"{url}/v1/completions", json=body, headers={FAIRNESS: t.flow}) as r:
         if r.status != 200:
-            await r.read()
-            return Result(t.name, sent - start, r.status, 0.0, 0)
+            text = (await r.read()).decode(errors="replace")
+            return Result(t.name, sent - start, r.status, 0.0, 0, _message(text))
         async for line in r.content:
             if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
                 continue
@@ -103,6 +105,13 @@ async def one(session: aiohttp.ClientSession, url: str, t: Tenant, prompt: list[
                 tokens += 1
                 first = first or time.perf_counter()
     return Result(t.name, sent - start, 200, (first - sent) if first else 0.0, tokens)
+
+
+def _message(text: str) -> str:
+    try:
+        return str(json.loads(text)["error"]["message"])[:200]
+    except (ValueError, KeyError, TypeError):
+        return text[:200]
 
 
 async def phase(url: str, plan: list[tuple[float, Tenant, list[int]]]) -> tuple[list[Result], float]:
@@ -128,6 +137,7 @@ def summary(results: list[Result], wall_s: float) -> dict:
             "answered": len(ttft),
             "refused_429": sum(r.status == 429 for r in mine),
             "other_status": sorted({r.status for r in mine} - {200, 429}),
+            "errors": sorted({f"{r.status}: {r.error}" for r in mine if r.status not in (200, 429)})[:5],
             "p50_ttft_ms": round(statistics.median(ttft), 1) if ttft else None,
             "p90_ttft_ms": round(statistics.quantiles(ttft, n=10)[-1], 1) if len(ttft) >= 2 else None,
         }
@@ -208,13 +218,13 @@ def ratio(x: float | None, y: float | None) -> float | None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--seconds", type=float, default=40.0, help="each phase's arrivals")
-    p.add_argument("--b-rate", type=float, default=1.0, help="B's requests per second (A sends 10x)")
+    p.add_argument("--seconds", type=float, default=20.0, help="each phase's arrivals")
+    p.add_argument("--b-rate", type=float, default=2.0, help="B's requests per second (A sends 10x)")
     p.add_argument("--urgent-rate", type=float, default=0.25)
-    p.add_argument("--a-input", type=int, default=1024)
+    p.add_argument("--a-input", type=int, default=2048)
     p.add_argument("--b-input", type=int, default=128)
     p.add_argument("--output-len", type=int, default=32)
-    p.add_argument("--flow-max-inflight", type=int, default=8)
+    p.add_argument("--flow-max-inflight", type=int, default=4)
     p.add_argument("--flow-queue-ttl", type=float, default=20.0)
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
